@@ -1,0 +1,35 @@
+"""ktinject: run Mixture-of-Experts LLMs with routed experts on the CPU and everything dense on the GPU.
+
+Nothing happens at import: no native library load, no threads, no CUDA. The public API is loaded on first use.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (loaded lazily, PEP 562)
+_EXPORTS = {
+    "plan": "ktinject.plan",
+    "Plan": "ktinject.plan",
+    "inject": "ktinject.inject",
+    "load_rules": "ktinject.rules",
+    "RuleError": "ktinject.rules",
+    "from_pretrained": "ktinject.loading",
+    "generate": "ktinject.generate",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ktinject' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

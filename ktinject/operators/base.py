@@ -1,0 +1,49 @@
+"""The operator protocol shared by plan (which asks) and inject (which builds).
+
+Legend for tensor shapes in operators: T tokens, E experts, H hidden, I expert intermediate, k experts per token.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+
+class OperatorError(ValueError):
+    """An operator cannot take the module a rule matched (the message names module, class and rule)."""
+
+
+class Operator:
+    """Base class of registered operators. Subclasses override the three class methods.
+
+    ``kwargs`` are the rule's keyword arguments (already validated YAML values); ``device`` is the rule's
+    resolved device (where the operator's GPU side lives; CPU-side work such as routed experts stays on the CPU).
+    """
+
+    op_id: str = ""
+    #: keyword arguments the operator accepts (anything else is an error naming the rule)
+    kwargs_allowed: frozenset[str] = frozenset()
+
+    @classmethod
+    def check(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> None:
+        """Raise OperatorError if this operator cannot take ``module`` (works on meta-device modules)."""
+
+    @classmethod
+    def placement(cls, module: nn.Module, kwargs: Mapping[str, Any], device: torch.device) -> dict[str, int]:
+        """Bytes each device will hold for this module's whole subtree once built: {str(device): bytes}.
+
+        Pure: reads shapes only, moves nothing, works on meta-device modules."""
+        raise NotImplementedError
+
+    @classmethod
+    def build(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any], device: torch.device) -> nn.Module:
+        """Return the replacement for ``module`` (its weights handed over or moved; originals may be freed)."""
+        raise NotImplementedError
+
+
+def tensor_bytes(module: nn.Module, recurse: bool = True) -> int:
+    """Bytes of a module's parameters and persistent buffers (meta tensors count by shape)."""
+    total = sum(p.numel() * p.element_size() for p in module.parameters(recurse=recurse))
+    total += sum(b.numel() * b.element_size() for b in module.buffers(recurse=recurse))
+    return total

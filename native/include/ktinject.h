@@ -1,0 +1,159 @@
+/* ktinject native core: the one public header.
+ *
+ * Torch-free, CUDA-free C with a stable ABI. Opaque handles, int error codes (KTK_OK == 0), a thread-local
+ * message for the last error (ktk_last_error). Every entry point checks its arguments and never crashes on bad
+ * input: it returns an error code and sets the message.
+ *
+ * Legend: T tokens, k experts per token, E experts, H hidden size, I expert intermediate size.
+ * Semantics of a forward, for every token t:
+ *     out[t] = sum_{j < k, !skip[ids[t,j]]} w[t,j] * down_e( act(gate_e(x_t), up_e(x_t)) ),  e = ids[t,j]
+ *   act = KTK_ACT_SILU:   silu(g) * u
+ *   act = KTK_ACT_GPTOSS: g' = min(g, limit); u' = clamp(u, -limit, limit); g' * sigmoid(alpha * g') * (u' + 1)
+ *   (with optional per-expert biases on gate, up (before act) and down (before the routing weight)).
+ * Quantization: KTK_QUANT_BF16 keeps bf16 weights; KTK_QUANT_INT8 is W8A8: weights symmetric int8 per output
+ * channel (quantized at load), activations symmetric int8 per token (quantized on the fly), int32 accumulation.
+ */
+#ifndef KTINJECT_H
+#define KTINJECT_H
+#include <stdint.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- error codes ---- */
+#define KTK_OK 0
+#define KTK_ERR_NULL 1        /* a required pointer is NULL */
+#define KTK_ERR_SHAPE 2       /* a size is out of range or inconsistent */
+#define KTK_ERR_RANGE 3       /* an index (expert id, expert number) is out of range */
+#define KTK_ERR_DTYPE 4       /* unsupported dtype / quant / activation code */
+#define KTK_ERR_ISA 5         /* requested ISA not available on this CPU/OS */
+#define KTK_ERR_NOMEM 6       /* allocation failed */
+#define KTK_ERR_STATE 7       /* object in the wrong state (e.g. weights not set, task busy) */
+#define KTK_ERR_THREAD 8      /* thread creation failed */
+
+/* ---- dtypes ---- */
+#define KTK_DTYPE_F32 0
+#define KTK_DTYPE_BF16 1
+#define KTK_DTYPE_F16 2
+
+/* ---- quantization of stored expert weights ---- */
+#define KTK_QUANT_BF16 0
+#define KTK_QUANT_INT8 1
+
+/* ---- activations ---- */
+#define KTK_ACT_SILU 0
+#define KTK_ACT_GPTOSS 1
+
+/* ---- which matrix of an expert ---- */
+#define KTK_MAT_GATE 0  /* [I, H]: out = I, in = H */
+#define KTK_MAT_UP 1    /* [I, H] */
+#define KTK_MAT_DOWN 2  /* [H, I]: out = H, in = I */
+
+/* ---- ISAs (ordered: a higher value is a faster path) ---- */
+#define KTK_ISA_GENERIC 0
+#define KTK_ISA_AVX2 1    /* AVX2 + FMA + F16C */
+#define KTK_ISA_AVX512 2  /* AVX-512 F/BW/VL (+ BF16 / VNNI used when present) */
+#define KTK_ISA_AMX 3     /* AMX-TILE + AMX-BF16 + AMX-INT8 with OS permission, plus AVX512 for small T */
+
+/* ---- CPU feature bits (ktk_cpu_features) ---- */
+#define KTK_CPU_AVX2 (1u << 0)
+#define KTK_CPU_FMA (1u << 1)
+#define KTK_CPU_F16C (1u << 2)
+#define KTK_CPU_AVX512F (1u << 3)
+#define KTK_CPU_AVX512BW (1u << 4)
+#define KTK_CPU_AVX512VL (1u << 5)
+#define KTK_CPU_AVX512_BF16 (1u << 6)
+#define KTK_CPU_AVX512_VNNI (1u << 7)
+#define KTK_CPU_AMX_TILE (1u << 8)
+#define KTK_CPU_AMX_BF16 (1u << 9)
+#define KTK_CPU_AMX_INT8 (1u << 10)
+#define KTK_CPU_AMX_OS (1u << 11)   /* the OS granted AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM) */
+#define KTK_CPU_AVX512_FP16 (1u << 12)
+#define KTK_CPU_AVX_VNNI (1u << 13)
+
+/* ---- library ---- */
+const char *ktk_version(void);        /* "MAJOR.MINOR.PATCH" */
+uint32_t ktk_cpu_features(void);      /* KTK_CPU_* bits; asks the OS for AMX permission once */
+int ktk_isa_best(void);               /* best ISA this CPU/OS supports */
+int ktk_isa_get(void);                /* ISA in use: best, or KTINJECT_ISA env var, or ktk_isa_set */
+int ktk_isa_set(int isa);             /* force an ISA (KTK_ERR_ISA if unavailable); affects later forwards */
+const char *ktk_isa_name(int isa);    /* "generic", "avx2", "avx512", "amx"; NULL if out of range */
+const char *ktk_last_error(void);     /* message of the last error on this thread ("" if none) */
+int ktk_physical_cores(void);         /* physical cores (not hyper-threads) available to this process */
+
+/* ---- thread pool ---- */
+typedef struct ktk_pool ktk_pool;
+/* nthreads <= 0: physical cores. Threads start at once, pinned to cores when pin != 0, and stay. */
+int ktk_pool_create(int nthreads, int pin, ktk_pool **out);
+int ktk_pool_threads(const ktk_pool *pool);
+void ktk_pool_destroy(ktk_pool *pool); /* waits for running work; NULL is a no-op */
+
+/* ---- experts of one MoE layer ---- */
+typedef struct ktk_experts ktk_experts;
+typedef struct {
+    int32_t num_experts;   /* E >= 1 */
+    int32_t hidden;        /* H >= 1 */
+    int32_t intermediate;  /* I >= 1 */
+    int32_t quant;         /* KTK_QUANT_* */
+    int32_t activation;    /* KTK_ACT_* */
+    int32_t has_bias;      /* gpt-oss: per-expert biases on gate, up and down */
+    float alpha;           /* KTK_ACT_GPTOSS */
+    float limit;           /* KTK_ACT_GPTOSS */
+} ktk_experts_config;
+
+/* Allocates the packed storage (weights zero until set). */
+int ktk_experts_create(const ktk_experts_config *cfg, ktk_experts **out);
+void ktk_experts_destroy(ktk_experts *ex);
+/* Copy + repack (and quantize) one matrix of one expert from any strided source:
+ * element (n, c) (n = output row, c = input column) is at src[n * stride_out + c * stride_in] (in elements).
+ * E.g. HF gate_up_proj [E, 2I, H]: gate of expert e = gate_up + e*2I*H, stride_out = H, stride_in = 1;
+ * gpt-oss gate_up_proj [E, H, 2I] interleaved: gate = base + e*H*2I + 0, up = ... + 1, stride_out = 2, stride_in = 2I.
+ * The caller may free the source afterwards. Thread-safe for different (expert, which). */
+int ktk_experts_set(ktk_experts *ex, int expert, int which, const void *src, int src_dtype,
+                    int64_t stride_out, int64_t stride_in);
+/* Bias of one matrix of one expert (has_bias only): [out] contiguous, src_dtype F32/BF16/F16. */
+int ktk_experts_set_bias(ktk_experts *ex, int expert, int which, const void *src, int src_dtype);
+/* Read back one matrix, dequantized, as float32 [out, in] row-major (tests, GPU upload of hot experts). */
+int ktk_experts_get(const ktk_experts *ex, int expert, int which, float *dst);
+/* Bytes of packed weights (and scales, biases) held. */
+int64_t ktk_experts_nbytes(const ktk_experts *ex);
+/* Copy the packed bytes out / in (cache of packed weights): size == ktk_experts_nbytes. */
+int ktk_experts_export(const ktk_experts *ex, void *dst, int64_t size);
+int ktk_experts_import(ktk_experts *ex, const void *src, int64_t size);
+
+/* ---- tasks: one forward's arguments at a fixed address ---- */
+typedef struct ktk_task ktk_task;
+int ktk_task_create(ktk_pool *pool, ktk_task **out);
+void ktk_task_destroy(ktk_task *task); /* waits if running */
+/* Bind a forward. Pointers are read when the task runs (so a CUDA graph can refill the buffers between runs):
+ *   hidden [T, H] (hidden_dtype), ids [T, k] int64, weights [T, k] (weights_dtype F32/BF16),
+ *   skip [E] uint8 or NULL (nonzero: expert not computed here, its contribution is left out),
+ *   out [T, H] (out_dtype F32/BF16), written (not accumulated).
+ * Validates sizes and dtypes now; expert ids are validated when the task runs (error reported by wait). */
+int ktk_task_bind(ktk_task *task, ktk_experts *ex, int T, int k,
+                  const void *hidden, int hidden_dtype, const int64_t *ids,
+                  const void *weights, int weights_dtype, const uint8_t *skip,
+                  void *out, int out_dtype);
+int ktk_submit(ktk_task *task);     /* returns at once; the task runs on its pool */
+int ktk_wait(ktk_task *task);       /* blocks until done; returns the task's result code */
+void ktk_submit_fn(void *task);     /* void(*)(void*) forms for cuLaunchHostFunc; errors kept for ktk_wait */
+void ktk_wait_fn(void *task);
+/* Convenience: bind + submit + wait on a temporary task. */
+int ktk_forward(ktk_pool *pool, ktk_experts *ex, int T, int k,
+                const void *hidden, int hidden_dtype, const int64_t *ids,
+                const void *weights, int weights_dtype, const uint8_t *skip,
+                void *out, int out_dtype);
+
+/* ---- stream-signalled tasks (CUDA graphs; the library itself never calls CUDA) ----
+ * go and done are 32-bit words in pinned host memory (GPU-writable). While a task is watched, a pool thread
+ * polls *go; when it reads 1 it stores 0 to *go, runs the task, and stores 1 to *done (release). The GPU side
+ * waits for *done == 1 and then resets it to 0. */
+int ktk_task_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done);
+int ktk_task_unwatch(ktk_task *task);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
