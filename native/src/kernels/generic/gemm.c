@@ -1,0 +1,45 @@
+/* Generic reference kernels: scalar, obviously correct, the test oracle for every other ISA.
+ *
+ * bf16: y[t][j] = sum_{c < K} x[t][c] * W[j][c], float accumulation in ascending c.
+ * int8: exact int32 dot product, then * x_scale[t] * scale[j].
+ * Layouts: see ../../kernels.h. Only c < K is visited (the padding is zero anyway).
+ */
+#include "../../kernels.h"
+
+/* bf16 W element (n, c) in the packed layout. */
+static inline float w_bf16(const ktk_mat *w, int n, int c) {
+    int64_t idx = ((int64_t)(n / 16) * (w->Kp / 2) + c / 2) * 32 + (n % 16) * 2 + c % 2;
+    return ktk_bf16_to_f32(w->data_bf16[idx]);
+}
+
+/* int8 W element (n, c) in the packed layout. */
+static inline int32_t w_i8(const ktk_mat *w, int n, int c) {
+    int64_t idx = ((int64_t)(n / 16) * (w->Kp / 4) + c / 4) * 64 + (n % 16) * 4 + c % 4;
+    return w->data_i8[idx];
+}
+
+static void gemm_bf16_generic(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
+    for (int t = 0; t < x->n; t++) {
+        const uint16_t *xt = x->x_bf16 + (int64_t)t * x->Kp;
+        for (int j = nb0 * 16; j < nb1 * 16; j++) {
+            float acc = 0.0f;
+            for (int c = 0; c < w->K; c++) acc += ktk_bf16_to_f32(xt[c]) * w_bf16(w, j, c);
+            y[(int64_t)t * ldy + (j - nb0 * 16)] = acc;
+        }
+    }
+}
+
+static void gemm_int8_generic(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
+    for (int t = 0; t < x->n; t++) {
+        const int8_t *xt = x->x_i8 + (int64_t)t * x->Kp;
+        for (int j = nb0 * 16; j < nb1 * 16; j++) {
+            int32_t acc = 0;
+            for (int c = 0; c < w->K; c++) acc += (int32_t)xt[c] * w_i8(w, j, c);
+            y[(int64_t)t * ldy + (j - nb0 * 16)] = (float)acc * x->x_scale[t] * w->scale[j];
+        }
+    }
+}
+
+static const ktk_kernels generic_table = {"generic", gemm_bf16_generic, gemm_int8_generic};
+
+const ktk_kernels *ktk_kernels_generic(void) { return &generic_table; }
