@@ -1,0 +1,319 @@
+"""Chat with a model in the terminal: ``python -m ktinject.chat --model DIR``.
+
+Glue only: load with ktinject, apply the tokenizer's chat template, stream the reply, keep the history, and print
+prefill and decode speed after each reply. Without --model it uses the built-in demo model (random weights).
+
+Commands: /clear forgets the conversation, /stats prints session totals, /exit (or Ctrl-D) quits; Ctrl-C stops the
+current reply, not the program. --prompt TEXT answers once and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROG = "ktinject.chat"
+HELP = "commands: /clear (forget the conversation), /stats (session totals), /exit (or Ctrl-D); Ctrl-C stops a reply"
+
+
+class CliError(Exception):
+    """A user error: printed as one line on stderr, exit code 2."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description="Chat with a MoE model through ktinject.")
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
+    p.add_argument("--quant", choices=["bf16", "int8"], default="bf16", help="expert weight format (default bf16)")
+    p.add_argument("--threads", type=_positive, help="CPU threads for experts (default: ktinject's choice)")
+    p.add_argument("--gpu", help='device for the dense part (default "cuda" if available, else "cpu")')
+    p.add_argument("--max-new-tokens", type=_positive, default=512, help="reply length limit (default 512)")
+    p.add_argument("--temperature", type=float, help="sampling temperature; 0 = greedy (default: the model's)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling threshold (default: the model's)")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--prompt", help="answer this one message and exit")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the injection plan, logs and tracebacks")
+    return p.parse_args(argv)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def load_model(model_dir, rules=None, quant="bf16", progress=True, **devices):
+    """Load a checkpoint through ktinject; returns (model, tokenizer, plan)."""
+    import ktinject
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = ktinject.from_pretrained(model_dir, rules, quant=quant, progress=progress, **devices)
+    return model.eval(), tokenizer, model._ktinject_plan
+
+
+@dataclass
+class Totals:
+    turns: int = 0
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    new_tokens: int = 0
+    decode_tokens: int = 0  # new tokens after the first, the ones the decode time covers
+    decode_s: float = 0.0
+
+
+@dataclass
+class Chat:
+    """One conversation: the history, generation settings, and speed totals."""
+
+    model: object
+    tokenizer: object
+    args: argparse.Namespace
+    messages: list[dict] = field(default_factory=list)
+    totals: Totals = field(default_factory=Totals)
+
+    def __post_init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.messages = [{"role": "system", "content": self.args.system}] if self.args.system else []
+
+    def reply(self, text: str, out=sys.stdout) -> str:
+        """Stream the answer to ``text`` to ``out``, add both to the history, print the speed line."""
+        import torch
+        from transformers import StoppingCriteriaList
+
+        self.messages.append({"role": "user", "content": text})
+        ids = self._encode()
+        device = self.model.get_input_embeddings().weight.device
+        stop = _StopFlag()
+        streamer = _make_streamer(self.tokenizer, out)
+        t0 = time.perf_counter()
+        with _sigint_sets(stop):
+            output = self.model.generate(
+                input_ids=ids.to(device), attention_mask=torch.ones_like(ids, device=device),
+                streamer=streamer, stopping_criteria=StoppingCriteriaList([stop]), **self._sampling())
+        t_end = time.perf_counter()
+        answer = "".join(streamer.parts)
+        print(" [stopped]" if stop.stop else "", file=out, flush=True)
+        self.messages.append({"role": "assistant", "content": answer})
+        new = int(output.shape[-1] - ids.shape[-1])
+        print(self._account(ids.shape[-1], new, t0, streamer.t_first, t_end), file=out, flush=True)
+        return answer
+
+    def _encode(self):
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
+        while True:
+            text = self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+            first = 1 if self.messages[0]["role"] == "system" else 0
+            if ids.shape[-1] + self.args.max_new_tokens <= limit or len(self.messages) - first <= 1:
+                return ids
+            del self.messages[first:first + 2]  # forget the oldest exchange
+
+    def _sampling(self) -> dict:
+        kw: dict = {"max_new_tokens": self.args.max_new_tokens}
+        if self.tokenizer.pad_token_id is not None:
+            kw["pad_token_id"] = self.tokenizer.pad_token_id
+        t, p = self.args.temperature, self.args.top_p
+        if t is not None and t <= 0:
+            kw["do_sample"] = False
+        elif t is not None or p is not None:
+            kw["do_sample"] = True
+            kw.update({k: v for k, v in (("temperature", t), ("top_p", p)) if v is not None})
+        return kw
+
+    def _account(self, prompt: int, new: int, t0: float, t_first: float | None, t_end: float) -> str:
+        tot = self.totals
+        tot.turns += 1
+        if t_first is None or new == 0:
+            return "[no tokens generated]"
+        ttft = t_first - t0
+        tot.prompt_tokens, tot.prefill_s = tot.prompt_tokens + prompt, tot.prefill_s + ttft
+        tot.new_tokens, tot.decode_tokens = tot.new_tokens + new, tot.decode_tokens + new - 1
+        tot.decode_s += t_end - t_first
+        return (f"[prefill {prompt} tokens, {_rate(prompt, ttft)} | "
+                f"decode {new} tokens, {_rate(new - 1, t_end - t_first)}]")
+
+    def stats(self) -> str:
+        tot = self.totals
+        context = self._encode().shape[-1] if self.messages else 0
+        return "\n".join([
+            f"turns: {tot.turns}, history: {len(self.messages)} messages, {context} tokens",
+            f"prefill: {tot.prompt_tokens} tokens in {tot.prefill_s:.2f} s, {_rate(tot.prompt_tokens, tot.prefill_s)}",
+            f"decode: {tot.new_tokens} tokens in {tot.decode_s:.2f} s, {_rate(tot.decode_tokens, tot.decode_s)}",
+        ])
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:.1f} tok/s" if tokens > 0 and seconds > 0 else "n/a tok/s"
+
+
+class _StopFlag:
+    """A StoppingCriteria that stops every sequence once ``stop`` is set (by the SIGINT handler)."""
+
+    def __init__(self):
+        self.stop = False
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        return torch.full((input_ids.shape[0],), self.stop, dtype=torch.bool, device=input_ids.device)
+
+
+@contextlib.contextmanager
+def _sigint_sets(flag: _StopFlag):
+    def handler(signum, frame):
+        flag.stop = True
+
+    if threading.current_thread() is not threading.main_thread():  # signals go to the main thread only
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _make_streamer(tokenizer, out):
+    """A TextStreamer that writes the reply to ``out`` as it comes and notes when the first new token arrived."""
+    from transformers import TextStreamer
+
+    class Streamer(TextStreamer):
+        def __init__(self):
+            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            self.parts: list[str] = []
+            self.t_first: float | None = None
+
+        def put(self, value):
+            if self.t_first is None and not self.next_tokens_are_prompt:
+                self.t_first = time.perf_counter()
+            super().put(value)
+
+        def on_finalized_text(self, text: str, stream_end: bool = False):
+            self.parts.append(text)
+            out.write(text)
+            out.flush()
+
+    return Streamer()
+
+
+def _resolve(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """Check paths before loading anything heavy; returns (model dir, rules path or None)."""
+    if args.model is None:
+        from ktinject.demo import demo_model_dir
+
+        model = demo_model_dir()
+        print(f"Using the ktinject demo model at {model}: its weights are random, so replies are gibberish by design.")
+    else:
+        model = Path(args.model).expanduser()
+        if not model.is_dir():
+            raise CliError(f"model directory not found: {args.model}")
+        if not (model / "config.json").is_file():
+            raise CliError(f"not a Hugging Face model directory (no config.json): {args.model}")
+    rules = None
+    if args.rules is not None:
+        from ktinject.rules import packaged_files
+
+        rules_path = Path(args.rules).expanduser()
+        if rules_path.is_file():
+            rules = str(rules_path)
+        elif args.rules in packaged_files() or f"{args.rules}.yaml" in packaged_files():
+            rules = args.rules  # a packaged rule file, by name ("qwen3_moe")
+        else:
+            raise CliError(f"rules file not found: {args.rules}")
+    return model, rules
+
+
+def _setup(args: argparse.Namespace) -> str:
+    """Logging, threads and the GPU device; returns the device name."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not args.verbose:
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    gpu = args.gpu or ("cuda" if torch.cuda.is_available() else "cpu")
+    if gpu.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError(f"--gpu {gpu}: CUDA is not available on this machine (use --gpu cpu)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        from ktinject import native
+
+        native.set_default_threads(args.threads)
+    return gpu
+
+
+def _loop(chat: Chat) -> None:
+    if sys.stdin.isatty():
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  (line editing and history for input())
+    print(HELP)
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:
+            print("\n(/exit or Ctrl-D quits)")
+            continue
+        if not line:
+            continue
+        if not line.startswith("/"):
+            chat.reply(line)
+            continue
+        command = line.split()[0]
+        if command in ("/exit", "/quit"):
+            return
+        if command == "/clear":
+            chat.clear()
+            print("(conversation cleared)")
+        elif command == "/stats":
+            print(chat.stats())
+        else:
+            print(HELP)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        model_dir, rules = _resolve(args)
+        gpu = _setup(args)
+        t0 = time.perf_counter()
+        try:
+            model, tokenizer, plan = load_model(model_dir, rules, quant=args.quant, progress=sys.stderr.isatty(),
+                                               gpu=gpu)
+        except Exception as e:  # bad rules, unsupported model, unreadable checkpoint: user errors, one line
+            if args.verbose:
+                raise
+            raise CliError(f"cannot load {model_dir}: {type(e).__name__}: {e} (-v shows the traceback)") from e
+        if args.verbose and plan is not None:
+            print(plan)
+        print(f"Loaded {model_dir.name} in {time.perf_counter() - t0:.2f} s (gpu={gpu}, quant={args.quant}).")
+        chat = Chat(model, tokenizer, args)
+        if args.prompt is not None:
+            chat.reply(args.prompt)
+        else:
+            _loop(chat)
+    except CliError as e:
+        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

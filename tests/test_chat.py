@@ -1,0 +1,157 @@
+"""The chat CLI driven as a user would: python -m ktinject.chat in a subprocess, on the CPU, with the demo model."""
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SPEED = re.compile(r"\[prefill (\d+) tokens, [\d.]+ tok/s \| decode (\d+) tokens, ([\d.]+|n/a) tok/s\]")
+
+
+@pytest.fixture(scope="session")
+def demo_env(tmp_path_factory):
+    """Environment for subprocesses: offline, this checkout importable, the demo model built once per session."""
+    from ktinject.demo import demo_model_dir
+
+    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"  # shared with test_examples.py
+    demo_model_dir(cache)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, KTINJECT_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                PYTHONPATH=path, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+
+
+def chat(env, *args, stdin: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ktinject.chat", *args], input=stdin, env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_prompt_answers_once(demo_env):
+    r = chat(demo_env, "--prompt", "hi", "--max-new-tokens", "8", "--gpu", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "random" in r.stdout.splitlines()[0]  # the demo model says its output is gibberish
+    reply = r.stdout.split(" s (gpu=cpu, quant=bf16).\n", 1)[1].split("\n[prefill", 1)[0]
+    assert reply.strip(), r.stdout
+    speed = SPEED.search(r.stdout)
+    assert speed, r.stdout
+    assert int(speed.group(1)) > 0 and int(speed.group(2)) == 8
+    assert ">>>" not in r.stdout  # no interactive loop
+
+
+def test_interactive_history_stats_clear(demo_env):
+    script = "hello there\nand now?\n/stats\n/clear\n/stats\n/help\n/exit\nnever read\n"
+    r = chat(demo_env, "--gpu", "cpu", "--max-new-tokens", "6", "--temperature", "0", stdin=script)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    turns = SPEED.findall(r.stdout)
+    assert len(turns) == 2, r.stdout  # "never read" comes after /exit
+    (p1, n1, _), (p2, n2, _) = turns
+    assert int(n1) == int(n2) == 6
+    assert int(p2) > int(p1) + int(n1)  # the second prompt carries the first exchange
+    stats = re.findall(r"turns: (\d+), history: (\d+) messages, (\d+) tokens", r.stdout)
+    assert stats[0][:2] == ("2", "4") and int(stats[0][2]) >= int(p2)
+    assert stats[1] == ("2", "0", "0")  # after /clear: totals kept, history gone
+    assert "(conversation cleared)" in r.stdout
+    assert re.search(r"decode: 12 tokens in [\d.]+ s, [\d.]+ tok/s", r.stdout)
+
+
+def test_system_prompt_and_eof(demo_env):
+    r = chat(demo_env, "--gpu", "cpu", "--max-new-tokens", "2", "--system", "You are terse.", stdin="hi\n")
+    assert r.returncode == 0, r.stderr
+    assert len(SPEED.findall(r.stdout)) == 1
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT delivery to a child process")
+def test_ctrl_c_stops_the_reply_not_the_program(demo_env):
+    proc = subprocess.Popen([sys.executable, "-m", "ktinject.chat", "--gpu", "cpu", "--max-new-tokens", "4000"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=demo_env,
+                            cwd=REPO, text=True)
+    try:
+        proc.stdin.write("tell me everything\n")
+        proc.stdin.flush()
+        seen = _read_until(proc, lambda s: re.search(r">>> .", s) is not None, timeout=120)
+        time.sleep(0.5)  # well into the reply
+        proc.send_signal(signal.SIGINT)
+        seen += _read_until(proc, lambda s: SPEED.search(s) is not None, timeout=60)
+        out, err = proc.communicate("/exit\n", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert "[stopped]" in seen
+    assert int(SPEED.search(seen).group(2)) < 4000
+
+
+def _read_until(proc, done, timeout: float) -> str:
+    """Read the child's stdout as it comes until done(text) or timeout."""
+    text, fd, end = "", proc.stdout.fileno(), time.monotonic() + timeout
+    while not done(text):
+        assert time.monotonic() < end, f"timed out; got {text!r}"
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if ready:
+            chunk = os.read(fd, 65536).decode(errors="replace")
+            assert chunk, f"stdout closed; got {text!r}; stderr {proc.stderr.read()!r}"
+            text += chunk
+    return text
+
+
+def _one_error_line(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ktinject.chat: error: "), r.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_missing_model_directory(demo_env, tmp_path):
+    _one_error_line(chat(demo_env, "--model", str(tmp_path / "no-such-model")), "model directory", "no-such-model")
+
+
+def test_not_a_model_directory(demo_env, tmp_path):
+    _one_error_line(chat(demo_env, "--model", str(tmp_path)), "config.json")
+
+
+def test_missing_rules_file(demo_env, tmp_path):
+    _one_error_line(chat(demo_env, "--rules", str(tmp_path / "nope.yaml"), "--gpu", "cpu"), "rules file", "nope.yaml")
+
+
+def test_invalid_rules_file(demo_env, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- match: {class: Qwen3MoeSparseMoeBlock}\n  replace: moe\n  colour: blue\n")
+    r = chat(demo_env, "--rules", str(bad), "--gpu", "cpu", "--prompt", "hi")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("ktinject.chat: error: ")]
+    assert len(errors) == 1 and "bad.yaml" in errors[0], r.stderr
+
+
+def test_demo_model_is_deterministic_and_built_atomically(demo_env, tmp_path):
+    """Two processes building at once in a fresh cache agree on one directory, identical to the session's build."""
+    import hashlib
+
+    code = "from ktinject.demo import demo_model_dir; print(demo_model_dir())"
+    env = dict(demo_env, KTINJECT_CACHE=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    dirs = {p.communicate(timeout=180)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(dirs) == 1
+    built = Path(dirs.pop())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [built.name]  # no temporary leftovers
+    reference = Path(demo_env["KTINJECT_CACHE"]) / built.name
+
+    def digest(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert digest(built / name) == digest(reference / name), name

@@ -1,0 +1,50 @@
+"""The examples run to completion on the CPU: the script in a subprocess, the notebook in a Jupyter kernel."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+
+@pytest.fixture(scope="session")
+def demo_env(tmp_path_factory):
+    """Offline, this checkout importable, the demo model built once per session (same cache as test_chat.py)."""
+    from ktinject.demo import demo_model_dir
+
+    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"
+    demo_model_dir(cache)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {"KTINJECT_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": path,
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_inject_and_generate_script(demo_env):
+    r = subprocess.run([sys.executable, str(EXAMPLES / "inject_and_generate.py"), "--gpu", "cpu",
+                        "--max-new-tokens", "8"], env={**os.environ, **demo_env}, cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Qwen3MoeSparseMoeBlock" in r.stdout and "moe" in r.stdout  # the plan was printed
+    generated = r.stdout.split("--- reply (up to 8 tokens) ---", 1)[1]
+    assert generated.strip(), r.stdout
+
+
+def test_quickstart_notebook(demo_env, monkeypatch):
+    nbformat = pytest.importorskip("nbformat", reason="nbformat is in the test extra: pip install -e .[test]")
+    nbclient = pytest.importorskip("nbclient", reason="nbclient is in the test extra: pip install -e .[test]")
+    pytest.importorskip("ipykernel", reason="no Jupyter kernel: ipykernel is in the test extra (.[test])")
+    for key, value in demo_env.items():  # the kernel inherits this process's environment
+        monkeypatch.setenv(key, value)
+    nb = nbformat.read(EXAMPLES / "quickstart.ipynb", as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook cleared"
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(EXAMPLES)}})
+    client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    text = "\n".join(out.get("text", "") for c in nb.cells if c.cell_type == "code" for out in c.outputs)
+    assert "Qwen3MoeSparseMoeBlock" in text  # the plan
+    assert text.rstrip().splitlines()[-1].strip()  # the streamed reply
