@@ -77,7 +77,12 @@ extern "C" {
 const char *ktk_version(void);        /* "MAJOR.MINOR.PATCH" */
 uint32_t ktk_cpu_features(void);      /* KTK_CPU_* bits; asks the OS for AMX permission once */
 int ktk_isa_best(void);               /* best ISA this CPU/OS supports */
-int ktk_isa_get(void);                /* ISA in use: best, or KTINJECT_ISA env var, or ktk_isa_set */
+int ktk_isa_available(int isa);       /* 1 if this CPU/OS and this build have the ISA, else 0 */
+/* ISA in use: the last ktk_isa_set, else the KTINJECT_ISA env var (generic|avx2|avx512|amx), else best.
+ * A KTINJECT_ISA that is unknown or unavailable is an error, not a silent fallback: until ktk_isa_set picks an ISA,
+ * ktk_isa_get returns -KTK_ERR_ISA and ktk_experts_create, ktk_task_bind and ktk_forward fail with KTK_ERR_ISA,
+ * the message (ktk_last_error) naming the variable and its value. */
+int ktk_isa_get(void);
 int ktk_isa_set(int isa);             /* force an ISA (KTK_ERR_ISA if unavailable); affects later forwards */
 const char *ktk_isa_name(int isa);    /* "generic", "avx2", "avx512", "amx"; NULL if out of range */
 const char *ktk_last_error(void);     /* message of the last error on this thread ("" if none) */
@@ -103,7 +108,8 @@ typedef struct {
     float limit;           /* KTK_ACT_GPTOSS */
 } ktk_experts_config;
 
-/* Allocates the packed storage (weights zero until set). */
+/* Allocates the packed storage (weights zero until set; a forward routing a token to an expert, not skipped, whose
+ * gate, up or down was never set fails with KTK_ERR_STATE; biases default to zero). */
 int ktk_experts_create(const ktk_experts_config *cfg, ktk_experts **out);
 void ktk_experts_destroy(ktk_experts *ex);
 /* Copy + repack (and quantize) one matrix of one expert from any strided source:
@@ -136,11 +142,14 @@ int ktk_task_bind(ktk_task *task, ktk_experts *ex, int T, int k,
                   const void *hidden, int hidden_dtype, const int64_t *ids,
                   const void *weights, int weights_dtype, const uint8_t *skip,
                   void *out, int out_dtype);
-int ktk_submit(ktk_task *task);     /* returns at once; the task runs on its pool */
-int ktk_wait(ktk_task *task);       /* blocks until done; returns the task's result code */
+int ktk_submit(ktk_task *task);     /* returns at once; the task runs on its pool (KTK_ERR_STATE if queued/running) */
+/* Blocks until the task is not running; returns the result of its latest run, or first an error kept from a
+ * ktk_submit_fn / ktk_wait_fn / watched run (then clears it). KTK_OK for a task never submitted. */
+int ktk_wait(ktk_task *task);
 void ktk_submit_fn(void *task);     /* void(*)(void*) forms for cuLaunchHostFunc; errors kept for ktk_wait */
 void ktk_wait_fn(void *task);
-/* Convenience: bind + submit + wait on a temporary task. */
+/* Convenience: bind + submit + wait on a temporary task (runs inline on the caller, with the pool's other threads,
+ * when the pool is idle). Tasks run one after another on a pool; destroy tasks before their pool. */
 int ktk_forward(ktk_pool *pool, ktk_experts *ex, int T, int k,
                 const void *hidden, int hidden_dtype, const int64_t *ids,
                 const void *weights, int weights_dtype, const uint8_t *skip,
@@ -149,9 +158,10 @@ int ktk_forward(ktk_pool *pool, ktk_experts *ex, int T, int k,
 /* ---- stream-signalled tasks (CUDA graphs; the library itself never calls CUDA) ----
  * go and done are 32-bit words in pinned host memory (GPU-writable). While a task is watched, a pool thread
  * polls *go; when it reads 1 it stores 0 to *go, runs the task, and stores 1 to *done (release). The GPU side
- * waits for *done == 1 and then resets it to 0. */
+ * waits for *done == 1 and then resets it to 0. *done is raised even when the run fails; the first failure is kept
+ * and returned by ktk_task_unwatch (or ktk_wait). A watched task cannot be submitted or re-bound. */
 int ktk_task_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done);
-int ktk_task_unwatch(ktk_task *task);
+int ktk_task_unwatch(ktk_task *task);   /* returns when the pool no longer touches go/done */
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,245 @@
+"""Base layer of ktinject.native: lazy load, NativeError, argument checks, library functions, thread pools.
+
+Import from ktinject.native (which re-exports the public names); this module exists to keep files short.
+
+Layering (PyNaCl style): ``ktinject._native`` is the cffi module (``lib`` = the C functions as declared in the
+header, ``ffi``); this module checks Python-side arguments (types, device, dtype, shapes, contiguity), passes raw
+pointers and raises :class:`NativeError` for any non-zero return code with the native message. The native module
+is loaded on first use, never at import. cffi API-mode calls release the GIL, so a forward does not hold it while
+the pool runs.
+
+Legend: T tokens, k experts per token, E experts, H hidden, I expert intermediate.
+
+Error codes of Python-side checks: wrong object type (e.g. not a tensor) -> KTK_ERR_NULL, wrong device or dtype ->
+KTK_ERR_DTYPE, wrong shape or non-contiguous -> KTK_ERR_SHAPE, index out of range -> KTK_ERR_RANGE, closed object
+-> KTK_ERR_STATE.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+OK, ERR_NULL, ERR_SHAPE, ERR_RANGE, ERR_DTYPE, ERR_ISA, ERR_NOMEM, ERR_STATE, ERR_THREAD = range(9)
+ERROR_NAMES = {ERR_NULL: "KTK_ERR_NULL", ERR_SHAPE: "KTK_ERR_SHAPE", ERR_RANGE: "KTK_ERR_RANGE",
+               ERR_DTYPE: "KTK_ERR_DTYPE", ERR_ISA: "KTK_ERR_ISA", ERR_NOMEM: "KTK_ERR_NOMEM",
+               ERR_STATE: "KTK_ERR_STATE", ERR_THREAD: "KTK_ERR_THREAD"}
+ISA_NAMES = ("generic", "avx2", "avx512", "amx")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+QUANTS = {"bf16": 0, "int8": 1}
+ACTIVATIONS = {"silu": 0, "gptoss": 1}
+MATRICES = {"gate": 0, "up": 1, "down": 2}
+_INT_MAX = 2**31 - 1
+
+
+class NativeError(RuntimeError):
+    """A native call (or a Python-side argument check) failed: ``code`` is the KTK_ERR_* code, ``message`` the text."""
+
+    def __init__(self, code: int, message: str):
+        self.code = code
+        self.message = message
+        super().__init__(f"{ERROR_NAMES.get(code, f'error {code}')}: {message}")
+
+    def __reduce__(self):
+        return type(self), (self.code, self.message)
+
+
+NativeError.__module__ = "ktinject.native"  # where users import it from
+
+
+# ---- lazy load ----
+_load_lock = threading.Lock()
+_mod: Any = None
+
+
+def _native():
+    """(ffi, lib) of ktinject._native, imported on first use."""
+    global _mod
+    if _mod is None:
+        with _load_lock:
+            if _mod is None:
+                _mod = importlib.import_module("ktinject._native")
+                log.debug("loaded %s", _mod.__file__)
+    return _mod.ffi, _mod.lib
+
+
+def library_path() -> str:
+    """Path of the compiled native module (loads it)."""
+    _native()
+    return _mod.__file__
+
+
+def _check(rc: int) -> int:
+    if rc != OK:
+        ffi, lib = _native()
+        raise NativeError(rc, ffi.string(lib.ktk_last_error()).decode("utf-8", "replace"))
+    return rc
+
+
+def _cint(name: str, value: Any, lo: int = -_INT_MAX - 1, hi: int = _INT_MAX, code: int = ERR_SHAPE) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = int(value.__index__())
+        except (AttributeError, TypeError):
+            raise NativeError(ERR_NULL, f"{name}: expected an int, got {type(value).__name__}") from None
+    if not lo <= value <= hi:
+        raise NativeError(code, f"{name} = {value} is out of range (expected {lo}..{hi})")
+    return value
+
+
+def _tensor(name: str, t: Any, dtypes: tuple, shape: tuple | None = None, contiguous: bool = True) -> torch.Tensor:
+    """Check a tensor argument; ``shape`` entries may be None (any size)."""
+    if not isinstance(t, torch.Tensor):
+        raise NativeError(ERR_NULL, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise NativeError(ERR_DTYPE, f"{name}: expected a CPU tensor, got device {t.device}")
+    if t.dtype not in dtypes:
+        want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise NativeError(ERR_DTYPE, f"{name}: dtype {str(t.dtype).replace('torch.', '')} is not supported "
+                                     f"(expected {want})")
+    if shape is not None and (t.dim() != len(shape) or any(s is not None and s != g for s, g in zip(shape, t.shape))):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise NativeError(ERR_SHAPE, f"{name}: expected shape {want}, got {list(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise NativeError(ERR_SHAPE, f"{name}: must be contiguous (got strides {t.stride()} for shape "
+                                     f"{list(t.shape)}); call .contiguous()")
+    return t
+
+
+def _ptr(t: torch.Tensor, ctype: str = "void *"):
+    ffi, _ = _native()
+    return ffi.cast(ctype, t.data_ptr())
+
+
+# ---- library ----
+def version() -> str:
+    ffi, lib = _native()
+    return ffi.string(lib.ktk_version()).decode()
+
+
+def cpu_features() -> list[str]:
+    """Names of the KTK_CPU_* bits this CPU/OS has (asks the OS for AMX permission once)."""
+    _, lib = _native()
+    bits = lib.ktk_cpu_features()
+    names = sorted((getattr(lib, n), n[len("KTK_CPU_"):].lower()) for n in dir(lib) if n.startswith("KTK_CPU_"))
+    return [name for bit, name in names if bits & bit]
+
+
+def isa() -> str:
+    """ISA in use; raises NativeError(KTK_ERR_ISA) while KTINJECT_ISA names an unknown/unavailable ISA."""
+    _, lib = _native()
+    rc = lib.ktk_isa_get()
+    if rc < 0:
+        _check(-rc)
+    return ISA_NAMES[rc]
+
+
+def best_isa() -> str:
+    _, lib = _native()
+    return ISA_NAMES[lib.ktk_isa_best()]
+
+
+def available_isas() -> list[str]:
+    """ISAs this CPU/OS and this build can run, lowest first."""
+    _, lib = _native()
+    return [name for i, name in enumerate(ISA_NAMES) if lib.ktk_isa_available(i)]
+
+
+def set_isa(name: str) -> None:
+    """Force an ISA for later forwards (process-wide; also clears a KTINJECT_ISA error)."""
+    if name not in ISA_NAMES:
+        raise NativeError(ERR_ISA, f"set_isa: unknown ISA {name!r} (expected one of {', '.join(ISA_NAMES)})")
+    _, lib = _native()
+    _check(lib.ktk_isa_set(ISA_NAMES.index(name)))
+
+
+def physical_cores() -> int:
+    _, lib = _native()
+    return lib.ktk_physical_cores()
+
+
+# ---- pool ----
+class Pool:
+    """Persistent native thread pool (threads start at once, pinned to cores when ``pin``). ``threads=None``: one
+    per physical core. Close explicitly (or use as a context manager); tasks created on it are closed first."""
+
+    def __init__(self, threads: int | None = None, pin: bool = True):
+        ffi, lib = _native()
+        n = 0 if threads is None else _cint("threads", threads, 1, 4096)
+        out = ffi.new("ktk_pool **")
+        _check(lib.ktk_pool_create(n, 1 if pin else 0, out))
+        self._p = ffi.gc(out[0], lib.ktk_pool_destroy)
+        self.threads: int = lib.ktk_pool_threads(self._p)
+        self.pin = bool(pin)
+        self._tasks: weakref.WeakSet = weakref.WeakSet()
+
+    @property
+    def ptr(self):
+        if self._p is None:
+            raise NativeError(ERR_STATE, "Pool is closed")
+        return self._p
+
+    def close(self) -> None:
+        """Close tasks made on this pool, then stop and join the threads (after running queued work)."""
+        for task in list(self._tasks):
+            task.close()
+        if self._p is not None:
+            ffi, _ = _native()
+            p, self._p = self._p, None
+            ffi.release(p)
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Pool(threads={self.threads}, pin={self.pin}{', closed' if self._p is None else ''})"
+
+
+_default_lock = threading.Lock()
+_default_pool: Pool | None = None
+_default_threads: int | None = None
+
+
+def default_pool() -> Pool:
+    """The process-wide pool, created on first use: threads = set_default_threads(n), else env KTINJECT_THREADS,
+    else one per physical core."""
+    global _default_pool
+    if _default_pool is None:
+        with _default_lock:
+            if _default_pool is None:
+                n = _default_threads
+                if n is None and os.environ.get("KTINJECT_THREADS"):
+                    try:
+                        n = int(os.environ["KTINJECT_THREADS"])
+                    except ValueError:
+                        raise NativeError(ERR_SHAPE, f"KTINJECT_THREADS={os.environ['KTINJECT_THREADS']!r} is not "
+                                                     "an integer") from None
+                _default_pool = Pool(n)
+                log.info("ktinject default pool: %d threads", _default_pool.threads)
+    return _default_pool
+
+
+def set_default_threads(n: int | None) -> None:
+    """Thread count of the default pool. Before the pool exists: takes effect when it is created. After: a no-op if
+    the count matches, else NativeError(KTK_ERR_STATE) (tasks and operators may hold the running pool; make a
+    separate Pool(n) instead)."""
+    global _default_threads
+    if n is not None:
+        _cint("threads", n, 1, 4096)
+    with _default_lock:
+        if _default_pool is not None and _default_pool._p is not None:
+            if n is None or n == _default_pool.threads:
+                return
+            raise NativeError(ERR_STATE, f"set_default_threads({n}): the default pool already runs with "
+                                         f"{_default_pool.threads} threads; call it before first use or use Pool({n})")
+        _default_threads = n

@@ -1,0 +1,15 @@
+"""Benchmarks: ``python -m ktinject.bench NAME [options]`` (``--help`` lists them).
+
+Each benchmark is one module of this package with ``main(argv: list[str] | None) -> int`` (its own argparse) and a
+module docstring whose first line is its one-line help. Register it in BENCHES (name -> module, imported only when
+that benchmark runs, so ``--help`` stays cheap). Benchmarks print plain text (no logging) and always show the
+baseline and the limit measured in the same run next to our figure.
+"""
+from __future__ import annotations
+
+BENCHES: dict[str, str] = {
+    "kernels": "ktinject.bench.kernels",   # expert kernels: decode GB/s, prefill TFLOPS vs torch and the machine
+    "load": "ktinject.bench.load",         # loading a checkpoint: stream / packed cache / HF + inject
+    "decode": "ktinject.bench.decode",     # decode tok/s: graph vs eager vs HF vs roofline, time split per token
+    "prefill": "ktinject.bench.prefill",   # prefill tok/s at 128/1024/8192 tokens (same model as decode)
+}

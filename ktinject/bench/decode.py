@@ -1,0 +1,482 @@
+"""Decode and prefill benchmarks: ``python -m ktinject.bench decode|prefill [--layers N] [--tokens N] ...``.
+
+Builds a random-weight model with Qwen3-30B-A3B dimensions (48 layers, hidden 2048, 32 heads / 4 KV heads of 128,
+128 experts top-8 of intermediate 768, vocab 151936; bf16, ~61 GB) directly in memory: built on the meta device,
+then materialized with the routed experts on the CPU (filled from a small random pool, fast) and everything else
+on the GPU. Nothing is written to disk. Then, in one run, with the limit and the baseline measured alongside:
+
+  hf        the same model with Hugging Face's own modules, routed experts computed by torch on the CPU
+  roofline  bytes of routed expert weights per token / CPU read bandwidth (measured now)
+  eager     ktinject.inject (routed experts in native kernels), decode steps run eagerly
+  graph     the same, each decode step replayed as one CUDA graph (ktinject.generate)
+  split     per token: CPU expert time (native, synchronous), GPU time (graph replay with every routed expert
+            muted), waiting (graph step - GPU time), coordination (stream handshakes alone, per layer x layers)
+  prefill   ktinject (eager, chunked) and hf at the prompt lengths asked for
+
+``--tiny`` runs the same flow on the tiny qwen3_moe test model (CPU-only machines too: GPU rows say n/a).
+Legend: B batch, P prompt tokens, N new tokens, L layers.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+QWEN3_30B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    decoder_sparse_step=1, mlp_only_layers=[],
+)
+_POOL = 32 << 20  # random values per pool (experts are tiled from it at random offsets)
+
+
+# ---- model ---------------------------------------------------------------------------------------------------
+def _std(name: str, shape, hidden: int) -> float:
+    if "embed_tokens" in name:
+        return 1.0
+    if name.startswith("lm_head"):
+        return 2.0 / math.sqrt(shape[-1])
+    if name.endswith("mlp.gate.weight"):
+        return 1.5 / math.sqrt(hidden)
+    return 1.0 / math.sqrt(shape[-1])
+
+
+def _fill_tiled(t: torch.Tensor, pool: torch.Tensor, gen: torch.Generator) -> None:
+    """Fill t with windows of pool (2 x _POOL values) at random offsets (parallel copies: ~memory speed)."""
+    flat, n, off = t.view(-1), t.numel(), 0
+    while off < n:
+        m = min(_POOL, n - off)
+        r = int(torch.randint(0, _POOL, (1,), generator=gen))
+        flat[off:off + m].copy_(pool[r:r + m])
+        off += m
+
+
+@torch.no_grad()
+def build_model(layers: int, device: torch.device, seed: int = 0) -> nn.Module:
+    """Qwen3-30B-A3B shapes with ``layers`` layers: routed experts on the CPU, the rest on ``device``, bf16."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(num_hidden_layers=layers, **QWEN3_30B)
+    cfg.dtype = torch.bfloat16
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    base = torch.randn(_POOL, generator=gen)
+    pools = {  # [2 * _POOL] so any window of _POOL values fits
+        "gate_up_proj": (base / math.sqrt(H)).to(torch.bfloat16).repeat(2),
+        "down_proj": (base / math.sqrt(I)).to(torch.bfloat16).repeat(2),
+    }
+    del base
+    dgen = torch.Generator(device=device).manual_seed(seed) if device.type == "cuda" else gen
+    for mod_name, mod in model.named_modules():
+        for key, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            name = f"{mod_name}.{key}" if mod_name else key
+            if mod_name.endswith(".experts"):
+                t = torch.empty(p.shape, dtype=torch.bfloat16)
+                _fill_tiled(t, pools[key], gen)
+            elif "norm" in key or "norm" in mod_name.rsplit(".", 1)[-1]:
+                t = torch.ones(p.shape, dtype=torch.bfloat16, device=device)
+            else:
+                t = torch.empty(p.shape, dtype=torch.bfloat16, device=device)
+                t.normal_(0.0, _std(name, p.shape, H), generator=dgen)
+            mod._parameters[key] = nn.Parameter(t, requires_grad=False)
+    for mod_name, mod in list(model.named_modules()):  # rotary tables: computed, not stored
+        if hasattr(mod, "inv_freq") and hasattr(mod, "config"):
+            parent_name, _, leaf = mod_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, leaf, type(mod)(mod.config).to(device))
+    leftover = [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    if leftover:
+        raise RuntimeError(f"buffers left on the meta device: {leftover[:5]}")
+    model.eval()
+    return model
+
+
+def build_tiny(device: torch.device) -> nn.Module:
+    from ktinject.testing import build_tiny_model
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return build_tiny_model("qwen3_moe", dtype=dtype).to(device)
+
+
+def _set_generation_defaults(model) -> None:
+    gc = model.generation_config
+    gc.eos_token_id, gc.pad_token_id, gc.bos_token_id = None, 0, None
+    gc.do_sample = False
+    gc.temperature = gc.top_p = gc.top_k = None
+
+
+# ---- measurements --------------------------------------------------------------------------------------------
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def read_bandwidth(gib: float = 2.0, threads: int | None = None) -> float:
+    """CPU read bandwidth in bytes/s: best of 5 int64 sums over ``gib`` GiB (touched first)."""
+    prev = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(int(gib * 2**30) // 8, dtype=torch.int64)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t0)
+        return buf.numel() * 8 / best
+    finally:
+        torch.set_num_threads(prev)
+
+
+def expert_bytes_per_token(cfg, batch: int = 1) -> float:
+    """Bytes of routed expert weights one decode step reads (distinct experts: batch=1 -> k per layer)."""
+    L, E, k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    distinct = E * (1 - (1 - k / E) ** batch)  # expected distinct experts of B random tokens
+    return L * distinct * 3 * H * I * 2 / batch
+
+
+def hf_decode(model, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
+    """(prefill seconds, seconds per decode step) with HF's modules and a DynamicCache."""
+    from transformers import DynamicCache
+
+    dev = prompt.device
+    cache = DynamicCache(config=model.config)
+    _sync(dev)
+    t0 = time.perf_counter()
+    out = model(prompt, past_key_values=cache, use_cache=True)
+    tok = out.logits[:, -1:].argmax(-1)
+    _sync(dev)
+    t_prefill = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = model(tok, past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return t_prefill, statistics.median(times) if times else float("nan")
+
+
+class _TorchCPUExperts(nn.Module):
+    """HF experts module kept on the CPU: inputs go there, the result comes back (accelerate-free baseline)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = self.inner(hidden.cpu(), top_k_index.cpu(), top_k_weights.cpu())
+        return out.to(hidden.device)
+
+
+def _wrap_cpu_experts(model, wrap: bool) -> None:
+    for mod in model.modules():
+        ex = getattr(mod, "experts", None)
+        if wrap and isinstance(ex, nn.Module) and not isinstance(ex, _TorchCPUExperts):
+            mod.experts = _TorchCPUExperts(ex)
+        elif not wrap and isinstance(ex, _TorchCPUExperts):
+            mod.experts = ex.inner
+
+
+def _gen_time(model, ids, new_tokens: int) -> float:
+    import ktinject
+
+    _sync(ids.device)
+    t0 = time.perf_counter()
+    ktinject.generate(model, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    _sync(ids.device)
+    return time.perf_counter() - t0
+
+
+def ktinject_decode(model, prompt, new_tokens: int, graphs: bool) -> dict:
+    """Seconds per decode token through ktinject.generate (prefill subtracted), graphs on or off."""
+    from ktinject.generate import get_runner
+
+    runner = get_runner(model, use_graphs=graphs, prefill_chunk=2048)
+    _gen_time(model, prompt, 3)  # warm-up: caches, pinned buffers, graph capture
+    t1 = min(_gen_time(model, prompt, 1) for _ in range(2))
+    tn = _gen_time(model, prompt, new_tokens + 1)
+    return {"s_per_token": (tn - t1) / new_tokens, "runner": runner}
+
+
+def graph_replay(runner, batch: int, prompt_len: int, iters: int) -> float | None:
+    """Seconds per bare replay of the decode graph of ``batch`` (no HF loop), or None without one."""
+    entry = next((g for k, g in runner.graphs.items() if k[0] == batch and g is not None), None)
+    if entry is None:
+        return None
+    cache = runner.caches[batch]
+    iters = max(1, min(iters, runner.max_cache_len - prompt_len - 1))
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(prompt_len)
+    entry.graph.replay()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(prompt_len)
+    t0.record()
+    for _ in range(iters):
+        entry.graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / 1e3 / iters
+
+
+def profile_replay(model, runner, batch, prompt_len, iters: int = 3) -> str:
+    """Kernel table of ``iters`` muted graph replays (CUPTI sees the kernels inside the graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    blocks = hybrid_blocks(model)
+    saved = [b.skip.clone() for b in blocks]
+    for b in blocks:
+        b.skip.fill_(1)
+    try:
+        graph_replay(runner, batch, prompt_len, 2)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph_replay(runner, batch, prompt_len, iters)
+    finally:
+        for b, s in zip(blocks, saved):
+            b.skip.copy_(s)
+    avg = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            return avg.table(sort_by=key, row_limit=25, max_name_column_width=70)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return avg.table(row_limit=25)
+
+
+def hybrid_blocks(model) -> list:
+    from ktinject.operators.moe import HybridMoE
+
+    return [m for m in model.modules() if isinstance(m, HybridMoE)]
+
+
+def cpu_expert_time(model, batch: int, reps: int = 5) -> float:
+    """Seconds of native routed-expert work per decode step: each layer's experts on B random tokens, in turn."""
+    gen = torch.Generator().manual_seed(1)
+    total = 0.0
+    for blk in hybrid_blocks(model):
+        ex = blk.native_experts
+        k = model.config.num_experts_per_tok
+        x = torch.randn(batch, ex.hidden, generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(ex.num_experts, generator=gen)[:k] for _ in range(batch)])
+        w = torch.full((batch, k), 1.0 / k)
+        ex.forward(x, ids, w, skip=blk.skip)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            ex.forward(x, ids, w, skip=blk.skip)
+            times.append(time.perf_counter() - t0)
+        total += statistics.median(times)
+    return total
+
+
+def muted_replay(model, runner, batch, prompt_len, iters) -> float | None:
+    """Graph replay time with every routed expert skipped (GPU work + handshakes, no CPU expert work)."""
+    blocks = hybrid_blocks(model)
+    saved = [b.skip.clone() for b in blocks]
+    for b in blocks:
+        b.skip.fill_(1)
+    try:
+        return graph_replay(runner, batch, prompt_len, iters)
+    finally:
+        for b, s in zip(blocks, saved):
+            b.skip.copy_(s)
+
+
+def ktinject_prefill(model, length: int, chunk: int, vocab: int, device) -> float:
+    from ktinject.generate import get_runner
+
+    get_runner(model, use_graphs=False, prefill_chunk=chunk)
+    ids = torch.randint(3, vocab, (1, length), device=device)
+    _gen_time(model, ids[:, : min(length, 16)], 1)  # warm-up
+    return _gen_time(model, ids, 1)
+
+
+def hf_prefill(model, length: int, vocab: int, device) -> float:
+    ids = torch.randint(3, vocab, (1, length), device=device)
+    t, _ = hf_decode(model, ids, 0)
+    return t
+
+
+# ---- the run -------------------------------------------------------------------------------------------------
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m ktinject.bench {prog}", description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=48, help="decoder layers (48 = the real model)")
+    p.add_argument("--tokens", type=int, default=64, help="decode tokens timed (ktinject)")
+    p.add_argument("--hf-tokens", type=int, default=8, help="decode tokens timed (hf baseline; 0 skips it)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (native pool and torch); default: cores")
+    p.add_argument("--prefill", default="128,1024,8192" if prog == "prefill" else "",
+                   help="comma-separated prompt lengths for the prefill rows ('' skips)")
+    p.add_argument("--hf-prefill", default="128", help="prompt lengths for hf prefill rows ('' skips)")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens per forward)")
+    p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
+    p.add_argument("--no-decode", action="store_true", help="prefill rows only")
+    p.add_argument("--profile", action="store_true", help="print the kernels of a muted decode-graph replay")
+    return p
+
+
+def _add(rows: list, row: tuple) -> None:
+    """Keep a table row and print it at once (a run cut short still shows what it measured)."""
+    rows.append(row)
+    print("# " + " | ".join(x for x in row if x), flush=True)
+
+
+def _fmt_rate(tok_per_s):
+    return "n/a" if tok_per_s is None else f"{tok_per_s:,.1f}"
+
+
+def _fmt_ms(s):
+    return "n/a" if s is None else f"{s * 1e3:.2f}"
+
+
+def run(args) -> list[tuple[str, str, str, str]]:
+    import ktinject
+    from ktinject import native
+
+    if args.threads:
+        native.set_default_threads(args.threads)
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows: list[tuple[str, str, str, str]] = []  # (what, tok/s, ms/token, note)
+    t0 = time.perf_counter()
+    model = build_tiny(device) if args.tiny else build_model(args.layers, device)
+    cfg = model.config
+    _set_generation_defaults(model)
+    what = "tiny qwen3_moe" if args.tiny else "Qwen3-30B-A3B shapes"
+    print(f"# {what}: {cfg.num_hidden_layers} layers, H={cfg.hidden_size}, E={cfg.num_experts} top-"
+          f"{cfg.num_experts_per_tok}, I={cfg.moe_intermediate_size}, {next(model.parameters()).dtype}; "
+          f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; built in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    B, P = args.batch, args.prompt
+    prompt = torch.randint(3, cfg.vocab_size, (B, P), device=device)
+    prefill_lengths = [int(x) for x in args.prefill.split(",") if x.strip()]
+    hf_prefill_lengths = [int(x) for x in args.hf_prefill.split(",") if x.strip()] if prefill_lengths else []
+
+    if not args.no_decode:
+        bw = read_bandwidth(threads=args.threads)
+        per_tok = expert_bytes_per_token(cfg, B)
+        _add(rows, (f"roofline: {per_tok / 1e9:.2f} GB experts/token at {bw / 1e9:.1f} GB/s",
+                     _fmt_rate(bw / per_tok), _fmt_ms(per_tok / bw), "CPU read bandwidth measured in this run"))
+
+    if not args.tiny:
+        _wrap_cpu_experts(model, True)
+    if args.hf_tokens and not args.no_decode:
+        try:
+            _, s = hf_decode(model, prompt, args.hf_tokens)
+            _add(rows, ("hf: HF modules, experts by torch on the CPU", _fmt_rate(B / s), _fmt_ms(s),
+                         f"median of {args.hf_tokens} steps"))
+        except Exception as e:  # noqa: BLE001 - a baseline failing must not hide the rest
+            _add(rows, ("hf: HF modules, experts by torch on the CPU", "failed", "", f"{type(e).__name__}: {e}"))
+    for n in hf_prefill_lengths:
+        s = hf_prefill(model, n, cfg.vocab_size, device)
+        _add(rows, (f"hf prefill {n} tokens", _fmt_rate(n / s), "", f"{s:.2f} s"))
+    _wrap_cpu_experts(model, False)
+
+    t0 = time.perf_counter()
+    ktinject.inject(model, gpu=str(device))
+    print(f"# injected in {time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, "
+          f"{native.default_pool().threads} threads", flush=True)
+
+    if not args.no_decode:
+        eager = ktinject_decode(model, prompt, args.tokens, graphs=False)
+        _add(rows, ("ktinject eager", _fmt_rate(B / eager["s_per_token"]), _fmt_ms(eager["s_per_token"]),
+                     "ktinject.generate, no graph"))
+        step = mute = None
+        if device.type == "cuda":
+            graph = ktinject_decode(model, prompt, args.tokens, graphs=True)
+            r = graph["runner"]
+            note = f"{r.stats.captures} capture(s), {r.stats.replays} replays"
+            if r.stats.capture_failures:
+                note += f"; capture FAILED: {r.stats.capture_failures[0][:120]}"
+            _add(rows, ("ktinject graph", _fmt_rate(B / graph["s_per_token"]), _fmt_ms(graph["s_per_token"]),
+                         "ktinject.generate, " + note))
+            step = graph_replay(r, B, P, args.tokens)
+            _add(rows, ("ktinject graph, bare replay", _fmt_rate(None if step is None else B / step),
+                         _fmt_ms(step), f"graph.replay() only, no HF loop; host waits: {r.host_wait}"))
+            mute = muted_replay(model, r, B, P, args.tokens)
+            if args.profile:
+                print(f"# kernels of 3 muted decode-graph replays ({cfg.num_hidden_layers} layers):\n"
+                      + profile_replay(model, r, B, P), flush=True)
+            if r.host_wait != "spin" and step is not None:
+                from ktinject import cuda_driver
+
+                cuda_driver.set_host_wait_mode("spin")
+                spin = graph_replay(r, B, P, args.tokens)
+                cuda_driver.set_host_wait_mode(r.host_wait or "auto")
+                _add(rows, ("ktinject graph, bare replay, host spin-waits", _fmt_rate(B / spin), _fmt_ms(spin),
+                             "the waiting host thread takes a core from the expert threads"))
+        else:
+            _add(rows, ("ktinject graph", "n/a", "", "no CUDA"))
+        cpu_s = cpu_expert_time(model, B)
+        _add(rows, ("split: CPU experts", "", _fmt_ms(cpu_s), "native forward per layer, synchronous, summed"))
+        _add(rows, ("split: GPU + handshakes (experts muted)", "", _fmt_ms(mute), "graph replay, all experts skipped"))
+        _add(rows, ("split: waiting for the CPU", "", _fmt_ms(None if step is None or mute is None else step - mute),
+                     "bare replay - muted replay"))
+        if device.type == "cuda":
+            from ktinject import stream_experts
+
+            from ktinject import cuda_driver
+
+            L = cfg.num_hidden_layers
+            one = native.Pool(1)
+            variants = [("memops", None, "block"), ("memops", one, "block"), ("memops", None, "spin"),
+                        ("hostfn", None, "block")]
+            for mode, pool, wait in variants:
+                what = f"coordination: {mode}, {'1-thread pool' if pool else 'expert pool'}, host {wait}s"
+                try:
+                    cuda_driver.set_host_wait_mode(wait)
+                    hc = stream_experts.handshake_cost(n=L, mode=mode, pool=pool)
+                    _add(rows, (what, "", _fmt_ms(hc["per_handshake_us"] * L / 1e6),
+                                 f"{hc['per_handshake_us']:.1f} us/handshake x {L} layers (empty tasks)"))
+                except Exception as e:  # noqa: BLE001
+                    _add(rows, (what, "failed", "", f"{type(e).__name__}: {e}"))
+            cuda_driver.set_host_wait_mode("block")
+            one.close()
+
+    for n in prefill_lengths:
+        s = ktinject_prefill(model, n, args.chunk, cfg.vocab_size, device)
+        _add(rows, (f"ktinject prefill {n} tokens", _fmt_rate(n / s), "", f"{s:.2f} s, chunks of {args.chunk}"))
+    return rows
+
+
+def print_table(rows, args) -> None:
+    w = max(len(r[0]) for r in rows)
+    print(f"\n| {'what'.ljust(w)} | {'tok/s':>9} | {'ms/token':>9} | note")
+    print(f"|{'-' * (w + 2)}|{'-' * 11}|{'-' * 11}|------")
+    for what, rate, ms, note in rows:
+        print(f"| {what.ljust(w)} | {rate:>9} | {ms:>9} | {note}")
+    print(f"\n(batch {args.batch}, prompt {args.prompt}, {args.tokens} decode tokens, threads "
+          f"{args.threads or 'default'}, layers {'tiny' if args.tiny else args.layers})", flush=True)
+
+
+def main(argv=None, prog: str = "decode") -> int:
+    args = _parser(prog).parse_args(argv)
+    if prog == "prefill":
+        args.no_decode = True
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    rows = run(args)
+    print_table(rows, args)
+    return 0
+
+
+def main_prefill(argv=None) -> int:
+    return main(argv, prog="prefill")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

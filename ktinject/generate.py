@@ -1,0 +1,175 @@
+"""``ktinject.generate``: Hugging Face ``generate()`` with the decode step replayed as a CUDA graph.
+
+HF's own loop runs unchanged (greedy and sampling, logits processors, max_new_tokens, EOS and stopping criteria,
+TextStreamer / TextIteratorStreamer, batches with left padding). Two of its hooks are pointed at a ``GraphRunner``
+for the duration of the call: ``_valid_auto_compile_criteria`` (true for the runner's static cache) and
+``get_compiled_call`` (returns the runner instead of a ``torch.compile``'d forward). HF then hands every decode
+step, and prompt chunks (``prefill_chunk_size``), to the runner, which replays a graph for a bucketed decode batch
+and runs everything else eagerly. The runner (and its static caches and graphs) lives on the model, so a second
+call with another prompt length or a known batch size captures nothing.
+
+``enable(model)`` makes a plain ``model.generate(...)`` go through here (``ktinject.inject`` may call it);
+``disable(model)`` undoes it. Without CUDA everything runs eagerly through the same path (static cache), giving
+HF's greedy tokens.
+
+Calls the runner cannot serve go to HF's generate unchanged: beam search, assisted decoding, a caller's own
+``past_key_values`` or ``cache_implementation``, ``use_cache=False``, ``inputs_embeds``, encoder-decoder models.
+A batch size without a bucket is padded up to the next bucket with copies of its first row (when the result is
+a plain tensor and there is no streamer), else decoded eagerly.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+import sys
+import types
+
+import torch
+
+from ktinject.graph import GraphRunner
+
+log = logging.getLogger(__name__)
+
+_RUNNER_ATTR = "_ktinject_graph_runner"
+_HF_DEFAULT_MAX_LENGTH = 20
+_PLAIN_KWARGS = ("past_key_values", "cache_implementation", "assistant_model", "prompt_lookup_num_tokens",
+                 "custom_generate", "inputs_embeds", "assistant_early_exit", "negative_prompt_ids")
+
+
+def get_runner(model, **runner_kwargs) -> GraphRunner:
+    """The model's GraphRunner (made on first use; ``runner_kwargs`` given -> a new one with those settings)."""
+    runner = model.__dict__.get(_RUNNER_ATTR)
+    if runner is None or runner_kwargs:
+        if runner is not None:
+            runner.close()
+        runner = GraphRunner(model, **runner_kwargs)
+        model.__dict__[_RUNNER_ATTR] = runner
+    return runner
+
+
+def enable(model, **runner_kwargs):
+    """Route ``model.generate(...)`` through ``ktinject.generate`` (settings: GraphRunner's keywords)."""
+    get_runner(model, **runner_kwargs)
+
+    @functools.wraps(type(model).generate)
+    def _generate(*args, **kwargs):
+        return generate(model, *args, **kwargs)
+
+    _generate._ktinject = True
+    model.__dict__["generate"] = _generate
+    return model
+
+
+def disable(model):
+    """Give ``model.generate`` back to Hugging Face and drop the runner (graphs, caches, stream runners)."""
+    model.__dict__.pop("generate", None)
+    runner = model.__dict__.pop(_RUNNER_ATTR, None)
+    if runner is not None:
+        runner.close()
+    return model
+
+
+def _hf_generate(model, *args, **kwargs):
+    return type(model).generate(model, *args, **kwargs)
+
+
+def _generation_config(model, kwargs):
+    gc = kwargs.get("generation_config") or model.generation_config
+    gc = copy.deepcopy(gc)
+    gc.update(**{k: v for k, v in kwargs.items() if k != "generation_config" and hasattr(gc, k)})
+    return gc
+
+
+def _plain_reason(model, input_ids, kwargs, gc) -> str | None:
+    """Why this call goes to HF's generate unchanged, or None."""
+    if input_ids is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return "no 2D input_ids"
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "encoder-decoder model"
+    for name in _PLAIN_KWARGS:
+        if kwargs.get(name) is not None:
+            return f"{name} given"
+    if (gc.num_beams or 1) > 1:
+        return "beam search"
+    if gc.use_cache is False:
+        return "use_cache=False"
+    if getattr(gc, "cache_implementation", None) is not None:
+        return "cache_implementation set"
+    return None
+
+
+def _needed_len(gc, prompt_len: int) -> int:
+    if gc.max_new_tokens is not None:
+        return prompt_len + int(gc.max_new_tokens)
+    return max(int(gc.max_length or _HF_DEFAULT_MAX_LENGTH), prompt_len + 1)
+
+
+@contextlib.contextmanager
+def _hooked(model, runner: GraphRunner):
+    """Point HF's compile hooks at ``runner`` for the runner's own caches (instance attributes, restored after)."""
+    saved = {n: model.__dict__[n] for n in ("_valid_auto_compile_criteria", "get_compiled_call") if n in
+             model.__dict__}
+    caches = runner.caches
+
+    def criteria(model_kwargs, generation_config):
+        cache = model_kwargs.get("past_key_values")
+        return cache is not None and any(cache is c for c in caches.values())
+
+    model.__dict__["_valid_auto_compile_criteria"] = criteria
+    model.__dict__["get_compiled_call"] = lambda compile_config=None: runner
+    try:
+        yield
+    finally:
+        for n in ("_valid_auto_compile_criteria", "get_compiled_call"):
+            model.__dict__.pop(n, None)
+        model.__dict__.update(saved)
+
+
+def generate(model, input_ids=None, attention_mask=None, **kwargs):
+    """``model.generate(input_ids, attention_mask=..., **kwargs)`` with graph-replayed decode steps.
+
+    Same arguments and results as Hugging Face's ``generate``."""
+    if input_ids is None:
+        input_ids = kwargs.pop("inputs", None)
+        if input_ids is None:
+            input_ids = kwargs.pop("input_ids", None)
+    runner = get_runner(model)
+    gc = _generation_config(model, kwargs)
+    reason = _plain_reason(model, input_ids, kwargs, gc)
+    if reason is not None:
+        log.debug("ktinject.generate: %s -> Hugging Face generate", reason)
+        return _hf_generate(model, input_ids, attention_mask=attention_mask, **kwargs)
+
+    batch, prompt_len = input_ids.shape
+    rows = batch * max(int(gc.num_return_sequences or 1), 1)
+    pad = 0
+    plain_result = not gc.return_dict_in_generate and kwargs.get("streamer") is None
+    if rows == batch and plain_result:
+        pad = runner.padded_batch(rows) - rows
+    if pad:
+        input_ids = torch.cat([input_ids, input_ids[:1].expand(pad, -1)], dim=0)
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(pad, -1)], dim=0)
+        rows += pad
+
+    cache = runner.cache_for(rows, _needed_len(gc, prompt_len))
+    kwargs["past_key_values"] = cache
+    if runner.prefill_chunk and prompt_len > runner.prefill_chunk and gc.prefill_chunk_size is None:
+        kwargs["prefill_chunk_size"] = runner.prefill_chunk
+    with _hooked(model, runner):
+        out = _hf_generate(model, input_ids, attention_mask=attention_mask, **kwargs)
+    return out[:batch] if pad else out
+
+
+class _CallableModule(types.ModuleType):
+    """``ktinject.generate`` is both this module and the function: the package exports the function under the
+    module's name, and an ``import ktinject.generate`` made first leaves the module there. Either way
+    ``ktinject.generate(model, ...)`` works."""
+
+    def __call__(self, *args, **kwargs):
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

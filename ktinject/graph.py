@@ -1,0 +1,279 @@
+"""CUDA graph capture and replay of the decode step (embedding -> logits), one graph per batch bucket.
+
+``GraphRunner`` takes the place of the ``torch.compile``'d forward that Hugging Face ``generate()`` asks for through
+``model.get_compiled_call`` (see ``ktinject.generate``): HF keeps its loop (logits processors, sampling, stopping
+criteria, streamers) and calls the runner once per step with the step's inputs. A decode step (input_ids [B,1]) of
+a bucket batch size B replays the graph captured for it; anything else (prefill chunks, batch sizes without a
+bucket, output_attentions, no CUDA) runs the model eagerly.
+
+Static state (addresses fixed for the life of the graphs):
+- one HF ``StaticCache`` per batch size, of ``max_cache_len`` tokens; its layers advance a device-side counter in
+  place (``cumulative_length``), so a replay writes K/V at the right position with no host involvement; a new
+  ``generate`` resets it in place (``cache.reset()``);
+- per graph, input buffers filled before each replay: input_ids [B,1], position_ids [B,1] and the 4D attention
+  mask [B,1,1,L] that HF builds for static caches (shapes fixed by B and L = max_cache_len);
+- MoE blocks: while warming up and capturing, HybridMoE goes through ``ktinject.stream_experts`` (the stream raises
+  a pinned go flag that a native pool thread watches, then waits for its done flag), one runner per (layer, B).
+
+Capture: two warm-up steps on a side stream (as torch requires; they also make the stream-experts runners and any
+lazily allocated buffer), with the cache counters put back after each, then the capture itself, which executes
+nothing. Legend: B batch, L max cache length, V vocabulary.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ktinject import stream_experts
+
+log = logging.getLogger(__name__)
+
+#: tensor arguments a decode step may carry into a graph (copied into static buffers before each replay)
+GRAPH_TENSOR_ARGS = ("input_ids", "position_ids", "attention_mask")
+#: keyword arguments that, when truthy, force the eager path
+EAGER_FLAGS = ("output_attentions", "output_hidden_states", "output_router_logits", "inputs_embeds", "labels")
+
+
+def choose_bucket(batch: int, buckets) -> int | None:
+    """Smallest bucket >= batch (the graph a padded batch would use); None if the batch is larger than all."""
+    fitting = [b for b in buckets if b >= batch]
+    return min(fitting) if fitting else None
+
+
+def round_cache_len(needed: int, minimum: int = 256, limit: int | None = None) -> int:
+    """Cache length for ``needed`` tokens: the next power of two >= needed (>= minimum), capped at ``limit``."""
+    n = max(int(minimum), 1)
+    while n < needed:
+        n *= 2
+    if limit is not None and needed <= limit < n:
+        n = limit
+    return n
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]  # static input buffers
+    output: Any  # ModelOutput of the captured step (its logits are the static output)
+    replays: int = 0
+
+
+@dataclass
+class RunnerStats:
+    captures: int = 0
+    replays: int = 0
+    eager_decode: int = 0
+    eager_other: int = 0
+    capture_failures: list = field(default_factory=list)
+
+
+class GraphRunner:
+    """Decode-step graphs of one model, per batch bucket, with static caches and an eager fallback.
+
+    ``buckets``: batch sizes that get a graph; ``max_cache_len``: tokens per cache (None: sized by the first
+    generate, a power of two >= 1024 on CUDA, >= 256 on the CPU; it grows, dropping caches and graphs, when a
+    generate needs more); ``prefill_chunk``: prompt tokens per eager prefill forward (bounds activation memory);
+    ``use_graphs``: None = on CUDA, False = eager only (same static caches, for comparison); ``pad_batches``:
+    pad a batch size without a bucket up to the next bucket (None: when graphs are on); ``host_wait``: how the
+    host thread waits for the GPU once graphs are used ("block" sleeps, leaving every core to the native expert
+    threads; "spin" busy-waits; None leaves CUDA's choice, which spins on one core) - process-wide."""
+
+    def __init__(self, model, buckets=(1, 2, 4, 8), max_cache_len: int | None = None,
+                 prefill_chunk: int | None = 2048, use_graphs: bool | None = None, pad_batches: bool | None = None,
+                 host_wait: str | None = "block", warmup: int = 2):
+        self.model = model
+        self.buckets = tuple(sorted({int(b) for b in buckets}))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"buckets must be positive batch sizes, got {buckets!r}")
+        self.max_cache_len = int(max_cache_len) if max_cache_len else 0
+        self.prefill_chunk = int(prefill_chunk) if prefill_chunk else None
+        self.use_graphs = use_graphs
+        self.pad_batches = pad_batches
+        self.host_wait = host_wait
+        self.warmup = int(warmup)
+        self.caches: dict[int, Any] = {}  # batch -> StaticCache
+        self.graphs: dict[tuple, _Graph | None] = {}  # key -> graph (None: capture failed, eager)
+        self.stats = RunnerStats()
+        self._pool = None
+
+    # ---- configuration -------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(p.device for p in self.model.parameters() if p.device.type != "meta")
+
+    def graphs_enabled(self) -> bool:
+        if self.use_graphs is False:
+            return False
+        return self.device.type == "cuda" and torch.cuda.is_available()
+
+    def bucket_for(self, batch: int) -> int | None:
+        return choose_bucket(batch, self.buckets)
+
+    def padded_batch(self, batch: int) -> int:
+        """Rows a generate of ``batch`` rows runs with (its bucket when padding is on and one fits)."""
+        pad = self.graphs_enabled() if self.pad_batches is None else self.pad_batches
+        if not pad or batch in self.buckets:
+            return batch
+        bucket = self.bucket_for(batch)
+        return batch if bucket is None else bucket
+
+    def max_len_limit(self) -> int | None:
+        cfg = self.model.config.get_text_config(decoder=True) if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
+        return getattr(cfg, "max_position_embeddings", None)
+
+    # ---- caches --------------------------------------------------------------------------------------------
+    def cache_for(self, batch: int, needed_len: int):
+        """The reset StaticCache of ``batch`` rows with room for ``needed_len`` tokens.
+
+        Growing the length drops every cache and graph (their shapes change); otherwise nothing is re-captured."""
+        from transformers import StaticCache
+
+        if needed_len > self.max_cache_len:
+            floor = self.max_cache_len or (1024 if self.device.type == "cuda" else 256)
+            new_len = round_cache_len(needed_len, floor, self.max_len_limit())
+            if self.max_cache_len:
+                log.info("ktinject graph: cache length %d -> %d tokens (graphs are captured again)",
+                         self.max_cache_len, new_len)
+            self.reset()
+            self.max_cache_len = new_len
+        cache = self.caches.get(batch)
+        if cache is None:
+            cfg = self.model.config.get_text_config(decoder=True)
+            cache = StaticCache(config=cfg, max_cache_len=self.max_cache_len)
+            self.caches[batch] = cache
+        elif _initialized(cache):
+            cache.reset()  # in place: the graphs keep their addresses
+        return cache
+
+    def graphable_cache(self, cache) -> bool:
+        """Only full-attention static layers keep all their state on the device (sliding ones keep a Python int)."""
+        from transformers.cache_utils import StaticLayer
+
+        return all(type(layer) is StaticLayer for layer in getattr(cache, "layers", [None]))
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def __call__(self, **kwargs):
+        """One forward with HF's keyword arguments: a graph replay for a bucketed decode step, else eager."""
+        key = self._key(kwargs)
+        if key is None:
+            return self._eager(kwargs)
+        entry = self.graphs.get(key, False)
+        if entry is False:
+            entry = self.graphs[key] = self._capture(key, kwargs)
+        if entry is None:
+            self.stats.eager_decode += 1
+            return self.model(**kwargs)
+        for name, buf in entry.inputs.items():
+            buf.copy_(kwargs[name], non_blocking=True)
+        entry.graph.replay()
+        entry.replays += 1
+        self.stats.replays += 1
+        return entry.output
+
+    def _eager(self, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.dim() == 2 and ids.shape[1] == 1:
+            self.stats.eager_decode += 1
+        else:
+            self.stats.eager_other += 1
+        return self.model(**kwargs)
+
+    def _key(self, kwargs) -> tuple | None:
+        """Hashable description of a graphable decode step, or None for the eager path."""
+        if not self.graphs_enabled():
+            return None
+        ids = kwargs.get("input_ids")
+        cache = kwargs.get("past_key_values")
+        if ids is None or ids.dim() != 2 or ids.shape[1] != 1 or not ids.is_cuda:
+            return None
+        batch = ids.shape[0]
+        if batch not in self.buckets or self.caches.get(batch) is not cache or not self.graphable_cache(cache):
+            return None
+        for name in EAGER_FLAGS:
+            flag = kwargs.get(name)
+            if isinstance(flag, torch.Tensor) or flag:
+                return None
+        parts = []
+        for name, value in sorted(kwargs.items()):
+            if name == "past_key_values":
+                continue
+            if isinstance(value, torch.Tensor):
+                if name not in GRAPH_TENSOR_ARGS or value.device != ids.device:
+                    return None
+                parts.append((name, tuple(value.shape), value.dtype))
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                parts.append((name, value))
+            else:
+                return None  # an argument we do not know how to hold static
+        return (batch, tuple(parts))
+
+    def _capture(self, key, kwargs) -> _Graph | None:
+        cache = kwargs["past_key_values"]
+        if self.host_wait:
+            from ktinject import cuda_driver
+
+            if not cuda_driver.set_host_wait_mode(self.host_wait):
+                log.info("ktinject graph: cannot set the host wait mode (driver older than CUDA 12.1)")
+        inputs = {n: v.clone() for n, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        rest = {n: v for n, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        counters = [layer.cumulative_length for layer in cache.layers]
+        saved = [c.clone() for c in counters]
+        try:
+            side = torch.cuda.Stream(device=self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with stream_experts.stream_mode(), torch.cuda.stream(side):
+                for _ in range(max(self.warmup, 1)):
+                    self.model(**inputs, **rest)
+                    for c, s in zip(counters, saved):
+                        c.copy_(s)  # the warm-up wrote K/V at this step's position; the replay rewrites it
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with stream_experts.stream_mode():
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    output = self.model(**inputs, **rest)
+        except Exception as e:  # noqa: BLE001 - any capture problem means: run this shape eagerly
+            torch.cuda.synchronize(self.device)
+            for c, s in zip(counters, saved):
+                c.copy_(s)
+            log.warning("ktinject graph: capture of batch %d failed, running it eagerly: %s: %s",
+                        key[0], type(e).__name__, e)
+            self.stats.capture_failures.append(f"batch {key[0]}: {type(e).__name__}: {e}")
+            return None
+        self.stats.captures += 1
+        log.info("ktinject graph: captured the decode step for batch %d", key[0])
+        return _Graph(graph, inputs, output)
+
+    # ---- lifetime ------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop every graph and cache (stream-experts runners stay cached for the next capture)."""
+        if self.graphs and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.graphs.clear()
+        self.caches.clear()
+
+    def close(self) -> None:
+        """reset() and stop the stream-experts runners of this model's MoE blocks."""
+        self.reset()
+        for module in self.model.modules():
+            experts = getattr(module, "native_experts", None)
+            if experts is not None:
+                stream_experts.release(experts)
+
+    def describe(self) -> str:
+        s = self.stats
+        return (f"GraphRunner(buckets={self.buckets}, max_cache_len={self.max_cache_len}, "
+                f"prefill_chunk={self.prefill_chunk}, graphs={'on' if self.graphs_enabled() else 'off'}, "
+                f"captured={sorted(k[0] for k, g in self.graphs.items() if g is not None)}, replays={s.replays}, "
+                f"eager decode={s.eager_decode}, eager other={s.eager_other})")
+
+    __repr__ = describe
+
+
+def _initialized(cache) -> bool:
+    return any(getattr(layer, "is_initialized", False) for layer in getattr(cache, "layers", []))

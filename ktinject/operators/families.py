@@ -1,0 +1,217 @@
+"""What differs between the MoE blocks of transformers 5.x families, kept as data plus a few small functions.
+
+Every supported block has an ``experts`` module holding fused weights (``gate_up_proj``, ``down_proj``; §5 of the
+design notes) and a router module (``gate``, or ``router`` for gpt-oss) that returns
+``(logits [T,E], top_k_weights [T,k], top_k_index [T,k])``. The rest is a short list of differences:
+
+==========================  =======  =================================  =======  ==============================
+block class                 router   shared experts                     layout   returns
+==========================  =======  =================================  =======  ==============================
+Qwen3MoeSparseMoeBlock      gate     -                                  hf       hidden
+OlmoeSparseMoeBlock         gate     -                                  hf       hidden
+MixtralSparseMoeBlock       gate     - (router jitter when training)    hf       hidden
+Qwen2MoeSparseMoeBlock      gate     shared_expert * sigmoid(gate(x))   hf       hidden
+DeepseekV2Moe               gate     shared_experts(x), always          hf       hidden
+DeepseekV3MoE, Glm4MoeMoE   gate     shared_experts(x), always          hf       hidden
+GptOssMLP                   router   -                                  gpt_oss  (hidden, router_scores)
+==========================  =======  =================================  =======  ==============================
+
+Blocks of other classes with the same structure are accepted (found from their attributes) with a warning.
+Layouts: ``hf`` is gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I], SiLU; ``gpt_oss`` is gate_up
+[E, H, 2I] interleaved (even columns gate, odd up) with biases, down [E, I, H] with bias, clamped SwiGLU.
+
+Legend: T tokens, E experts, H hidden, I expert intermediate, k experts per token.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ktinject.operators.base import OperatorError
+
+log = logging.getLogger(__name__)
+
+QUANTS = ("bf16", "int8")
+
+# class name -> (router attribute, shared kind, returns router scores); layout is read from the experts module.
+KNOWN_BLOCKS: dict[str, tuple[str, str | None, bool]] = {
+    "Qwen3MoeSparseMoeBlock": ("gate", None, False),
+    "OlmoeSparseMoeBlock": ("gate", None, False),
+    "MixtralSparseMoeBlock": ("gate", None, False),
+    "Qwen2MoeSparseMoeBlock": ("gate", "gated", False),
+    "DeepseekV2Moe": ("gate", "always", False),
+    "DeepseekV3MoE": ("gate", "always", False),
+    "Glm4MoeMoE": ("gate", "always", False),
+    "GptOssMLP": ("router", None, True),
+}
+# attribute names of the shared-expert modules, by shared kind (kept under the same names in the hybrid block)
+SHARED_ATTRS: dict[str | None, tuple[str, ...]] = {
+    None: (),
+    "always": ("shared_experts",),
+    "gated": ("shared_expert", "shared_expert_gate"),
+}
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """How to drive one MoE block: names of its parts and the sizes of its routed experts."""
+
+    router: str  # attribute holding the router module
+    shared: str | None  # None | "always" | "gated"
+    returns_scores: bool  # forward returns (hidden, router_scores) instead of hidden
+    layout: str  # "hf" | "gpt_oss"
+    num_experts: int  # E
+    hidden: int  # H
+    intermediate: int  # I
+    known: bool  # class is one of KNOWN_BLOCKS (verified against transformers)
+
+    @property
+    def has_bias(self) -> bool:
+        return self.layout == "gpt_oss"
+
+
+def _fail(name: str, module: nn.Module, why: str) -> OperatorError:
+    return OperatorError(
+        f"moe: module {name!r} ({type(module).__name__}) is not a supported MoE block: {why}. The 'moe' operator "
+        f"takes a block with an 'experts' module (fused gate_up_proj/down_proj, transformers 5.x) and a router; "
+        f"known blocks: {', '.join(sorted(KNOWN_BLOCKS))}. Match the block class, not its experts or router."
+    )
+
+
+def _find_router(module: nn.Module) -> str | None:
+    for attr in ("gate", "router"):
+        r = getattr(module, attr, None)
+        if isinstance(r, nn.Module) and isinstance(getattr(r, "weight", None), torch.Tensor):
+            return attr
+    return None
+
+
+def _find_shared(module: nn.Module) -> str | None:
+    if isinstance(getattr(module, "shared_experts", None), nn.Module):
+        return "always"
+    if isinstance(getattr(module, "shared_expert", None), nn.Module):
+        if not isinstance(getattr(module, "shared_expert_gate", None), nn.Module):
+            return "unsupported"
+        return "gated"
+    return None
+
+
+def _expert_layout(name: str, module: nn.Module, experts: nn.Module) -> tuple[str, int, int, int]:
+    """(layout, E, H, I) of an experts module, checking shapes and activation."""
+    gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3):
+        raise _fail(name, module, "its 'experts' has no 3-D gate_up_proj/down_proj tensors (per-expert modules "
+                    "of transformers 4.x are not supported: use transformers>=5.17)")
+    transposed = bool(getattr(experts, "is_transposed", False))
+    has_bias = bool(getattr(experts, "has_bias", False)) or isinstance(getattr(experts, "gate_up_proj_bias", None),
+                                                                      torch.Tensor)
+    if transposed or has_bias:
+        if not (transposed and has_bias and getattr(experts, "is_concatenated", False) is False):
+            raise _fail(name, module, "its experts mix layouts (only gpt-oss's transposed, interleaved, biased "
+                        "layout or the standard fused layout are supported)")
+        E, H, I2 = gu.shape  # [E, H, 2I] interleaved
+        layout, I = "gpt_oss", I2 // 2
+        want_down = (E, I, H)
+    else:
+        E, I2, H = gu.shape  # [E, 2I, H]
+        layout, I = "hf", I2 // 2
+        want_down = (E, H, I)
+        act = getattr(experts, "act_fn", None)
+        if act is not None and "silu" not in type(act).__name__.lower():
+            raise _fail(name, module, f"its experts use activation {type(act).__name__}; native experts do SiLU")
+    if I2 % 2 or tuple(down.shape) != want_down:
+        raise _fail(name, module, f"gate_up_proj {tuple(gu.shape)} and down_proj {tuple(down.shape)} disagree "
+                    f"(expected down_proj {want_down})")
+    return layout, E, H, I
+
+
+def inspect_block(module: nn.Module, name: str) -> BlockSpec:
+    """The BlockSpec of ``module`` or an OperatorError naming the module, its class and what is missing.
+
+    Reads attributes and shapes only: works on meta-device modules."""
+    experts = getattr(module, "experts", None)
+    if not isinstance(experts, nn.Module):
+        raise _fail(name, module, "it has no 'experts' submodule")
+    layout, E, H, I = _expert_layout(name, module, experts)
+    cls = type(module).__name__
+    if cls in KNOWN_BLOCKS:
+        router, shared, returns_scores = KNOWN_BLOCKS[cls]
+        if not isinstance(getattr(module, router, None), nn.Module):
+            raise _fail(name, module, f"it has no router module '{router}'")
+    else:
+        router, shared = _find_router(module), _find_shared(module)
+        returns_scores = layout == "gpt_oss"
+        if router is None:
+            raise _fail(name, module, "it has no router ('gate' or 'router' with a weight)")
+        if shared == "unsupported":
+            raise _fail(name, module, "it has 'shared_expert' without 'shared_expert_gate'")
+    rw = getattr(module, router).weight
+    if tuple(rw.shape) != (E, H):
+        raise _fail(name, module, f"router weight {tuple(rw.shape)} does not match {E} experts of hidden {H}")
+    return BlockSpec(router, shared, returns_scores, layout, E, H, I, cls in KNOWN_BLOCKS)
+
+
+def packed_nbytes(spec: BlockSpec, quant: str) -> int:
+    """Bytes the native experts will hold: bf16 2 B/weight; int8 1 B/weight + one f32 scale per output row;
+    gpt-oss biases as f32 (gate I + up I + down H per expert)."""
+    E, H, I = spec.num_experts, spec.hidden, spec.intermediate
+    weights = E * 3 * H * I
+    if quant == "bf16":
+        total = 2 * weights
+    elif quant == "int8":
+        total = weights + 4 * E * (2 * I + H)
+    else:
+        raise ValueError(f"unknown quant {quant!r}; use one of {', '.join(QUANTS)}")
+    if spec.has_bias:
+        total += 4 * E * (2 * I + H)
+    return total
+
+
+def experts_nbytes(module: nn.Module) -> int:
+    """Bytes of the HF experts module's tensors (what leaves the device when the block is built)."""
+    from ktinject.operators.base import tensor_bytes
+
+    return tensor_bytes(module.experts)
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.device.type == "cpu" else t.detach().to("cpu")
+
+
+def pack_experts(module: nn.Module, spec: BlockSpec, quant: str, name: str):
+    """Hand the block's routed experts to a new ``native.Experts`` (repacked, maybe quantized)."""
+    from ktinject import native
+
+    ex = module.experts
+    if ex.gate_up_proj.device.type == "meta":
+        raise OperatorError(f"moe: the experts of {name!r} ({type(module).__name__}) are on the meta device; load "
+                            f"the weights first (ktinject.from_pretrained streams them from the checkpoint)")
+    if spec.layout == "gpt_oss":
+        return native.Experts.from_gpt_oss(
+            _cpu(ex.gate_up_proj), _cpu(ex.gate_up_proj_bias), _cpu(ex.down_proj), _cpu(ex.down_proj_bias),
+            alpha=float(getattr(ex, "alpha", 1.702)), limit=float(getattr(ex, "limit", 7.0)), quant=quant,
+        )
+    return native.Experts.from_hf(_cpu(ex.gate_up_proj), _cpu(ex.down_proj), quant=quant)
+
+
+@torch.no_grad()
+def free_experts(module: nn.Module) -> None:
+    """Drop the HF expert tensors (one resident copy): empty every tensor of ``module.experts``, then remove it."""
+    ex = module.experts
+    for store in (ex._parameters, ex._buffers):
+        for key, t in list(store.items()):
+            if t is not None:
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    del module.experts
+
+
+def shared_output(block: nn.Module, kind: str | None, x: torch.Tensor) -> torch.Tensor | None:
+    """Shared-expert output for x [T, H] (on x's device), or None when the family has none."""
+    if kind is None:
+        return None
+    if kind == "always":
+        return block.shared_experts(x)
+    return torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)  # Qwen2-MoE

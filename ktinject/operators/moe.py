@@ -1,0 +1,211 @@
+"""The "moe" operator: routed experts in native CPU kernels, router and shared experts on the device.
+
+A matched MoE block (Qwen3MoeSparseMoeBlock, DeepseekV3MoE, GptOssMLP, ... see ``families.py``) is replaced by a
+``HybridMoE`` that keeps Hugging Face's own router and shared-expert modules (moved to the device, under the same
+attribute names, so state-dict keys and router-logit recorders still work), hands the routed experts to
+``native.Experts`` and frees the HF copy. One forward, for T = B*S tokens:
+
+    device: router -> ids [T,k], weights [T,k]; copy hidden, ids, weights -> pinned host buffers (async)
+    device: shared experts (queued before the host blocks, so they overlap the CPU work)
+    host:   wait for the copies; native task submit ... wait (releases the GIL)
+    device: copy the routed output back (async), add the shared output
+
+Rule keyword arguments: ``quant``: ``bf16`` (default) or ``int8`` (W8A8, per-channel weight scales).
+
+Legend: B batch, S sequence, T tokens (B*S), E experts, H hidden, I expert intermediate, k experts per token.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ktinject import stream_experts
+from ktinject.operators import register
+from ktinject.operators.base import Operator, OperatorError, tensor_bytes
+from ktinject.operators.families import (
+    QUANTS, SHARED_ATTRS, BlockSpec, experts_nbytes, free_experts, inspect_block, pack_experts, packed_nbytes,
+    shared_output,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _quant(kwargs: Mapping[str, Any], name: str) -> str:
+    quant = kwargs.get("quant") or "bf16"
+    if quant not in QUANTS:
+        raise OperatorError(f"moe: quant {quant!r} for {name!r} is not supported; use one of {', '.join(QUANTS)}")
+    return quant
+
+
+class Staging:
+    """Grow-only host buffers shared by all hybrid blocks of one thread (layers run one after another).
+
+    Pinned when the device is CUDA so copies can be asynchronous. A buffer is reallocated only when a call needs
+    more elements than it has; views of the leading rows are handed out."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, cols] contiguous view of the buffer ``name`` of ``dtype``."""
+        key, need = (name, dtype), rows * cols
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(max(need, 1), dtype=dtype, pin_memory=self.pin)
+            self._bufs[key] = buf
+        return buf[:need].view(rows, cols)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+
+_local = threading.local()
+
+
+def staging(pin: bool) -> Staging:
+    """This thread's staging buffers (pinned or not)."""
+    key = "pinned" if pin else "pageable"
+    st = getattr(_local, key, None)
+    if st is None:
+        st = Staging(pin)
+        setattr(_local, key, st)
+    return st
+
+
+def _host_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype native reads/writes for a device tensor of ``dtype`` (bf16 stays bf16; anything else as f32)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+class HybridMoE(nn.Module):
+    """An MoE block whose routed experts run in native CPU kernels; returns what the HF block returned."""
+
+    def __init__(self, block: nn.Module, spec: BlockSpec, experts, device: torch.device, quant: str):
+        super().__init__()
+        self.spec = spec
+        self.quant = quant
+        self.device = torch.device(device)
+        self.native_experts = experts  # native.Experts: E x (gate, up, down), packed on the host
+        self.num_experts, self.hidden_size, self.intermediate_size = spec.num_experts, spec.hidden, spec.intermediate
+        self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)  # Mixtral, training only
+        # uint8 [E]: nonzero = expert computed elsewhere (hot experts on the device, later); a plain attribute so
+        # that model.to(...) leaves it on the host where native reads it.
+        self.skip = torch.zeros(spec.num_experts, dtype=torch.uint8)
+        self.class_name = type(block).__name__
+        self._task = None  # native.Task, made on first forward
+        self._copied = None  # torch.cuda.Event: host copies done (CUDA only)
+        for attr in (spec.router, *SHARED_ATTRS[spec.shared]):  # same names as HF: state-dict keys unchanged
+            setattr(self, attr, getattr(block, attr).to(self.device))
+
+    def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's router on x [T, H]: (weights [T, k] f32 or bf16, ids [T, k] int64)."""
+        _, weights, ids = self._modules[self.spec.router](x)  # "gate" or "router" (gpt-oss)
+        return weights, ids
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"{self.class_name}: E={s.num_experts}, H={s.hidden}, I={s.intermediate}, quant={self.quant}, "
+                f"layout={s.layout}, shared={s.shared}, device={self.device}, "
+                f"host={self.native_experts.nbytes / 2**20:.1f} MiB")
+
+    def forward(self, hidden_states: torch.Tensor):
+        B, S, H = hidden_states.shape  # [B, S, H]
+        if self.training and self.jitter_noise > 0:  # Mixtral's router jitter (HF applies it in training only)
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            hidden_states = hidden_states * noise
+        x = hidden_states.reshape(-1, H)  # [T, H]
+        weights, ids = self.routing(x)  # [T, k], [T, k]
+        routed, shared = self._experts(x, ids, weights)
+        out = routed if shared is None else routed + shared
+        out = out.view(B, S, H)
+        return (out, weights) if self.spec.returns_scores else out
+
+    def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """(routed [T, H] on x's device, shared [T, H] or None), the two computed concurrently."""
+        T, H = x.shape
+        k = ids.shape[1]
+        on_cuda = x.device.type == "cuda"
+        if T == 0:
+            return x.new_zeros((0, H)), shared_output(self, self.spec.shared, x)
+        if on_cuda and stream_experts.active():  # graph warm-up/capture: the stream itself signals the host
+            runner = stream_experts.runner_for(self.native_experts, T, k, H, x.device, dtype=x.dtype,
+                                               weights_dtype=weights.dtype, skip=self.skip)
+            runner.start(x, ids, weights)
+            shared = shared_output(self, self.spec.shared, x)
+            return runner.finish(), shared  # static [T, H]: valid until this layer's next step
+        st = staging(pin=on_cuda)
+        hdt = _host_dtype(x.dtype)
+        h = st.get("hidden", T, H, hdt)
+        i = st.get("ids", T, k, torch.int64)
+        w = st.get("weights", T, k, torch.float32 if weights.dtype != torch.bfloat16 else torch.bfloat16)
+        o = st.get("out", T, H, hdt)
+        h.copy_(x.detach(), non_blocking=on_cuda)  # device -> pinned host, async on CUDA
+        i.copy_(ids, non_blocking=on_cuda)
+        w.copy_(weights.detach(), non_blocking=on_cuda)
+        shared = None
+        if on_cuda:
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            copied = self._copied
+            copied.record()  # after the three copies, on the current stream
+            shared = shared_output(self, self.spec.shared, x)  # queued on the GPU: overlaps the CPU experts
+            copied.synchronize()
+        task = self._bound_task(h, i, w, o)
+        task.submit()
+        try:
+            if not on_cuda:
+                shared = shared_output(self, self.spec.shared, x)
+        finally:
+            task.wait()  # always: the pool must be done with the buffers before anyone reuses them
+        routed = torch.empty((T, H), dtype=x.dtype, device=x.device)
+        routed.copy_(o, non_blocking=on_cuda)  # pinned host -> device; stream order protects `o` until done
+        return routed, shared
+
+    def _bound_task(self, h, i, w, o):
+        from ktinject import native
+
+        if self._task is None:
+            self._task = native.Task()
+        self._task.bind(self.native_experts, h, i, w, skip=self.skip, out=o)
+        return self._task
+
+
+@register("moe")
+class MoEOperator(Operator):
+    """Replace an MoE block by a HybridMoE: routed experts on the host (native), the rest on ``device``."""
+
+    kwargs_allowed = frozenset({"quant"})
+
+    @classmethod
+    def check(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> None:
+        spec = inspect_block(module, name)
+        _quant(kwargs, name)
+        if not spec.known:
+            log.warning("moe: %s (%s) is not a verified block class; driving it as one with router %r, shared "
+                        "experts %s, %s experts layout", name, type(module).__name__, spec.router, spec.shared,
+                        spec.layout)
+
+    @classmethod
+    def placement(cls, module: nn.Module, kwargs: Mapping[str, Any], device: torch.device) -> dict[str, int]:
+        spec = inspect_block(module, "<placement>")
+        host = packed_nbytes(spec, _quant(kwargs, "<placement>"))
+        on_device = tensor_bytes(module) - experts_nbytes(module)
+        out: dict[str, int] = {"cpu": host}
+        out[str(torch.device(device))] = out.get(str(torch.device(device)), 0) + on_device
+        return out
+
+    @classmethod
+    def build(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any], device: torch.device) -> nn.Module:
+        spec = inspect_block(module, name)
+        quant = _quant(kwargs, name)
+        experts = pack_experts(module, spec, quant, name)
+        free_experts(module)
+        hybrid = HybridMoE(module, spec, experts, device, quant)
+        hybrid.train(module.training)
+        log.debug("moe: %s -> %s", name, hybrid.extra_repr())
+        return hybrid

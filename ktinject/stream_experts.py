@@ -1,0 +1,263 @@
+"""Drive one MoE layer's native experts from the CUDA stream, so that a decode step can be captured as a graph.
+
+The eager HybridMoE path waits on an event from the host between the copies and the native task: graph capture
+cannot record that. Here the stream itself does the handshake (DESIGN.md §2):
+
+    start(x, ids, w):  async D2H copies x [T,H], ids [T,k], w [T,k] -> pinned staging
+                       cuStreamWriteValue32(go, 1)   ----> a pool thread (ktk_task_watch) sees go == 1, clears it,
+    ... the block's own GPU work (shared experts, GPU-resident experts) runs here ...    runs the task, sets done = 1
+    finish() -> [T,H]: cuStreamWaitValue32(done == 1); cuStreamWriteValue32(done, 0)
+                       async H2D copy staging out -> a static device buffer (returned)
+
+or, with ``mode="hostfn"`` (the slower fallback, kept for comparison): host-callback nodes calling the native
+``ktk_submit_fn`` / ``ktk_wait_fn`` instead of the two flag operations.
+
+Everything a captured graph touches (staging buffers, the go/done words, the task and its binding, the device
+output) is allocated once per (layer, T) and keeps its address until ``close()``. ``finish()`` returns the same
+device tensor every time: it is valid until this runner's next ``start``.
+
+Legend: T tokens, k experts per token, E experts, H hidden.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+
+from ktinject import cuda_driver
+
+_state = threading.local()
+
+
+def active() -> bool:
+    """True while the caller (GraphRunner warm-up and capture) wants HybridMoE to go through StreamExperts."""
+    return getattr(_state, "active", False)
+
+
+@contextlib.contextmanager
+def stream_mode(enabled: bool = True):
+    """Within this block (this thread), ``active()`` is ``enabled``."""
+    prev = active()
+    _state.active = enabled
+    try:
+        yield
+    finally:
+        _state.active = prev
+
+
+def _host_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What native reads/writes for a device tensor of ``dtype``: bf16 stays bf16, anything else is float32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+class StreamExperts:
+    """One layer's routed experts for a fixed token count T, signalled from the CUDA stream.
+
+    ``experts``: native.Experts; ``skip``: uint8 [E] host tensor read by native at run time (or None);
+    ``mode``: "memops" (stream memory operations), "hostfn" (host-callback nodes) or None (best available)."""
+
+    def __init__(self, experts, T: int, k: int, hidden: int, device, *, dtype=torch.bfloat16,
+                 weights_dtype=torch.float32, skip: torch.Tensor | None = None, mode: str | None = None, pool=None):
+        from ktinject import native
+
+        self.T, self.k, self.hidden = int(T), int(k), int(hidden)
+        self.device = torch.device(device)
+        self.dtype = dtype  # device dtype of hidden and output
+        self.mode = mode or cuda_driver.default_sync_mode()
+        if self.mode not in ("memops", "hostfn"):
+            raise ValueError(f"StreamExperts mode {self.mode!r}: expected 'memops' or 'hostfn'")
+        hdt = _host_dtype(dtype)
+        wdt = torch.bfloat16 if weights_dtype == torch.bfloat16 else torch.float32
+        pin = dict(pin_memory=True)
+        self.h = torch.zeros((self.T, self.hidden), dtype=hdt, **pin)  # [T, H]
+        self.ids = torch.zeros((self.T, self.k), dtype=torch.int64, **pin)  # [T, k]
+        self.w = torch.zeros((self.T, self.k), dtype=wdt, **pin)  # [T, k]
+        self.o = torch.zeros((self.T, self.hidden), dtype=hdt, **pin)  # [T, H]
+        self.out = torch.zeros((self.T, self.hidden), dtype=dtype, device=self.device)  # [T, H] static, on device
+        self.skip = skip
+        # go at word 0, done at word 16: separate 64-byte lines (the GPU writes one while the CPU polls the other)
+        self.flags = torch.zeros(32, dtype=torch.int32, **pin)
+        self.go_addr = self.flags.data_ptr()
+        self.done_addr = self.go_addr + 16 * 4
+        self.task = native.Task(pool)
+        self.task.bind(experts, self.h, self.ids, self.w, skip=skip, out=self.o)
+        self._watched = False
+        if self.mode == "memops":
+            self.go_dptr = cuda_driver.host_device_pointer(self.go_addr)
+            self.done_dptr = cuda_driver.host_device_pointer(self.done_addr)
+            self.task.watch(self.go_addr, self.done_addr)
+            self._watched = True
+        else:
+            self.submit_fn, self.wait_fn = native.host_fn_addresses()
+
+    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Queue on the current stream: copy x [T,H], ids [T,k], weights [T,k] to the host, then start the task."""
+        if x.shape != (self.T, self.hidden) or ids.shape != (self.T, self.k):
+            raise ValueError(f"StreamExperts(T={self.T}, k={self.k}, H={self.hidden}) got hidden "
+                             f"{tuple(x.shape)} and ids {tuple(ids.shape)}")
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.h.copy_(x.detach(), non_blocking=True)
+        self.ids.copy_(ids, non_blocking=True)
+        self.w.copy_(weights.detach(), non_blocking=True)
+        if self.mode == "memops":  # the default write fences the copies before it
+            cuda_driver.stream_write_value32(stream, self.go_dptr, 1)
+        else:
+            cuda_driver.launch_host_func(stream, self.submit_fn, self.task.address)
+
+    def finish(self) -> torch.Tensor:
+        """Queue on the current stream: wait for the task, copy its output to the device. Returns [T,H] (static)."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if self.mode == "memops":
+            cuda_driver.stream_wait_value32(stream, self.done_dptr, 1, cuda_driver.CU_STREAM_WAIT_VALUE_EQ)
+            cuda_driver.stream_write_value32(stream, self.done_dptr, 0)
+        else:
+            cuda_driver.launch_host_func(stream, self.wait_fn, self.task.address)
+        if self.o.dtype == self.dtype:
+            self.out.copy_(self.o, non_blocking=True)
+        else:  # e.g. f16 models: native writes f32
+            self.out.copy_(self.o.to(self.device, non_blocking=True))
+        return self.out
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """start + finish with nothing in between (tests, microbenchmarks)."""
+        self.start(x, ids, weights)
+        return self.finish()
+
+    def reset_flags(self) -> None:
+        """Host-side reset of go/done after an aborted step (call with the device idle)."""
+        self.flags.zero_()
+
+    def close(self) -> None:
+        """Stop watching and free the task (no captured graph that uses this runner may be replayed afterwards)."""
+        if self._watched:
+            self._watched = False
+            self.task.unwatch()
+        self.task.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# (experts object) -> {(T, k, H, device, dtype, weights dtype, mode): StreamExperts}; weak on the experts so a
+# dropped model frees its runners.
+_runners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_runners_strong: dict[int, tuple[object, dict]] = {}  # fallback for objects that take no weak references
+
+
+def _table(experts) -> dict:
+    try:
+        return _runners.setdefault(experts, {})
+    except TypeError:
+        return _runners_strong.setdefault(id(experts), (experts, {}))[1]
+
+
+def runner_for(experts, T: int, k: int, hidden: int, device, *, dtype=torch.bfloat16, weights_dtype=torch.float32,
+               skip: torch.Tensor | None = None, mode: str | None = None) -> StreamExperts:
+    """The cached StreamExperts of ``experts`` for T tokens (made on first use: call outside graph capture)."""
+    mode = mode or cuda_driver.default_sync_mode()
+    key = (int(T), int(k), int(hidden), str(torch.device(device)), dtype, weights_dtype, mode)
+    table = _table(experts)
+    r = table.get(key)
+    if r is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"StreamExperts for T={T} was not made before graph capture (warm up first)")
+        r = table[key] = StreamExperts(experts, T, k, hidden, device, dtype=dtype, weights_dtype=weights_dtype,
+                                       skip=skip, mode=mode)
+    return r
+
+
+def runners(experts=None) -> list[StreamExperts]:
+    """All cached runners (of one experts object, or of all)."""
+    if experts is not None:
+        return list(_table(experts).values())
+    tables = list(_runners.values()) + [t for _, t in _runners_strong.values()]
+    return [r for t in tables for r in t.values()]
+
+
+def release(experts=None) -> None:
+    """Close and forget the cached runners (of one experts object, or all). Captured graphs using them are dead."""
+    if experts is None:
+        for r in runners():
+            r.close()
+        _runners.clear()
+        _runners_strong.clear()
+        return
+    for r in runners(experts):
+        r.close()
+    try:
+        _runners.pop(experts, None)
+    except TypeError:
+        _runners_strong.pop(id(experts), None)
+
+
+def handshake_cost(n: int = 48, iters: int = 50, mode: str | None = None, device="cuda", pool=None) -> dict:
+    """Microbenchmark of the coordination alone: a graph of ``n`` start/finish pairs whose tasks compute nothing
+    (every expert skipped), on ``pool`` (default: the default pool). Returns {"mode", "per_handshake_us",
+    "replay_us", "empty_replay_us"}."""
+    from ktinject import native
+
+    H, E, k = 64, 4, 2
+    experts = _tiny_experts(E, H, 32)
+    skip = torch.ones(E, dtype=torch.uint8)
+    rs = [StreamExperts(experts, 1, k, H, device, dtype=torch.bfloat16, skip=skip, mode=mode, pool=pool)
+          for _ in range(n)]
+    x = torch.zeros((1, H), dtype=torch.bfloat16, device=device)
+    ids = torch.zeros((1, k), dtype=torch.int64, device=device)
+    w = torch.zeros((1, k), dtype=torch.float32, device=device)
+
+    def step():
+        y = x
+        for r in rs:
+            r.start(y, ids, w)
+            y = r.finish()
+        return y
+
+    def timed(g):
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(iters):
+            g.replay()
+        t1.record()
+        torch.cuda.synchronize()
+        return t0.elapsed_time(t1) * 1e3 / iters
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        step()
+    g0 = torch.cuda.CUDAGraph()  # same copies, no handshakes
+    with torch.cuda.graph(g0, capture_error_mode="thread_local"):
+        y = x
+        for r in rs:
+            r.h.copy_(y, non_blocking=True)
+            r.ids.copy_(ids, non_blocking=True)
+            r.w.copy_(w, non_blocking=True)
+            r.out.copy_(r.o, non_blocking=True)
+            y = r.out
+    full, empty = timed(g), timed(g0)
+    for r in rs:
+        r.close()
+    return {"mode": rs[0].mode, "n": n, "replay_us": full, "empty_replay_us": empty,
+            "per_handshake_us": (full - empty) / n}
+
+
+def _tiny_experts(E: int, H: int, I: int):
+    """A native.Experts of small random bf16 experts (for microbenchmarks)."""
+    from ktinject import native
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5  # [E, 2I, H]
+    down = torch.randn(E, H, I, generator=gen) / I ** 0.5  # [E, H, I]
+    return native.Experts.from_hf(gate_up, down)

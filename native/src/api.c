@@ -1,0 +1,297 @@
+/* Public entry points: argument checks (error code + thread-local message naming the argument, expected vs got),
+ * then the internal ktki_* functions, which assume valid arguments. Nothing here crashes on bad input.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define KTK_VERSION "0.1.0"
+#define MAX_EXPERTS 65536
+#define MAX_DIM (1 << 20)          /* H, I */
+#define MAX_TOKENS (1 << 22)       /* T per forward */
+#define MAX_K 64
+#define MAX_THREADS 4096
+#define MAX_NBYTES (1LL << 46)     /* 64 TiB of packed weights: anything larger is a wrong size */
+#define MAX_STRIDE (1LL << 40)     /* elements */
+
+/* ---- errors ---- */
+static _Thread_local char t_msg[KTKI_MSG_LEN];
+
+int ktki_error(int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t_msg, sizeof t_msg, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+void ktki_error_clear(void) { t_msg[0] = 0; }
+const char *ktki_error_msg(void) { return t_msg; }
+void ktki_error_set_msg(int code, const char *msg) {
+    (void)code;
+    snprintf(t_msg, sizeof t_msg, "%s", msg);
+}
+const char *ktk_last_error(void) { return t_msg; }
+
+#define CHECK_NULL(p, fn) \
+    if (!(p)) return ktki_error(KTK_ERR_NULL, "%s: argument '%s' is NULL", fn, #p)
+
+static const char *mat_name(int which) {
+    return which == KTK_MAT_GATE ? "gate" : which == KTK_MAT_UP ? "up" : "down";
+}
+
+static int check_dtype(const char *fn, const char *arg, int dtype, int allow_f16) {
+    if (dtype == KTK_DTYPE_F32 || dtype == KTK_DTYPE_BF16 || (allow_f16 && dtype == KTK_DTYPE_F16)) return KTK_OK;
+    return ktki_error(KTK_ERR_DTYPE, "%s: %s = %d is not supported (expected %s)", fn, arg, dtype,
+                      allow_f16 ? "KTK_DTYPE_F32=0, KTK_DTYPE_BF16=1 or KTK_DTYPE_F16=2"
+                                : "KTK_DTYPE_F32=0 or KTK_DTYPE_BF16=1");
+}
+
+static int check_expert(const char *fn, const ktk_experts *ex, int expert, int which) {
+    if (expert < 0 || expert >= ex->cfg.num_experts)
+        return ktki_error(KTK_ERR_RANGE, "%s: expert = %d is out of range (expected 0 <= expert < %d)", fn, expert,
+                          ex->cfg.num_experts);
+    if (which < KTK_MAT_GATE || which > KTK_MAT_DOWN)
+        return ktki_error(KTK_ERR_RANGE, "%s: which = %d is not a matrix (expected KTK_MAT_GATE=0, "
+                          "KTK_MAT_UP=1 or KTK_MAT_DOWN=2)", fn, which);
+    return KTK_OK;
+}
+
+/* ---- library ---- */
+const char *ktk_version(void) { return KTK_VERSION; }
+uint32_t ktk_cpu_features(void) { return ktki_cpu_features(); }
+int ktk_isa_best(void) { return ktki_isa_best(); }
+int ktk_isa_get(void) { return ktki_isa_get(); }
+int ktk_isa_available(int isa) { return ktki_isa_available(isa); }
+int ktk_physical_cores(void) { return ktki_physical_cores(); }
+
+int ktk_isa_set(int isa) {
+    if (isa < KTK_ISA_GENERIC || isa > KTK_ISA_AMX)
+        return ktki_error(KTK_ERR_ISA, "ktk_isa_set: isa = %d is not an ISA (expected 0..3: generic, avx2, "
+                          "avx512, amx)", isa);
+    return ktki_isa_set(isa);
+}
+
+const char *ktk_isa_name(int isa) {
+    static const char *names[] = {"generic", "avx2", "avx512", "amx"};
+    return isa >= KTK_ISA_GENERIC && isa <= KTK_ISA_AMX ? names[isa] : NULL;
+}
+
+/* ---- pool ---- */
+int ktk_pool_create(int nthreads, int pin, ktk_pool **out) {
+    CHECK_NULL(out, "ktk_pool_create");
+    *out = NULL;
+    if (nthreads <= 0) nthreads = ktki_physical_cores();
+    if (nthreads > MAX_THREADS)
+        return ktki_error(KTK_ERR_SHAPE, "ktk_pool_create: nthreads = %d is too large (expected <= %d)", nthreads,
+                          MAX_THREADS);
+    return ktki_pool_create(nthreads, pin, out);
+}
+
+int ktk_pool_threads(const ktk_pool *pool) {
+    if (!pool) return -ktki_error(KTK_ERR_NULL, "ktk_pool_threads: argument 'pool' is NULL");
+    return ktki_pool_threads(pool);
+}
+
+void ktk_pool_destroy(ktk_pool *pool) {
+    if (pool) ktki_pool_destroy(pool);
+}
+
+/* ---- experts ---- */
+static int check_config(const ktk_experts_config *c) {
+    const char *fn = "ktk_experts_create";
+    if (c->num_experts < 1 || c->num_experts > MAX_EXPERTS)
+        return ktki_error(KTK_ERR_SHAPE, "%s: num_experts = %d (expected 1..%d)", fn, c->num_experts, MAX_EXPERTS);
+    if (c->hidden < 1 || c->hidden > MAX_DIM)
+        return ktki_error(KTK_ERR_SHAPE, "%s: hidden = %d (expected 1..%d)", fn, c->hidden, MAX_DIM);
+    if (c->intermediate < 1 || c->intermediate > MAX_DIM)
+        return ktki_error(KTK_ERR_SHAPE, "%s: intermediate = %d (expected 1..%d)", fn, c->intermediate, MAX_DIM);
+    if (c->quant != KTK_QUANT_BF16 && c->quant != KTK_QUANT_INT8)
+        return ktki_error(KTK_ERR_DTYPE, "%s: quant = %d (expected KTK_QUANT_BF16=0 or KTK_QUANT_INT8=1)", fn,
+                          c->quant);
+    if (c->activation != KTK_ACT_SILU && c->activation != KTK_ACT_GPTOSS)
+        return ktki_error(KTK_ERR_DTYPE, "%s: activation = %d (expected KTK_ACT_SILU=0 or KTK_ACT_GPTOSS=1)", fn,
+                          c->activation);
+    if (c->has_bias != 0 && c->has_bias != 1)
+        return ktki_error(KTK_ERR_SHAPE, "%s: has_bias = %d (expected 0 or 1)", fn, c->has_bias);
+    if (c->activation == KTK_ACT_GPTOSS && (!isfinite(c->alpha) || !(c->limit > 0.0f) || !isfinite(c->limit)))
+        return ktki_error(KTK_ERR_SHAPE, "%s: gptoss activation needs finite alpha and limit > 0 (got alpha = %g, "
+                          "limit = %g)", fn, (double)c->alpha, (double)c->limit);
+    int64_t H = c->hidden, I = c->intermediate;
+    int64_t per = 3 * (H + 16) * (I + 64) * 2 + 3 * (H + I + 32) * 8;   /* upper bound of one expert's bytes */
+    if (per * c->num_experts > MAX_NBYTES)
+        return ktki_error(KTK_ERR_SHAPE, "%s: %d experts of hidden %d x intermediate %d need more than %lld bytes",
+                          fn, c->num_experts, c->hidden, c->intermediate, MAX_NBYTES);
+    return KTK_OK;
+}
+
+int ktk_experts_create(const ktk_experts_config *cfg, ktk_experts **out) {
+    CHECK_NULL(out, "ktk_experts_create");
+    *out = NULL;
+    CHECK_NULL(cfg, "ktk_experts_create");
+    int rc = ktki_isa_check();
+    if (rc == KTK_OK) rc = check_config(cfg);
+    return rc == KTK_OK ? ktki_experts_create(cfg, out) : rc;
+}
+
+void ktk_experts_destroy(ktk_experts *ex) {
+    if (ex) ktki_experts_destroy(ex);
+}
+
+int ktk_experts_set(ktk_experts *ex, int expert, int which, const void *src, int src_dtype, int64_t stride_out,
+                    int64_t stride_in) {
+    const char *fn = "ktk_experts_set";
+    CHECK_NULL(ex, fn);
+    CHECK_NULL(src, fn);
+    int rc = check_expert(fn, ex, expert, which);
+    if (rc == KTK_OK) rc = check_dtype(fn, "src_dtype", src_dtype, 1);
+    if (rc != KTK_OK) return rc;
+    if (stride_out <= -MAX_STRIDE || stride_out >= MAX_STRIDE || stride_in <= -MAX_STRIDE || stride_in >= MAX_STRIDE)
+        return ktki_error(KTK_ERR_SHAPE, "%s: strides (stride_out = %lld, stride_in = %lld) out of range (expected "
+                          "|stride| < 2^40 elements)", fn, (long long)stride_out, (long long)stride_in);
+    return ktki_experts_set(ex, expert, which, src, src_dtype, stride_out, stride_in);
+}
+
+int ktk_experts_set_bias(ktk_experts *ex, int expert, int which, const void *src, int src_dtype) {
+    const char *fn = "ktk_experts_set_bias";
+    CHECK_NULL(ex, fn);
+    CHECK_NULL(src, fn);
+    int rc = check_expert(fn, ex, expert, which);
+    if (rc == KTK_OK) rc = check_dtype(fn, "src_dtype", src_dtype, 1);
+    if (rc != KTK_OK) return rc;
+    if (!ex->cfg.has_bias)
+        return ktki_error(KTK_ERR_STATE, "%s: experts were created with has_bias = 0 (no %s bias to set)", fn,
+                          mat_name(which));
+    return ktki_experts_set_bias(ex, expert, which, src, src_dtype);
+}
+
+int ktk_experts_get(const ktk_experts *ex, int expert, int which, float *dst) {
+    const char *fn = "ktk_experts_get";
+    CHECK_NULL(ex, fn);
+    CHECK_NULL(dst, fn);
+    int rc = check_expert(fn, ex, expert, which);
+    return rc == KTK_OK ? ktki_experts_get(ex, expert, which, dst) : rc;
+}
+
+int64_t ktk_experts_nbytes(const ktk_experts *ex) {
+    if (!ex) return -ktki_error(KTK_ERR_NULL, "ktk_experts_nbytes: argument 'ex' is NULL");
+    return ex->nbytes;
+}
+
+static int check_size(const char *fn, const ktk_experts *ex, int64_t size) {
+    if (size != ex->nbytes)
+        return ktki_error(KTK_ERR_SHAPE, "%s: size = %lld bytes, expected ktk_experts_nbytes = %lld", fn,
+                          (long long)size, (long long)ex->nbytes);
+    return KTK_OK;
+}
+
+int ktk_experts_export(const ktk_experts *ex, void *dst, int64_t size) {
+    CHECK_NULL(ex, "ktk_experts_export");
+    CHECK_NULL(dst, "ktk_experts_export");
+    int rc = check_size("ktk_experts_export", ex, size);
+    if (rc == KTK_OK) memcpy(dst, ex->base, (size_t)size);
+    return rc;
+}
+
+int ktk_experts_import(ktk_experts *ex, const void *src, int64_t size) {
+    CHECK_NULL(ex, "ktk_experts_import");
+    CHECK_NULL(src, "ktk_experts_import");
+    int rc = check_size("ktk_experts_import", ex, size);
+    return rc == KTK_OK ? ktki_experts_import(ex, src, size) : rc;
+}
+
+/* ---- tasks ---- */
+int ktk_task_create(ktk_pool *pool, ktk_task **out) {
+    CHECK_NULL(out, "ktk_task_create");
+    *out = NULL;
+    CHECK_NULL(pool, "ktk_task_create");
+    ktk_task *t = aligned_alloc(64, (sizeof(ktk_task) + 63) & ~(size_t)63);
+    if (!t) return ktki_error(KTK_ERR_NOMEM, "ktk_task_create: out of memory");
+    ktki_task_init(t, pool);
+    *out = t;
+    return KTK_OK;
+}
+
+void ktk_task_destroy(ktk_task *task) {
+    if (!task) return;
+    ktki_task_finish(task);
+    free(task);
+}
+
+static int check_forward(const char *fn, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
+                         const int64_t *ids, const void *weights, int weights_dtype, void *out, int out_dtype) {
+    CHECK_NULL(ex, fn);
+    CHECK_NULL(hidden, fn);
+    CHECK_NULL(ids, fn);
+    CHECK_NULL(weights, fn);
+    CHECK_NULL(out, fn);
+    int rc = ktki_isa_check();
+    if (rc != KTK_OK) return rc;
+    if (T < 1 || T > MAX_TOKENS)
+        return ktki_error(KTK_ERR_SHAPE, "%s: T = %d tokens (expected 1..%d)", fn, T, MAX_TOKENS);
+    if (k < 1 || k > MAX_K || k > ex->cfg.num_experts)
+        return ktki_error(KTK_ERR_SHAPE, "%s: k = %d experts per token (expected 1 <= k <= min(E = %d, %d))", fn, k,
+                          ex->cfg.num_experts, MAX_K);
+    rc = check_dtype(fn, "hidden_dtype", hidden_dtype, 1);
+    if (rc == KTK_OK) rc = check_dtype(fn, "weights_dtype", weights_dtype, 0);
+    if (rc == KTK_OK) rc = check_dtype(fn, "out_dtype", out_dtype, 0);
+    return rc;
+}
+
+int ktk_task_bind(ktk_task *task, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
+                  const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, void *out,
+                  int out_dtype) {
+    CHECK_NULL(task, "ktk_task_bind");
+    int rc = check_forward("ktk_task_bind", ex, T, k, hidden, hidden_dtype, ids, weights, weights_dtype, out,
+                           out_dtype);
+    return rc == KTK_OK ? ktki_task_bind(task, ex, T, k, hidden, hidden_dtype, ids, weights, weights_dtype, skip,
+                                         out, out_dtype) : rc;
+}
+
+int ktk_submit(ktk_task *task) {
+    CHECK_NULL(task, "ktk_submit");
+    return ktki_submit(task);
+}
+
+int ktk_wait(ktk_task *task) {
+    CHECK_NULL(task, "ktk_wait");
+    return ktki_wait(task);
+}
+
+void ktk_submit_fn(void *task) {
+    if (task) ktki_submit_fn(task);
+}
+
+void ktk_wait_fn(void *task) {
+    if (task) ktki_wait_fn(task);
+}
+
+int ktk_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
+                const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, void *out,
+                int out_dtype) {
+    CHECK_NULL(pool, "ktk_forward");
+    int rc = check_forward("ktk_forward", ex, T, k, hidden, hidden_dtype, ids, weights, weights_dtype, out,
+                           out_dtype);
+    return rc == KTK_OK ? ktki_forward(pool, ex, T, k, hidden, hidden_dtype, ids, weights, weights_dtype, skip, out,
+                                       out_dtype) : rc;
+}
+
+int ktk_task_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done) {
+    CHECK_NULL(task, "ktk_task_watch");
+    CHECK_NULL(go, "ktk_task_watch");
+    CHECK_NULL(done, "ktk_task_watch");
+    if (((uintptr_t)go & 3) || ((uintptr_t)done & 3))
+        return ktki_error(KTK_ERR_SHAPE, "ktk_task_watch: go and done must be 4-byte aligned (got %p, %p)",
+                          (void *)go, (void *)done);
+    return ktki_watch(task, go, done);
+}
+
+int ktk_task_unwatch(ktk_task *task) {
+    CHECK_NULL(task, "ktk_task_unwatch");
+    return ktki_unwatch(task);
+}

@@ -1,0 +1,128 @@
+/* Experts of one MoE layer: packed storage (one zero-filled mapping), set/get/bias, export/import.
+ *
+ * Region of expert e (E regions back to back, each a multiple of 64 bytes; the whole mapping is what
+ * ktk_experts_export copies):
+ *   gate [I, H], up [I, H], down [H, I], each packed per kernels.h:
+ *     bf16: data [Np * Kp] uint16
+ *     int8: data [Np * Kp] int8, scale [Np] float, wsum [Np] int32
+ *   with has_bias: gate bias [Np(I)] float, up bias [Np(I)] float, down bias [Np(H)] float (zero padding).
+ */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "internal.h"
+
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+static int64_t mat_bytes(int quant, int64_t Np, int64_t Kp) {
+    return quant == KTK_QUANT_BF16 ? Np * Kp * 2 : Np * Kp + Np * 4 + Np * 4;
+}
+
+int ktki_experts_create(const ktk_experts_config *cfg, ktk_experts **out) {
+    ktk_experts *ex = calloc(1, sizeof *ex);
+    if (!ex) return ktki_error(KTK_ERR_NOMEM, "ktk_experts_create: out of memory");
+    ex->cfg = *cfg;
+    const int32_t H = cfg->hidden, I = cfg->intermediate;
+    const int32_t N[3] = {I, I, H}, K[3] = {H, H, I};
+    int64_t off = 0;
+    for (int w = 0; w < 3; w++) {
+        ex->out_n[w] = N[w];
+        ex->in_k[w] = K[w];
+        ex->Np[w] = (int32_t)round_up(N[w], 16);
+        ex->Kp[w] = (int32_t)round_up(K[w], 64);
+        ex->mat_off[w] = off;
+        off += mat_bytes(cfg->quant, ex->Np[w], ex->Kp[w]);
+    }
+    for (int w = 0; w < 3; w++) {
+        ex->bias_off[w] = cfg->has_bias ? off : -1;
+        if (cfg->has_bias) off += (int64_t)ex->Np[w] * 4;
+    }
+    ex->expert_bytes = round_up(off, 64);
+    ex->nbytes = ex->expert_bytes * cfg->num_experts;
+    ex->ready = calloc((size_t)cfg->num_experts * 3, 1);
+    void *base = mmap(NULL, (size_t)ex->nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (!ex->ready || base == MAP_FAILED) {
+        long long nbytes = (long long)ex->nbytes;
+        if (base != MAP_FAILED) munmap(base, (size_t)ex->nbytes);
+        free(ex->ready);
+        free(ex);
+        return ktki_error(KTK_ERR_NOMEM, "ktk_experts_create: cannot allocate %lld bytes of packed weights", nbytes);
+    }
+#ifdef MADV_HUGEPAGE
+    if (ex->nbytes >= (1 << 21)) (void)madvise(base, (size_t)ex->nbytes, MADV_HUGEPAGE);
+#endif
+    ex->base = base;
+    *out = ex;
+    return KTK_OK;
+}
+
+void ktki_experts_destroy(ktk_experts *ex) {
+    munmap(ex->base, (size_t)ex->nbytes);
+    free(ex->ready);
+    free(ex);
+}
+
+ktk_mat ktki_expert_mat(const ktk_experts *ex, int e, int which) {
+    uint8_t *p = ex->base + ex->expert_bytes * e + ex->mat_off[which];
+    int64_t Np = ex->Np[which], Kp = ex->Kp[which];
+    ktk_mat m = {ex->out_n[which], ex->in_k[which], (int32_t)Np, (int32_t)Kp, ex->cfg.quant, NULL, NULL, NULL, NULL};
+    if (ex->cfg.quant == KTK_QUANT_BF16) {
+        m.data_bf16 = (const uint16_t *)p;
+    } else {
+        m.data_i8 = (const int8_t *)p;
+        m.scale = (const float *)(p + Np * Kp);
+        m.wsum = (const int32_t *)(p + Np * Kp + Np * 4);
+    }
+    return m;
+}
+
+const float *ktki_expert_bias(const ktk_experts *ex, int e, int which) {
+    if (ex->bias_off[which] < 0) return NULL;
+    return (const float *)(ex->base + ex->expert_bytes * e + ex->bias_off[which]);
+}
+
+static int64_t dtype_size(int dtype) { return dtype == KTK_DTYPE_F32 ? 4 : 2; }
+
+int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dtype, int64_t so, int64_t si) {
+    ktk_mat m = ktki_expert_mat(ex, e, which);
+    float *row = malloc((size_t)m.K * sizeof(float));
+    int8_t *q = m.quant == KTK_QUANT_INT8 ? malloc((size_t)m.K) : NULL;
+    if (!row || (m.quant == KTK_QUANT_INT8 && !q)) {
+        free(row);
+        free(q);
+        return ktki_error(KTK_ERR_NOMEM, "ktk_experts_set: out of memory");
+    }
+    const char *base = src;
+    const int64_t es = dtype_size(dtype);
+    for (int n = 0; n < m.N; n++) {
+        ktki_to_f32(base + (int64_t)n * so * es, dtype, m.K, si, row);
+        if (m.quant == KTK_QUANT_BF16)
+            ktki_pack_bf16(&m, (uint16_t *)m.data_bf16, n, row);
+        else
+            ktki_pack_int8(&m, (int8_t *)m.data_i8, (float *)m.scale, (int32_t *)m.wsum, n, row, q);
+    }
+    free(row);
+    free(q);
+    ex->ready[(int64_t)e * 3 + which] = 1;
+    return KTK_OK;
+}
+
+int ktki_experts_set_bias(ktk_experts *ex, int e, int which, const void *src, int dtype) {
+    float *b = (float *)ktki_expert_bias(ex, e, which);
+    ktki_to_f32(src, dtype, ex->out_n[which], 1, b);
+    return KTK_OK;
+}
+
+int ktki_experts_get(const ktk_experts *ex, int e, int which, float *dst) {
+    ktk_mat m = ktki_expert_mat(ex, e, which);
+    for (int n = 0; n < m.N; n++) ktki_unpack(&m, n, dst + (int64_t)n * m.K);
+    return KTK_OK;
+}
+
+int ktki_experts_import(ktk_experts *ex, const void *src, int64_t size) {
+    memcpy(ex->base, src, (size_t)size);
+    memset(ex->ready, 1, (size_t)ex->cfg.num_experts * 3);
+    return KTK_OK;
+}

@@ -1,0 +1,308 @@
+/* Forward orchestration of one MoE layer (ISA-independent; the kernels do the matrix products).
+ *
+ * Phases (each a parallel-for on the pool, separated by barriers):
+ *   route (serial): validate ids, count rows per expert (skipping masked experts), rows sorted by (expert, token)
+ *   gather:   x [R, Kp(H)] activations of every row (bf16 zero-padded, or int8 per row + scale + sum)
+ *   gate/up:  items (expert, <= RT rows, <= CWMAX blocks of 16 outputs of I): h = act(g + bg, u + bu)
+ *             -> h [R, Kp(I)] bf16, or float [R, I] quantized per row in a following phase for int8
+ *   down:     items (<= CWMAX blocks of 16 columns of H, <= TC tokens): for each active expert in ascending
+ *             order, acc[t] += w * (down_e(h) + bd) on these columns; then out = acc (F32 or BF16). One item owns
+ *             its (tokens, columns) of out, so the sum order per token is fixed: results do not depend on threads.
+ * Block sizes give >= ITEMS_PER_THREAD items per thread where possible: 1 token x 8 experts has 8 experts x
+ * (I/16/cw) gate/up items and (H/16/cw) down items; thousands of tokens split into RT-row and TC-token chunks.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define RT 256                /* rows per gemm call */
+#define TC 1024               /* tokens per down item */
+#define CWMAX 8               /* 16-column blocks per item at most (128 columns) */
+#define ITEMS_PER_THREAD 4
+#define GATHER_ROWS 32
+
+typedef struct { int32_t a, r0, r1, cb0, cb1; } gu_item; /* active expert index, rows, column blocks */
+
+typedef struct {
+    const ktk_task *t;
+    const ktk_experts *ex;
+    ktk_gemm_fn gemm;
+    ktk_pool *pool;
+    int T, k, E, H, I, quant, act, KpH, KpI, UI, UH;
+    float alpha, limit;
+    int A, R;                          /* active experts, rows */
+    int32_t *start, *act_e, *off, *tok;  /* [E], [A], [A+1], [R] */
+    float *wt;                          /* [R] routing weight of each row */
+    uint16_t *x16, *h16;
+    int8_t *x8, *h8;
+    float *xs, *hs, *hf;
+    int32_t *xsum, *hsum;
+    gu_item *gu;
+    int64_t ngu;
+    int cw_gu, cw_dn, ntc;
+} fctx;
+
+static size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* ---- route ---- */
+static float routing_weight(const ktk_task *t, int64_t i) {
+    if (t->weights_dtype == KTK_DTYPE_F32) return ((const float *)t->weights)[i];
+    return ktk_bf16_to_f32(((const uint16_t *)t->weights)[i]);
+}
+
+static int route(fctx *c) {
+    const ktk_task *t = c->t;
+    const int64_t n = (int64_t)c->T * c->k;
+    int32_t *cnt = c->start;
+    memset(cnt, 0, (size_t)c->E * sizeof *cnt);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t id = t->ids[i];
+        if (id < 0 || id >= c->E)
+            return ktki_error(KTK_ERR_RANGE, "expert id out of range: ids[%lld][%lld] (token %lld, slot %lld) = %lld, "
+                              "expected 0 <= id < E = %d", (long long)(i / c->k), (long long)(i % c->k),
+                              (long long)(i / c->k), (long long)(i % c->k), (long long)id, c->E);
+        if (!t->skip || !t->skip[id]) cnt[id]++;
+    }
+    c->A = c->R = 0;
+    for (int e = 0; e < c->E; e++) {
+        if (cnt[e] == 0) continue;
+        for (int w = 0; w < 3; w++)
+            if (!c->ex->ready[(int64_t)e * 3 + w])
+                return ktki_error(KTK_ERR_STATE, "expert %d is routed to but its %s weights were never set "
+                                  "(ktk_experts_set)", e, w == 0 ? "gate" : w == 1 ? "up" : "down");
+        c->act_e[c->A] = e;
+        c->off[c->A++] = c->R;
+        int32_t rows = cnt[e];
+        cnt[e] = c->R;   /* from here on: next free row of expert e */
+        c->R += rows;
+    }
+    c->off[c->A] = c->R;
+    for (int64_t i = 0; i < n; i++) {   /* token-major: rows of each expert come out sorted by token */
+        int64_t id = t->ids[i];
+        if (t->skip && t->skip[id]) continue;
+        int32_t r = c->start[id]++;
+        c->tok[r] = (int32_t)(i / c->k);
+        c->wt[r] = routing_weight(t, i);
+    }
+    return KTK_OK;
+}
+
+/* ---- block sizes and scratch ---- */
+static int choose_cw(int64_t row_chunks, int units, int threads) {
+    int64_t target = (int64_t)ITEMS_PER_THREAD * threads;
+    int cw = CWMAX;
+    while (cw > 1 && row_chunks * ((units + cw - 1) / cw) < target) cw /= 2;
+    return cw < units ? cw : units;
+}
+
+static int plan(fctx *c) {
+    const int nt = ktki_pool_threads(c->pool);
+    int64_t chunks = 0;
+    for (int a = 0; a < c->A; a++) chunks += (c->off[a + 1] - c->off[a] + RT - 1) / RT;
+    c->cw_gu = choose_cw(chunks, c->UI, nt);
+    c->ntc = (c->T + TC - 1) / TC;
+    c->cw_dn = choose_cw(c->ntc, c->UH, nt);
+    const int ngroups = (c->UI + c->cw_gu - 1) / c->cw_gu;
+    c->gu = ktki_scratch(c->pool, KTKI_SCR_ITEMS, (size_t)(chunks * ngroups + 1) * sizeof(gu_item));
+    if (!c->gu) return 0;
+    c->ngu = 0;
+    for (int a = 0; a < c->A; a++)
+        for (int g = 0; g < ngroups; g++)
+            for (int r0 = c->off[a]; r0 < c->off[a + 1]; r0 += RT) {
+                int r1 = r0 + RT < c->off[a + 1] ? r0 + RT : c->off[a + 1];
+                int cb1 = (g + 1) * c->cw_gu < c->UI ? (g + 1) * c->cw_gu : c->UI;
+                c->gu[c->ngu++] = (gu_item){a, r0, r1, g * c->cw_gu, cb1};
+            }
+    const size_t R = (size_t)c->R, KpH = (size_t)c->KpH, KpI = (size_t)c->KpI;
+    const int q8 = c->quant == KTK_QUANT_INT8;
+    uint8_t *x = ktki_scratch(c->pool, KTKI_SCR_X, q8 ? a64(R * KpH) + 2 * a64(R * 4) : a64(R * KpH * 2));
+    uint8_t *h = ktki_scratch(c->pool, KTKI_SCR_H, q8 ? a64(R * KpI) + 2 * a64(R * 4) : a64(R * KpI * 2));
+    if (!x || !h) return 0;
+    if (q8) {
+        c->x8 = (int8_t *)x;
+        c->xs = (float *)(x + a64(R * KpH));
+        c->xsum = (int32_t *)(x + a64(R * KpH) + a64(R * 4));
+        c->h8 = (int8_t *)h;
+        c->hs = (float *)(h + a64(R * KpI));
+        c->hsum = (int32_t *)(h + a64(R * KpI) + a64(R * 4));
+        c->hf = ktki_scratch(c->pool, KTKI_SCR_HF, R * (size_t)c->I * 4 + 64);
+        if (!c->hf) return 0;
+    } else {
+        c->x16 = (uint16_t *)x;
+        c->h16 = (uint16_t *)h;
+    }
+    size_t per_thread = (size_t)c->H * 4;
+    size_t gu = 2 * (size_t)RT * c->cw_gu * 16 * 4, dn = (size_t)(RT + TC) * c->cw_dn * 16 * 4;
+    per_thread = per_thread > gu ? per_thread : gu;
+    per_thread = per_thread > dn ? per_thread : dn;
+    return ktki_thread_scratch_reserve(c->pool, per_thread + 64);
+}
+
+/* ---- gather ---- */
+static void gather_item(void *ctx, int64_t item, int tid) {
+    fctx *c = ctx;
+    const int64_t es = c->t->hidden_dtype == KTK_DTYPE_F32 ? 4 : 2;
+    float *tmp = ktki_thread_scratch(c->pool, tid);
+    int r1 = (int)((item + 1) * GATHER_ROWS < c->R ? (item + 1) * GATHER_ROWS : c->R);
+    for (int r = (int)(item * GATHER_ROWS); r < r1; r++) {
+        const char *src = (const char *)c->t->hidden + (int64_t)c->tok[r] * c->H * es;
+        if (c->quant == KTK_QUANT_INT8) {
+            int8_t *dst = c->x8 + (int64_t)r * c->KpH;
+            ktki_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
+            c->xsum[r] = ktki_quantize_row(tmp, c->H, dst, &c->xs[r]);
+            memset(dst + c->H, 0, (size_t)(c->KpH - c->H));
+            continue;
+        }
+        uint16_t *dst = c->x16 + (int64_t)r * c->KpH;
+        if (c->t->hidden_dtype == KTK_DTYPE_BF16) {
+            memcpy(dst, src, (size_t)c->H * 2);
+        } else {
+            ktki_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
+            for (int j = 0; j < c->H; j++) dst[j] = ktk_f32_to_bf16(tmp[j]);
+        }
+        memset(dst + c->H, 0, (size_t)(c->KpH - c->H) * 2);
+    }
+}
+
+static ktk_act rows_of(const fctx *c, int h, int r0, int r1) {
+    ktk_act x = {r1 - r0, h ? c->KpI : c->KpH, NULL, NULL, NULL, NULL};
+    int64_t o = (int64_t)r0 * x.Kp;
+    if (c->quant == KTK_QUANT_BF16) {
+        x.x_bf16 = (h ? c->h16 : c->x16) + o;
+    } else {
+        x.x_i8 = (h ? c->h8 : c->x8) + o;
+        x.x_scale = (h ? c->hs : c->xs) + r0;
+        x.x_sum = (h ? c->hsum : c->xsum) + r0;
+    }
+    return x;
+}
+
+/* ---- gate/up + activation ---- */
+static inline float activation(const fctx *c, float g, float u) {
+    if (c->act == KTK_ACT_SILU) return g / (1.0f + expf(-g)) * u;
+    g = fminf(g, c->limit);
+    u = fminf(fmaxf(u, -c->limit), c->limit);
+    return g / (1.0f + expf(-c->alpha * g)) * (u + 1.0f);
+}
+
+static void gate_up_item(void *ctx, int64_t item, int tid) {
+    fctx *c = ctx;
+    const gu_item it = c->gu[item];
+    const int e = c->act_e[it.a], bw = (it.cb1 - it.cb0) * 16;
+    const ktk_mat g = ktki_expert_mat(c->ex, e, KTK_MAT_GATE), u = ktki_expert_mat(c->ex, e, KTK_MAT_UP);
+    const float *bg = ktki_expert_bias(c->ex, e, KTK_MAT_GATE), *bu = ktki_expert_bias(c->ex, e, KTK_MAT_UP);
+    float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)RT * bw;
+    ktk_act x = rows_of(c, 0, it.r0, it.r1);
+    c->gemm(&g, it.cb0, it.cb1, &x, gs, bw);
+    c->gemm(&u, it.cb0, it.cb1, &x, us, bw);
+    const int j0 = it.cb0 * 16, j1 = it.cb1 * 16 < c->I ? it.cb1 * 16 : c->I, last = it.cb1 * 16 >= c->I;
+    for (int r = it.r0; r < it.r1; r++) {
+        const float *gr = gs + (int64_t)(r - it.r0) * bw - j0, *ur = us + (int64_t)(r - it.r0) * bw - j0;
+        if (c->quant == KTK_QUANT_INT8) {
+            float *hr = c->hf + (int64_t)r * c->I;
+            for (int j = j0; j < j1; j++)
+                hr[j] = activation(c, gr[j] + (bg ? bg[j] : 0.0f), ur[j] + (bu ? bu[j] : 0.0f));
+            continue;
+        }
+        uint16_t *hr = c->h16 + (int64_t)r * c->KpI;
+        for (int j = j0; j < j1; j++)
+            hr[j] = ktk_f32_to_bf16(activation(c, gr[j] + (bg ? bg[j] : 0.0f), ur[j] + (bu ? bu[j] : 0.0f)));
+        if (last) memset(hr + c->I, 0, (size_t)(c->KpI - c->I) * 2);
+    }
+}
+
+static void quantize_h_item(void *ctx, int64_t item, int tid) {
+    fctx *c = ctx;
+    (void)tid;
+    int r1 = (int)((item + 1) * GATHER_ROWS < c->R ? (item + 1) * GATHER_ROWS : c->R);
+    for (int r = (int)(item * GATHER_ROWS); r < r1; r++) {
+        int8_t *dst = c->h8 + (int64_t)r * c->KpI;
+        c->hsum[r] = ktki_quantize_row(c->hf + (int64_t)r * c->I, c->I, dst, &c->hs[r]);
+        memset(dst + c->I, 0, (size_t)(c->KpI - c->I));
+    }
+}
+
+/* ---- down + combine ---- */
+static int lower_bound(const int32_t *v, int lo, int hi, int32_t x) {
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (v[mid] < x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static void accumulate(const fctx *c, const float *y, int bw, int jn, const float *bd, int r0, int r1, int t0,
+                       float *acc) {
+    for (int r = r0; r < r1; r++) {
+        const float w = c->wt[r], *yr = y + (int64_t)(r - r0) * bw;
+        float *ar = acc + (int64_t)(c->tok[r] - t0) * bw;
+        if (bd) for (int j = 0; j < jn; j++) ar[j] += w * (yr[j] + bd[j]);
+        else for (int j = 0; j < jn; j++) ar[j] += w * yr[j];
+    }
+}
+
+static void down_item(void *ctx, int64_t item, int tid) {
+    fctx *c = ctx;
+    const int grp = (int)(item / c->ntc), tc = (int)(item % c->ntc);
+    const int cb0 = grp * c->cw_dn, cb1 = cb0 + c->cw_dn < c->UH ? cb0 + c->cw_dn : c->UH, bw = (cb1 - cb0) * 16;
+    const int j0 = cb0 * 16, jn = (cb1 * 16 < c->H ? cb1 * 16 : c->H) - j0;
+    const int t0 = tc * TC, t1 = t0 + TC < c->T ? t0 + TC : c->T;
+    float *y = ktki_thread_scratch(c->pool, tid), *acc = y + (int64_t)RT * bw;
+    memset(acc, 0, (size_t)(t1 - t0) * bw * sizeof(float));
+    for (int a = 0; a < c->A; a++) {
+        const int e = c->act_e[a];
+        const int lo = lower_bound(c->tok, c->off[a], c->off[a + 1], t0);
+        const int hi = lower_bound(c->tok, lo, c->off[a + 1], t1);
+        if (lo == hi) continue;
+        const ktk_mat d = ktki_expert_mat(c->ex, e, KTK_MAT_DOWN);
+        const float *bd = ktki_expert_bias(c->ex, e, KTK_MAT_DOWN);
+        for (int r0 = lo; r0 < hi; r0 += RT) {
+            const int r1 = r0 + RT < hi ? r0 + RT : hi;
+            ktk_act h = rows_of(c, 1, r0, r1);
+            c->gemm(&d, cb0, cb1, &h, y, bw);
+            accumulate(c, y, bw, jn, bd ? bd + j0 : NULL, r0, r1, t0, acc);
+        }
+    }
+    for (int t = t0; t < t1; t++) {
+        const float *ar = acc + (int64_t)(t - t0) * bw;
+        if (c->t->out_dtype == KTK_DTYPE_F32) {
+            memcpy((float *)c->t->out + (int64_t)t * c->H + j0, ar, (size_t)jn * sizeof(float));
+        } else {
+            uint16_t *o = (uint16_t *)c->t->out + (int64_t)t * c->H + j0;
+            for (int j = 0; j < jn; j++) o[j] = ktk_f32_to_bf16(ar[j]);
+        }
+    }
+}
+
+int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
+    const ktk_experts *ex = t->ex;
+    const ktk_experts_config *cfg = &ex->cfg;
+    const ktk_kernels *kern = ktki_kernels();
+    fctx c = {.t = t, .ex = ex, .pool = pool, .T = t->T, .k = t->k, .E = cfg->num_experts, .H = cfg->hidden,
+              .I = cfg->intermediate, .quant = cfg->quant, .act = cfg->activation, .alpha = cfg->alpha,
+              .limit = cfg->limit, .KpH = ex->Kp[KTK_MAT_GATE], .KpI = ex->Kp[KTK_MAT_DOWN],
+              .UI = ex->Np[KTK_MAT_GATE] / 16, .UH = ex->Np[KTK_MAT_DOWN] / 16};
+    c.gemm = cfg->quant == KTK_QUANT_BF16 ? kern->gemm_bf16 : kern->gemm_int8;
+    const size_t n = (size_t)c.T * c.k, E = (size_t)c.E;
+    uint8_t *rs = ktki_scratch(pool, KTKI_SCR_ROUTE, 3 * a64(E * 4 + 4) + 2 * a64(n * 4));
+    if (!rs) return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (routing tables)");
+    c.start = (int32_t *)rs;
+    c.act_e = (int32_t *)(rs + a64(E * 4 + 4));
+    c.off = (int32_t *)(rs + 2 * a64(E * 4 + 4));
+    c.tok = (int32_t *)(rs + 3 * a64(E * 4 + 4));
+    c.wt = (float *)(rs + 3 * a64(E * 4 + 4) + a64(n * 4));
+    int rc = route(&c);
+    if (rc != KTK_OK) return rc;
+    if (!plan(&c))
+        return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (scratch for %d rows, H=%d, I=%d)", c.R, c.H, c.I);
+    if (c.R > 0) {
+        ktki_parallel(pool, gather_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
+        ktki_parallel(pool, gate_up_item, &c, c.ngu);
+        if (c.quant == KTK_QUANT_INT8)
+            ktki_parallel(pool, quantize_h_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
+    }
+    ktki_parallel(pool, down_item, &c, (int64_t)c.ntc * ((c.UH + c.cw_dn - 1) / c.cw_dn));
+    return KTK_OK;
+}

@@ -1,0 +1,141 @@
+/* ktinject native core: internal declarations shared by the generic C files (not the ISA kernel files).
+ *
+ * Layering: api.c holds every public ktk_* entry point and checks its arguments; the ktki_* functions below assume
+ * valid arguments. Legend: T tokens, k experts per token, E experts, H hidden, I expert intermediate,
+ * R routed rows (token, expert pairs that are computed here), A active experts (>= 1 row, not skipped).
+ */
+#ifndef KTK_INTERNAL_H
+#define KTK_INTERNAL_H
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ktinject.h"
+#include "kernels.h"
+
+#define KTKI_MSG_LEN 320
+
+/* ---- errors (api.c): thread-local message ---- */
+/* Sets this thread's message and returns code (so: return ktki_error(KTK_ERR_SHAPE, "...")). */
+int ktki_error(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void ktki_error_clear(void);
+const char *ktki_error_msg(void);
+void ktki_error_set_msg(int code, const char *msg); /* copy a message saved elsewhere (task results) */
+
+/* ---- dispatch (dispatch.c) ---- */
+uint32_t ktki_cpu_features(void);
+int ktki_isa_best(void);
+int ktki_isa_available(int isa);
+int ktki_isa_check(void);        /* KTK_OK, or KTK_ERR_ISA + message while KTINJECT_ISA is invalid/unavailable */
+int ktki_isa_get(void);          /* ISA in use, or -KTK_ERR_ISA (message set) */
+int ktki_isa_set(int isa);
+const ktk_kernels *ktki_kernels(void); /* the table of the ISA in use (generic while the ISA is in error) */
+int ktki_physical_cores(void);
+/* CPUs in pinning order: the first CPU of each physical core, then the remaining hyper-threads. Returns count. */
+int ktki_cpu_order(int *cpus, int max);
+
+/* ---- events (pool.c): a 32-bit sequence word; waiters spin a while, then sleep on a futex ---- */
+typedef struct {
+    _Atomic uint32_t seq;
+    _Atomic uint32_t waiters;
+} ktki_event;
+void ktki_event_wait(ktki_event *ev, uint32_t seen, int64_t spin_ns); /* returns once seq != seen */
+void ktki_event_signal(ktki_event *ev);                                /* seq++, wakes sleepers */
+
+/* ---- pool (pool.c) ---- */
+typedef void (*ktki_item_fn)(void *ctx, int64_t item, int tid);
+int ktki_pool_create(int nthreads, int pin, ktk_pool **out);
+void ktki_pool_destroy(ktk_pool *pool);
+int ktki_pool_threads(const ktk_pool *pool);
+/* Run fn(ctx, i, tid) for i < nitems on all pool threads and return when all are done (a barrier).
+ * Only from the thread running a task (thread 0 of the pool). */
+void ktki_parallel(ktk_pool *pool, ktki_item_fn fn, void *ctx, int64_t nitems);
+/* Grow-only scratch. Shared slots: one buffer per slot for the task being run; per-thread: one buffer per thread.
+ * Call between phases only (thread 0); NULL when out of memory. */
+enum { KTKI_SCR_ROUTE, KTKI_SCR_ITEMS, KTKI_SCR_X, KTKI_SCR_H, KTKI_SCR_HF, KTKI_SCR_SLOTS };
+void *ktki_scratch(ktk_pool *pool, int slot, size_t bytes);
+int ktki_thread_scratch_reserve(ktk_pool *pool, size_t bytes);
+void *ktki_thread_scratch(ktk_pool *pool, int tid);
+/* Queue (tasks run one after another on thread 0) and watch list. */
+void ktki_pool_enqueue(ktk_pool *pool, ktk_task *task);
+/* Run task on the calling thread (as thread 0) if the pool is idle; 1 if it ran, 0 if the pool was busy. */
+int ktki_pool_run_inline(ktk_pool *pool, ktk_task *task);
+int ktki_pool_watch(ktk_pool *pool, ktk_task *task);
+void ktki_pool_unwatch(ktk_pool *pool, ktk_task *task); /* returns when thread 0 no longer touches the task */
+int64_t ktki_pool_spin_ns(const ktk_pool *pool);
+/* Signalled after any task of the pool ends (the task memory may be gone by then: waiters re-check their task). */
+ktki_event *ktki_pool_done_event(ktk_pool *pool);
+
+/* ---- experts (experts.c) ---- */
+struct ktk_experts {
+    ktk_experts_config cfg;
+    int32_t out_n[3], in_k[3];  /* per KTK_MAT_*: N, K */
+    int32_t Np[3], Kp[3];       /* padded */
+    int64_t mat_off[3];         /* byte offset of each matrix inside one expert's region */
+    int64_t bias_off[3];        /* byte offset of each bias (float [N]) inside the region, -1 without bias */
+    int64_t expert_bytes;       /* bytes of one expert's region (64-byte multiple) */
+    int64_t nbytes;             /* E * expert_bytes */
+    uint8_t *base;              /* mmap'ed, zero-filled */
+    uint8_t *ready;             /* [E][3]: matrix set (not part of the packed bytes) */
+};
+ktk_mat ktki_expert_mat(const ktk_experts *ex, int e, int which);
+const float *ktki_expert_bias(const ktk_experts *ex, int e, int which); /* NULL without bias */
+int ktki_experts_create(const ktk_experts_config *cfg, ktk_experts **out);
+void ktki_experts_destroy(ktk_experts *ex);
+int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dtype, int64_t so, int64_t si);
+int ktki_experts_set_bias(ktk_experts *ex, int e, int which, const void *src, int dtype);
+int ktki_experts_get(const ktk_experts *ex, int e, int which, float *dst);
+int ktki_experts_import(ktk_experts *ex, const void *src, int64_t size);
+
+/* ---- packing and conversions (pack.c) ---- */
+float ktki_f16_to_f32(uint16_t h);
+/* dst[i] = (float)src[i * stride] for i < n; stride in elements. */
+void ktki_to_f32(const void *src, int dtype, int64_t n, int64_t stride, float *dst);
+/* Symmetric int8 quantization of one row: q = rint(x / s), s = max|x| / 127 (0 -> all zero). Returns sum of q. */
+int32_t ktki_quantize_row(const float *x, int64_t n, int8_t *q, float *scale);
+void ktki_pack_bf16(const ktk_mat *m, uint16_t *data, int n, const float *row);
+void ktki_pack_int8(const ktk_mat *m, int8_t *data, float *scale, int32_t *wsum, int n, const float *row,
+                    int8_t *qtmp);
+void ktki_unpack(const ktk_mat *m, int n, float *row);
+
+/* ---- tasks (task.c) and forward (forward.c) ---- */
+enum { KTKI_TASK_IDLE, KTKI_TASK_QUEUED, KTKI_TASK_RUNNING };
+struct ktk_task {
+    ktk_pool *pool;
+    /* bound forward (pointers are read when the task runs) */
+    ktk_experts *ex;
+    int T, k, hidden_dtype, weights_dtype, out_dtype, bound;
+    const void *hidden;
+    const int64_t *ids;
+    const void *weights;
+    const uint8_t *skip;
+    void *out;
+    /* state */
+    _Atomic int state;         /* IDLE is stored last when a run ends (then the pool's done event is signalled) */
+    int result;                /* of the latest run */
+    char msg[KTKI_MSG_LEN];
+    int sticky;                /* first failed run while watched / failed ktk_submit_fn, kept for wait/unwatch */
+    char sticky_msg[KTKI_MSG_LEN];
+    /* watch */
+    volatile uint32_t *go, *done;
+    int watched;
+    ktk_task *next;            /* pool queue link */
+};
+void ktki_task_init(ktk_task *task, ktk_pool *pool);
+int ktki_task_bind(ktk_task *t, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
+                   const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, void *out,
+                   int out_dtype);
+int ktki_submit(ktk_task *task);
+int ktki_wait(ktk_task *task);
+int ktki_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done);
+int ktki_unwatch(ktk_task *task);
+void ktki_task_finish(ktk_task *task);                /* wait + unwatch (before destroy) */
+int ktki_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
+                 const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, void *out,
+                 int out_dtype);
+void ktki_submit_fn(ktk_task *task);
+void ktki_wait_fn(ktk_task *task);
+void ktki_task_run(ktk_task *task, int watched);   /* on pool thread 0 */
+int ktki_forward_run(ktk_pool *pool, const ktk_task *task); /* error message on the calling thread */
+
+#endif

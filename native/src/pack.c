@@ -1,0 +1,84 @@
+/* Dtype conversions, symmetric int8 quantization and the packed weight layout of kernels.h (generic C). */
+#include <math.h>
+#include <string.h>
+
+#include "internal.h"
+
+float ktki_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);               /* inf / nan */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);       /* normal: rebias 15 -> 127 */
+    } else if (man == 0) {
+        bits = sign;                                            /* zero */
+    } else {                                                    /* subnormal: normalize */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    union { uint32_t u; float f; } v;
+    v.u = bits;
+    return v.f;
+}
+
+void ktki_to_f32(const void *src, int dtype, int64_t n, int64_t stride, float *dst) {
+    if (dtype == KTK_DTYPE_F32) {
+        const float *s = src;
+        if (stride == 1) memcpy(dst, s, (size_t)n * sizeof(float));
+        else for (int64_t i = 0; i < n; i++) dst[i] = s[i * stride];
+    } else if (dtype == KTK_DTYPE_BF16) {
+        const uint16_t *s = src;
+        for (int64_t i = 0; i < n; i++) dst[i] = ktk_bf16_to_f32(s[i * stride]);
+    } else {
+        const uint16_t *s = src;
+        for (int64_t i = 0; i < n; i++) dst[i] = ktki_f16_to_f32(s[i * stride]);
+    }
+}
+
+int32_t ktki_quantize_row(const float *x, int64_t n, int8_t *q, float *scale) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    int32_t sum = 0;
+    if (!(amax > 0.0f) || !isfinite(amax)) {   /* all zero (or non-finite: nothing sensible to keep) */
+        if (n > 0) memset(q, 0, (size_t)n);
+        *scale = isfinite(amax) ? 0.0f : NAN;
+        return 0;
+    }
+    float s = amax / 127.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float v = nearbyintf(x[i] / s);   /* round half to even, as torch.round */
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        q[i] = (int8_t)v;
+        sum += q[i];
+    }
+    *scale = s;
+    return sum;
+}
+
+/* Element (n, c) offsets of the packed layouts. */
+static inline int64_t off_bf16(const ktk_mat *m, int n, int c) {
+    return ((int64_t)(n / 16) * (m->Kp / 2) + c / 2) * 32 + (n % 16) * 2 + c % 2;
+}
+static inline int64_t off_i8(const ktk_mat *m, int n, int c) {
+    return ((int64_t)(n / 16) * (m->Kp / 4) + c / 4) * 64 + (n % 16) * 4 + c % 4;
+}
+
+void ktki_pack_bf16(const ktk_mat *m, uint16_t *data, int n, const float *row) {
+    for (int c = 0; c < m->K; c++) data[off_bf16(m, n, c)] = ktk_f32_to_bf16(row[c]);
+}
+
+void ktki_pack_int8(const ktk_mat *m, int8_t *data, float *scale, int32_t *wsum, int n, const float *row,
+                    int8_t *qtmp) {
+    wsum[n] = ktki_quantize_row(row, m->K, qtmp, &scale[n]);
+    for (int c = 0; c < m->K; c++) data[off_i8(m, n, c)] = qtmp[c];
+}
+
+void ktki_unpack(const ktk_mat *m, int n, float *row) {
+    if (m->quant == KTK_QUANT_BF16) {
+        for (int c = 0; c < m->K; c++) row[c] = ktk_bf16_to_f32(m->data_bf16[off_bf16(m, n, c)]);
+    } else {
+        float s = m->scale[n];
+        for (int c = 0; c < m->K; c++) row[c] = (float)m->data_i8[off_i8(m, n, c)] * s;
+    }
+}

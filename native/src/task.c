@@ -1,0 +1,149 @@
+/* Tasks: one forward's arguments at a fixed address; submit/wait, the void(*)(void*) forms and watching.
+ *
+ * A run ends with the task's state stored IDLE (its last touch of the task) and the pool's done event signalled,
+ * so a waiter may free the task as soon as it sees IDLE. Errors: `result` is the latest run's code; `sticky` keeps
+ * the first error that nobody could return at once (a failed ktk_submit_fn, a failed run seen by ktk_wait_fn, a
+ * failed watched run) until ktk_wait or ktk_task_unwatch returns it.
+ */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+void ktki_task_init(ktk_task *t, ktk_pool *pool) {
+    memset(t, 0, sizeof *t);
+    t->pool = pool;
+    atomic_store(&t->state, KTKI_TASK_IDLE);
+}
+
+static int busy(const ktk_task *t) { return atomic_load(&t->state) != KTKI_TASK_IDLE; }
+
+static void keep_sticky(ktk_task *t, int code, const char *msg) {
+    if (code == KTK_OK || t->sticky != KTK_OK) return;
+    t->sticky = code;
+    snprintf(t->sticky_msg, sizeof t->sticky_msg, "%s", msg);
+}
+
+int ktki_task_bind(ktk_task *t, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
+                   const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, void *out,
+                   int out_dtype) {
+    if (busy(t)) return ktki_error(KTK_ERR_STATE, "ktk_task_bind: task is queued or running (ktk_wait first)");
+    if (t->watched) return ktki_error(KTK_ERR_STATE, "ktk_task_bind: task is watched (ktk_task_unwatch first)");
+    t->ex = ex;
+    t->T = T;
+    t->k = k;
+    t->hidden = hidden;
+    t->hidden_dtype = hidden_dtype;
+    t->ids = ids;
+    t->weights = weights;
+    t->weights_dtype = weights_dtype;
+    t->skip = skip;
+    t->out = out;
+    t->out_dtype = out_dtype;
+    t->bound = 1;
+    return KTK_OK;
+}
+
+int ktki_submit(ktk_task *t) {
+    if (!t->bound) return ktki_error(KTK_ERR_STATE, "ktk_submit: task has no bound forward (ktk_task_bind first)");
+    if (t->watched) return ktki_error(KTK_ERR_STATE, "ktk_submit: task is watched; it runs when *go is raised");
+    int expected = KTKI_TASK_IDLE;
+    if (!atomic_compare_exchange_strong(&t->state, &expected, KTKI_TASK_QUEUED))
+        return ktki_error(KTK_ERR_STATE, "ktk_submit: task is already queued or running (ktk_wait first)");
+    ktki_pool_enqueue(t->pool, t);
+    return KTK_OK;
+}
+
+static void wait_idle(ktk_task *t) {
+    ktki_event *ev = ktki_pool_done_event(t->pool);
+    int64_t spin = ktki_pool_spin_ns(t->pool);
+    for (;;) {
+        uint32_t seen = atomic_load(&ev->seq);
+        if (atomic_load_explicit(&t->state, memory_order_acquire) == KTKI_TASK_IDLE) return;
+        ktki_event_wait(ev, seen, spin);
+    }
+}
+
+int ktki_wait(ktk_task *t) {
+    wait_idle(t);
+    if (t->sticky != KTK_OK) {
+        int code = t->sticky;
+        t->sticky = KTK_OK;
+        ktki_error_set_msg(code, t->sticky_msg);
+        return code;
+    }
+    if (t->result != KTK_OK) ktki_error_set_msg(t->result, t->msg);
+    return t->result;
+}
+
+void ktki_submit_fn(ktk_task *t) {
+    int rc = ktki_submit(t);
+    keep_sticky(t, rc, ktki_error_msg());
+}
+
+void ktki_wait_fn(ktk_task *t) {
+    wait_idle(t);
+    keep_sticky(t, t->result, t->msg);
+}
+
+void ktki_task_run(ktk_task *t, int watched) {
+    atomic_store(&t->state, KTKI_TASK_RUNNING);
+    ktki_error_clear();
+    int rc = ktki_forward_run(t->pool, t);
+    t->result = rc;
+    if (rc != KTK_OK) snprintf(t->msg, sizeof t->msg, "%s", ktki_error_msg());
+    else t->msg[0] = 0;
+    if (watched) {
+        keep_sticky(t, rc, t->msg);
+        __atomic_store_n(t->done, 1u, __ATOMIC_RELEASE);
+    }
+    atomic_store_explicit(&t->state, KTKI_TASK_IDLE, memory_order_release);
+}
+
+int ktki_watch(ktk_task *t, volatile uint32_t *go, volatile uint32_t *done) {
+    if (!t->bound) return ktki_error(KTK_ERR_STATE, "ktk_task_watch: task has no bound forward (bind first)");
+    if (t->watched) return ktki_error(KTK_ERR_STATE, "ktk_task_watch: task is already watched");
+    wait_idle(t);   /* a submitted run finishes first */
+    t->go = go;
+    t->done = done;
+    t->watched = 1;
+    int rc = ktki_pool_watch(t->pool, t);
+    if (rc != KTK_OK) t->watched = 0;
+    return rc;
+}
+
+int ktki_unwatch(ktk_task *t) {
+    if (!t->watched) return ktki_error(KTK_ERR_STATE, "ktk_task_unwatch: task is not watched");
+    ktki_pool_unwatch(t->pool, t);
+    t->watched = 0;
+    t->go = t->done = NULL;
+    if (t->sticky != KTK_OK) {
+        int code = t->sticky;
+        t->sticky = KTK_OK;
+        ktki_error_set_msg(code, t->sticky_msg);
+        return code;
+    }
+    return KTK_OK;
+}
+
+void ktki_task_finish(ktk_task *t) {
+    if (t->watched) ktki_pool_unwatch(t->pool, t);
+    t->watched = 0;
+    wait_idle(t);
+}
+
+int ktki_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
+                 const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, void *out,
+                 int out_dtype) {
+    ktk_task t; /* on the stack: the pool's last touch is the IDLE store, then wait returns */
+    ktki_task_init(&t, pool);
+    int rc = ktki_task_bind(&t, ex, T, k, hidden, hidden_dtype, ids, weights, weights_dtype, skip, out, out_dtype);
+    if (rc != KTK_OK) return rc;
+    if (ktki_pool_run_inline(pool, &t)) {
+        if (t.result != KTK_OK) ktki_error_set_msg(t.result, t.msg);
+        return t.result;
+    }
+    rc = ktki_submit(&t);
+    return rc == KTK_OK ? ktki_wait(&t) : rc;
+}

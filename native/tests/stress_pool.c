@@ -1,0 +1,114 @@
+/* Stress test of the pool, tasks and watch flags, built with -fsanitize=thread (or address) by
+ * tests/test_native.py::test_pool_stress_sanitizers: three threads call ktk_forward on one pool while a task is
+ * submitted/waited and then driven through go/done flags; every result must equal the single-caller one. Pools of
+ * 1..5 threads are then created and destroyed with work queued. Prints "ok" and exits 0 on success.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ktinject.h"
+
+#define E 8
+#define H 40
+#define I 24
+#define T 33
+#define K 2
+
+static ktk_pool *pool;
+static ktk_experts *ex;
+static float ref[T * H];
+static float x[T * H], w[T * K];
+static int64_t ids[T * K];
+static _Atomic uint32_t go, done;
+
+static void fill(float *v, int n, unsigned seed) {
+    for (int i = 0; i < n; i++) {
+        seed = seed * 1103515245u + 12345u;
+        v[i] = (float)((seed >> 8) & 0xffff) / 65536.0f - 0.5f;
+    }
+}
+
+static int forward(ktk_pool *p, float *out) {
+    return ktk_forward(p, ex, T, K, x, KTK_DTYPE_F32, ids, w, KTK_DTYPE_F32, NULL, out, KTK_DTYPE_F32);
+}
+
+static void fail(const char *what) {
+    printf("FAIL %s: %s\n", what, ktk_last_error());
+    exit(1);
+}
+
+static void *caller(void *arg) {
+    float out[T * H];
+    (void)arg;
+    for (int it = 0; it < 200; it++) {
+        if (forward(pool, out)) fail("ktk_forward");
+        if (memcmp(out, ref, sizeof out)) fail("concurrent forward differs");
+    }
+    return NULL;
+}
+
+static void setup(void) {
+    ktk_experts_config cfg = {E, H, I, KTK_QUANT_INT8, KTK_ACT_SILU, 0, 1.702f, 7.0f};
+    static float wbuf[I * H];
+    if (ktk_experts_create(&cfg, &ex)) fail("create");
+    for (int e = 0; e < E; e++)
+        for (int m = 0; m < 3; m++) {
+            fill(wbuf, I * H, 100u + (unsigned)(e * 3 + m));
+            if (ktk_experts_set(ex, e, m, wbuf, KTK_DTYPE_F32, m == KTK_MAT_DOWN ? I : H, 1)) fail("set");
+        }
+    fill(x, T * H, 7);
+    fill(w, T * K, 9);
+    for (int i = 0; i < T * K; i++) ids[i] = (i * 5 + i / K) % E;
+}
+
+/* Submit/wait, then 100 go/done handshakes driven from this thread (as a CUDA stream would). */
+static void drive_task(void) {
+    static float out[T * H];
+    ktk_task *task;
+    if (ktk_task_create(pool, &task)) fail("task_create");
+    if (ktk_task_bind(task, ex, T, K, x, KTK_DTYPE_F32, ids, w, KTK_DTYPE_F32, NULL, out, KTK_DTYPE_F32))
+        fail("bind");
+    for (int it = 0; it < 100; it++) {
+        if (ktk_submit(task) || ktk_wait(task)) fail("submit/wait");
+        if (memcmp(out, ref, sizeof out)) fail("task result differs");
+    }
+    if (ktk_task_watch(task, (volatile uint32_t *)&go, (volatile uint32_t *)&done)) fail("watch");
+    for (int it = 0; it < 100; it++) {
+        memset(out, 0, sizeof out);
+        atomic_store(&go, 1);
+        while (atomic_load(&done) != 1) {
+        }
+        atomic_store(&done, 0);
+        if (memcmp(out, ref, sizeof out)) fail("watched result differs");
+    }
+    if (ktk_task_unwatch(task)) fail("unwatch");
+    ktk_task_destroy(task);
+}
+
+int main(void) {
+    setup();
+    if (ktk_pool_create(3, 1, &pool)) fail("pool_create");
+    if (forward(pool, ref)) fail("reference forward");
+    pthread_t th[3];
+    for (int i = 0; i < 3; i++) pthread_create(&th[i], NULL, caller, NULL);
+    drive_task();
+    for (int i = 0; i < 3; i++) pthread_join(th[i], NULL);
+    ktk_pool_destroy(pool);
+    for (int n = 1; n < 6; n++) {   /* destroy with a task queued (the task is destroyed first, as documented) */
+        static float out[T * H];
+        ktk_pool *p;
+        ktk_task *t;
+        if (ktk_pool_create(n, n & 1, &p) || ktk_task_create(p, &t)) fail("create");
+        if (ktk_task_bind(t, ex, T, K, x, KTK_DTYPE_F32, ids, w, KTK_DTYPE_F32, NULL, out, KTK_DTYPE_F32))
+            fail("bind");
+        if (ktk_submit(t)) fail("submit");
+        ktk_task_destroy(t);
+        ktk_pool_destroy(p);
+    }
+    ktk_experts_destroy(ex);
+    printf("ok\n");
+    return 0;
+}

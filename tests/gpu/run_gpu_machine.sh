@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Build, check and benchmark on the GPU machine (H100 + 16 Xeon cores with AMX; no network, no cffi).
+# Through the device tool, from the repository root:  bash tests/gpu/run_gpu_machine.sh STAGE...   (carry: .whl)
+# Stages (in the order given): build info harness native gpu families bench-kernels bench-decode bench-prefill
+#                              bench-load bench-hot all
+# Each stage's log goes to $OUT/<stage>.log; a summary line per stage is printed last.
+set -uo pipefail
+OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+summary=()
+stage() {  # stage NAME CMD...: run, log, remember the result
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  summary+=("$name rc=$rc $((SECONDS - t0))s")
+}
+for s in "$@"; do
+  case $s in
+    build) stage build pip install -q --no-build-isolation --no-deps -e . ;;
+    info) stage info python3 -m ktinject.info ;;
+    harness) stage harness bash -c 'cc -O2 -pthread native/tests/test_kernels.c native/src/kernels/*/gemm.c -lm -o /tmp/tk && /tmp/tk && /tmp/tk bench 16' ;;
+    native) stage native python3 -m pytest -q -x tests/test_native.py tests/test_native_errors.py ;;
+    gpu) stage gpu python3 -m pytest -q -rs tests/gpu ;;
+    families) stage families env KTINJECT_TEST_GPU=cuda python3 -m pytest -q -rs tests/test_families.py tests/test_inject.py ;;
+    bench-kernels) stage bench-kernels python3 -m ktinject.bench kernels ;;
+    bench-decode) stage bench-decode python3 -m ktinject.bench decode ;;
+    bench-prefill) stage bench-prefill python3 -m ktinject.bench prefill ;;
+    bench-load) stage bench-load python3 -m ktinject.bench load ;;
+    bench-hot) stage bench-hot python3 -m ktinject.bench hot ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
+echo "=== summary (commit $(git rev-parse --short HEAD 2>/dev/null), $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null))"
+printf '%s\n' "${summary[@]}"

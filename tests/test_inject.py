@@ -1,0 +1,199 @@
+"""inject(): placement mechanics, tied weights, the returned plan, errors, generate() afterwards; GPU checks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktinject.testing import build_tiny_model, tiny_prompts
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _rules(tmp_path, text: str):
+    path = tmp_path / "rules.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_returns_plan_and_marks_model():
+    from ktinject import inject
+    from ktinject.plan import Plan
+
+    model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    plan = inject(model, gpu="cpu")
+    assert isinstance(plan, Plan)
+    assert model._ktinject_plan is plan
+    assert {e.operator for e in plan.operator_entries()} == {"moe", "attention"}
+    assert "moe" in str(plan)
+
+
+def test_second_inject_is_an_error():
+    from ktinject import inject
+    from ktinject.inject import InjectError
+
+    model = build_tiny_model("mixtral", dtype=torch.bfloat16)
+    inject(model, gpu="cpu")
+    with pytest.raises(InjectError, match="already injected"):
+        inject(model, gpu="cpu")
+
+
+def test_tensor_devices_honored(tmp_path):
+    """Every tensor outside operators ends on the plan's device (meta stands in for a second device)."""
+    from ktinject import inject
+
+    model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    rules = _rules(tmp_path, "- match: {name: lm_head}\n  device: meta\n- include: qwen3_moe.yaml\n")
+    plan = inject(model, rules, gpu="cpu")
+    assert plan.tensor_devices["lm_head.weight"].type == "meta"
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, device in plan.tensor_devices.items():
+        assert state[name].device == device, name
+    assert model.lm_head.weight.device.type == "meta"
+    assert model.model.embed_tokens.weight.device.type == "cpu"
+    assert isinstance(model.lm_head.weight, torch.nn.Parameter)
+
+
+def test_tied_embeddings_stay_tied(tmp_path):
+    from ktinject import inject
+
+    model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    rules = _rules(tmp_path, "- match: {name: 'model\\.embed_tokens'}\n  device: meta\n- include: qwen3_moe.yaml\n")
+    inject(model, rules, gpu="cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.device.type == "meta"
+
+
+def test_place_tensors_moves_each_tensor_once():
+    from ktinject.inject import place_tensors
+    from ktinject.plan import plan
+
+    model = build_tiny_model("olmoe")
+    p = plan(model, gpu="cpu")
+    assert place_tensors(model, p.tensor_devices) == 0  # already there: nothing copied
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    expected = sum(state[n].numel() * state[n].element_size() for n in p.tensor_devices)
+    meta = {name: torch.device("meta") for name in p.tensor_devices}
+    assert place_tensors(model, meta) == expected
+    assert place_tensors(model, meta) == 0
+
+
+@torch.no_grad()
+def test_generate_after_inject_matches_forward():
+    """generate() works after inject and its greedy tokens are the argmax of the injected model's own logits."""
+    from ktinject import inject
+
+    model = build_tiny_model("deepseek_v3", dtype=torch.bfloat16)
+    inject(model, gpu="cpu")
+    prompt = tiny_prompts(1, 6, seed=5)
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, min_new_tokens=6,
+                         do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 12)
+    again = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, min_new_tokens=6,
+                           do_sample=False, pad_token_id=0)
+    assert torch.equal(out, again)
+    first = model(prompt).logits[0, -1].argmax().item()
+    assert out[0, 6].item() == first
+
+
+@torch.no_grad()
+def test_hybrid_block_contract():
+    """Output type/shape/dtype like HF's block; staging buffers are reused, not reallocated per call."""
+    from ktinject import inject
+    from ktinject.operators.moe import HybridMoE, staging
+
+    model = build_tiny_model("gpt_oss", dtype=torch.bfloat16)
+    inject(model, gpu="cpu")
+    block = model.model.layers[0].mlp
+    assert isinstance(block, HybridMoE)
+    assert block.skip.dtype == torch.uint8 and block.skip.shape == (block.num_experts,) and not block.skip.any()
+    x = torch.randn(2, 5, block.hidden_size, dtype=torch.bfloat16)
+    out, scores = block(x)  # gpt-oss: (hidden, router_scores)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert scores.shape == (10, model.config.num_experts_per_tok)
+    st = staging(pin=False)
+    before = st.nbytes()
+    block(x[:, :3])
+    assert st.nbytes() == before  # fewer tokens: same buffers
+    out2, _ = block(x)
+    assert torch.equal(out, out2)
+
+
+def test_operator_rejects_wrong_module():
+    from ktinject.operators.attention import AttentionOperator
+    from ktinject.operators.base import OperatorError
+    from ktinject.operators.moe import MoEOperator
+
+    model = build_tiny_model("qwen3_moe")
+    attn = model.model.layers[1].self_attn
+    with pytest.raises(OperatorError, match=r"model\.layers\.1\.self_attn.*Qwen3MoeAttention"):
+        MoEOperator.check(attn, "model.layers.1.self_attn", {})
+    with pytest.raises(OperatorError, match=r"model\.layers\.0\.mlp.*Qwen3MoeMLP"):
+        MoEOperator.check(model.model.layers[0].mlp, "model.layers.0.mlp", {})
+    with pytest.raises(OperatorError, match=r"model\.layers\.1\.mlp.*Qwen3MoeSparseMoeBlock"):
+        AttentionOperator.check(model.model.layers[1].mlp, "model.layers.1.mlp", {})
+    with pytest.raises(OperatorError, match="bf16, int8"):
+        MoEOperator.check(model.model.layers[1].mlp, "model.layers.1.mlp", {"quant": "int4"})
+
+
+def test_rule_on_dense_mlp_names_module_and_class(tmp_path):
+    from ktinject import inject
+    from ktinject.operators.base import OperatorError
+
+    model = build_tiny_model("deepseek_v2", dtype=torch.bfloat16)
+    rules = _rules(tmp_path, "- match: {name: 'model\\.layers\\.\\d+\\.mlp'}\n  replace: moe\n"
+                             "- include: common.yaml\n")
+    with pytest.raises(OperatorError, match=r"model\.layers\.0\.mlp.*DeepseekV2MLP"):
+        inject(model, rules, gpu="cpu")
+    assert not hasattr(model, "_ktinject_plan")
+
+
+def test_family_without_rules_lists_supported():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ktinject import inject
+    from ktinject.rules import RuleError
+
+    llama = AutoModelForCausalLM.from_config(AutoConfig.for_model(  # a dense family: no packaged rules
+        "llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(RuleError, match="qwen3_moe.*gpt_oss|gpt_oss.*qwen3_moe"):
+        inject(llama, gpu="cpu")
+
+
+def test_bad_quant_names_choices():
+    from ktinject import inject
+    from ktinject.operators.base import OperatorError
+
+    model = build_tiny_model("olmoe", dtype=torch.bfloat16)
+    with pytest.raises(OperatorError, match="int4.*bf16, int8"):
+        inject(model, gpu="cpu", quant="int4")
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+@torch.no_grad()
+def test_cuda_inject(family):
+    """gpu="cuda": everything but the routed experts on the GPU; logits as close to float32 as HF bf16's; generate."""
+    from ktinject import inject
+    from ktinject.operators.moe import HybridMoE
+
+    truth = build_tiny_model(family)
+    yard = build_tiny_model(family, dtype=torch.bfloat16)
+    model = build_tiny_model(family, dtype=torch.bfloat16)
+    inject(model, gpu="cuda")
+    assert all(t.device.type == "cuda" for t in model.state_dict().values())
+    assert any(isinstance(m, HybridMoE) for m in model.modules())
+    prompts = tiny_prompts(2, 24, seed=6)
+    ref = truth(prompts).logits
+    err_yard = ((yard(prompts).logits.float() - ref).norm() / ref.norm()).item()
+    got = model(prompts.cuda()).logits.float().cpu()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err <= 1.5 * err_yard + 1e-3, f"cuda injected {err:.3e} vs HF bf16 {err_yard:.3e}"
+    out = model.generate(prompts.cuda(), attention_mask=torch.ones_like(prompts).cuda(), max_new_tokens=8,
+                         min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 32) and out.device.type == "cuda"
+    torch.cuda.synchronize()
