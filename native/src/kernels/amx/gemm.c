@@ -6,9 +6,13 @@
  * tmm6..7 = B (one column block: 16 packed 64-byte rows, contiguous, stride 64; the packed layout of kernels.h
  * is exactly the AMX B-tile order).
  * Blocking: blocks of the output range in chunks of NBC (weights of a K chunk stay in L2), K in chunks of 1 KB of
- * a row (KC_BYTES), 32-row groups x block pairs inside; the A tiles of a (row group, K chunk) are first copied to
- * a 32 KB stack buffer in tile order (pack_a: x rows are Kp * elemsize apart and alias in L1), then used for every
- * block pair.
+ * a row (KC_BYTES), 32-row groups x block pairs inside; for bf16 with many rows the A tiles of a (row group,
+ * K chunk) are first copied to a 32 KB stack buffer in tile order (pack_a: x rows are Kp * elemsize apart and alias
+ * in L1), then used for every block pair.
+ * Measured (16 vCPUs of a Xeon with AMX, forward-shaped calls): bf16 3.9 TFLOPS, int8 8.5 TOPS at 256 rows; the
+ * same machine's register-only tdpbf16ps peak is 16.4 TFLOPS, 2x2 tiles reloaded from L1 each step 4.3 TFLOPS,
+ * torch's dense bf16 4096^3 matmul (oneDNN) 3.35 TFLOPS. Tiles are not renamed: a tileloadd waits for the tdp
+ * reading its register, which bounds the 2x2 scheme.
  * Partial sums between K chunks live in y itself (fp32 for bf16; int32 bit patterns for int8, scaled to fp32 at
  * the end). Rows n % 16 are a last group with a tile config of r rows (A and C tiles), so any n works.
  * Tile config: sttilecfg is compared with ours at entry (another AMX user on this thread may have changed it),
@@ -75,6 +79,10 @@ static void cfg_set(int rows, int *cur) {
     *cur = rows;
 }
 
+#ifndef AMX_PIPE
+#define AMX_PIPE 1
+#endif
+
 /* One (row group, block pair, K chunk) step, all in bytes. A: the group's A tiles of the chunk's first K step (tile
  * 2 at A + a_tile, step s at A + s * a_step, row stride sa); B0: the first block's packed rows of the chunk (step s
  * at B0 + s * 1024, second block at + b_blk); C: y at the group's first row and the pair's first column.
@@ -89,6 +97,29 @@ KTK_AI void amx_step(const char *A, int64_t sa, int64_t a_step, int64_t a_tile, 
         TLOAD(0, C, ldcb); if (NB == 2) TLOAD(1, C + 16, ldcb);
         if (NA == 2) { TLOAD(2, C + 16 * ldc, ldcb); if (NB == 2) TLOAD(3, C + 16 * ldc + 16, ldcb); }
     }
+#if AMX_PIPE
+    /* software-pipelined: each tile of step s + 1 is loaded right after the last tdp of step s that reads it
+     * (tiles are not renamed, so a load into a tile waits for those reads; this lets it overlap later tdps) */
+    TLOAD(4, A, sa); TLOAD(6, B0, 64);
+    if (NB == 2) TLOAD(7, B0 + b_blk, 64);
+    if (NA == 2) TLOAD(5, A + a_tile, sa);
+    for (int s = 0; s < steps; s++) {
+        const int more = s + 1 < steps;
+        const char *a = A + (s + 1) * a_step, *b = B0 + (int64_t)(s + 1) * 1024;
+        if (I8) TDP_I8(0, 4, 6); else TDP_BF16(0, 4, 6);
+        if (NB == 2) { if (I8) TDP_I8(1, 4, 7); else TDP_BF16(1, 4, 7); }
+        if (more) TLOAD(4, a, sa);
+        if (NA == 2) {
+            if (I8) TDP_I8(2, 5, 6); else TDP_BF16(2, 5, 6);
+            if (more) TLOAD(6, b, 64);
+            if (NB == 2) { if (I8) TDP_I8(3, 5, 7); else TDP_BF16(3, 5, 7); }
+            if (more) { if (NB == 2) TLOAD(7, b + b_blk, 64); TLOAD(5, a + a_tile, sa); }
+        } else if (more) {
+            TLOAD(6, b, 64);
+            if (NB == 2) TLOAD(7, b + b_blk, 64);
+        }
+    }
+#else
     for (int s = 0; s < steps; s++) {
         const char *a = A + s * a_step, *b = B0 + (int64_t)s * 1024;
         TLOAD(4, a, sa);
@@ -101,6 +132,7 @@ KTK_AI void amx_step(const char *A, int64_t sa, int64_t a_step, int64_t a_tile, 
             if (NB == 2) { if (I8) TDP_I8(3, 5, 7); else TDP_BF16(3, 5, 7); }
         }
     }
+#endif
     TSTORE(0, C, ldcb); if (NB == 2) TSTORE(1, C + 16, ldcb);
     if (NA == 2) { TSTORE(2, C + 16 * ldc, ldcb); if (NB == 2) TSTORE(3, C + 16 * ldc + 16, ldcb); }
 }
@@ -121,8 +153,11 @@ static void pack_a(char *buf, const char *x, int64_t sx, int rows, int steps) {
 }
 #pragma GCC pop_options
 
-#ifndef AMX_PACK_A
-#define AMX_PACK_A 1
+/* Pack A (pack_a) for bf16 from this many rows. 16 threads, W 2048 x 2048, TFLOPS packed / in place: 16 rows
+ * 0.81 / 1.54, 32 rows 1.90 / 2.35, 64 rows 2.43 / 2.12, 128 rows 3.44 / 2.59, 256 rows 3.86 / 2.99; int8: within
+ * noise at 128-256 rows and worse below, so never. (-DAMX_PACK_MIN_ROWS_BF16=0 / =1000000: always / never.) */
+#ifndef AMX_PACK_MIN_ROWS_BF16
+#define AMX_PACK_MIN_ROWS_BF16 64
 #endif
 
 /* All rows x blocks [nb0, nb1) x K, for one element type (I8: int8 -> int32 dot products left in y as bits). */
@@ -132,6 +167,7 @@ KTK_AI void amx_tiles(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, floa
     const char *xs = I8 ? (const char *)x->x_i8 : (const char *)x->x_bf16;
     const char *ws = I8 ? (const char *)w->data_i8 : (const char *)w->data_bf16;
     char abuf[KC_BYTES / 64 * 2048] __attribute__((aligned(64)));
+    const int pack = !I8 && n >= AMX_PACK_MIN_ROWS_BF16;
     int cur = -1;
     for (int bc = nb0; bc < nb1; bc += NBC) {
         const int bce = nb1 - bc < NBC ? nb1 : bc + NBC;
@@ -142,7 +178,7 @@ KTK_AI void amx_tiles(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, floa
                 cfg_set(rows >= 16 ? 16 : rows, &cur);
                 const char *A = xs + (int64_t)t * sx + kb;
                 int64_t sa = sx, a_step = 64, a_tile = 16 * sx;
-                if (AMX_PACK_A) {
+                if (pack) {
                     pack_a(abuf, A, sx, rows, steps);
                     A = abuf, sa = 64, a_step = 2048, a_tile = 1024;
                 }
