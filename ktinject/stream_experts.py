@@ -199,8 +199,6 @@ def handshake_cost(n: int = 48, iters: int = 50, mode: str | None = None, device
     """Microbenchmark of the coordination alone: a graph of ``n`` start/finish pairs whose tasks compute nothing
     (every expert skipped), on ``pool`` (default: the default pool). Returns {"mode", "per_handshake_us",
     "replay_us", "empty_replay_us"}."""
-    from ktinject import native
-
     H, E, k = 64, 4, 2
     experts = _tiny_experts(E, H, 32)
     skip = torch.ones(E, dtype=torch.uint8)

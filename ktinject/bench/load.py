@@ -132,7 +132,7 @@ def _hwm() -> int:
     return 0
 
 
-def child(phase: str, d: Path, cache: Path) -> dict:
+def child(phase: str, d: Path, cache: Path, quant: str) -> dict:
     """One load in this (fresh) process; returns its figures."""
     import transformers.conversion_mapping  # noqa: F401 - one-time import costs before the baseline
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -143,29 +143,34 @@ def child(phase: str, d: Path, cache: Path) -> dict:
     with torch.device("meta"):
         AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d))  # imports the modeling code
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda":  # the CUDA context's host memory is not the loader's
+        torch.ones(1, device=dev).matmul(torch.ones(1, 1, device=dev))
     base = _hwm()
     t0 = time.perf_counter()
     if phase == "hf+inject":
+        from ktinject.inject import inject
+
         model = AutoModelForCausalLM.from_pretrained(d)
-        ktinject.inject(model, gpu=dev)
-        resident = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-        resident += sum(m.native_experts.nbytes for m in model.modules() if hasattr(m, "native_experts"))
+        inject(model, gpu=dev, quant=quant)
+        host = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+                   if t.device.type == "cpu")
+        host += sum(m.native_experts.nbytes for m in model.modules() if hasattr(m, "native_experts"))
         stats = {"bytes_read": sum(p.stat().st_size for p in d.glob("*.safetensors")), "cache": "-"}
     else:
-        model = ktinject.from_pretrained(d, gpu=dev, cache_dir=False if phase == "stream" else cache,
+        model = ktinject.from_pretrained(d, quant=quant, gpu=dev, cache_dir=False if phase == "stream" else cache,
                                          progress=False)
         stats = model._ktinject_load_stats
-        resident = sum(stats["resident"].values())
+        host = stats["resident"].get("cpu", 0)
     seconds = time.perf_counter() - t0
     return {"phase": phase, "seconds": seconds, "bytes_read": stats["bytes_read"], "cache": stats["cache"],
-            "peak_growth": _hwm() - base, "resident": resident, "device": dev}
+            "peak_growth": _hwm() - base, "host": host, "device": dev}
 
 
-def _run_child(phase: str, d: Path, cache: Path, warm: bool) -> dict:
+def _run_child(phase: str, d: Path, cache: Path, warm: bool, quant: str) -> dict:
     if not warm:
         _drop_page_cache([*d.iterdir(), *(cache.rglob("*") if cache.exists() else [])])
     out = subprocess.run([sys.executable, "-m", "ktinject.bench.load", "--child", phase, "--dir", str(d),
-                          "--cache", str(cache)], capture_output=True, text=True)
+                          "--cache", str(cache), "--quant", quant], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{phase} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -178,11 +183,12 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint (and cache) afterwards")
     ap.add_argument("--warm", action="store_true", help="do not drop the files from the page cache between runs")
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
+    ap.add_argument("--quant", default="bf16", choices=("bf16", "int8"), help="expert quantization (default bf16)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.dir, args.cache)))
+        print(json.dumps(child(args.child, args.dir, args.cache, args.quant)))
         return 0
     base = args.dir or Path(tempfile.mkdtemp(prefix="ktinject-bench-load-"))
     d, cache = base / "checkpoint", base / "cache"
@@ -199,15 +205,14 @@ def main(argv=None) -> int:
             print(f"wrote {total / 1e9:.2f} GB checkpoint ({args.layers} layers, Qwen3-30B-A3B shapes) to {d} in "
                   f"{time.perf_counter() - t0:.1f} s")
         shutil.rmtree(cache, ignore_errors=True)
-        rows = []
+        print(f"quant {args.quant}; peak = VmHWM growth while loading; host = bytes resident in host memory after "
+              f"loading (experts + tensors placed on the CPU)")
         for phase in args.phases.split(","):
-            r = _run_child(phase, d, cache, args.warm)
-            rows.append(r)
+            r = _run_child(phase, d, cache, args.warm, args.quant)
             print(f"{phase:11s} {r['seconds']:7.2f} s  {r['bytes_read'] / 1e9:6.2f} GB read  "
-                  f"{r['bytes_read'] / 1e9 / r['seconds']:5.2f} GB/s  peak RSS growth "
-                  f"{r['peak_growth'] / 1e9:6.2f} GB  resident {r['resident'] / 1e9:6.2f} GB  "
-                  f"(peak - resident {(r['peak_growth'] - r['resident']) / 1e6:+8.0f} MB)  cache {r['cache']}  "
-                  f"[{r['device']}]", flush=True)
+                  f"{r['bytes_read'] / 1e9 / r['seconds']:5.2f} GB/s  peak {r['peak_growth'] / 1e9:6.2f} GB  "
+                  f"host {r['host'] / 1e9:6.2f} GB  peak - host {(r['peak_growth'] - r['host']) / 1e6:+7.0f} MB  "
+                  f"cache {r['cache']:7s} [{r['device']}]", flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(base if args.dir is None else d, ignore_errors=True)
