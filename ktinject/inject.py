@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 from torch import nn
 
 from ktinject import operators
+
+if TYPE_CHECKING:
+    from ktinject.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +127,7 @@ def _generation_ready(model: nn.Module) -> None:
         model.eval()
 
 
-def inject(model: nn.Module, rules=None, *, quant: str | None = None, **devices) -> "Plan":  # noqa: F821
+def inject(model: nn.Module, rules=None, *, quant: str | None = None, **devices) -> Plan:
     """Plan and apply: swap in operators, move every other tensor to its device. Returns the Plan.
 
     ``rules``: a rule file path, parsed rules, or None for the packaged file of ``model.config.model_type``.

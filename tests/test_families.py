@@ -11,6 +11,7 @@ Legend: B batch, S sequence, T tokens, E experts, H hidden, V vocabulary.
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -19,14 +20,20 @@ from ktinject.testing import FAMILIES, build_tiny_model, tiny_prompts
 
 log = logging.getLogger(__name__)
 
-PROMPTS = tiny_prompts(4, 32, seed=1)  # [4, 32]: 128 teacher-forced positions
+PROMPTS = tiny_prompts(8, 64, seed=1)  # [8, 64]: 512 teacher-forced positions
 GEN_PROMPTS = tiny_prompts(2, 8, seed=2)  # [2, 8]
 NEW_TOKENS = 16
 BLOCK_SLACK = 1.5  # (a): injected block error <= 1.5 x HF-bf16 block error
+# (a), tokens the bf16 router sends to float32's experts: native accumulates in f32 and rounds fewer times than HF
+# bf16 (measured 0.73-0.95 x), so 1.2 x leaves room for other kernels (AMX) without hiding a real defect.
+SAME_ROUTING_SLACK = 1.2
 # (e): mean KL(bf16-injected || int8-injected) over next-token distributions, nats. W8A8 with per-channel weight
 # and per-token activation scales rounds to ~2^-8 relative (bf16: 2^-9), so int8 moves the distribution a few
 # times more than bf16 itself does; the bound is 0.02 nats (measured on these models: see test output).
 INT8_KL_BOUND = 0.02
+# (d): logits are bf16 (one ulp is 1/32 at magnitude 4..8): a batched run may pick the other token of a top-2 pair
+# closer than two ulps; anything farther apart must not change.
+TIE_MARGIN = 1 / 16
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -79,27 +86,60 @@ def test_moe_blocks_no_worse_than_hf_bf16(models):
             h.remove()
     assert set(captured) == set(models.moe_names)
     for name, (x, out_inj) in captured.items():
+        truth_block, yard_block = models.truth.get_submodule(name), models.yard.get_submodule(name)
         first = lambda o: o[0] if isinstance(o, tuple) else o  # gpt-oss returns (hidden, router_scores)
-        out_truth = first(models.truth.get_submodule(name)(x.float()))
-        out_yard = first(models.yard.get_submodule(name)(x))
+        out_truth = first(truth_block(x.float()))
+        out_yard = first(yard_block(x))
         assert out_inj.shape == out_truth.shape and out_inj.dtype == x.dtype
         e_inj, e_yard = rel_err(out_inj, out_truth), rel_err(out_yard, out_truth)
-        log.info("%s %s: block error injected %.2e, HF bf16 %.2e", models.family, name, e_inj, e_yard)
+        same = _same_routing(truth_block, yard_block, x)  # [B, S]: bf16 router picked float32's experts
+        s_inj, s_yard = rel_err(out_inj[same], out_truth[same]), rel_err(out_yard[same], out_truth[same])
+        log.info("%s %s: block error injected %.2e, HF bf16 %.2e; on the %d%% of tokens routed as in float32: "
+                 "%.2e vs %.2e", models.family, name, e_inj, e_yard, 100 * same.float().mean(), s_inj, s_yard)
         assert e_inj <= BLOCK_SLACK * e_yard, f"{name}: injected {e_inj:.3e} > {BLOCK_SLACK} x HF bf16 {e_yard:.3e}"
+        assert s_inj <= SAME_ROUTING_SLACK * s_yard, f"{name}: same routing: {s_inj:.3e} > {s_yard:.3e}"
+
+
+def _same_routing(truth_block, yard_block, x: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: the bf16 router chose the same expert set as the float32 one for that token.
+
+    Where they differ, both bf16 models (which share HF's bf16 router) compute other experts than float32 and the
+    error is the routing flip's, not the experts'."""
+    attr = "router" if hasattr(yard_block, "router") else "gate"
+    x2 = x.reshape(-1, x.shape[-1])  # [T, H]
+    ids_truth = getattr(truth_block, attr)(x2.float())[2].sort(-1).values
+    ids_yard = getattr(yard_block, attr)(x2)[2].sort(-1).values
+    return (ids_truth == ids_yard).all(-1).view(x.shape[:-1])
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(p || q) of next-token distributions [..., V] -> [...] (nats)."""
+    lp, lq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    return (lp.exp() * (lp - lq)).sum(-1)
 
 
 @torch.no_grad()
 def test_teacher_forced_argmax(models):
-    """(b) Teacher-forced argmax agreement with float32: at least HF-bf16's, less one position of 128.
+    """(b) Teacher-forced argmax agreement with float32, 512 positions: no worse than HF-bf16's, within a sign test.
 
-    The slack of one position: where the float32 top-2 logits nearly tie, any bf16 rounding (HF's or ours, which
-    differ in accumulation order) can pick either; one such position in 128 is chance, not a defect."""
-    ref = logits(models.truth, PROMPTS).argmax(-1)
-    agree_inj = (logits(models.inj, PROMPTS).argmax(-1) == ref).sum().item()
-    agree_yard = (logits(models.yard, PROMPTS).argmax(-1) == ref).sum().item()
-    log.info("%s argmax agreement: injected %d/%d, HF bf16 %d/%d", models.family, agree_inj, ref.numel(),
-             agree_yard, ref.numel())
-    assert agree_inj >= agree_yard - 1
+    In bf16, an expert choice near a tie in the router flips against float32 in a few % of token-layers (HF's bf16
+    router, which the injected model keeps, does this too), and a flip moves that token's logits a lot. Which
+    positions flip is chaotic: the two bf16 models disagree with float32 at mostly the same positions, plus a few
+    positions each of their own (discordant). With equal accuracy each discordant position is a coin toss, so the
+    slack is two standard deviations of that sign test, 2*sqrt(discordant) (e.g. 4 positions of 512 at 4
+    discordant); a real defect (wrong expert, wrong weight, wrong scale) shows as tens of positions and in the
+    median KL, which ignores the rare flips and must be no worse than HF bf16's (10% margin)."""
+    ref = logits(models.truth, PROMPTS)
+    inj, yard = logits(models.inj, PROMPTS), logits(models.yard, PROMPTS)
+    wrong_inj, wrong_yard = inj.argmax(-1) != ref.argmax(-1), yard.argmax(-1) != ref.argmax(-1)
+    only_inj, only_yard = (wrong_inj & ~wrong_yard).sum().item(), (wrong_yard & ~wrong_inj).sum().item()
+    kl_inj, kl_yard = _kl(ref, inj).median().item(), _kl(ref, yard).median().item()
+    log.info("%s argmax agreement: injected %d/%d, HF bf16 %d/%d (discordant %d vs %d); median KL %.2e vs %.2e",
+             models.family, ref.shape[0] * ref.shape[1] - wrong_inj.sum().item(), ref.shape[0] * ref.shape[1],
+             ref.shape[0] * ref.shape[1] - wrong_yard.sum().item(), ref.shape[0] * ref.shape[1], only_inj,
+             only_yard, kl_inj, kl_yard)
+    assert only_inj <= only_yard + 2 * math.sqrt(only_inj + only_yard)
+    assert kl_inj <= 1.1 * kl_yard
 
 
 def _greedy(model, prompts: torch.Tensor) -> torch.Tensor:
@@ -146,9 +186,17 @@ def test_left_padded_batch_matches_single(models):
         assert err < 2e-2, f"row {row}: left-padded batch differs from the single run ({err:.3e})"
     gen = models.inj.generate(ids[:, :S - NEW_TOKENS], attention_mask=mask[:, :S - NEW_TOKENS],
                               max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    same = (gen[:, -NEW_TOKENS:] == ids[:, -NEW_TOKENS:]).float().mean().item()
-    log.info("%s batched generate: %.0f%% of tokens as generated alone", models.family, 100 * same)
-    assert gen[:, S - NEW_TOKENS].tolist() == ids[:, S - NEW_TOKENS].tolist(), "first generated token differs"
+    for row, s in enumerate(singles):  # tokens equal up to a step where the single run's top-2 (nearly) tie
+        alone = logits(models.inj, s[None])[0]  # [S_i, V]
+        top2 = alone.topk(2, dim=-1).values
+        for step in range(NEW_TOKENS):
+            if gen[row, S - NEW_TOKENS + step] != s[len(s) - NEW_TOKENS + step]:
+                pos = len(s) - NEW_TOKENS + step - 1  # the position that predicted this token
+                margin = (top2[pos, 0] - top2[pos, 1]).item()
+                log.info("%s row %d: batched generate diverges at step %d (top-2 margin %.3f)", models.family, row,
+                         step, margin)
+                assert margin <= TIE_MARGIN, f"row {row} step {step}: batched token differs at margin {margin:.3f}"
+                break
 
 
 @torch.no_grad()
@@ -181,7 +229,9 @@ def test_one_resident_copy(models):
             assert all(t.dim() < 3 for t in block.state_dict().values()), "a 3-D (expert) tensor is left"
             hf_block = models.yard.get_submodule(name)
             assert tensor_bytes(block) == tensor_bytes(hf_block) - tensor_bytes(hf_block.experts)
-            assert block.native_experts.nbytes == packed_nbytes(block.spec, quant)
+            assert block.native_experts.nbytes == packed_nbytes(block.spec, quant)  # what the plan counted
+            weights = 3 * block.num_experts * block.hidden_size * block.intermediate_size
+            assert block.native_experts.nbytes >= weights * (2 if quant == "bf16" else 1)  # padded, never less
             assert block.quant == quant
 
 
@@ -189,3 +239,15 @@ def test_state_dict_keys_kept(models):
     """Router and shared experts keep HF's names: the state dict is HF's minus the routed experts."""
     hf = {k for k in models.yard.state_dict() if ".experts." not in k}
     assert set(models.inj.state_dict()) == hf
+
+
+# §5: HF's routers return float32 weights for these families (bf16 for the others); native takes either as is.
+F32_ROUTING = {"mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe"}
+
+
+@torch.no_grad()
+def test_routing_weights_dtype(models):
+    block = models.inj.get_submodule(models.moe_names[0])
+    weights, ids = block.routing(torch.randn(5, block.hidden_size, dtype=torch.bfloat16))
+    assert ids.dtype == torch.int64 and ids.shape == weights.shape == (5, models.inj.config.num_experts_per_tok)
+    assert weights.dtype == (torch.float32 if models.family in F32_ROUTING else torch.bfloat16)

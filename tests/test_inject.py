@@ -25,6 +25,7 @@ def test_returns_plan_and_marks_model():
     assert model._ktinject_plan is plan
     assert {e.operator for e in plan.operator_entries()} == {"moe", "attention"}
     assert "moe" in str(plan)
+    assert model.generation_config.disable_compile  # HF's auto torch.compile cannot trace native calls
 
 
 def test_second_inject_is_an_error():
@@ -177,7 +178,7 @@ def test_bad_quant_names_choices():
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 @torch.no_grad()
 def test_cuda_inject(family):
-    """gpu="cuda": everything but the routed experts on the GPU; logits as close to float32 as HF bf16's; generate."""
+    """gpu="cuda": everything but the routed experts on the GPU; as close to float32 as HF bf16; generate works."""
     from ktinject import inject
     from ktinject.operators.moe import HybridMoE
 
@@ -187,13 +188,17 @@ def test_cuda_inject(family):
     inject(model, gpu="cuda")
     assert all(t.device.type == "cuda" for t in model.state_dict().values())
     assert any(isinstance(m, HybridMoE) for m in model.modules())
-    prompts = tiny_prompts(2, 24, seed=6)
+    prompts = tiny_prompts(4, 32, seed=6)
     ref = truth(prompts).logits
-    err_yard = ((yard(prompts).logits.float() - ref).norm() / ref.norm()).item()
-    got = model(prompts.cuda()).logits.float().cpu()
-    err = ((got - ref).norm() / ref.norm()).item()
-    assert err <= 1.5 * err_yard + 1e-3, f"cuda injected {err:.3e} vs HF bf16 {err_yard:.3e}"
+
+    def median_kl(got):  # median over positions of KL(float32 || got): robust to rare bf16 routing flips
+        lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got.float().cpu(), -1)
+        return (lp.exp() * (lp - lq)).sum(-1).median().item()
+
+    kl_yard = median_kl(yard(prompts).logits)
+    kl = median_kl(model(prompts.cuda()).logits)
+    assert kl <= 1.5 * kl_yard, f"cuda injected median KL {kl:.3e} vs HF bf16 (CPU) {kl_yard:.3e}"
     out = model.generate(prompts.cuda(), attention_mask=torch.ones_like(prompts).cuda(), max_new_tokens=8,
                          min_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert out.shape == (2, 32) and out.device.type == "cuda"
+    assert out.shape == (4, 40) and out.device.type == "cuda"
     torch.cuda.synchronize()

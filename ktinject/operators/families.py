@@ -155,19 +155,15 @@ def inspect_block(module: nn.Module, name: str) -> BlockSpec:
 
 
 def packed_nbytes(spec: BlockSpec, quant: str) -> int:
-    """Bytes the native experts will hold: bf16 2 B/weight; int8 1 B/weight + one f32 scale per output row;
-    gpt-oss biases as f32 (gate I + up I + down H per expert)."""
-    E, H, I = spec.num_experts, spec.hidden, spec.intermediate
-    weights = E * 3 * H * I
-    if quant == "bf16":
-        total = 2 * weights
-    elif quant == "int8":
-        total = weights + 4 * E * (2 * I + H)
-    else:
+    """Bytes the native experts will hold (the packed, padded layout: ``native.Experts.packed_nbytes``).
+
+    About 2 B/weight for bf16, 1 B/weight plus per-row scales for int8; gpt-oss adds f32 biases. Pure: no library
+    load, works for meta-device modules."""
+    from ktinject.native import Experts
+
+    if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r}; use one of {', '.join(QUANTS)}")
-    if spec.has_bias:
-        total += 4 * E * (2 * I + H)
-    return total
+    return Experts.packed_nbytes(spec.num_experts, spec.hidden, spec.intermediate, quant, bias=spec.has_bias)
 
 
 def experts_nbytes(module: nn.Module) -> int:

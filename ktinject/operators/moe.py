@@ -10,7 +10,8 @@ attribute names, so state-dict keys and router-logit recorders still work), hand
     host:   wait for the copies; native task submit ... wait (releases the GIL)
     device: copy the routed output back (async), add the shared output
 
-Rule keyword arguments: ``quant``: ``bf16`` (default) or ``int8`` (W8A8, per-channel weight scales).
+Rule keyword arguments: ``quant``: ``bf16`` (default) or ``int8`` (W8A8: int8 weights with per-output-channel
+scales, activations quantized per token on the fly).
 
 Legend: B batch, S sequence, T tokens (B*S), E experts, H hidden, I expert intermediate, k experts per token.
 """
