@@ -60,10 +60,11 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
 
     ``rules``: rule file / parsed rules / None (packaged rules of ``config.model_type``); ``quant``: expert
     quantization for every MoE block (``bf16``, ``int8``; None keeps the rules' choice, bf16 by default);
-    ``dtype``: model dtype (default: the config's, as transformers); ``cache_dir``: packed-expert cache root
-    (default ``$KTINJECT_CACHE`` or ``<dir>/.ktinject-cache``; False: no cache); ``devices``: device variables
-    (``gpu="cuda:0"``, ``gpu="cpu"``). The plan is ``model._ktinject_plan``, load figures
-    ``model._ktinject_load_stats``."""
+    ``dtype``: model dtype (default: the config's, as transformers); ``cache_dir``: packed-expert cache: a
+    directory, True (``$KTINJECT_CACHE`` or ``<dir>/.ktinject-cache``), False (none), or None: that default
+    place, but only for quantized (int8) experts, where it saves time (see ``ktinject.packcache``);
+    ``devices``: device variables (``gpu="cuda:0"``, ``gpu="cpu"``). The plan is ``model._ktinject_plan``, load
+    figures ``model._ktinject_load_stats``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     plan = _submodule("plan").plan
@@ -96,10 +97,14 @@ def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: b
     if getattr(model, "config", None) is not None:
         check_quantization(model.config, ckpt.dir)
     _Loader(model, plan, ckpt, cache_dir, progress).run()
-    _inject = _submodule("inject")  # what inject does after swapping: attention kernel, eval mode
-
+    # what inject does after swapping modules (keep in step with ktinject/inject.py)
+    _inject = _submodule("inject")
     _inject._attention(model, plan)
     _inject._generation_ready(model)
+    if plan.devices["gpu"].type == "cuda":  # generate() replays each decode step as one CUDA graph
+        from ktinject.generate import enable
+
+        enable(model)
     model._ktinject_plan = plan
     return plan
 
@@ -407,7 +412,8 @@ class _Loader:
 
     def _cache(self, cache_dir) -> PackCache | None:
         moe = {n: u for n, u in self.units.items() if u.entry.operator == "moe"}
-        root = packcache.cache_root(cache_dir, self.ckpt.dir) if moe else None
+        worth_it = any(u.quant != "bf16" for u in moe.values())
+        root = packcache.cache_root(cache_dir, self.ckpt.dir, worth_it) if moe else None
         if root is None:
             return None
         from ktinject import native
@@ -437,7 +443,7 @@ class _Loader:
         t0 = time.perf_counter()
         self.bar = bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
                               disable=not self.progress, leave=False)
-        self.packer, self.buffers = _Packer(), packcache.BufferPool()
+        self.packer, self.buffers = _Packer(), packcache.BufferPool(limit=window)
         try:
             with torch.no_grad():
                 for job, buf in self.ckpt.stream(jobs, window, self.buffers):
