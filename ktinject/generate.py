@@ -28,6 +28,7 @@ import types
 
 import torch
 
+from ktinject._callmod import callable_module
 from ktinject.graph import GraphRunner
 
 log = logging.getLogger(__name__)
@@ -163,13 +164,4 @@ def generate(model, input_ids=None, attention_mask=None, **kwargs):
     return out[:batch] if pad else out
 
 
-class _CallableModule(types.ModuleType):
-    """``ktinject.generate`` is both this module and the function: the package exports the function under the
-    module's name, and an ``import ktinject.generate`` made first leaves the module there. Either way
-    ``ktinject.generate(model, ...)`` works."""
-
-    def __call__(self, *args, **kwargs):
-        return generate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+callable_module(__name__, "generate")

@@ -25,7 +25,6 @@ one tensor's dtype conversion. Legend: E experts, H hidden, I expert intermediat
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import re
@@ -67,7 +66,8 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     figures ``model._ktinject_load_stats``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    plan = _submodule("plan").plan
+    from ktinject.plan import plan
+
     path = Path(path)
     if not path.is_dir():
         raise LoadError(f"{path} is not a checkpoint directory (config.json + *.safetensors)")
@@ -87,37 +87,21 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     return model
 
 
-def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: bool = True):
+def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: bool = True, **hot):
     """Fill a meta-device ``model`` from ``checkpoint`` (a directory or one .safetensors file) following ``plan``
     (made from this model): operators built and tensors on their devices, as ``inject`` leaves a loaded model.
-    Returns the plan (also set as ``model._ktinject_plan``)."""
+    ``hot``: inject's hot-expert settings (gpu_experts_budget, placement, stats). Returns the plan (also set as
+    ``model._ktinject_plan``)."""
     if getattr(model, "_ktinject_plan", None) is not None:
         raise LoadError(f"{type(model).__name__} was already injected; load into a fresh meta-device model")
     ckpt = Checkpoint(Path(checkpoint))
     if getattr(model, "config", None) is not None:
         check_quantization(model.config, ckpt.dir)
     _Loader(model, plan, ckpt, cache_dir, progress).run()
-    # what inject does after swapping modules (keep in step with ktinject/inject.py)
-    _inject = _submodule("inject")
-    _inject._attention(model, plan)
-    _inject._generation_ready(model)
-    if plan.devices["gpu"].type == "cuda":  # generate() replays each decode step as one CUDA graph
-        from ktinject.generate import enable
+    from ktinject.inject import finish
 
-        enable(model)
-    model._ktinject_plan = plan
+    finish(model, plan, **hot)
     return plan
-
-
-def _submodule(name: str):
-    """``ktinject.<name>`` the module, keeping ``ktinject.<name>`` the public function of the same name: the first
-    import of a submodule sets the package attribute to the module (``ktinject.plan`` / ``ktinject.inject``)."""
-    import ktinject
-
-    mod = importlib.import_module(f"ktinject.{name}")
-    if callable(getattr(mod, name, None)):
-        setattr(ktinject, name, getattr(mod, name))
-    return mod
 
 
 def check_quantization(config, path) -> None:

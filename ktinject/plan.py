@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ktinject import operators
+from ktinject._callmod import callable_module
 from ktinject.operators.base import OperatorError
 from ktinject.rules import Rule, RuleError, RuleSet, class_path, load_rules, rules_for_model
 
@@ -318,3 +319,6 @@ def format_plan(p: Plan) -> str:
     for rule in p.unmatched_rules:
         lines.append(f"unmatched rule: {rule.where}")
     return "\n".join(lines)
+
+
+callable_module(__name__, "plan")
