@@ -32,6 +32,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
     p.add_argument("--quant", choices=["bf16", "int8"], default="bf16", help="expert weight format (default bf16)")
     p.add_argument("--threads", type=_positive, help="CPU threads for experts (default: ktinject's choice)")
+    p.add_argument("--gpu-experts-budget", metavar="SIZE",
+                   help="GPU bytes for hot routed experts, e.g. 12GiB (default: none, or the rules' kwarg)")
+    p.add_argument("--placement", choices=["frequency", "uniform", "dynamic", "none"],
+                   help="how hot experts are chosen (default: frequency with --expert-stats, else dynamic)")
+    p.add_argument("--expert-stats", metavar="FILE", help="expert statistics from python -m ktinject.calibrate")
     p.add_argument("--gpu", help='device for the dense part (default "cuda" if available, else "cpu")')
     p.add_argument("--max-new-tokens", type=_positive, default=512, help="reply length limit (default 512)")
     p.add_argument("--temperature", type=float, help="sampling temperature; 0 = greedy (default: the model's)")
@@ -253,6 +258,19 @@ def _setup(args: argparse.Namespace) -> str:
     return gpu
 
 
+def _place_hot(model, args: argparse.Namespace):
+    """GPU-resident hot experts from --gpu-experts-budget / --placement / --expert-stats (None if not asked)."""
+    if args.gpu_experts_budget is None and args.placement is None:
+        return None
+    from ktinject import placement
+
+    strategy = args.placement or ("frequency" if args.expert_stats else "dynamic")
+    try:
+        return placement.place(model, args.gpu_experts_budget or 0, strategy, args.expert_stats)
+    except (OSError, ValueError) as e:
+        raise CliError(f"hot experts: {e}") from e
+
+
 def _loop(chat: Chat) -> None:
     if sys.stdin.isatty():
         with contextlib.suppress(ImportError):
@@ -299,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
             raise CliError(f"cannot load {model_dir}: {type(e).__name__}: {e} (-v shows the traceback)") from e
         if args.verbose and plan is not None:
             print(plan)
+        hot = _place_hot(model, args)
+        if hot is not None:
+            print(hot)
         print(f"Loaded {model_dir.name} in {time.perf_counter() - t0:.2f} s (gpu={gpu}, quant={args.quant}).")
         chat = Chat(model, tokenizer, args)
         if args.prompt is not None:

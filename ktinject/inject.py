@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ktinject import operators
+from ktinject._callmod import callable_module
 
 if TYPE_CHECKING:
     from ktinject.plan import Plan
@@ -127,11 +128,71 @@ def _generation_ready(model: nn.Module) -> None:
         model.eval()
 
 
-def inject(model: nn.Module, rules=None, *, quant: str | None = None, **devices) -> Plan:
+_HOT_KEYS = ("gpu_experts_budget", "placement", "stats", "rebalance_every")
+
+
+def hot_settings(the_plan, **overrides) -> dict | None:
+    """The model-wide hot-expert settings: the moe rules' kwargs (they must agree), overridden by ``overrides``
+    (None = not given); None when no budget or placement is set anywhere."""
+    found: dict[str, tuple] = {}
+    for entry in the_plan.operator_entries():
+        if entry.operator != "moe":
+            continue
+        for key in _HOT_KEYS:
+            value = entry.kwargs.get(key)
+            if value is None:
+                continue
+            if key in found and found[key][0] != value:
+                raise InjectError(f"moe rules disagree on {key}: {found[key][0]!r} ({found[key][1]}) vs {value!r} "
+                                  f"({entry.rule.where}); hot experts are placed model-wide: give one value")
+            found.setdefault(key, (value, entry.rule.where))
+    settings = {k: v[0] for k, v in found.items()}
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    if settings.get("gpu_experts_budget") is None and settings.get("placement") in (None, "none"):
+        return None
+    return settings
+
+
+def place_hot_experts(model: nn.Module, the_plan, **overrides):
+    """Apply ``hot_settings`` (ktinject.placement.place) once every operator is built; returns the Placement or
+    None. ``from_pretrained`` flows call this after loading, as ``inject`` does."""
+    settings = hot_settings(the_plan, **overrides)
+    if settings is None:
+        return None
+    from ktinject import placement
+
+    return placement.place(model, settings.get("gpu_experts_budget") or 0, settings.get("placement") or "frequency",
+                           settings.get("stats"), rebalance_every=settings.get("rebalance_every"))
+
+
+def finish(model: nn.Module, the_plan: Plan, **hot) -> str:
+    """What follows placement, for inject and the streaming loader alike: attention implementation, generation
+    settings, hot experts (``hot``: inject's gpu_experts_budget / placement / stats), on CUDA the graph-replaying
+    generate(), and the mark of an injected model. Returns the attention implementation in use."""
+    attn = _attention(model, the_plan)
+    _generation_ready(model)
+    place_hot_experts(model, the_plan, **hot)
+    if the_plan.devices["gpu"].type == "cuda":
+        # on CUDA, model.generate(...) replays each decode step as one CUDA graph (ktinject/generate.py)
+        from ktinject.generate import enable
+
+        enable(model)
+    model._ktinject_plan = the_plan
+    return attn
+
+
+def inject(model: nn.Module, rules=None, *, quant: str | None = None, gpu_experts_budget=None,
+           placement: str | None = None, stats=None, checkpoint=None, **devices) -> Plan:
     """Plan and apply: swap in operators, move every other tensor to its device. Returns the Plan.
 
     ``rules``: a rule file path, parsed rules, or None for the packaged file of ``model.config.model_type``.
     ``quant``: expert quantization for every MoE operator (``bf16``, ``int8``); None keeps the rules' choice.
+    ``gpu_experts_budget`` (bytes or '12GiB'), ``placement`` (frequency, uniform, dynamic, none), ``stats`` (a
+    file from ``python -m ktinject.calibrate``): GPU-resident hot experts (ktinject.placement); None keeps the moe
+    rules' kwargs of the same names.
+    ``checkpoint``: for a model built on the meta device (``from_config`` under ``torch.device("meta")`` or
+    ``from_pretrained(..., device_map="meta")``): a checkpoint directory whose weights are streamed straight into
+    the operators and devices (ktinject.loading).
     ``devices``: device variables, e.g. ``gpu="cuda:0"`` or ``gpu="cpu"`` (CPU-only run).
     """
     from ktinject.plan import plan
@@ -141,12 +202,18 @@ def inject(model: nn.Module, rules=None, *, quant: str | None = None, **devices)
         raise InjectError(f"{type(model).__name__} was already injected (model._ktinject_plan is set); inject a "
                           f"freshly loaded model instead")
     the_plan = plan(model, rules, quant=quant, **devices)
+    hot = dict(gpu_experts_budget=gpu_experts_budget, placement=placement, stats=stats)
+    if checkpoint is not None:
+        from ktinject.loading import load_into
+
+        return load_into(model, the_plan, checkpoint, **hot)
     counts = _build_operators(model, the_plan)
     nbytes = place_tensors(model, the_plan.tensor_devices)
-    attn = _attention(model, the_plan)
-    _generation_ready(model)
-    model._ktinject_plan = the_plan
+    attn = finish(model, the_plan, **hot)
     ops = ", ".join(f"{n} x {op}" for op, n in sorted(counts.items())) or "no operators"
     log.info("inject: %s: %s; moved %.1f MiB of other tensors; attention %s", type(model).__name__, ops,
              nbytes / 2**20, attn)
     return the_plan
+
+
+callable_module(__name__, "inject")

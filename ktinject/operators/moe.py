@@ -11,7 +11,13 @@ attribute names, so state-dict keys and router-logit recorders still work), hand
     device: copy the routed output back (async), add the shared output
 
 Rule keyword arguments: ``quant``: ``bf16`` (default) or ``int8`` (W8A8: int8 weights with per-output-channel
-scales, activations quantized per token on the fly).
+scales, activations quantized per token on the fly). Hot experts (model-wide, applied by ``inject`` once every block
+is built; see ``ktinject.placement``): ``gpu_experts_budget`` (bytes or '12GiB'), ``placement`` (frequency, uniform,
+dynamic, none), ``stats`` (a file from ``python -m ktinject.calibrate``), ``rebalance_every`` (tokens, dynamic).
+
+Each forward also counts the routed (token, slot) pairs per expert into ``counts`` [E] on the device (statistics),
+and GPU-resident experts (``hot``, a ``ktinject.operators.hot.HotExperts``) run on the device between the host
+submit and wait, while the native experts skip them through ``skip``.
 
 Legend: B batch, S sequence, T tokens (B*S), E experts, H hidden, I expert intermediate, k experts per token.
 """
@@ -94,9 +100,16 @@ class HybridMoE(nn.Module):
         self.native_experts = experts  # native.Experts: E x (gate, up, down), packed on the host
         self.num_experts, self.hidden_size, self.intermediate_size = spec.num_experts, spec.hidden, spec.intermediate
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)  # Mixtral, training only
-        # uint8 [E]: nonzero = expert computed elsewhere (hot experts on the device, later); a plain attribute so
-        # that model.to(...) leaves it on the host where native reads it.
-        self.skip = torch.zeros(spec.num_experts, dtype=torch.uint8)
+        # uint8 [E]: nonzero = expert computed elsewhere (hot experts on the device); a plain attribute so that
+        # model.to(...) leaves it on the host where native reads it. Pinned on CUDA: re-placement copies the
+        # device's residency table into it inside each (captured) step.
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self.skip = torch.zeros(spec.num_experts, dtype=torch.uint8, pin_memory=pin)
+        self.counts = torch.zeros(spec.num_experts, dtype=torch.int64, device=self.device)  # [E] routed pairs
+        self.collect_stats = True
+        self.hot = None  # HotExperts: GPU-resident experts (ktinject.placement.place)
+        self.expert_biases = None  # gpt-oss: (gate_up_bias [E, 2I], down_bias [E, H]) f32 host copies, for hot
+        self._ones: dict[tuple, torch.Tensor] = {}
         self.class_name = type(block).__name__
         self._task = None  # native.Task, made on first forward
         self._copied = None  # torch.cuda.Event: host copies done (CUDA only)
@@ -112,7 +125,17 @@ class HybridMoE(nn.Module):
         s = self.spec
         return (f"{self.class_name}: E={s.num_experts}, H={s.hidden}, I={s.intermediate}, quant={self.quant}, "
                 f"layout={s.layout}, shared={s.shared}, device={self.device}, "
-                f"host={self.native_experts.nbytes / 2**20:.1f} MiB")
+                f"host={self.native_experts.nbytes / 2**20:.1f} MiB"
+                + ("" if self.hot is None else f", hot={len(self.hot.residents())}/{self.hot.C} slots"))
+
+    def _count(self, ids: torch.Tensor) -> None:
+        """counts[e] += pairs routed to e (on the device, no sync: works inside graph capture)."""
+        flat = ids.reshape(-1)
+        key = (flat.numel(), flat.device)
+        ones = self._ones.get(key)
+        if ones is None:
+            ones = self._ones[key] = torch.ones(flat.numel(), dtype=torch.int64, device=flat.device)
+        self.counts.index_add_(0, flat.to(self.counts.device), ones.to(self.counts.device))
 
     def forward(self, hidden_states: torch.Tensor):
         B, S, H = hidden_states.shape  # [B, S, H]
@@ -121,6 +144,8 @@ class HybridMoE(nn.Module):
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, H)  # [T, H]
         weights, ids = self.routing(x)  # [T, k], [T, k]
+        if self.collect_stats and ids.numel():
+            self._count(ids)
         routed, shared = self._experts(x, ids, weights)
         out = routed if shared is None else routed + shared
         out = out.view(B, S, H)
@@ -136,9 +161,11 @@ class HybridMoE(nn.Module):
         if on_cuda and stream_experts.active():  # graph warm-up/capture: the stream itself signals the host
             runner = stream_experts.runner_for(self.native_experts, T, k, H, x.device, dtype=x.dtype,
                                                weights_dtype=weights.dtype, skip=self.skip)
+            self._mirror_skip(True)
             runner.start(x, ids, weights)
             shared = shared_output(self, self.spec.shared, x)
-            return runner.finish(), shared  # static [T, H]: valid until this layer's next step
+            extra = None if self.hot is None else self.hot(x, ids, weights)  # GPU-resident experts, meanwhile
+            return _combine(runner.finish(), extra), shared  # runner output: static [T, H]
         st = staging(pin=on_cuda)
         hdt = _host_dtype(x.dtype)
         h = st.get("hidden", T, H, hdt)
@@ -148,13 +175,15 @@ class HybridMoE(nn.Module):
         h.copy_(x.detach(), non_blocking=on_cuda)  # device -> pinned host, async on CUDA
         i.copy_(ids, non_blocking=on_cuda)
         w.copy_(weights.detach(), non_blocking=on_cuda)
-        shared = None
+        self._mirror_skip(on_cuda)
+        shared = extra = None
         if on_cuda:
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             copied = self._copied
             copied.record()  # after the three copies, on the current stream
             shared = shared_output(self, self.spec.shared, x)  # queued on the GPU: overlaps the CPU experts
+            extra = None if self.hot is None else self.hot(x, ids, weights)  # GPU-resident experts, likewise
             copied.synchronize()
         task = self._bound_task(h, i, w, o)
         task.submit()
@@ -163,9 +192,17 @@ class HybridMoE(nn.Module):
                 shared = shared_output(self, self.spec.shared, x)
         finally:
             task.wait()  # always: the pool must be done with the buffers before anyone reuses them
+        if not on_cuda and self.hot is not None:  # the "GPU" bank is on the CPU: after the pool, not against it
+            extra = self.hot(x, ids, weights)
         routed = torch.empty((T, H), dtype=x.dtype, device=x.device)
         routed.copy_(o, non_blocking=on_cuda)  # pinned host -> device; stream order protects `o` until done
-        return routed, shared
+        return _combine(routed, extra), shared
+
+    def _mirror_skip(self, non_blocking: bool) -> None:
+        """Re-placement on: this step's native skip mask is the device residency table (stream order keeps the
+        two sides consistent within the step)."""
+        if self.hot is not None and self.hot.dynamic:
+            self.skip.copy_(self.hot.resident, non_blocking=non_blocking)
 
     def _bound_task(self, h, i, w, o):
         from ktinject import native
@@ -176,16 +213,42 @@ class HybridMoE(nn.Module):
         return self._task
 
 
+def _combine(routed: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+    """CPU experts' output [T, H] plus the GPU-resident experts' (float32 [T, H] or None), in routed's dtype."""
+    return routed if extra is None else (extra + routed).to(routed.dtype)
+
+
+_HOT_KWARGS = frozenset({"gpu_experts_budget", "placement", "stats", "rebalance_every"})
+
+
+def _check_hot_kwargs(kwargs: Mapping[str, Any], name: str) -> None:
+    from ktinject.placement import check_strategy, parse_bytes
+
+    try:
+        if kwargs.get("gpu_experts_budget") is not None:
+            parse_bytes(kwargs["gpu_experts_budget"])
+        if kwargs.get("placement") is not None:
+            check_strategy(kwargs["placement"])
+        every = kwargs.get("rebalance_every")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"rebalance_every {every!r}: expected a positive number of tokens")
+        if kwargs.get("stats") is not None and not isinstance(kwargs["stats"], str):
+            raise ValueError(f"stats {kwargs['stats']!r}: expected a file path")
+    except ValueError as e:
+        raise OperatorError(f"moe: {name!r}: {e}") from None
+
+
 @register("moe")
 class MoEOperator(Operator):
     """Replace an MoE block by a HybridMoE: routed experts on the host (native), the rest on ``device``."""
 
-    kwargs_allowed = frozenset({"quant"})
+    kwargs_allowed = frozenset({"quant"}) | _HOT_KWARGS
 
     @classmethod
     def check(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> None:
         spec = inspect_block(module, name)
         _quant(kwargs, name)
+        _check_hot_kwargs(kwargs, name)
         if not spec.known:
             log.warning("moe: %s (%s) is not a verified block class; driving it as one with router %r, shared "
                         "experts %s, %s experts layout", name, type(module).__name__, spec.router, spec.shared,
@@ -205,8 +268,14 @@ class MoEOperator(Operator):
         spec = inspect_block(module, name)
         quant = _quant(kwargs, name)
         experts = pack_experts(module, spec, quant, name)
+        biases = None
+        if spec.has_bias:  # kept (tiny) so gpt-oss experts can be placed on the GPU later
+            from ktinject.operators.hot import gpt_oss_biases
+
+            biases = gpt_oss_biases(module.experts)
         free_experts(module)
         hybrid = HybridMoE(module, spec, experts, device, quant)
+        hybrid.expert_biases = biases
         hybrid.train(module.training)
         log.debug("moe: %s -> %s", name, hybrid.extra_repr())
         return hybrid

@@ -1,0 +1,305 @@
+"""Hot experts: decode tok/s with GPU-resident experts by budget and strategy, next to the bound 1/(1-h).
+
+``python -m ktinject.bench hot [--layers N] [--budgets 0,8,16] [--strategies none,uniform,frequency,dynamic] ...``
+
+The decode benchmark's model (Qwen3-30B-A3B shapes, random bf16 weights built in memory, ``bench/decode.py``) is
+built and injected once; its routers are then skewed so that expert popularity follows a Zipf law: in layer l the
+r-th most popular expert is picked by a share min(1, c / r^s_l) of the tokens (c such that the shares sum to k; the
+head is capped at 1 because a token picks k distinct experts), s_l spread evenly around --zipf (1.0) by
++-(--zipf-spread), popularity order shuffled per layer. The skew is a per-expert logit offset added before the
+softmax (a wrapper around the HF router), solved by simulation for logits ~ N(0, 1.5^2) (router weights of std
+1.5/sqrt(H) on unit-RMS hidden states); the output states it and the exponent measured from the counts.
+
+Then, per configuration (placement changed in place: banks dropped and rebuilt, graphs re-captured; nothing else):
+  budget 0 (everything routed on the CPU: the baseline), then for each budget > 0 each strategy:
+    uniform    the same number of experts in every layer, each layer's most counted ones
+    frequency  one ranking across layers by count
+    dynamic    no statistics: starts with arbitrary experts (uniform counts) and re-places every --every tokens
+               from recent counts while decoding (measured after --dynamic-warmup tokens)
+  statistics for uniform/frequency come from a calibration run (--calib-tokens sampled tokens, another prompt).
+Decode is sampled (temperature 1, fixed seeds) so that tokens, hence routing, vary as in real use.
+Columns: tok/s, speed-up over budget 0, h = share of routed (token, slot) pairs served by the GPU banks during the
+timed run (counted on the device), and the bound 1/(1-h) (the speed-up if CPU expert time fell with the CPU's
+share of the work and nothing else cost anything). ``--tiny`` runs the flow on the tiny test model (CPU too).
+Legend: L layers, E experts, k experts per token, h GPU share of routed pairs.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+# ---- skewed routing -----------------------------------------------------------------------------------------
+class SkewedRouter(nn.Module):
+    """Qwen3's top-k router with a per-expert logit offset ``bias`` [E] (float32) added before the softmax."""
+
+    def __init__(self, inner: nn.Module, bias: torch.Tensor):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("bias", bias.float().to(inner.weight.device))
+        self.top_k = inner.top_k
+        self.norm_topk_prob = getattr(inner, "norm_topk_prob", True)
+
+    def forward(self, x: torch.Tensor):
+        x = x.reshape(-1, self.inner.weight.shape[1])  # [T, H]
+        logits = F.linear(x, self.inner.weight)  # [T, E]
+        probs = torch.softmax(logits.float() + self.bias, dim=-1)
+        w, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return logits, w.to(logits.dtype), ids
+
+
+def zipf_shares(E: int, k: int, s: float) -> torch.Tensor:
+    """Per-token pick probability of the r-th most popular expert (r = 1..E): min(1, c / r^s), summing to k."""
+    r = torch.arange(1, E + 1, dtype=torch.float64)
+    lo, hi = 0.0, float(E) ** s * k
+    for _ in range(100):
+        c = (lo + hi) / 2
+        if float((c / r ** s).clamp(max=1).sum()) < k:
+            lo = c
+        else:
+            hi = c
+    return (hi / r ** s).clamp(max=1)
+
+
+def solve_biases(q: torch.Tensor, k: int, sigma: float, device, tokens: int = 16384, iters: int = 80,
+                 seed: int = 0) -> torch.Tensor:
+    """Logit offsets b [E] such that top-k of (N(0, sigma^2) + b) picks expert e with probability ~q[e]."""
+    E = q.numel()
+    g = torch.Generator(device=device).manual_seed(seed)
+    z = torch.randn(tokens, E, generator=g, device=device) * sigma
+    target = q.to(device, torch.float32).clamp(1e-6, 1 - 1e-4)
+    b = torch.log(target)
+    for _ in range(iters):
+        ids = torch.topk(z + b, k, dim=-1).indices
+        freq = torch.bincount(ids.flatten(), minlength=E).float() / tokens
+        b = b + 0.7 * (torch.log(target) - torch.log(freq.clamp_min(0.5 / tokens)))
+        b = b - b.mean()
+    return b.cpu()
+
+
+def skew_routing(model, zipf: float, spread: float, sigma: float = 1.5, seed: int = 0) -> list[float]:
+    """Wrap every injected block's router with Zipf logit offsets; returns the exponent of each layer."""
+    from ktinject.placement import hybrid_blocks
+
+    blocks = hybrid_blocks(model)
+    L = len(blocks)
+    exps = [zipf + (spread * (2 * i / (L - 1) - 1) if L > 1 else 0.0) for i in range(L)]
+    gen = torch.Generator().manual_seed(seed)
+    device = blocks[0][1].device
+    for (_, b), s in zip(blocks, exps):
+        k = b.gate.top_k
+        by_rank = solve_biases(zipf_shares(b.num_experts, k, s), k, sigma, device)
+        perm = torch.randperm(b.num_experts, generator=gen)  # perm[r] = expert of popularity rank r
+        bias = torch.empty_like(by_rank)
+        bias[perm] = by_rank
+        b.gate = SkewedRouter(b.gate, bias)
+    return exps
+
+
+def fitted_exponent(counts: torch.Tensor, k: int) -> tuple[float, float, float]:
+    """(mean, min, max) over layers of the slope of log(count) against log(rank) for ranks k+1..E/2."""
+    slopes = []
+    E = counts.shape[1]
+    r = torch.arange(k + 1, max(k + 3, E // 2) + 1, dtype=torch.float64)
+    for row in counts.double():
+        c = row.sort(descending=True).values[k:k + r.numel()].clamp_min(0.5)
+        x, y = r.log(), c.log()
+        slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+        slopes.append(-slope)
+    return sum(slopes) / len(slopes), min(slopes), max(slopes)
+
+
+# ---- measuring ----------------------------------------------------------------------------------------------
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _generate(model, ids, n: int, seed: int) -> float:
+    import ktinject
+
+    torch.manual_seed(seed)
+    _sync(ids.device)
+    t0 = time.perf_counter()
+    ktinject.generate(model, ids, max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=1.0, top_k=0,
+                      top_p=1.0)
+    _sync(ids.device)
+    return time.perf_counter() - t0
+
+
+def decode_rate(model, prompt, tokens: int, warm: int = 0, seed: int = 0) -> dict:
+    """Seconds per decode token (prefill subtracted) and h over the timed run."""
+    from ktinject import placement
+
+    _generate(model, prompt, 3, seed)  # capture, buffers
+    reb = placement.rebalancer(model)
+    warmed = 0
+    while reb is not None and warmed < warm:  # dynamic: decode until re-placement settles (or warm tokens)
+        n = min(4 * reb.every, warm - warmed)
+        moved = reb.moved
+        _generate(model, prompt, n, seed + 1 + warmed)
+        warmed += n
+        slots = sum(b.hot.C for b in reb.blocks)
+        if reb.moved - moved + reb.pending() <= 0.02 * slots:
+            break
+    t1 = min(_generate(model, prompt, 1, seed + 2) for _ in range(2))
+    placement.reset_served(model)
+    tn = _generate(model, prompt, tokens + 1, seed + 3)
+    hits, pairs = placement.served_share(model)
+    return {"s": (tn - t1) / tokens, "h": hits / pairs if pairs else 0.0, "warm": warmed}
+
+
+def _parse_budget(text: str, total: int) -> int:
+    from ktinject.placement import parse_bytes
+
+    text = text.strip()
+    if text.endswith("%"):
+        return int(total * float(text[:-1]) / 100)
+    try:
+        return int(float(text) * 2**30)  # plain numbers are GiB
+    except ValueError:
+        return parse_bytes(text)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ktinject.bench hot", description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=48, help="decoder layers (48 = the real model)")
+    p.add_argument("--budgets", default=None, help="GPU expert budgets: GiB numbers, sizes (512MiB) or percent of "
+                   "all routed expert bytes (default 0,8,16; --tiny: 0,25%%,50%%)")
+    p.add_argument("--strategies", default="none,uniform,frequency,dynamic")
+    p.add_argument("--tokens", type=int, default=48, help="decode tokens timed per configuration")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    p.add_argument("--calib-tokens", type=int, default=128, help="sampled tokens of the calibration run")
+    p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of expert popularity (mean over layers)")
+    p.add_argument("--zipf-spread", type=float, default=0.2, help="exponents range over zipf +- spread by layer")
+    p.add_argument("--every", type=int, default=16, help="dynamic: tokens between re-placements")
+    p.add_argument("--moves", type=int, default=256, help="dynamic: experts moved per re-placement at most")
+    p.add_argument("--dynamic-warmup", type=int, default=384,
+                   help="dynamic: at most this many tokens decoded before timing (less once moves settle)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (native pool and torch)")
+    p.add_argument("--no-graphs", action="store_true", help="decode eagerly (graphs are on by default on CUDA)")
+    p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
+    return p
+
+
+def _row(rows: list, row: tuple) -> None:
+    rows.append(row)
+    print("# " + " | ".join(row), flush=True)
+
+
+def run(args) -> list[tuple]:
+    import ktinject
+    from ktinject import native, placement
+    from ktinject.bench.decode import _set_generation_defaults, build_model, build_tiny
+    from ktinject.generate import get_runner
+    from ktinject.operators.hot import HotExperts
+    from ktinject.plan import human_bytes
+
+    if args.threads:
+        native.set_default_threads(args.threads)
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    model = build_tiny(device) if args.tiny else build_model(args.layers, device)
+    cfg = model.config
+    _set_generation_defaults(model)
+    ktinject.inject(model, gpu=str(device))
+    blocks = placement.hybrid_blocks(model)
+    L, E, k = len(blocks), blocks[0][1].num_experts, cfg.num_experts_per_tok
+    print(f"# {'tiny qwen3_moe' if args.tiny else 'Qwen3-30B-A3B shapes'}: {cfg.num_hidden_layers} layers ({L} MoE), "
+          f"H={cfg.hidden_size}, E={E} top-{k}, I={cfg.moe_intermediate_size}, bf16; device "
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; native {native.isa()}, "
+          f"{native.default_pool().threads} threads; built + injected in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    exps = skew_routing(model, args.zipf, args.zipf_spread)
+    print(f"# routing: Zipf expert popularity, exponent s = {args.zipf:g} on average (per layer {min(exps):.2f}.."
+          f"{max(exps):.2f}): the r-th most popular expert of a layer is picked by min(1, c/r^s) of the tokens "
+          f"(sum k = {k}; top {sum(1 for q in zipf_shares(E, k, args.zipf) if q >= 0.999)} capped at every token), "
+          f"popularity order shuffled per layer; logit offsets solved for router logits ~ N(0, 1.5^2)", flush=True)
+    get_runner(model, use_graphs=not args.no_graphs, prefill_chunk=2048)
+
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, cfg.vocab_size, (1, args.prompt), generator=gen).to(device)
+    calib_prompt = torch.randint(3, cfg.vocab_size, (1, args.prompt), generator=gen).to(device)
+    placement.reset_stats(model)
+    t0 = time.perf_counter()
+    _generate(model, calib_prompt, args.calib_tokens, seed=100)
+    stats = placement.read_stats(model)
+    s_mean, s_min, s_max = fitted_exponent(stats.counts, k)
+    print(f"# calibration: {args.calib_tokens} sampled tokens, {stats.total} routed pairs in "
+          f"{time.perf_counter() - t0:.1f} s; measured popularity exponent (ranks {k + 1}..{E // 2}) "
+          f"{s_mean:.2f} (layers {s_min:.2f}..{s_max:.2f})", flush=True)
+
+    eb = HotExperts.expert_nbytes(blocks[0][1].spec, torch.bfloat16)
+    all_bytes = L * E * eb
+    host = sum(b.native_experts.nbytes for _, b in blocks)
+    default = "0,25%,50%" if args.tiny else "0,8,16"
+    budgets = [_parse_budget(x, all_bytes) for x in (args.budgets or default).split(",") if x.strip()]
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    print(f"# routed experts: {human_bytes(all_bytes)} in bf16 ({human_bytes(eb)} each); host copies (native): "
+          f"{human_bytes(host)}, kept whatever the placement", flush=True)
+
+    rows: list[tuple] = []
+    base = None
+    for budget in budgets:
+        for strategy in (["none"] if budget == 0 else [s for s in strategies if s != "none"]):
+            placement.place(model, 0, "none")  # free the previous banks first, so the memory delta is this one's
+            mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+            t0 = time.perf_counter()
+            extra = {"rebalance_every": args.every, "max_moves": args.moves} if strategy == "dynamic" else {}
+            if strategy == "dynamic":
+                placement.reset_stats(model)  # it learns from nothing: no calibration, no earlier counts
+            p = placement.place(model, budget, strategy, None if strategy == "dynamic" else stats, **extra)
+            t_place = time.perf_counter() - t0
+            mem = (torch.cuda.memory_allocated() - mem0) if device.type == "cuda" else p.nbytes
+            r = decode_rate(model, prompt, args.tokens, warm=args.dynamic_warmup if strategy == "dynamic" else 0)
+            rate = 1 / r["s"]
+            if base is None and budget == 0:
+                base = rate
+            speedup = rate / base if base else float("nan")
+            bound = 1 / (1 - r["h"]) if r["h"] < 1 else math.inf
+            note = (f"{p.resident} experts ({min(map(len, p.experts))}..{max(map(len, p.experts))}/layer), bank "
+                    f"{human_bytes(p.nbytes)} (GPU +{human_bytes(mem)}), placed in {t_place:.1f} s")
+            if p.expected_share is not None:
+                note += f", calibration h {p.expected_share:.2f}"
+            if p.rebalancer is not None:
+                note += (f", {p.rebalancer.moved} moves in {p.rebalancer.periods} periods (warm-up {r['warm']} "
+                         f"tokens)")
+            _row(rows, (human_bytes(budget), strategy, f"{rate:.1f}", f"{speedup:.2f}x", f"{r['h']:.3f}",
+                        f"{bound:.2f}x", note))
+    placement.place(model, 0, "none")
+    get_runner(model).close()
+    return rows
+
+
+def print_table(rows, args) -> None:
+    head = ("budget", "strategy", "tok/s", "speed-up", "h", "bound 1/(1-h)", "note")
+    w = [max(len(r[i]) for r in rows + [head]) for i in range(6)]
+    print("\n| " + " | ".join(h.ljust(w[i]) if i < 6 else h for i, h in enumerate(head)) + " |")
+    print("|" + "|".join("-" * (x + 2) for x in w) + "|------|")
+    for r in rows:
+        print("| " + " | ".join(c.ljust(w[i]) if i < 6 else c for i, c in enumerate(r)) + " |")
+    print(f"\n(batch 1, prompt {args.prompt}, {args.tokens} sampled decode tokens timed, graphs "
+          f"{'off' if args.no_graphs else 'on where CUDA'}, layers {'tiny' if args.tiny else args.layers}; speed-up "
+          f"relative to budget 0; CPU copies of GPU-resident experts are kept)", flush=True)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    rows = run(args)
+    print_table(rows, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
