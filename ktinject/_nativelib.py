@@ -186,6 +186,25 @@ class Pool:
             raise NativeError(ERR_STATE, "Pool is closed")
         return self._p
 
+    @property
+    def watch_spin_us(self) -> int:
+        """Microseconds the threads keep spinning after a watched (CUDA-graph driven) run, instead of sleeping:
+        a go flag raised within this window starts all of them at once (default: env KTINJECT_WATCH_SPIN_US, else
+        1000; 0 = sleep after the short spin)."""
+        _, lib = _native()
+        return int(lib.ktk_pool_watch_spin_us(self.ptr))
+
+    @watch_spin_us.setter
+    def watch_spin_us(self, us: int) -> None:
+        _, lib = _native()
+        _check(lib.ktk_pool_set_watch_spin_us(self.ptr, _cint("watch_spin_us", us, 0, 10_000_000)))
+
+    def wake(self) -> None:
+        """While tasks are watched: open the watch spin window now and wake sleeping threads (call just before a
+        graph replay that raises go flags). A no-op otherwise."""
+        _, lib = _native()
+        _check(lib.ktk_pool_wake(self.ptr))
+
     def close(self) -> None:
         """Close tasks made on this pool, then stop and join the threads (after running queued work)."""
         for task in list(self._tasks):

@@ -1,12 +1,15 @@
 """``ktinject.generate``: Hugging Face ``generate()`` with the decode step replayed as a CUDA graph.
 
 HF's own loop runs unchanged (greedy and sampling, logits processors, max_new_tokens, EOS and stopping criteria,
-TextStreamer / TextIteratorStreamer, batches with left padding). Two of its hooks are pointed at a ``GraphRunner``
-for the duration of the call: ``_valid_auto_compile_criteria`` (true for the runner's static cache) and
-``get_compiled_call`` (returns the runner instead of a ``torch.compile``'d forward). HF then hands every decode
-step, and prompt chunks (``prefill_chunk_size``), to the runner, which replays a graph for a bucketed decode batch
-and runs everything else eagerly. The runner (and its static caches and graphs) lives on the model, so a second
-call with another prompt length or a known batch size captures nothing.
+TextStreamer / TextIteratorStreamer, batches with left padding). Three of its hooks are pointed at a ``GraphRunner``
+for the duration of the call: ``_valid_auto_compile_criteria`` (true for the runner's static cache),
+``get_compiled_call`` (returns the runner instead of a ``torch.compile``'d forward) and, for decode steps on the
+runner's caches, ``create_masks_for_generate`` (returns the 2D padding mask as it is: HF would otherwise build the
+4D mask on the host every step, ~10 small kernels and their Python; the model builds it inside the graph instead,
+from the runner's static copy of the 2D mask). HF then hands every decode step, and prompt chunks
+(``prefill_chunk_size``), to the runner, which replays a graph for a bucketed decode batch and runs everything else
+eagerly. The runner (and its static caches and graphs) lives on the model, so a second call with another prompt
+length or a known batch size captures nothing.
 
 ``enable(model)`` makes a plain ``model.generate(...)`` go through here (``ktinject.inject`` may call it);
 ``disable(model)`` undoes it. Without CUDA everything runs eagerly through the same path (static cache), giving
@@ -107,11 +110,38 @@ def _needed_len(gc, prompt_len: int) -> int:
     return max(int(gc.max_length or _HF_DEFAULT_MAX_LENGTH), prompt_len + 1)
 
 
+_HOOKS = ("_valid_auto_compile_criteria", "get_compiled_call", "create_masks_for_generate")
+
+
+def _mask_hook(model, runner: GraphRunner):
+    """``create_masks_for_generate`` for the call: a decode step on one of the runner's (graphable) caches keeps its
+    2D padding mask (or None), anything else gets HF's masks."""
+    from transformers import masking_utils
+
+    # what HF's prepare_inputs_for_generation would call: the model's own (bound) function, else the library's
+    hf_masks = getattr(model, "create_masks_for_generate", None) or masking_utils.create_masks_for_generate
+    graphable: dict[int, bool] = {}
+
+    def create_masks_for_generate(*args, **kwargs):
+        embeds, mask, cache = kwargs.get("inputs_embeds"), kwargs.get("attention_mask"), kwargs.get("past_key_values")
+        if (not args and embeds is not None and embeds.dim() == 3 and embeds.shape[1] == 1
+                and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2))
+                and kwargs.get("block_sequence_ids") is None and kwargs.get("or_mask_function") is None
+                and kwargs.get("and_mask_function") is None and any(cache is c for c in runner.caches.values())):
+            key = id(cache)
+            if key not in graphable:
+                graphable[key] = runner.graphable_cache(cache)
+            if graphable[key]:
+                return mask
+        return hf_masks(*args, **kwargs)
+
+    return create_masks_for_generate
+
+
 @contextlib.contextmanager
 def _hooked(model, runner: GraphRunner):
     """Point HF's compile hooks at ``runner`` for the runner's own caches (instance attributes, restored after)."""
-    saved = {n: model.__dict__[n] for n in ("_valid_auto_compile_criteria", "get_compiled_call") if n in
-             model.__dict__}
+    saved = {n: model.__dict__[n] for n in _HOOKS if n in model.__dict__}
     caches = runner.caches
 
     def criteria(model_kwargs, generation_config):
@@ -120,10 +150,12 @@ def _hooked(model, runner: GraphRunner):
 
     model.__dict__["_valid_auto_compile_criteria"] = criteria
     model.__dict__["get_compiled_call"] = lambda compile_config=None: runner
+    if runner.own_masks:
+        model.__dict__["create_masks_for_generate"] = _mask_hook(model, runner)
     try:
         yield
     finally:
-        for n in ("_valid_auto_compile_criteria", "get_compiled_call"):
+        for n in _HOOKS:
             model.__dict__.pop(n, None)
         model.__dict__.update(saved)
 

@@ -10,10 +10,15 @@ Static state (addresses fixed for the life of the graphs):
 - one HF ``StaticCache`` per batch size, of ``max_cache_len`` tokens; its layers advance a device-side counter in
   place (``cumulative_length``), so a replay writes K/V at the right position with no host involvement; a new
   ``generate`` resets it in place (``cache.reset()``);
-- per graph, input buffers filled before each replay: input_ids [B,1], position_ids [B,1] and the 4D attention
-  mask [B,1,1,L] that HF builds for static caches (shapes fixed by B and L = max_cache_len);
+- per graph, input buffers filled before each replay: input_ids [B,1], position_ids [B,1] and the attention mask:
+  either the 4D mask [B,1,1,L] that HF builds for static caches, or (through ``ktinject.generate``, which stops HF
+  from building that mask on the host every step) the 2D padding mask [B,n] of the n tokens so far, copied into a
+  static [B,L] buffer (the rest is masked as future positions anyway): the model then builds the 4D mask from it
+  and the cache's device counter inside the graph (L = max_cache_len);
 - MoE blocks: while warming up and capturing, HybridMoE goes through ``ktinject.stream_experts`` (the stream raises
   a pinned go flag that a native pool thread watches, then waits for its done flag), one runner per (layer, B).
+  Just before each replay the runner wakes those pools (``Pool.wake``): their threads spin through the step, so
+  no layer's go pays a futex wake-up, and sleep again ~1 ms after its last layer (KTINJECT_WATCH_SPIN_US).
 
 Capture: two warm-up steps on a side stream (as torch requires; they also make the stream-experts runners and any
 lazily allocated buffer), with the cache counters put back after each, then the capture itself, which executes
@@ -59,6 +64,7 @@ class _Graph:
     inputs: dict[str, torch.Tensor]  # static input buffers
     output: Any  # ModelOutput of the captured step (its logits are the static output)
     replays: int = 0
+    pools: tuple = ()  # native pools the graph's go flags drive: woken just before each replay
 
 
 @dataclass
@@ -79,11 +85,13 @@ class GraphRunner:
     ``use_graphs``: None = on CUDA, False = eager only (same static caches, for comparison); ``pad_batches``:
     pad a batch size without a bucket up to the next bucket (None: when graphs are on); ``host_wait``: how the
     host thread waits for the GPU once graphs are used ("block" sleeps, leaving every core to the native expert
-    threads; "spin" busy-waits; None leaves CUDA's choice, which spins on one core) - process-wide."""
+    threads; "spin" busy-waits; None leaves CUDA's choice, which spins on one core) - process-wide; ``own_masks``:
+    decode steps through ``ktinject.generate`` take the 2D padding mask and build the 4D mask inside the graph
+    (False: HF builds it on the host every step, as before)."""
 
     def __init__(self, model, buckets=(1, 2, 4, 8), max_cache_len: int | None = None,
                  prefill_chunk: int | None = 2048, use_graphs: bool | None = None, pad_batches: bool | None = None,
-                 host_wait: str | None = "block", warmup: int = 2):
+                 host_wait: str | None = "block", warmup: int = 2, own_masks: bool = True):
         self.model = model
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] < 1:
@@ -94,6 +102,7 @@ class GraphRunner:
         self.pad_batches = pad_batches
         self.host_wait = host_wait
         self.warmup = int(warmup)
+        self.own_masks = bool(own_masks)
         self.caches: dict[int, Any] = {}  # batch -> StaticCache
         self.graphs: dict[tuple, _Graph | None] = {}  # key -> graph (None: capture failed, eager)
         self.stats = RunnerStats()
@@ -167,8 +176,10 @@ class GraphRunner:
         if entry is None:
             self.stats.eager_decode += 1
             return self.model(**kwargs)
+        for pool in entry.pools:
+            pool.wake()  # expert threads spin from now on: the first layer's go pays no futex wake-up
         for name, buf in entry.inputs.items():
-            buf.copy_(kwargs[name], non_blocking=True)
+            _fill(buf, kwargs[name])
         entry.graph.replay()
         entry.replays += 1
         self.stats.replays += 1
@@ -204,7 +215,12 @@ class GraphRunner:
             if isinstance(value, torch.Tensor):
                 if name not in GRAPH_TENSOR_ARGS or value.device != ids.device:
                     return None
-                parts.append((name, tuple(value.shape), value.dtype))
+                if name == "attention_mask" and value.dim() == 2:  # padding mask of the tokens so far: grows
+                    if value.shape[0] != batch or value.shape[1] > self.max_cache_len:
+                        return None
+                    parts.append((name, "2d", value.dtype))
+                else:
+                    parts.append((name, tuple(value.shape), value.dtype))
             elif value is None or isinstance(value, (bool, int, float, str)):
                 parts.append((name, value))
             else:
@@ -218,7 +234,7 @@ class GraphRunner:
 
             if not cuda_driver.set_host_wait_mode(self.host_wait):
                 log.info("ktinject graph: cannot set the host wait mode (driver older than CUDA 12.1)")
-        inputs = {n: v.clone() for n, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        inputs = {n: _static_input(n, v, self.max_cache_len) for n, v in kwargs.items() if isinstance(v, torch.Tensor)}
         rest = {n: v for n, v in kwargs.items() if not isinstance(v, torch.Tensor)}
         counters = [layer.cumulative_length for layer in cache.layers]
         saved = [c.clone() for c in counters]
@@ -247,7 +263,17 @@ class GraphRunner:
             return None
         self.stats.captures += 1
         log.info("ktinject graph: captured the decode step for batch %d", key[0])
-        return _Graph(graph, inputs, output)
+        return _Graph(graph, inputs, output, pools=self._pools())
+
+    def _pools(self) -> tuple:
+        """The native pools of this model's stream-experts runners (one per pool)."""
+        pools = {}
+        for module in self.model.modules():
+            experts = getattr(module, "native_experts", None)
+            if experts is not None:
+                for r in stream_experts.runners(experts):
+                    pools[id(r.task.pool)] = r.task.pool
+        return tuple(pools.values())
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -273,6 +299,23 @@ class GraphRunner:
                 f"eager decode={s.eager_decode}, eager other={s.eager_other})")
 
     __repr__ = describe
+
+
+def _static_input(name: str, value: torch.Tensor, max_len: int) -> torch.Tensor:
+    """The static buffer of a graph input: a clone, or for a 2D padding mask [B, n] one of [B, max_len]."""
+    if name == "attention_mask" and value.dim() == 2:
+        buf = torch.ones((value.shape[0], max_len), dtype=value.dtype, device=value.device)
+        _fill(buf, value)
+        return buf
+    return value.clone()
+
+
+def _fill(buf: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a step's input into its static buffer (a 2D mask [B, n] into the first n columns of [B, L])."""
+    if buf.shape == value.shape:
+        buf.copy_(value, non_blocking=True)
+    else:
+        buf[:, : value.shape[1]].copy_(value, non_blocking=True)
 
 
 def _initialized(cache) -> bool:

@@ -54,6 +54,39 @@ def test_batch_left_padding_and_second_call(model):
     assert runner.caches[2] is cache
 
 
+def test_runner_owns_decode_masks(model, monkeypatch):
+    """Decode steps reach the runner with the 2D padding mask (the model builds the 4D mask itself, inside the graph
+    on CUDA): the same scores and tokens as HF building the 4D mask every step (own_masks=False)."""
+    from ktinject.graph import GraphRunner
+
+    ids, mask = _left_padded(length=7, pads=(2, 0))
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, output_scores=True,
+              return_dict_in_generate=True)
+    seen = []
+    call = GraphRunner.__call__
+
+    def spy(self, **k):
+        if k["input_ids"].shape[1] == 1:
+            seen.append(k["attention_mask"].dim())
+        return call(self, **k)
+
+    monkeypatch.setattr(GraphRunner, "__call__", spy)
+    get_runner(model, own_masks=False)
+    try:
+        ref = ktinject.generate(model, ids, **kw)
+        assert seen == [4] * 9
+        assert get_runner(model, prefill_chunk=2048).own_masks  # the default
+        seen.clear()
+        out = ktinject.generate(model, ids, **kw)
+        assert seen == [2] * 9
+        assert "create_masks_for_generate" not in model.__dict__  # the hook is gone after the call
+    finally:
+        get_runner(model, prefill_chunk=2048)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_chunked_prefill(model):
     ids, mask = _left_padded(length=11)
     ref = _hf(model, ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)

@@ -97,6 +97,24 @@ def test_runner_key_logic_without_cuda(tiny, monkeypatch):
     assert r._key({**kw, "past_key_values": r.cache_for(1, 16)}) is None  # a cache that is not this batch's
     assert r._key({**kw, "token_type_ids": torch.zeros(2, 1)}) is None  # an unknown tensor argument
     assert r._key({**kw, "logits_to_keep": 2}) != key  # other static arguments: another graph
+    # a 2D padding mask (ktinject.generate's decode steps): one graph whatever its length, up to the cache length
+    k5 = r._key({**kw, "attention_mask": torch.ones(2, 5, dtype=torch.long)})
+    assert k5 is not None and k5 != key
+    assert r._key({**kw, "attention_mask": torch.ones(2, 9, dtype=torch.long)}) == k5
+    assert r._key({**kw, "attention_mask": torch.ones(2, r.max_cache_len + 1, dtype=torch.long)}) is None
+    assert r._key({**kw, "attention_mask": torch.ones(1, 5, dtype=torch.long)}) is None
+
+
+def test_static_mask_buffer():
+    from ktinject.graph import _fill, _static_input
+
+    m = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    buf = _static_input("attention_mask", m, 8)
+    assert buf.shape == (2, 8) and torch.equal(buf[:, :3], m) and bool((buf[:, 3:] == 1).all())
+    _fill(buf, torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
+    assert buf[0].tolist() == [0, 0, 1, 1, 1, 1, 1, 1]
+    ids = torch.tensor([[3], [4]])
+    assert torch.equal(_static_input("input_ids", ids, 8), ids)
 
 
 def test_stream_mode_switch():
@@ -125,3 +143,52 @@ def test_cuda_driver_imports_without_gpu(monkeypatch):
 def test_cuda_driver_error_message():
     e = cuda_driver.CudaDriverError("cuStreamWaitValue32", 801, "CUDA_ERROR_NOT_SUPPORTED")
     assert "cuStreamWaitValue32" in str(e) and "CUDA_ERROR_NOT_SUPPORTED" in str(e) and e.code == 801
+
+
+@torch.no_grad()
+def test_static_mask_buffer_gives_the_same_logits(tiny):
+    """What a replay computes: decode steps with the 2D mask in the static [B, L] buffer (ones past the tokens so
+    far) give the logits of the [B, n] mask itself (and of HF's 4D mask), left padding included."""
+    from transformers.masking_utils import create_masks_for_generate
+
+    from ktinject.graph import _static_input
+
+    r = GraphRunner(tiny)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    caches = [r.cache_for(2, 16)] + [GraphRunner(tiny).cache_for(2, 16) for _ in range(2)]
+    L = r.max_cache_len
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    for c in caches:
+        out = tiny(ids, attention_mask=mask, position_ids=pos, past_key_values=c)
+    tok = out.logits[:, -1:].argmax(-1)
+    for _ in range(4):
+        mask = torch.cat([mask, torch.ones_like(tok)], 1)
+        step = dict(input_ids=tok, position_ids=(mask.cumsum(-1) - 1)[:, -1:])
+        four_d = create_masks_for_generate(config=tiny.config, inputs_embeds=torch.empty(2, 1, 0),
+                                           attention_mask=mask, past_key_values=caches[2],
+                                           position_ids=step["position_ids"])
+        a = tiny(**step, attention_mask=_static_input("attention_mask", mask, L), past_key_values=caches[0]).logits
+        b = tiny(**step, attention_mask=mask, past_key_values=caches[1]).logits
+        c = tiny(**step, attention_mask=four_d, past_key_values=caches[2]).logits
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-6)
+        tok = a[:, -1:].argmax(-1)
+
+
+def test_in_graph_mask_building_needs_no_host_sync(tiny):
+    """The 4D mask a replay builds from the static 2D buffer and the cache's device counter is data-independent
+    (no .item(), no data-dependent shapes): it runs under FakeTensorMode, which raises on any of those."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.masking_utils import create_causal_mask
+
+    from ktinject.graph import _static_input
+
+    r = GraphRunner(tiny)
+    cache = r.cache_for(2, 16)
+    tiny(torch.tensor([[1, 2, 3], [4, 5, 6]]), past_key_values=cache)  # initialized, counter on the device
+    mask = _static_input("attention_mask", torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), r.max_cache_len)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = create_causal_mask(config=tiny.config, inputs_embeds=torch.zeros(2, 1, 64), attention_mask=mask,
+                                 past_key_values=cache, position_ids=torch.tensor([[2], [3]]))
+    assert tuple(out.shape) == (2, 1, 1, r.max_cache_len)

@@ -351,6 +351,100 @@ def test_watch_go_done_from_python_thread():
     assert results == [True] * 20
 
 
+def _thread_states(tids) -> str:
+    """One letter per thread id (R running, S sleeping, ...) from /proc."""
+    out = ""
+    for tid in tids:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            out += f.read().rsplit(")", 1)[1].split()[0]
+    return out
+
+
+def _named_threads(before, name: str, timeout: float = 5.0) -> list[str]:
+    """Ids of this process's threads started since ``before`` (a set of ids) that are named ``name`` (threads name
+    themselves when they start: wait for it)."""
+    import os
+
+    end = time.monotonic() + timeout
+    while True:
+        found = []
+        for tid in set(os.listdir("/proc/self/task")) - before:
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() == name:
+                        found.append(tid)
+            except FileNotFoundError:
+                pass
+        if found or time.monotonic() > end:
+            return found
+        time.sleep(0.001)
+
+
+def _mostly(tids, state: str, seconds: float = 0.1) -> bool:
+    """The threads were in ``state`` in at least 80% of samples over ``seconds``."""
+    hits = samples = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        hits += _thread_states(tids).count(state)
+        samples += len(tids)
+        time.sleep(0.002)
+    assert samples, "no threads sampled"
+    return hits >= 0.8 * samples
+
+
+def test_watch_spin_keeps_workers_awake():
+    """While tasks are watched, the pool's other threads spin (state R) within the watch spin window after a watched
+    run or a wake(), and sleep (S) once it has passed, is set to 0, or nothing is watched any more."""
+    import os
+
+    ex, hidden, ids, weights, _, _, _, _ = make_problem((8, 64, 48, 8, 8, "random", None, "bf16", "bf16", "bf16",
+                                                         "bf16"), 27, "bf16")
+    flags = torch.zeros(2, dtype=torch.int32)
+    before = set(os.listdir("/proc/self/task"))
+    with kn.Pool(2, pin=False) as pool, kn.Task(pool) as task:
+        workers = _named_threads(before, "ktk-1")
+        assert len(workers) == 1
+        out = task.bind(ex, hidden, ids, weights)
+        expected = ex(hidden, ids, weights)
+
+        def step():
+            out.fill_(float("nan"))
+            flags[0] = 1
+            deadline = time.monotonic() + 10
+            while int(flags[1]) != 1:
+                assert time.monotonic() < deadline, "task did not signal done"
+            flags[1] = 0
+            assert torch.equal(out, expected)
+
+        assert pool.watch_spin_us == 1000  # the default (KTINJECT_WATCH_SPIN_US unset)
+        pool.watch_spin_us = 300_000
+        time.sleep(0.02)
+        assert _mostly(workers, "S", 0.03)  # idle pool: asleep
+        pool.wake()  # nothing watched: no-op
+        assert _mostly(workers, "S", 0.03)
+        task.watch(flags.data_ptr(), flags.data_ptr() + 4)
+        step()
+        assert _mostly(workers, "R")  # watched run 'just now': spinning
+        pool.watch_spin_us = 0  # takes effect at once
+        time.sleep(0.02)
+        assert _mostly(workers, "S", 0.05)
+        pool.watch_spin_us = 30_000
+        step()
+        time.sleep(0.08)  # the window passed
+        assert _mostly(workers, "S", 0.05)
+        pool.watch_spin_us = 300_000
+        assert _mostly(workers, "S", 0.03)  # asleep until something happens
+        pool.wake()  # before a replay: awake and spinning without a run
+        assert _mostly(workers, "R", 0.05)
+        step()
+        assert _mostly(workers, "R", 0.05)
+        task.unwatch()  # nothing watched: sleep at once
+        time.sleep(0.02)
+        assert _mostly(workers, "S", 0.05)
+        with pytest.raises(kn.NativeError, match="out of range"):
+            pool.watch_spin_us = 10_000_001
+
+
 def test_watched_run_error_is_kept_for_unwatch():
     ex, hidden, ids, weights, _, _, _, _ = make_problem(CASES[1], 25, "bf16")
     flags = torch.zeros(2, dtype=torch.int32)

@@ -161,6 +161,9 @@ def test_c_level_null_and_ranges():
     assert lib.ktk_isa_set(9) == kn.ERR_ISA and "isa = 9" in msg()
     assert lib.ktk_isa_name(7) == ffi.NULL and lib.ktk_isa_available(-1) == 0
     assert lib.ktk_pool_threads(ffi.NULL) < 0 and lib.ktk_experts_nbytes(ffi.NULL) < 0
+    assert lib.ktk_pool_watch_spin_us(ffi.NULL) == -kn.ERR_NULL and "argument 'pool' is NULL" in msg()
+    assert lib.ktk_pool_set_watch_spin_us(ffi.NULL, 5) == kn.ERR_NULL and lib.ktk_pool_wake(ffi.NULL) == kn.ERR_NULL
+    assert lib.ktk_pool_set_watch_spin_us(kn.default_pool().ptr, -1) == kn.ERR_SHAPE and "out of range" in msg()
     ex = kn.Experts(2, 8, 8)
     src = torch.zeros(8, 8)
     assert lib.ktk_experts_set(ex._p, 0, 0, ffi.cast("void *", src.data_ptr()), 7, 8, 1) == kn.ERR_DTYPE
@@ -241,3 +244,18 @@ def test_python_constants_match_header():
     ffi, _ = kn._native()
     assert [ffi.string(lib.ktk_isa_name(i)).decode() for i in range(4)] == list(kn.ISA_NAMES)
     assert set(kn.cpu_features()) <= {n[8:].lower() for n in dir(lib) if n.startswith("KTK_CPU_")}
+
+
+def test_watch_spin_env():
+    r = run_py("""
+        from ktinject import native as kn
+        with kn.Pool(1) as p:
+            print(p.watch_spin_us)
+    """, KTINJECT_WATCH_SPIN_US="250")
+    assert r.returncode == 0 and r.stdout.strip() == "250", r.stderr
+    r = run_py("""
+        from ktinject import native as kn
+        with kn.Pool(1) as p:
+            print(p.watch_spin_us)
+    """, KTINJECT_WATCH_SPIN_US="-7")
+    assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr

@@ -200,11 +200,11 @@ def _gen_time(model, ids, new_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def ktinject_decode(model, prompt, new_tokens: int, graphs: bool) -> dict:
+def ktinject_decode(model, prompt, new_tokens: int, graphs: bool, **runner_kwargs) -> dict:
     """Seconds per decode token through ktinject.generate (prefill subtracted), graphs on or off."""
     from ktinject.generate import get_runner
 
-    runner = get_runner(model, use_graphs=graphs, prefill_chunk=2048)
+    runner = get_runner(model, use_graphs=graphs, prefill_chunk=2048, **runner_kwargs)
     _gen_time(model, prompt, 3)  # warm-up: caches, pinned buffers, graph capture
     t1 = min(_gen_time(model, prompt, 1) for _ in range(2))
     tn = _gen_time(model, prompt, new_tokens + 1)
@@ -296,6 +296,36 @@ def muted_replay(model, runner, batch, prompt_len, iters) -> float | None:
             b.skip.copy_(s)
 
 
+def _compare_rows(model, prompt, new_tokens: int, rows: list) -> None:
+    """Graph decode (through generate, and bare replay) with one speed-up undone at a time (each captures anew)."""
+    from ktinject import native
+    from ktinject.generate import get_runner
+
+    B, P = prompt.shape
+    attn = model.config._attn_implementation
+    pool = native.default_pool()
+    spin = pool.watch_spin_us
+    variants = [
+        ("HF's sdpa attention (repeat_kv before 5.23)", lambda: model.set_attn_implementation("sdpa"),
+         lambda: model.set_attn_implementation(attn), {}),
+        ("4D masks built by HF every step", lambda: None, lambda: None, {"own_masks": False}),
+        ("pool watch spin off", lambda: setattr(pool, "watch_spin_us", 0),
+         lambda: setattr(pool, "watch_spin_us", spin), {}),
+    ]
+    for what, do, undo, runner_kwargs in variants:
+        try:
+            do()
+            res = ktinject_decode(model, prompt, new_tokens, graphs=True, **runner_kwargs)
+            bare = graph_replay(res["runner"], B, P, new_tokens)
+            _add(rows, (f"compare: graph with {what}", _fmt_rate(B / res["s_per_token"]),
+                        _fmt_ms(res["s_per_token"]), f"ktinject.generate; bare replay {_fmt_ms(bare)} ms"))
+        except Exception as e:  # noqa: BLE001 - a comparison failing must not hide the rest
+            _add(rows, (f"compare: graph with {what}", "failed", "", f"{type(e).__name__}: {e}"))
+        finally:
+            undo()
+    get_runner(model, use_graphs=True, prefill_chunk=2048)  # back to the defaults (graphs captured again on use)
+
+
 def ktinject_prefill(model, length: int, chunk: int, vocab: int, device) -> float:
     from ktinject.generate import get_runner
 
@@ -327,6 +357,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
     p.add_argument("--no-decode", action="store_true", help="prefill rows only")
     p.add_argument("--profile", action="store_true", help="print the kernels of a muted decode-graph replay")
+    p.add_argument("--compare", action="store_true",
+                   help="also time the graph decode with one speed-up undone at a time: HF's sdpa attention, 4D "
+                        "masks built by HF every step, the pool's watch spin off")
     return p
 
 
@@ -420,6 +453,8 @@ def run(args) -> list[tuple[str, str, str, str]]:
                 cuda_driver.set_host_wait_mode(r.host_wait or "auto")
                 _add(rows, ("ktinject graph, bare replay, host spin-waits", _fmt_rate(B / spin), _fmt_ms(spin),
                              "the waiting host thread takes a core from the expert threads"))
+            if args.compare:  # after every row that uses runner r (a new runner closes r's graphs)
+                _compare_rows(model, prompt, args.tokens, rows)
         else:
             _add(rows, ("ktinject graph", "n/a", "", "no CUDA"))
         cpu_s = cpu_expert_time(model, B)
@@ -434,17 +469,25 @@ def run(args) -> list[tuple[str, str, str, str]]:
 
             L = cfg.num_hidden_layers
             one = native.Pool(1)
-            variants = [("memops", None, "block"), ("memops", one, "block"), ("memops", None, "spin"),
-                        ("hostfn", None, "block")]
-            for mode, pool, wait in variants:
+            variants = [("memops", None, "block", None), ("memops", None, "block", 0), ("memops", one, "block", None),
+                        ("memops", None, "spin", None), ("hostfn", None, "block", None)]
+            expert_pool = native.default_pool()
+            for mode, pool, wait, spin_us in variants:
                 what = f"coordination: {mode}, {'1-thread pool' if pool else 'expert pool'}, host {wait}s"
+                if spin_us is not None:
+                    what += f", watch spin {spin_us} us"
+                saved_spin = expert_pool.watch_spin_us
                 try:
                     cuda_driver.set_host_wait_mode(wait)
+                    if spin_us is not None:
+                        expert_pool.watch_spin_us = spin_us
                     hc = stream_experts.handshake_cost(n=L, mode=mode, pool=pool)
                     _add(rows, (what, "", _fmt_ms(hc["per_handshake_us"] * L / 1e6),
                                  f"{hc['per_handshake_us']:.1f} us/handshake x {L} layers (empty tasks)"))
                 except Exception as e:  # noqa: BLE001
                     _add(rows, (what, "failed", "", f"{type(e).__name__}: {e}"))
+                finally:
+                    expert_pool.watch_spin_us = saved_spin
             cuda_driver.set_host_wait_mode("block")
             one.close()
 

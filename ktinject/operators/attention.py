@@ -8,6 +8,15 @@ model; so ``build`` only moves the module, and ``inject`` applies the implementa
 flash or flex kernel), ``eager``, ``flash_attention_2``, ``flash_attention_3``, ``flex_attention``, or ``keep``
 (leave the model's setting alone). Models that do not support SDPA (gpt-oss: attention sinks) keep their setting
 when ``sdpa`` is asked for, with an info message.
+
+``sdpa`` installs ``ktinject_sdpa`` (registered with transformers' AttentionInterface and AttentionMaskInterface on
+first use): HF's ``sdpa_attention_forward`` except for grouped-query decode steps (one query token, KV heads <
+query heads). There HF up to 5.22 repeats K and V across the whole static cache every step (``repeat_kv``: a mask
+is given, and SDPA's efficient kernel has no grouped-query mode; ``enable_gqa`` with a mask falls back to the math
+kernel, which repeats them too). ``ktinject_sdpa`` folds the query heads of a group into the query length instead:
+query [B, Hq, 1, D] -> [B, Hkv, Hq/Hkv, D] against K/V [B, Hkv, L, D] and the mask [B, 1, 1, L], broadcast: the
+same numbers, no copy of the cache (HF 5.23 does the same as ``pack_gqa``). Legend: B batch, Hq query heads, Hkv
+KV heads, D head dim, L cache length.
 """
 from __future__ import annotations
 
@@ -22,9 +31,11 @@ from ktinject.operators.base import Operator, OperatorError, tensor_bytes
 
 log = logging.getLogger(__name__)
 
+#: the attention function ``sdpa`` installs (registered with transformers on first use)
+KTINJECT_SDPA = "ktinject_sdpa"
 IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "keep")
 # implementations at least as good as SDPA: "sdpa" leaves these in place
-_AT_LEAST_SDPA = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+_AT_LEAST_SDPA = ("sdpa", KTINJECT_SDPA, "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 def _implementation(kwargs: Mapping[str, Any], name: str) -> str:
@@ -69,20 +80,95 @@ def wanted_implementation(kwargs_list: list[Mapping[str, Any]]) -> str:
 
 
 def apply_implementation(model: nn.Module, wanted: str) -> str:
-    """Set the model's attention implementation per ``wanted``; returns the one in force afterwards."""
+    """Set the model's attention implementation per ``wanted``; returns the one in force afterwards.
+
+    ``sdpa`` means ``ktinject_sdpa`` where it can be registered (else HF's ``sdpa``); a model already on a flash or
+    flex kernel keeps it."""
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
-    if wanted == "keep" or current == wanted or config is None:
+    if wanted == "keep" or config is None:
         return current
-    if wanted == "sdpa" and current in _AT_LEAST_SDPA:
-        return current
-    if wanted == "sdpa" and not getattr(model, "_supports_sdpa", False):
-        log.info("attention: %s does not support SDPA; keeping %r", type(model).__name__, current)
+    target = wanted
+    if wanted == "sdpa":
+        if current in _AT_LEAST_SDPA and current != "sdpa":
+            return current
+        if not getattr(model, "_supports_sdpa", False):
+            log.info("attention: %s does not support SDPA; keeping %r", type(model).__name__, current)
+            return current
+        target = KTINJECT_SDPA if register_sdpa() else "sdpa"
+    if current == target:
         return current
     setter = getattr(model, "set_attn_implementation", None)
     if setter is None:
         raise OperatorError(f"attention: {type(model).__name__} cannot change its attention implementation "
                             f"(no set_attn_implementation); use implementation: keep")
-    setter(wanted)
+    try:
+        setter(target)
+    except (ValueError, KeyError, ImportError) as e:
+        if target != KTINJECT_SDPA:
+            raise
+        log.info("attention: %s refused %r (%s); using HF's 'sdpa'", type(model).__name__, target, e)
+        if current == "sdpa":
+            return current
+        setter("sdpa")
     log.info("attention: implementation %r -> %r", current, model.config._attn_implementation)
     return model.config._attn_implementation
+
+
+# ---- ktinject_sdpa ---------------------------------------------------------------------------------------------
+_hf_sdpa = None  # transformers' own "sdpa" function, for every call ktinject_sdpa does not handle itself
+
+
+def register_sdpa() -> bool:
+    """Register ``ktinject_sdpa`` with transformers (attention function and mask function); False if this
+    transformers has no such registries (then HF's ``sdpa`` is used)."""
+    global _hf_sdpa
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # pragma: no cover - transformers < 4.48
+        return False
+    if _hf_sdpa is None:
+        try:
+            _hf_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+            sdpa_mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+        except KeyError:
+            return False
+        AttentionInterface.register(KTINJECT_SDPA, sdpa_attention_forward)
+        # the same masks as "sdpa" (an unregistered name would get no mask at all)
+        AttentionMaskInterface.register(KTINJECT_SDPA, sdpa_mask)
+    return True
+
+
+def _hf_handles(module, query, key, attention_mask, kwargs) -> bool:
+    """True when the call is not a plain grouped-query decode step (HF's function then runs it unchanged)."""
+    groups = getattr(module, "num_key_value_groups", 1) or 1
+    if groups <= 1 or query.shape[2] != 1 or key.shape[1] * groups != query.shape[1]:
+        return True
+    if attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+                                       or attention_mask.shape[2] != 1):
+        return True  # per-head or per-query masks: keep HF's layout
+    if any(kwargs.get(n) is not None for n in ("position_bias", "softcap", "s_aux", "sinks", "cache")):
+        return True
+    return bool(kwargs.get("output_attentions")) or torch.jit.is_tracing()
+
+
+def sdpa_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           is_causal: bool | None = None, **kwargs):
+    """transformers' attention-function contract (query [B, Hq, S, D], key/value [B, Hkv, L, D], mask [B, 1, S, L]
+    or None) -> (output [B, S, Hq, Dv], None). A decode step (S == 1) of a grouped-query layer runs with the query
+    heads of each KV head as that head's query rows (no K/V copy); everything else is HF's ``sdpa``."""
+    if _hf_sdpa is None:
+        register_sdpa()
+    if _hf_handles(module, query, key, attention_mask, kwargs):
+        return _hf_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, **kwargs)
+    B, Hq, _, D = query.shape
+    Hkv = key.shape[1]
+    q = query.reshape(B, Hkv, Hq // Hkv, D)  # head h = kv * groups + g, as repeat_kv orders them
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                           scale=scaling, is_causal=False)  # [B, Hkv, groups, Dv]
+    out = out.reshape(out.shape[0], Hq, 1, value.shape[-1]).transpose(1, 2).contiguous()  # [B, 1, Hq, Dv]
+    return out, None

@@ -93,6 +93,16 @@ typedef struct ktk_pool ktk_pool;
 /* nthreads <= 0: physical cores. Threads start at once, pinned to cores when pin != 0, and stay. */
 int ktk_pool_create(int nthreads, int pin, ktk_pool **out);
 int ktk_pool_threads(const ktk_pool *pool);
+/* Watch spin window, in microseconds: while tasks are watched (ktk_task_watch), the pool's threads keep spinning
+ * (instead of sleeping on a futex) while a watched run started or ended, or ktk_pool_wake was called, within this
+ * window, so a raised go flag starts all of them within ~1-2 us. 0: they sleep after the ordinary short spin
+ * (KTINJECT_SPIN_US, 50 us). Default: env KTINJECT_WATCH_SPIN_US, else 1000. Range 0..10000000 (else
+ * KTK_ERR_SHAPE). */
+int ktk_pool_set_watch_spin_us(ktk_pool *pool, int64_t us);
+int64_t ktk_pool_watch_spin_us(const ktk_pool *pool);   /* -KTK_ERR_NULL for NULL */
+/* While tasks are watched: open the watch spin window now and wake sleeping threads (they spin, ready for a go
+ * flag). Call shortly before a CUDA graph that raises go flags is replayed. A no-op when nothing is watched. */
+int ktk_pool_wake(ktk_pool *pool);
 void ktk_pool_destroy(ktk_pool *pool); /* waits for running work; NULL is a no-op */
 
 /* ---- experts of one MoE layer ---- */

@@ -98,6 +98,26 @@ int ktk_pool_threads(const ktk_pool *pool) {
     return ktki_pool_threads(pool);
 }
 
+int ktk_pool_set_watch_spin_us(ktk_pool *pool, int64_t us) {
+    CHECK_NULL(pool, "ktk_pool_set_watch_spin_us");
+    if (us < 0 || us > 10000000)
+        return ktki_error(KTK_ERR_SHAPE, "ktk_pool_set_watch_spin_us: us = %lld is out of range (0..10000000)",
+                          (long long)us);
+    ktki_pool_set_watch_spin_us(pool, us);
+    return KTK_OK;
+}
+
+int ktk_pool_wake(ktk_pool *pool) {
+    CHECK_NULL(pool, "ktk_pool_wake");
+    ktki_pool_wake(pool);
+    return KTK_OK;
+}
+
+int64_t ktk_pool_watch_spin_us(const ktk_pool *pool) {
+    if (!pool) return -ktki_error(KTK_ERR_NULL, "ktk_pool_watch_spin_us: argument 'pool' is NULL");
+    return ktki_pool_watch_spin_us(pool);
+}
+
 void ktk_pool_destroy(ktk_pool *pool) {
     if (pool) ktki_pool_destroy(pool);
 }

@@ -47,6 +47,9 @@ typedef void (*ktki_item_fn)(void *ctx, int64_t item, int tid);
 int ktki_pool_create(int nthreads, int pin, ktk_pool **out);
 void ktki_pool_destroy(ktk_pool *pool);
 int ktki_pool_threads(const ktk_pool *pool);
+void ktki_pool_set_watch_spin_us(ktk_pool *pool, int64_t us); /* us checked by the caller */
+int64_t ktki_pool_watch_spin_us(const ktk_pool *pool);
+void ktki_pool_wake(ktk_pool *pool);
 /* Run fn(ctx, i, tid) for i < nitems on all pool threads and return when all are done (a barrier).
  * Only from the thread running a task (thread 0 of the pool). */
 void ktki_parallel(ktk_pool *pool, ktki_item_fn fn, void *ctx, int64_t nitems);

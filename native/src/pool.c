@@ -3,9 +3,16 @@
  * Thread 0 ("leader") takes tasks from the queue one after another (or, while tasks are watched, polls their go
  * flags) and runs each task's phases; a synchronous ktk_forward on an idle pool runs inline on its caller instead
  * (the caller takes thread 0's place: no hand-off to wait for). Inside a phase every thread, thread 0 included,
- * takes items from an atomic counter, then thread 0 waits until all threads have finished (the barrier). Idle threads spin for a short while
- * (KTINJECT_SPIN_US, default 50 us; while tasks are watched the leader spins 20 ms since the last activity and then
- * polls every ~50 us) and then sleep on a futex, so back-to-back phases and decode steps do not pay a wake-up.
+ * takes items from an atomic counter, then thread 0 waits until all threads have finished (the barrier). Idle threads
+ * spin for a short while (KTINJECT_SPIN_US, default 50 us) and then sleep on a futex, so back-to-back phases do not
+ * pay a wake-up. While tasks are watched (a CUDA graph drives the pool, one task per layer, GPU work in between):
+ * - the leader spins on the go flags for 20 ms after the last watched run, then polls every ~50 us;
+ * - the other threads keep spinning (no futex sleep) while a watched run started or ended within the "watch spin"
+ *   window (KTINJECT_WATCH_SPIN_US, default 1000 us; ktk_pool_set_watch_spin_us), so a raised go flag starts every
+ *   thread within a microsecond or two instead of a futex wake-up of all of them (~25 us) at every layer. The
+ *   window bounds the cost: between decode steps (the host runs the sampling loop) and in an idle chat they sleep.
+ *   ktk_pool_wake (the graph runner calls it just before a replay) opens the window early and wakes sleepers, so
+ *   the first layer of a step does not pay the wake-up either. Unwatching the last task ends the window at once.
  * Scratch buffers are grow-only and kept by the pool: no allocation on the hot path once sizes are reached.
  */
 #define _GNU_SOURCE
@@ -25,6 +32,8 @@
 
 #define KTKI_WATCH_SPIN_NS 20000000LL /* leader keeps spinning on go flags this long after the last activity */
 #define KTKI_WATCH_NAP_NS 50000L      /* then naps this long between polls */
+#define KTKI_WATCH_SPIN_US_DEFAULT 1000 /* workers spin this long after watched activity (KTINJECT_WATCH_SPIN_US) */
+#define KTKI_WATCH_SPIN_US_MAX 10000000LL
 
 typedef struct {
     void *buf;
@@ -35,6 +44,8 @@ typedef struct {
 struct ktk_pool {
     int n, pin;
     int64_t spin_ns;
+    _Atomic int64_t watch_spin_ns;  /* workers spin (no futex sleep) this long after watched activity */
+    _Atomic int64_t hot_until __attribute__((aligned(64)));  /* now_ns() deadline of that spinning; 0: none */
     pthread_t *threads;
     int *started;
     /* phases */
@@ -136,10 +147,43 @@ static void pin_self(int cpu) {
     (void)pthread_setaffinity_np(pthread_self(), sizeof set, &set); /* failure is fine: runs unpinned */
 }
 
+/* Workers between phases: spin while the pool is "hot" (within the watch spin window) or for the ordinary short
+ * spin, then sleep on the phase event's futex. A ktk_pool_wake wakes sleepers without a phase: they spin again.
+ * While hot, a spinning worker yields its CPU every ~10-20 us: a no-op when nothing else wants it, but the host
+ * thread (which wakes up between decode steps, when all cores may be spinning) gets a core at once. */
+static void worker_wait(ktk_pool *p, uint32_t seen) {
+    ktki_event *ev = &p->phase;
+    for (;;) {
+        int64_t spin_until = 0;
+        for (;;) {
+            for (int i = 0; i < 256; i++) {
+                if (atomic_load_explicit(&ev->seq, memory_order_acquire) != seen) return;
+                cpu_relax();
+            }
+            int64_t t = now_ns();
+            if (spin_until == 0) spin_until = t + p->spin_ns;
+            if (t < spin_until) continue;
+            if (t >= atomic_load_explicit(&p->hot_until, memory_order_relaxed)) break;
+            sched_yield();
+        }
+        atomic_fetch_add(&ev->waiters, 1);
+        if (atomic_load(&ev->seq) == seen)
+            syscall(SYS_futex, (uint32_t *)&ev->seq, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+        atomic_fetch_sub(&ev->waiters, 1);
+        if (atomic_load_explicit(&ev->seq, memory_order_acquire) != seen) return;
+    }
+}
+
+/* Extend the workers' spinning to now + watch spin window (called around watched runs and on watch). */
+static void mark_hot(ktk_pool *p) {
+    int64_t w = atomic_load_explicit(&p->watch_spin_ns, memory_order_relaxed);
+    atomic_store_explicit(&p->hot_until, w > 0 ? now_ns() + w : 0, memory_order_relaxed);
+}
+
 static void worker_loop(ktk_pool *p, int tid) {
     uint32_t seen = 0; /* not the current value: a phase may start before this thread does */
     for (;;) {
-        ktki_event_wait(&p->phase, seen, p->spin_ns);
+        worker_wait(p, seen);
         seen = atomic_load(&p->phase.seq);
         if (atomic_load(&p->stop_workers)) return;
         run_items(p, tid);
@@ -188,7 +232,9 @@ static void leader_loop(ktk_pool *p) {
         int stop = p->stop, poll = p->nwatch && !p->running;
         pthread_mutex_unlock(&p->mu);
         if (t) {
+            if (watched) mark_hot(p);    /* spinning workers stay awake for this run's phases */
             ktki_task_run(t, watched);   /* t may be gone once it returns */
+            if (watched) mark_hot(p);    /* ... and for the next layer's go */
             pthread_mutex_lock(&p->mu);
             p->running = 0;
             if (watched) p->watch_running = NULL;
@@ -199,7 +245,8 @@ static void leader_loop(ktk_pool *p) {
         } else if (stop) {
             return;
         } else if (poll) {
-            if (now_ns() - last_active < KTKI_WATCH_SPIN_NS) {
+            int64_t t = now_ns(), hot = atomic_load_explicit(&p->hot_until, memory_order_relaxed);
+            if (t - last_active < KTKI_WATCH_SPIN_NS || t < hot) {
                 for (int i = 0; i < 32; i++) cpu_relax();
             } else {
                 struct timespec nap = {0, KTKI_WATCH_NAP_NS};
@@ -270,6 +317,10 @@ int ktki_pool_create(int nthreads, int pin, ktk_pool **out) {
     const char *spin = getenv("KTINJECT_SPIN_US");
     long us = spin ? strtol(spin, NULL, 10) : 50;
     p->spin_ns = (us < 0 ? 0 : us > 1000000 ? 1000000 : us) * 1000LL;
+    const char *wspin = getenv("KTINJECT_WATCH_SPIN_US");
+    long long wus = wspin ? strtoll(wspin, NULL, 10) : KTKI_WATCH_SPIN_US_DEFAULT;
+    atomic_store(&p->watch_spin_ns,
+                 (wus < 0 ? 0 : wus > KTKI_WATCH_SPIN_US_MAX ? KTKI_WATCH_SPIN_US_MAX : wus) * 1000LL);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     p->threads = calloc((size_t)nthreads, sizeof *p->threads);
@@ -310,6 +361,25 @@ void ktki_pool_destroy(ktk_pool *p) {
 }
 
 int ktki_pool_threads(const ktk_pool *p) { return p->n; }
+
+void ktki_pool_set_watch_spin_us(ktk_pool *p, int64_t us) {
+    atomic_store(&p->watch_spin_ns, us * 1000LL);
+    pthread_mutex_lock(&p->mu);
+    if (p->nwatch) mark_hot(p);   /* a shorter window takes effect now, a longer one from now */
+    pthread_mutex_unlock(&p->mu);
+}
+
+int64_t ktki_pool_watch_spin_us(const ktk_pool *p) { return atomic_load(&p->watch_spin_ns) / 1000; }
+
+void ktki_pool_wake(ktk_pool *p) {
+    pthread_mutex_lock(&p->mu);
+    int watched = p->nwatch != 0;
+    if (watched) mark_hot(p);
+    pthread_mutex_unlock(&p->mu);
+    if (watched && atomic_load(&p->phase.waiters) != 0)   /* sleepers see no new phase and spin (hot) */
+        syscall(SYS_futex, (uint32_t *)&p->phase.seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
 int64_t ktki_pool_spin_ns(const ktk_pool *p) { return p->spin_ns; }
 ktki_event *ktki_pool_done_event(ktk_pool *p) { return &p->done_ev; }
 
@@ -360,6 +430,7 @@ int ktki_pool_watch(ktk_pool *p, ktk_task *t) {
         p->watch_cap = cap;
     }
     p->watch[p->nwatch++] = t;
+    mark_hot(p);   /* a graph that signals it is about to run */
     pthread_mutex_unlock(&p->mu);
     ktki_event_signal(&p->queue_ev);
     return KTK_OK;
@@ -375,5 +446,6 @@ void ktki_pool_unwatch(ktk_pool *p, ktk_task *t) {
         break;
     }
     p->watch_next = 0;
+    if (!p->nwatch) atomic_store(&p->hot_until, 0);   /* nothing watched: workers may sleep at once */
     pthread_mutex_unlock(&p->mu);
 }

@@ -1,7 +1,8 @@
 /* Stress test of the pool, tasks and watch flags, built with -fsanitize=thread (or address) by
  * tests/test_native.py::test_pool_stress_sanitizers: three threads call ktk_forward on one pool while a task is
- * submitted/waited and then driven through go/done flags; every result must equal the single-caller one. Pools of
- * 1..5 threads are then created and destroyed with work queued. Prints "ok" and exits 0 on success.
+ * submitted/waited and then driven through go/done flags (changing the watch spin window and waking the pool on
+ * the way); every result must equal the single-caller one. Pools of 1..5 threads are then created and destroyed
+ * with work queued. Prints "ok" and exits 0 on success.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -77,6 +78,9 @@ static void drive_task(void) {
     }
     if (ktk_task_watch(task, (volatile uint32_t *)&go, (volatile uint32_t *)&done)) fail("watch");
     for (int it = 0; it < 100; it++) {
+        /* the watch spin window changes and wakes race with the pool's threads (sleeping or spinning) */
+        if (it % 10 == 0 && ktk_pool_set_watch_spin_us(pool, it % 20 ? 0 : 5000)) fail("set_watch_spin_us");
+        if (it % 3 == 0 && ktk_pool_wake(pool)) fail("wake");
         memset(out, 0, sizeof out);
         atomic_store(&go, 1);
         while (atomic_load(&done) != 1) {

@@ -98,6 +98,36 @@ def test_graph_equals_eager_and_hf(models, models_f32, batch, dtype):
           f"(all HF's argmax: {exact})")
 
 
+def test_in_graph_masks_pool_wake_and_attention(models_f32):
+    """Decode graphs take the 2D padding mask (the 4D mask is built in the graph) and wake the expert pool before
+    each replay: the same tokens as HF-built 4D masks; ktinject_sdpa and HF's sdpa both give HF's greedy tokens."""
+    from ktinject.operators.attention import KTINJECT_SDPA
+
+    _, ref, inj = models_f32
+    ids, mask = _prompts(2, 9, seed=7)
+    graph, runner = _generate(inj, ids, mask, graphs=True)
+    live = [(k, g) for k, g in runner.graphs.items() if g is not None]
+    assert live and all(("attention_mask", "2d", mask.dtype) in k[1] for k, _ in live)
+    assert all(g.pools for _, g in live)
+    get_runner(inj, use_graphs=True, own_masks=False)
+    try:
+        four_d = ktinject.generate(inj, ids, attention_mask=mask, max_new_tokens=N, min_new_tokens=N,
+                                   do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert get_runner(inj).stats.replays == N - 1
+    finally:
+        get_runner(inj, use_graphs=True)
+    assert torch.equal(graph, four_d)
+    assert inj.config._attn_implementation == KTINJECT_SDPA
+    _assert_hf_greedy(ref, graph, mask, ids.shape[1])
+    inj.set_attn_implementation("sdpa")
+    try:
+        hf_sdpa, _ = _generate(inj, ids, mask, graphs=True)
+    finally:
+        inj.set_attn_implementation(KTINJECT_SDPA)
+        get_runner(inj, use_graphs=True)
+    _assert_hf_greedy(ref, hf_sdpa, mask, ids.shape[1])
+
+
 def test_second_call_reuses_graph(models):
     _, _, inj = models
     ids, mask = _prompts(1, 7, seed=3)
