@@ -282,6 +282,9 @@ class GraphRunner:
             torch.cuda.synchronize()
         self.graphs.clear()
         self.caches.clear()
+        # a fresh memory pool for the next captures: capturing into the pool of graphs that no longer exist trips
+        # the caching allocator's use_count assert (seen on torch 2.11 when placement re-captured)
+        self._pool = None
 
     def close(self) -> None:
         """reset() and stop the stream-experts runners of this model's MoE blocks."""
