@@ -5,7 +5,8 @@ import os
 import platform
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -22,7 +23,7 @@ def lines() -> list[str]:
 
     from ktinject import __version__, native
 
-    out = [f"ktinject        {__version__}", f"cpu             {_cpu_model()} ({os.cpu_count()} logical CPUs)"]
+    out = [f"ktinject        {__version__}", f"cpu             {cpu_model()} ({os.cpu_count()} logical CPUs)"]
     try:
         out.append(f"native library  {native.library_path()} (version {native.version()})")
         out.append(f"cpu features    {' '.join(native.cpu_features()) or '(none beyond SSE)'}")

@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ktinject.info import cpu_model
 
 
 @dataclass(frozen=True)
@@ -47,17 +48,6 @@ PREFILL_TOKENS = 4096
 
 
 # ---- machine ----
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def _mem_total_gb() -> float:
     try:
         with open("/proc/meminfo") as f:
@@ -282,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         isas = _parse_list(args.isa, native.available_isas(), "isa")
     torch.set_num_threads(threads)
 
-    print(f"ktinject kernels bench  CPU: {_cpu_name()}  ({native.physical_cores()} physical cores, "
+    print(f"ktinject kernels bench  CPU: {cpu_model()}  ({native.physical_cores()} physical cores, "
           f"{_mem_total_gb():.0f} GB RAM)")
     print(f"threads: {threads} (ours and torch)   ISA(s): {', '.join(isas)}   features: "
           f"{' '.join(native.cpu_features())}")
