@@ -1,4 +1,7 @@
-"""Every supported MoE family, end to end on the CPU (gpu="cpu"): injected bf16 vs HF's own bf16, both vs float32.
+"""Every supported MoE family, end to end: injected bf16 vs HF's own bf16, both vs float32.
+
+The injected models run with gpu="cpu" by default; KTINJECT_TEST_GPU=cuda runs them with gpu="cuda" (the GPU
+machine: tests/gpu/run_gpu_machine.sh families-cuda); TRUTH and YARDSTICK stay on the CPU either way.
 
 Per family, one tiny random model (ktinject.testing) in three forms with the same weights:
   TRUTH     HF float32;
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import pytest
 import torch
@@ -19,6 +23,10 @@ import torch
 from ktinject.testing import FAMILIES, build_tiny_model, tiny_prompts
 
 log = logging.getLogger(__name__)
+
+DEVICE = torch.device(os.environ.get("KTINJECT_TEST_GPU", "cpu"))  # the injected models' gpu device
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("KTINJECT_TEST_GPU=cuda but CUDA is not available", allow_module_level=True)
 
 PROMPTS = tiny_prompts(8, 64, seed=1)  # [8, 64]: 512 teacher-forced positions
 GEN_PROMPTS = tiny_prompts(2, 8, seed=2)  # [2, 8]
@@ -51,9 +59,9 @@ class Models:
         self.yard = build_tiny_model(family, seed=0, dtype=torch.bfloat16)
         self.inj = build_tiny_model(family, seed=0, dtype=torch.bfloat16)
         self.hf_experts = {n: m.experts.gate_up_proj for n, m in self.inj.named_modules() if hasattr(m, "experts")}
-        self.plan = inject(self.inj, gpu="cpu")
+        self.plan = inject(self.inj, gpu=str(DEVICE))
         self.inj8 = build_tiny_model(family, seed=0, dtype=torch.bfloat16)
-        self.plan8 = inject(self.inj8, gpu="cpu", quant="int8")
+        self.plan8 = inject(self.inj8, gpu=str(DEVICE), quant="int8")
         self.moe_names = [e.name for e in self.plan.operator_entries() if e.operator == "moe"]
 
 
@@ -62,9 +70,16 @@ def models(request) -> Models:
     return Models(request.param)
 
 
+def device_of(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
 @torch.no_grad()
 def logits(model, ids: torch.Tensor, **kw) -> torch.Tensor:
-    return model(input_ids=ids, **kw).logits.float()  # [B, S, V]
+    """[B, S, V] float32 logits on the CPU, inputs moved to the model's device."""
+    dev = device_of(model)
+    kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    return model(input_ids=ids.to(dev), **kw).logits.float().cpu()
 
 
 @torch.no_grad()
@@ -75,7 +90,7 @@ def test_moe_blocks_no_worse_than_hf_bf16(models):
     def hook(name):
         def fn(module, args, out):
             out = out[0] if isinstance(out, tuple) else out
-            captured[name] = (args[0].detach().clone(), out.detach().clone())
+            captured[name] = (args[0].detach().cpu().clone(), out.detach().cpu().clone())
         return fn
 
     handles = [models.inj.get_submodule(n).register_forward_hook(hook(n)) for n in models.moe_names]
@@ -143,8 +158,9 @@ def test_teacher_forced_argmax(models):
 
 
 def _greedy(model, prompts: torch.Tensor) -> torch.Tensor:
+    prompts = prompts.to(device_of(model))
     out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW_TOKENS,
-                         min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+                         min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0).cpu()
     assert out.shape == (prompts.shape[0], prompts.shape[1] + NEW_TOKENS)
     return out
 
@@ -184,8 +200,10 @@ def test_left_padded_batch_matches_single(models):
         err = rel_err(batch[row, S - len(s):], alone)
         log.info("%s row %d: batched vs alone logits error %.2e", models.family, row, err)
         assert err < 2e-2, f"row {row}: left-padded batch differs from the single run ({err:.3e})"
-    gen = models.inj.generate(ids[:, :S - NEW_TOKENS], attention_mask=mask[:, :S - NEW_TOKENS],
-                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    dev = device_of(models.inj)
+    gen = models.inj.generate(ids[:, :S - NEW_TOKENS].to(dev), attention_mask=mask[:, :S - NEW_TOKENS].to(dev),
+                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                              pad_token_id=0).cpu()
     for row, s in enumerate(singles):  # tokens equal up to a step where the single run's top-2 (nearly) tie
         alone = logits(models.inj, s[None])[0]  # [S_i, V]
         top2 = alone.topk(2, dim=-1).values
@@ -248,6 +266,7 @@ F32_ROUTING = {"mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe"}
 @torch.no_grad()
 def test_routing_weights_dtype(models):
     block = models.inj.get_submodule(models.moe_names[0])
-    weights, ids = block.routing(torch.randn(5, block.hidden_size, dtype=torch.bfloat16))
+    x = torch.randn(5, block.hidden_size, dtype=torch.bfloat16, device=device_of(models.inj))
+    weights, ids = block.routing(x)
     assert ids.dtype == torch.int64 and ids.shape == weights.shape == (5, models.inj.config.num_experts_per_tok)
     assert weights.dtype == (torch.float32 if models.family in F32_ROUTING else torch.bfloat16)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build, check and benchmark on the GPU machine (H100 + 16 Xeon cores with AMX; no network, no cffi).
 # Through the device tool, from the repository root:  bash tests/gpu/run_gpu_machine.sh STAGE...   (carry: .whl)
-# Stages (in the order given): build info harness native gpu (CUDA- and AMX-marked tests) families (on AMX) bench-kernels bench-decode bench-prefill
+# Stages (in the order given): build info harness native gpu (CUDA- and AMX-marked tests) families (on AMX)
+#                              families-cuda (tests/test_families.py with gpu="cuda") bench-kernels bench-decode bench-prefill
 #                              bench-load bench-hot all
 # Each stage's log goes to $OUT/<stage>.log; a summary line per stage is printed last.
 set -uo pipefail
@@ -27,6 +28,7 @@ for s in "$@"; do
     harness) stage harness bash -c 'cc -O2 -pthread native/tests/test_kernels.c native/src/kernels/*/gemm.c -lm -o /tmp/tk && /tmp/tk && /tmp/tk bench 16' ;;
     native) stage native python3 -m pytest -q -x tests/test_native.py tests/test_native_errors.py ;;
     gpu) stage gpu python3 -m pytest -q -rs -m "gpu or amx" tests ;;
+    families-cuda) stage families-cuda env KTINJECT_TEST_GPU=cuda python3 -m pytest -q -rs tests/test_families.py ;;
     families) stage families env KTINJECT_ISA=amx python3 -m pytest -q -rs tests/test_families.py tests/test_placement.py ;;
     bench-kernels) stage bench-kernels python3 -m ktinject.bench kernels ;;
     bench-decode) stage bench-decode python3 -m ktinject.bench decode ;;
