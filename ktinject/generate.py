@@ -26,8 +26,6 @@ import contextlib
 import copy
 import functools
 import logging
-import sys
-import types
 
 import torch
 
