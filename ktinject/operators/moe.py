@@ -84,6 +84,12 @@ def staging(pin: bool) -> Staging:
     return st
 
 
+def router_f32_extra(router: nn.Module) -> int:
+    """Bytes the router gains when HybridMoE makes it float32 (its floating tensors narrower than 4 bytes)."""
+    tensors = [*router.parameters(), *router.buffers()]
+    return sum(t.numel() * (4 - t.element_size()) for t in tensors if t.is_floating_point() and t.element_size() < 4)
+
+
 def _host_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype native reads/writes for a device tensor of ``dtype`` (bf16 stays bf16; anything else as f32)."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
@@ -115,10 +121,15 @@ class HybridMoE(nn.Module):
         self._copied = None  # torch.cuda.Event: host copies done (CUDA only)
         for attr in (spec.router, *SHARED_ATTRS[spec.shared]):  # same names as HF: state-dict keys unchanged
             setattr(self, attr, getattr(block, attr).to(self.device))
+        # The router runs in float32 for every family (HF does so for DeepSeek/GLM only): with bf16 logits, near-
+        # ties between experts round into flips against the float32 model, and one flipped expert moves a token's
+        # output a lot; in float32 the injected model routes as the float32 reference does more often than HF bf16
+        # (E x H weights: negligible memory and time). Weights come back float32 for every family.
+        self._modules[spec.router].float()
 
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """HF's router on x [T, H]: (weights [T, k] f32 or bf16, ids [T, k] int64)."""
-        _, weights, ids = self._modules[self.spec.router](x)  # "gate" or "router" (gpt-oss)
+        """HF's router, in float32, on x [T, H]: (weights [T, k] float32, ids [T, k] int64)."""
+        _, weights, ids = self._modules[self.spec.router](x.float())  # "gate" or "router" (gpt-oss), float32
         return weights, ids
 
     def extra_repr(self) -> str:
@@ -258,7 +269,7 @@ class MoEOperator(Operator):
     def placement(cls, module: nn.Module, kwargs: Mapping[str, Any], device: torch.device) -> dict[str, int]:
         spec = inspect_block(module, "<placement>")
         host = packed_nbytes(spec, _quant(kwargs, "<placement>"))
-        on_device = tensor_bytes(module) - experts_nbytes(module)
+        on_device = tensor_bytes(module) - experts_nbytes(module) + router_f32_extra(getattr(module, spec.router))
         out: dict[str, int] = {"cpu": host}
         out[str(torch.device(device))] = out.get(str(torch.device(device)), 0) + on_device
         return out
