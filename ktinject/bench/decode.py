@@ -28,6 +28,8 @@ import time
 import torch
 from torch import nn
 
+from ktinject.bench.memory import measure_read_bandwidth
+
 QWEN3_30B = dict(
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
@@ -120,23 +122,6 @@ def _set_generation_defaults(model) -> None:
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def read_bandwidth(gib: float = 2.0, threads: int | None = None) -> float:
-    """CPU read bandwidth in bytes/s: best of 5 int64 sums over ``gib`` GiB (touched first)."""
-    prev = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        buf = torch.ones(int(gib * 2**30) // 8, dtype=torch.int64)
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            buf.sum()
-            best = min(best, time.perf_counter() - t0)
-        return buf.numel() * 8 / best
-    finally:
-        torch.set_num_threads(prev)
 
 
 def expert_bytes_per_token(cfg, batch: int = 1) -> float:
@@ -263,24 +248,33 @@ def hybrid_blocks(model) -> list:
     return [m for m in model.modules() if isinstance(m, HybridMoE)]
 
 
-def cpu_expert_time(model, batch: int, reps: int = 5) -> float:
-    """Seconds of native routed-expert work per decode step: each layer's experts on B random tokens, in turn."""
+def fresh_ids(gen: torch.Generator, num_experts: int, k: int, batch: int, avoid: set) -> torch.Tensor:
+    """ids [batch, k]: k distinct random experts per token, none of ``avoid`` while at least k others remain."""
+    others = [e for e in range(num_experts) if e not in avoid]
+    choice = torch.tensor(others if len(others) >= k else range(num_experts), dtype=torch.int64)
+    return torch.stack([choice[torch.randperm(len(choice), generator=gen)[:k]] for _ in range(batch)])
+
+
+def cpu_expert_time(model, batch: int, passes: int = 5) -> float:
+    """Seconds of native routed-expert work per decode step, cache-cold: whole passes over every layer in order,
+    each layer with B random tokens routed to fresh experts (none of its previous pass's where possible), one
+    synchronous forward per layer; median of ``passes`` passes after a warm-up pass."""
     gen = torch.Generator().manual_seed(1)
-    total = 0.0
-    for blk in hybrid_blocks(model):
-        ex = blk.native_experts
-        k = model.config.num_experts_per_tok
-        x = torch.randn(batch, ex.hidden, generator=gen).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(ex.num_experts, generator=gen)[:k] for _ in range(batch)])
-        w = torch.full((batch, k), 1.0 / k)
-        ex.forward(x, ids, w, skip=blk.skip)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            ex.forward(x, ids, w, skip=blk.skip)
+    blocks = hybrid_blocks(model)
+    k = model.config.num_experts_per_tok
+    xs = [torch.randn(batch, b.native_experts.hidden, generator=gen).to(torch.bfloat16) for b in blocks]
+    w = torch.full((batch, k), 1.0 / k)
+    prev: list[set] = [set() for _ in blocks]
+    times = []
+    for p in range(passes + 1):
+        ids = [fresh_ids(gen, b.native_experts.num_experts, k, batch, prev[i]) for i, b in enumerate(blocks)]
+        prev = [set(i.flatten().tolist()) for i in ids]
+        t0 = time.perf_counter()
+        for blk, x, i in zip(blocks, xs, ids):
+            blk.native_experts.forward(x, i, w, skip=blk.skip)
+        if p:  # pass 0 warms up (first-touch of outputs, pool wake-up)
             times.append(time.perf_counter() - t0)
-        total += statistics.median(times)
-    return total
+    return statistics.median(times) if times else 0.0
 
 
 def muted_replay(model, runner, batch, prompt_len, iters) -> float | None:
@@ -401,10 +395,13 @@ def run(args) -> list[tuple[str, str, str, str]]:
     hf_prefill_lengths = [int(x) for x in args.hf_prefill.split(",") if x.strip()] if prefill_lengths else []
 
     if not args.no_decode:
-        bw = read_bandwidth(threads=args.threads)
+        mem = measure_read_bandwidth(4.0, args.threads)  # ~ the 3.6 GB of experts a Qwen3-30B token reads
+        print(f"# {mem.summary()}", flush=True)
+        bw = mem.best_gbs * 1e9
         per_tok = expert_bytes_per_token(cfg, B)
         _add(rows, (f"roofline: {per_tok / 1e9:.2f} GB experts/token at {bw / 1e9:.1f} GB/s",
-                     _fmt_rate(bw / per_tok), _fmt_ms(per_tok / bw), "CPU read bandwidth measured in this run"))
+                     _fmt_rate(bw / per_tok), _fmt_ms(per_tok / bw),
+                     f"CPU read bandwidth measured in this run ({mem.best})"))
 
     if not args.tiny:
         _wrap_cpu_experts(model, True)
@@ -458,7 +455,9 @@ def run(args) -> list[tuple[str, str, str, str]]:
         else:
             _add(rows, ("ktinject graph", "n/a", "", "no CUDA"))
         cpu_s = cpu_expert_time(model, B)
-        _add(rows, ("split: CPU experts", "", _fmt_ms(cpu_s), "native forward per layer, synchronous, summed"))
+        _add(rows, ("split: CPU experts alone", "", _fmt_ms(cpu_s),
+                     "native forward per layer, synchronous; whole passes over the layers, fresh experts each pass "
+                     "(cache-cold), median of 5"))
         _add(rows, ("split: GPU + handshakes (experts muted)", "", _fmt_ms(mute), "graph replay, all experts skipped"))
         _add(rows, ("split: waiting for the CPU", "", _fmt_ms(None if step is None or mute is None else step - mute),
                      "bare replay - muted replay"))

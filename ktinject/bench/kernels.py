@@ -1,6 +1,7 @@
 """Expert kernels: decode GB/s and prefill TFLOPS of one MoE layer, next to torch and the machine's limits.
 
-``python -m ktinject.bench kernels [--threads N] [--quick | --full] [--isa NAME,...|all] [--quant bf16,int8]``
+``python -m ktinject.bench kernels [--threads N] [--quick | --full] [--isa NAME,...|all] [--quant bf16,int8,...]
+[--sweep ROWS,...|off]``
 
 Layers (legend: T tokens, k experts per token, E experts, H hidden, I expert intermediate):
   Qwen3-30B-A3B  H 2048, I 768,  E 128, k 8
@@ -11,10 +12,15 @@ Random bf16 weights, built in memory for E' <= E experts (a DeepSeek-V3 layer is
            Figure: effective GB/s = stored bytes of the k experts / time of one forward.
   prefill  T' = 4096 * E'/E tokens with random top-k routing over E' experts: the same rows per expert (4096 k / E)
            as 4096 tokens over the real E. Figure: 2 * T' * k * 3 * H * I / time, in TFLOPS.
+  sweep    rows per expert 1..64 on the Qwen3 layer, every built expert getting exactly that many rows, ISA avx512
+           (few-token path) against amx (many-token path) where the CPU has AMX: the measured crossover next to the
+           dispatcher's thresholds (see ktinject.bench.crossover).
+  accuracy each quant against a float64 torch reference from the bf16 weights, decode (1 token) and prefill (32).
 Baseline: the same work in torch on the CPU, the transformers "eager" experts loop (bf16 weights, F.linear per
-expert). Limits: memory read bandwidth over a buffer far larger than the caches, all threads (the better of a native
-read loop compiled with cffi and a torch int64 sum) for decode; a dense bf16 torch GEMM (oneDNN; AMX where the CPU
-has it) for prefill, a practical reference rather than a bound. Times: time.perf_counter, warm-up, median.
+expert). Limits: memory read bandwidth over a buffer of >= 4x the LLC, one pinned thread per core, the best of
+several native read-loop variants and a torch int64 sum (ktinject.bench.memory), for decode; a dense bf16 torch GEMM
+(oneDNN; AMX where the CPU has it) for prefill, a practical reference rather than a bound. Times: time.perf_counter,
+warm-up, median (the memory limit: best run).
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ktinject.bench import crossover
+from ktinject.bench.memory import measure_read_bandwidth
 from ktinject.info import cpu_model
 
 
@@ -45,6 +53,7 @@ class Layer:
 LAYERS = (Layer("Qwen3-30B-A3B", 2048, 768, 128, 8, built_full=128, built_quick=32),
           Layer("DeepSeek-V3", 7168, 2048, 256, 8, built_full=32, built_quick=16))
 PREFILL_TOKENS = 4096
+ACCURACY_TOKENS = (1, 32)  # decode, prefill (32 rows per expert: the amx ISA's tile path)
 
 
 # ---- machine ----
@@ -67,88 +76,6 @@ def _median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-_READ_LOOP_C = r"""
-#include <pthread.h>
-#include <stddef.h>
-#include <stdint.h>
-/* Each thread reads its slice as STREAMS interleaved sequential streams with software prefetch (the access
- * pattern of the decode kernels: one stream per column block in flight); 64-bit xor, vectorized by -O3. */
-#define STREAMS 4
-#define PF_WORDS 128   /* prefetch 1 KB ahead per stream */
-typedef struct { const uint64_t *p; size_t n; uint64_t r; } job;
-static void *run(void *arg) {
-    job *j = arg;
-    const size_t per = j->n / STREAMS / 8 * 8;
-    uint64_t s[STREAMS][8] = {{0}};
-    for (size_t i = 0; i < per; i += 8)
-        for (int q = 0; q < STREAMS; q++) {
-            const uint64_t *p = j->p + q * per + i;
-            __builtin_prefetch(p + PF_WORDS);
-            for (int k = 0; k < 8; k++) s[q][k] ^= p[k];
-        }
-    uint64_t r = 0;
-    for (int q = 0; q < STREAMS; q++)
-        for (int k = 0; k < 8; k++) r ^= s[q][k];
-    for (size_t i = per * STREAMS; i < j->n; i++) r ^= j->p[i];
-    j->r = r;
-    return NULL;
-}
-uint64_t ktb_read(const void *buf, size_t bytes, int threads) {
-    pthread_t th[256];
-    job jobs[256];
-    size_t n = bytes / 8;
-    uint64_t r = 0;
-    if (threads < 1) threads = 1;
-    if (threads > 256) threads = 256;
-    for (int i = 0; i < threads; i++) {
-        jobs[i].p = (const uint64_t *)buf + n * i / threads;
-        jobs[i].n = n * (i + 1) / threads - n * i / threads;
-        pthread_create(&th[i], NULL, run, &jobs[i]);
-    }
-    for (int i = 0; i < threads; i++) { pthread_join(th[i], NULL); r ^= jobs[i].r; }
-    return r;
-}
-"""
-
-
-def _native_read_loop():
-    """cffi-compiled multi-threaded read loop (4 prefetched streams per thread, xor of 64-bit words, vectorized by
-    -O3): (ffi, lib), or None without a compiler."""
-    import importlib.util
-    import tempfile
-
-    try:
-        from cffi import FFI
-        ffi = FFI()
-        ffi.cdef("uint64_t ktb_read(const void *buf, size_t bytes, int threads);")
-        ffi.set_source("_ktb_read_loop", _READ_LOOP_C, extra_compile_args=["-O3", "-pthread"],
-                       extra_link_args=["-pthread"])
-        path = ffi.compile(tmpdir=tempfile.mkdtemp(prefix="ktb_"), verbose=False)
-        spec = importlib.util.spec_from_file_location("_ktb_read_loop", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod.ffi, mod.lib
-    except Exception as e:  # no compiler / headers: fall back to torch alone
-        print(f"(native read loop unavailable: {type(e).__name__}: {e}; using torch only)")
-        return None
-
-
-def memory_bandwidth(gb: float, repeats: int, threads: int) -> tuple[float, float | None]:
-    """Read bandwidth in GB/s over a buffer of `gb` GB (written first, so its pages exist): (torch int64 sum,
-    native read loop on `threads` threads or None). torch's reductions are compute-bound per thread on some CPUs,
-    so the native loop is the honest limit where it can be built."""
-    buf = torch.ones(int(gb * 1e9) // 8, dtype=torch.int64)
-    nbytes = buf.numel() * 8
-    torch_gbs = nbytes / _median_time(lambda: buf.sum(), repeats) / 1e9
-    native_gbs = None
-    loop = _native_read_loop()
-    if loop is not None:
-        ffi, lib = loop
-        ptr = ffi.cast("void *", buf.data_ptr())
-        native_gbs = nbytes / _median_time(lambda: lib.ktb_read(ptr, nbytes, threads), repeats) / 1e9
-    return torch_gbs, native_gbs
 
 
 def dense_gemm_tflops(n: int, repeats: int) -> float:
@@ -228,6 +155,61 @@ def time_prefill(forward, work: Work, repeats: int) -> float:
     return _median_time(lambda: forward(work.prefill_x, work.prefill_ids, work.prefill_w), repeats)
 
 
+# ---- accuracy ----
+def reference(hidden, ids, weights, gate_up, down) -> torch.Tensor:
+    """float64 experts from the original weights: hidden [T, H], ids/weights [T, k], gate_up [E, 2I, H], down [E, H,
+    I] (converted one expert at a time) -> [T, H] float64."""
+    x = hidden.double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        g, u = (x[tok] @ gate_up[e].double().t()).chunk(2, dim=-1)
+        out.index_add_(0, tok, (F.silu(g) * u) @ down[e].double().t() * weights[tok, slot, None].double())
+    return out
+
+
+def accuracy(native, quants, isas, pool, hidden: int = 2048, intermediate: int = 768, experts: int = 8,
+             seed: int = 3) -> list[tuple]:
+    """Relative errors of our forward (float32 output) against reference(): E experts, every token routed to all of
+    them, T in ACCURACY_TOKENS; int4 with its default group size. -> rows (quant label, isa, [(max |y - ref| /
+    max |ref|, rms(y - ref) / rms(ref)) per T])."""
+    g = torch.Generator().manual_seed(seed)
+    E, H, I = experts, hidden, intermediate
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.02).to(torch.bfloat16)
+    down = (torch.randn(E, H, I, generator=g) * 0.02).to(torch.bfloat16)
+    cases = []
+    for t in ACCURACY_TOKENS:
+        x = torch.randn(t, H, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g) for _ in range(t)])
+        w = torch.softmax(torch.randn(t, E, generator=g), dim=-1)
+        cases.append((x, ids, w, reference(x, ids, w, gate_up, down)))
+    rows, isa0 = [], native.isa()
+    try:
+        for quant in quants:
+            ex = native.Experts.from_hf(gate_up, down, quant=quant)
+            for isa in isas:
+                native.set_isa(isa)
+                errs = []
+                for x, ids, w, ref in cases:
+                    y = ex.forward(x, ids, w, out=torch.empty(x.shape, dtype=torch.float32), pool=pool).double()
+                    d = y - ref
+                    errs.append((float(d.abs().max() / ref.abs().max()), float(d.norm() / ref.norm())))
+                rows.append((quant if quant in ("bf16", "int8") else f"{quant} g{ex.group_size}", isa, errs))
+    finally:
+        native.set_isa(isa0)
+    return rows
+
+
+def accuracy_lines(rows, experts: int = 8, hidden: int = 2048, intermediate: int = 768) -> list[str]:
+    head = ("quant", "isa") + tuple(f"{'decode' if t == 1 else 'prefill'} T {t}: max, rms" for t in ACCURACY_TOKENS)
+    body = [(q, i) + tuple(f"{m:.1e}  {r:.1e}" for m, r in errs) for q, i, errs in rows]
+    widths = [max(len(str(r[c])) for r in body + [head]) for c in range(len(head))]
+    return ([f"accuracy against a float64 torch reference from the bf16 weights (E {experts}, H {hidden}, "
+             f"I {intermediate}, every token to all {experts} experts, float32 output): max |y - ref| / max |ref|, "
+             f"rms(y - ref) / rms(ref)", _fmt_row(head, widths), _fmt_row(["-" * w for w in widths], widths)]
+            + [_fmt_row(r, widths) for r in body])
+
+
 # ---- report ----
 def _fmt_row(cols, widths) -> str:
     return "  ".join(str(c).ljust(w) for c, w in zip(cols, widths)).rstrip()
@@ -241,7 +223,7 @@ def _parse_list(text: str, allowed, what: str) -> list[str]:
     return items
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser():
     ap = argparse.ArgumentParser(prog="python -m ktinject.bench kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=None, help="threads for ours and torch (default: physical cores)")
     mode = ap.add_mutually_exclusive_group()
@@ -249,27 +231,123 @@ def main(argv: list[str] | None = None) -> int:
                       help="fewer experts built, smaller limit measurements (default when RAM < 64 GB or < 8 CPUs)")
     mode.add_argument("--full", dest="quick", action="store_false", help="full sizes (~6 GB of weights at most)")
     ap.add_argument("--isa", default=None, help="our ISA(s): a name, a comma list or 'all' (default: the current one)")
-    ap.add_argument("--quant", default="bf16,int8", help="comma list of bf16, int8")
+    ap.add_argument("--quant", default=None, help="comma list of quants (default: all the native module has)")
     ap.add_argument("--layers", default=",".join(l.name for l in LAYERS), help="comma list of layer names")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per figure (median; default 5, quick 3)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
-    args = ap.parse_args(argv)
+    rows_full, rows_quick = (",".join(map(str, r)) for r in (crossover.ROWS_FULL, crossover.ROWS_QUICK))
+    ap.add_argument("--sweep", default=None, help="rows per expert of the crossover sweep, a comma list, or 'off' "
+                                                  f"(default: {rows_full}; quick: {rows_quick})")
+    return ap
 
+
+def _print_table(head, rows) -> None:
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    print()
+    print(_fmt_row(head, widths))
+    print(_fmt_row(["-" * w for w in widths], widths))
+    for r in rows:
+        print(_fmt_row(r, widths))
+
+
+def _measure_layer(native, layer, built, quants, isas, threads, repeats, bw, sweep_rows, sweep_isas, no_torch):
+    """One layer: ({(quant, isa): (GB/s, decode s, TFLOPS, prefill s)}, torch (decode s, prefill s) or Nones,
+    work, sweep points)."""
+    H, I, k = layer.hidden, layer.intermediate, layer.top_k
+    work = make_work(layer, built)
+    t_pre = work.prefill_x.shape[0]
+    flops = 2.0 * t_pre * k * 3 * H * I
+    bf16_bytes = k * 3 * H * I * 2
+    g = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(built, 2 * I, H, generator=g) * 0.02).to(torch.bfloat16)
+    down = (torch.randn(built, H, I, generator=g) * 0.02).to(torch.bfloat16)
+    # decode: enough loops over the sets for >= ~50 ms per timed call at the bandwidth limit
+    work.decode_loops = max(1, int(0.05 * bw * 1e9 / (bf16_bytes * len(work.decode_ids))))
+    ours, points, isa0 = {}, [], native.isa()
+    pool = native.Pool(threads)
+    try:
+        for quant in quants:
+            ex = native.Experts.from_hf(gate_up, down, quant=quant)
+            per_token = ex.nbytes / built * k
+            out_d = torch.empty(1, H, dtype=torch.bfloat16)
+            out_p = torch.empty(t_pre, H, dtype=torch.bfloat16)
+            for isa in isas:
+                native.set_isa(isa)
+                td = time_decode(lambda x, i, w: ex.forward(x, i, w, out=out_d, pool=pool), work, repeats)
+                tp = time_prefill(lambda x, i, w: ex.forward(x, i, w, out=out_p, pool=pool), work, repeats)
+                ours[(quant, isa)] = (per_token / td / 1e9, td, flops / tp / 1e12, tp)
+            if sweep_rows:
+                points += crossover.sweep(native, ex, quant, sweep_rows, sweep_isas, k, pool, repeats)
+            ex = None  # free the packed weights before the next quant
+            gc.collect()
+    finally:
+        native.set_isa(isa0)
+        pool.close()
+    tdec = tpre = None
+    if not no_torch:
+        time.sleep(0.2)
+        with torch.inference_mode():
+            tdec = time_decode(lambda x, i, w: torch_experts(x, i, w, gate_up, down), work, repeats)
+            tpre = time_prefill(lambda x, i, w: torch_experts(x, i, w, gate_up, down), work, repeats)
+    return ours, (tdec, tpre), work, points
+
+
+def _layer_rows(layer, built, work, ours, torch_s, bw, peak) -> tuple[list[tuple], str]:
+    """Table rows of one layer (decode and prefill per quant x ISA) and its note."""
+    H, I, k = layer.hidden, layer.intermediate, layer.top_k
+    tdec, tpre = torch_s
+    t_pre = work.prefill_x.shape[0]
+    flops = 2.0 * t_pre * k * 3 * H * I
+    bf16_bytes = k * 3 * H * I * 2
+    note = (f"{layer.name}: built {built} of {layer.experts} experts; decode rotates {len(work.decode_ids)} sets of "
+            f"{k} ({bf16_bytes * len(work.decode_ids) / 1e9:.2f} GB of bf16 weights); prefill {t_pre} tokens x "
+            f"top-{k} of {built} = {t_pre * k // built} rows per expert (as {PREFILL_TOKENS} tokens over "
+            f"{layer.experts})")
+    rows = []
+    for (quant, isa), (gbs, td, tfl, tp) in ours.items():
+        torch_d = f"{bf16_bytes / tdec / 1e9:.1f} GB/s {tdec * 1e3:.2f} ms" if tdec else "-"
+        torch_p = f"{flops / tpre / 1e12:.2f} TFLOPS {tpre * 1e3:.0f} ms" if tpre else "-"
+        rows.append((layer.name, "decode", quant, isa, f"{gbs:.1f} GB/s {td * 1e3:.2f} ms", torch_d,
+                     f"{bw:.1f} GB/s", f"{100 * gbs / bw:.0f}%"))
+        rows.append((layer.name, "prefill", quant, isa, f"{tfl:.2f} TFLOPS {tp * 1e3:.0f} ms", torch_p,
+                     f"{peak:.2f} TFLOPS", f"{100 * tfl / peak:.0f}%"))
+    return rows, note
+
+
+def _sweep_rows(text: str | None, quick: bool) -> tuple[int, ...]:
+    if text is None:
+        return crossover.ROWS_QUICK if quick else crossover.ROWS_FULL
+    if text.strip().lower() in ("", "off", "none", "0"):
+        return ()
+    try:
+        rows = tuple(int(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        rows = (0,)
+    if min(rows, default=0) < 1:
+        raise SystemExit(f"--sweep: expected a comma list of rows per expert >= 1 or 'off', got {text!r}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     from ktinject import native
 
     quick = args.quick if args.quick is not None else (_mem_total_gb() < 64 or (os.cpu_count() or 1) < 8)
     repeats = args.repeats or (3 if quick else 5)
     threads = args.threads or native.physical_cores()
-    quants = _parse_list(args.quant, ("bf16", "int8"), "quant")
+    quants = _parse_list(args.quant or ",".join(native.QUANTS), tuple(native.QUANTS), "quant")
     layers = [LAYERS[[l.name for l in LAYERS].index(n)] for n in
               _parse_list(args.layers, [l.name for l in LAYERS], "layers")]
-    isa0 = native.isa()
+    isa0, available = native.isa(), native.available_isas()
     if args.isa in (None, ""):
         isas = [isa0]
     elif args.isa == "all":
-        isas = [i for i in native.available_isas() if i != "generic"] or ["generic"]
+        isas = [i for i in available if i != "generic"] or ["generic"]
     else:
-        isas = _parse_list(args.isa, native.available_isas(), "isa")
+        isas = _parse_list(args.isa, available, "isa")
+    sweep_rows = _sweep_rows(args.sweep, quick)
+    sweep_isas = crossover.sweep_isas(available, isas)
+    sweep_layer = next((l for l in layers if l.name == "Qwen3-30B-A3B"), layers[0])
     torch.set_num_threads(threads)
 
     print(f"ktinject kernels bench  CPU: {cpu_model()}  ({native.physical_cores()} physical cores, "
@@ -277,92 +355,51 @@ def main(argv: list[str] | None = None) -> int:
     print(f"threads: {threads} (ours and torch)   ISA(s): {', '.join(isas)}   features: "
           f"{' '.join(native.cpu_features())}")
     print(f"mode: {'quick' if quick else 'full'}, median of {repeats}   torch {torch.__version__}")
-    bw_gb = 1.0 if quick else 4.0
-    bw_torch, bw_native = memory_bandwidth(bw_gb, max(repeats, 5), threads)
-    bw = max(bw_torch, bw_native or 0.0)
+    mem = measure_read_bandwidth(1.0 if quick else 4.0, threads, max(repeats, 5))
+    bw = mem.best_gbs
     gemm_n = 2048 if quick else 4096
     peak = dense_gemm_tflops(gemm_n, repeats)
-    native_txt = f"native read loop {bw_native:.1f} GB/s, " if bw_native else ""
-    print(f"limits: memory read {bw:.1f} GB/s over {bw_gb:.0f} GB, {threads} threads ({native_txt}torch int64 sum "
-          f"{bw_torch:.1f} GB/s); dense bf16 GEMM {peak:.2f} TFLOPS (torch matmul {gemm_n}^3)")
+    print(f"limits: {mem.summary()}")
+    print(f"        dense bf16 GEMM {peak:.2f} TFLOPS (torch matmul {gemm_n}^3)")
 
     pool = native.Pool(threads)
     try:
         over = {q: forward_overhead(native, pool, q, repeats) for q in quants}
+        acc = accuracy(native, quants, isas, pool)
     finally:
         pool.close()
     print("fixed cost of a forward (one token, tiny layer E 8, H = I = 64, k 8, current ISA): "
           + ", ".join(f"{q} {t * 1e6:.0f} us" for q, t in over.items()))
 
-    rows = []
-    notes = []
+    rows, notes, points = [], [], []
     for layer in layers:
         built = layer.built_quick if quick else layer.built_full
-        H, I, k = layer.hidden, layer.intermediate, layer.top_k
-        work = make_work(layer, built)
-        t_pre = work.prefill_x.shape[0]
-        flops = 2.0 * t_pre * k * 3 * H * I
-        bf16_bytes = k * 3 * H * I * 2
-        notes.append(f"{layer.name}: built {built} of {layer.experts} experts; decode rotates {len(work.decode_ids)} "
-                     f"sets of {k} ({bf16_bytes * len(work.decode_ids) / 1e9:.2f} GB of bf16 weights); prefill "
-                     f"{t_pre} tokens x top-{k} of {built} = {t_pre * k // built} rows per expert "
-                     f"(as {PREFILL_TOKENS} tokens over {layer.experts})")
-        g = torch.Generator().manual_seed(1)
-        gate_up = (torch.randn(built, 2 * I, H, generator=g) * 0.02).to(torch.bfloat16)
-        down = (torch.randn(built, H, I, generator=g) * 0.02).to(torch.bfloat16)
-        # decode: enough loops over the sets for >= ~50 ms per timed call at the bandwidth limit
-        work.decode_loops = max(1, int(0.05 * bw * 1e9 / (bf16_bytes * len(work.decode_ids))))
-
-        ours = {}
-        pool = native.Pool(threads)
-        try:
-            for quant in quants:
-                ex = native.Experts.from_hf(gate_up, down, quant=quant)
-                per_token = ex.nbytes / built * k
-                out_d = torch.empty(1, H, dtype=torch.bfloat16)
-                out_p = torch.empty(t_pre, H, dtype=torch.bfloat16)
-                for isa in isas:
-                    native.set_isa(isa)
-                    td = time_decode(lambda x, i, w: ex.forward(x, i, w, out=out_d, pool=pool), work, repeats)
-                    tp = time_prefill(lambda x, i, w: ex.forward(x, i, w, out=out_p, pool=pool), work, repeats)
-                    ours[(quant, isa)] = (per_token / td / 1e9, td, flops / tp / 1e12, tp)
-                ex = None  # free the packed weights before the next quant
-                gc.collect()
-        finally:
-            native.set_isa(isa0)
-            pool.close()
-
-        tdec = tpre = None
-        if not args.no_torch:
-            time.sleep(0.2)
-            with torch.inference_mode():
-                tdec = time_decode(lambda x, i, w: torch_experts(x, i, w, gate_up, down), work, repeats)
-                tpre = time_prefill(lambda x, i, w: torch_experts(x, i, w, gate_up, down), work, repeats)
-        gate_up = down = None  # free before the next layer
+        ours, torch_s, work, pts = _measure_layer(
+            native, layer, built, quants, isas, threads, repeats, bw, sweep_rows if layer is sweep_layer else (),
+            sweep_isas, args.no_torch)
         gc.collect()
+        points += pts
+        r, note = _layer_rows(layer, built, work, ours, torch_s, bw, peak)
+        rows += r
+        notes.append(note)
 
-        for (quant, isa), (gbs, td, tfl, tp) in ours.items():
-            torch_d = f"{bf16_bytes / tdec / 1e9:.1f} GB/s {tdec * 1e3:.2f} ms" if tdec else "-"
-            torch_p = f"{flops / tpre / 1e12:.2f} TFLOPS {tpre * 1e3:.0f} ms" if tpre else "-"
-            rows.append((layer.name, "decode", quant, isa, f"{gbs:.1f} GB/s {td * 1e3:.2f} ms", torch_d,
-                         f"{bw:.1f} GB/s", f"{100 * gbs / bw:.0f}%"))
-            rows.append((layer.name, "prefill", quant, isa, f"{tfl:.2f} TFLOPS {tp * 1e3:.0f} ms", torch_p,
-                         f"{peak:.2f} TFLOPS", f"{100 * tfl / peak:.0f}%"))
-
-    head = ("layer", "phase", "quant", "isa", "ktinject", "torch (bf16, eager loop)", "limit", "of limit")
     rows.sort(key=lambda r: (r[0], r[1], r[2], r[3]))
-    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    _print_table(("layer", "phase", "quant", "isa", "ktinject", "torch (bf16, eager loop)", "limit", "of limit"), rows)
     print()
-    print(_fmt_row(head, widths))
-    print(_fmt_row(["-" * w for w in widths], widths))
-    for r in rows:
-        print(_fmt_row(r, widths))
-    print()
-    print("decode: GB/s = weights read per token in the stored format (k experts x gate+up+down, int8 incl. scales;")
+    print("decode: GB/s = weights read per token in the stored format (k experts x gate+up+down, int incl. scales;")
     print("        torch: the same experts in bf16) / time of a one-token forward; limit = memory read bandwidth")
     print("prefill: TFLOPS = 2 T k 3 H I / time; limit = a dense bf16 GEMM in torch (oneDNN): a reference, not a bound")
     for n in notes:
         print(n)
+    if points:
+        built = sweep_layer.built_quick if quick else sweep_layer.built_full
+        describe = (f"{sweep_layer.name} layer (H {sweep_layer.hidden}, I {sweep_layer.intermediate}), {built} experts "
+                    f"built, each getting exactly `rows/expert` rows (tokens = rows x {built} / {sweep_layer.top_k}, "
+                    f"top-{sweep_layer.top_k}); per cell TFLOPS (TOPS), GB/s of stored weights, ms per forward")
+        print()
+        print("\n".join(crossover.report(points, describe, "amx" in available)))
+    print()
+    print("\n".join(accuracy_lines(acc)))
     return 0
 
 

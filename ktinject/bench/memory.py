@@ -1,0 +1,362 @@
+"""CPU memory read bandwidth: the limit the kernels and decode benchmarks print next to the decode figures.
+
+    bw = measure_read_bandwidth(gb=1.0, threads=16)   # -> ReadBandwidth; bw.best_gbs, bw.summary()
+
+A small native read loop (compiled here with the system C compiler, loaded with ctypes: no cffi needed) reads a
+buffer of at least 4x the last-level cache (sysfs or CPUID, the larger; 2 MB aligned, MADV_HUGEPAGE like the packed
+expert weights, filled with distinct words by the reading threads) with one thread per physical core, pinned in the
+native pool's order. Each thread reads its slice as S interleaved sequential streams (S = 1, 4, 16) with 64-byte
+loads (AVX-512 where the CPU has it, else AVX2, else 64-bit words) xor-reduced, with software prefetch at a few
+distances (none, 1 KB, 4 KB ahead per stream). Every variant is timed `repeats` times after a warm-up; a variant's
+figure is its best run, the limit is the best variant (or torch's multi-threaded int64 sum over the same buffer,
+also measured, if that is faster). Nothing is compiled at import.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+STREAMS = (1, 4, 16)
+PREFETCH = (0, 1024, 4096)  # bytes ahead per stream; 0 = no software prefetch
+
+_C = r"""
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+#include <immintrin.h>
+
+#define STEP 256   /* bytes per stream per step: 4 cache lines */
+#define PF4(b, d) do { if (d) { __builtin_prefetch((b) + (d)); __builtin_prefetch((b) + (d) + 64); \
+                                __builtin_prefetch((b) + (d) + 128); __builtin_prefetch((b) + (d) + 192); } } while (0)
+
+__attribute__((target("avx512f"))) static uint64_t read512(const char *p, size_t per, int S, int pf) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i < per; i += STEP)
+        for (int q = 0; q < S; q++) {
+            const char *b = p + q * per + i;
+            PF4(b, pf);
+            a0 = _mm512_xor_si512(a0, _mm512_load_si512((const void *)b));
+            a1 = _mm512_xor_si512(a1, _mm512_load_si512((const void *)(b + 64)));
+            a2 = _mm512_xor_si512(a2, _mm512_load_si512((const void *)(b + 128)));
+            a3 = _mm512_xor_si512(a3, _mm512_load_si512((const void *)(b + 192)));
+        }
+    a0 = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
+    return (uint64_t)_mm512_reduce_add_epi64(a0);
+}
+
+__attribute__((target("avx2"))) static uint64_t read256(const char *p, size_t per, int S, int pf) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i < per; i += STEP)
+        for (int q = 0; q < S; q++) {
+            const char *b = p + q * per + i;
+            PF4(b, pf);
+            for (int c = 0; c < STEP; c += 128) {
+                a0 = _mm256_xor_si256(a0, _mm256_load_si256((const __m256i *)(b + c)));
+                a1 = _mm256_xor_si256(a1, _mm256_load_si256((const __m256i *)(b + c + 32)));
+                a2 = _mm256_xor_si256(a2, _mm256_load_si256((const __m256i *)(b + c + 64)));
+                a3 = _mm256_xor_si256(a3, _mm256_load_si256((const __m256i *)(b + c + 96)));
+            }
+        }
+    a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+    return (uint64_t)_mm256_extract_epi64(a0, 0) ^ (uint64_t)_mm256_extract_epi64(a0, 3);
+}
+
+static uint64_t read64(const char *p, size_t per, int S, int pf) {
+    uint64_t a[8] = {0};
+    for (size_t i = 0; i < per; i += STEP)
+        for (int q = 0; q < S; q++) {
+            const uint64_t *b = (const uint64_t *)(p + q * per + i);
+            PF4((const char *)b, pf);
+            for (int k = 0; k < STEP / 8; k++) a[k & 7] ^= b[k];
+        }
+    return a[0] ^ a[1] ^ a[2] ^ a[3] ^ a[4] ^ a[5] ^ a[6] ^ a[7];
+}
+
+int ktb_loads(void) {   /* 2 = AVX-512, 1 = AVX2, 0 = 64-bit words */
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+}
+
+typedef struct { char *p; size_t n; int streams, pf, cpu, loads, fill; pthread_barrier_t *bar; uint64_t r; } job;
+
+static void *run(void *arg) {
+    job *j = arg;
+    if (j->cpu >= 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(j->cpu, &set);
+        (void)pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    }
+    pthread_barrier_wait(j->bar);
+    if (j->fill) {   /* distinct words: no two pages alike (nothing for KSM/dedup to merge) */
+        uint64_t *w = (uint64_t *)j->p, x = (uint64_t)(uintptr_t)j->p;
+        for (size_t i = 0; i < j->n / 8; i++) w[i] = (x + i) * 0x9E3779B97F4A7C15ull;
+        return NULL;
+    }
+    size_t per = j->n / (size_t)j->streams / STEP * STEP;
+    uint64_t r = j->loads == 2 ? read512(j->p, per, j->streams, j->pf)
+               : j->loads == 1 ? read256(j->p, per, j->streams, j->pf) : read64(j->p, per, j->streams, j->pf);
+    for (size_t i = per * (size_t)j->streams; i < j->n; i++) r ^= (unsigned char)j->p[i];
+    j->r = r;
+    return NULL;
+}
+
+/* Runs `threads` threads (thread i pinned to cpus[i] when cpus[i] >= 0) over 4 KB-aligned slices of buf, all
+ * started together; returns the seconds from the start barrier to the last join (thread creation excluded). */
+double ktb_run(char *buf, size_t bytes, int threads, const int *cpus, int streams, int pf, int loads, int fill,
+               uint64_t *result) {
+    pthread_t th[1024];
+    job jobs[1024];
+    pthread_barrier_t bar;
+    struct timespec t0, t1;
+    if (threads < 1) threads = 1;
+    if (threads > 1024) threads = 1024;
+    if (streams < 1) streams = 1;
+    pthread_barrier_init(&bar, NULL, (unsigned)threads + 1);
+    size_t pages = bytes / 4096;
+    for (int i = 0; i < threads; i++) {
+        size_t a = pages * (size_t)i / (size_t)threads * 4096, b = pages * (size_t)(i + 1) / (size_t)threads * 4096;
+        if (i == threads - 1) b = bytes;
+        jobs[i] = (job){buf + a, b - a, streams, pf, cpus ? cpus[i] : -1, loads, fill, &bar, 0};
+        pthread_create(&th[i], NULL, run, &jobs[i]);
+    }
+    pthread_barrier_wait(&bar);
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    uint64_t r = 0;
+    for (int i = 0; i < threads; i++) { pthread_join(th[i], NULL); r ^= jobs[i].r; }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    pthread_barrier_destroy(&bar);
+    if (result) *result = r;
+    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+}
+
+char *ktb_alloc(size_t bytes) {   /* 2 MB aligned, transparent huge pages asked for; not touched */
+    void *p = NULL;
+    if (posix_memalign(&p, 1 << 21, bytes)) return NULL;
+#ifdef MADV_HUGEPAGE
+    (void)madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
+void ktb_free(char *p) { free(p); }
+
+long ktb_l3(void) {   /* glibc reads CPUID here, which a VM's sysfs may understate; 0 if unknown */
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    long v = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return v > 0 ? v : 0;
+#else
+    return 0;
+#endif
+}
+"""
+
+_LOADS = ("64-bit", "avx2", "avx512")
+_lock = threading.Lock()
+_lib: list = []  # [ctypes.CDLL or None] once compiled (or failed)
+
+
+def _native_lib():
+    """The compiled read loop (ctypes.CDLL), or None without a working C compiler. Compiled once per process."""
+    with _lock:
+        if not _lib:
+            _lib.append(_compile())
+        return _lib[0]
+
+
+def _compile():
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        log.warning("no C compiler found: memory bandwidth from torch alone")
+        return None
+    tmp = tempfile.mkdtemp(prefix="ktb_read_")
+    src, so = os.path.join(tmp, "read.c"), os.path.join(tmp, "read.so")
+    with open(src, "w") as f:
+        f.write(_C)
+    try:
+        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", src, "-o", so], check=True, capture_output=True,
+                       text=True, timeout=120)
+        lib = ctypes.CDLL(so)
+    except (OSError, subprocess.SubprocessError) as e:
+        err = getattr(e, "stderr", "") or str(e)
+        log.warning("native read loop not built (%s): memory bandwidth from torch alone", err.strip()[:300])
+        return None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # a loaded library stays mapped
+    lib.ktb_run.restype = ctypes.c_double
+    lib.ktb_run.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
+    lib.ktb_alloc.restype = ctypes.c_void_p
+    lib.ktb_alloc.argtypes = [ctypes.c_size_t]
+    lib.ktb_free.argtypes = [ctypes.c_void_p]
+    lib.ktb_loads.restype = ctypes.c_int
+    lib.ktb_l3.restype = ctypes.c_long
+    return lib
+
+
+# ---- machine ----
+def _first_cpu(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().replace("-", ",").split(",")[0])
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_order() -> list[int]:
+    """CPUs in the native pool's pinning order: the first CPU of each physical core (of this process's affinity),
+    then the remaining SMT siblings."""
+    cpus = sorted(os.sched_getaffinity(0))
+    firsts, seconds, seen = [], [], set()
+    for cpu in cpus:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        core = _first_cpu(base + "core_cpus_list")
+        core = _first_cpu(base + "thread_siblings_list") if core is None else core
+        core = cpu if core is None else core
+        (seconds if core in seen else firsts).append(cpu)
+        seen.add(core)
+    return firsts + seconds
+
+
+def llc_bytes() -> int:
+    """Last-level cache of the machine in bytes: the larger of sysfs (summed over distinct LLC instances) and
+    glibc's sysconf L3 size (CPUID; a VM's sysfs may show less); 32 MiB if neither is known."""
+    root = "/sys/devices/system/cpu"
+    best: dict[str, int] = {}
+    level_max = 0
+    try:
+        for cpu in os.listdir(root):
+            if not (cpu.startswith("cpu") and cpu[3:].isdigit()):
+                continue
+            cache = os.path.join(root, cpu, "cache")
+            for idx in os.listdir(cache) if os.path.isdir(cache) else ():
+                d = os.path.join(cache, idx)
+                with open(os.path.join(d, "level")) as f:
+                    level = int(f.read())
+                with open(os.path.join(d, "type")) as f:
+                    if f.read().strip() == "Instruction":
+                        continue
+                with open(os.path.join(d, "size")) as f:
+                    size = f.read().strip()
+                with open(os.path.join(d, "shared_cpu_list")) as f:
+                    shared = f.read().strip()
+                mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+                nbytes = int(size.rstrip("KMG")) * mult
+                if level > level_max:
+                    level_max, best = level, {}
+                if level == level_max:
+                    best[shared] = nbytes
+    except (OSError, ValueError):
+        pass
+    lib = _native_lib()
+    return max(sum(best.values()), lib.ktb_l3() if lib is not None else 0) or 32 << 20
+
+
+# ---- measurement ----
+@dataclass
+class ReadBandwidth:
+    best_gbs: float                 # the limit: the best of every native variant and torch
+    best: str                       # which variant gave it
+    torch_gbs: float                # torch int64 sum over the same buffer
+    variants: dict[str, float] = field(default_factory=dict)  # native variant -> GB/s (best of its runs)
+    nbytes: int = 0
+    threads: int = 0
+    llc: int = 0
+    pinned: bool = False            # threads pinned in the native pool's order
+    loads: str = ""                 # load width of the native loop ("" when it could not be built)
+    repeats: int = 0
+
+    def summary(self) -> str:
+        """One line: the limit, where it came from, and what every variant gave."""
+        var = ", ".join(f"{k} {v:.1f}" for k, v in self.variants.items())
+        native = (f"native {self.loads} read loop [GB/s, streams/thread x prefetch ahead]: {var}; "
+                  if self.variants else "native read loop unavailable; ")
+        pinned = " pinned as the pool" if self.pinned else ""
+        return (f"memory read {self.best_gbs:.1f} GB/s ({self.best}) over {self.nbytes / 1e9:.2f} GB "
+                f"(the LLC: {self.llc / 2**20:.0f} MiB), {self.threads} threads{pinned}, best of {self.repeats}; "
+                f"{native}torch int64 sum {self.torch_gbs:.1f}")
+
+
+def _variant_name(streams: int, pf: int) -> str:
+    return f"{streams}s/" + ("no-pf" if pf == 0 else f"pf{pf // 1024}K" if pf % 1024 == 0 else f"pf{pf}")
+
+
+def _torch_sum_gbs(buf: torch.Tensor, threads: int, repeats: int) -> float:
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf.sum()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t0)
+        return buf.numel() * 8 / best / 1e9
+    finally:
+        torch.set_num_threads(prev)
+
+
+def measure_read_bandwidth(gb: float = 1.0, threads: int | None = None, repeats: int = 5,
+                           streams=STREAMS, prefetch=PREFETCH, llc_multiple: float = 4.0) -> ReadBandwidth:
+    """Best read bandwidth over a buffer of max(gb GB, llc_multiple x the LLC) with `threads` threads (default: one
+    per physical core), every native variant (streams x prefetch) and torch's int64 sum; see the module docstring."""
+    order = cpu_order()
+    threads = threads or _physical_cores(order)
+    llc = llc_bytes()
+    nbytes = max(int(gb * 1e9), int(llc_multiple * llc), 2 << 20) // (2 << 20) * (2 << 20)
+    res = ReadBandwidth(0.0, "torch int64 sum", 0.0, nbytes=nbytes, threads=threads, llc=llc, repeats=repeats)
+    lib = _native_lib()
+    if lib is None:
+        buf = torch.ones(nbytes // 8, dtype=torch.int64)
+        res.torch_gbs = res.best_gbs = _torch_sum_gbs(buf, threads, repeats)
+        return res
+    res.pinned = pinned = threads <= len(order)  # more threads than CPUs: unpinned
+    cpus = (ctypes.c_int * threads)(*[order[i] if pinned else -1 for i in range(threads)])
+    ptr = lib.ktb_alloc(nbytes)
+    if not ptr:
+        raise MemoryError(f"cannot allocate {nbytes} bytes for the read-bandwidth buffer")
+    try:
+        loads = lib.ktb_loads()
+        res.loads = _LOADS[loads]
+        lib.ktb_run(ptr, nbytes, threads, cpus, 1, 0, loads, 1, None)  # first touch by the reading threads
+        sink = ctypes.c_uint64()
+        for s in streams:
+            for pf in prefetch:
+                lib.ktb_run(ptr, nbytes, threads, cpus, s, pf, loads, 0, ctypes.byref(sink))  # warm-up
+                t = min(lib.ktb_run(ptr, nbytes, threads, cpus, s, pf, loads, 0, ctypes.byref(sink))
+                        for _ in range(repeats))
+                res.variants[_variant_name(s, pf)] = nbytes / t / 1e9
+        arr = (ctypes.c_int64 * (nbytes // 8)).from_address(ptr)
+        res.torch_gbs = _torch_sum_gbs(torch.frombuffer(arr, dtype=torch.int64), threads, repeats)
+        del arr
+    finally:
+        lib.ktb_free(ptr)
+    name, gbs = max(res.variants.items(), key=lambda kv: kv[1])
+    res.best, res.best_gbs = (name, gbs) if gbs >= res.torch_gbs else ("torch int64 sum", res.torch_gbs)
+    return res
+
+
+def _physical_cores(order: list[int]) -> int:
+    try:
+        from ktinject import native
+        return native.physical_cores()
+    except Exception:  # noqa: BLE001 - the native module is not needed to measure memory
+        return len(order)
+

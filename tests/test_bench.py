@@ -1,0 +1,103 @@
+"""Benchmark helpers on tiny shapes: the crossover sweep (routing, table, crossover rule), the accuracy check of the
+kernels bench, the memory read-bandwidth measurement, and the cold expert-id draws of the decode bench.
+
+Legend: T tokens, k experts per token, E experts, H hidden, I expert intermediate.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ktinject import native as kn
+from ktinject.bench import crossover, kernels, memory
+from ktinject.bench.decode import fresh_ids
+
+
+@pytest.mark.parametrize("rows,experts,k", [(1, 8, 4), (3, 8, 8), (5, 16, 4)])
+def test_routing_gives_every_expert_exactly_rows(rows, experts, k):
+    ids = crossover.routing(rows, experts, k)  # [T, k]
+    assert ids.shape == (rows * experts // k, k)
+    assert torch.bincount(ids.flatten(), minlength=experts).tolist() == [rows] * experts
+    assert all(len(set(r.tolist())) == k for r in ids)  # k distinct experts per token
+
+
+def test_crossover_rule():
+    def pts(times):  # rows -> (avx512 s, amx s)
+        return [crossover.Point("bf16", isa, r, r, t, 1.0, 1) for r, (a, b) in times.items()
+                for isa, t in (("avx512", a), ("amx", b))]
+    # noise below the threshold (2 rows: amx "faster") does not count: only from where amx stays faster
+    assert crossover.crossover(pts({1: (1, 1), 2: (1, 0.9), 4: (1, 1), 8: (1, 0.9), 16: (1, 0.5)}), "bf16") == 8
+    assert crossover.crossover(pts({1: (1, 1), 8: (1, 0.99), 16: (1, 1.2)}), "bf16") is None
+    assert crossover.crossover(pts({1: (1, 1)}), "int8") is None
+    lines = crossover.report(pts({1: (1, 1), 8: (1, 0.9), 16: (1, 0.5)}), "fake", amx_available=True)
+    assert [ln.split()[0] for ln in lines[3:6]] == ["1", "8", "16"]
+    assert lines[6] == "bf16 time amx / avx512 by rows/expert: 1:1.00 8:0.90 16:0.50"
+    assert lines[7].startswith("measured crossover") and lines[7].endswith("bf16 8 (threshold 8)")
+
+
+def test_sweep_table_has_a_row_per_rows_count():
+    """The sweep code path of `bench kernels` on a tiny layer (E 8, H 128, I 64, k 4), every quant the module has."""
+    g = torch.Generator().manual_seed(0)
+    E, H, I, k = 8, 128, 64, 4
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(torch.bfloat16)
+    down = (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)
+    available = kn.available_isas()
+    isas = crossover.sweep_isas(available, ["generic"])
+    assert isas[-1] == "generic" and ("avx512" in isas) == ("avx512" in available)
+    rows = (1, 2, 4)
+    points = []
+    with kn.Pool(2) as pool:
+        for quant in kn.QUANTS:
+            ex = kn.Experts.from_hf(gate_up, down, quant=quant)
+            points += crossover.sweep(kn, ex, quant, rows, isas, k, pool, repeats=1)
+    assert len(points) == len(rows) * len(isas) * len(kn.QUANTS)
+    lines = crossover.report(points, "tiny", "amx" in available)
+    head = lines[1].split()
+    assert head[:2] == ["rows/expert", "tokens"] and len(head) == 2 + 2 * len(isas) * len(kn.QUANTS)
+    body = lines[3:3 + len(rows)]
+    assert [ln.split()[:2] for ln in body] == [[str(r), str(r * E // k)] for r in rows]
+    assert all(ln.count("GB/s") == len(isas) * len(kn.QUANTS) for ln in body)
+    tail = lines[3 + len(rows):]
+    if "amx" in available:
+        crossing = next(ln for ln in tail if ln.startswith("measured crossover"))
+        assert all(q in crossing for q in kn.QUANTS)
+    else:
+        assert tail[0].startswith("AMX: not available")
+        assert all(f"{q} {crossover.AMX_MIN_ROWS[q]}" in tail[0] for q in kn.QUANTS if q in crossover.AMX_MIN_ROWS)
+
+
+def test_accuracy_against_float64():
+    with kn.Pool(2) as pool:
+        rows = kernels.accuracy(kn, list(kn.QUANTS), [kn.isa()], pool, hidden=128, intermediate=64)
+    assert [(q.split()[0], i) for q, i, _ in rows] == [(q, kn.isa()) for q in kn.QUANTS]
+    tol = {"bf16": 2e-2, "int8": 6e-2}  # tests/test_native.py's TOL_TRUTH_*; other quants: just finite and < 0.3
+    for quant, _, errs in rows:
+        assert len(errs) == len(kernels.ACCURACY_TOKENS)
+        for mx, rms in errs:
+            assert 0 <= rms < tol.get(quant, 0.3) and 0 <= mx < 2 * tol.get(quant, 0.3)
+    lines = kernels.accuracy_lines(rows, hidden=128, intermediate=64)
+    assert len(lines) == 3 + len(rows)
+
+
+def test_read_bandwidth_variants():
+    bw = memory.measure_read_bandwidth(0.01, threads=1, repeats=1, streams=(1, 4), prefetch=(0, 1024),
+                                       llc_multiple=0)  # 10 MB, in 2 MB pages: the code, not the machine
+    assert bw.nbytes == 8 << 20 and bw.threads == 1 and bw.llc == memory.llc_bytes() > 0
+    assert bw.torch_gbs > 0 and bw.best_gbs >= bw.torch_gbs
+    if bw.loads:  # a C compiler was found
+        assert list(bw.variants) == ["1s/no-pf", "1s/pf1K", "4s/no-pf", "4s/pf1K"]
+        assert bw.best_gbs == max(max(bw.variants.values()), bw.torch_gbs)
+        assert all(name in bw.summary() for name in bw.variants)
+    assert sorted(memory.cpu_order()) == sorted(os.sched_getaffinity(0))
+
+
+def test_fresh_ids_avoid_the_previous_pass():
+    g = torch.Generator().manual_seed(0)
+    prev = set(range(8))
+    ids = fresh_ids(g, 16, 8, 3, prev)  # [B 3, k 8]
+    assert ids.shape == (3, 8) and not set(ids.flatten().tolist()) & prev
+    assert all(len(set(r.tolist())) == 8 for r in ids)
+    ids = fresh_ids(g, 12, 8, 1, prev)  # only 4 others: any experts
+    assert len(set(ids.flatten().tolist())) == 8
