@@ -23,7 +23,7 @@ def test_returns_plan_and_marks_model():
     plan = inject(model, gpu="cpu")
     assert isinstance(plan, Plan)
     assert model._ktinject_plan is plan
-    assert {e.operator for e in plan.operator_entries()} == {"moe", "attention"}
+    assert {e.operator for e in plan.operator_entries()} == {"moe", "attention", "rmsnorm"}
     assert "moe" in str(plan)
     assert model.generation_config.disable_compile  # HF's auto torch.compile cannot trace native calls
 
@@ -133,8 +133,8 @@ def test_operator_rejects_wrong_module():
         MoEOperator.check(model.model.layers[0].mlp, "model.layers.0.mlp", {})
     with pytest.raises(OperatorError, match=r"model\.layers\.1\.mlp.*Qwen3MoeSparseMoeBlock"):
         AttentionOperator.check(model.model.layers[1].mlp, "model.layers.1.mlp", {})
-    with pytest.raises(OperatorError, match="bf16, int8"):
-        MoEOperator.check(model.model.layers[1].mlp, "model.layers.1.mlp", {"quant": "int4"})
+    with pytest.raises(OperatorError, match="bf16, int8, int4"):
+        MoEOperator.check(model.model.layers[1].mlp, "model.layers.1.mlp", {"quant": "int3"})
 
 
 def test_rule_on_dense_mlp_names_module_and_class(tmp_path):
@@ -166,8 +166,8 @@ def test_bad_quant_names_choices():
     from ktinject.operators.base import OperatorError
 
     model = build_tiny_model("olmoe", dtype=torch.bfloat16)
-    with pytest.raises(OperatorError, match="int4.*bf16, int8"):
-        inject(model, gpu="cpu", quant="int4")
+    with pytest.raises(OperatorError, match="int3.*bf16, int8, int4"):
+        inject(model, gpu="cpu", quant="int3")
 
 
 # ------------------------------------------------------------------------------------------------------ GPU

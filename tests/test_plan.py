@@ -176,7 +176,7 @@ def test_default_gpu_without_cuda(models, caplog):
 
 def test_quant_override(models):
     p = plan(models["mixtral"], gpu="cpu", quant="int8")
-    assert {e.operator: e.kwargs.get("quant") for e in p.operator_entries()} == {"moe": "int8", "attention": None}
+    assert {e.operator: e.kwargs.get("quant") for e in p.operator_entries()} == {"moe": "int8", "attention": None, "rmsnorm": None}
 
 
 def test_unmatched_rule_warns(models, caplog):

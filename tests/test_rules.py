@@ -169,7 +169,7 @@ def test_packaged_files_load(name):
     rs = load_rules(name)
     assert len(rs) >= 3
     assert rs.rules[-1].match_name == "" and rs.rules[-1].device == "gpu"  # common.yaml's catch-all comes last
-    assert all(r.replace in (None, "moe", "attention") for r in rs)
+    assert all(r.replace in (None, "moe", "attention", "rmsnorm") for r in rs)
     if name != "common.yaml":
         assert rs.rules[0].replace == "moe" and rs.rules[0].match_class
 

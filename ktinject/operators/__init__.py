@@ -10,7 +10,7 @@ import importlib
 
 _REGISTRY: dict[str, type] = {}
 # modules that register the built-in operators; imported once, on the first lookup
-_BUILTIN_MODULES = ("ktinject.operators.moe", "ktinject.operators.attention")
+_BUILTIN_MODULES = ("ktinject.operators.moe", "ktinject.operators.attention", "ktinject.operators.norm")
 _loaded = False
 
 

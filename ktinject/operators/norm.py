@@ -1,0 +1,102 @@
+"""The "rmsnorm" operator: Hugging Face RMSNorm modules as one fused ``torch.rms_norm`` call.
+
+HF's RMSNorm is eight elementwise/reduction kernels (cast, pow, mean, add, rsqrt, mul, cast, mul weight); a decode
+step of a Qwen3-30B-A3B-shaped model runs four per layer (input, post-attention, q and k norms), 1,500 small
+kernels per token. ``torch.rms_norm`` is one kernel on CUDA. The arithmetic is the same normalization in float32;
+the fused kernel rounds once at the end where HF rounds the normalized value to the input dtype and then multiplies
+by the weight in that dtype (GptOssRMSNorm multiplies in float32 first, as the fused kernel does), so in bf16 the
+two differ by about one bf16 ulp, and the fused result is the closer one to float64 (tests/test_norm.py).
+
+Only the classes in ``KNOWN`` are taken (all ``weight * x * rsqrt(mean(x^2) + eps)``, eps in ``variance_epsilon``);
+another class is refused with its name, since e.g. Gemma's norm scales by ``1 + weight``. The fused module keeps
+the ``weight`` parameter under the same name, so state-dict keys do not change. The attention operator fuses the
+norms inside attention modules too (q/k norms, DeepSeek's MLA norms) with ``fuse_children``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ktinject.operators import register
+from ktinject.operators.base import Operator, OperatorError, tensor_bytes
+
+log = logging.getLogger(__name__)
+
+#: HF RMSNorm classes whose forward is weight * normalize(x), eps in ``variance_epsilon``
+KNOWN = frozenset({"Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm", "OlmoeRMSNorm", "DeepseekV2RMSNorm",
+                   "DeepseekV3RMSNorm", "Glm4MoeRMSNorm", "GptOssRMSNorm"})
+
+
+class FusedRMSNorm(nn.Module):
+    """``torch.rms_norm(x, (H,), weight, eps)``; the HF formula when x and weight dtypes differ (fused needs one)."""
+
+    def __init__(self, weight: nn.Parameter, eps: float, class_name: str):
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = float(eps)
+        self.class_name = class_name
+        self._shape = (int(weight.shape[0]),)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype == self.weight.dtype:
+            return torch.rms_norm(hidden_states, self._shape, self.weight, self.variance_epsilon)
+        dtype = hidden_states.dtype
+        x = hidden_states.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * x).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.class_name}, {self._shape[0]}, eps={self.variance_epsilon:g}, fused"
+
+
+def _problem(module: nn.Module) -> str | None:
+    cname = type(module).__name__
+    if cname not in KNOWN:
+        return (f"its class {cname} is not a known HF RMSNorm (known: {', '.join(sorted(KNOWN))}); other norms "
+                f"(e.g. scaled by 1 + weight) would compute something else")
+    w = getattr(module, "weight", None)
+    if not isinstance(w, nn.Parameter) or w.dim() != 1:
+        return f"its weight is {None if w is None else tuple(w.shape)}, expected a 1-D parameter"
+    if not isinstance(getattr(module, "variance_epsilon", None), (int, float)):
+        return "it has no numeric variance_epsilon"
+    return None
+
+
+def fuse(module: nn.Module) -> FusedRMSNorm:
+    """A FusedRMSNorm sharing ``module``'s weight (``module`` must pass ``_problem``)."""
+    return FusedRMSNorm(module.weight, module.variance_epsilon, type(module).__name__)
+
+
+def fuse_children(module: nn.Module) -> int:
+    """Replace every known RMSNorm below ``module`` by a FusedRMSNorm in place; returns how many."""
+    n = 0
+    for name, child in list(module.named_modules()):
+        if name and _problem(child) is None:
+            parent, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, attr, fuse(child))
+            n += 1
+    return n
+
+
+@register("rmsnorm")
+class RMSNormOperator(Operator):
+    """Replace a known HF RMSNorm by one fused kernel call on ``device``."""
+
+    kwargs_allowed = frozenset()
+
+    @classmethod
+    def check(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> None:
+        problem = _problem(module)
+        if problem:
+            raise OperatorError(f"rmsnorm: cannot take module {name!r} ({type(module).__name__}): {problem}")
+
+    @classmethod
+    def placement(cls, module: nn.Module, kwargs: Mapping[str, Any], device: torch.device) -> dict[str, int]:
+        return {str(torch.device(device)): tensor_bytes(module)}
+
+    @classmethod
+    def build(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any], device: torch.device) -> nn.Module:
+        return fuse(module.to(device))
