@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,7 +33,8 @@ ERROR_NAMES = {ERR_NULL: "KTK_ERR_NULL", ERR_SHAPE: "KTK_ERR_SHAPE", ERR_RANGE: 
                ERR_STATE: "KTK_ERR_STATE", ERR_THREAD: "KTK_ERR_THREAD"}
 ISA_NAMES = ("generic", "avx2", "avx512", "amx")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-QUANTS = {"bf16": 0, "int8": 1}
+QUANTS = {"bf16": 0, "int8": 1, "int4": 2}
+GROUP_SIZES = (32, 64, 128)  # int4: inputs per scale
 ACTIVATIONS = {"silu": 0, "gptoss": 1}
 MATRICES = {"gate": 0, "up": 1, "down": 2}
 _INT_MAX = 2**31 - 1
@@ -262,3 +263,47 @@ def set_default_threads(n: int | None) -> None:
             raise NativeError(ERR_STATE, f"set_default_threads({n}): the default pool already runs with "
                                          f"{_default_pool.threads} threads; call it before first use or use Pool({n})")
         _default_threads = n
+
+
+# ---- zero-copy views of packed experts (ktk_experts_raw / ktk_experts_region) ----
+class RawMatrix(NamedTuple):
+    """One packed matrix of one expert, as ktk_experts_raw describes it: addresses (ints) inside the experts' packed
+    storage, valid while the native.Experts lives. Layouts (native/src/kernels.h): bf16 data = bf16 bits
+    [Np/16][Kp/2][16][2]; int8 data = int8 [Np/16][Kp/4][16][4] with value q * scale[n]. ``scale``/``bias`` are 0
+    when absent (bf16 / no bias); ``expert``, ``expert_bytes``: the expert's whole region (all its matrices)."""
+
+    quant: str
+    N: int
+    K: int
+    Np: int
+    Kp: int
+    data: int
+    data_bytes: int
+    scale: int
+    bias: int
+    expert: int
+    expert_bytes: int
+
+
+def experts_raw(experts: Any, expert: int, which: str) -> RawMatrix:
+    """ktk_experts_raw for a ktinject.native.Experts: NativeError(KTK_ERR_DTYPE) for a quant without a raw view
+    (neither bf16 nor int8), KTK_ERR_RANGE for a bad expert or matrix."""
+    ffi, lib = _native()
+    if which not in MATRICES:
+        raise NativeError(ERR_RANGE, f"which = {which!r} is not a matrix (expected 'gate', 'up' or 'down')")
+    e = _cint("expert", expert, 0, int(experts.num_experts) - 1, code=ERR_RANGE)
+    out = ffi.new("ktk_raw *")
+    _check(lib.ktk_experts_raw(experts._p, e, MATRICES[which], out))
+    addr = lambda p: int(ffi.cast("uintptr_t", p))  # noqa: E731  (NULL -> 0)
+    quant = {v: k for k, v in QUANTS.items()}.get(out.quant, str(out.quant))
+    return RawMatrix(quant, out.N, out.K, out.Np, out.Kp, addr(out.data), int(out.data_bytes), addr(out.scale),
+                     addr(out.bias), addr(out.expert), int(out.expert_bytes))
+
+
+def experts_region(experts: Any) -> tuple[int, int]:
+    """(address, bytes) of a ktinject.native.Experts' packed storage (ktk_experts_region): one page-aligned mapping
+    that lives as long as the Experts object."""
+    ffi, lib = _native()
+    base, nbytes = ffi.new("const void **"), ffi.new("int64_t *")
+    _check(lib.ktk_experts_region(experts._p, base, nbytes))
+    return int(ffi.cast("uintptr_t", base[0])), int(nbytes[0])

@@ -30,7 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description="Chat with a MoE model through ktinject.")
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
     p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
-    p.add_argument("--quant", choices=["bf16", "int8"], default="bf16", help="expert weight format (default bf16)")
+    p.add_argument("--quant", choices=["bf16", "int8", "int4"], default="bf16",
+                   help="expert weight format (default bf16)")
     p.add_argument("--threads", type=_positive, help="CPU threads for experts (default: ktinject's choice)")
     p.add_argument("--gpu-experts-budget", metavar="SIZE",
                    help="GPU bytes for hot routed experts, e.g. 12GiB (default: none, or the rules' kwarg)")

@@ -227,3 +227,19 @@ def launch_host_func(stream: int, fn_addr: int, user_data: int) -> None:
         "cuLaunchHostFunc",
         d._launch_host_func(ctypes.c_void_p(stream), ctypes.c_void_p(fn_addr), ctypes.c_void_p(user_data)),
     )
+
+
+def host_register(ptr: int, nbytes: int, flags: int = 0) -> None:
+    """Page-lock existing host memory for the current context (cuMemHostRegister): async copies from it then need no
+    staging. Through the driver, not torch's cudart binding: a failed runtime call would stay behind as the
+    runtime's last error, which torch's next kernel-launch check raises as if that kernel had failed."""
+    d = driver()
+    fn = d._sym(("cuMemHostRegister_v2", "cuMemHostRegister"), [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint])
+    d.check("cuMemHostRegister", fn(ctypes.c_void_p(ptr), nbytes, flags))
+
+
+def host_unregister(ptr: int) -> None:
+    """Undo host_register (cuMemHostUnregister); no copy from the memory may be in flight."""
+    d = driver()
+    fn = d._sym("cuMemHostUnregister", [ctypes.c_void_p])
+    d.check("cuMemHostUnregister", fn(ctypes.c_void_p(ptr)))

@@ -186,7 +186,7 @@ def inject(model: nn.Module, rules=None, *, quant: str | None = None, gpu_expert
     """Plan and apply: swap in operators, move every other tensor to its device. Returns the Plan.
 
     ``rules``: a rule file path, parsed rules, or None for the packaged file of ``model.config.model_type``.
-    ``quant``: expert quantization for every MoE operator (``bf16``, ``int8``); None keeps the rules' choice.
+    ``quant``: expert quantization for every MoE operator (``bf16``, ``int8``, ``int4``); None keeps the rules' choice.
     ``gpu_experts_budget`` (bytes or '12GiB'), ``placement`` (frequency, uniform, dynamic, none), ``stats`` (a
     file from ``python -m ktinject.calibrate``): GPU-resident hot experts (ktinject.placement); None keeps the moe
     rules' kwargs of the same names.

@@ -57,10 +57,10 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     """A ready model from a local checkpoint directory, loaded without ever holding it twice.
 
     ``rules``: rule file / parsed rules / None (packaged rules of ``config.model_type``); ``quant``: expert
-    quantization for every MoE block (``bf16``, ``int8``; None keeps the rules' choice, bf16 by default);
+    quantization for every MoE block (``bf16``, ``int8``, ``int4``; None keeps the rules' choice, bf16 by default);
     ``dtype``: model dtype (default: the config's, as transformers); ``cache_dir``: packed-expert cache: a
     directory, True (``$KTINJECT_CACHE`` or ``<dir>/.ktinject-cache``), False (none), or None: that default
-    place, but only for quantized (int8) experts, where it saves time (see ``ktinject.packcache``);
+    place, but only for quantized (int8, int4) experts, where it saves time (see ``ktinject.packcache``);
     ``devices``: device variables (``gpu="cuda:0"``, ``gpu="cpu"``). The plan is ``model._ktinject_plan``, load
     figures ``model._ktinject_load_stats``."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -18,7 +18,7 @@ import torch
 
 from ktinject._nativelib import (  # noqa: F401  (re-exported)
     ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_ISA, ERR_NOMEM, ERR_NULL, ERR_RANGE, ERR_SHAPE, ERR_STATE, ERR_THREAD,
-    ERROR_NAMES, ISA_NAMES, MATRICES, OK, QUANTS, NativeError, Pool,
+    ERROR_NAMES, GROUP_SIZES, ISA_NAMES, MATRICES, OK, QUANTS, NativeError, Pool,
     _check, _cint, _native, _ptr, _tensor, available_isas, best_isa, cpu_features, default_pool, isa, library_path,
     physical_cores, set_default_threads, set_isa, version)
 
@@ -27,6 +27,16 @@ log = logging.getLogger(__name__)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.float32, torch.bfloat16)
 _PARALLEL_SET_ELEMENTS = 1 << 24  # from_hf/from_gpt_oss pack in threads above this many weight elements
+
+
+def _quant_args(quant: Any, group_size: Any) -> int:
+    """Check quant and group_size (the int4 group size, validated for every quant); returns the group size."""
+    if quant not in QUANTS:
+        raise NativeError(ERR_DTYPE, f"quant = {quant!r} (expected one of {', '.join(QUANTS)})")
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise NativeError(ERR_SHAPE, f"group_size = {group_size!r} (expected one of "
+                                     f"{', '.join(map(str, GROUP_SIZES))}: int4 inputs per scale)")
+    return int(group_size)
 
 
 def _which(which: Any) -> int:
@@ -38,15 +48,16 @@ def _which(which: Any) -> int:
 class Experts:
     """The routed experts of one MoE layer, packed once for the native kernels (see ktk_experts_* in the header).
 
-    quant: "bf16" (weights rounded to bf16) or "int8" (W8A8: int8 per output channel, activations per token).
+    quant: "bf16" (weights rounded to bf16), "int8" (W8A8: int8 per output channel, activations per token) or
+    "int4" (W4A8: int4 per output channel and group of ``group_size`` inputs, 32, 64 or 128; activations as int8).
     activation: "silu" (silu(g) * u) or "gptoss" (clamped, alpha/limit; usually with bias=True).
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, quant: str = "bf16",
-                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, bias: bool = False):
+                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, bias: bool = False,
+                 group_size: int = 64):
         ffi, lib = _native()
-        if quant not in QUANTS:
-            raise NativeError(ERR_DTYPE, f"quant = {quant!r} (expected one of {', '.join(QUANTS)})")
+        self.group_size = _quant_args(quant, group_size)
         if activation not in ACTIVATIONS:
             raise NativeError(ERR_DTYPE, f"activation = {activation!r} (expected one of {', '.join(ACTIVATIONS)})")
         self.num_experts = _cint("num_experts", num_experts)
@@ -57,13 +68,14 @@ class Experts:
         cfg = ffi.new("ktk_experts_config *", {
             "num_experts": self.num_experts, "hidden": self.hidden, "intermediate": self.intermediate,
             "quant": QUANTS[quant], "activation": ACTIVATIONS[activation], "has_bias": int(self.bias),
-            "alpha": self.alpha, "limit": self.limit})
+            "alpha": self.alpha, "limit": self.limit, "group_size": self.group_size if quant == "int4" else 0})
         out = ffi.new("ktk_experts **")
         _check(lib.ktk_experts_create(cfg, out))
         self._p = ffi.gc(out[0], lib.ktk_experts_destroy)
 
     def __repr__(self) -> str:
-        return (f"Experts(E={self.num_experts}, H={self.hidden}, I={self.intermediate}, quant={self.quant!r}, "
+        group = f", group_size={self.group_size}" if self.quant == "int4" else ""
+        return (f"Experts(E={self.num_experts}, H={self.hidden}, I={self.intermediate}, quant={self.quant!r}{group}, "
                 f"activation={self.activation!r}, bias={self.bias}, nbytes={self.nbytes})")
 
     def shape(self, which: str) -> tuple[int, int]:
@@ -92,7 +104,7 @@ class Experts:
         _check(lib.ktk_experts_set_bias(self._p, e, w, _ptr(bias), DTYPES[bias.dtype]))
 
     def get(self, expert: int, which: str) -> torch.Tensor:
-        """One matrix as stored (bf16-rounded or int8-dequantized), float32 [out, in]."""
+        """One matrix as stored (bf16-rounded, or int8/int4-dequantized: q * scale), float32 [out, in]."""
         _, lib = _native()
         e, w = self._expert(expert), _which(which)
         dst = torch.empty(self.shape(which), dtype=torch.float32)
@@ -106,18 +118,21 @@ class Experts:
 
     @staticmethod
     def packed_nbytes(num_experts: int, hidden: int, intermediate: int, quant: str = "bf16",
-                      bias: bool = False) -> int:
+                      bias: bool = False, group_size: int = 64) -> int:
         """What .nbytes will be, without the library (placement planning): the packed layout of kernels.h pads each
-        matrix to 16 output rows x 64 inputs; int8 adds a float scale and an int32 row sum per output row; biases
-        are float per (padded) output row; each expert's region is a multiple of 64 bytes."""
-        if quant not in QUANTS:
-            raise NativeError(ERR_DTYPE, f"quant = {quant!r} (expected one of {', '.join(QUANTS)})")
+        matrix to 16 output rows x 64 inputs (int4: x max(64, group_size)); int8 adds a float scale and an int32 row
+        sum per output row; int4 is half a byte per weight plus a float scale per output row and group; biases are
+        float per (padded) output row; each expert's region is a multiple of 64 bytes."""
+        G = _quant_args(quant, group_size)
         E, H, I = num_experts, hidden, intermediate
         up = lambda x, m: -(-x // m) * m  # noqa: E731
         total = 0
         for n, k in ((I, H), (I, H), (H, I)):
-            Np, Kp = up(n, 16), up(k, 64)
-            total += Np * Kp * 2 if quant == "bf16" else Np * Kp + 8 * Np
+            Np, Kp = up(n, 16), up(k, max(64, G) if quant == "int4" else 64)
+            if quant == "int4":
+                total += Np * Kp // 2 + 4 * Np * (Kp // G)
+            else:
+                total += Np * Kp * 2 if quant == "bf16" else Np * Kp + 8 * Np
             total += 4 * Np if bias else 0
         return E * up(total, 64)
 
@@ -147,7 +162,8 @@ class Experts:
                 f.result()
 
     @classmethod
-    def from_hf(cls, gate_up: torch.Tensor, down: torch.Tensor, quant: str = "bf16") -> "Experts":
+    def from_hf(cls, gate_up: torch.Tensor, down: torch.Tensor, quant: str = "bf16",
+                group_size: int = 64) -> "Experts":
         """transformers 5 fused experts: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I]."""
         gate_up = _tensor("gate_up", gate_up, _WEIGHT_DTYPES, (None, None, None), contiguous=False)
         E, I2, H = gate_up.shape
@@ -155,7 +171,7 @@ class Experts:
             raise NativeError(ERR_SHAPE, f"gate_up: expected shape [E, 2I, H], got {list(gate_up.shape)} (odd 2I)")
         I = I2 // 2
         down = _tensor("down", down, _WEIGHT_DTYPES, (E, H, I), contiguous=False)
-        ex = cls(E, H, I, quant=quant)
+        ex = cls(E, H, I, quant=quant, group_size=group_size)
         jobs = []
         for e in range(E):
             jobs += [(ex.set, e, "gate", gate_up[e, :I]), (ex.set, e, "up", gate_up[e, I:]),
@@ -166,7 +182,7 @@ class Experts:
     @classmethod
     def from_gpt_oss(cls, gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor,
                      down_bias: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
-                     quant: str = "bf16") -> "Experts":
+                     quant: str = "bf16", group_size: int = 64) -> "Experts":
         """gpt-oss experts: gate_up_proj [E, H, 2I] interleaved (even = gate, odd = up), gate_up_proj_bias [E, 2I],
         down_proj [E, I, H], down_proj_bias [E, H]."""
         gate_up = _tensor("gate_up", gate_up, _WEIGHT_DTYPES, (None, None, None), contiguous=False)
@@ -177,7 +193,8 @@ class Experts:
         gate_up_bias = _tensor("gate_up_bias", gate_up_bias, _WEIGHT_DTYPES, (E, I2), contiguous=False)
         down = _tensor("down", down, _WEIGHT_DTYPES, (E, I, H), contiguous=False)
         down_bias = _tensor("down_bias", down_bias, _WEIGHT_DTYPES, (E, H), contiguous=False)
-        ex = cls(E, H, I, quant=quant, activation="gptoss", alpha=alpha, limit=limit, bias=True)
+        ex = cls(E, H, I, quant=quant, activation="gptoss", alpha=alpha, limit=limit, bias=True,
+                 group_size=group_size)
         jobs = []
         for e in range(E):
             jobs += [(ex.set, e, "gate", gate_up[e, :, 0::2].t()), (ex.set, e, "up", gate_up[e, :, 1::2].t()),

@@ -13,7 +13,8 @@ Choosing (pure, ``choose``): given counts [L, E], a byte budget and the bytes on
   uniform    the same number n in every layer (the largest n that fits), each layer's top n by count;
   none       nothing.
 The chosen bytes never exceed the budget. ``dynamic`` (for ``place``) starts like ``frequency`` (``uniform`` without
-statistics) and then re-ranks at run time (``ktinject.operators.hot.Rebalancer``), keeping each layer's slot count.
+statistics) and then re-ranks at run time (``ktinject.operators.rebalance.Rebalancer``), keeping each layer's slot
+count.
 
 Applying (``place``): builds each chosen layer's bank (``HotExperts``) on the block's device and sets the native
 skip mask, drops captured decode graphs (the next step captures again, with the banks in it).
@@ -333,7 +334,8 @@ def place(model, budget, strategy: str = "frequency", stats: ExpertStats | str |
     ``budget``: bytes of banks (int or '12GiB'); ``stats``: ExpertStats or a file from save_stats (default: the
     counts the model has collected so far); ``dtype``: bank dtype (default: the embeddings' dtype); for
     ``dynamic``: ``rebalance_every`` tokens (default 64) and Rebalancer keywords."""
-    from ktinject.operators.hot import HotExperts, Rebalancer
+    from ktinject.operators.hot import HotExperts
+    from ktinject.operators.rebalance import Rebalancer
 
     budget, strategy = parse_bytes(budget), check_strategy(strategy)
     blocks = _blocks(model)
@@ -345,6 +347,8 @@ def place(model, budget, strategy: str = "frequency", stats: ExpertStats | str |
         old.close()
         model.__dict__.pop("_get_stopping_criteria", None)
     for _, b in blocks:  # free old banks before allocating new ones
+        if b.hot is not None:
+            b.hot.close()
         b.hot = None
         b.skip.zero_()
     E = blocks[0][1].num_experts

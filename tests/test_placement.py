@@ -256,26 +256,32 @@ def test_inject_kwargs_and_rules(tmp_path):
 
 
 @torch.no_grad()
-def test_dynamic_rebalancing_moves_hot_experts_and_keeps_logits():
+@pytest.mark.parametrize("transfer, quant", [("auto", "bf16"), ("packed", "bf16"), ("staged", "bf16"),
+                                             ("packed", "int8"), ("staged", "int8")])
+def test_dynamic_rebalancing_moves_hot_experts_and_keeps_logits(transfer, quant):
+    """auto on a CPU bank = the float32 host path; packed/staged = the device unpack of the packed bytes (here with
+    torch CPU ops), straight from the packed region or through staging buffers filled by a worker."""
     family = "qwen3_moe"
-    model = _injected(family)
+    model = _injected(family, quant=quant)
     blocks = placement.hybrid_blocks(model)
     E = blocks[0][1].num_experts
     from ktinject.operators.hot import HotExperts
 
     eb = HotExperts.expert_nbytes(blocks[0][1].spec, torch.bfloat16)
     budget = len(blocks) * (2 * eb + HotExperts.table_nbytes(E))
-    p = placement.place(model, budget, "dynamic", rebalance_every=4, margin=0.0)
+    p = placement.place(model, budget, "dynamic", rebalance_every=4, margin=0.0, transfer=transfer)
     reb = placement.rebalancer(model)
     assert p.rebalancer is reb and all(b.hot.residents() == [0, 1] for _, b in blocks)  # no stats: arbitrary
+    assert reb.kinds == [{"auto": "host"}.get(transfer, transfer)] * len(blocks)
     ids = tiny_prompts(1, 8, seed=5)
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                    pad_token_id=0, eos_token_id=None)
     assert reb.tokens >= 16 and reb.periods >= 3  # generate called it once per token (the hook)
     reb.drain()
-    assert reb.moved > 0
+    assert reb.moved > 0 and reb.moved == reb.started and reb.pending() == 0
     truth = _logits(build_tiny_model(family, seed=0, dtype=torch.float32))
     yard = _logits(build_tiny_model(family, seed=0, dtype=torch.bfloat16))
+    plain = _logits(_injected(family, quant=quant))
     got = _logits(model)  # (also: each forward mirrors the residency table into the native skip mask)
     # the residents are the top experts by (decayed) recent counts
     for li, (_, b) in enumerate(blocks):
@@ -283,9 +289,44 @@ def test_dynamic_rebalancing_moves_hot_experts_and_keeps_logits():
         assert set(b.hot.residents()) == top or reb.scores[li].sort(descending=True).values[1] == \
             reb.scores[li].sort(descending=True).values[2]  # a tie at the boundary may keep either
         assert torch.equal(b.skip, b.hot.resident)
-    assert _rel(got, truth) <= SLACK * _rel(yard, truth)
+        for s, e in enumerate(b.hot.slot_expert):  # bit-exact bank contents, whichever way they came
+            gu = torch.cat([b.native_experts.get(e, "gate"), b.native_experts.get(e, "up")])
+            assert torch.equal(b.hot.gate_up[s], gu.to(b.hot.dtype))
+            assert torch.equal(b.hot.down[s], b.native_experts.get(e, "down").to(b.hot.dtype))
+    assert _rel(got, truth) <= SLACK * max(_rel(yard, truth), _rel(plain, truth))
     placement.place(model, 0, "none")
     assert "_get_stopping_criteria" not in model.__dict__
+
+
+def test_rebalancer_rate_limit_and_queue():
+    """moves_per_step bounds the moves started per token; the queue is re-planned each period; drain finishes it."""
+    model = _injected("qwen3_moe")
+    blocks = [b for _, b in placement.hybrid_blocks(model)]
+    from ktinject.operators.hot import HotExperts
+
+    eb = HotExperts.expert_nbytes(blocks[0].spec, torch.bfloat16)
+    budget = len(blocks) * (2 * eb + HotExperts.table_nbytes(8))
+    reb = placement.place(model, budget, "dynamic", rebalance_every=2, margin=0.0, moves_per_step=1,
+                          transfer="packed").rebalancer
+    blocks[0].counts += torch.tensor([0, 0, 0, 0, 0, 50, 60, 0])
+    blocks[1].counts += torch.tensor([0, 0, 0, 30, 40, 0, 0, 0])
+    reb.step()
+    reb.step()  # a period: four moves planned, one started
+    assert (reb.moved, reb.pending()) == (1, 3)
+    reb.step()
+    assert (reb.moved, reb.pending()) == (2, 2)
+    reb.step()  # a period: re-planned (the same two left), one started
+    assert (reb.moved, reb.pending()) == (3, 1)
+    reb.drain()
+    assert reb.moved == 4 and reb.pending() == 0
+    assert [b.hot.residents() for b in blocks] == [[5, 6], [3, 4]]
+    with pytest.raises(ValueError, match="transfer 'bogus'"):
+        from ktinject.operators.rebalance import Rebalancer
+
+        Rebalancer(blocks, transfer="bogus")
+    with pytest.raises(ValueError, match="moves_per_step"):
+        Rebalancer(blocks, moves_per_step=0)
+    placement.place(model, 0, "none")
 
 
 def test_calibrate_cli(tmp_path):

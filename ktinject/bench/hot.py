@@ -15,11 +15,17 @@ Then, per configuration (placement changed in place: banks dropped and rebuilt, 
     uniform    the same number of experts in every layer, each layer's most counted ones
     frequency  one ranking across layers by count
     dynamic    no statistics: starts with arbitrary experts (uniform counts) and re-places every --every tokens
-               from recent counts while decoding (measured after --dynamic-warmup tokens)
-  statistics for uniform/frequency come from a calibration run (--calib-tokens sampled tokens, another prompt).
-Decode is sampled (temperature 1, fixed seeds) so that tokens, hence routing, vary as in real use.
+               from recent counts while decoding, at most --moves-per-step moves started per token (Rebalancer);
+               two rows: "dynamic start-up", the tokens decoded from the arbitrary start until a 4-period chunk
+               starts at most 2% of the slots' worth of moves with none left under way (or --dynamic-warmup
+               tokens), then "dynamic", the timed tokens after it (moves may go on: counted); both rows split the
+               time per token by whether moves were under way (queued, loading or copying) during that step
+  statistics for uniform/frequency come from a calibration run (--calib-tokens sampled tokens, another prompt);
+  dynamic learns from the timed prompt's own earlier continuations (other sampling seeds) during its start-up.
+Decode is sampled (temperature 1, fixed seeds) so that tokens, hence routing, vary as in real use. Time per token
+comes from a timestamp per generated token (a stopping criterion), prefill excluded.
 Columns: tok/s, speed-up over budget 0, h = share of routed (token, slot) pairs served by the GPU banks during the
-timed run (counted on the device), and the bound 1/(1-h) (the speed-up if CPU expert time fell with the CPU's
+measured tokens (counted on the device), and the bound 1/(1-h) (the speed-up if CPU expert time fell with the CPU's
 share of the work and nothing else cost anything). ``--tiny`` runs the flow on the tiny test model (CPU too).
 Legend: L layers, E experts, k experts per token, h GPU share of routed pairs.
 """
@@ -124,38 +130,95 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _generate(model, ids, n: int, seed: int) -> float:
+class TokenClock:
+    """Stopping criterion (it never stops anything): a timestamp per generated token, and whether re-placement moves
+    were under way during that token's step (queued, loading or copying: ``Rebalancer.pending`` before its step for
+    this token, which comes after this criterion). Per-token times are host timestamps: one token may shift into
+    the next (HF syncs once per token), sums over many tokens are exact."""
+
+    def __init__(self, reb=None):
+        self.reb = reb
+        self.times: list[float] = []
+        self.busy: list[bool] = []
+
+    def __call__(self, input_ids, scores=None, **kwargs) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        self.busy.append(self.reb is not None and self.reb.pending() > 0)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def intervals(self) -> list[tuple[float, bool]]:
+        """(seconds, moves under way) of each decode step after the first token (prefill excluded)."""
+        return [(b - a, busy) for a, b, busy in zip(self.times, self.times[1:], self.busy[1:])]
+
+
+def _generate(model, ids, n: int, seed: int, clock: TokenClock | None = None) -> float:
     import ktinject
 
     torch.manual_seed(seed)
     _sync(ids.device)
     t0 = time.perf_counter()
     ktinject.generate(model, ids, max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=1.0, top_k=0,
-                      top_p=1.0)
+                      top_p=1.0, stopping_criteria=None if clock is None else [clock])
     _sync(ids.device)
     return time.perf_counter() - t0
 
 
-def decode_rate(model, prompt, tokens: int, warm: int = 0, seed: int = 0) -> dict:
-    """Seconds per decode token (prefill subtracted) and h over the timed run."""
+def _summary(steps: list[tuple[float, bool]], h: float, moves: int) -> dict:
+    """Seconds per decode token overall, while moves were under way and while settled; counts; h; moves started."""
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    busy = [t for t, b in steps if b]
+    idle = [t for t, b in steps if not b]
+    return {"s": mean([t for t, _ in steps]), "n": len(steps), "s_busy": mean(busy), "n_busy": len(busy),
+            "s_idle": mean(idle), "n_idle": len(idle), "h": h, "moves": moves}
+
+
+def _timed(model, prompt, tokens: int, seeds) -> dict:
+    """Decode ``tokens`` tokens per seed, timing each step (prefill excluded); h over them (device counters)."""
     from ktinject import placement
 
-    _generate(model, prompt, 3, seed)  # capture, buffers
     reb = placement.rebalancer(model)
-    warmed = 0
-    while reb is not None and warmed < warm:  # dynamic: decode until re-placement settles (or warm tokens)
-        n = min(4 * reb.every, warm - warmed)
-        moved = reb.moved
-        _generate(model, prompt, n, seed + 1 + warmed)
-        warmed += n
-        slots = sum(b.hot.C for b in reb.blocks)
-        if reb.moved - moved + reb.pending() <= 0.02 * slots:
-            break
-    t1 = min(_generate(model, prompt, 1, seed + 2) for _ in range(2))
     placement.reset_served(model)
-    tn = _generate(model, prompt, tokens + 1, seed + 3)
+    steps, started = [], reb.started if reb is not None else 0
+    for seed in seeds:
+        clock = TokenClock(reb)
+        _generate(model, prompt, tokens + 1, seed, clock)
+        steps += clock.intervals()
     hits, pairs = placement.served_share(model)
-    return {"s": (tn - t1) / tokens, "h": hits / pairs if pairs else 0.0, "warm": warmed}
+    moves = (reb.started - started) if reb is not None else 0
+    return _summary(steps, hits / pairs if pairs else 0.0, moves)
+
+
+def decode_rate(model, prompt, tokens: int, seed: int = 0) -> dict:
+    """After a capture run: seconds per decode token over ``tokens`` timed steps, h, moves started meanwhile."""
+    _generate(model, prompt, 3, seed)  # capture, buffers
+    return _timed(model, prompt, tokens, [seed + 3])
+
+
+def dynamic_startup(model, prompt, limit: int, seed: int = 0) -> dict:
+    """Re-placement from its initial (arbitrary) placement: decode chunks of 4 periods until a chunk starts no more
+    than 2% of the slots' worth of moves and none is left under way, or ``limit`` tokens; the same summary as the
+    timed run, over all of it (this is the cost of getting there, not steady state)."""
+    from ktinject import placement
+
+    reb = placement.rebalancer(model)
+    slots = sum(b.hot.C for b in reb.blocks)
+    steps, started, done = [], reb.started, 0
+    placement.reset_served(model)
+    while done < limit:
+        n = min(4 * reb.every, limit - done)
+        before = reb.started
+        clock = TokenClock(reb)
+        _generate(model, prompt, n, seed + 1 + done, clock)
+        steps += clock.intervals()
+        done += n
+        if reb.started - before <= 0.02 * slots and reb.pending() == 0:
+            break
+    hits, pairs = placement.served_share(model)
+    r = _summary(steps, hits / pairs if pairs else 0.0, reb.started - started)
+    r["tokens"] = done
+    return r
 
 
 def _parse_budget(text: str, total: int) -> int:
@@ -182,7 +245,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of expert popularity (mean over layers)")
     p.add_argument("--zipf-spread", type=float, default=0.2, help="exponents range over zipf +- spread by layer")
     p.add_argument("--every", type=int, default=16, help="dynamic: tokens between re-placements")
-    p.add_argument("--moves", type=int, default=256, help="dynamic: experts moved per re-placement at most")
+    p.add_argument("--moves", type=int, default=256, help="dynamic: moves planned per re-placement at most")
+    p.add_argument("--moves-per-step", type=int, default=4, help="dynamic: moves started per generated token at most")
+    p.add_argument("--transfer", default="auto", choices=("auto", "packed", "staged", "host"),
+                   help="dynamic: how moves get their bytes (Rebalancer transfer)")
     p.add_argument("--dynamic-warmup", type=int, default=384,
                    help="dynamic: at most this many tokens decoded before timing (less once moves settle)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (native pool and torch)")
@@ -255,30 +321,56 @@ def run(args) -> list[tuple]:
             placement.place(model, 0, "none")  # free the previous banks first, so the memory delta is this one's
             mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
             t0 = time.perf_counter()
-            extra = {"rebalance_every": args.every, "max_moves": args.moves} if strategy == "dynamic" else {}
+            extra = {}
             if strategy == "dynamic":
+                extra = {"rebalance_every": args.every, "max_moves": args.moves,
+                         "moves_per_step": args.moves_per_step, "transfer": args.transfer}
                 placement.reset_stats(model)  # it learns from nothing: no calibration, no earlier counts
             p = placement.place(model, budget, strategy, None if strategy == "dynamic" else stats, **extra)
             t_place = time.perf_counter() - t0
             mem = (torch.cuda.memory_allocated() - mem0) if device.type == "cuda" else p.nbytes
-            r = decode_rate(model, prompt, args.tokens, warm=args.dynamic_warmup if strategy == "dynamic" else 0)
-            rate = 1 / r["s"]
-            if base is None and budget == 0:
-                base = rate
-            speedup = rate / base if base else float("nan")
-            bound = 1 / (1 - r["h"]) if r["h"] < 1 else math.inf
             note = (f"{p.resident} experts ({min(map(len, p.experts))}..{max(map(len, p.experts))}/layer), bank "
                     f"{human_bytes(p.nbytes)} (GPU +{human_bytes(mem)}), placed in {t_place:.1f} s")
             if p.expected_share is not None:
                 note += f", calibration h {p.expected_share:.2f}"
-            if p.rebalancer is not None:
-                note += (f", {p.rebalancer.moved} moves in {p.rebalancer.periods} periods (warm-up {r['warm']} "
-                         f"tokens)")
-            _row(rows, (human_bytes(budget), strategy, f"{rate:.1f}", f"{speedup:.2f}x", f"{r['h']:.3f}",
-                        f"{bound:.2f}x", note))
+            reb = p.rebalancer
+            if reb is None:
+                r = decode_rate(model, prompt, args.tokens)
+                base = _result(rows, base, budget, strategy, r, note)
+                continue
+            _generate(model, prompt, 3, 0)  # capture, buffers (re-placement runs from here on)
+            w = dynamic_startup(model, prompt, args.dynamic_warmup)
+            kinds = ",".join(sorted(set(reb.kinds)))
+            _result(rows, base, budget, "dynamic start-up", w,
+                    f"{w['tokens']} tokens from the initial (arbitrary) placement: {w['moves']} moves ({kinds}, at "
+                    f"most {reb.moves_per_step}/token), {_split(w)}")
+            r = _timed(model, prompt, args.tokens, [3])
+            note += (f"; timed {r['n']} tokens after the start-up: {r['moves']} moves started, {_split(r)}; "
+                     f"{reb.moved} moves in {reb.periods} periods in all")
+            base = _result(rows, base, budget, strategy, r, note)
     placement.place(model, 0, "none")
     get_runner(model).close()
     return rows
+
+
+def _split(r: dict) -> str:
+    ms = lambda x: "n/a" if math.isnan(x) else f"{1e3 * x:.1f} ms"  # noqa: E731
+    return (f"per token {ms(r['s_busy'])} with moves under way ({r['n_busy']} tokens), {ms(r['s_idle'])} "
+            f"without ({r['n_idle']})")
+
+
+def _result(rows: list, base: float | None, budget: int, strategy: str, r: dict, note: str) -> float | None:
+    """Add a table row for measurement ``r``; returns the baseline rate (budget 0) once known."""
+    from ktinject.plan import human_bytes
+
+    rate = 1 / r["s"]
+    if base is None and budget == 0:
+        base = rate
+    speedup = rate / base if base else float("nan")
+    bound = 1 / (1 - r["h"]) if r["h"] < 1 else math.inf
+    _row(rows, (human_bytes(budget), strategy, f"{rate:.1f}", f"{speedup:.2f}x", f"{r['h']:.3f}", f"{bound:.2f}x",
+                note))
+    return base
 
 
 def print_table(rows, args) -> None:
@@ -290,7 +382,10 @@ def print_table(rows, args) -> None:
         print("| " + " | ".join(c.ljust(w[i]) if i < 6 else c for i, c in enumerate(r)) + " |")
     print(f"\n(batch 1, prompt {args.prompt}, {args.tokens} sampled decode tokens timed, graphs "
           f"{'off' if args.no_graphs else 'on where CUDA'}, layers {'tiny' if args.tiny else args.layers}; speed-up "
-          f"relative to budget 0; CPU copies of GPU-resident experts are kept)", flush=True)
+          f"relative to budget 0; CPU copies of GPU-resident experts are kept; dynamic re-places every {args.every} "
+          f"tokens, at most {args.moves_per_step} moves started per token, transfer {args.transfer}: its start-up "
+          f"row is the cost of getting there from an arbitrary placement, its other row the timed tokens after)",
+          flush=True)
 
 
 def main(argv=None) -> int:

@@ -34,7 +34,7 @@ from ktinject.operators.base import OperatorError
 
 log = logging.getLogger(__name__)
 
-QUANTS = ("bf16", "int8")
+QUANTS = ("bf16", "int8", "int4")  # int4: group-wise (native.Experts' default group size, 64 inputs per scale)
 
 # class name -> (router attribute, shared kind, returns router scores); layout is read from the experts module.
 KNOWN_BLOCKS: dict[str, tuple[str, str | None, bool]] = {
@@ -157,8 +157,8 @@ def inspect_block(module: nn.Module, name: str) -> BlockSpec:
 def packed_nbytes(spec: BlockSpec, quant: str) -> int:
     """Bytes the native experts will hold (the packed, padded layout: ``native.Experts.packed_nbytes``).
 
-    About 2 B/weight for bf16, 1 B/weight plus per-row scales for int8; gpt-oss adds f32 biases. Pure: no library
-    load, works for meta-device modules."""
+    About 2 B/weight for bf16, 1 B/weight plus per-row scales for int8, 0.5 B/weight plus a scale per 64 weights
+    for int4; gpt-oss adds f32 biases. Pure: no library load, works for meta-device modules."""
     from ktinject.native import Experts
 
     if quant not in QUANTS:

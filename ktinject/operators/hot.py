@@ -23,13 +23,14 @@ Weights come from the native (CPU) copy, which stays as it is (the skip mask lea
 bf16 experts land in the bank bit-exact; int8 experts are dequantized into it (the GPU then runs the dequantized
 weights with bf16 activations instead of W8A8).
 
-Runtime re-placement (``Rebalancer``) swaps bank contents and the two tables in place between decode steps: see its
-docstring. Legend: T tokens, k experts per token, S = T*k pairs, E experts, C bank slots, H hidden, I intermediate.
+Runtime re-placement (``ktinject.operators.rebalance.Rebalancer``) swaps bank contents and the two tables in place
+between decode steps; for it, a dynamic bank keeps ``packed``, the layer's packed native copy page-locked once (on
+CUDA), from which a move copies the bytes as stored and unpacks them on the device (``ktinject.operators.upload``).
+Legend: T tokens, k experts per token, S = T*k pairs, E experts, C bank slots, H hidden, I intermediate.
 """
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -105,6 +106,17 @@ class HotExperts:
         self.slot_expert: list[int] = [-1] * C  # host view of the bank: expert in each slot (-1 empty)
         self.grouped = grouped_mm_usable(dev, dtype)
         self._bounds = torch.arange(1, C + 1, dtype=torch.int64, device=dev)  # [C] searchsorted bounds
+        self.packed = None  # upload.PackedRegion: source of re-placement moves (page-locked on CUDA); close() frees
+        if self.dynamic:
+            from ktinject.operators.upload import GPU_QUANTS, PackedRegion
+
+            if self.experts.quant in GPU_QUANTS:
+                self.packed = PackedRegion(self.experts, pin=dev.type == "cuda")
+
+    def close(self) -> None:
+        """Unpin the packed native copy (no move may be in flight: Rebalancer.close first). The bank stays usable."""
+        if self.packed is not None:
+            self.packed.close()
 
     # ---- sizes -------------------------------------------------------------------------------------------------
     @staticmethod
@@ -259,161 +271,9 @@ def gpt_oss_biases(experts_module) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([b[:, 0::2], b[:, 1::2]], dim=1), experts_module.down_proj_bias.detach().float().cpu().clone()
 
 
-class Rebalancer:
-    """Opt-in runtime re-placement: every ``every`` generated tokens, re-rank each layer's experts by recent routed
-    counts (exponentially decayed by ``decay`` per period) and move those whose rank changed into the bank, keeping
-    each layer's slot count. Pass it to generate as a stopping criterion (it never stops anything), or call
-    ``step()`` once per token yourself.
+def __getattr__(name: str):
+    if name == "Rebalancer":  # moved to ktinject.operators.rebalance; old imports keep working
+        from ktinject.operators.rebalance import Rebalancer
 
-    Nothing stalls decode and no graph is re-captured (bank and tables keep their addresses):
-      1. counts are copied to pinned host memory asynchronously; the next period reads them;
-      2. a worker thread unpacks the incoming experts from the native (CPU) copy into pinned buffers;
-      3. when ready, between two steps: on the compute stream the slot's old expert is retired (slot_of = -1,
-         resident = 0: the CPU computes it from the next step on), then a side stream waits for that and copies
-         the new weights into the free slot;
-      4. at a later token, once the copy has finished (event query, no wait): on the compute stream the new expert
-         is admitted (slot_of, resident).
-    The native skip mask is the device ``resident`` table copied to the host inside each step, so a step never sees
-    one side's update without the other's. On the CPU (gpu="cpu") the same moves happen synchronously.
-    ``max_moves``: experts in flight at most (all layers); ``margin``: an expert replaces a resident one only when
-    its score is larger by this fraction (no churn on noise); ``workers``: unpacking threads (they share the CPU
-    with the native expert threads)."""
-
-    def __init__(self, blocks: Sequence, every: int = 64, decay: float = 0.5, max_moves: int = 64,
-                 margin: float = 0.25, workers: int = 2):
-        self.blocks = [b for b in blocks if b.hot is not None]
-        if not self.blocks:
-            raise ValueError("Rebalancer: no block has hot experts (place some first)")
-        if every < 1:
-            raise ValueError(f"Rebalancer: every must be >= 1, got {every}")
-        self.every, self.decay, self.max_moves, self.margin = int(every), float(decay), int(max_moves), float(margin)
-        if not all(b.hot.dynamic for b in self.blocks):
-            raise ValueError("Rebalancer: the banks were placed without re-placement (their steps, maybe already "
-                             "captured, do not mirror the residency table): use placement.place(..., 'dynamic')")
-        self.cuda = self.blocks[0].hot.device.type == "cuda"
-        E = self.blocks[0].num_experts
-        self.scores = torch.zeros(len(self.blocks), E, dtype=torch.float64)
-        self._last = torch.stack([b.counts.detach().to("cpu") for b in self.blocks])  # [L, E]
-        self._snap = self._snap_event = None
-        self._worker = ThreadPoolExecutor(max_workers=max(1, int(workers)), thread_name_prefix="ktinject-rebalance")
-        self._side = torch.cuda.Stream(self.blocks[0].hot.device) if self.cuda else None
-        # in flight: (layer, slot, new expert, Future of host weights | None, copy event | None, host weights)
-        self._moves: list[list] = []
-        self.tokens = self.periods = self.moved = 0
-
-    # HF StoppingCriteria protocol: called once per generated token with the sequences so far
-    def __call__(self, input_ids, scores=None, **kwargs) -> torch.Tensor:
-        self.step()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    def step(self) -> None:
-        """One generated token: advance moves in flight; every ``every`` tokens, plan new ones."""
-        self.tokens += 1
-        self._advance()
-        if self.tokens % self.every == 0:
-            self.periods += 1
-            self._plan()
-            self._advance()
-
-    def pending(self) -> int:
-        return len(self._moves)
-
-    def drain(self) -> None:
-        """Finish every move in flight (waits; for tests and before measuring)."""
-        while self._moves:
-            for m in self._moves:
-                if m[3] is not None:
-                    m[3].result()
-                if m[4] is not None:
-                    m[4].synchronize()
-            self._advance()
-
-    def close(self) -> None:
-        self.drain()
-        self._worker.shutdown(wait=True)
-
-    # ---- internals ---------------------------------------------------------------------------------------------
-    def _counts(self) -> torch.Tensor | None:
-        """[L, E] cumulative counts as of the previous period (CUDA: async snapshot), or None if not ready yet."""
-        if not self.cuda:
-            return torch.stack([b.counts.detach().clone() for b in self.blocks])
-        ready = None
-        if self._snap is not None and self._snap_event.query():
-            ready = self._snap.clone()
-        if self._snap is None or ready is not None:
-            if self._snap is None:
-                self._snap = torch.zeros(self.scores.shape, dtype=torch.int64, pin_memory=True)
-                self._snap_event = torch.cuda.Event()
-            for i, b in enumerate(self.blocks):
-                self._snap[i].copy_(b.counts, non_blocking=True)
-            self._snap_event.record()
-        return ready
-
-    def _plan(self) -> None:
-        counts = self._counts()
-        if counts is None:
-            return
-        delta = (counts - self._last).clamp_min(0).double()
-        self._last = counts
-        self.scores.mul_(self.decay).add_(delta)
-        if len(self._moves) >= self.max_moves:  # the previous period's moves are still loading: do not pile up
-            return
-        busy = {(m[0], m[1]) for m in self._moves}
-        busy_experts = {(m[0], m[2]) for m in self._moves}
-        cands = []  # (gain, layer, slot, new expert)
-        for li, b in enumerate(self.blocks):
-            hot, sc = b.hot, self.scores[li].tolist()
-            slots = [s for s in range(hot.C) if (li, s) not in busy]
-            resident = set(hot.slot_expert)
-            order = sorted(range(hot.E), key=lambda e: (-sc[e], e not in resident, e))
-            want = [e for e in order[:hot.C] if e not in resident and (li, e) not in busy_experts]
-            outs = sorted(slots, key=lambda s: (-1.0 if hot.slot_expert[s] < 0 else sc[hot.slot_expert[s]]))
-            top = set(order[:hot.C])
-            outs = [s for s in outs if hot.slot_expert[s] not in top]
-            for e, s in zip(want, outs):
-                old = hot.slot_expert[s]
-                old_score = 0.0 if old < 0 else sc[old]
-                if old < 0 or sc[e] > old_score * (1 + self.margin):
-                    cands.append((sc[e] - old_score, li, s, e))
-        cands.sort(key=lambda c: -c[0])
-        for _, li, s, e in cands[:self.max_moves - len(self._moves)]:
-            hot = self.blocks[li].hot
-            if self.cuda:
-                fut = self._worker.submit(hot.host_weights, e, True)
-            else:  # CPU: synchronous, deterministic
-                fut = Future()
-                fut.set_result(hot.host_weights(e))
-            self._moves.append([li, s, e, fut, None, None])
-
-    def _advance(self) -> None:
-        keep = []
-        for m in self._moves:
-            li, s, e, fut, ev, weights = m
-            hot = self.blocks[li].hot
-            if fut is not None:
-                if not fut.done():
-                    keep.append(m)
-                    continue
-                weights = fut.result()
-                hot.retire(s)  # compute stream: from the next step the CPU serves the old expert
-                if not self.cuda:
-                    hot.write_slot(s, weights)
-                    hot.admit(s, e)
-                    self.moved += 1
-                    continue
-                retired = torch.cuda.Event()
-                retired.record()
-                with torch.cuda.stream(self._side):
-                    self._side.wait_event(retired)
-                    hot.write_slot(s, weights, non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(self._side)
-                m[3:] = [None, ev, weights]  # keep the pinned buffers alive until the copy is done
-                keep.append(m)
-            elif ev is not None and ev.query():
-                hot.admit(s, e)  # compute stream, after the copy (already complete: no wait)
-                self.moved += 1
-            else:
-                keep.append(m)
-        self._moves = keep
-
+        return Rebalancer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

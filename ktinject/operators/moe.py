@@ -10,8 +10,9 @@ attribute names, so state-dict keys and router-logit recorders still work), hand
     host:   wait for the copies; native task submit ... wait (releases the GIL)
     device: copy the routed output back (async), add the shared output
 
-Rule keyword arguments: ``quant``: ``bf16`` (default) or ``int8`` (W8A8: int8 weights with per-output-channel
-scales, activations quantized per token on the fly). Hot experts (model-wide, applied by ``inject`` once every block
+Rule keyword arguments: ``quant``: ``bf16`` (default), ``int8`` (W8A8: int8 weights with per-output-channel
+scales, activations quantized per token on the fly) or ``int4`` (W4A8: int4 weights with a scale per group of 64
+inputs, ~4.5 bits a weight; int8 activations; dequantized to bf16 for AMX when an expert has many rows). Hot experts (model-wide, applied by ``inject`` once every block
 is built; see ``ktinject.placement``): ``gpu_experts_budget`` (bytes or '12GiB'), ``placement`` (frequency, uniform,
 dynamic, none), ``stats`` (a file from ``python -m ktinject.calibrate``), ``rebalance_every`` (tokens, dynamic).
 

@@ -12,6 +12,10 @@
  *   (with optional per-expert biases on gate, up (before act) and down (before the routing weight)).
  * Quantization: KTK_QUANT_BF16 keeps bf16 weights; KTK_QUANT_INT8 is W8A8: weights symmetric int8 per output
  * channel (quantized at load), activations symmetric int8 per token (quantized on the fly), int32 accumulation.
+ * KTK_QUANT_INT4 is W4A8: weights int4 in [-8, 7] with a float scale per (output channel, group of group_size
+ * inputs), rounded to nearest at load (the value of largest magnitude in a group maps to -8 exactly); activations
+ * as for int8; exact int32 per group, float accumulation across groups. Many rows per expert (prefill) may instead
+ * run on weights dequantized to bf16 (AMX-BF16), chosen per call by row count.
  */
 #ifndef KTINJECT_H
 #define KTINJECT_H
@@ -41,6 +45,7 @@ extern "C" {
 /* ---- quantization of stored expert weights ---- */
 #define KTK_QUANT_BF16 0
 #define KTK_QUANT_INT8 1
+#define KTK_QUANT_INT4 2   /* needs ktk_experts_config.group_size */
 
 /* ---- activations ---- */
 #define KTK_ACT_SILU 0
@@ -116,6 +121,7 @@ typedef struct {
     int32_t has_bias;      /* gpt-oss: per-expert biases on gate, up and down */
     float alpha;           /* KTK_ACT_GPTOSS */
     float limit;           /* KTK_ACT_GPTOSS */
+    int32_t group_size;    /* KTK_QUANT_INT4: inputs per scale, 32, 64 or 128 (0: 64); else 0 (or one of those) */
 } ktk_experts_config;
 
 /* Allocates the packed storage (weights zero until set; a forward routing a token to an expert, not skipped, whose
@@ -138,6 +144,32 @@ int64_t ktk_experts_nbytes(const ktk_experts *ex);
 /* Copy the packed bytes out / in (cache of packed weights): size == ktk_experts_nbytes. */
 int ktk_experts_export(const ktk_experts *ex, void *dst, int64_t size);
 int ktk_experts_import(ktk_experts *ex, const void *src, int64_t size);
+
+/* ---- zero-copy views of the packed weights (GPU upload of hot experts: copy the bytes, unpack on the device) ----
+ * Pointers into the experts' packed storage: valid while the experts live, read-only for the caller, and the bytes
+ * change only through ktk_experts_set / set_bias / import. Layouts are the ones of native/src/kernels.h:
+ *   bf16: data = uint16 (bf16 bits) [Np/16][Kp/2][16][2]: element (n, c) at ((n/16)*(Kp/2) + c/2)*32 + (n%16)*2 + c%2
+ *   int8: data = int8 [Np/16][Kp/4][16][4]: element (n, c) at ((n/16)*(Kp/4) + c/4)*64 + (n%16)*4 + c%4,
+ *         dequantized value = (float)q * scale[n] (what ktk_experts_get returns)
+ * Padding rows/columns (n >= N, c >= K) are zero. All of one expert's matrices, scales and biases lie inside
+ * [expert, expert + expert_bytes), so one copy of that range carries the whole expert. */
+typedef struct {
+    int32_t quant;           /* KTK_QUANT_* of data */
+    int32_t N, K;            /* logical [out, in] */
+    int32_t Np, Kp;          /* padded: Np = round_up(N, 16), Kp = round_up(K, 64) */
+    const void *data;        /* the packed matrix */
+    int64_t data_bytes;      /* bf16: Np * Kp * 2; int8: Np * Kp */
+    const float *scale;      /* int8: [Np] per output row; NULL for bf16 */
+    const float *bias;       /* has_bias: float [Np] (zero padded); NULL without bias */
+    const void *expert;      /* this expert's whole packed region */
+    int64_t expert_bytes;    /* its size (the same for every expert, a multiple of 64) */
+} ktk_raw;
+/* View of one matrix (KTK_MAT_*) of one expert. KTK_ERR_DTYPE for a quant without such a view (anything but bf16
+ * and int8); KTK_ERR_RANGE for a bad expert or which. */
+int ktk_experts_raw(const ktk_experts *ex, int expert, int which, ktk_raw *out);
+/* The whole packed storage: one page-aligned mapping of *nbytes (== ktk_experts_nbytes) bytes at *base (e.g. to pin
+ * it once with cudaHostRegister; expert e's region starts at *base + e * expert_bytes). */
+int ktk_experts_region(const ktk_experts *ex, const void **base, int64_t *nbytes);
 
 /* ---- tasks: one forward's arguments at a fixed address ---- */
 typedef struct ktk_task ktk_task;

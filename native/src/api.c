@@ -131,9 +131,12 @@ static int check_config(const ktk_experts_config *c) {
         return ktki_error(KTK_ERR_SHAPE, "%s: hidden = %d (expected 1..%d)", fn, c->hidden, MAX_DIM);
     if (c->intermediate < 1 || c->intermediate > MAX_DIM)
         return ktki_error(KTK_ERR_SHAPE, "%s: intermediate = %d (expected 1..%d)", fn, c->intermediate, MAX_DIM);
-    if (c->quant != KTK_QUANT_BF16 && c->quant != KTK_QUANT_INT8)
-        return ktki_error(KTK_ERR_DTYPE, "%s: quant = %d (expected KTK_QUANT_BF16=0 or KTK_QUANT_INT8=1)", fn,
-                          c->quant);
+    if (c->quant != KTK_QUANT_BF16 && c->quant != KTK_QUANT_INT8 && c->quant != KTK_QUANT_INT4)
+        return ktki_error(KTK_ERR_DTYPE, "%s: quant = %d (expected KTK_QUANT_BF16=0, KTK_QUANT_INT8=1 or "
+                          "KTK_QUANT_INT4=2)", fn, c->quant);
+    if (c->group_size != 0 && c->group_size != 32 && c->group_size != 64 && c->group_size != 128)
+        return ktki_error(KTK_ERR_SHAPE, "%s: group_size = %d (expected 32, 64 or 128, or 0 for the default 64)", fn,
+                          c->group_size);
     if (c->activation != KTK_ACT_SILU && c->activation != KTK_ACT_GPTOSS)
         return ktki_error(KTK_ERR_DTYPE, "%s: activation = %d (expected KTK_ACT_SILU=0 or KTK_ACT_GPTOSS=1)", fn,
                           c->activation);
@@ -223,6 +226,28 @@ int ktk_experts_import(ktk_experts *ex, const void *src, int64_t size) {
     CHECK_NULL(src, "ktk_experts_import");
     int rc = check_size("ktk_experts_import", ex, size);
     return rc == KTK_OK ? ktki_experts_import(ex, src, size) : rc;
+}
+
+/* ---- zero-copy views ---- */
+int ktk_experts_raw(const ktk_experts *ex, int expert, int which, ktk_raw *out) {
+    const char *fn = "ktk_experts_raw";
+    CHECK_NULL(ex, fn);
+    CHECK_NULL(out, fn);
+    int rc = check_expert(fn, ex, expert, which);
+    if (rc != KTK_OK) return rc;
+    if (ex->cfg.quant != KTK_QUANT_BF16 && ex->cfg.quant != KTK_QUANT_INT8)
+        return ktki_error(KTK_ERR_DTYPE, "%s: quant = %d has no raw view (only KTK_QUANT_BF16=0 and "
+                          "KTK_QUANT_INT8=1 are described; use ktk_experts_get)", fn, ex->cfg.quant);
+    return ktki_experts_raw(ex, expert, which, out);
+}
+
+int ktk_experts_region(const ktk_experts *ex, const void **base, int64_t *nbytes) {
+    CHECK_NULL(ex, "ktk_experts_region");
+    CHECK_NULL(base, "ktk_experts_region");
+    CHECK_NULL(nbytes, "ktk_experts_region");
+    *base = ex->base;
+    *nbytes = ex->nbytes;
+    return KTK_OK;
 }
 
 /* ---- tasks ---- */

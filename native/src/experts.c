@@ -5,6 +5,7 @@
  *   gate [I, H], up [I, H], down [H, I], each packed per kernels.h:
  *     bf16: data [Np * Kp] uint16
  *     int8: data [Np * Kp] int8, scale [Np] float, wsum [Np] int32
+ *     int4: data [Np * Kp / 2] nibbles, scale [Np / 16][Kp / G][16] float (Kp = round_up(K, max(64, G)))
  *   with has_bias: gate bias [Np(I)] float, up bias [Np(I)] float, down bias [Np(H)] float (zero padding).
  */
 #define _GNU_SOURCE
@@ -16,24 +17,31 @@
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-static int64_t mat_bytes(int quant, int64_t Np, int64_t Kp) {
+static int64_t mat_bytes(int quant, int64_t Np, int64_t Kp, int64_t G) {
+    if (quant == KTK_QUANT_INT4) return Np * Kp / 2 + Np * (Kp / G) * 4;   /* both multiples of 64 */
     return quant == KTK_QUANT_BF16 ? Np * Kp * 2 : Np * Kp + Np * 4 + Np * 4;
+}
+
+/* int4 group size of a config (0 means the default) */
+static int32_t group_of(const ktk_experts_config *cfg) {
+    return cfg->quant != KTK_QUANT_INT4 ? 0 : cfg->group_size ? cfg->group_size : 64;
 }
 
 int ktki_experts_create(const ktk_experts_config *cfg, ktk_experts **out) {
     ktk_experts *ex = calloc(1, sizeof *ex);
     if (!ex) return ktki_error(KTK_ERR_NOMEM, "ktk_experts_create: out of memory");
     ex->cfg = *cfg;
+    ex->cfg.group_size = group_of(cfg);   /* the effective int4 group size; 0 for other quants */
     const int32_t H = cfg->hidden, I = cfg->intermediate;
-    const int32_t N[3] = {I, I, H}, K[3] = {H, H, I};
+    const int32_t N[3] = {I, I, H}, K[3] = {H, H, I}, G = group_of(cfg);
     int64_t off = 0;
     for (int w = 0; w < 3; w++) {
         ex->out_n[w] = N[w];
         ex->in_k[w] = K[w];
         ex->Np[w] = (int32_t)round_up(N[w], 16);
-        ex->Kp[w] = (int32_t)round_up(K[w], 64);
+        ex->Kp[w] = (int32_t)round_up(K[w], G > 64 ? G : 64);
         ex->mat_off[w] = off;
-        off += mat_bytes(cfg->quant, ex->Np[w], ex->Kp[w]);
+        off += mat_bytes(cfg->quant, ex->Np[w], ex->Kp[w], G);
     }
     for (int w = 0; w < 3; w++) {
         ex->bias_off[w] = cfg->has_bias ? off : -1;
@@ -67,9 +75,14 @@ void ktki_experts_destroy(ktk_experts *ex) {
 ktk_mat ktki_expert_mat(const ktk_experts *ex, int e, int which) {
     uint8_t *p = ex->base + ex->expert_bytes * e + ex->mat_off[which];
     int64_t Np = ex->Np[which], Kp = ex->Kp[which];
-    ktk_mat m = {ex->out_n[which], ex->in_k[which], (int32_t)Np, (int32_t)Kp, ex->cfg.quant, NULL, NULL, NULL, NULL};
+    ktk_mat m = {ex->out_n[which], ex->in_k[which], (int32_t)Np, (int32_t)Kp, ex->cfg.quant, NULL, NULL, NULL, NULL,
+                 NULL, 0};
     if (ex->cfg.quant == KTK_QUANT_BF16) {
         m.data_bf16 = (const uint16_t *)p;
+    } else if (ex->cfg.quant == KTK_QUANT_INT4) {
+        m.data_i4 = p;
+        m.scale = (const float *)(p + Np * Kp / 2);
+        m.group = ex->cfg.group_size;
     } else {
         m.data_i8 = (const int8_t *)p;
         m.scale = (const float *)(p + Np * Kp);
@@ -100,6 +113,8 @@ int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dty
         ktki_to_f32(base + (int64_t)n * so * es, dtype, m.K, si, row);
         if (m.quant == KTK_QUANT_BF16)
             ktki_pack_bf16(&m, (uint16_t *)m.data_bf16, n, row);
+        else if (m.quant == KTK_QUANT_INT4)
+            ktki_pack_int4(&m, (uint8_t *)m.data_i4, (float *)m.scale, n, row);
         else
             ktki_pack_int8(&m, (int8_t *)m.data_i8, (float *)m.scale, (int32_t *)m.wsum, n, row, q);
     }
@@ -124,5 +139,23 @@ int ktki_experts_get(const ktk_experts *ex, int e, int which, float *dst) {
 int ktki_experts_import(ktk_experts *ex, const void *src, int64_t size) {
     memcpy(ex->base, src, (size_t)size);
     memset(ex->ready, 1, (size_t)ex->cfg.num_experts * 3);
+    return KTK_OK;
+}
+
+/* Zero-copy view of one matrix (ktk_experts_raw): pointers into the mapping, layout of kernels.h. */
+int ktki_experts_raw(const ktk_experts *ex, int e, int which, ktk_raw *out) {
+    ktk_mat m = ktki_expert_mat(ex, e, which);
+    memset(out, 0, sizeof *out);
+    out->quant = m.quant;
+    out->N = m.N;
+    out->K = m.K;
+    out->Np = m.Np;
+    out->Kp = m.Kp;
+    out->data = m.quant == KTK_QUANT_BF16 ? (const void *)m.data_bf16 : (const void *)m.data_i8;
+    out->data_bytes = (int64_t)m.Np * m.Kp * (m.quant == KTK_QUANT_BF16 ? 2 : 1);
+    out->scale = m.quant == KTK_QUANT_INT8 ? m.scale : NULL;
+    out->bias = ktki_expert_bias(ex, e, which);
+    out->expert = ex->base + ex->expert_bytes * e;
+    out->expert_bytes = ex->expert_bytes;
     return KTK_OK;
 }

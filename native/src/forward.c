@@ -4,14 +4,18 @@
  *   route (serial): validate ids, count rows per expert (skipping masked experts), rows sorted by (expert, token)
  *   gather:   x [R, Kp(H)] activations of every row (bf16 zero-padded, or int8 per row + scale + sum)
  *   gate/up:  items (expert, <= RT rows, <= CWMAX blocks of 16 outputs of I): h = act(g + bg, u + bu)
- *             -> h [R, Kp(I)] bf16, or float [R, I] quantized per row in a following phase for int8
+ *             -> h [R, Kp(I)] bf16, or float [R, I] quantized per row in a following phase for int8 / int4
  *   down:     items (<= CWMAX blocks of 16 columns of H, <= TC tokens): for each active expert in ascending
  *             order, acc[t] += w * (down_e(h) + bd) on these columns; then out = acc (F32 or BF16). One item owns
  *             its (tokens, columns) of out, so the sum order per token is fixed: results do not depend on threads.
+ * int4 weights take int8 activations; when an expert has >= KTK_INT4_DEQUANT_MIN_ROWS_ANY rows (or
+ * KTINJECT_INT4_PATH=dequant), x and h also get exact bf16 copies of their int8 values and each thread a workspace,
+ * so the kernel may dequantize the weights to bf16 for many rows (kernels.h; the ISA picks by row count).
  * Block sizes give >= ITEMS_PER_THREAD items per thread where possible: 1 token x 8 experts has 8 experts x
  * (I/16/cw) gate/up items and (H/16/cw) down items; thousands of tokens split into RT-row and TC-token chunks.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -30,8 +34,11 @@ typedef struct {
     ktk_gemm_fn gemm;
     ktk_pool *pool;
     int T, k, E, H, I, quant, act, KpH, KpI, UI, UH;
+    int a8;                            /* int8 activations (int8 and int4 weights) */
+    int int4_path, copies;             /* int4: KTK_INT4_PATH_*, bf16 copies of x and h + workspaces made */
+    int64_t work_off, work_bytes;      /* int4 workspace inside each thread's scratch */
     float alpha, limit;
-    int A, R;                          /* active experts, rows */
+    int A, R, maxrows;                 /* active experts, rows, most rows of one expert */
     int32_t *start, *act_e, *off, *tok;  /* [E], [A], [A+1], [R] */
     float *wt;                          /* [R] routing weight of each row */
     uint16_t *x16, *h16;
@@ -64,9 +71,10 @@ static int route(fctx *c) {
                               (long long)(i / c->k), (long long)(i % c->k), (long long)id, c->E);
         if (!t->skip || !t->skip[id]) cnt[id]++;
     }
-    c->A = c->R = 0;
+    c->A = c->R = c->maxrows = 0;
     for (int e = 0; e < c->E; e++) {
         if (cnt[e] == 0) continue;
+        if (cnt[e] > c->maxrows) c->maxrows = cnt[e];
         for (int w = 0; w < 3; w++)
             if (!c->ex->ready[(int64_t)e * 3 + w])
                 return ktki_error(KTK_ERR_STATE, "expert %d is routed to but its %s weights were never set "
@@ -115,9 +123,12 @@ static int plan(fctx *c) {
                 c->gu[c->ngu++] = (gu_item){a, r0, r1, g * c->cw_gu, cb1};
             }
     const size_t R = (size_t)c->R, KpH = (size_t)c->KpH, KpI = (size_t)c->KpI;
-    const int q8 = c->quant == KTK_QUANT_INT8;
-    uint8_t *x = ktki_scratch(c->pool, KTKI_SCR_X, q8 ? a64(R * KpH) + 2 * a64(R * 4) : a64(R * KpH * 2));
-    uint8_t *h = ktki_scratch(c->pool, KTKI_SCR_H, q8 ? a64(R * KpI) + 2 * a64(R * 4) : a64(R * KpI * 2));
+    const int q8 = c->a8;
+    c->copies = c->quant == KTK_QUANT_INT4 && c->int4_path != KTK_INT4_PATH_DIRECT &&
+                (c->int4_path == KTK_INT4_PATH_DEQUANT || c->maxrows >= KTK_INT4_DEQUANT_MIN_ROWS_ANY);
+    const size_t cx = c->copies ? a64(R * KpH * 2) : 0, ch = c->copies ? a64(R * KpI * 2) : 0;
+    uint8_t *x = ktki_scratch(c->pool, KTKI_SCR_X, q8 ? a64(R * KpH) + 2 * a64(R * 4) + cx : a64(R * KpH * 2));
+    uint8_t *h = ktki_scratch(c->pool, KTKI_SCR_H, q8 ? a64(R * KpI) + 2 * a64(R * 4) + ch : a64(R * KpI * 2));
     if (!x || !h) return 0;
     if (q8) {
         c->x8 = (int8_t *)x;
@@ -128,6 +139,10 @@ static int plan(fctx *c) {
         c->hsum = (int32_t *)(h + a64(R * KpI) + a64(R * 4));
         c->hf = ktki_scratch(c->pool, KTKI_SCR_HF, R * (size_t)c->I * 4 + 64);
         if (!c->hf) return 0;
+        if (c->copies) {   /* int4: the same int8 values as bf16, for the dequantizing path */
+            c->x16 = (uint16_t *)(x + a64(R * KpH) + 2 * a64(R * 4));
+            c->h16 = (uint16_t *)(h + a64(R * KpI) + 2 * a64(R * 4));
+        }
     } else {
         c->x16 = (uint16_t *)x;
         c->h16 = (uint16_t *)h;
@@ -136,10 +151,21 @@ static int plan(fctx *c) {
     size_t gu = 2 * (size_t)RT * c->cw_gu * 16 * 4, dn = (size_t)(RT + TC) * c->cw_dn * 16 * 4;
     per_thread = per_thread > gu ? per_thread : gu;
     per_thread = per_thread > dn ? per_thread : dn;
+    if (c->copies) {   /* int4 workspace: the widest call's blocks, dequantized at once */
+        const int cw = c->cw_gu > c->cw_dn ? c->cw_gu : c->cw_dn, kp = c->KpH > c->KpI ? c->KpH : c->KpI;
+        c->work_off = (int64_t)a64(per_thread);
+        c->work_bytes = ktk_int4_work_bytes(kp, cw);
+        per_thread = (size_t)(c->work_off + c->work_bytes);
+    }
     return ktki_thread_scratch_reserve(c->pool, per_thread + 64);
 }
 
 /* ---- gather ---- */
+/* int8 values as bf16 (exact): the int4 dequantizing path's activations */
+static void bf16_copy(const int8_t *src, int n, uint16_t *dst) {
+    for (int j = 0; j < n; j++) dst[j] = ktk_f32_to_bf16((float)src[j]);
+}
+
 static void gather_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
     const int64_t es = c->t->hidden_dtype == KTK_DTYPE_F32 ? 4 : 2;
@@ -147,11 +173,12 @@ static void gather_item(void *ctx, int64_t item, int tid) {
     int r1 = (int)((item + 1) * GATHER_ROWS < c->R ? (item + 1) * GATHER_ROWS : c->R);
     for (int r = (int)(item * GATHER_ROWS); r < r1; r++) {
         const char *src = (const char *)c->t->hidden + (int64_t)c->tok[r] * c->H * es;
-        if (c->quant == KTK_QUANT_INT8) {
+        if (c->a8) {
             int8_t *dst = c->x8 + (int64_t)r * c->KpH;
             ktki_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
             c->xsum[r] = ktki_quantize_row(tmp, c->H, dst, &c->xs[r]);
             memset(dst + c->H, 0, (size_t)(c->KpH - c->H));
+            if (c->copies) bf16_copy(dst, c->KpH, c->x16 + (int64_t)r * c->KpH);
             continue;
         }
         uint16_t *dst = c->x16 + (int64_t)r * c->KpH;
@@ -165,15 +192,22 @@ static void gather_item(void *ctx, int64_t item, int tid) {
     }
 }
 
-static ktk_act rows_of(const fctx *c, int h, int r0, int r1) {
-    ktk_act x = {r1 - r0, h ? c->KpI : c->KpH, NULL, NULL, NULL, NULL};
+/* Rows [r0, r1) of x (h = 0) or h (h = 1) for a kernel call from thread tid. */
+static ktk_act rows_of(const fctx *c, int h, int r0, int r1, int tid) {
+    ktk_act x = {r1 - r0, h ? c->KpI : c->KpH, NULL, NULL, NULL, NULL, NULL, 0, KTK_INT4_PATH_AUTO};
     int64_t o = (int64_t)r0 * x.Kp;
     if (c->quant == KTK_QUANT_BF16) {
         x.x_bf16 = (h ? c->h16 : c->x16) + o;
-    } else {
-        x.x_i8 = (h ? c->h8 : c->x8) + o;
-        x.x_scale = (h ? c->hs : c->xs) + r0;
-        x.x_sum = (h ? c->hsum : c->xsum) + r0;
+        return x;
+    }
+    x.x_i8 = (h ? c->h8 : c->x8) + o;
+    x.x_scale = (h ? c->hs : c->xs) + r0;
+    x.x_sum = (h ? c->hsum : c->xsum) + r0;
+    x.int4_path = c->int4_path;
+    if (c->copies) {
+        x.x_bf16 = (h ? c->h16 : c->x16) + o;
+        x.work = (char *)ktki_thread_scratch(c->pool, tid) + c->work_off;
+        x.work_bytes = c->work_bytes;
     }
     return x;
 }
@@ -193,13 +227,13 @@ static void gate_up_item(void *ctx, int64_t item, int tid) {
     const ktk_mat g = ktki_expert_mat(c->ex, e, KTK_MAT_GATE), u = ktki_expert_mat(c->ex, e, KTK_MAT_UP);
     const float *bg = ktki_expert_bias(c->ex, e, KTK_MAT_GATE), *bu = ktki_expert_bias(c->ex, e, KTK_MAT_UP);
     float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)RT * bw;
-    ktk_act x = rows_of(c, 0, it.r0, it.r1);
+    ktk_act x = rows_of(c, 0, it.r0, it.r1, tid);
     c->gemm(&g, it.cb0, it.cb1, &x, gs, bw);
     c->gemm(&u, it.cb0, it.cb1, &x, us, bw);
     const int j0 = it.cb0 * 16, j1 = it.cb1 * 16 < c->I ? it.cb1 * 16 : c->I, last = it.cb1 * 16 >= c->I;
     for (int r = it.r0; r < it.r1; r++) {
         const float *gr = gs + (int64_t)(r - it.r0) * bw - j0, *ur = us + (int64_t)(r - it.r0) * bw - j0;
-        if (c->quant == KTK_QUANT_INT8) {
+        if (c->a8) {
             float *hr = c->hf + (int64_t)r * c->I;
             for (int j = j0; j < j1; j++)
                 hr[j] = activation(c, gr[j] + (bg ? bg[j] : 0.0f), ur[j] + (bu ? bu[j] : 0.0f));
@@ -220,6 +254,7 @@ static void quantize_h_item(void *ctx, int64_t item, int tid) {
         int8_t *dst = c->h8 + (int64_t)r * c->KpI;
         c->hsum[r] = ktki_quantize_row(c->hf + (int64_t)r * c->I, c->I, dst, &c->hs[r]);
         memset(dst + c->I, 0, (size_t)(c->KpI - c->I));
+        if (c->copies) bf16_copy(dst, c->KpI, c->h16 + (int64_t)r * c->KpI);
     }
 }
 
@@ -260,7 +295,7 @@ static void down_item(void *ctx, int64_t item, int tid) {
         const float *bd = ktki_expert_bias(c->ex, e, KTK_MAT_DOWN);
         for (int r0 = lo; r0 < hi; r0 += RT) {
             const int r1 = r0 + RT < hi ? r0 + RT : hi;
-            ktk_act h = rows_of(c, 1, r0, r1);
+            ktk_act h = rows_of(c, 1, r0, r1, tid);
             c->gemm(&d, cb0, cb1, &h, y, bw);
             accumulate(c, y, bw, jn, bd ? bd + j0 : NULL, r0, r1, t0, acc);
         }
@@ -276,6 +311,16 @@ static void down_item(void *ctx, int64_t item, int tid) {
     }
 }
 
+/* KTINJECT_INT4_PATH (read at each int4 forward; for tests and crossover measurements): auto (default), direct or
+ * dequant forces the int4 kernels' path (KTK_INT4_PATH_*); -1 for anything else. */
+static int int4_path_env(void) {
+    const char *v = getenv("KTINJECT_INT4_PATH");
+    if (!v || !*v || !strcmp(v, "auto")) return KTK_INT4_PATH_AUTO;
+    if (!strcmp(v, "direct")) return KTK_INT4_PATH_DIRECT;
+    if (!strcmp(v, "dequant")) return KTK_INT4_PATH_DEQUANT;
+    return -1;
+}
+
 int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
     const ktk_experts *ex = t->ex;
     const ktk_experts_config *cfg = &ex->cfg;
@@ -284,7 +329,12 @@ int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
               .I = cfg->intermediate, .quant = cfg->quant, .act = cfg->activation, .alpha = cfg->alpha,
               .limit = cfg->limit, .KpH = ex->Kp[KTK_MAT_GATE], .KpI = ex->Kp[KTK_MAT_DOWN],
               .UI = ex->Np[KTK_MAT_GATE] / 16, .UH = ex->Np[KTK_MAT_DOWN] / 16};
-    c.gemm = cfg->quant == KTK_QUANT_BF16 ? kern->gemm_bf16 : kern->gemm_int8;
+    c.gemm = cfg->quant == KTK_QUANT_BF16 ? kern->gemm_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemm_int8
+                                                                                      : kern->gemm_int4;
+    c.a8 = cfg->quant != KTK_QUANT_BF16;
+    if (cfg->quant == KTK_QUANT_INT4 && (c.int4_path = int4_path_env()) < 0)
+        return ktki_error(KTK_ERR_SHAPE, "KTINJECT_INT4_PATH=%.40s: expected auto, direct or dequant",
+                          getenv("KTINJECT_INT4_PATH"));
     const size_t n = (size_t)c.T * c.k, E = (size_t)c.E;
     uint8_t *rs = ktki_scratch(pool, KTKI_SCR_ROUTE, 3 * a64(E * 4 + 4) + 2 * a64(n * 4));
     if (!rs) return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (routing tables)");
@@ -300,8 +350,7 @@ int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
     if (c.R > 0) {
         ktki_parallel(pool, gather_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
         ktki_parallel(pool, gate_up_item, &c, c.ngu);
-        if (c.quant == KTK_QUANT_INT8)
-            ktki_parallel(pool, quantize_h_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
+        if (c.a8) ktki_parallel(pool, quantize_h_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
     }
     ktki_parallel(pool, down_item, &c, (int64_t)c.ntc * ((c.UH + c.cw_dn - 1) / c.cw_dn));
     return KTK_OK;

@@ -89,6 +89,7 @@ int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dty
 int ktki_experts_set_bias(ktk_experts *ex, int e, int which, const void *src, int dtype);
 int ktki_experts_get(const ktk_experts *ex, int e, int which, float *dst);
 int ktki_experts_import(ktk_experts *ex, const void *src, int64_t size);
+int ktki_experts_raw(const ktk_experts *ex, int e, int which, ktk_raw *out); /* bf16/int8 only */
 
 /* ---- packing and conversions (pack.c) ---- */
 float ktki_f16_to_f32(uint16_t h);
@@ -99,7 +100,8 @@ int32_t ktki_quantize_row(const float *x, int64_t n, int8_t *q, float *scale);
 void ktki_pack_bf16(const ktk_mat *m, uint16_t *data, int n, const float *row);
 void ktki_pack_int8(const ktk_mat *m, int8_t *data, float *scale, int32_t *wsum, int n, const float *row,
                     int8_t *qtmp);
-void ktki_unpack(const ktk_mat *m, int n, float *row);
+void ktki_pack_int4(const ktk_mat *m, uint8_t *data, float *scale, int n, const float *row);
+void ktki_unpack(const ktk_mat *m, int n, float *row);   /* row n as float (dequantized), c < K */
 
 /* ---- tasks (task.c) and forward (forward.c) ---- */
 enum { KTKI_TASK_IDLE, KTKI_TASK_QUEUED, KTKI_TASK_RUNNING };

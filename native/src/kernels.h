@@ -9,10 +9,25 @@
  *   int8: element (n, c) at data_i8[((n/16) * (Kp/4) + c/4) * 64 + (n%16) * 4 + c%4]
  *         (AMX-INT8 B-tile / vpdpbusd order), with scale[n] (float, symmetric: w ~= q * scale[n]) and
  *         wsum[n] = sum_c q[n][c] (int32; lets u8 x s8 instructions correct for the +128 shift of activations).
+ *   int4: groups of G = group inputs (32, 64 or 128) per scale; Kp = round_up(K, max(64, G)), ng = Kp / G groups.
+ *         q in [-8, 7] is stored as a two's complement nibble (zero bytes = q 0): per block of 16 outputs, Kp/8 rows
+ *         of 64 bytes, row r = inputs 8r..8r+7: byte (n%16) * 4 + c%4 holds input c of the first quad (c%8 < 4) in
+ *         its low nibble and input c + 4 of the second quad in its high nibble, i.e. element (n, c) at
+ *         data_i4[((n/16) * (Kp/8) + c/8) * 64 + (n%16) * 4 + c%4], nibble (c/4)%2 (0 = bits 0-3, 1 = bits 4-7).
+ *         So one 64-byte load, (v ^ 0x88) & 0x0f (low quad) and ((v >> 4) ^ 0x88) & 0x0f (high quad; one
+ *         ternary-logic op each on AVX-512) give two vpdpbusd operands in the int8 layout's quad order (16 int32
+ *         lanes = outputs, 4 bytes = consecutive inputs) as unsigned q + 8.
+ *         scale[((n/16) * ng + g) * 16 + n%16]: float, w ~= q * scale, 16 contiguous floats per (block, group); it
+ *         may be negative (the group's value of largest magnitude maps to q = -8 exactly).
+ *         No weight sums: the kernels correct u8 weights (q + 8) x s8 activations with 8 * sum of x per group (a
+ *         few instructions per row and group), where int8's trick (u8 x + 128, s8 weights, - 128 * wsum) would
+ *         store an int32 per (output, group): 0.5 bit per weight at G = 64, 11% more bytes to stream at decode.
  *
  * Activation layout (produced by the orchestration in experts.c, generic code):
  *   bf16: x_bf16[t * Kp + c], t < n rows, zero for c >= K;
  *   int8: x_i8[t * Kp + c] symmetric per row: x ~= q * x_scale[t]; x_sum[t] = sum_c q[t][c].
+ *   int4 weights take int8 activations (W4A8), plus optionally, for the dequantizing path of many rows, x_bf16 =
+ *         the same q as bf16 (exact: |q| <= 127) and a workspace (see ktk_int4_dequant_gemm).
  */
 #ifndef KTK_KERNELS_H
 #define KTK_KERNELS_H
@@ -20,12 +35,14 @@
 
 typedef struct {
     int32_t N, K;        /* logical sizes */
-    int32_t Np, Kp;      /* padded: Np % 16 == 0, Kp % 64 == 0 */
-    int32_t quant;       /* KTK_QUANT_BF16 or KTK_QUANT_INT8 */
+    int32_t Np, Kp;      /* padded: Np % 16 == 0, Kp % 64 == 0 (int4: also Kp % G == 0) */
+    int32_t quant;       /* KTK_QUANT_BF16, KTK_QUANT_INT8 or KTK_QUANT_INT4 */
     const uint16_t *data_bf16;  /* bf16 layout above, or NULL */
     const int8_t *data_i8;      /* int8 layout above, or NULL */
-    const float *scale;         /* int8: [Np] */
+    const float *scale;         /* int8: [Np]; int4: [Np/16][ng][16] */
     const int32_t *wsum;        /* int8: [Np] */
+    const uint8_t *data_i4;     /* int4 layout above, or NULL */
+    int32_t group;              /* int4: G, inputs per scale (32, 64 or 128; divides Kp) */
 } ktk_mat;
 
 typedef struct {
@@ -35,19 +52,53 @@ typedef struct {
     const int8_t *x_i8;         /* int8: [n][Kp] */
     const float *x_scale;       /* int8: [n] */
     const int32_t *x_sum;       /* int8: [n] */
+    /* int4 only (zero / NULL otherwise): */
+    void *work;                 /* workspace of the dequantizing path (per calling thread), or NULL */
+    int64_t work_bytes;
+    int32_t int4_path;          /* KTK_INT4_PATH_*: which path gemm_int4 takes */
 } ktk_act;
+
+#define KTK_INT4_PATH_AUTO 0     /* the ISA's choice by row count (direct below its threshold) */
+#define KTK_INT4_PATH_DIRECT 1   /* always the direct int4 x int8 kernel */
+#define KTK_INT4_PATH_DEQUANT 2  /* dequantize to bf16 + gemm_bf16 whenever x_bf16 and enough work are given */
+/* No ISA takes the dequantizing path by itself below this many rows: the orchestration provides x_bf16 and the
+ * workspace only for experts with at least this many rows (or when the path is forced). */
+#define KTK_INT4_DEQUANT_MIN_ROWS_ANY 8
 
 /* y[t * ldy + (j - nb0 * 16)] = sum_c x[t][c] * W[j][c]   for t < x->n, j in [nb0 * 16, nb1 * 16)
  * bf16: products of bf16 values accumulated in float (order is the kernel's choice);
  * int8: exact int32 dot product, then * x_scale[t] * scale[j].
+ * int4: direct path: per group g (ascending) the exact int32 dot product d_g of x and q, acc = fmaf((float)d_g,
+ *       scale[j][g], acc) from acc = 0, then y = acc * x_scale[t] (bit-exact across ISAs); dequantizing path:
+ *       gemm_bf16 of x_bf16 and bf16(q * scale), then * x_scale[t] (weights rounded to bf16: <= 2^-9 relative).
  * No bias, no activation, y is overwritten. Called concurrently from pool threads on disjoint outputs. */
 typedef void (*ktk_gemm_fn)(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
+/* int4 blocks [nb0, nb1) -> bf16 packed layout (block b at dst + (b - nb0) * 16 * Kp), value bf16(q * scale) with
+ * round to nearest even: identical bits on every ISA. */
+typedef void (*ktk_dequant_fn)(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
 
 typedef struct {
     const char *name;
     ktk_gemm_fn gemm_bf16;
     ktk_gemm_fn gemm_int8;
+    ktk_gemm_fn gemm_int4;   /* picks the direct or the dequantizing path (x->int4_path, row count) */
 } ktk_kernels;
+
+/* int4 helpers of kernels/generic/int4.c, shared by the ISA files. */
+/* Dequantizing path: blocks in chunks that fit x->work -> dq -> gemm_bf16 on x->x_bf16, then y *= x_scale[t]. */
+void ktk_int4_dequant_gemm(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy,
+                           ktk_dequant_fn dq, ktk_gemm_fn gemm_bf16);
+void ktk_generic_dequant_int4(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
+void ktk_generic_gemm_int4_direct(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
+/* Workspace for the dequantizing path of `blocks` 16-row blocks at once. */
+static inline int64_t ktk_int4_work_bytes(int32_t Kp, int blocks) { return (int64_t)blocks * 16 * Kp * 2; }
+/* Whether gemm_int4 takes the dequantizing path: forced, or auto from min_rows rows (min_rows <= 0: never), and only
+ * when x_bf16 and a workspace of at least one block are given. */
+static inline int ktk_int4_dequant(const ktk_mat *w, const ktk_act *x, int min_rows) {
+    if (!x->x_bf16 || !x->work || x->work_bytes < ktk_int4_work_bytes(w->Kp, 1)) return 0;
+    if (x->int4_path == KTK_INT4_PATH_DEQUANT) return 1;
+    return x->int4_path == KTK_INT4_PATH_AUTO && min_rows > 0 && x->n >= min_rows;
+}
 
 /* One per ISA file; each returns a static table. Only call the one for an ISA the CPU has. */
 const ktk_kernels *ktk_kernels_generic(void);

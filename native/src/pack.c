@@ -1,4 +1,4 @@
-/* Dtype conversions, symmetric int8 quantization and the packed weight layout of kernels.h (generic C). */
+/* Dtype conversions, symmetric int8 / group-wise int4 quantization and the packed layouts of kernels.h (generic C). */
 #include <math.h>
 #include <string.h>
 
@@ -74,11 +74,53 @@ void ktki_pack_int8(const ktk_mat *m, int8_t *data, float *scale, int32_t *wsum,
     for (int c = 0; c < m->K; c++) data[off_i8(m, n, c)] = qtmp[c];
 }
 
+/* int4: byte offset of element (n, c), its nibble shift, and the offset of scale (n, g) */
+static inline int64_t off_i4(const ktk_mat *m, int n, int c) {
+    return ((int64_t)(n / 16) * (m->Kp / 8) + c / 8) * 64 + (n % 16) * 4 + c % 4;
+}
+static inline int shift_i4(int c) { return 4 * ((c / 4) % 2); }
+static inline int64_t off_s4(const ktk_mat *m, int n, int g) {
+    return ((int64_t)(n / 16) * (m->Kp / m->group) + g) * 16 + n % 16;
+}
+
+/* Group-wise int4 of one row: per group of G inputs (c < K; the rest is zero), m = the first value of largest
+ * magnitude, scale = -m / 8 (so m itself is q = -8 exactly and all 16 levels are used), q = rint(x / scale) clamped
+ * to [-8, 7] (round half to even; values of m's opposite sign above 15/16 |m| clamp to 7, an error below one step).
+ * All-zero group: scale 0, q 0; a non-finite value: scale NaN, q 0 (as the int8 rows). Padding up to Kp: q = 0. */
+void ktki_pack_int4(const ktk_mat *m, uint8_t *data, float *scale, int n, const float *row) {
+    const int G = m->group;
+    for (int g = 0; g < m->Kp / G; g++) {
+        const int c0 = g * G, c1 = c0 + G < m->K ? c0 + G : m->K;
+        float big = 0.0f, amax = 0.0f;
+        int finite = 1;
+        for (int c = c0; c < c1; c++) {
+            if (!isfinite(row[c])) finite = 0;
+            else if (fabsf(row[c]) > amax) { amax = fabsf(row[c]); big = row[c]; }
+        }
+        const float s = !finite ? NAN : amax > 0.0f ? -big / 8.0f : 0.0f;
+        scale[off_s4(m, n, g)] = s;
+        for (int c = c0; c < c0 + G; c++) {
+            float v = 0.0f;
+            if (c < c1 && finite && amax > 0.0f) {
+                v = nearbyintf(row[c] / s);
+                v = v > 7.0f ? 7.0f : v < -8.0f ? -8.0f : v;
+            }
+            uint8_t *p = data + off_i4(m, n, c);
+            *p = (uint8_t)((*p & ~(0xf << shift_i4(c))) | (((int)v & 0xf) << shift_i4(c)));
+        }
+    }
+}
+
 void ktki_unpack(const ktk_mat *m, int n, float *row) {
     if (m->quant == KTK_QUANT_BF16) {
         for (int c = 0; c < m->K; c++) row[c] = ktk_bf16_to_f32(m->data_bf16[off_bf16(m, n, c)]);
-    } else {
+    } else if (m->quant == KTK_QUANT_INT8) {
         float s = m->scale[n];
         for (int c = 0; c < m->K; c++) row[c] = (float)m->data_i8[off_i8(m, n, c)] * s;
+    } else {
+        for (int c = 0; c < m->K; c++) {
+            const int nib = (m->data_i4[off_i4(m, n, c)] >> shift_i4(c)) & 0xf;
+            row[c] = (float)(nib >= 8 ? nib - 16 : nib) * m->scale[off_s4(m, n, c / m->group)];
+        }
     }
 }

@@ -138,6 +138,8 @@ def test_dynamic_replacement_during_graph_decode(models):
                             HotExperts.table_nbytes(E))
     p = placement.place(inj, budget, "dynamic", rebalance_every=2, margin=0.0)
     reb = p.rebalancer
+    assert reb.kinds == ["packed"] * len(blocks) and all(b.hot.packed.pinned for _, b in blocks), \
+        "the packed experts were not page-locked (see the log): moves fall back to staging buffers"
     ids, mask = _prompt(3, length=12)
     out, runner = _generate(inj, ids, mask, graphs=True)
     assert get_runner(inj) is runner and runner.stats.captures == 1 and not runner.stats.capture_failures
@@ -161,6 +163,53 @@ def test_dynamic_replacement_during_graph_decode(models):
     assert get_runner(inj) is runner and runner.stats.captures == 1 and reb.moved >= moved
     _assert_greedy(ref, out2, mask, ids.shape[1])
     print(f"{family}: {reb.moved} experts moved in {reb.periods} periods, no re-capture")
+
+
+@pytest.mark.parametrize("quant, transfer", [("bf16", "packed"), ("bf16", "staged"), ("int8", "packed"),
+                                             ("int8", "staged")])
+def test_dynamic_moves_unpack_packed_bytes_on_cuda(quant, transfer):
+    """Moves copy the packed bytes as stored (bf16, or int8 + scales) and unpack them on the GPU, from the page-locked
+    region or through staging buffers: bank contents bit-equal to ktk_experts_get in the bank dtype, one capture for
+    the whole run, tokens right (bf16: the reference's greedy choice; int8: graph == eager once frozen)."""
+    from ktinject.operators.hot import HotExperts
+
+    if quant == "bf16":  # a float32 model (bank float32) against its reference with bf16-rounded experts
+        ref, inj = _pair("qwen3_moe", torch.float32)
+    else:  # a bf16 model: the bank is bf16, so q * scale is rounded to bf16 on the GPU
+        ref, inj = None, build_tiny_model("qwen3_moe", dtype=torch.bfloat16)
+        ktinject.inject(inj, gpu="cuda", quant="int8")
+    blocks = placement.hybrid_blocks(inj)
+    E = blocks[0][1].num_experts
+    budget = len(blocks) * (2 * HotExperts.expert_nbytes(blocks[0][1].spec, torch.float32) +
+                            HotExperts.table_nbytes(E))
+    reb = placement.place(inj, budget, "dynamic", rebalance_every=2, margin=0.0, moves_per_step=2,
+                          transfer=transfer).rebalancer
+    assert reb.kinds == [transfer] * len(blocks)
+    ids, mask = _prompt(5, length=12)
+    out, runner = _generate(inj, ids, mask, graphs=True)
+    assert runner.stats.captures == 1 and not runner.stats.capture_failures
+    assert reb.started > 0, "nothing was re-placed"
+    reb.drain()
+    assert reb.moved == reb.started and reb.pending() == 0
+    torch.cuda.synchronize()
+    for _, b in blocks:
+        # (b.skip mirrors b.hot.resident at the start of each step, so after drain() it may lag the last admits)
+        for s, e in enumerate(b.hot.slot_expert):
+            gu = torch.cat([b.native_experts.get(e, "gate"), b.native_experts.get(e, "up")])
+            assert torch.equal(b.hot.gate_up[s].cpu(), gu.to(b.hot.dtype))
+            assert torch.equal(b.hot.down[s].cpu(), b.native_experts.get(e, "down").to(b.hot.dtype))
+    if ref is not None:
+        _assert_greedy(ref, out, mask, ids.shape[1])
+    reb.every = 10**9  # freeze the placement: graph and eager decode must agree token for token
+    graph = _again(inj, ids, mask)
+    assert get_runner(inj) is runner and runner.stats.captures == 1, "re-placement re-captured the graph"
+    for _, b in blocks:  # frozen: the last step mirrored the final residency into the native skip mask
+        assert torch.equal(b.skip, b.hot.resident.cpu())
+    eager, _ = _generate(inj, ids, mask, graphs=False)
+    assert torch.equal(graph, eager)
+    print(f"{quant}/{transfer}: {reb.moved} experts moved in {reb.periods} periods, no re-capture")
+    placement.place(inj, 0, "none")
+    get_runner(inj).close()
 
 
 def test_bf16_grouped_path_and_memory(models_bf16):

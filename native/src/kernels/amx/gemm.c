@@ -245,6 +245,8 @@ static void gemm_int8_amx(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, 
     else ktk_amx_gemm_int8_tiles(w, nb0, nb1, x, y, ldy);
 }
 
-static const ktk_kernels amx_table = {"amx", gemm_bf16_amx, gemm_int8_amx};
+void ktk_amx_gemm_int4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy); /* int4.c */
+
+static const ktk_kernels amx_table = {"amx", gemm_bf16_amx, gemm_int8_amx, ktk_amx_gemm_int4};
 
 const ktk_kernels *ktk_kernels_amx(void) { return &amx_table; }

@@ -4,6 +4,7 @@
  * of 8 outputs each.
  *   bf16: half -> even/odd f32 (shift / mask), two FMAs with broadcast x[c], x[c+1] (x converted to f32 per chunk).
  *   int8: half -> int16 pairs (w0,w2) / (w1,w3) by shifts, vpmaddwd with broadcast (x0,x2) / (x1,x3): exact int32.
+ *   int4: int4.c.
  * One register-blocked micro-kernel per type (MR rows x NB column blocks, MR * NB <= 4 so the 2 * MR * NB ymm
  * accumulators fit), driven like the AVX-512 one: decode keeps all rows of n <= 4 in one group.
  * Layouts: see ../../kernels.h. Called concurrently: no mutable globals, no allocation.
@@ -182,6 +183,8 @@ static void gemm_int8_avx2(const ktk_mat *w, int nb0, int nb1, const ktk_act *x,
     ktk256_drive(micro_int8, w, nb0, nb1, x, y, ldy);
 }
 
-static const ktk_kernels avx2_table = {"avx2", gemm_bf16_avx2, gemm_int8_avx2};
+void ktk_avx2_gemm_int4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy); /* int4.c */
+
+static const ktk_kernels avx2_table = {"avx2", gemm_bf16_avx2, gemm_int8_avx2, ktk_avx2_gemm_int4};
 
 const ktk_kernels *ktk_kernels_avx2(void) { return &avx2_table; }

@@ -6,6 +6,7 @@
  *   bf16 plain:   W row -> even/odd f32 by shift/mask, two FMAs with broadcast x[c], x[c+1]
  *   int8 "vnni":  acc += vpdpbusd(broadcast (x + 128) as u8 x4, W row (16 outputs x 4 s8)); acc -= 128 * wsum
  *   int8 plain:   W row -> (w0,w2) / (w1,w3) int16 pairs by shifts, vpmaddwd with (x0,x2) / (x1,x3): exact int32
+ *   int4:         int4.c (direct vnni / plain, dequantization to bf16); the driver is drive.h
  * Every variant is one register-blocked micro-kernel (MR rows x NB column blocks of 16 outputs, all of K), driven
  * by one loop (ktk512_drive) that picks MR/NB from the row count: decode (n <= 4) keeps all rows in one group
  * so each weight byte is read from memory once, with NB streams in flight and software prefetch.
@@ -18,49 +19,7 @@
 #include <immintrin.h>
 #include "../../kernels.h"
 
-#define KTK_AI static inline __attribute__((always_inline))
-#ifndef PF_BYTES
-#define PF_BYTES 1024   /* software prefetch distance, per weight stream (0: none) */
-#endif
-
-typedef void (*ktk512_micro)(const ktk_mat *w, const ktk_act *x, int b0, int t0, float *y, int64_t ldy,
-                             int mr, int nb);
-
-/* Rows and column blocks of one (row group, block group) call: n rows are split into balanced groups of at most
- * mrmax, blocks into groups of min(nbmax, accmax / mr) so that the accumulators fit in registers. */
-static void ktk512_drive(ktk512_micro micro, int mrmax, int nbmax, int accmax, const ktk_mat *w, int nb0, int nb1,
-                         const ktk_act *x, float *y, int64_t ldy) {
-    const int n = x->n;
-    if (n <= 0 || nb1 <= nb0) return;
-    const int groups = (n + mrmax - 1) / mrmax;
-    const int mrtop = (n + groups - 1) / groups;
-    int nbg = accmax / mrtop;
-    if (nbg > nbmax) nbg = nbmax;
-    if (nbg < 1) nbg = 1;
-    for (int b = nb0; b < nb1; b += nbg) {
-        const int nb = nb1 - b < nbg ? nb1 - b : nbg;
-        int t = 0;
-        for (int g = 0; g < groups; g++) {
-            const int mr = (n - t + (groups - g) - 1) / (groups - g);
-            micro(w, x, b, t, y + (int64_t)t * ldy + (int64_t)(b - nb0) * 16, ldy, mr, nb);
-            t += mr;
-        }
-    }
-}
-
-/* switch (mr, nb) -> an instantiation of an always-inline body with constant MR, NB (registers, full unroll) */
-#define KTK512_CASES(BODY)                                                                                          \
-    switch (mr * 8 + nb) {                                                                                         \
-    case 8 + 1: BODY(1, 1); break; case 8 + 2: BODY(1, 2); break; case 8 + 3: BODY(1, 3); break;                   \
-    case 8 + 4: BODY(1, 4); break; case 16 + 1: BODY(2, 1); break; case 16 + 2: BODY(2, 2); break;                 \
-    case 16 + 3: BODY(2, 3); break; case 16 + 4: BODY(2, 4); break; case 24 + 1: BODY(3, 1); break;                \
-    case 24 + 2: BODY(3, 2); break; case 24 + 3: BODY(3, 3); break; case 24 + 4: BODY(3, 4); break;                \
-    case 32 + 1: BODY(4, 1); break; case 32 + 2: BODY(4, 2); break; case 32 + 3: BODY(4, 3); break;                \
-    case 32 + 4: BODY(4, 4); break; case 40 + 1: BODY(5, 1); break; case 40 + 2: BODY(5, 2); break;                \
-    case 40 + 3: BODY(5, 3); break; case 40 + 4: BODY(5, 4); break; case 48 + 1: BODY(6, 1); break;                \
-    case 48 + 2: BODY(6, 2); break; case 48 + 3: BODY(6, 3); break; case 48 + 4: BODY(6, 4); break;                \
-    default: abort();                                                                                              \
-    }
+#include "drive.h"
 
 /* ======================= bf16 with AVX512_BF16 ======================= */
 #pragma GCC push_options
@@ -310,10 +269,18 @@ static void gemm_int8_plain(const ktk_mat *w, int nb0, int nb1, const ktk_act *x
 #pragma GCC pop_options
 
 /* ======================= table ======================= */
-static const ktk_kernels table_plain = {"avx512", ktk_avx512_gemm_bf16_plain, gemm_int8_plain};
-static const ktk_kernels table_bf16 = {"avx512+bf16", ktk_avx512_gemm_bf16_dp, gemm_int8_plain};
-static const ktk_kernels table_vnni = {"avx512+vnni", ktk_avx512_gemm_bf16_plain, ktk_avx512_gemm_int8_vnni};
-static const ktk_kernels table_both = {"avx512+bf16+vnni", ktk_avx512_gemm_bf16_dp, ktk_avx512_gemm_int8_vnni};
+/* int4: int4.c */
+void ktk_avx512_gemm_int4_plain(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
+void ktk_avx512_gemm_int4_vnni(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
+
+static const ktk_kernels table_plain = {"avx512", ktk_avx512_gemm_bf16_plain, gemm_int8_plain,
+                                        ktk_avx512_gemm_int4_plain};
+static const ktk_kernels table_bf16 = {"avx512+bf16", ktk_avx512_gemm_bf16_dp, gemm_int8_plain,
+                                       ktk_avx512_gemm_int4_plain};
+static const ktk_kernels table_vnni = {"avx512+vnni", ktk_avx512_gemm_bf16_plain, ktk_avx512_gemm_int8_vnni,
+                                       ktk_avx512_gemm_int4_vnni};
+static const ktk_kernels table_both = {"avx512+bf16+vnni", ktk_avx512_gemm_bf16_dp, ktk_avx512_gemm_int8_vnni,
+                                       ktk_avx512_gemm_int4_vnni};
 
 /* CPUID bits, read once: 1 = use vdpbf16ps, 2 = AVX512_VNNI (leaf 7: ECX bit 11; sub-leaf 1: EAX bit 5 =
  * AVX512_BF16; EDX bit 22 = AMX-BF16). vdpbf16ps is used only on CPUs without AMX: on Sapphire/Emerald Rapids

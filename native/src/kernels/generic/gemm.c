@@ -2,6 +2,7 @@
  *
  * bf16: y[t][j] = sum_{c < K} x[t][c] * W[j][c], float accumulation in ascending c.
  * int8: exact int32 dot product, then * x_scale[t] * scale[j].
+ * int4: int4.c.
  * Layouts: see ../../kernels.h. Only c < K is visited (the padding is zero anyway).
  */
 #include "../../kernels.h"
@@ -40,6 +41,8 @@ static void gemm_int8_generic(const ktk_mat *w, int nb0, int nb1, const ktk_act 
     }
 }
 
-static const ktk_kernels generic_table = {"generic", gemm_bf16_generic, gemm_int8_generic};
+void ktk_generic_gemm_int4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy); /* int4.c */
+
+static const ktk_kernels generic_table = {"generic", gemm_bf16_generic, gemm_int8_generic, ktk_generic_gemm_int4};
 
 const ktk_kernels *ktk_kernels_generic(void) { return &generic_table; }
