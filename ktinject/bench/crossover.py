@@ -23,7 +23,7 @@ import torch
 # Rows from which the amx ISA uses AMX tiles, per quant: compile-time constants of the native kernels, not exported
 # by the native module (keep in step): KTK_AMX_MIN_ROWS_BF16 / _INT8 in native/src/kernels/amx/gemm.c,
 # KTK_AMX_INT4_DEQUANT_ROWS in native/src/kernels/amx/int4.c (int4: dequantize to bf16, then the bf16 AMX path).
-AMX_MIN_ROWS = {"bf16": 8, "int8": 10, "int4": 16}
+AMX_MIN_ROWS = {"bf16": 8, "int8": 12, "int4": 32}
 ROWS_FULL = (1, 2, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 ROWS_QUICK = (1, 2, 4, 8, 12, 16, 32, 64)
 FEW, MANY = "avx512", "amx"

@@ -26,9 +26,11 @@
 
 /* Rows from which AMX beats AVX-512 (16 threads, Xeon with AMX, W 2048 x 2048 / 768 x 2048 / 2048 x 7168, forward-
  * shaped calls; native/tests/test_kernels.c bench): bf16 8 rows 0.80 vs 0.70 TFLOPS (6 rows: equal, memory-bound);
- * int8 8 rows equal (1.47 TOPS), 12 rows 2.35 vs 1.85. */
+ * int8 8 rows equal (1.47 TOPS), 12 rows 2.35 vs 1.85. Whole forwards (python -m ktinject.bench kernels crossover
+ * sweep, Qwen3 layer, every expert at the same rows): bf16 from 8 rows (time ratio 0.93 at 8); int8 from 12 (0.92;
+ * at 10 rows 1.00-1.40 over three runs). */
 #define KTK_AMX_MIN_ROWS_BF16 8
-#define KTK_AMX_MIN_ROWS_INT8 10
+#define KTK_AMX_MIN_ROWS_INT8 12
 #ifndef KC_BYTES
 #define KC_BYTES 1024         /* K chunk per row, bytes */
 #endif
