@@ -34,7 +34,7 @@ def lines() -> list[str]:
         out.append(f"isa             {isa} (best {native.best_isa()}; available {', '.join(native.available_isas())})")
         env_threads = os.environ.get("KTINJECT_THREADS")
         out.append(f"physical cores  {native.physical_cores()}; default pool threads "
-                   f"{env_threads + ' (KTINJECT_THREADS)' if env_threads else native.physical_cores()}")
+                   f"{env_threads + ' (KTINJECT_THREADS)' if env_threads else native.default_threads()}")
     except ImportError as e:
         out.append(f"native library  NOT BUILT ({e}); run: pip install -e .")
     out.append(f"python          {platform.python_version()}")

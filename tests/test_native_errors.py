@@ -259,3 +259,10 @@ def test_watch_spin_env():
             print(p.watch_spin_us)
     """, KTINJECT_WATCH_SPIN_US="-7")
     assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr
+
+
+def test_default_threads_leaves_a_core_from_8_cores():
+    from ktinject import native as kn
+
+    n = kn.physical_cores()
+    assert kn.default_threads() == (n - 1 if n >= 8 else n) >= 1

@@ -225,7 +225,7 @@ def _parse_list(text: str, allowed, what: str) -> list[str]:
 
 def _parser():
     ap = argparse.ArgumentParser(prog="python -m ktinject.bench kernels", description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=None, help="threads for ours and torch (default: physical cores)")
+    ap.add_argument("--threads", type=int, default=None, help="threads for ours and torch (default: native.default_threads())")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="quick", action="store_true", default=None,
                       help="fewer experts built, smaller limit measurements (default when RAM < 64 GB or < 8 CPUs)")
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quick = args.quick if args.quick is not None else (_mem_total_gb() < 64 or (os.cpu_count() or 1) < 8)
     repeats = args.repeats or (3 if quick else 5)
-    threads = args.threads or native.physical_cores()
+    threads = args.threads or native.default_threads()
     quants = _parse_list(args.quant or ",".join(native.QUANTS), tuple(native.QUANTS), "quant")
     layers = [LAYERS[[l.name for l in LAYERS].index(n)] for n in
               _parse_list(args.layers, [l.name for l in LAYERS], "layers")]
