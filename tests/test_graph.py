@@ -192,3 +192,24 @@ def test_in_graph_mask_building_needs_no_host_sync(tiny):
         out = create_causal_mask(config=tiny.config, inputs_embeds=torch.zeros(2, 1, 64), attention_mask=mask,
                                  past_key_values=cache, position_ids=torch.tensor([[2], [3]]))
     assert tuple(out.shape) == (2, 1, 1, r.max_cache_len)
+
+
+def test_piece_starts_cut_layers_evenly():
+    from ktinject.graph import piece_starts
+
+    assert piece_starts(48, 4) == [12, 24, 36]
+    assert piece_starts(48, 1) == []
+    assert piece_starts(3, 4) == [1, 2]  # no more pieces than layers
+    assert piece_starts(5, 2) == [2] or piece_starts(5, 2) == [3]
+    assert piece_starts(1, 4) == []
+
+
+def test_decoder_layers_found_in_hf_models():
+    from ktinject.graph import GraphRunner, decoder_layers
+    from ktinject.testing import build_tiny_model
+
+    model = build_tiny_model("qwen3_moe")
+    assert decoder_layers(model) == list(model.model.layers)
+    assert decoder_layers(torch.nn.Linear(2, 2)) == []
+    with pytest.raises(ValueError, match="graph_pieces"):
+        GraphRunner(model, graph_pieces=0)

@@ -7,13 +7,35 @@ from ktinject.bench.decode import build_model, _set_generation_defaults
 from ktinject.generate import get_runner
 
 
+def compare_pieces(m, ids, pieces=(1, 4, 1, 4), tokens=48) -> None:
+    """Per-token decode time through generate, and bare replays, for each graph_pieces setting (same process)."""
+    def gen(n):
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        ktinject.generate(m, ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        torch.cuda.synchronize(); return time.perf_counter() - t0
+    for p in pieces:
+        r = get_runner(m, use_graphs=True, prefill_chunk=2048, graph_pieces=p)
+        gen(3)
+        t1 = min(gen(1) for _ in range(2)); tn = gen(tokens + 1)
+        entry = next(g for g in r.graphs.values() if g is not None)
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        for _ in range(10):
+            entry.graph.replay(); torch.cuda.synchronize()
+        one = (time.perf_counter() - t0) / 10
+        print(f"graph_pieces {p}: generate {(tn - t1) / tokens * 1e3:.2f} ms/token; replay+sync {one * 1e3:.2f} ms",
+              flush=True)
+
+
 def main() -> None:
-    layers = int(sys.argv[1]) if len(sys.argv) > 1 else 48
+    layers = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 48
     dev = torch.device("cuda")
     m = build_model(layers, dev); _set_generation_defaults(m)
     ktinject.inject(m, gpu="cuda")
     ids = torch.randint(3, 1000, (1, 32), device=dev)
     kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    if "--pieces" in sys.argv:
+        compare_pieces(m, ids)
+        return
     r = get_runner(m, use_graphs=True, prefill_chunk=2048)
     ktinject.generate(m, ids, **kw)
     entry = next(g for g in r.graphs.values() if g is not None)
