@@ -27,12 +27,8 @@ from pathlib import Path
 
 import torch
 
-QWEN3_30B = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
-    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-    max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    decoder_sparse_step=1, mlp_only_layers=[],
-)
+from ktinject.bench.model import QWEN3_30B
+
 PHASES = ("stream", "cold+cache", "cached", "hf+inject")
 _POOL_ELEMS = 64 << 20  # random bf16 values reused for every tensor (content does not matter for loading)
 
@@ -183,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint (and cache) afterwards")
     ap.add_argument("--warm", action="store_true", help="do not drop the files from the page cache between runs")
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
-    ap.add_argument("--quant", default="bf16", choices=("bf16", "int8"), help="expert quantization (default bf16)")
+    ap.add_argument("--quant", default="bf16", choices=("bf16", "int8", "int4"), help="expert quantization (default bf16)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -1,0 +1,100 @@
+"""The benchmark model: Qwen3-30B-A3B dimensions with random weights, built in memory (bench decode, prefill, hot).
+
+Built on the meta device, then materialized with the routed experts on the CPU (filled from a small random pool at
+random offsets: fast) and everything else on ``device``; nothing is written to disk.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+QWEN3_30B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    decoder_sparse_step=1, mlp_only_layers=[],
+)
+_POOL = 32 << 20  # random values per pool (experts are tiled from it at random offsets)
+
+
+# ---- model ---------------------------------------------------------------------------------------------------
+def _std(name: str, shape, hidden: int) -> float:
+    if "embed_tokens" in name:
+        return 1.0
+    if name.startswith("lm_head"):
+        return 2.0 / math.sqrt(shape[-1])
+    if name.endswith("mlp.gate.weight"):
+        return 1.5 / math.sqrt(hidden)
+    return 1.0 / math.sqrt(shape[-1])
+
+
+def _fill_tiled(t: torch.Tensor, pool: torch.Tensor, gen: torch.Generator) -> None:
+    """Fill t with windows of pool (2 x _POOL values) at random offsets (parallel copies: ~memory speed)."""
+    flat, n, off = t.view(-1), t.numel(), 0
+    while off < n:
+        m = min(_POOL, n - off)
+        r = int(torch.randint(0, _POOL, (1,), generator=gen))
+        flat[off:off + m].copy_(pool[r:r + m])
+        off += m
+
+
+@torch.no_grad()
+def build_model(layers: int, device: torch.device, seed: int = 0) -> nn.Module:
+    """Qwen3-30B-A3B shapes with ``layers`` layers: routed experts on the CPU, the rest on ``device``, bf16."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(num_hidden_layers=layers, **QWEN3_30B)
+    cfg.dtype = torch.bfloat16
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    base = torch.randn(_POOL, generator=gen)
+    pools = {  # [2 * _POOL] so any window of _POOL values fits
+        "gate_up_proj": (base / math.sqrt(H)).to(torch.bfloat16).repeat(2),
+        "down_proj": (base / math.sqrt(I)).to(torch.bfloat16).repeat(2),
+    }
+    del base
+    dgen = torch.Generator(device=device).manual_seed(seed) if device.type == "cuda" else gen
+    for mod_name, mod in model.named_modules():
+        for key, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            name = f"{mod_name}.{key}" if mod_name else key
+            if mod_name.endswith(".experts"):
+                t = torch.empty(p.shape, dtype=torch.bfloat16)
+                _fill_tiled(t, pools[key], gen)
+            elif "norm" in key or "norm" in mod_name.rsplit(".", 1)[-1]:
+                t = torch.ones(p.shape, dtype=torch.bfloat16, device=device)
+            else:
+                t = torch.empty(p.shape, dtype=torch.bfloat16, device=device)
+                t.normal_(0.0, _std(name, p.shape, H), generator=dgen)
+            mod._parameters[key] = nn.Parameter(t, requires_grad=False)
+    for mod_name, mod in list(model.named_modules()):  # rotary tables: computed, not stored
+        if hasattr(mod, "inv_freq") and hasattr(mod, "config"):
+            parent_name, _, leaf = mod_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, leaf, type(mod)(mod.config).to(device))
+    leftover = [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    if leftover:
+        raise RuntimeError(f"buffers left on the meta device: {leftover[:5]}")
+    model.eval()
+    return model
+
+
+def build_tiny(device: torch.device) -> nn.Module:
+    from ktinject.testing import build_tiny_model
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return build_tiny_model("qwen3_moe", dtype=dtype).to(device)
+
+
+def _set_generation_defaults(model) -> None:
+    gc = model.generation_config
+    gc.eos_token_id, gc.pad_token_id, gc.bos_token_id = None, 0, None
+    gc.do_sample = False
+    gc.temperature = gc.top_p = gc.top_k = None
+
+
