@@ -13,7 +13,9 @@ import torch
 
 import ktinject
 from ktinject.generate import get_runner
-from ktinject.testing import build_tiny_model, tiny_prompts
+from ktinject.testing import tiny_prompts
+
+from gpu_helpers import greedy_margins, pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,27 +24,16 @@ N = 32
 MARGIN = 0.15  # logits (std ~2): bf16 rounding differences between native and torch experts stay well below
 
 
-def _pair(family, dtype):
-    ref = build_tiny_model(family, dtype=dtype).cuda()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if ".experts." in name:
-                p.copy_(p.to(torch.bfloat16).to(dtype))
-    inj = build_tiny_model(family, dtype=dtype)
-    ktinject.inject(inj, gpu="cuda")
-    return ref, inj
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def models(request):
-    ref, inj = _pair(request.param, torch.bfloat16)
+    ref, inj = pair(request.param, torch.bfloat16)
     yield request.param, ref, inj
     get_runner(inj).close()
 
 
 @pytest.fixture(scope="module")
 def models_f32(models):
-    ref, inj = _pair(models[0], torch.float32)
+    ref, inj = pair(models[0], torch.float32)
     yield models[0], ref, inj
     get_runner(inj).close()
 
@@ -58,12 +49,7 @@ def _prompts(batch: int, length: int, seed: int):
 
 def _assert_hf_greedy(ref, seq, mask, prompt_len):
     """Each generated token is HF's greedy choice given the tokens before it (up to MARGIN in the logits)."""
-    full = torch.cat([mask, torch.ones_like(seq[:, prompt_len:])], dim=1)
-    with torch.no_grad():
-        logits = ref(seq, attention_mask=full).logits.float()  # [B, S, V]
-    pred = logits[:, prompt_len - 1:-1]  # [B, N, V] predicting seq[:, prompt_len:]
-    chosen = pred.gather(-1, seq[:, prompt_len:, None]).squeeze(-1)
-    margin = pred.max(-1).values - chosen
+    margin = greedy_margins(ref, seq, mask, prompt_len)
     assert float(margin.max()) <= MARGIN, f"token off HF's argmax by {float(margin.max()):.3f} logits"
     return bool((margin == 0).all())
 

@@ -19,6 +19,8 @@ from ktinject import placement
 from ktinject.generate import get_runner
 from ktinject.testing import build_tiny_model, tiny_prompts
 
+from gpu_helpers import greedy_margins, pair
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
@@ -26,20 +28,9 @@ N = 24
 MARGIN = 0.15  # logits (std ~2), as tests/gpu/test_graph_gpu.py
 
 
-def _pair(family, dtype):
-    ref = build_tiny_model(family, dtype=dtype).cuda()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if ".experts." in name:
-                p.copy_(p.to(torch.bfloat16).to(dtype))
-    inj = build_tiny_model(family, dtype=dtype)
-    ktinject.inject(inj, gpu="cuda")
-    return ref, inj
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def models(request):
-    ref, inj = _pair(request.param, torch.float32)
+    ref, inj = pair(request.param, torch.float32)
     yield request.param, ref, inj
     placement.place(inj, 0, "none")
     get_runner(inj).close()
@@ -47,7 +38,7 @@ def models(request):
 
 @pytest.fixture(scope="module")
 def models_bf16():
-    ref, inj = _pair("qwen3_moe", torch.bfloat16)
+    ref, inj = pair("qwen3_moe", torch.bfloat16)
     yield ref, inj
     placement.place(inj, 0, "none")
     get_runner(inj).close()
@@ -72,12 +63,7 @@ def _again(inj, ids, mask):
 
 
 def _assert_greedy(ref, seq, mask, prompt_len):
-    full = torch.cat([mask, torch.ones_like(seq[:, prompt_len:])], dim=1)
-    with torch.no_grad():
-        logits = ref(seq, attention_mask=full).logits.float()
-    pred = logits[:, prompt_len - 1:-1]
-    chosen = pred.gather(-1, seq[:, prompt_len:, None]).squeeze(-1)
-    margin = float((pred.max(-1).values - chosen).max())
+    margin = float(greedy_margins(ref, seq, mask, prompt_len).max())
     assert margin <= MARGIN, f"token off the reference's argmax by {margin:.3f} logits"
 
 
@@ -174,7 +160,7 @@ def test_dynamic_moves_unpack_packed_bytes_on_cuda(quant, transfer):
     from ktinject.operators.hot import HotExperts
 
     if quant == "bf16":  # a float32 model (bank float32) against its reference with bf16-rounded experts
-        ref, inj = _pair("qwen3_moe", torch.float32)
+        ref, inj = pair("qwen3_moe", torch.float32)
     else:  # a bf16 model: the bank is bf16, so q * scale is rounded to bf16 on the GPU
         ref, inj = None, build_tiny_model("qwen3_moe", dtype=torch.bfloat16)
         ktinject.inject(inj, gpu="cuda", quant="int8")

@@ -6,7 +6,7 @@
  *   int8: half -> int16 pairs (w0,w2) / (w1,w3) by shifts, vpmaddwd with broadcast (x0,x2) / (x1,x3): exact int32.
  *   int4: int4.c.
  * One register-blocked micro-kernel per type (MR rows x NB column blocks, MR * NB <= 4 so the 2 * MR * NB ymm
- * accumulators fit), driven like the AVX-512 one: decode keeps all rows of n <= 4 in one group.
+ * accumulators fit), driven by ../drive.h like the AVX-512 ones: decode keeps all rows of n <= 4 in one group.
  * Layouts: see ../../kernels.h. Called concurrently: no mutable globals, no allocation.
  */
 #include <stdint.h>
@@ -14,33 +14,13 @@
 #include <string.h>
 #include <immintrin.h>
 #include "../../kernels.h"
+#include "../drive.h"
 
 #define KTK_AI static inline __attribute__((always_inline))
 #ifndef PF_BYTES
 #define PF_BYTES 1024   /* software prefetch distance, per weight stream (0: none) */
 #endif
 #define ACC_MAX 4       /* max MR * NB */
-
-typedef void (*ktk256_micro)(const ktk_mat *w, const ktk_act *x, int b0, int t0, float *y, int64_t ldy,
-                             int mr, int nb);
-
-static void ktk256_drive(ktk256_micro micro, const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y,
-                         int64_t ldy) {
-    const int n = x->n;
-    if (n <= 0 || nb1 <= nb0) return;
-    const int groups = (n + 3) / 4;
-    const int mrtop = (n + groups - 1) / groups;
-    const int nbg = ACC_MAX / mrtop;
-    for (int b = nb0; b < nb1; b += nbg) {
-        const int nb = nb1 - b < nbg ? nb1 - b : nbg;
-        int t = 0;
-        for (int g = 0; g < groups; g++) {
-            const int mr = (n - t + (groups - g) - 1) / (groups - g);
-            micro(w, x, b, t, y + (int64_t)t * ldy + (int64_t)(b - nb0) * 16, ldy, mr, nb);
-            t += mr;
-        }
-    }
-}
 
 #define KTK256_CASES(BODY)                                                                                          \
     switch (mr * 8 + nb) {                                                                                         \
@@ -176,11 +156,11 @@ static void micro_int8(const ktk_mat *w, const ktk_act *x, int b0, int t0, float
 #pragma GCC pop_options
 
 static void gemm_bf16_avx2(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
-    ktk256_drive(micro_bf16, w, nb0, nb1, x, y, ldy);
+    ktk_drive(micro_bf16, 4, ACC_MAX, ACC_MAX, w, nb0, nb1, x, y, ldy);
 }
 
 static void gemm_int8_avx2(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
-    ktk256_drive(micro_int8, w, nb0, nb1, x, y, ldy);
+    ktk_drive(micro_int8, 4, ACC_MAX, ACC_MAX, w, nb0, nb1, x, y, ldy);
 }
 
 void ktk_avx2_gemm_int4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy); /* int4.c */

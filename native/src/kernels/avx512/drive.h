@@ -1,41 +1,17 @@
-/* Shared by the AVX-512 kernel files: the (row group, block group) driver and the (MR, NB) instantiation switch.
- * Header-only (static inline), no target attributes of its own.
+/* Shared by the AVX-512 kernel files: the (MR, NB) instantiation switch (the driver, shared with AVX2, is
+ * ../drive.h). Header-only (static inline), no target attributes of its own.
  */
 #ifndef KTK_AVX512_DRIVE_H
 #define KTK_AVX512_DRIVE_H
 #include <stdint.h>
 #include <stdlib.h>
 #include "../../kernels.h"
+#include "../drive.h"
 
 #define KTK_AI static inline __attribute__((always_inline))
 #ifndef PF_BYTES
 #define PF_BYTES 1024   /* software prefetch distance, per weight stream (0: none) */
 #endif
-
-typedef void (*ktk512_micro)(const ktk_mat *w, const ktk_act *x, int b0, int t0, float *y, int64_t ldy,
-                             int mr, int nb);
-
-/* Rows and column blocks of one (row group, block group) call: n rows are split into balanced groups of at most
- * mrmax, blocks into groups of min(nbmax, accmax / mr) so that the accumulators fit in registers. */
-static inline void ktk512_drive(ktk512_micro micro, int mrmax, int nbmax, int accmax, const ktk_mat *w, int nb0,
-                                int nb1, const ktk_act *x, float *y, int64_t ldy) {
-    const int n = x->n;
-    if (n <= 0 || nb1 <= nb0) return;
-    const int groups = (n + mrmax - 1) / mrmax;
-    const int mrtop = (n + groups - 1) / groups;
-    int nbg = accmax / mrtop;
-    if (nbg > nbmax) nbg = nbmax;
-    if (nbg < 1) nbg = 1;
-    for (int b = nb0; b < nb1; b += nbg) {
-        const int nb = nb1 - b < nbg ? nb1 - b : nbg;
-        int t = 0;
-        for (int g = 0; g < groups; g++) {
-            const int mr = (n - t + (groups - g) - 1) / (groups - g);
-            micro(w, x, b, t, y + (int64_t)t * ldy + (int64_t)(b - nb0) * 16, ldy, mr, nb);
-            t += mr;
-        }
-    }
-}
 
 /* switch (mr, nb) -> an instantiation of an always-inline body with constant MR, NB (registers, full unroll) */
 #define KTK512_CASES(BODY)                                                                                          \

@@ -8,7 +8,7 @@
  *   int8 plain:   W row -> (w0,w2) / (w1,w3) int16 pairs by shifts, vpmaddwd with (x0,x2) / (x1,x3): exact int32
  *   int4:         int4.c (direct vnni / plain, dequantization to bf16); the driver is drive.h
  * Every variant is one register-blocked micro-kernel (MR rows x NB column blocks of 16 outputs, all of K), driven
- * by one loop (ktk512_drive) that picks MR/NB from the row count: decode (n <= 4) keeps all rows in one group
+ * by one loop (ktk_drive) that picks MR/NB from the row count: decode (n <= 4) keeps all rows in one group
  * so each weight byte is read from memory once, with NB streams in flight and software prefetch.
  * Layouts: see ../../kernels.h. Called concurrently: no mutable globals, no allocation.
  */
@@ -68,7 +68,7 @@ static void micro_bf16_dp(const ktk_mat *w, const ktk_act *x, int b0, int t0, fl
 }
 
 void ktk_avx512_gemm_bf16_dp(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
-    ktk512_drive(micro_bf16_dp, 6, 4, 24, w, nb0, nb1, x, y, ldy);
+    ktk_drive(micro_bf16_dp, 6, 4, 24, w, nb0, nb1, x, y, ldy);
 }
 #pragma GCC pop_options
 
@@ -134,7 +134,7 @@ static void micro_int8_vnni(const ktk_mat *w, const ktk_act *x, int b0, int t0, 
 }
 
 void ktk_avx512_gemm_int8_vnni(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
-    ktk512_drive(micro_int8_vnni, 6, 4, 24, w, nb0, nb1, x, y, ldy);
+    ktk_drive(micro_int8_vnni, 6, 4, 24, w, nb0, nb1, x, y, ldy);
 }
 #pragma GCC pop_options
 
@@ -197,7 +197,7 @@ static void micro_bf16_plain(const ktk_mat *w, const ktk_act *x, int b0, int t0,
 }
 
 void ktk_avx512_gemm_bf16_plain(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
-    ktk512_drive(micro_bf16_plain, 6, 4, 18, w, nb0, nb1, x, y, ldy);
+    ktk_drive(micro_bf16_plain, 6, 4, 18, w, nb0, nb1, x, y, ldy);
 }
 
 /* (w0,w1,w2,w3) bytes per int32 lane -> int16 pairs (w0,w2) and (w1,w3) */
@@ -264,7 +264,7 @@ static void micro_int8_plain(const ktk_mat *w, const ktk_act *x, int b0, int t0,
 }
 
 static void gemm_int8_plain(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
-    ktk512_drive(micro_int8_plain, 6, 4, 18, w, nb0, nb1, x, y, ldy);
+    ktk_drive(micro_int8_plain, 6, 4, 18, w, nb0, nb1, x, y, ldy);
 }
 #pragma GCC pop_options
 

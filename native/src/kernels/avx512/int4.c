@@ -76,7 +76,7 @@ static void micro_int4_plain(const ktk_mat *w, const ktk_act *x, int b0, int t0,
 }
 
 void ktk_avx512_gemm_int4_plain_direct(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
-    ktk512_drive(micro_int4_plain, 4, 4, 8, w, nb0, nb1, x, y, ldy);
+    ktk_drive(micro_int4_plain, 4, 4, 8, w, nb0, nb1, x, y, ldy);
 }
 
 /* ======================= dequantization to bf16 ======================= */
@@ -185,7 +185,7 @@ static void micro_int4_vnni(const ktk_mat *w, const ktk_act *x, int b0, int t0, 
 }
 
 void ktk_avx512_gemm_int4_vnni_direct(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
-    ktk512_drive(micro_int4_vnni, 4, 4, 8, w, nb0, nb1, x, y, ldy);
+    ktk_drive(micro_int4_vnni, 4, 4, 8, w, nb0, nb1, x, y, ldy);
 }
 #pragma GCC pop_options
 
