@@ -6,7 +6,12 @@ for the duration of the call: ``_valid_auto_compile_criteria`` (true for the run
 ``get_compiled_call`` (returns the runner instead of a ``torch.compile``'d forward) and, for decode steps on the
 runner's caches, ``create_masks_for_generate`` (returns the 2D padding mask as it is: HF would otherwise build the
 4D mask on the host every step, ~10 small kernels and their Python; the model builds it inside the graph instead,
-from the runner's static copy of the 2D mask). HF then hands every decode step, and prompt chunks
+from the runner's static copy of the 2D mask). For the runner's caches the stop decision is deferred by one step
+(HF's ``DeferredStopCheck``, which HF itself enables only on "mps"): the host queues step t+1 while the device
+still runs step t, so neither HF's Python nor the graph launch (~3,000 nodes) leaves the GPU and the expert
+threads idle between tokens; a sequence stopped by EOS or a stopping criterion costs one step that is computed
+and dropped, and streamers get each token one step late. Not with ``return_dict_in_generate`` (the returned cache
+must not hold the dropped step). HF then hands every decode step, and prompt chunks
 (``prefill_chunk_size``), to the runner, which replays a graph for a bucketed decode batch and runs everything else
 eagerly. The runner (and its static caches and graphs) lives on the model, so a second call with another prompt
 length or a known batch size captures nothing.
@@ -109,6 +114,40 @@ def _needed_len(gc, prompt_len: int) -> int:
 
 
 _HOOKS = ("_valid_auto_compile_criteria", "get_compiled_call", "create_masks_for_generate")
+_DEFERRED: dict[int, object] = {}  # id(cache) -> cache: the runner caches whose stop check is deferred right now
+
+
+def _install_deferred_stop() -> bool:
+    """Let HF's ``DeferredStopCheck`` serve the caches in ``_DEFERRED`` too (once per process; every other cache
+    gets HF's own decision). False where this transformers has no deferred stop check."""
+    from transformers.generation import utils as gen_utils
+
+    base = getattr(gen_utils, "DeferredStopCheck", None)
+    if base is None:
+        return False
+    if getattr(base, "_ktinject", False):
+        return True
+
+    def ours(cache) -> bool:
+        return cache is not None and _DEFERRED.get(id(cache)) is cache
+
+    class RunnerDeferredStopCheck(base):
+        _ktinject = True
+
+        @staticmethod
+        def is_supported(device, cache, cache_is_returned, is_assistant):
+            if ours(cache) and device.type == "cuda" and not is_assistant:
+                return True
+            return base.is_supported(device, cache, cache_is_returned, is_assistant)
+
+        def __init__(self, input_ids, max_length, cache, cache_is_returned, streamer=None):
+            # a runner cache is not returned (no return_dict_in_generate): the next generate resets it, so the
+            # dropped step's K/V need no crop (a StaticCache cannot crop)
+            super().__init__(input_ids, max_length, cache, cache_is_returned and not ours(cache), streamer)
+
+    gen_utils.DeferredStopCheck = RunnerDeferredStopCheck
+    log.debug("ktinject.generate: deferred stop checks enabled for graph runner caches")
+    return True
 
 
 def _mask_hook(model, runner: GraphRunner):
@@ -137,10 +176,13 @@ def _mask_hook(model, runner: GraphRunner):
 
 
 @contextlib.contextmanager
-def _hooked(model, runner: GraphRunner):
-    """Point HF's compile hooks at ``runner`` for the runner's own caches (instance attributes, restored after)."""
+def _hooked(model, runner: GraphRunner, defer_cache=None):
+    """Point HF's compile hooks at ``runner`` for the runner's own caches (instance attributes, restored after);
+    ``defer_cache``: the call's runner cache, whose stop check is deferred by a step."""
     saved = {n: model.__dict__[n] for n in _HOOKS if n in model.__dict__}
     caches = runner.caches
+    if defer_cache is not None and _install_deferred_stop():
+        _DEFERRED[id(defer_cache)] = defer_cache
 
     def criteria(model_kwargs, generation_config):
         cache = model_kwargs.get("past_key_values")
@@ -153,6 +195,8 @@ def _hooked(model, runner: GraphRunner):
     try:
         yield
     finally:
+        if defer_cache is not None:
+            _DEFERRED.pop(id(defer_cache), None)
         for n in _HOOKS:
             model.__dict__.pop(n, None)
         model.__dict__.update(saved)
@@ -189,7 +233,8 @@ def generate(model, input_ids=None, attention_mask=None, **kwargs):
     kwargs["past_key_values"] = cache
     if runner.prefill_chunk and prompt_len > runner.prefill_chunk and gc.prefill_chunk_size is None:
         kwargs["prefill_chunk_size"] = runner.prefill_chunk
-    with _hooked(model, runner):
+    defer = cache if runner.defer_stop and runner.graphs_enabled() and not gc.return_dict_in_generate else None
+    with _hooked(model, runner, defer):
         out = _hf_generate(model, input_ids, attention_mask=attention_mask, **kwargs)
     return out[:batch] if pad else out
 

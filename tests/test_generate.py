@@ -174,3 +174,27 @@ def test_injected_model_matches_its_hf_loop():
     ref = _hf(m, ids, max_new_tokens=12, do_sample=False)
     out = ktinject.generate(m, ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(out, ref)
+
+
+def test_deferred_stop_only_for_the_calls_runner_cache():
+    """The deferred stop check serves exactly the cache registered for the running call (on CUDA); every other
+    cache, and the same cache after the call, gets Hugging Face's own decision."""
+    from transformers.generation import utils as gen_utils
+
+    from ktinject import generate as gen
+
+    if not gen._install_deferred_stop():
+        pytest.skip("this transformers has no DeferredStopCheck")
+    cls = gen_utils.DeferredStopCheck
+    assert gen._install_deferred_stop() and gen_utils.DeferredStopCheck is cls  # installed once
+    ours, other = object(), object()
+    cuda = torch.device("cuda")
+    gen._DEFERRED[id(ours)] = ours
+    try:
+        assert cls.is_supported(cuda, ours, True, is_assistant=False)
+        assert not cls.is_supported(cuda, ours, True, is_assistant=True)
+        assert not cls.is_supported(torch.device("cpu"), ours, False, is_assistant=False)
+        assert not cls.is_supported(cuda, other, False, is_assistant=False)  # HF: only "mps"
+    finally:
+        gen._DEFERRED.pop(id(ours))
+    assert not cls.is_supported(cuda, ours, True, is_assistant=False)

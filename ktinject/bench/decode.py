@@ -171,10 +171,10 @@ def fresh_ids(gen: torch.Generator, num_experts: int, k: int, batch: int, avoid:
     return torch.stack([choice[torch.randperm(len(choice), generator=gen)[:k]] for _ in range(batch)])
 
 
-def cpu_expert_time(model, batch: int, passes: int = 5) -> float:
+def cpu_expert_time(model, batch: int, passes: int = 5) -> list[float]:
     """Seconds of native routed-expert work per decode step, cache-cold: whole passes over every layer in order,
     each layer with B random tokens routed to fresh experts (none of its previous pass's where possible), one
-    synchronous forward per layer; median of ``passes`` passes after a warm-up pass."""
+    synchronous forward per layer; the times of ``passes`` passes after a warm-up pass."""
     gen = torch.Generator().manual_seed(1)
     blocks = hybrid_blocks(model)
     k = model.config.num_experts_per_tok
@@ -190,7 +190,7 @@ def cpu_expert_time(model, batch: int, passes: int = 5) -> float:
             blk.native_experts.forward(x, i, w, skip=blk.skip)
         if p:  # pass 0 warms up (first-touch of outputs, pool wake-up)
             times.append(time.perf_counter() - t0)
-    return statistics.median(times) if times else 0.0
+    return times
 
 
 def muted_replay(model, runner, batch, prompt_len, iters) -> float | None:
@@ -206,6 +206,16 @@ def muted_replay(model, runner, batch, prompt_len, iters) -> float | None:
             b.skip.copy_(s)
 
 
+def _fast_decode(model, on: bool) -> None:
+    from ktinject.operators import decode_attention
+
+    for m in model.modules():
+        if on and type(m).__name__ in decode_attention.SUPPORTED:
+            decode_attention.install(m)
+        elif not on:
+            decode_attention.uninstall(m)
+
+
 def _compare_rows(model, prompt, new_tokens: int, rows: list) -> None:
     """Graph decode (through generate, and bare replay) with one speed-up undone at a time (each captures anew)."""
     from ktinject import native
@@ -219,6 +229,10 @@ def _compare_rows(model, prompt, new_tokens: int, rows: list) -> None:
         ("HF's sdpa attention (repeat_kv before 5.23)", lambda: model.set_attn_implementation("sdpa"),
          lambda: model.set_attn_implementation(attn), {}),
         ("4D masks built by HF every step", lambda: None, lambda: None, {"own_masks": False}),
+        ("HF's stop check every step (host waits for each token)", lambda: None, lambda: None,
+         {"defer_stop": False}),
+        ("HF's attention forward for decode steps (fast_decode off)", lambda: _fast_decode(model, False),
+         lambda: _fast_decode(model, True), {}),
         ("pool watch spin off", lambda: setattr(pool, "watch_spin_us", 0),
          lambda: setattr(pool, "watch_spin_us", spin), {}),
     ]
@@ -342,7 +356,8 @@ def run(args) -> list[tuple[str, str, str, str]]:
         eager = ktinject_decode(model, prompt, args.tokens, graphs=False)
         _add(rows, ("ktinject eager", _fmt_rate(B / eager["s_per_token"]), _fmt_ms(eager["s_per_token"]),
                      "ktinject.generate, no graph"))
-        step = mute = None
+        step = mute = graph = None
+        cpu_times = cpu_expert_time(model, B)  # before and after the graph rows: the host's load drifts
         if device.type == "cuda":
             graph = ktinject_decode(model, prompt, args.tokens, graphs=True)
             r = graph["runner"]
@@ -370,10 +385,17 @@ def run(args) -> list[tuple[str, str, str, str]]:
                 _compare_rows(model, prompt, args.tokens, rows)
         else:
             _add(rows, ("ktinject graph", "n/a", "", "no CUDA"))
-        cpu_s = cpu_expert_time(model, B)
+        cpu_times += cpu_expert_time(model, B)
+        cpu_s = statistics.median(cpu_times)
         _add(rows, ("split: CPU experts alone", "", _fmt_ms(cpu_s),
                      "native forward per layer, synchronous; whole passes over the layers, fresh experts each pass "
-                     "(cache-cold), median of 5"))
+                     f"(cache-cold), median of {len(cpu_times)} passes (half before, half after the graph rows; "
+                     f"range {min(cpu_times) * 1e3:.2f}-{max(cpu_times) * 1e3:.2f} ms)"))
+        if graph is not None and cpu_s > 0:
+            over = [f"bare replay {100 * (step / cpu_s - 1):+.1f}%"] if step is not None else []
+            _add(rows, ("coordination overhead: graph decode / CPU experts alone - 1", "",
+                        f"{100 * (graph['s_per_token'] / cpu_s - 1):+.1f}%",
+                        "through ktinject.generate (target: under 10%); " + "; ".join(over)))
         _add(rows, ("split: GPU + handshakes (experts muted)", "", _fmt_ms(mute), "graph replay, all experts skipped"))
         _add(rows, ("split: waiting for the CPU", "", _fmt_ms(None if step is None or mute is None else step - mute),
                      "bare replay - muted replay"))

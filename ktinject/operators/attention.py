@@ -7,7 +7,9 @@ model; so ``build`` only moves the module, and ``inject`` applies the implementa
 ``implementation``: ``sdpa`` (default: SDPA unless the model already uses something at least as good, i.e. a
 flash or flex kernel), ``eager``, ``flash_attention_2``, ``flash_attention_3``, ``flex_attention``, or ``keep``
 (leave the model's setting alone); ``fuse_norms`` (default true): the RMSNorms inside the attention module (q/k
-norms, MLA norms) become one ``torch.rms_norm`` kernel each (``ktinject.operators.norm``). Models that do not support SDPA (gpt-oss: attention sinks) keep their setting
+norms, MLA norms) become one ``torch.rms_norm`` kernel each (``ktinject.operators.norm``); ``fast_decode`` (default true):
+modules of the standard grouped-query classes get a decode-step forward with fewer GPU kernels
+(``ktinject.operators.decode_attention``; other steps and classes run HF's forward). Models that do not support SDPA (gpt-oss: attention sinks) keep their setting
 when ``sdpa`` is asked for, with an info message.
 
 ``sdpa`` installs ``ktinject_sdpa`` (registered with transformers' AttentionInterface and AttentionMaskInterface on
@@ -51,7 +53,7 @@ def _implementation(kwargs: Mapping[str, Any], name: str) -> str:
 class AttentionOperator(Operator):
     """Place an attention module on ``device``; the model-wide kernel choice is made by inject."""
 
-    kwargs_allowed = frozenset({"implementation", "fuse_norms"})
+    kwargs_allowed = frozenset({"implementation", "fuse_norms", "fast_decode"})
 
     @classmethod
     def check(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> None:
@@ -61,9 +63,9 @@ class AttentionOperator(Operator):
                 f"attention: module {name!r} ({cname}) is not a transformers attention module (expected a class "
                 f"named *Attention with a layer_idx, e.g. Qwen3MoeAttention); match the self_attn modules")
         _implementation(kwargs, name)
-        if not isinstance(kwargs.get("fuse_norms", True), bool):
-            raise OperatorError(f"attention: fuse_norms for {name!r} must be true or false, got "
-                                f"{kwargs['fuse_norms']!r}")
+        for key in ("fuse_norms", "fast_decode"):
+            if not isinstance(kwargs.get(key, True), bool):
+                raise OperatorError(f"attention: {key} for {name!r} must be true or false, got {kwargs[key]!r}")
 
     @classmethod
     def placement(cls, module: nn.Module, kwargs: Mapping[str, Any], device: torch.device) -> dict[str, int]:
@@ -76,6 +78,10 @@ class AttentionOperator(Operator):
             from ktinject.operators.norm import fuse_children
 
             fuse_children(module)
+        if kwargs.get("fast_decode", True):  # one-token steps with fewer GPU kernels (operators/decode_attention.py)
+            from ktinject.operators import decode_attention
+
+            decode_attention.install(module)
         return module
 
 

@@ -151,6 +151,46 @@ def test_sampling_reproducible(models):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], eager)
 
 
+class _Recorder:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value):
+        self.tokens.append(value.detach().cpu().reshape(-1).clone())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_deferred_stop_on_eos(models, streamed):
+    """Stopping on EOS with the stop check deferred a step: the same tokens as the synchronous check and eager
+    decode, the dropped step's token neither returned nor streamed, and exactly one replay more."""
+    _, _, inj = models
+    ids, mask = _prompts(1, 8, seed=11)
+    free, _ = _generate(inj, ids, mask, graphs=True)
+    eos = int(free[0, ids.shape[1] + 9])  # a token generated at step 10: stop there (or earlier where it repeats)
+    results = {}
+    for name, kw in {"deferred": dict(use_graphs=True), "sync": dict(use_graphs=True, defer_stop=False),
+                     "eager": dict(use_graphs=False)}.items():
+        runner = get_runner(inj, **kw)
+        rec = _Recorder() if streamed else None
+        out = ktinject.generate(inj, ids, attention_mask=mask, max_new_tokens=N, do_sample=False, pad_token_id=0,
+                                eos_token_id=eos, streamer=rec)
+        results[name] = (out, rec, runner.stats.replays)
+    out, rec, replays = results["deferred"]
+    steps = out.shape[1] - ids.shape[1]
+    assert int(out[0, -1]) == eos and steps <= 10
+    assert torch.equal(out, results["sync"][0]) and torch.equal(out, results["eager"][0])
+    assert replays == steps and results["sync"][2] == steps - 1  # one step computed and dropped
+    if streamed:
+        assert rec.ended and torch.equal(torch.cat(rec.tokens), out[0].cpu())
+        assert torch.equal(torch.cat(results["sync"][1].tokens), out[0].cpu())
+    get_runner(inj, use_graphs=True)
+
+
 # ---- StreamExperts alone ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def experts():
