@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import logging
 
 import torch
@@ -140,10 +141,18 @@ def _install_deferred_stop() -> bool:
                 return True
             return base.is_supported(device, cache, cache_is_returned, is_assistant)
 
-        def __init__(self, input_ids, max_length, cache, cache_is_returned, streamer=None):
+        def __init__(self, *args, **kwargs):
             # a runner cache is not returned (no return_dict_in_generate): the next generate resets it, so the
-            # dropped step's K/V need no crop (a StaticCache cannot crop)
-            super().__init__(input_ids, max_length, cache, cache_is_returned and not ours(cache), streamer)
+            # dropped step's K/V need no crop (a StaticCache cannot crop). Arguments as HF's (bound by name, so a
+            # changed signature only loses this adjustment)
+            try:
+                bound = inspect.signature(base.__init__).bind(self, *args, **kwargs)
+            except TypeError:
+                bound = None
+            if bound is not None and ours(bound.arguments.get("cache")) and "cache_is_returned" in bound.arguments:
+                bound.arguments["cache_is_returned"] = False
+                args, kwargs = bound.args[1:], bound.kwargs
+            super().__init__(*args, **kwargs)
 
     gen_utils.DeferredStopCheck = RunnerDeferredStopCheck
     log.debug("ktinject.generate: deferred stop checks enabled for graph runner caches")

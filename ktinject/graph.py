@@ -118,9 +118,9 @@ class GraphRunner:
     (False: HF builds it on the host every step, as before); ``graph_pieces``: the step is captured as this many
     graphs cut at decoder-layer boundaries and replayed in order, so the GPU starts while the host still launches
     the later pieces (default 1: one graph; on the H100 machine 4 pieces measured 48.4 vs 47.4 ms/token through
-    generate, within that shared host's run-to-run noise, so no gain shown); ``defer_stop``: ``ktinject.generate``
-reads the stop decision one step late so the host queues the next step while the device runs this one (False:
-HF's per-step synchronisation)."""
+    generate, within that shared host's run-to-run noise, so no gain shown); ``defer_stop``:
+    ``ktinject.generate`` reads the stop decision one step late so the host queues the next step while the device
+    runs this one (False: HF's per-step synchronisation)."""
 
     def __init__(self, model, buckets=(1, 2, 4, 8), max_cache_len: int | None = None,
                  prefill_chunk: int | None = 2048, use_graphs: bool | None = None, pad_batches: bool | None = None,

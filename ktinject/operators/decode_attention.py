@@ -4,19 +4,22 @@ With the routed experts on the CPU, each layer's GPU work before the experts' "g
 step's critical path (the expert threads wait for it), so every kernel there costs time per token. For one query
 token (S == 1) this forward computes what the HF module computes, with:
 
-- q, k and v projected by one matrix multiplication (their weights concatenated once; the Linear modules keep
-  theirs, so state-dict keys, hooks and loading are unchanged; a changed weight is noticed and re-concatenated);
+- q, k and v projected by one matrix multiplication: at the first decode step their weights (and biases) are
+  moved into one buffer and the three Linear modules' parameters become views of it (no second copy; state-dict
+  keys unchanged; an in-place load writes into the buffer; a parameter replaced by a new tensor is noticed and
+  joined again - graphs captured before then still read the old one, as with any replaced parameter);
 - per-head q/k RMSNorms as one unweighted ``torch.rms_norm`` over both and one multiplication by their stacked
   weights (HF: weight * normalized.to(dtype), the same order);
 - rotary embedding of q and k together in three kernels: ``rotate_half(x) * sin == roll(x, D/2) * (sign * sin)``
   with sign = (-1 for the first half, +1 for the second), so ``x * cos + roll(x) * (sign * sin)`` (an addcmul);
 - attention over the static cache without a K/V copy: the query heads of a KV head are that head's rows, scores
   in float32 (``bmm`` with ``out_dtype`` on CUDA), masked, softmax in float32, probabilities in the value dtype
-  (what SDPA's flash kernels do). cuDNN's SDPA took 30 us per layer at a 1024-token cache and 86 us at 4096 on
+  (what SDPA's flash kernels do; on the CPU, which has no float32-output ``bmm``, float32 copies of K and V). cuDNN's SDPA took 30 us per layer at a 1024-token cache and 86 us at 4096 on
   the H100 machine, this 20 us at both (tests/gpu/probe_ops.py).
 
-Everything else (prefill, S > 1, output_attentions, training, partial rotary, a sliding window, masks that are not
-[B, 1, 1, L] tensors) runs the module's own forward. Installed per module by the attention operator
+Everything else runs the module's own forward: prefill (S > 1), output_attentions, training, autograd through the
+projections, hooks on or replaced q/k/v projections or norms, partial rotary, a sliding window without a mask,
+masks that are not [B, 1, 1, L] tensors. Installed per module by the attention operator
 (``fast_decode``, default true) for the classes in ``SUPPORTED``, whose HF forward is exactly q/k/v projection,
 optional per-head q/k norm, full rotary embedding, cache update, attention, o_proj.
 Legend: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim, L cache length.
@@ -92,41 +95,83 @@ def installed(module: nn.Module) -> bool:
     return _HF_FORWARD in module.__dict__
 
 
-def _state(module: nn.Module, norms) -> dict:
-    """Concatenated q/k/v weight (and bias), stacked q/k norm weights: rebuilt when a source tensor changed."""
-    srcs = [module.q_proj.weight, module.k_proj.weight, module.v_proj.weight]
-    if module.q_proj.bias is not None:
-        srcs += [module.q_proj.bias, module.k_proj.bias, module.v_proj.bias]
-    if norms:
-        srcs += [norms[0].weight, norms[1].weight]
-    key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in srcs)
-    st = module.__dict__.get(_STATE)
-    if st is not None and st["key"] == key:
-        return st
+_PROJ = ("q_proj", "k_proj", "v_proj")
+
+
+def _views_of(buf: torch.Tensor | None, tensors) -> bool:
+    """True when ``tensors`` lie back to back at the start of ``buf`` (the joined q/k/v weights or biases)."""
+    if buf is None:
+        return False
+    offset = 0
+    for t in tensors:
+        if t.device != buf.device or t.dtype != buf.dtype or t.data_ptr() != buf.data_ptr() + offset * buf.element_size():
+            return False
+        offset += t.numel()
+    return offset == buf.numel()
+
+
+def _join(projs, attr: str) -> torch.Tensor:
+    """Move the projections' ``attr`` tensors into one buffer; the parameters become views of it."""
+    params = [getattr(p, attr) for p in projs]
     with torch.no_grad():
+        buf = torch.cat([t.detach() for t in params])
+    offset = 0
+    for p, t in zip(projs, params):
+        view = buf[offset: offset + t.shape[0]]
+        setattr(p, attr, nn.Parameter(view, requires_grad=t.requires_grad))
+        offset += t.shape[0]
+    return buf
+
+
+def _state(module: nn.Module) -> dict:
+    """The joined q/k/v weight (and bias), joined again when a projection's parameter was replaced."""
+    projs = [getattr(module, n) for n in _PROJ]
+    st = module.__dict__.get(_STATE)
+    if st is None or not _views_of(st["w"], [p.weight for p in projs]) or (
+            st["b"] is not None and not _views_of(st["b"], [p.bias for p in projs])):
         D = module.head_dim
-        hq, hk = module.q_proj.out_features // D, module.k_proj.out_features // D
-        st = {"key": key, "hq": hq, "hk": hk,
-              "w": torch.cat(srcs[:3]).detach(),
-              "b": torch.cat(srcs[3:6]).detach() if module.q_proj.bias is not None else None,
-              "sign": torch.cat([torch.full((D // 2,), -1.0), torch.ones(D - D // 2)]).to(srcs[0])}
-        if norms:
-            st["norm_w"] = torch.cat([norms[0].weight.detach().expand(hq, D), norms[1].weight.detach().expand(hk, D)])
-    module.__dict__[_STATE] = st
+        if st is not None:
+            log.info("decode attention: layer %s: q/k/v parameters were replaced; joining them again",
+                     module.layer_idx)
+        st = {"hq": projs[0].out_features // D, "hk": projs[1].out_features // D,
+              "w": _join(projs, "weight"), "b": _join(projs, "bias") if projs[0].bias is not None else None}
+        st["sign"] = torch.cat([torch.full((D // 2,), -1.0), torch.ones(D - D // 2)]).to(st["w"])
+        module.__dict__[_STATE] = st
     return st
 
 
-def _fallback_reason(module, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs):
-    if hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or module.training or past_key_values is None:
-        return True
-    if kwargs.get("output_attentions") or getattr(module, "sliding_window", None) is not None:
-        return True
+def _plain(mod: nn.Module) -> bool:
+    """No hooks and no instance forward: calling the module is calling its class's forward."""
+    return not (mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__)
+
+
+def _fallback_reason(module, hidden_states, position_embeddings, attention_mask, past_key_values,
+                     kwargs) -> str | None:
+    """Why this call runs HF's forward, or None for the decode path."""
+    if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
+        return "not one query token"
+    if module.training or past_key_values is None or kwargs.get("output_attentions"):
+        return "training, no cache or output_attentions"
+    window = getattr(module, "sliding_window", None) or getattr(getattr(module, "config", None), "sliding_window",
+                                                                 None)
+    if window is not None and attention_mask is None:
+        return "a sliding window with no mask to carry it"
     if position_embeddings is None or position_embeddings[0].shape[-1] != module.head_dim:
-        return True  # partial rotary (GLM-4.5) or no rotary
+        return "partial or no rotary embedding"
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4
                                        or attention_mask.shape[1] != 1 or attention_mask.shape[2] != 1):
-        return True
-    return hidden_states.dtype != module.q_proj.weight.dtype
+        return "a mask that is not [B, 1, 1, L]"
+    projs = [getattr(module, n) for n in _PROJ]
+    if any(type(p) is not nn.Linear or not _plain(p) for p in projs):
+        return "a q/k/v projection that is not a plain nn.Linear (subclass, hook or own forward)"
+    norms = _qk_norms(module)
+    if norms is False or (norms and not all(_plain(n) and n.weight.dtype == hidden_states.dtype for n in norms[:2])):
+        return "q/k norms changed, hooked or in another dtype"
+    if torch.is_grad_enabled() and any(p.weight.requires_grad for p in projs):
+        return "autograd through the projections"
+    if any(p.weight.dtype != hidden_states.dtype for p in projs):
+        return "projection weights in another dtype"
+    return None
 
 
 _BMM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch.bmm(..., out_dtype=float32) works
@@ -155,12 +200,13 @@ def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
         return hf(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                   past_key_values=past_key_values, **kwargs)
     norms = _qk_norms(self)
-    st = _state(self, norms)
+    st = _state(self)
     B, D, hq, hk = hidden_states.shape[0], self.head_dim, st["hq"], st["hk"]
     qkv = F.linear(hidden_states, st["w"], st["b"]).view(B, hq + 2 * hk, D)  # [B, Hq + 2 Hkv, D]
     qk = qkv[:, : hq + hk]
-    if norms:
-        qk = torch.rms_norm(qk, (D,), None, norms[2]) * st["norm_w"]
+    if norms:  # HF: weight * normalized.to(dtype); the stacked weights are made per call (always current)
+        norm_w = torch.cat([norms[0].weight.expand(hq, D), norms[1].weight.expand(hk, D)])
+        qk = torch.rms_norm(qk, (D,), None, norms[2]) * norm_w
     cos, sin = position_embeddings  # [B, 1, D]
     cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)
     qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin * st["sign"])  # [B, Hq + Hkv, D]
@@ -168,13 +214,19 @@ def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     v_new = qkv[:, hq + hk:].unsqueeze(2)
     keys, values = past_key_values.update(k_new, v_new, self.layer_idx)  # [B, Hkv, L, D]
     L = keys.shape[2]
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., :L]  # as HF's sdpa: a mask may be longer than the keys
     G = hq // hk
     q = qk[:, :hq].reshape(B * hk, G, D)
     s = _scores(q, keys.reshape(B * hk, L, D)).view(B, hk, G, L).mul_(self.scaling)  # float32
     if attention_mask is not None:
         s = torch.where(attention_mask, s, float("-inf")) if attention_mask.dtype == torch.bool else s + attention_mask
     p = torch.softmax(s, dim=-1)
-    out = torch.bmm(p.to(values.dtype).view(B * hk, G, L), values.reshape(B * hk, L, D))  # [B Hkv, G, D]
+    v = values.reshape(B * hk, L, D)
+    if _BMM_OUT_DTYPE.get(q.device.type, False) or values.dtype == torch.float32:  # probabilities in V's dtype,
+        out = torch.bmm(p.to(values.dtype).view(B * hk, G, L), v)  # as flash kernels do  [B Hkv, G, D]
+    else:  # no float32-output bmm here (the CPU): float32 throughout, as the CPU's SDPA kernels
+        out = torch.bmm(p.view(B * hk, G, L), v.float()).to(values.dtype)
     return self.o_proj(out.view(B, 1, hq * D)), None
 
 
