@@ -112,9 +112,14 @@ def ktinject_decode(model, prompt, new_tokens: int, graphs: bool, **runner_kwarg
     return {"s_per_token": (tn - t1) / new_tokens, "runner": runner}
 
 
+def _decode_graph(runner, batch: int):
+    """The runner's captured decode graph for ``batch`` rows, or None."""
+    return next((g for k, g in runner.graphs.items() if k[0] == batch and g is not None), None)
+
+
 def graph_replay(runner, batch: int, prompt_len: int, iters: int) -> float | None:
     """Seconds per bare replay of the decode graph of ``batch`` (no HF loop), or None without one."""
-    entry = next((g for k, g in runner.graphs.items() if k[0] == batch and g is not None), None)
+    entry = _decode_graph(runner, batch)
     if entry is None:
         return None
     cache = runner.caches[batch]
@@ -137,7 +142,7 @@ def graph_replay(runner, batch: int, prompt_len: int, iters: int) -> float | Non
 def paired_overhead(model, runner, batch: int, prompt_len: int, pairs: int = 9, replays: int = 4):
     """(median, [ratios]) of bare replay time / CPU experts alone, each ratio from one CPU pass and ``replays``
     replays taken back to back, so that the shared host's drifting load cancels in each pair."""
-    entry = next((g for k, g in runner.graphs.items() if k[0] == batch and g is not None), None)
+    entry = _decode_graph(runner, batch)
     if entry is None:
         return None, []
     ratios = []

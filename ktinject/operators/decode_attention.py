@@ -145,9 +145,9 @@ def _plain(mod: nn.Module) -> bool:
     return not (mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__)
 
 
-def _fallback_reason(module, hidden_states, position_embeddings, attention_mask, past_key_values,
-                     kwargs) -> str | None:
-    """Why this call runs HF's forward, or None for the decode path."""
+def _fallback_reason(module, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
+                     norms) -> str | None:
+    """Why this call runs HF's forward, or None for the decode path (``norms``: ``_qk_norms(module)``)."""
     if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
         return "not one query token"
     if module.training or past_key_values is None or kwargs.get("output_attentions"):
@@ -164,7 +164,6 @@ def _fallback_reason(module, hidden_states, position_embeddings, attention_mask,
     projs = [getattr(module, n) for n in _PROJ]
     if any(type(p) is not nn.Linear or not _plain(p) for p in projs):
         return "a q/k/v projection that is not a plain nn.Linear (subclass, hook or own forward)"
-    norms = _qk_norms(module)
     if norms is False or (norms and not all(_plain(n) and n.weight.dtype == hidden_states.dtype for n in norms[:2])):
         return "q/k norms changed, hooked or in another dtype"
     if torch.is_grad_enabled() and any(p.weight.requires_grad for p in projs):
@@ -196,10 +195,10 @@ def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
                    past_key_values=None, **kwargs):
     """The module's forward for one query token (see the module docstring); anything else: HF's forward."""
     hf = self.__dict__[_HF_FORWARD]
-    if _fallback_reason(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs):
+    norms = _qk_norms(self)
+    if _fallback_reason(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs, norms):
         return hf(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                   past_key_values=past_key_values, **kwargs)
-    norms = _qk_norms(self)
     st = _state(self)
     B, D, hq, hk = hidden_states.shape[0], self.head_dim, st["hq"], st["hk"]
     qkv = F.linear(hidden_states, st["w"], st["b"]).view(B, hq + 2 * hk, D)  # [B, Hq + 2 Hkv, D]
