@@ -202,6 +202,42 @@ def test_deterministic_across_thread_counts():
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+DECODE_CASES = [  # E, H, I, T, k, routing, skip, dtypes...: every expert <= 4 rows (the decode path)
+    (16, 200, 100, 1, 8, "random", None, "bf16", "f32", "bf16", "f32"),    # 8 one-row experts: gemv groups of 8
+    (40, 130, 70, 1, 12, "random", "some", "f32", "bf16", "f32", "bf16"),  # 12: a group of 8, then the rest
+    (12, 96, 80, 3, 8, "few_experts", None, "bf16", "f32", "f32", "f32"),  # one- and multi-row experts mixed
+    (8, 2048, 768, 1, 8, "random", None, "bf16", "f32", "bf16", "f32"),    # Qwen3-30B-A3B layer shapes
+]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("ci", range(len(DECODE_CASES)))
+def test_decode_path_equals_item_path(use_isa, monkeypatch, isa, quant, ci):
+    """Few-row forwards run the gemv decode path (chunks claimed per thread, gate+up and groups of down matrices
+    streamed together): bitwise the same output as the item path (KTINJECT_GEMV=0 / 1), on 1 and 3 threads."""
+    use_isa(isa)
+    ex, hidden, ids, weights, skip, od, _, biases = make_problem(DECODE_CASES[ci], 300 + ci, "bf16", bias=ci == 1)
+    if quant != "bf16":
+        q = kn.Experts(ex.num_experts, ex.hidden, ex.intermediate, quant=quant, bias=ci == 1,
+                       **({"group_size": 32} if quant == "int4" else {}))
+        for e in range(ex.num_experts):
+            for m in ("gate", "up", "down"):
+                q.set(e, m, ex.get(e, m))
+            for m, b in zip(("gate", "up", "down"), biases[e] if biases else ()):
+                q.set_bias(e, m, b)
+        ex = q
+    outs = []
+    for gemv in ("0", "1"):  # 1: the gemv path even where the table does not use it by default (AVX-512)
+        monkeypatch.setenv("KTINJECT_GEMV", gemv)
+        for n in (1, 3):
+            with kn.Pool(n) as pool:
+                outs.append(run(ex, hidden, ids, weights, skip, od, pool=pool))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    ref = reference(stored(ex), biases, hidden, ids, weights, skip, "int8" if quant != "bf16" else "bf16")
+    assert rel(outs[-1], ref) < (TOL_REF_F32 if od == torch.float32 else TOL_REF_BF16)
+
+
 def test_from_hf_matches_set_and_transformers_layout():
     E, H, I = 5, 40, 24
     g = torch.Generator().manual_seed(3)

@@ -13,6 +13,15 @@
  * so the kernel may dequantize the weights to bf16 for many rows (kernels.h; the ISA picks by row count).
  * Block sizes give >= ITEMS_PER_THREAD items per thread where possible: 1 token x 8 experts has 8 experts x
  * (I/16/cw) gate/up items and (H/16/cw) down items; thousands of tokens split into RT-row and TC-token chunks.
+ *
+ * Decode (every expert <= DECODE_ROWS rows, T <= TC, and the kernels have a gemv for the quant): the two phases
+ * run one loop per thread that claims chunks of units (gate/up: (expert, block of 16 outputs of I); down: blocks of
+ * 16 columns of H) from a shared counter, guided: rem / (2 threads) units, at most CWMAX, at least 1, so every
+ * thread finishes within about one small chunk of the others (fixed items of 1/4-1/8 of a thread's share left up to
+ * 17% of a phase to the slowest thread). An expert with one row runs gate and up as one gemv (2 matrices), and the
+ * down matrices of up to KTK_GEMV_MAX consecutive one-row experts as one gemv: 8-16 weight streams per thread
+ * instead of <= 4. Same arithmetic (gemv is bit-identical to gemm with one row), same summation order.
+ * Where the kernel table says so (gemv_default: measured faster there); KTINJECT_GEMV=0/1 overrides (tests, A/B).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -25,6 +34,7 @@
 #define CWMAX 8               /* 16-column blocks per item at most (128 columns) */
 #define ITEMS_PER_THREAD 4
 #define GATHER_ROWS 32
+#define DECODE_ROWS 4         /* decode path: every expert at most this many rows */
 
 typedef struct { int32_t a, r0, r1, cb0, cb1; } gu_item; /* active expert index, rows, column blocks */
 
@@ -48,6 +58,10 @@ typedef struct {
     gu_item *gu;
     int64_t ngu;
     int cw_gu, cw_dn, ntc;
+    ktk_gemv_fn gemv;                  /* decode path (NULL: the item path) */
+    int nt;                            /* pool threads */
+    _Alignas(64) _Atomic int64_t next; /* decode path: next unclaimed unit of the phase (own cache line) */
+    char pad_next[56];
 } fctx;
 
 static size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -105,17 +119,21 @@ static int choose_cw(int64_t row_chunks, int units, int threads) {
 }
 
 static int plan(fctx *c) {
-    const int nt = ktki_pool_threads(c->pool);
+    const int nt = c->nt;
     int64_t chunks = 0;
     for (int a = 0; a < c->A; a++) chunks += (c->off[a + 1] - c->off[a] + RT - 1) / RT;
     c->cw_gu = choose_cw(chunks, c->UI, nt);
     c->ntc = (c->T + TC - 1) / TC;
     c->cw_dn = choose_cw(c->ntc, c->UH, nt);
+    if (c->gemv) {   /* decode: chunks of at most CWMAX blocks (scratch sizes below) */
+        c->cw_gu = CWMAX < c->UI ? CWMAX : c->UI;
+        c->cw_dn = CWMAX < c->UH ? CWMAX : c->UH;
+    }
     const int ngroups = (c->UI + c->cw_gu - 1) / c->cw_gu;
     c->gu = ktki_scratch(c->pool, KTKI_SCR_ITEMS, (size_t)(chunks * ngroups + 1) * sizeof(gu_item));
     if (!c->gu) return 0;
     c->ngu = 0;
-    for (int a = 0; a < c->A; a++)
+    for (int a = 0; a < (c->gemv ? 0 : c->A); a++)
         for (int g = 0; g < ngroups; g++)
             for (int r0 = c->off[a]; r0 < c->off[a + 1]; r0 += RT) {
                 int r1 = r0 + RT < c->off[a + 1] ? r0 + RT : c->off[a + 1];
@@ -220,19 +238,24 @@ static inline float activation(const fctx *c, float g, float u) {
     return g / (1.0f + expf(-c->alpha * g)) * (u + 1.0f);
 }
 
-static void gate_up_item(void *ctx, int64_t item, int tid) {
-    fctx *c = ctx;
-    const gu_item it = c->gu[item];
-    const int e = c->act_e[it.a], bw = (it.cb1 - it.cb0) * 16;
+/* Gate/up of expert a (active index), rows [r0, r1), blocks [cb0, cb1) -> h; gs, us: the thread's scratch. */
+static void gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1, float *gs, float *us, int tid) {
+    const int e = c->act_e[a], bw = (cb1 - cb0) * 16;
     const ktk_mat g = ktki_expert_mat(c->ex, e, KTK_MAT_GATE), u = ktki_expert_mat(c->ex, e, KTK_MAT_UP);
     const float *bg = ktki_expert_bias(c->ex, e, KTK_MAT_GATE), *bu = ktki_expert_bias(c->ex, e, KTK_MAT_UP);
-    float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)RT * bw;
-    ktk_act x = rows_of(c, 0, it.r0, it.r1, tid);
-    c->gemm(&g, it.cb0, it.cb1, &x, gs, bw);
-    c->gemm(&u, it.cb0, it.cb1, &x, us, bw);
-    const int j0 = it.cb0 * 16, j1 = it.cb1 * 16 < c->I ? it.cb1 * 16 : c->I, last = it.cb1 * 16 >= c->I;
-    for (int r = it.r0; r < it.r1; r++) {
-        const float *gr = gs + (int64_t)(r - it.r0) * bw - j0, *ur = us + (int64_t)(r - it.r0) * bw - j0;
+    ktk_act x = rows_of(c, 0, r0, r1, tid);
+    if (c->gemv && r1 - r0 == 1) {   /* gate and up streamed together */
+        const ktk_mat *w[2] = {&g, &u};
+        const ktk_act *xs[2] = {&x, &x};
+        float *ys[2] = {gs, us};
+        c->gemv(2, w, cb0, cb1, xs, ys);
+    } else {
+        c->gemm(&g, cb0, cb1, &x, gs, bw);
+        c->gemm(&u, cb0, cb1, &x, us, bw);
+    }
+    const int j0 = cb0 * 16, j1 = cb1 * 16 < c->I ? cb1 * 16 : c->I, last = cb1 * 16 >= c->I;
+    for (int r = r0; r < r1; r++) {
+        const float *gr = gs + (int64_t)(r - r0) * bw - j0, *ur = us + (int64_t)(r - r0) * bw - j0;
         if (c->a8) {
             float *hr = c->hf + (int64_t)r * c->I;
             for (int j = j0; j < j1; j++)
@@ -244,6 +267,45 @@ static void gate_up_item(void *ctx, int64_t item, int tid) {
             hr[j] = ktk_f32_to_bf16(activation(c, gr[j] + (bg ? bg[j] : 0.0f), ur[j] + (bu ? bu[j] : 0.0f)));
         if (last) memset(hr + c->I, 0, (size_t)(c->KpI - c->I) * 2);
     }
+}
+
+static void gate_up_item(void *ctx, int64_t item, int tid) {
+    fctx *c = ctx;
+    const gu_item it = c->gu[item];
+    float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)RT * (it.cb1 - it.cb0) * 16;
+    gate_up_run(c, it.a, it.r0, it.r1, it.cb0, it.cb1, gs, us, tid);
+}
+
+/* Decode path: the next chunk of [0, total) units, guided (see the header); 0 when none is left. */
+static int claim(fctx *c, int64_t total, int maxc, int64_t *u0, int64_t *u1) {
+    int64_t cur = atomic_load_explicit(&c->next, memory_order_relaxed);
+    for (;;) {
+        if (cur >= total) return 0;
+        int64_t n = (total - cur) / (2 * (int64_t)c->nt);
+        n = n < 1 ? 1 : n > maxc ? maxc : n;
+        if (n > total - cur) n = total - cur;
+        if (atomic_compare_exchange_weak_explicit(&c->next, &cur, cur + n, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+            *u0 = cur;
+            *u1 = cur + n;
+            return 1;
+        }
+    }
+}
+
+/* Decode path, gate/up: one call per thread; units (expert a, block b) = a * UI + b, a chunk split at experts. */
+static void gate_up_decode(void *ctx, int64_t item, int tid) {
+    fctx *c = ctx;
+    (void)item;
+    float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)DECODE_ROWS * c->cw_gu * 16;
+    int64_t u0, u1;
+    while (claim(c, (int64_t)c->A * c->UI, c->cw_gu, &u0, &u1))
+        for (int64_t u = u0; u < u1;) {
+            const int a = (int)(u / c->UI), cb0 = (int)(u % c->UI);
+            const int cb1 = u1 - u < c->UI - cb0 ? cb0 + (int)(u1 - u) : c->UI;
+            gate_up_run(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
+            u += cb1 - cb0;
+        }
 }
 
 static void quantize_h_item(void *ctx, int64_t item, int tid) {
@@ -278,27 +340,46 @@ static void accumulate(const fctx *c, const float *y, int bw, int jn, const floa
     }
 }
 
-static void down_item(void *ctx, int64_t item, int tid) {
-    fctx *c = ctx;
-    const int grp = (int)(item / c->ntc), tc = (int)(item % c->ntc);
-    const int cb0 = grp * c->cw_dn, cb1 = cb0 + c->cw_dn < c->UH ? cb0 + c->cw_dn : c->UH, bw = (cb1 - cb0) * 16;
-    const int j0 = cb0 * 16, jn = (cb1 * 16 < c->H ? cb1 * 16 : c->H) - j0;
-    const int t0 = tc * TC, t1 = t0 + TC < c->T ? t0 + TC : c->T;
-    float *y = ktki_thread_scratch(c->pool, tid), *acc = y + (int64_t)RT * bw;
+/* Down for column blocks [cb0, cb1) and tokens [t0, t1): every active expert in ascending order, then out. The
+ * decode path runs consecutive one-row experts (at most KTK_GEMV_MAX) as one gemv, then accumulates them in the same
+ * order. y, acc: the thread's scratch (y: RT rows x bw; acc: (t1 - t0) x bw). */
+static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, float *acc, int tid) {
+    const int bw = (cb1 - cb0) * 16, j0 = cb0 * 16, jn = (cb1 * 16 < c->H ? cb1 * 16 : c->H) - j0;
     memset(acc, 0, (size_t)(t1 - t0) * bw * sizeof(float));
-    for (int a = 0; a < c->A; a++) {
-        const int e = c->act_e[a];
+    for (int a = 0; a < c->A;) {
         const int lo = lower_bound(c->tok, c->off[a], c->off[a + 1], t0);
         const int hi = lower_bound(c->tok, lo, c->off[a + 1], t1);
-        if (lo == hi) continue;
-        const ktk_mat d = ktki_expert_mat(c->ex, e, KTK_MAT_DOWN);
-        const float *bd = ktki_expert_bias(c->ex, e, KTK_MAT_DOWN);
-        for (int r0 = lo; r0 < hi; r0 += RT) {
-            const int r1 = r0 + RT < hi ? r0 + RT : hi;
-            ktk_act h = rows_of(c, 1, r0, r1, tid);
-            c->gemm(&d, cb0, cb1, &h, y, bw);
-            accumulate(c, y, bw, jn, bd ? bd + j0 : NULL, r0, r1, t0, acc);
+        if (c->gemv && hi - lo == 1) {   /* a run of one-row experts (decode: T <= TC, so all their rows) */
+            ktk_mat d[KTK_GEMV_MAX];
+            ktk_act h[KTK_GEMV_MAX];
+            const ktk_mat *dp[KTK_GEMV_MAX];
+            const ktk_act *hp[KTK_GEMV_MAX];
+            float *yp[KTK_GEMV_MAX];
+            int n = 0;
+            for (; a < c->A && n < KTK_GEMV_MAX && c->off[a + 1] - c->off[a] == 1; a++, n++) {
+                d[n] = ktki_expert_mat(c->ex, c->act_e[a], KTK_MAT_DOWN);
+                h[n] = rows_of(c, 1, c->off[a], c->off[a] + 1, tid);
+                dp[n] = &d[n], hp[n] = &h[n], yp[n] = y + (int64_t)n * bw;
+            }
+            c->gemv(n, dp, cb0, cb1, hp, yp);
+            for (int i = 0; i < n; i++) {
+                const int r = c->off[a - n + i];
+                const float *bd = ktki_expert_bias(c->ex, c->act_e[a - n + i], KTK_MAT_DOWN);
+                accumulate(c, yp[i], bw, jn, bd ? bd + j0 : NULL, r, r + 1, t0, acc);
+            }
+            continue;
         }
+        if (lo < hi) {
+            const ktk_mat d = ktki_expert_mat(c->ex, c->act_e[a], KTK_MAT_DOWN);
+            const float *bd = ktki_expert_bias(c->ex, c->act_e[a], KTK_MAT_DOWN);
+            for (int r0 = lo; r0 < hi; r0 += RT) {
+                const int r1 = r0 + RT < hi ? r0 + RT : hi;
+                ktk_act h = rows_of(c, 1, r0, r1, tid);
+                c->gemm(&d, cb0, cb1, &h, y, bw);
+                accumulate(c, y, bw, jn, bd ? bd + j0 : NULL, r0, r1, t0, acc);
+            }
+        }
+        a++;
     }
     for (int t = t0; t < t1; t++) {
         const float *ar = acc + (int64_t)(t - t0) * bw;
@@ -311,6 +392,24 @@ static void down_item(void *ctx, int64_t item, int tid) {
     }
 }
 
+static void down_item(void *ctx, int64_t item, int tid) {
+    fctx *c = ctx;
+    const int grp = (int)(item / c->ntc), tc = (int)(item % c->ntc);
+    const int cb0 = grp * c->cw_dn, cb1 = cb0 + c->cw_dn < c->UH ? cb0 + c->cw_dn : c->UH;
+    const int t0 = tc * TC, t1 = t0 + TC < c->T ? t0 + TC : c->T;
+    float *y = ktki_thread_scratch(c->pool, tid);
+    down_run(c, cb0, cb1, t0, t1, y, y + (int64_t)RT * (cb1 - cb0) * 16, tid);
+}
+
+/* Decode path, down: one call per thread; units = column blocks of H (all T <= TC tokens). */
+static void down_decode(void *ctx, int64_t item, int tid) {
+    fctx *c = ctx;
+    (void)item;
+    float *y = ktki_thread_scratch(c->pool, tid), *acc = y + (int64_t)RT * c->cw_dn * 16;
+    int64_t u0, u1;
+    while (claim(c, c->UH, c->cw_dn, &u0, &u1)) down_run(c, (int)u0, (int)u1, 0, c->T, y, acc, tid);
+}
+
 /* KTINJECT_INT4_PATH (read at each int4 forward; for tests and crossover measurements): auto (default), direct or
  * dequant forces the int4 kernels' path (KTK_INT4_PATH_*); -1 for anything else. */
 static int int4_path_env(void) {
@@ -319,6 +418,14 @@ static int int4_path_env(void) {
     if (!strcmp(v, "direct")) return KTK_INT4_PATH_DIRECT;
     if (!strcmp(v, "dequant")) return KTK_INT4_PATH_DEQUANT;
     return -1;
+}
+
+/* KTINJECT_GEMV (read at each forward; tests and A/B measurements): 1 runs few-row forwards on the gemv decode
+ * path wherever the kernels have gemv, 0 never; unset or anything else: the table's default (gemv_default). */
+static int gemv_enabled(const ktk_kernels *k) {
+    const char *v = getenv("KTINJECT_GEMV");
+    if (v && (v[0] == '0' || v[0] == '1') && v[1] == 0) return v[0] == '1';
+    return k->gemv_default;
 }
 
 int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
@@ -332,6 +439,7 @@ int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
     c.gemm = cfg->quant == KTK_QUANT_BF16 ? kern->gemm_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemm_int8
                                                                                       : kern->gemm_int4;
     c.a8 = cfg->quant != KTK_QUANT_BF16;
+    c.nt = ktki_pool_threads(pool);
     if (cfg->quant == KTK_QUANT_INT4 && (c.int4_path = int4_path_env()) < 0)
         return ktki_error(KTK_ERR_SHAPE, "KTINJECT_INT4_PATH=%.40s: expected auto, direct or dequant",
                           getenv("KTINJECT_INT4_PATH"));
@@ -345,13 +453,26 @@ int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
     c.wt = (float *)(rs + 3 * a64(E * 4 + 4) + a64(n * 4));
     int rc = route(&c);
     if (rc != KTK_OK) return rc;
+    if (c.maxrows <= DECODE_ROWS && c.T <= TC && gemv_enabled(kern) && c.int4_path != KTK_INT4_PATH_DEQUANT)
+        c.gemv = cfg->quant == KTK_QUANT_BF16 ? kern->gemv_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemv_int8
+                                                                                         : kern->gemv_int4;
     if (!plan(&c))
         return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (scratch for %d rows, H=%d, I=%d)", c.R, c.H, c.I);
     if (c.R > 0) {
         ktki_parallel(pool, gather_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
-        ktki_parallel(pool, gate_up_item, &c, c.ngu);
+        if (c.gemv) {
+            atomic_store_explicit(&c.next, 0, memory_order_relaxed);   /* published by the phase start */
+            ktki_parallel(pool, gate_up_decode, &c, c.nt);
+        } else {
+            ktki_parallel(pool, gate_up_item, &c, c.ngu);
+        }
         if (c.a8) ktki_parallel(pool, quantize_h_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
     }
-    ktki_parallel(pool, down_item, &c, (int64_t)c.ntc * ((c.UH + c.cw_dn - 1) / c.cw_dn));
+    if (c.gemv) {
+        atomic_store_explicit(&c.next, 0, memory_order_relaxed);
+        ktki_parallel(pool, down_decode, &c, c.nt);
+    } else {
+        ktki_parallel(pool, down_item, &c, (int64_t)c.ntc * ((c.UH + c.cw_dn - 1) / c.cw_dn));
+    }
     return KTK_OK;
 }

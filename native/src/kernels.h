@@ -77,11 +77,25 @@ typedef void (*ktk_gemm_fn)(const ktk_mat *w, int nb0, int nb1, const ktk_act *x
  * round to nearest even: identical bits on every ISA. */
 typedef void (*ktk_dequant_fn)(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
 
+/* Decode: several matrices with one row of x each, their weights streamed at once. For m < M (1 <= M <=
+ * KTK_GEMV_MAX): y[m][j - nb0 * 16] = sum_c x[m]->row 0 [c] * W_m[j][c] for j in [nb0 * 16, nb1 * 16); every W_m has
+ * the same quant, Kp and (int4) group; x[m]->n == 1 (only row 0 is read). Bit-identical to gemm of the same table
+ * with one row (the same operations in the same order), but M x NB weight streams are in flight instead of NB: a
+ * one-token forward is bound by memory requests in flight per core, not by arithmetic. NULL in a table: the caller
+ * runs gemm per matrix. */
+#define KTK_GEMV_MAX 8
+typedef void (*ktk_gemv_fn)(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
+                            float *const *y);
+
 typedef struct {
     const char *name;
     ktk_gemm_fn gemm_bf16;
     ktk_gemm_fn gemm_int8;
     ktk_gemm_fn gemm_int4;   /* picks the direct or the dequantizing path (x->int4_path, row count) */
+    ktk_gemv_fn gemv_bf16;   /* may be NULL (see ktk_gemv_fn) */
+    ktk_gemv_fn gemv_int8;
+    ktk_gemv_fn gemv_int4;   /* the direct int4 x int8 kernel's arithmetic */
+    int gemv_default;        /* the forward uses the gemv kernels unless KTINJECT_GEMV says otherwise */
 } ktk_kernels;
 
 /* int4 helpers of kernels/generic/int4.c, shared by the ISA files. */

@@ -326,6 +326,54 @@ static void check_case(int N, int K, int n, int col, int G, int nb0, int nb1) {
     unpack_free(&p);
 }
 
+/* gemv (several matrices, one row each): bit-identical to the same table's gemm with one row, for M = 1..8
+ * matrices of one shape, block ranges that start mid-matrix, outputs framed by sentinels. */
+static int gemv_cases;
+static void check_gemv(const char *name, const ktk_kernels *t) {
+    static const int shapes[][2] = {{1, 1}, {17, 65}, {33, 200}, {100, 257}, {48, 2048}, {40, 7168}, {130, 96}};
+    for (int quant = 0; quant < 3; quant++) {
+        ktk_gemv_fn gv = quant == 0 ? t->gemv_bf16 : quant == 1 ? t->gemv_int8 : t->gemv_int4;
+        ktk_gemm_fn gm = quant == 0 ? t->gemm_bf16 : quant == 1 ? t->gemm_int8 : t->gemm_int4;
+        if (!gv) continue;
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            for (int M = 1; M <= KTK_GEMV_MAX; M++) {
+                const int N = shapes[s][0], K = shapes[s][1], G = 32 << (gemv_cases % 3), nblk = (N + 15) / 16;
+                const int nb0 = nblk > 1 ? (int)(xr() % (uint64_t)nblk) : 0;
+                const int nb1 = nb0 + 1 + (int)(xr() % (uint64_t)(nblk - nb0)), cols = (nb1 - nb0) * 16;
+                packed p[KTK_GEMV_MAX];
+                acts x[KTK_GEMV_MAX];
+                const ktk_mat *w[KTK_GEMV_MAX];
+                const ktk_act *xa[KTK_GEMV_MAX];
+                float *buf[KTK_GEMV_MAX], *y[KTK_GEMV_MAX];
+                for (int m = 0; m < M; m++) {
+                    p[m] = pack(N, K, quant, G);
+                    x[m] = make_acts(1, K, p[m].m.Kp, quant);
+                    x[m].a.int4_path = KTK_INT4_PATH_DIRECT;
+                    w[m] = &p[m].m, xa[m] = &x[m].a;
+                    buf[m] = xalloc(sizeof(float) * (cols + 32));
+                    for (int i = 0; i < cols + 32; i++) buf[m][i] = SENT;
+                    y[m] = buf[m] + 16;
+                }
+                gv(M, w, nb0, nb1, xa, y);
+                for (int m = 0; m < M; m++) {
+                    float *ref = run_framed(gm, &p[m], &x[m], nb0, nb1, cols, "gemm (gemv reference)");
+                    int bad = memcmp(ref + cols, y[m], sizeof(float) * cols) != 0;
+                    for (int i = 0; i < 16; i++) bad |= buf[m][i] != SENT || buf[m][16 + cols + i] != SENT;
+                    if (bad) {
+                        printf("FAIL %s gemv %s N=%d K=%d M=%d m=%d nb=[%d,%d): differs from gemm with one row "
+                               "(or wrote outside)\n", name, COL[quant], N, K, M, m, nb0, nb1);
+                        failures++;
+                    }
+                    free(ref);
+                    free(buf[m]);
+                    acts_free(&x[m]);
+                    unpack_free(&p[m]);
+                }
+                gemv_cases++;
+            }
+    }
+}
+
 static int run_tests(void) {
     static const int shapes[][2] = {{1, 1}, {16, 64}, {17, 65}, {5, 130}, {33, 200}, {64, 128}, {100, 257},
                                     {250, 1000}, {48, 2048}, {40, 7168}, {130, 96}};
@@ -346,7 +394,16 @@ static int run_tests(void) {
                     ncases++;
                 }
             }
-    printf("%d cases x %d variants\n", ncases, nvariants);
+    features f = detect();
+    if (f.avx512) {
+        setenv("KTINJECT_AVX512_PLAIN", "1", 1);
+        check_gemv("avx512 (plain F/BW)", ktk_kernels_avx512());
+        unsetenv("KTINJECT_AVX512_PLAIN");
+        check_gemv(ktk_kernels_avx512()->name, ktk_kernels_avx512());
+    }
+    if (f.amx) check_gemv("amx (table)", ktk_kernels_amx());
+    printf("%d cases x %d variants; gemv: %d cases bit-identical to gemm with one row\n", ncases, nvariants,
+           gemv_cases);
     printf("%-26s %-12s %-12s %-12s %-12s (max err)\n", "variant", COL[0], COL[1], COL[2], COL[3]);
     for (int v = 0; v < nvariants; v++)
         printf("%-26s %-12.3g %-12.3g %-12.3g %-12.3g\n", variants[v].name, worst[v][0], worst[v][1], worst[v][2],

@@ -1,10 +1,12 @@
 /* Shared by the AVX-512 kernel files: the (MR, NB) instantiation switch (the driver, shared with AVX2, is
- * ../drive.h). Header-only (static inline), no target attributes of its own.
+ * ../drive.h), and the group sum of the int4 kernels. Header-only (static inline); only ktk512_xsum has a target
+ * attribute of its own.
  */
 #ifndef KTK_AVX512_DRIVE_H
 #define KTK_AVX512_DRIVE_H
 #include <stdint.h>
 #include <stdlib.h>
+#include <immintrin.h>
 #include "../../kernels.h"
 #include "../drive.h"
 
@@ -26,5 +28,19 @@
     case 48 + 2: BODY(6, 2); break; case 48 + 3: BODY(6, 3); break; case 48 + 4: BODY(6, 4); break;                \
     default: abort();                                                                                              \
     }
+
+/* (the int4 kernels of int4.c and gemv.c) */
+/* sum of the G (32, 64 or 128) int8 values at p: sad of (x + 128) against 0 over 64-byte chunks (bytes past G
+ * loaded as 0, i.e. 128 after the flip), minus 128 per byte */
+__attribute__((target("avx512f,avx512bw"))) KTK_AI int32_t ktk512_xsum(const int8_t *p, int G) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    __m512i s = zero;
+    int i = 0;
+    for (; i < G; i += 64) {
+        const __mmask64 m = G - i >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (G - i)) - 1);
+        s = _mm512_add_epi64(s, _mm512_sad_epu8(_mm512_xor_si512(_mm512_maskz_loadu_epi8(m, p + i), flip), zero));
+    }
+    return (int32_t)_mm512_reduce_add_epi64(s) - 128 * i;
+}
 
 #endif

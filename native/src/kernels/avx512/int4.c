@@ -45,19 +45,6 @@ void ktk_avx512_dequant_int4(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl")
-/* sum of the G (32, 64 or 128) int8 values at p: sad of (x + 128) against 0 over 64-byte chunks (bytes past G
- * loaded as 0, i.e. 128 after the flip), minus 128 per byte */
-KTK_AI int32_t ktk512_xsum(const int8_t *p, int G) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
-    __m512i s = zero;
-    int i = 0;
-    for (; i < G; i += 64) {
-        const __mmask64 m = G - i >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (G - i)) - 1);
-        s = _mm512_add_epi64(s, _mm512_sad_epu8(_mm512_xor_si512(_mm512_maskz_loadu_epi8(m, p + i), flip), zero));
-    }
-    return (int32_t)_mm512_reduce_add_epi64(s) - 128 * i;
-}
-
 /* ======================= direct, plain AVX-512 BW ======================= */
 #define MK_INT4 mk_int4_plain
 #define DP2(acc, lo, xl, hi, xh)                                                                                    \
