@@ -91,6 +91,40 @@ def router_f32_extra(router: nn.Module) -> int:
     return sum(t.numel() * (4 - t.element_size()) for t in tensors if t.is_floating_point() and t.element_size() < 4)
 
 
+# Routers that take the softmax over all experts, its top k and renormalize those (class name -> the attribute that
+# must be True for the renormalization, None: always). Their weights equal the softmax over the k largest logits
+# (softmax(l)_i / sum_top softmax(l)_j = exp(l_i) / sum_top exp(l_j)): linear, top-k, softmax of k instead of HF's
+# linear, softmax of E, sorted top-k (a selection and a sort), sum and division. A decode step on the GPU is a chain
+# of small dependent kernels, so this takes ~8 us of GPU time per layer off it. The k ids come unsorted (the native
+# experts sum in expert order whatever the slots; the hot experts' sum is order-free up to rounding).
+_SOFTMAX_TOPK_ROUTERS = {"Qwen3MoeTopKRouter": "norm_topk_prob", "Qwen2MoeTopKRouter": "norm_topk_prob",
+                         "OlmoeTopKRouter": "norm_topk_prob", "MixtralTopKRouter": None}
+
+
+def softmax_topk_router(router: nn.Module) -> bool:
+    """Whether ``router`` (an HF router module) is one of the softmax -> top-k -> renormalize routers above."""
+    cls = type(router)
+    if not cls.__module__.startswith("transformers.models.") or cls.__name__ not in _SOFTMAX_TOPK_ROUTERS:
+        return False
+    flag = _SOFTMAX_TOPK_ROUTERS[cls.__name__]
+    return ((flag is None or getattr(router, flag, None) is True) and getattr(router, "bias", None) is None
+            and isinstance(getattr(router, "weight", None), torch.Tensor) and isinstance(router.top_k, int))
+
+
+def fast_routing(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, ids [T, k] int64, unsorted) of a softmax_topk_router for x [T, H], in float32."""
+    logits = torch.nn.functional.linear(x.float(), router.weight)  # [T, E]
+    top, ids = torch.topk(logits, router.top_k, dim=-1, sorted=False)
+    return torch.softmax(top, dim=-1), ids
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Forward hooks on the module, or global ones (HF's output recorders hook the routers)."""
+    glob = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks
+                or getattr(glob, "_global_forward_hooks", None) or getattr(glob, "_global_forward_pre_hooks", None))
+
+
 def _host_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype native reads/writes for a device tensor of ``dtype`` (bf16 stays bf16; anything else as f32)."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
@@ -127,10 +161,20 @@ class HybridMoE(nn.Module):
         # output a lot; in float32 the injected model routes as the float32 reference does more often than HF bf16
         # (E x H weights: negligible memory and time). Weights come back float32 for every family.
         self._modules[spec.router].float()
+        # the router module fast_routing may stand in for (not one that replaces it later, e.g. a wrapper); kept
+        # out of _modules (no second registration: state-dict keys stay HF's)
+        self.__dict__["_fast_router"] = (self._modules[spec.router] if softmax_topk_router(self._modules[spec.router])
+                                         else None)
 
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """HF's router, in float32, on x [T, H]: (weights [T, k] float32, ids [T, k] int64)."""
-        _, weights, ids = self._modules[self.spec.router](x.float())  # "gate" or "router" (gpt-oss), float32
+        """HF's router, in float32, on x [T, H]: (weights [T, k] float32, ids [T, k] int64). For the softmax ->
+        top-k -> renormalize routers, the same weights by ``fast_routing`` (ids unsorted), unless the router is
+        hooked or autograd records it (HF's gradient also reaches the logits outside the top k)."""
+        router = self._modules[self.spec.router]  # "gate" or "router" (gpt-oss)
+        if (router is self._fast_router and not _hooked(router)
+                and not (torch.is_grad_enabled() and router.weight.requires_grad)):
+            return fast_routing(router, x)
+        _, weights, ids = router(x.float())  # float32
         return weights, ids
 
     def extra_repr(self) -> str:

@@ -1,0 +1,106 @@
+"""The MoE operator's fast routing (operators/moe.py: softmax over the top-k logits) against HF's router modules.
+
+Softmax -> top-k -> renormalize routers (Qwen3-MoE, Mixtral; Qwen2-MoE and OLMoE with norm_topk_prob) give the same
+experts (as sets: the fast path's ids are unsorted) and the same weights to float32 rounding; hooked routers, grad
+mode and the other router kinds take HF's own forward, bitwise.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ktinject
+from ktinject import testing
+from ktinject.operators.moe import HybridMoE, fast_routing, softmax_topk_router
+
+FAST = [("qwen3_moe", {}), ("mixtral", {}), ("qwen2_moe", {"norm_topk_prob": True}), ("olmoe", {"norm_topk_prob": True})]
+SLOW = [("qwen2_moe", {}), ("olmoe", {}), ("deepseek_v2", {}), ("deepseek_v3", {}), ("glm4_moe", {}), ("gpt_oss", {})]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _block(family, overrides, device="cpu") -> HybridMoE:
+    model = testing.build_tiny_model(family, **overrides)
+    ktinject.inject(model, gpu=device)
+    return next(m for m in model.modules() if isinstance(m, HybridMoE))
+
+
+def _by_expert(weights: torch.Tensor, ids: torch.Tensor):
+    order = ids.argsort(dim=-1)
+    return ids.gather(-1, order), weights.gather(-1, order)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family,overrides", FAST)
+def test_fast_routing_matches_hf(family, overrides, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    block = _block(family, overrides, device)
+    router = block._modules[block.spec.router]
+    assert softmax_topk_router(router) and block._fast_router is router
+    g = torch.Generator().manual_seed(0)
+    for T in (1, 5, 64):
+        x = (torch.randn(T, block.hidden_size, generator=g) * 3).to(device, torch.bfloat16)
+        _, w_hf, ids_hf = router(x.float())
+        w, ids = fast_routing(router, x)
+        assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == ids_hf.shape
+        i0, w0 = _by_expert(w_hf, ids_hf)
+        i1, w1 = _by_expert(w, ids)
+        assert torch.equal(i0, i1)
+        torch.testing.assert_close(w1, w0.float(), rtol=2e-6, atol=1e-7)
+        assert torch.allclose(w.sum(-1), torch.ones(T, device=device))
+        with torch.no_grad():  # the operator takes it under no_grad (generate, graph capture)
+            wr, ir = block.routing(x)
+        assert torch.equal(_by_expert(wr, ir)[0], i0)
+
+
+@pytest.mark.parametrize("family,overrides", FAST[:2])
+def test_hf_path_when_hooked_or_recording_grad(family, overrides):
+    block = _block(family, overrides)
+    router = block._modules[block.spec.router]
+    x = torch.randn(7, block.hidden_size).bfloat16()
+    router.weight.requires_grad_(True)
+    _, w_hf, ids_hf = router(x.float())
+    w, ids = block.routing(x)  # grad mode, the router's weight requires grad: HF's forward
+    assert w.requires_grad and torch.equal(ids, ids_hf) and torch.equal(w, w_hf)
+    router.weight.requires_grad_(False)
+    w_hf, ids_hf = w_hf.detach(), ids_hf
+    seen = []
+    handle = router.register_forward_hook(lambda m, a, out: seen.append(out[0]))
+    try:
+        with torch.no_grad():
+            w, ids = block.routing(x)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and torch.equal(ids, ids_hf) and torch.equal(w, w_hf)
+
+
+@pytest.mark.parametrize("family,overrides", SLOW)
+def test_other_routers_keep_hf_forward(family, overrides):
+    block = _block(family, overrides)
+    router = block._modules[block.spec.router]
+    assert not softmax_topk_router(router) and block._fast_router is None
+    x = torch.randn(5, block.hidden_size).bfloat16()
+    with torch.no_grad():
+        out = router(x.float())
+        w, ids = block.routing(x)
+    assert torch.equal(ids, out[2]) and torch.equal(w, out[1])
+
+
+def test_replaced_router_is_not_fast_routed():
+    block = _block("qwen3_moe", {})
+
+    class Wrapped(torch.nn.Module):  # e.g. bench.hot's SkewedRouter
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            logits, w, ids = self.inner(x)
+            return logits, w, ids
+
+    block.gate = Wrapped(block.gate)
+    x = torch.randn(3, block.hidden_size).bfloat16()
+    with torch.no_grad():
+        w, ids = block.routing(x)
+        _, w_hf, ids_hf = block.gate(x.float())
+    assert torch.equal(ids, ids_hf) and torch.equal(w, w_hf)
