@@ -96,7 +96,10 @@ def router_f32_extra(router: nn.Module) -> int:
 # (softmax(l)_i / sum_top softmax(l)_j = exp(l_i) / sum_top exp(l_j)): linear, top-k, softmax of k instead of HF's
 # linear, softmax of E, sorted top-k (a selection and a sort), sum and division. A decode step on the GPU is a chain
 # of small dependent kernels, so this takes ~8 us of GPU time per layer off it. The k ids come unsorted (the native
-# experts sum in expert order whatever the slots; the hot experts' sum is order-free up to rounding).
+# experts sum in expert order whatever the slots; the hot experts' sum is order-free up to rounding). The experts
+# are HF's except at near-ties: logits an ulp or so apart that round to the same float32 probability, which HF then
+# ranks by index, are ranked here by logit. Eligibility is by class (and flag): tests/test_router.py checks each class
+# against the installed transformers.
 _SOFTMAX_TOPK_ROUTERS = {"Qwen3MoeTopKRouter": "norm_topk_prob", "Qwen2MoeTopKRouter": "norm_topk_prob",
                          "OlmoeTopKRouter": "norm_topk_prob", "MixtralTopKRouter": None}
 
@@ -118,11 +121,32 @@ def fast_routing(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torc
     return torch.softmax(top, dim=-1), ids
 
 
+def _idle_capture_hook(fn) -> bool:
+    """Whether ``fn`` is transformers' output-capturing hook (installed on every recordable module the first time an
+    ``output_*`` flag is used, and never removed) with nothing to collect now. Anything unexpected: False."""
+    if getattr(fn, "__name__", "") != "output_capturing_hook" or not str(getattr(fn, "__module__", "")).startswith(
+            "transformers."):
+        return False
+    try:
+        from transformers.utils import output_capturing
+
+        collected = output_capturing._active_collector.get()
+        key = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))["key"]
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
+        return False
+    return collected is None or key not in collected
+
+
 def _hooked(module: nn.Module) -> bool:
-    """Forward hooks on the module, or global ones (HF's output recorders hook the routers)."""
+    """Anything that would see or change the module's forward: hooks (forward, backward, global; transformers' idle
+    output-capturing hooks aside) or an instance-level forward (e.g. accelerate's hooks)."""
     glob = torch.nn.modules.module
-    return bool(module._forward_hooks or module._forward_pre_hooks
-                or getattr(glob, "_global_forward_hooks", None) or getattr(glob, "_global_forward_pre_hooks", None))
+    if "forward" in module.__dict__ or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
+        return True
+    if any(not _idle_capture_hook(h) for h in module._forward_hooks.values()):
+        return True
+    return any(getattr(glob, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                      "_global_backward_hooks", "_global_backward_pre_hooks"))
 
 
 def _host_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -161,17 +185,13 @@ class HybridMoE(nn.Module):
         # output a lot; in float32 the injected model routes as the float32 reference does more often than HF bf16
         # (E x H weights: negligible memory and time). Weights come back float32 for every family.
         self._modules[spec.router].float()
-        # the router module fast_routing may stand in for (not one that replaces it later, e.g. a wrapper); kept
-        # out of _modules (no second registration: state-dict keys stay HF's)
-        self.__dict__["_fast_router"] = (self._modules[spec.router] if softmax_topk_router(self._modules[spec.router])
-                                         else None)
 
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """HF's router, in float32, on x [T, H]: (weights [T, k] float32, ids [T, k] int64). For the softmax ->
         top-k -> renormalize routers, the same weights by ``fast_routing`` (ids unsorted), unless the router is
-        hooked or autograd records it (HF's gradient also reaches the logits outside the top k)."""
-        router = self._modules[self.spec.router]  # "gate" or "router" (gpt-oss)
-        if (router is self._fast_router and not _hooked(router)
+        hooked, replaced or recorded by autograd (HF's own forward, bitwise, for hooks and training)."""
+        router = self._modules[self.spec.router]  # "gate" or "router" (gpt-oss); checked per call: may be replaced
+        if (softmax_topk_router(router) and not _hooked(router)
                 and not (torch.is_grad_enabled() and router.weight.requires_grad)):
             return fast_routing(router, x)
         _, weights, ids = router(x.float())  # float32

@@ -21,7 +21,8 @@
  * 17% of a phase to the slowest thread). An expert with one row runs gate and up as one gemv (2 matrices), and the
  * down matrices of up to KTK_GEMV_MAX consecutive one-row experts as one gemv: 8-16 weight streams per thread
  * instead of <= 4. Same arithmetic (gemv is bit-identical to gemm with one row), same summation order.
- * Where the kernel table says so (gemv_default: measured faster there); KTINJECT_GEMV=0/1 overrides (tests, A/B).
+ * Where the kernel table says so (gemv_default: measured faster there); KTINJECT_GEMV=0/1 overrides (tests, A/B);
+ * never with KTINJECT_INT4_PATH=dequant (that path is for many rows).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -130,7 +131,7 @@ static int plan(fctx *c) {
         c->cw_dn = CWMAX < c->UH ? CWMAX : c->UH;
     }
     const int ngroups = (c->UI + c->cw_gu - 1) / c->cw_gu;
-    c->gu = ktki_scratch(c->pool, KTKI_SCR_ITEMS, (size_t)(chunks * ngroups + 1) * sizeof(gu_item));
+    c->gu = ktki_scratch(c->pool, KTKI_SCR_ITEMS, (size_t)(c->gemv ? 1 : chunks * ngroups + 1) * sizeof(gu_item));
     if (!c->gu) return 0;
     c->ngu = 0;
     for (int a = 0; a < (c->gemv ? 0 : c->A); a++)
@@ -349,7 +350,7 @@ static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, 
     for (int a = 0; a < c->A;) {
         const int lo = lower_bound(c->tok, c->off[a], c->off[a + 1], t0);
         const int hi = lower_bound(c->tok, lo, c->off[a + 1], t1);
-        if (c->gemv && hi - lo == 1) {   /* a run of one-row experts (decode: T <= TC, so all their rows) */
+        if (c->gemv && hi - lo == 1 && t0 == 0 && t1 == c->T) {   /* a run of one-row experts (all tokens) */
             ktk_mat d[KTK_GEMV_MAX];
             ktk_act h[KTK_GEMV_MAX];
             const ktk_mat *dp[KTK_GEMV_MAX];

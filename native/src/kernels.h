@@ -81,8 +81,8 @@ typedef void (*ktk_dequant_fn)(const ktk_mat *w, int nb0, int nb1, uint16_t *dst
  * KTK_GEMV_MAX): y[m][j - nb0 * 16] = sum_c x[m]->row 0 [c] * W_m[j][c] for j in [nb0 * 16, nb1 * 16); every W_m has
  * the same quant, Kp and (int4) group; x[m]->n == 1 (only row 0 is read). Bit-identical to gemm of the same table
  * with one row (the same operations in the same order), but M x NB weight streams are in flight instead of NB: a
- * one-token forward is bound by memory requests in flight per core, not by arithmetic. NULL in a table: the caller
- * runs gemm per matrix. */
+ * one-token forward is bound by memory requests in flight per core, not by arithmetic. NULL in a table: the forward
+ * takes its item path (gemm per item) for every forward. */
 #define KTK_GEMV_MAX 8
 typedef void (*ktk_gemv_fn)(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
                             float *const *y);

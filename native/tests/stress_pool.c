@@ -15,8 +15,13 @@
 #define E 8
 #define H 40
 #define I 24
+#ifdef STRESS_T   /* -DSTRESS_T=3 -DSTRESS_K=4 with KTINJECT_GEMV=1: the decode path (every expert <= 4 rows) */
+#define T STRESS_T
+#define K STRESS_K
+#else
 #define T 33
 #define K 2
+#endif
 
 static ktk_pool *pool;
 static ktk_experts *ex;

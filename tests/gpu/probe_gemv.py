@@ -56,10 +56,10 @@ def main():
                 saved = {kk: os.environ.get(kk) for kk in env}
                 os.environ.update(env)
                 res = {"0": [], "1": []}
-                for _ in range(a.reps):
+                for rep in range(a.reps):
                     for v in ("0", "1"):
                         os.environ["KTINJECT_GEMV"] = v
-                        for _ in range(2 if _ == 0 else 1):
+                        for _ in range(2 if rep == 0 else 1):  # first rep: a warm-up pass per path
                             t = time.perf_counter()
                             for ids in sets:
                                 ex.forward(x, ids, w, out=out, pool=pool)

@@ -285,15 +285,15 @@ void ktk_avx512_gemv_int4_vnni(int M, const ktk_mat *const *w, int nb0, int nb1,
                                float *const *y);
 
 static const ktk_kernels table_plain = {"avx512", ktk_avx512_gemm_bf16_plain, gemm_int8_plain,
-                                        ktk_avx512_gemm_int4_plain, ktk_avx512_gemv_bf16_plain, NULL, NULL};
+                                        ktk_avx512_gemm_int4_plain, ktk_avx512_gemv_bf16_plain, NULL, NULL, 0};
 static const ktk_kernels table_bf16 = {"avx512+bf16", ktk_avx512_gemm_bf16_dp, gemm_int8_plain,
-                                       ktk_avx512_gemm_int4_plain, ktk_avx512_gemv_bf16_dp, NULL, NULL};
+                                       ktk_avx512_gemm_int4_plain, ktk_avx512_gemv_bf16_dp, NULL, NULL, 0};
 static const ktk_kernels table_vnni = {"avx512+vnni", ktk_avx512_gemm_bf16_plain, ktk_avx512_gemm_int8_vnni,
                                        ktk_avx512_gemm_int4_vnni, ktk_avx512_gemv_bf16_plain,
-                                       ktk_avx512_gemv_int8_vnni, ktk_avx512_gemv_int4_vnni};
+                                       ktk_avx512_gemv_int8_vnni, ktk_avx512_gemv_int4_vnni, 0};
 static const ktk_kernels table_both = {"avx512+bf16+vnni", ktk_avx512_gemm_bf16_dp, ktk_avx512_gemm_int8_vnni,
                                        ktk_avx512_gemm_int4_vnni, ktk_avx512_gemv_bf16_dp,
-                                       ktk_avx512_gemv_int8_vnni, ktk_avx512_gemv_int4_vnni};
+                                       ktk_avx512_gemv_int8_vnni, ktk_avx512_gemv_int4_vnni, 0};
 
 /* CPUID bits, read once: 1 = use vdpbf16ps, 2 = AVX512_VNNI (leaf 7: ECX bit 11; sub-leaf 1: EAX bit 5 =
  * AVX512_BF16; EDX bit 22 = AMX-BF16). vdpbf16ps is used only on CPUs without AMX: on Sapphire/Emerald Rapids

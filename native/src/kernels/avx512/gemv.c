@@ -11,7 +11,7 @@
  * Each (matrix, block) accumulator sees exactly the operations of the gemm kernel of the same variant with one row
  * (gemm.c: mk_bf16_dp, mk_bf16_plain, mk_int8_vnni; int4_micro.h with vpdpbusd), in the same order, so the results
  * are bit-identical to it (tested). Register budget: M x NB accumulators <= 16 (int4: float + int32 per pair, <= 8).
- * Variants without VNNI for int8/int4 have no gemv (NULL: the forward calls gemm per matrix).
+ * Variants without VNNI for int8/int4 have no gemv (NULL: the forward takes its item path).
  */
 #include <stdint.h>
 #include <stdlib.h>
