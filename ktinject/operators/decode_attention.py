@@ -12,6 +12,7 @@ token (S == 1) this forward computes what the HF module computes, with:
   weights (HF: weight * normalized.to(dtype), the same order);
 - rotary embedding of q and k together in three kernels: ``rotate_half(x) * sin == roll(x, D/2) * (sign * sin)``
   with sign = (-1 for the first half, +1 for the second), so ``x * cos + roll(x) * (sign * sin)`` (an addcmul);
+  on CUDA with Triton, the norms and the rotary embedding are one kernel instead (``fused_rope.py``);
 - attention over the static cache without a K/V copy: the query heads of a KV head are that head's rows, scores
   in float32 (``bmm`` with ``out_dtype`` on CUDA), masked, softmax in float32, probabilities in the value dtype
   (what SDPA's flash kernels do; on the CPU, which has no float32-output ``bmm``, float32 copies of K and V). cuDNN's SDPA took 30 us per layer at a 1024-token cache and 86 us at 4096 on
@@ -32,6 +33,8 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ktinject.operators import fused_rope
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +194,19 @@ def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q.float(), k.float().transpose(1, 2))
 
 
+def qk_norm_rope(qkv: torch.Tensor, hq: int, hk: int, norms, cos: torch.Tensor, sin: torch.Tensor,
+                 sign: torch.Tensor) -> torch.Tensor:
+    """q and k of qkv [B, Hq + 2 Hkv, D] normed (norms: (q_norm, k_norm, eps) or None) and rotated by cos/sin
+    [B, 1, D] in torch ops; sign [D]: -1 for the first half, +1 after. [B, Hq + Hkv, D]."""
+    D = qkv.shape[-1]
+    qk = qkv[:, : hq + hk]
+    if norms:  # HF: weight * normalized.to(dtype); the stacked weights are made per call (always current)
+        norm_w = torch.cat([norms[0].weight.expand(hq, D), norms[1].weight.expand(hk, D)])
+        qk = torch.rms_norm(qk, (D,), None, norms[2]) * norm_w
+    cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)
+    return torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin * sign)
+
+
 def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                    past_key_values=None, **kwargs):
     """The module's forward for one query token (see the module docstring); anything else: HF's forward."""
@@ -202,13 +218,11 @@ def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     st = _state(self)
     B, D, hq, hk = hidden_states.shape[0], self.head_dim, st["hq"], st["hk"]
     qkv = F.linear(hidden_states, st["w"], st["b"]).view(B, hq + 2 * hk, D)  # [B, Hq + 2 Hkv, D]
-    qk = qkv[:, : hq + hk]
-    if norms:  # HF: weight * normalized.to(dtype); the stacked weights are made per call (always current)
-        norm_w = torch.cat([norms[0].weight.expand(hq, D), norms[1].weight.expand(hk, D)])
-        qk = torch.rms_norm(qk, (D,), None, norms[2]) * norm_w
     cos, sin = position_embeddings  # [B, 1, D]
-    cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)
-    qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin * st["sign"])  # [B, Hq + Hkv, D]
+    if fused_rope.available(qkv, D):  # qk_norm_rope's work in one Triton kernel, the same roundings
+        qk = fused_rope.qk_norm_rope(qkv, hq, hk, norms, cos, sin)
+    else:
+        qk = qk_norm_rope(qkv, hq, hk, norms, cos, sin, st["sign"])  # [B, Hq + Hkv, D]
     k_new = qk[:, hq:].unsqueeze(2)  # [B, Hkv, 1, D]
     v_new = qkv[:, hq + hk:].unsqueeze(2)
     keys, values = past_key_values.update(k_new, v_new, self.layer_idx)  # [B, Hkv, L, D]
