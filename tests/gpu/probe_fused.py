@@ -1,0 +1,47 @@
+"""Two pieces of the decode step at Qwen3-30B-A3B shapes, each timed inside a CUDA graph of 48 copies
+(tests/gpu/probe_ops.timed; GPU time only, no CPU pool involved, so a loaded host does not move it):
+- q/k norm + rotary (B 1, 32 q heads, 4 KV heads, D 128, bf16): torch ops (decode_attention.qk_norm_rope) against
+  the Triton kernel (fused_rope.qk_norm_rope);
+- the router (E 128, H 2048, top 8, float32): HF's Qwen3MoeTopKRouter forward against moe.fast_routing.
+
+    PYTHONPATH=$PWD:$PWD/tests/gpu python tests/gpu/probe_fused.py"""
+from __future__ import annotations
+
+import torch
+from probe_ops import timed
+
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+from ktinject.operators import decode_attention as DA, fused_rope
+from ktinject.operators.moe import fast_routing
+
+
+def main() -> None:
+    B, hq, hk, D = 1, 32, 4, 128
+    dt, dev = torch.bfloat16, "cuda"
+    qkv = torch.randn(B, hq + 2 * hk, D, device=dev, dtype=dt)
+    qn, kn = torch.nn.Module(), torch.nn.Module()
+    qn.weight = torch.nn.Parameter(torch.ones(D, device=dev, dtype=dt))
+    kn.weight = torch.nn.Parameter(torch.ones(D, device=dev, dtype=dt))
+    norms = (qn, kn, 1e-6)
+    cos, sin = torch.randn(B, 1, D, device=dev, dtype=dt), torch.randn(B, 1, D, device=dev, dtype=dt)
+    sign = torch.cat([torch.full((D // 2,), -1.0), torch.ones(D // 2)]).to(dev, dt)
+    with torch.no_grad():
+        t_torch = timed(lambda: DA.qk_norm_rope(qkv, hq, hk, norms, cos, sin, sign))
+        t_fused = timed(lambda: fused_rope.qk_norm_rope(qkv, hq, hk, norms, cos, sin))
+    print(f"q/k norm + rotary per layer: torch ops {t_torch:.1f} us, Triton kernel {t_fused:.1f} us "
+          f"({(t_torch - t_fused) * 48 / 1000:.2f} ms per token of 48 layers)")
+    cfg = Qwen3MoeConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
+    router = Qwen3MoeTopKRouter(cfg).to(dev).float()
+    torch.nn.init.normal_(router.weight, std=0.02)
+    x = torch.randn(B, 2048, device=dev, dtype=dt)
+    with torch.no_grad():
+        t_hf = timed(lambda: router(x.float()))
+        t_fast = timed(lambda: fast_routing(router, x))
+    print(f"router per layer: HF {t_hf:.1f} us, fast routing {t_fast:.1f} us "
+          f"({(t_hf - t_fast) * 48 / 1000:.2f} ms per token of 48 layers)")
+
+
+if __name__ == "__main__":
+    main()
