@@ -226,12 +226,12 @@ def test_operator_kwarg():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_norms", [True, False])
-def test_fused_rope_kernel_matches_torch_ops(dtype, with_norms):
+def test_fused_kernel_matches_torch_ops(dtype, with_norms):
     """The Triton q/k norm + rotary kernel against decode_attention's torch ops: the same roundings, so equal up to
     the last bit of rsqrt (bf16: >= 99% of elements bitwise equal, none off by more than one ulp of its row's largest)."""
-    from ktinject.operators import fused_rope
+    from ktinject.operators import fused
 
-    if not fused_rope.available(torch.empty(1, device="cuda"), 128):
+    if not fused.available(torch.empty(1, device="cuda"), 128):
         pytest.skip("Triton unavailable")
     g = torch.Generator(device="cuda").manual_seed(0)
     for B, hq, hk, D in ((1, 32, 4, 128), (3, 16, 2, 64)):
@@ -247,7 +247,7 @@ def test_fused_rope_kernel_matches_torch_ops(dtype, with_norms):
         sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
         sign = torch.cat([torch.full((D // 2,), -1.0), torch.ones(D // 2)]).to("cuda", dtype)
         want = DA.qk_norm_rope(qkv, hq, hk, norms, cos, sin, sign)
-        got = fused_rope.qk_norm_rope(qkv, hq, hk, norms, cos, sin)
+        got = fused.qk_norm_rope(qkv, hq, hk, norms, cos, sin)
         assert got.shape == want.shape and got.dtype == dtype
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -255,3 +255,34 @@ def test_fused_rope_kernel_matches_torch_ops(dtype, with_norms):
             diff = (got.float() - want.float()).abs()  # a one-ulp rsqrt difference moves the row by <= its ulp
             assert (diff <= want.float().abs().amax(-1, keepdim=True) * 2.0 ** -7).all()
             assert (diff == 0).float().mean() >= 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_masked_softmax_matches_torch_ops(mask_kind, dtype):
+    """The Triton scale + mask + softmax + cast kernel against the torch ops, cache lengths below, at and above its
+    1024-key block; fully masked-out keys get probability 0."""
+    from ktinject.operators import fused
+
+    if not fused.available(torch.empty(1, device="cuda")):
+        pytest.skip("Triton unavailable")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for B, hk, G, L in ((1, 4, 8, 1024), (3, 2, 4, 37), (2, 4, 8, 2500)):
+        s = torch.randn(B, hk, G, L, device="cuda", generator=g) * 30
+        keep = torch.rand(B, 1, 1, L, device="cuda", generator=g) < 0.7
+        keep[..., 0] = True
+        mask = {"bool": keep, "none": None,
+                "float": torch.where(keep, 0.0, float("-inf")).to(dtype)}[mask_kind]
+        scale = 128 ** -0.5
+        want = s * scale
+        if mask is not None:
+            want = torch.where(mask, want, float("-inf")) if mask.dtype == torch.bool else want + mask
+        want = torch.softmax(want, dim=-1).to(dtype)
+        got = fused.masked_softmax(s, scale, mask, dtype)
+        assert got.shape == want.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-6)
+        if mask is not None:
+            assert (got[(~keep).expand_as(got)] == 0).all()

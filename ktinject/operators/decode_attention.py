@@ -12,7 +12,8 @@ token (S == 1) this forward computes what the HF module computes, with:
   weights (HF: weight * normalized.to(dtype), the same order);
 - rotary embedding of q and k together in three kernels: ``rotate_half(x) * sin == roll(x, D/2) * (sign * sin)``
   with sign = (-1 for the first half, +1 for the second), so ``x * cos + roll(x) * (sign * sin)`` (an addcmul);
-  on CUDA with Triton, the norms and the rotary embedding are one kernel instead (``fused_rope.py``);
+  on CUDA with Triton, the norms and the rotary embedding are one kernel instead (``fused.py``), and so are the
+  scaling, mask, softmax and cast of the scores below;
 - attention over the static cache without a K/V copy: the query heads of a KV head are that head's rows, scores
   in float32 (``bmm`` with ``out_dtype`` on CUDA), masked, softmax in float32, probabilities in the value dtype
   (what SDPA's flash kernels do; on the CPU, which has no float32-output ``bmm``, float32 copies of K and V). cuDNN's SDPA took 30 us per layer at a 1024-token cache and 86 us at 4096 on
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ktinject.operators import fused_rope
+from ktinject.operators import fused
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +220,8 @@ def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     B, D, hq, hk = hidden_states.shape[0], self.head_dim, st["hq"], st["hk"]
     qkv = F.linear(hidden_states, st["w"], st["b"]).view(B, hq + 2 * hk, D)  # [B, Hq + 2 Hkv, D]
     cos, sin = position_embeddings  # [B, 1, D]
-    if fused_rope.available(qkv, D):  # qk_norm_rope's work in one Triton kernel, the same roundings
-        qk = fused_rope.qk_norm_rope(qkv, hq, hk, norms, cos, sin)
+    if fused.available(qkv, D):  # qk_norm_rope's work in one Triton kernel, the same roundings
+        qk = fused.qk_norm_rope(qkv, hq, hk, norms, cos, sin)
     else:
         qk = qk_norm_rope(qkv, hq, hk, norms, cos, sin, st["sign"])  # [B, Hq + Hkv, D]
     k_new = qk[:, hq:].unsqueeze(2)  # [B, Hkv, 1, D]
@@ -231,13 +232,18 @@ def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
         attention_mask = attention_mask[..., :L]  # as HF's sdpa: a mask may be longer than the keys
     G = hq // hk
     q = qk[:, :hq].reshape(B * hk, G, D)
-    s = _scores(q, keys.reshape(B * hk, L, D)).view(B, hk, G, L).mul_(self.scaling)  # float32
+    s = _scores(q, keys.reshape(B * hk, L, D)).view(B, hk, G, L)  # float32
+    v = values.reshape(B * hk, L, D)
+    in_v_dtype = _BMM_OUT_DTYPE.get(q.device.type, False) or values.dtype == torch.float32
+    if in_v_dtype and fused.available(s) and (attention_mask is None or attention_mask.stride(-1) == 1):
+        p = fused.masked_softmax(s, self.scaling, attention_mask, values.dtype)  # the four steps below in one
+        return self.o_proj(torch.bmm(p.view(B * hk, G, L), v).view(B, 1, hq * D)), None
+    s.mul_(self.scaling)
     if attention_mask is not None:
         s = torch.where(attention_mask, s, float("-inf")) if attention_mask.dtype == torch.bool else s + attention_mask
     p = torch.softmax(s, dim=-1)
-    v = values.reshape(B * hk, L, D)
-    if _BMM_OUT_DTYPE.get(q.device.type, False) or values.dtype == torch.float32:  # probabilities in V's dtype,
-        out = torch.bmm(p.to(values.dtype).view(B * hk, G, L), v)  # as flash kernels do  [B Hkv, G, D]
+    if in_v_dtype:  # probabilities in V's dtype, as flash kernels do
+        out = torch.bmm(p.to(values.dtype).view(B * hk, G, L), v)  # [B Hkv, G, D]
     else:  # no float32-output bmm here (the CPU): float32 throughout, as the CPU's SDPA kernels
         out = torch.bmm(p.view(B * hk, G, L), v.float()).to(values.dtype)
     return self.o_proj(out.view(B, 1, hq * D)), None

@@ -1,0 +1,150 @@
+"""Triton kernels for ``decode_attention`` on CUDA: two chains of small kernels of the decode step as one each.
+
+A decode step on the GPU is a chain of small dependent kernels, each costing its launch gap; with the routed
+experts on the CPU that chain is on the step's critical path. Timed inside CUDA graphs at Qwen3-30B-A3B shapes on
+the H100 machine (tests/gpu/probe_fused.py), per layer:
+
+- ``qk_norm_rope``: q/k RMSNorm and rotary embedding, seven torch kernels (stacked norm weights, unweighted norm,
+  weight multiplication, x * cos, roll, sign * sin, addcmul), 10.4 us -> 1.6 us. One program per (batch, head) row
+  of q and k, with the roundings of the torch ops (to the input dtype after the norm, after the weight, after
+  x * cos, once at the end):
+      y   = round(round(x * rsqrt(mean(x^2) + eps)) * w)      (w: q_norm's weight for q rows, k_norm's for k rows)
+      out = round(round(y * cos) + roll(y, D/2) * sign * sin)  (sign = -1 for the first half of D, +1 after)
+- ``masked_softmax``: float32 scores -> scale, mask (bool: keep where true; float: added) -> softmax over the keys
+  -> probabilities in the value dtype, four torch kernels (mul_, where / add, softmax, cast). One program per
+  score row, the keys in blocks: a pass for the running max and sum (online softmax), a pass that writes.
+
+``available(t, head_dim)``: Triton importable, ``t`` on CUDA, not turned off by ``KTINJECT_FUSED=0`` (A/B
+measurements, tests); elsewhere the torch ops run. Triton is imported at the first call, not at import.
+Legend: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim, L keys (the static cache length).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _kernels():
+    """(qk_norm_rope, masked_softmax) jitted, or None when Triton is missing or broken here."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception as e:  # ImportError, or a Triton build that fails to load: the torch ops run instead
+        log.info("fused: Triton unavailable (%s); decode attention uses torch ops", e)
+        return None
+
+    @triton.jit
+    def qk_norm_rope_k(qkv, out, wq, wk, cos, sin, s_qkv_b, s_qkv_h, s_out_b, s_out_h, s_cs_b, eps,
+                       HQ: tl.constexpr, HQK: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+        pid = tl.program_id(0)
+        b = pid // HQK
+        h = pid % HQK
+        offs = tl.arange(0, D)
+        rot = (offs + D // 2) % D  # roll(y, D/2)[i] = y[(i + D/2) % D]
+        dt = qkv.dtype.element_ty
+        row = qkv + b * s_qkv_b + h * s_qkv_h
+        x = tl.load(row + offs).to(tl.float32)
+        xr = tl.load(row + rot).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            is_q = h < HQ
+            w = tl.where(is_q, tl.load(wq + offs), tl.load(wk + offs)).to(tl.float32)
+            wr = tl.where(is_q, tl.load(wq + rot), tl.load(wk + rot)).to(tl.float32)
+            x = ((x * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+            xr = ((xr * r).to(dt).to(tl.float32) * wr).to(dt).to(tl.float32)
+        c = tl.load(cos + b * s_cs_b + offs).to(tl.float32)
+        s = tl.load(sin + b * s_cs_b + offs).to(tl.float32)
+        s = tl.where(offs < D // 2, -s, s)
+        y = (x * c).to(dt).to(tl.float32) + xr * s
+        tl.store(out + b * s_out_b + h * s_out_h + offs, y.to(dt))
+
+    @triton.jit
+    def masked_softmax_k(scores, mask, out, L, ROWS_PER_B, s_mask_b, scale,
+                         MASK: tl.constexpr, MASK_BOOL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        b = row // ROWS_PER_B
+        src = scores + row.to(tl.int64) * L
+        dst = out + row.to(tl.int64) * L
+        mrow = mask + b.to(tl.int64) * s_mask_b
+        m_run = tl.full([BLOCK], float("-inf"), tl.float32)
+        s_run = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, L, BLOCK):  # per lane: running max and sum of exp over its keys
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < L
+            x = tl.load(src + offs, mask=inside, other=float("-inf")) * scale
+            if MASK:
+                if MASK_BOOL:
+                    keep = tl.load(mrow + offs, mask=inside, other=0) != 0
+                    x = tl.where(keep, x, float("-inf"))
+                else:
+                    x = x + tl.load(mrow + offs, mask=inside, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m_run, x)
+            alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m_run - m_new))
+            s_run = s_run * alpha + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
+            m_run = m_new
+        m = tl.max(m_run, axis=0)
+        total = tl.sum(tl.where(m_run == float("-inf"), 0.0, s_run * tl.exp(m_run - m)), axis=0)
+        for start in range(0, L, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < L
+            x = tl.load(src + offs, mask=inside, other=float("-inf")) * scale
+            if MASK:
+                if MASK_BOOL:
+                    keep = tl.load(mrow + offs, mask=inside, other=0) != 0
+                    x = tl.where(keep, x, float("-inf"))
+                else:
+                    x = x + tl.load(mrow + offs, mask=inside, other=0.0).to(tl.float32)
+            p = tl.exp(x - m) / total
+            tl.store(dst + offs, p.to(out.dtype.element_ty), mask=inside)
+
+    return qk_norm_rope_k, masked_softmax_k
+
+
+def available(t: torch.Tensor, head_dim: int | None = None) -> bool:
+    """Whether the kernels can run for ``t`` (CUDA, Triton importable, KTINJECT_FUSED not 0; qk_norm_rope also
+    needs a power-of-two ``head_dim`` >= 16)."""
+    if not t.is_cuda or os.environ.get("KTINJECT_FUSED", "1") == "0":
+        return False
+    if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
+        return False
+    return _kernels() is not None
+
+
+def qk_norm_rope(qkv: torch.Tensor, hq: int, hk: int, norms, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """q and k of ``qkv`` [B, Hq + 2 Hkv, D] (last dim contiguous) normed (``norms`` = (q_norm, k_norm, eps) or
+    None) and rotated by ``cos``/``sin`` [B, 1, D]: a new [B, Hq + Hkv, D] tensor of qkv's dtype."""
+    B, _, D = qkv.shape
+    out = torch.empty((B, hq + hk, D), dtype=qkv.dtype, device=qkv.device)
+    cos = cos.to(qkv.dtype).reshape(B, D).contiguous()
+    sin = sin.to(qkv.dtype).reshape(B, D).contiguous()
+    if norms:
+        wq, wk, eps = norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[2])
+    else:
+        wq = wk = cos  # not read
+        eps = 0.0
+    _kernels()[0][(B * (hq + hk),)](qkv, out, wq, wk, cos, sin, qkv.stride(0), qkv.stride(1), out.stride(0),
+                                    out.stride(1), cos.stride(0), eps, HQ=hq, HQK=hq + hk, D=D, NORM=bool(norms))
+    return out
+
+
+def masked_softmax(scores: torch.Tensor, scale: float, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """softmax(scores * scale, masked) over the last dim, as ``dtype``. scores: float32 [B, ..., L] contiguous;
+    mask: None, or [B, 1, 1, L] (last dim contiguous) bool (keep where true) or float (added)."""
+    B, L = scores.shape[0], scores.shape[-1]
+    rows = scores.numel() // L
+    out = torch.empty(scores.shape, dtype=dtype, device=scores.device)
+    if mask is None:
+        m, s_mask_b, is_bool = scores, 0, True  # not read
+    else:
+        m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        s_mask_b, is_bool = (m.stride(0) if m.shape[0] > 1 else 0), mask.dtype == torch.bool
+    block = min(1024, max(16, 1 << (L - 1).bit_length()))
+    _kernels()[1][(rows,)](scores, m, out, L, rows // B, s_mask_b, float(scale), MASK=mask is not None,
+                           MASK_BOOL=is_bool, BLOCK=block)
+    return out
