@@ -142,3 +142,21 @@ def test_norm_flag_is_read_per_call():
         _, w_hf, ids_hf = block.gate(x.float())
         w, ids = block.routing(x)
     assert torch.equal(ids, ids_hf) and torch.equal(w, w_hf) and not torch.allclose(w.sum(-1), torch.ones(4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_router_topk_matches_torch():
+    """fused.router_topk (logits kernel + top-k/softmax kernel) against linear, topk and softmax in torch."""
+    from ktinject.operators import fused
+
+    if not fused.available(torch.empty(1, device="cuda")):
+        pytest.skip("Triton unavailable")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T, E, H, k in ((1, 128, 2048, 8), (5, 60, 100, 4), (3, 256, 7168, 8), (2, 8, 64, 1)):
+        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        W = torch.randn(E, H, device="cuda", generator=g) * 0.02
+        w, ids = fused.router_topk(x, W, k)
+        top, want_ids = torch.topk(torch.nn.functional.linear(x.float(), W), k, dim=-1)
+        assert torch.equal(ids, want_ids)  # both in descending logit order
+        torch.testing.assert_close(w, torch.softmax(top, dim=-1), rtol=1e-5, atol=1e-6)

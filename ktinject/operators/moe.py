@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ktinject import stream_experts
-from ktinject.operators import register
+from ktinject.operators import fused, register
 from ktinject.operators.base import Operator, OperatorError, tensor_bytes
 from ktinject.operators.families import (
     QUANTS, SHARED_ATTRS, BlockSpec, experts_nbytes, free_experts, inspect_block, pack_experts, packed_nbytes,
@@ -115,7 +115,12 @@ def softmax_topk_router(router: nn.Module) -> bool:
 
 
 def fast_routing(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, ids [T, k] int64, unsorted) of a softmax_topk_router for x [T, H], in float32."""
+    """(weights [T, k] float32, ids [T, k] int64, unsorted) of a softmax_topk_router for x [T, H], in float32
+    (on CUDA with Triton: ``fused.router_topk``, two kernels)."""
+    W = router.weight
+    if (x.dim() == 2 and x.stride(-1) == 1 and W.dtype == torch.float32 and W.is_contiguous()
+            and W.shape[0] <= 1024 and router.top_k <= 16 and fused.available(x)):
+        return fused.router_topk(x, W, router.top_k)
     logits = torch.nn.functional.linear(x.float(), router.weight)  # [T, E]
     top, ids = torch.topk(logits, router.top_k, dim=-1, sorted=False)
     return torch.softmax(top, dim=-1), ids

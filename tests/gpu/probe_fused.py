@@ -1,13 +1,16 @@
-"""Two pieces of the decode step at Qwen3-30B-A3B shapes, each timed inside a CUDA graph of 48 copies
+"""Pieces of the decode step at Qwen3-30B-A3B shapes, each timed inside a CUDA graph of 48 copies
 (tests/gpu/probe_ops.timed; GPU time only, no CPU pool involved, so a loaded host does not move it):
 - q/k norm + rotary (B 1, 32 q heads, 4 KV heads, D 128, bf16): torch ops (decode_attention.qk_norm_rope) against
   the Triton kernel (fused.qk_norm_rope);
 - scores -> probabilities (4 KV heads x 8 query heads, a 1024-key static cache, bool mask): torch ops (mul_,
   where, softmax, cast to bf16) against fused.masked_softmax;
-- the router (E 128, H 2048, top 8, float32): HF's Qwen3MoeTopKRouter forward against moe.fast_routing.
+- the router (E 128, H 2048, top 8, float32): HF's Qwen3MoeTopKRouter forward against moe.fast_routing (Triton's
+  fused.router_topk, and its torch ops with KTINJECT_FUSED=0).
 
     PYTHONPATH=$PWD:$PWD/tests/gpu python tests/gpu/probe_fused.py"""
 from __future__ import annotations
+
+import os
 
 import torch
 from probe_ops import timed
@@ -54,7 +57,10 @@ def main() -> None:
     with torch.no_grad():
         t_hf = timed(lambda: router(x.float()))
         t_fast = timed(lambda: fast_routing(router, x))
-    print(f"router per layer: HF {t_hf:.1f} us, fast routing {t_fast:.1f} us "
+        os.environ["KTINJECT_FUSED"] = "0"
+        t_torch_fast = timed(lambda: fast_routing(router, x))
+        os.environ.pop("KTINJECT_FUSED")
+    print(f"router per layer: HF {t_hf:.1f} us, fast routing {t_fast:.1f} us (in torch ops {t_torch_fast:.1f} us) "
           f"({(t_hf - t_fast) * 48 / 1000:.2f} ms per token of 48 layers)")
 
 
