@@ -234,7 +234,7 @@ def test_fused_kernel_matches_torch_ops(dtype, with_norms):
     if not fused.available(torch.empty(1, device="cuda"), 128):
         pytest.skip("Triton unavailable")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for B, hq, hk, D in ((1, 32, 4, 128), (3, 16, 2, 64)):
+    for B, hq, hk, D, cs_batch in ((1, 32, 4, 128, 1), (3, 16, 2, 64, 3), (3, 16, 2, 64, 1)):
         qkv = (torch.randn(B, hq + 2 * hk, D, device="cuda", generator=g) * 3).to(dtype)
         norms = None
         if with_norms:
@@ -242,7 +242,7 @@ def test_fused_kernel_matches_torch_ops(dtype, with_norms):
             qn.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(D, device="cuda", generator=g)).to(dtype))
             kn.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(D, device="cuda", generator=g)).to(dtype))
             norms = (qn, kn, 1e-6)
-        ang = torch.rand(B, 1, D // 2, device="cuda", generator=g) * 100
+        ang = torch.rand(cs_batch, 1, D // 2, device="cuda", generator=g) * 100  # batch 1: HF without position ids
         cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
         sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
         sign = torch.cat([torch.full((D // 2,), -1.0), torch.ones(D // 2)]).to("cuda", dtype)
@@ -269,12 +269,15 @@ def test_fused_masked_softmax_matches_torch_ops(mask_kind, dtype):
     if not fused.available(torch.empty(1, device="cuda")):
         pytest.skip("Triton unavailable")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for B, hk, G, L in ((1, 4, 8, 1024), (3, 2, 4, 37), (2, 4, 8, 2500)):
+    for B, hk, G, L, mb, wider in ((1, 4, 8, 1024, 1, 0), (3, 2, 4, 37, 3, 0), (2, 4, 8, 2500, 2, 0),
+                                   (3, 2, 4, 300, 1, 0), (2, 2, 4, 300, 2, 77)):
         s = torch.randn(B, hk, G, L, device="cuda", generator=g) * 30
-        keep = torch.rand(B, 1, 1, L, device="cuda", generator=g) < 0.7
+        keep = torch.rand(mb, 1, 1, L + wider, device="cuda", generator=g) < 0.7  # mask batch 1: broadcast
         keep[..., 0] = True
-        mask = {"bool": keep, "none": None,
-                "float": torch.where(keep, 0.0, float("-inf")).to(dtype)}[mask_kind]
+        low = torch.finfo(dtype).min  # HF eager's float masks use the dtype's minimum, not -inf
+        mask = {"bool": keep, "none": None, "float": torch.where(keep, 0.0, low).to(dtype)}[mask_kind]
+        if mask is not None:
+            mask = mask[..., :L]  # as decode_forward cuts a longer mask: stride(0) > L
         scale = 128 ** -0.5
         want = s * scale
         if mask is not None:
@@ -285,4 +288,4 @@ def test_fused_masked_softmax_matches_torch_ops(mask_kind, dtype):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                                    atol=1e-6)
         if mask is not None:
-            assert (got[(~keep).expand_as(got)] == 0).all()
+            assert (got[(~keep[..., :L]).expand_as(got)] == 0).all()

@@ -153,8 +153,9 @@ def test_triton_router_topk_matches_torch():
     if not fused.available(torch.empty(1, device="cuda")):
         pytest.skip("Triton unavailable")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for T, E, H, k in ((1, 128, 2048, 8), (5, 60, 100, 4), (3, 256, 7168, 8), (2, 8, 64, 1)):
-        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    for T, E, H, k in ((1, 128, 2048, 8), (5, 60, 100, 4), (3, 256, 7168, 8), (2, 8, 64, 1), (4, 1024, 512, 16),
+                       (0, 128, 2048, 8)):
+        x = torch.randn(T, H + 3, device="cuda", generator=g).bfloat16()[:, :H]  # rows H + 3 apart
         W = torch.randn(E, H, device="cuda", generator=g) * 0.02
         w, ids = fused.router_topk(x, W, k)
         top, want_ids = torch.topk(torch.nn.functional.linear(x.float(), W), k, dim=-1)

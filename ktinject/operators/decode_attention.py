@@ -195,6 +195,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q.float(), k.float().transpose(1, 2))
 
 
+def _fusable(norms, cos: torch.Tensor, sin: torch.Tensor, B: int, D: int) -> bool:
+    """fused.qk_norm_rope takes these: cos/sin of B or 1 rows of D, norm weights no autograd records."""
+    if norms and torch.is_grad_enabled() and (norms[0].weight.requires_grad or norms[1].weight.requires_grad):
+        return False
+    return all(t.shape[0] in (1, B) and t.numel() == t.shape[0] * D for t in (cos, sin))
+
+
 def qk_norm_rope(qkv: torch.Tensor, hq: int, hk: int, norms, cos: torch.Tensor, sin: torch.Tensor,
                  sign: torch.Tensor) -> torch.Tensor:
     """q and k of qkv [B, Hq + 2 Hkv, D] normed (norms: (q_norm, k_norm, eps) or None) and rotated by cos/sin
@@ -220,7 +227,7 @@ def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     B, D, hq, hk = hidden_states.shape[0], self.head_dim, st["hq"], st["hk"]
     qkv = F.linear(hidden_states, st["w"], st["b"]).view(B, hq + 2 * hk, D)  # [B, Hq + 2 Hkv, D]
     cos, sin = position_embeddings  # [B, 1, D]
-    if fused.available(qkv, D):  # qk_norm_rope's work in one Triton kernel, the same roundings
+    if fused.available(qkv, D) and _fusable(norms, cos, sin, B, D):  # qk_norm_rope's work in one Triton kernel
         qk = fused.qk_norm_rope(qkv, hq, hk, norms, cos, sin)
     else:
         qk = qk_norm_rope(qkv, hq, hk, norms, cos, sin, st["sign"])  # [B, Hq + Hkv, D]

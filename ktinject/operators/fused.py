@@ -5,19 +5,21 @@ experts on the CPU that chain is on the step's critical path. Timed inside CUDA 
 the H100 machine (tests/gpu/probe_fused.py), per layer:
 
 - ``qk_norm_rope``: q/k RMSNorm and rotary embedding, seven torch kernels (stacked norm weights, unweighted norm,
-  weight multiplication, x * cos, roll, sign * sin, addcmul), 10.4 us -> 1.6 us. One program per (batch, head) row
+  weight multiplication, x * cos, roll, sign * sin, addcmul), 11.3 us -> 1.6 us. One program per (batch, head) row
   of q and k, with the roundings of the torch ops (to the input dtype after the norm, after the weight, after
   x * cos, once at the end):
       y   = round(round(x * rsqrt(mean(x^2) + eps)) * w)      (w: q_norm's weight for q rows, k_norm's for k rows)
       out = round(round(y * cos) + roll(y, D/2) * sign * sin)  (sign = -1 for the first half of D, +1 after)
 - ``masked_softmax``: float32 scores -> scale, mask (bool: keep where true; float: added) -> softmax over the keys
-  -> probabilities in the value dtype, four torch kernels (mul_, where / add, softmax, cast). One program per
-  score row, the keys in blocks: a pass for the running max and sum (online softmax), a pass that writes.
+  -> probabilities in the value dtype, four torch kernels (mul_, where / add, softmax, cast), 13.6 us -> 2.0 us.
+  One program per score row, the keys in blocks of 1024: a pass for the running max and sum (online softmax), a
+  pass that writes.
 - ``router_topk`` (the MoE operator's fast routing): logits (blocks of 2 experts, 64 programs for 128) and top-k
   + the softmax of the k, two kernels instead of five: 14.0 us -> 5.6 us (HF's router: 21.5 us).
 
-``available(t, head_dim)``: Triton importable, ``t`` on CUDA, not turned off by ``KTINJECT_FUSED=0`` (A/B
-measurements, tests); elsewhere the torch ops run. Triton is imported at the first call, not at import.
+``available(t, head_dim)`` says where they run (see there); elsewhere the torch ops run. Triton is imported at the
+first call (the first routing, prefill included), not at import. exp and rsqrt are Triton's fast versions (relative
+error ~1e-6: below bf16's rounding, at float32's last bits).
 Legend: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim, L keys (the static cache length).
 """
 from __future__ import annotations
@@ -33,13 +35,18 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def _kernels():
-    """(qk_norm_rope, masked_softmax) jitted, or None when Triton is missing or broken here."""
+    """(qk_norm_rope, masked_softmax, router_logits, topk_softmax) jitted, or None when Triton is missing or
+    broken here (the torch ops run instead)."""
     try:
-        import triton
-        import triton.language as tl
-    except Exception as e:  # ImportError, or a Triton build that fails to load: the torch ops run instead
-        log.info("fused: Triton unavailable (%s); decode attention uses torch ops", e)
+        return _define()
+    except Exception as e:  # ImportError, a Triton build that fails to load, sources missing for the JIT
+        log.info("fused: Triton unavailable (%s); the decode step uses torch ops", e)
         return None
+
+
+def _define():
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def qk_norm_rope_k(qkv, out, wq, wk, cos, sin, s_qkv_b, s_qkv_h, s_out_b, s_out_h, s_cs_b, eps,
@@ -66,7 +73,7 @@ def _kernels():
         y = (x * c).to(dt).to(tl.float32) + xr * s
         tl.store(out + b * s_out_b + h * s_out_h + offs, y.to(dt))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["L", "ROWS_PER_B", "s_mask_b"])  # one compile for every cache length
     def masked_softmax_k(scores, mask, out, L, ROWS_PER_B, s_mask_b, scale,
                          MASK: tl.constexpr, MASK_BOOL: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
@@ -107,7 +114,7 @@ def _kernels():
 
     @triton.jit
     def router_logits_k(x, w, out, H, E, s_x, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)
         e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
         acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
         for h0 in range(0, H, BLOCK_H):
@@ -148,37 +155,49 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Te
     logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
     w = torch.empty((T, k), dtype=torch.float32, device=x.device)
     ids = torch.empty((T, k), dtype=torch.int64, device=x.device)
+    if T == 0:
+        return w, ids
     kern = _kernels()
-    kern[2][(T, -(-E // 2))](x, weight, logits, H, E, x.stride(0), BLOCK_E=2, BLOCK_H=512)
-    kern[3][(T,)](logits, w, ids, E, K=k, KP=max(2, 1 << (k - 1).bit_length()),
-                  BLOCK=max(16, 1 << (E - 1).bit_length()))
+    with torch.cuda.device(x.device):  # Triton launches on the current device's current stream
+        kern[2][(T, -(-E // 2))](x, weight, logits, H, E, x.stride(0), BLOCK_E=2, BLOCK_H=512)
+        kern[3][(T,)](logits, w, ids, E, K=k, KP=max(2, 1 << (k - 1).bit_length()),
+                      BLOCK=max(16, 1 << (E - 1).bit_length()))
     return w, ids
 
 
 def available(t: torch.Tensor, head_dim: int | None = None) -> bool:
-    """Whether the kernels can run for ``t`` (CUDA, Triton importable, KTINJECT_FUSED not 0; qk_norm_rope also
-    needs a power-of-two ``head_dim`` >= 16)."""
-    if not t.is_cuda or os.environ.get("KTINJECT_FUSED", "1") == "0":
+    """Whether the kernels can run for ``t``: on a CUDA device of compute capability >= 8.0 (bf16), Triton
+    importable, no autograd to record (the kernels have no backward), KTINJECT_FUSED not 0 (read per call; a
+    captured graph keeps what was chosen at capture); qk_norm_rope also needs a power-of-two ``head_dim`` >= 16."""
+    if not t.is_cuda or os.environ.get("KTINJECT_FUSED", "1") == "0" or (torch.is_grad_enabled() and t.requires_grad):
         return False
     if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
         return False
-    return _kernels() is not None
+    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()) and (
+        _kernels() is not None)
+
+
+@functools.cache
+def _capable(device: int) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def qk_norm_rope(qkv: torch.Tensor, hq: int, hk: int, norms, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """q and k of ``qkv`` [B, Hq + 2 Hkv, D] (last dim contiguous) normed (``norms`` = (q_norm, k_norm, eps) or
-    None) and rotated by ``cos``/``sin`` [B, 1, D]: a new [B, Hq + Hkv, D] tensor of qkv's dtype."""
+    None) and rotated by ``cos``/``sin`` [B, 1, D] or [1, 1, D]: a new [B, Hq + Hkv, D] tensor of qkv's dtype."""
     B, _, D = qkv.shape
     out = torch.empty((B, hq + hk, D), dtype=qkv.dtype, device=qkv.device)
-    cos = cos.to(qkv.dtype).reshape(B, D).contiguous()
-    sin = sin.to(qkv.dtype).reshape(B, D).contiguous()
+    cos = cos.to(qkv.dtype).reshape(-1, D).contiguous()  # [B or 1, D] (HF: batch 1 without position ids)
+    sin = sin.to(qkv.dtype).reshape(-1, D).contiguous()
     if norms:
         wq, wk, eps = norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[2])
     else:
         wq = wk = cos  # not read
         eps = 0.0
-    _kernels()[0][(B * (hq + hk),)](qkv, out, wq, wk, cos, sin, qkv.stride(0), qkv.stride(1), out.stride(0),
-                                    out.stride(1), cos.stride(0), eps, HQ=hq, HQK=hq + hk, D=D, NORM=bool(norms))
+    with torch.cuda.device(qkv.device):
+        _kernels()[0][(B * (hq + hk),)](qkv, out, wq, wk, cos, sin, qkv.stride(0), qkv.stride(1), out.stride(0),
+                                        out.stride(1), 0 if cos.shape[0] == 1 else cos.stride(0), eps, HQ=hq,
+                                        HQK=hq + hk, D=D, NORM=bool(norms))
     return out
 
 
@@ -193,7 +212,7 @@ def masked_softmax(scores: torch.Tensor, scale: float, mask: torch.Tensor | None
     else:
         m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         s_mask_b, is_bool = (m.stride(0) if m.shape[0] > 1 else 0), mask.dtype == torch.bool
-    block = min(1024, max(16, 1 << (L - 1).bit_length()))
-    _kernels()[1][(rows,)](scores, m, out, L, rows // B, s_mask_b, float(scale), MASK=mask is not None,
-                           MASK_BOOL=is_bool, BLOCK=block)
+    with torch.cuda.device(scores.device):  # BLOCK fixed: one compile whatever the cache length
+        _kernels()[1][(rows,)](scores, m, out, L, rows // B, s_mask_b, float(scale), MASK=mask is not None,
+                               MASK_BOOL=is_bool, BLOCK=1024)
     return out

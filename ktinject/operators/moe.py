@@ -95,11 +95,12 @@ def router_f32_extra(router: nn.Module) -> int:
 # must be True for the renormalization, None: always). Their weights equal the softmax over the k largest logits
 # (softmax(l)_i / sum_top softmax(l)_j = exp(l_i) / sum_top exp(l_j)): linear, top-k, softmax of k instead of HF's
 # linear, softmax of E, sorted top-k (a selection and a sort), sum and division. A decode step on the GPU is a chain
-# of small dependent kernels, so this takes ~8 us of GPU time per layer off it. The k ids come unsorted (the native
-# experts sum in expert order whatever the slots; the hot experts' sum is order-free up to rounding). The experts
-# are HF's except at near-ties: logits an ulp or so apart that round to the same float32 probability, which HF then
-# ranks by index, are ranked here by logit. Eligibility is by class (and flag): tests/test_router.py checks each class
-# against the installed transformers.
+# of small dependent kernels, so this takes 8 us (torch ops) or 16 us (Triton, fused.router_topk) of GPU time per
+# layer off it. The k ids come unsorted or in descending order (the native experts sum in expert order whatever the
+# slots; the hot experts' sum is order-free up to rounding). The experts are HF's except at near-ties: logits an ulp
+# or so apart, which HF's float32 probabilities may round equal and then rank by index, and which the Triton logits
+# kernel (another summation order than cuBLAS) may round the other way. Eligibility is by class (and flag):
+# tests/test_router.py checks each class against the installed transformers.
 _SOFTMAX_TOPK_ROUTERS = {"Qwen3MoeTopKRouter": "norm_topk_prob", "Qwen2MoeTopKRouter": "norm_topk_prob",
                          "OlmoeTopKRouter": "norm_topk_prob", "MixtralTopKRouter": None}
 
@@ -115,10 +116,11 @@ def softmax_topk_router(router: nn.Module) -> bool:
 
 
 def fast_routing(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, ids [T, k] int64, unsorted) of a softmax_topk_router for x [T, H], in float32
-    (on CUDA with Triton: ``fused.router_topk``, two kernels)."""
+    """(weights [T, k] float32, ids [T, k] int64) of a softmax_topk_router for x [T, H], in float32: on CUDA with
+    Triton, for decode-sized T, ``fused.router_topk`` (two kernels; ids in descending logit order), else torch ops
+    (ids unsorted). (router_topk's logits kernel is a GEMV: for many tokens cuBLAS is the better choice.)"""
     W = router.weight
-    if (x.dim() == 2 and x.stride(-1) == 1 and W.dtype == torch.float32 and W.is_contiguous()
+    if (x.dim() == 2 and x.shape[0] <= 64 and x.stride(-1) == 1 and W.dtype == torch.float32 and W.is_contiguous()
             and W.shape[0] <= 1024 and router.top_k <= 16 and fused.available(x)):
         return fused.router_topk(x, W, router.top_k)
     logits = torch.nn.functional.linear(x.float(), router.weight)  # [T, E]
@@ -193,7 +195,7 @@ class HybridMoE(nn.Module):
 
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """HF's router, in float32, on x [T, H]: (weights [T, k] float32, ids [T, k] int64). For the softmax ->
-        top-k -> renormalize routers, the same weights by ``fast_routing`` (ids unsorted), unless the router is
+        top-k -> renormalize routers, the same weights by ``fast_routing`` (ids in its order), unless the router is
         hooked, replaced or recorded by autograd (HF's own forward, bitwise, for hooks and training)."""
         router = self._modules[self.spec.router]  # "gate" or "router" (gpt-oss); checked per call: may be replaced
         if (softmax_topk_router(router) and not _hooked(router)

@@ -57,9 +57,13 @@ def main() -> None:
     with torch.no_grad():
         t_hf = timed(lambda: router(x.float()))
         t_fast = timed(lambda: fast_routing(router, x))
+        saved = os.environ.get("KTINJECT_FUSED")
         os.environ["KTINJECT_FUSED"] = "0"
         t_torch_fast = timed(lambda: fast_routing(router, x))
-        os.environ.pop("KTINJECT_FUSED")
+        if saved is None:
+            os.environ.pop("KTINJECT_FUSED")
+        else:
+            os.environ["KTINJECT_FUSED"] = saved
     print(f"router per layer: HF {t_hf:.1f} us, fast routing {t_fast:.1f} us (in torch ops {t_torch_fast:.1f} us) "
           f"({(t_hf - t_fast) * 48 / 1000:.2f} ms per token of 48 layers)")
 
