@@ -73,6 +73,17 @@ def _define():
         y = (x * c).to(dt).to(tl.float32) + xr * s
         tl.store(out + b * s_out_b + h * s_out_h + offs, y.to(dt))
 
+    @triton.jit
+    def masked_scores(src, mrow, offs, inside, scale, MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
+        """scores * scale at offs, masked (-inf, or the float mask added); -inf outside the row."""
+        x = tl.load(src + offs, mask=inside, other=float("-inf")) * scale
+        if MASK:
+            if MASK_BOOL:
+                x = tl.where(tl.load(mrow + offs, mask=inside, other=0) != 0, x, float("-inf"))
+            else:
+                x = x + tl.load(mrow + offs, mask=inside, other=0.0).to(tl.float32)
+        return x
+
     @triton.jit(do_not_specialize=["L", "ROWS_PER_B", "s_mask_b"])  # one compile for every cache length
     def masked_softmax_k(scores, mask, out, L, ROWS_PER_B, s_mask_b, scale,
                          MASK: tl.constexpr, MASK_BOOL: tl.constexpr, BLOCK: tl.constexpr):
@@ -86,13 +97,7 @@ def _define():
         for start in range(0, L, BLOCK):  # per lane: running max and sum of exp over its keys
             offs = start + tl.arange(0, BLOCK)
             inside = offs < L
-            x = tl.load(src + offs, mask=inside, other=float("-inf")) * scale
-            if MASK:
-                if MASK_BOOL:
-                    keep = tl.load(mrow + offs, mask=inside, other=0) != 0
-                    x = tl.where(keep, x, float("-inf"))
-                else:
-                    x = x + tl.load(mrow + offs, mask=inside, other=0.0).to(tl.float32)
+            x = masked_scores(src, mrow, offs, inside, scale, MASK, MASK_BOOL)
             m_new = tl.maximum(m_run, x)
             alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m_run - m_new))
             s_run = s_run * alpha + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
@@ -102,13 +107,7 @@ def _define():
         for start in range(0, L, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             inside = offs < L
-            x = tl.load(src + offs, mask=inside, other=float("-inf")) * scale
-            if MASK:
-                if MASK_BOOL:
-                    keep = tl.load(mrow + offs, mask=inside, other=0) != 0
-                    x = tl.where(keep, x, float("-inf"))
-                else:
-                    x = x + tl.load(mrow + offs, mask=inside, other=0.0).to(tl.float32)
+            x = masked_scores(src, mrow, offs, inside, scale, MASK, MASK_BOOL)
             p = tl.exp(x - m) / total
             tl.store(dst + offs, p.to(out.dtype.element_ty), mask=inside)
 

@@ -250,12 +250,7 @@ static void gemm_int8_amx(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, 
 void ktk_amx_gemm_int4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy); /* int4.c */
 
 /* decode kernels (one row per matrix): those of the AVX-512 kernels this table runs below its crossovers */
-void ktk_avx512_gemv_bf16_plain(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
-                                float *const *y);
-void ktk_avx512_gemv_int8_vnni(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
-                               float *const *y);
-void ktk_avx512_gemv_int4_vnni(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
-                               float *const *y);
+#include "../avx512/gemv.h"
 
 static const ktk_kernels amx_table = {"amx", gemm_bf16_amx, gemm_int8_amx, ktk_amx_gemm_int4,
                                       ktk_avx512_gemv_bf16_plain, ktk_avx512_gemv_int8_vnni,

@@ -275,14 +275,7 @@ void ktk_avx512_gemm_int4_plain(const ktk_mat *w, int nb0, int nb1, const ktk_ac
 void ktk_avx512_gemm_int4_vnni(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
 
 /* decode kernels: gemv.c */
-void ktk_avx512_gemv_bf16_dp(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
-                             float *const *y);
-void ktk_avx512_gemv_bf16_plain(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
-                                float *const *y);
-void ktk_avx512_gemv_int8_vnni(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
-                               float *const *y);
-void ktk_avx512_gemv_int4_vnni(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
-                               float *const *y);
+#include "gemv.h"
 
 static const ktk_kernels table_plain = {"avx512", ktk_avx512_gemm_bf16_plain, gemm_int8_plain,
                                         ktk_avx512_gemm_int4_plain, ktk_avx512_gemv_bf16_plain, NULL, NULL, 0};

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include "../../kernels.h"
 #include "drive.h"
+#include "gemv.h"
 
 #ifndef PF_SCALE_GROUPS
 #define PF_SCALE_GROUPS 4   /* as int4.c */
