@@ -19,8 +19,8 @@
  * 16 columns of H) from a shared counter, guided: rem / (2 threads) units, at most CWMAX, at least 1, so every
  * thread finishes within about one small chunk of the others (fixed items of 1/4-1/8 of a thread's share left up to
  * 17% of a phase to the slowest thread). An expert with one row runs gate and up as one gemv (2 matrices), and the
- * down matrices of up to KTK_GEMV_MAX consecutive one-row experts as one gemv: 8-16 weight streams per thread
- * instead of <= 4. Same arithmetic (gemv is bit-identical to gemm with one row), same summation order.
+ * down matrices of up to KTK_GEMV_MAX consecutive one-row experts as one gemv: 4 (gate/up) and up to 16 (down)
+ * weight streams per thread instead of <= 4 of one matrix. Same arithmetic (gemv is bit-identical to gemm with one row), same summation order.
  * Where the kernel table says so (gemv_default: measured faster there); KTINJECT_GEMV=0/1 overrides (tests, A/B);
  * never with KTINJECT_INT4_PATH=dequant (that path is for many rows).
  */

@@ -27,7 +27,8 @@
 
 /* switch (M, NB) -> BODY(M, NB) with constants. NB <= 2 blocks per matrix: on the H100 machine's Xeon (15 threads,
  * one-token forwards of Qwen3-30B-A3B and DeepSeek-V3 layers, bf16 / int8 / int4, interleaved A/B against the item
- * path: tests/gpu/probe_gemv.py) NB <= 2 gave 0.84-0.95 of the item path's time, NB <= 4 0.91-0.97, NB 1 0.85-1.01.
+ * path: tests/gpu/probe_gemv.py) a sweep gave NB <= 2 0.84-0.95 of the item path's time, NB <= 4 0.91-0.97, NB 1
+ * 0.85-1.01, but its warm-up favoured the gemv path; re-measured without that, NB <= 2: 0.946-1.014 (medians of 9).
  * bf16, int8: M <= 8 (<= 16 accumulators); int4 (a float and an int32 accumulator each): NB 1 from M = 5. */
 #define KTK_GEMV_CASES16(BODY)                                                                                      \
     switch (M * 8 + NB) {                                                                                          \
