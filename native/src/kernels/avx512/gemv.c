@@ -25,29 +25,29 @@
 #define PF_SCALE_GROUPS 4   /* as int4.c */
 #endif
 
-/* switch (M, NB) -> BODY(M, NB) with constants. NB <= 2 blocks per matrix: on the H100 machine's Xeon (15 threads,
+/* switch (M, NB) -> FN(w, x, b0, y, yo, M, NB) with constants (an always-inline body). NB <= 2 blocks per matrix: on the H100 machine's Xeon (15 threads,
  * one-token forwards of Qwen3-30B-A3B and DeepSeek-V3 layers, bf16 / int8 / int4, interleaved A/B against the item
  * path: tests/gpu/probe_gemv.py) a sweep gave NB <= 2 0.84-0.95 of the item path's time, NB <= 4 0.91-0.97, NB 1
  * 0.85-1.01, but its warm-up favoured the gemv path; re-measured without that, NB <= 2: 0.946-1.014 (medians of 9).
  * bf16, int8: M <= 8 (<= 16 accumulators); int4 (a float and an int32 accumulator each): NB 1 from M = 5. */
-#define KTK_GEMV_CASES16(BODY)                                                                                      \
+#define KTK_GEMV_CASES16(FN)                                                                                      \
     switch (M * 8 + NB) {                                                                                          \
-    case 8 + 1: BODY(1, 1); break; case 8 + 2: BODY(1, 2); break; case 16 + 1: BODY(2, 1); break;                  \
-    case 16 + 2: BODY(2, 2); break; case 24 + 1: BODY(3, 1); break; case 24 + 2: BODY(3, 2); break;                \
-    case 32 + 1: BODY(4, 1); break; case 32 + 2: BODY(4, 2); break; case 40 + 1: BODY(5, 1); break;                \
-    case 40 + 2: BODY(5, 2); break; case 48 + 1: BODY(6, 1); break; case 48 + 2: BODY(6, 2); break;                \
-    case 56 + 1: BODY(7, 1); break; case 56 + 2: BODY(7, 2); break; case 64 + 1: BODY(8, 1); break;                \
-    case 64 + 2: BODY(8, 2); break;                                                                                \
+    case 8 + 1: FN(w, x, b0, y, yo, 1, 1); break; case 8 + 2: FN(w, x, b0, y, yo, 1, 2); break; case 16 + 1: FN(w, x, b0, y, yo, 2, 1); break;                  \
+    case 16 + 2: FN(w, x, b0, y, yo, 2, 2); break; case 24 + 1: FN(w, x, b0, y, yo, 3, 1); break; case 24 + 2: FN(w, x, b0, y, yo, 3, 2); break;                \
+    case 32 + 1: FN(w, x, b0, y, yo, 4, 1); break; case 32 + 2: FN(w, x, b0, y, yo, 4, 2); break; case 40 + 1: FN(w, x, b0, y, yo, 5, 1); break;                \
+    case 40 + 2: FN(w, x, b0, y, yo, 5, 2); break; case 48 + 1: FN(w, x, b0, y, yo, 6, 1); break; case 48 + 2: FN(w, x, b0, y, yo, 6, 2); break;                \
+    case 56 + 1: FN(w, x, b0, y, yo, 7, 1); break; case 56 + 2: FN(w, x, b0, y, yo, 7, 2); break; case 64 + 1: FN(w, x, b0, y, yo, 8, 1); break;                \
+    case 64 + 2: FN(w, x, b0, y, yo, 8, 2); break;                                                                                \
     default: abort();                                                                                              \
     }
 static inline int nbmax16(int M) { (void)M; return 2; }
 
-#define KTK_GEMV_CASES8(BODY)                                                                                       \
+#define KTK_GEMV_CASES8(FN)                                                                                       \
     switch (M * 8 + NB) {                                                                                          \
-    case 8 + 1: BODY(1, 1); break; case 8 + 2: BODY(1, 2); break; case 16 + 1: BODY(2, 1); break;                  \
-    case 16 + 2: BODY(2, 2); break; case 24 + 1: BODY(3, 1); break; case 24 + 2: BODY(3, 2); break;                \
-    case 32 + 1: BODY(4, 1); break; case 32 + 2: BODY(4, 2); break; case 40 + 1: BODY(5, 1); break;                \
-    case 48 + 1: BODY(6, 1); break; case 56 + 1: BODY(7, 1); break; case 64 + 1: BODY(8, 1); break;                \
+    case 8 + 1: FN(w, x, b0, y, yo, 1, 1); break; case 8 + 2: FN(w, x, b0, y, yo, 1, 2); break; case 16 + 1: FN(w, x, b0, y, yo, 2, 1); break;                  \
+    case 16 + 2: FN(w, x, b0, y, yo, 2, 2); break; case 24 + 1: FN(w, x, b0, y, yo, 3, 1); break; case 24 + 2: FN(w, x, b0, y, yo, 3, 2); break;                \
+    case 32 + 1: FN(w, x, b0, y, yo, 4, 1); break; case 32 + 2: FN(w, x, b0, y, yo, 4, 2); break; case 40 + 1: FN(w, x, b0, y, yo, 5, 1); break;                \
+    case 48 + 1: FN(w, x, b0, y, yo, 6, 1); break; case 56 + 1: FN(w, x, b0, y, yo, 7, 1); break; case 64 + 1: FN(w, x, b0, y, yo, 8, 1); break;                \
     default: abort();                                                                                              \
     }
 static inline int nbmax8(int M) { return M <= 4 ? 2 : 1; }
@@ -64,6 +64,18 @@ static inline void gemv_drive(gemv_micro micro, int nbmax, int M, const ktk_mat 
         micro(w, x, b, y, (b - nb0) * 16, M, nb);
     }
 }
+
+/* A variant's entry point ktk_avx512_gemv_NAME (ktk_gemv_fn) and its micro-kernel: CASES (above) instantiates the
+ * always-inline BODYFN for each (M, NB); NBMAX(M) caps NB. Expanded inside the variant's target region. */
+#define KTK_GEMV_ENTRY(NAME, BODYFN, CASES, NBMAX)                                                                  \
+    static void micro_##NAME(const ktk_mat *const *w, const ktk_act *const *x, int b0, float *const *y, int yo,    \
+                             int M, int NB) {                                                                      \
+        CASES(BODYFN)                                                                                              \
+    }                                                                                                              \
+    void ktk_avx512_gemv_##NAME(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,         \
+                                float *const *y) {                                                                 \
+        gemv_drive(micro_##NAME, NBMAX(M), M, w, nb0, nb1, x, y);                                                  \
+    }
 
 /* ======================= bf16 with AVX512_BF16 (as mk_bf16_dp) ======================= */
 #pragma GCC push_options
@@ -102,17 +114,7 @@ KTK_AI void mv_bf16_dp(const ktk_mat *const *w, const ktk_act *const *x, int b0,
         for (int b = 0; b < NB; b++) _mm512_storeu_ps(y[m] + yo + b * 16, acc[m][b]);
 }
 
-static void micro_bf16_dp(const ktk_mat *const *w, const ktk_act *const *x, int b0, float *const *y, int yo, int M,
-                          int NB) {
-#define BODY(MM, BB) mv_bf16_dp(w, x, b0, y, yo, MM, BB)
-    KTK_GEMV_CASES16(BODY)
-#undef BODY
-}
-
-void ktk_avx512_gemv_bf16_dp(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
-                             float *const *y) {
-    gemv_drive(micro_bf16_dp, nbmax16(M), M, w, nb0, nb1, x, y);
-}
+KTK_GEMV_ENTRY(bf16_dp, mv_bf16_dp, KTK_GEMV_CASES16, nbmax16)
 #pragma GCC pop_options
 
 /* ======================= bf16, plain AVX-512 F (as mk_bf16_plain) ======================= */
@@ -163,17 +165,7 @@ KTK_AI void mv_bf16_plain(const ktk_mat *const *w, const ktk_act *const *x, int 
         for (int b = 0; b < NB; b++) _mm512_storeu_ps(y[m] + yo + b * 16, acc[m][b]);
 }
 
-static void micro_bf16_plain(const ktk_mat *const *w, const ktk_act *const *x, int b0, float *const *y, int yo,
-                             int M, int NB) {
-#define BODY(MM, BB) mv_bf16_plain(w, x, b0, y, yo, MM, BB)
-    KTK_GEMV_CASES16(BODY)
-#undef BODY
-}
-
-void ktk_avx512_gemv_bf16_plain(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
-                                float *const *y) {
-    gemv_drive(micro_bf16_plain, nbmax16(M), M, w, nb0, nb1, x, y);
-}
+KTK_GEMV_ENTRY(bf16_plain, mv_bf16_plain, KTK_GEMV_CASES16, nbmax16)
 #pragma GCC pop_options
 
 /* ======================= int8 with AVX512_VNNI (as mk_int8_vnni) ======================= */
@@ -226,17 +218,7 @@ KTK_AI void mv_int8_vnni(const ktk_mat *const *w, const ktk_act *const *x, int b
     }
 }
 
-static void micro_int8_vnni(const ktk_mat *const *w, const ktk_act *const *x, int b0, float *const *y, int yo, int M,
-                            int NB) {
-#define BODY(MM, BB) mv_int8_vnni(w, x, b0, y, yo, MM, BB)
-    KTK_GEMV_CASES16(BODY)
-#undef BODY
-}
-
-void ktk_avx512_gemv_int8_vnni(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
-                               float *const *y) {
-    gemv_drive(micro_int8_vnni, nbmax16(M), M, w, nb0, nb1, x, y);
-}
+KTK_GEMV_ENTRY(int8_vnni, mv_int8_vnni, KTK_GEMV_CASES16, nbmax16)
 
 /* ======================= int4 x int8 with AVX512_VNNI (as int4_micro.h with vpdpbusd) ======================= */
 KTK_AI void mv_int4_vnni(const ktk_mat *const *w, const ktk_act *const *x, int b0, float *const *y, int yo,
@@ -301,15 +283,5 @@ KTK_AI void mv_int4_vnni(const ktk_mat *const *w, const ktk_act *const *x, int b
     }
 }
 
-static void micro_int4_vnni(const ktk_mat *const *w, const ktk_act *const *x, int b0, float *const *y, int yo, int M,
-                            int NB) {
-#define BODY(MM, BB) mv_int4_vnni(w, x, b0, y, yo, MM, BB)
-    KTK_GEMV_CASES8(BODY)
-#undef BODY
-}
-
-void ktk_avx512_gemv_int4_vnni(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
-                               float *const *y) {
-    gemv_drive(micro_int4_vnni, nbmax8(M), M, w, nb0, nb1, x, y);
-}
+KTK_GEMV_ENTRY(int4_vnni, mv_int4_vnni, KTK_GEMV_CASES8, nbmax8)
 #pragma GCC pop_options
