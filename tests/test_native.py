@@ -239,6 +239,34 @@ def test_decode_path_equals_item_path(use_isa, monkeypatch, isa, quant, ci):
     assert rel(outs[-1], ref) < (TOL_REF_F32 if od == torch.float32 else TOL_REF_BF16)
 
 
+TILE_CASES = [  # many-row experts: x and h in AMX tile order (KTINJECT_TILES)
+    (12, 96, 80, 600, 2, "random", None, "f16", "f32", "f32", "f16"),      # ~100 rows per expert, H, I % 64 != 0
+    (10, 72, 33, 300, 3, "one_expert", None, "bf16", "bf16", "bf16", "bf16"),  # 300 rows: 256-row chunk + 44
+    (4, 64, 40, 1100, 2, "random", "some", "bf16", "f32", "f32", "f32"),   # T > 1024: down rows not 16-aligned
+]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "int4-dequant"])
+@pytest.mark.parametrize("ci", range(len(TILE_CASES)))
+def test_tiles_equal_rows(use_isa, monkeypatch, isa, quant, ci):
+    """x and h handed to the kernels in tile order as well as in rows (KTINJECT_TILES=N: from N rows on any table;
+    generic and AMX read the tiles, the others ignore them): bitwise the same output as rows only (=0), on 1 and 3
+    threads, with tiles for every expert (1) or only the larger ones (90)."""
+    use_isa(isa)
+    q = quant.split("-")[0]
+    if quant == "int4-dequant":
+        monkeypatch.setenv("KTINJECT_INT4_PATH", "dequant")
+    ex, hidden, ids, weights, skip, od, _, _ = make_problem(TILE_CASES[ci], 400 + ci, q)
+    outs = []
+    for tiles in ("0", "1", "90"):
+        monkeypatch.setenv("KTINJECT_TILES", tiles)
+        for n in (1, 3):
+            with kn.Pool(n) as pool:
+                outs.append(run(ex, hidden, ids, weights, skip, od, pool=pool))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 def test_from_hf_matches_set_and_transformers_layout():
     E, H, I = 5, 40, 24
     g = torch.Generator().manual_seed(3)

@@ -1,8 +1,9 @@
-/* Forward orchestration of one MoE layer (ISA-independent; the kernels do the matrix products).
+/* Forward orchestration of one MoE layer (ISA-independent; the kernels do the matrix products; acts.c makes the
+ * activations they read).
  *
  * Phases (each a parallel-for on the pool, separated by barriers):
  *   route (serial): validate ids, count rows per expert (skipping masked experts), rows sorted by (expert, token)
- *   gather:   x [R, Kp(H)] activations of every row (bf16 zero-padded, or int8 per row + scale + sum)
+ *   gather:   x [R, Kp(H)] activations of every row (bf16 zero-padded, or int8 per row + scale + sum; acts.c)
  *   gate/up:  items (expert, <= RT rows, <= CWMAX blocks of 16 outputs of I): h = act(g + bg, u + bu)
  *             -> h [R, Kp(I)] bf16, or float [R, I] quantized per row in a following phase for int8 / int4
  *   down:     items (<= CWMAX blocks of 16 columns of H, <= TC tokens): for each active expert in ascending
@@ -20,7 +21,8 @@
  * thread finishes within about one small chunk of the others (fixed items of 1/4-1/8 of a thread's share left up to
  * 17% of a phase to the slowest thread). An expert with one row runs gate and up as one gemv (2 matrices), and the
  * down matrices of up to KTK_GEMV_MAX consecutive one-row experts as one gemv: 4 (gate/up) and up to 16 (down)
- * weight streams per thread instead of <= 4 of one matrix. Same arithmetic (gemv is bit-identical to gemm with one row), same summation order.
+ * weight streams per thread instead of <= 4 of one matrix. Same arithmetic (gemv is bit-identical to gemm with one
+ * row), same summation order.
  * Where the kernel table says so (gemv_default: measured faster there); KTINJECT_GEMV=0/1 overrides (tests, A/B);
  * never with KTINJECT_INT4_PATH=dequant (that path is for many rows).
  */
@@ -28,44 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-
-#define RT 256                /* rows per gemm call */
-#define TC 1024               /* tokens per down item */
-#define CWMAX 8               /* 16-column blocks per item at most (128 columns) */
-#define ITEMS_PER_THREAD 4
-#define GATHER_ROWS 32
-#define DECODE_ROWS 4         /* decode path: every expert at most this many rows */
-
-typedef struct { int32_t a, r0, r1, cb0, cb1; } gu_item; /* active expert index, rows, column blocks */
-
-typedef struct {
-    const ktk_task *t;
-    const ktk_experts *ex;
-    ktk_gemm_fn gemm;
-    ktk_pool *pool;
-    int T, k, E, H, I, quant, act, KpH, KpI, UI, UH;
-    int a8;                            /* int8 activations (int8 and int4 weights) */
-    int int4_path, copies;             /* int4: KTK_INT4_PATH_*, bf16 copies of x and h + workspaces made */
-    int64_t work_off, work_bytes;      /* int4 workspace inside each thread's scratch */
-    float alpha, limit;
-    int A, R, maxrows;                 /* active experts, rows, most rows of one expert */
-    int32_t *start, *act_e, *off, *tok;  /* [E], [A], [A+1], [R] */
-    float *wt;                          /* [R] routing weight of each row */
-    uint16_t *x16, *h16;
-    int8_t *x8, *h8;
-    float *xs, *hs, *hf;
-    int32_t *xsum, *hsum;
-    gu_item *gu;
-    int64_t ngu;
-    int cw_gu, cw_dn, ntc;
-    ktk_gemv_fn gemv;                  /* decode path (NULL: the item path) */
-    int nt;                            /* pool threads */
-    _Alignas(64) _Atomic int64_t next; /* decode path: next unclaimed unit of the phase (own cache line) */
-    char pad_next[56];
-} fctx;
-
-static size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
+#include "forward.h"
 
 /* ---- route ---- */
 static float routing_weight(const ktk_task *t, int64_t i) {
@@ -141,31 +106,7 @@ static int plan(fctx *c) {
                 int cb1 = (g + 1) * c->cw_gu < c->UI ? (g + 1) * c->cw_gu : c->UI;
                 c->gu[c->ngu++] = (gu_item){a, r0, r1, g * c->cw_gu, cb1};
             }
-    const size_t R = (size_t)c->R, KpH = (size_t)c->KpH, KpI = (size_t)c->KpI;
-    const int q8 = c->a8;
-    c->copies = c->quant == KTK_QUANT_INT4 && c->int4_path != KTK_INT4_PATH_DIRECT &&
-                (c->int4_path == KTK_INT4_PATH_DEQUANT || c->maxrows >= KTK_INT4_DEQUANT_MIN_ROWS_ANY);
-    const size_t cx = c->copies ? a64(R * KpH * 2) : 0, ch = c->copies ? a64(R * KpI * 2) : 0;
-    uint8_t *x = ktki_scratch(c->pool, KTKI_SCR_X, q8 ? a64(R * KpH) + 2 * a64(R * 4) + cx : a64(R * KpH * 2));
-    uint8_t *h = ktki_scratch(c->pool, KTKI_SCR_H, q8 ? a64(R * KpI) + 2 * a64(R * 4) + ch : a64(R * KpI * 2));
-    if (!x || !h) return 0;
-    if (q8) {
-        c->x8 = (int8_t *)x;
-        c->xs = (float *)(x + a64(R * KpH));
-        c->xsum = (int32_t *)(x + a64(R * KpH) + a64(R * 4));
-        c->h8 = (int8_t *)h;
-        c->hs = (float *)(h + a64(R * KpI));
-        c->hsum = (int32_t *)(h + a64(R * KpI) + a64(R * 4));
-        c->hf = ktki_scratch(c->pool, KTKI_SCR_HF, R * (size_t)c->I * 4 + 64);
-        if (!c->hf) return 0;
-        if (c->copies) {   /* int4: the same int8 values as bf16, for the dequantizing path */
-            c->x16 = (uint16_t *)(x + a64(R * KpH) + 2 * a64(R * 4));
-            c->h16 = (uint16_t *)(h + a64(R * KpI) + 2 * a64(R * 4));
-        }
-    } else {
-        c->x16 = (uint16_t *)x;
-        c->h16 = (uint16_t *)h;
-    }
+    if (!ktki_fwd_plan_acts(c)) return 0;
     size_t per_thread = (size_t)c->H * 4;
     size_t gu = 2 * (size_t)RT * c->cw_gu * 16 * 4, dn = (size_t)(RT + TC) * c->cw_dn * 16 * 4;
     per_thread = per_thread > gu ? per_thread : gu;
@@ -177,58 +118,6 @@ static int plan(fctx *c) {
         per_thread = (size_t)(c->work_off + c->work_bytes);
     }
     return ktki_thread_scratch_reserve(c->pool, per_thread + 64);
-}
-
-/* ---- gather ---- */
-/* int8 values as bf16 (exact): the int4 dequantizing path's activations */
-static void bf16_copy(const int8_t *src, int n, uint16_t *dst) {
-    for (int j = 0; j < n; j++) dst[j] = ktk_f32_to_bf16((float)src[j]);
-}
-
-static void gather_item(void *ctx, int64_t item, int tid) {
-    fctx *c = ctx;
-    const int64_t es = c->t->hidden_dtype == KTK_DTYPE_F32 ? 4 : 2;
-    float *tmp = ktki_thread_scratch(c->pool, tid);
-    int r1 = (int)((item + 1) * GATHER_ROWS < c->R ? (item + 1) * GATHER_ROWS : c->R);
-    for (int r = (int)(item * GATHER_ROWS); r < r1; r++) {
-        const char *src = (const char *)c->t->hidden + (int64_t)c->tok[r] * c->H * es;
-        if (c->a8) {
-            int8_t *dst = c->x8 + (int64_t)r * c->KpH;
-            ktki_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
-            c->xsum[r] = ktki_quantize_row(tmp, c->H, dst, &c->xs[r]);
-            memset(dst + c->H, 0, (size_t)(c->KpH - c->H));
-            if (c->copies) bf16_copy(dst, c->KpH, c->x16 + (int64_t)r * c->KpH);
-            continue;
-        }
-        uint16_t *dst = c->x16 + (int64_t)r * c->KpH;
-        if (c->t->hidden_dtype == KTK_DTYPE_BF16) {
-            memcpy(dst, src, (size_t)c->H * 2);
-        } else {
-            ktki_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
-            for (int j = 0; j < c->H; j++) dst[j] = ktk_f32_to_bf16(tmp[j]);
-        }
-        memset(dst + c->H, 0, (size_t)(c->KpH - c->H) * 2);
-    }
-}
-
-/* Rows [r0, r1) of x (h = 0) or h (h = 1) for a kernel call from thread tid. */
-static ktk_act rows_of(const fctx *c, int h, int r0, int r1, int tid) {
-    ktk_act x = {r1 - r0, h ? c->KpI : c->KpH, NULL, NULL, NULL, NULL, NULL, 0, KTK_INT4_PATH_AUTO};
-    int64_t o = (int64_t)r0 * x.Kp;
-    if (c->quant == KTK_QUANT_BF16) {
-        x.x_bf16 = (h ? c->h16 : c->x16) + o;
-        return x;
-    }
-    x.x_i8 = (h ? c->h8 : c->x8) + o;
-    x.x_scale = (h ? c->hs : c->xs) + r0;
-    x.x_sum = (h ? c->hsum : c->xsum) + r0;
-    x.int4_path = c->int4_path;
-    if (c->copies) {
-        x.x_bf16 = (h ? c->h16 : c->x16) + o;
-        x.work = (char *)ktki_thread_scratch(c->pool, tid) + c->work_off;
-        x.work_bytes = c->work_bytes;
-    }
-    return x;
 }
 
 /* ---- gate/up + activation ---- */
@@ -244,7 +133,7 @@ static void gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1, 
     const int e = c->act_e[a], bw = (cb1 - cb0) * 16;
     const ktk_mat g = ktki_expert_mat(c->ex, e, KTK_MAT_GATE), u = ktki_expert_mat(c->ex, e, KTK_MAT_UP);
     const float *bg = ktki_expert_bias(c->ex, e, KTK_MAT_GATE), *bu = ktki_expert_bias(c->ex, e, KTK_MAT_UP);
-    ktk_act x = rows_of(c, 0, r0, r1, tid);
+    ktk_act x = ktki_fwd_rows(c, 0, a, r0, r1, tid);
     if (c->gemv && r1 - r0 == 1) {   /* gate and up streamed together */
         const ktk_mat *w[2] = {&g, &u};
         const ktk_act *xs[2] = {&x, &x};
@@ -267,6 +156,7 @@ static void gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1, 
         for (int j = j0; j < j1; j++)
             hr[j] = ktk_f32_to_bf16(activation(c, gr[j] + (bg ? bg[j] : 0.0f), ur[j] + (bu ? bu[j] : 0.0f)));
         if (last) memset(hr + c->I, 0, (size_t)(c->KpI - c->I) * 2);
+        ktki_fwd_to_tiles(c, 1, a, r, hr, (int64_t)j0 * 2, (int64_t)(last ? c->KpI : j1) * 2);
     }
 }
 
@@ -309,18 +199,6 @@ static void gate_up_decode(void *ctx, int64_t item, int tid) {
         }
 }
 
-static void quantize_h_item(void *ctx, int64_t item, int tid) {
-    fctx *c = ctx;
-    (void)tid;
-    int r1 = (int)((item + 1) * GATHER_ROWS < c->R ? (item + 1) * GATHER_ROWS : c->R);
-    for (int r = (int)(item * GATHER_ROWS); r < r1; r++) {
-        int8_t *dst = c->h8 + (int64_t)r * c->KpI;
-        c->hsum[r] = ktki_quantize_row(c->hf + (int64_t)r * c->I, c->I, dst, &c->hs[r]);
-        memset(dst + c->I, 0, (size_t)(c->KpI - c->I));
-        if (c->copies) bf16_copy(dst, c->KpI, c->h16 + (int64_t)r * c->KpI);
-    }
-}
-
 /* ---- down + combine ---- */
 static int lower_bound(const int32_t *v, int lo, int hi, int32_t x) {
     while (lo < hi) {
@@ -359,7 +237,7 @@ static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, 
             int n = 0;
             for (; a < c->A && n < KTK_GEMV_MAX && c->off[a + 1] - c->off[a] == 1; a++, n++) {
                 d[n] = ktki_expert_mat(c->ex, c->act_e[a], KTK_MAT_DOWN);
-                h[n] = rows_of(c, 1, c->off[a], c->off[a] + 1, tid);
+                h[n] = ktki_fwd_rows(c, 1, a, c->off[a], c->off[a] + 1, tid);
                 dp[n] = &d[n], hp[n] = &h[n], yp[n] = y + (int64_t)n * bw;
             }
             c->gemv(n, dp, cb0, cb1, hp, yp);
@@ -375,7 +253,7 @@ static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, 
             const float *bd = ktki_expert_bias(c->ex, c->act_e[a], KTK_MAT_DOWN);
             for (int r0 = lo; r0 < hi; r0 += RT) {
                 const int r1 = r0 + RT < hi ? r0 + RT : hi;
-                ktk_act h = rows_of(c, 1, r0, r1, tid);
+                ktk_act h = ktki_fwd_rows(c, 1, a, r0, r1, tid);
                 c->gemm(&d, cb0, cb1, &h, y, bw);
                 accumulate(c, y, bw, jn, bd ? bd + j0 : NULL, r0, r1, t0, acc);
             }
@@ -445,13 +323,15 @@ int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
         return ktki_error(KTK_ERR_SHAPE, "KTINJECT_INT4_PATH=%.40s: expected auto, direct or dequant",
                           getenv("KTINJECT_INT4_PATH"));
     const size_t n = (size_t)c.T * c.k, E = (size_t)c.E;
-    uint8_t *rs = ktki_scratch(pool, KTKI_SCR_ROUTE, 3 * a64(E * 4 + 4) + 2 * a64(n * 4));
+    uint8_t *rs = ktki_scratch(pool, KTKI_SCR_ROUTE, 4 * a64(E * 4 + 4) + 2 * a64(n * 4));
     if (!rs) return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (routing tables)");
     c.start = (int32_t *)rs;
     c.act_e = (int32_t *)(rs + a64(E * 4 + 4));
     c.off = (int32_t *)(rs + 2 * a64(E * 4 + 4));
     c.tok = (int32_t *)(rs + 3 * a64(E * 4 + 4));
     c.wt = (float *)(rs + 3 * a64(E * 4 + 4) + a64(n * 4));
+    c.tg = (int32_t *)(rs + 3 * a64(E * 4 + 4) + 2 * a64(n * 4));
+    c.tile_rows = ktki_fwd_tile_rows(kern);
     int rc = route(&c);
     if (rc != KTK_OK) return rc;
     if (c.maxrows <= DECODE_ROWS && c.T <= TC && gemv_enabled(kern) && c.int4_path != KTK_INT4_PATH_DEQUANT)
@@ -460,14 +340,14 @@ int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
     if (!plan(&c))
         return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (scratch for %d rows, H=%d, I=%d)", c.R, c.H, c.I);
     if (c.R > 0) {
-        ktki_parallel(pool, gather_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
+        ktki_parallel(pool, ktki_fwd_gather_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
         if (c.gemv) {
             atomic_store_explicit(&c.next, 0, memory_order_relaxed);   /* published by the phase start */
             ktki_parallel(pool, gate_up_decode, &c, c.nt);
         } else {
             ktki_parallel(pool, gate_up_item, &c, c.ngu);
         }
-        if (c.a8) ktki_parallel(pool, quantize_h_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
+        if (c.a8) ktki_parallel(pool, ktki_fwd_quantize_h_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
     }
     if (c.gemv) {
         atomic_store_explicit(&c.next, 0, memory_order_relaxed);

@@ -55,7 +55,8 @@ void ktki_pool_wake(ktk_pool *pool);
 void ktki_parallel(ktk_pool *pool, ktki_item_fn fn, void *ctx, int64_t nitems);
 /* Grow-only scratch. Shared slots: one buffer per slot for the task being run; per-thread: one buffer per thread.
  * Call between phases only (thread 0); NULL when out of memory. */
-enum { KTKI_SCR_ROUTE, KTKI_SCR_ITEMS, KTKI_SCR_X, KTKI_SCR_H, KTKI_SCR_HF, KTKI_SCR_SLOTS };
+enum { KTKI_SCR_ROUTE, KTKI_SCR_ITEMS, KTKI_SCR_X, KTKI_SCR_H, KTKI_SCR_HF, KTKI_SCR_XT, KTKI_SCR_HT,
+       KTKI_SCR_SLOTS };
 void *ktki_scratch(ktk_pool *pool, int slot, size_t bytes);
 int ktki_thread_scratch_reserve(ktk_pool *pool, size_t bytes);
 void *ktki_thread_scratch(ktk_pool *pool, int tid);

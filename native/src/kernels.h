@@ -28,6 +28,12 @@
  *   int8: x_i8[t * Kp + c] symmetric per row: x ~= q * x_scale[t]; x_sum[t] = sum_c q[t][c].
  *   int4 weights take int8 activations (W4A8), plus optionally, for the dequantizing path of many rows, x_bf16 =
  *         the same q as bf16 (exact: |q| <= 127) and a workspace (see ktk_int4_dequant_gemm).
+ *   tiles (optional, for a table with tile_rows > 0, given only where n >= tile_rows): the same x in AMX A-tile
+ *         order, 16 rows x 64 bytes per tile: row t, byte offset o of its row (o < Kp * element size) at
+ *         tiles + ((t/16) * (Kp * es / 64) + o/64) * 1024 + (t%16) * 64 + o%64, rows of a last partial group of 16
+ *         allocated (their content unused). Of x_bf16 for gemm_bf16 and gemm_int4 (its dequantizing path), of x_i8
+ *         for gemm_int8. Produced once per forward and shared by every call on those rows, it spares the kernel a
+ *         copy per call (tile loads want compact 1 KB tiles: rows Kp * es apart alias in L1).
  */
 #ifndef KTK_KERNELS_H
 #define KTK_KERNELS_H
@@ -56,6 +62,7 @@ typedef struct {
     void *work;                 /* workspace of the dequantizing path (per calling thread), or NULL */
     int64_t work_bytes;
     int32_t int4_path;          /* KTK_INT4_PATH_*: which path gemm_int4 takes */
+    const void *tiles;          /* x in AMX tile order (see above), or NULL */
 } ktk_act;
 
 #define KTK_INT4_PATH_AUTO 0     /* the ISA's choice by row count (direct below its threshold) */
@@ -96,6 +103,7 @@ typedef struct {
     ktk_gemv_fn gemv_int8;
     ktk_gemv_fn gemv_int4;   /* the direct int4 x int8 kernel's arithmetic */
     int gemv_default;        /* the forward uses the gemv kernels unless KTINJECT_GEMV says otherwise */
+    int tile_rows;           /* > 0: gemm reads act.tiles where given; the forward gives them from this many rows */
 } ktk_kernels;
 
 /* int4 helpers of kernels/generic/int4.c, shared by the ISA files. */

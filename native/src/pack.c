@@ -36,24 +36,52 @@ void ktki_to_f32(const void *src, int dtype, int64_t n, int64_t stride, float *d
     }
 }
 
-int32_t ktki_quantize_row(const float *x, int64_t n, int8_t *q, float *scale) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
-    int32_t sum = 0;
-    if (!(amax > 0.0f) || !isfinite(amax)) {   /* all zero (or non-finite: nothing sensible to keep) */
+/* Symmetric per-row int8: scale = amax / 127, q = round half to even (x / scale) (as torch.round), clamped to
+ * +-127. Written so that -O3 vectorizes it with baseline x86-64 (SSE2), no libm calls (prefill quantizes every
+ * row of x and h): |x| as int32 bit patterns order like the floats (a NaN sorts above inf, so a row with a NaN or
+ * an inf gets scale NaN and q = 0: its outputs come out NaN, not silently wrong), and v + 1.5 * 2^23 - 1.5 * 2^23
+ * rounds half to even exactly for |v| <= 2^22 (here |v| <= 127 up to an ulp; the clamp is on the integers).
+ * One body, built twice: for AVX-512 where the CPU has it (0.17 vs 0.83 ns per value; the old libm version took
+ * 3.8) and for baseline x86-64; the same bits either way. (Not target_clones: its ifunc resolver runs before
+ * ThreadSanitizer is initialized.) */
+static inline __attribute__((always_inline)) int32_t quantize_row(const float *x, int64_t n, int8_t *q,
+                                                                    float *scale) {
+    int32_t amax_bits = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b;
+        memcpy(&b, &x[i], 4);
+        b &= 0x7fffffff;
+        amax_bits = b > amax_bits ? b : amax_bits;
+    }
+    float amax;
+    memcpy(&amax, &amax_bits, 4);
+    if (!(amax > 0.0f) || !isfinite(amax)) {   /* all zero, or an inf / NaN: nothing sensible to keep */
         if (n > 0) memset(q, 0, (size_t)n);
-        *scale = isfinite(amax) ? 0.0f : NAN;
+        *scale = amax == 0.0f ? 0.0f : NAN;
         return 0;
     }
-    float s = amax / 127.0f;
+    const float s = amax / 127.0f, magic = 12582912.0f;   /* 1.5 * 2^23 */
+    int32_t sum = 0;
     for (int64_t i = 0; i < n; i++) {
-        float v = nearbyintf(x[i] / s);   /* round half to even, as torch.round */
-        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-        q[i] = (int8_t)v;
-        sum += q[i];
+        int32_t r = (int32_t)((x[i] / s + magic) - magic);   /* |x / s| <= 127 up to an ulp */
+        r = r > 127 ? 127 : r < -127 ? -127 : r;
+        q[i] = (int8_t)r;
+        sum += r;
     }
     *scale = s;
     return sum;
+}
+
+__attribute__((target("avx512f"))) static int32_t quantize_row_avx512(const float *x, int64_t n, int8_t *q,
+                                                                      float *scale) {
+    return quantize_row(x, n, q, scale);
+}
+
+int32_t ktki_quantize_row(const float *x, int64_t n, int8_t *q, float *scale) {
+    static _Atomic int avx512 = -1;   /* the CPU's answer, asked once */
+    int a = avx512;
+    if (a < 0) avx512 = a = ktki_isa_available(KTK_ISA_AVX512);
+    return a ? quantize_row_avx512(x, n, q, scale) : quantize_row(x, n, q, scale);
 }
 
 /* Element (n, c) offsets of the packed layouts. */

@@ -252,6 +252,18 @@ static double dot64(const packed *p, const acts *x, int t, int j, int bf16w, dou
     return s;
 }
 
+/* The tile-order copy of x (kernels.h, "tiles") of its bf16 (es 2) or int8 (es 1) rows; free() it. */
+static void *make_tiles(const ktk_act *a, int es) {
+    const int64_t rb = (int64_t)a->Kp * es, steps = rb / 64;
+    const char *src = es == 2 ? (const char *)a->x_bf16 : (const char *)a->x_i8;
+    char *t = xalloc((size_t)((a->n + 15) / 16) * 16 * rb);
+    memset(t, 0x7f, (size_t)((a->n + 15) / 16) * 16 * rb);   /* rows past n: content unused */
+    for (int r = 0; r < a->n; r++)
+        for (int64_t s = 0; s < steps; s++)
+            memcpy(t + ((r / 16) * steps + s) * 1024 + (r % 16) * 64, src + r * rb + s * 64, 64);
+    return t;
+}
+
 /* col: 0 bf16, 1 int8, 2 int4 direct, 3 int4 dequantizing (forced, workspace of 1-4 blocks) */
 static void check_case(int N, int K, int n, int col, int G, int nb0, int nb1) {
     const int quant = col < 2 ? col : KTK_QUANT_INT4, dq = col == 3;
@@ -313,6 +325,17 @@ static void check_case(int N, int K, int n, int col, int G, int nb0, int nb1) {
                 }
                 if (!(e <= err)) err = e;    /* NaN-safe */
             }
+        if ((strstr(variants[v].name, "amx") || v == 0) && col != 2) {   /* x in tile order: the same bits */
+            x.a.tiles = make_tiles(&x.a, col == 1 ? 1 : 2);
+            float *out_t = run_framed(fn, &p, &x, nb0, nb1, ldy, who);
+            if (memcmp(out_t, out, sizeof(float) * (size_t)(n + 2) * ldy)) {
+                printf("FAIL %s: with x in tile order differs from x in rows\n", who);
+                failures++;
+            }
+            free(out_t);
+            free((void *)x.a.tiles);
+            x.a.tiles = NULL;
+        }
         if (!(err <= worst[v][col])) worst[v][col] = err;
         double tol = col == 0 ? 1e-4 : col == 3 ? 4.5e-3 : 1e-6;
         if (!(err <= tol) || !(err_bf16w <= 1e-4)) {

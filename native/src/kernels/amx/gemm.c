@@ -8,11 +8,14 @@
  * Blocking: blocks of the output range in chunks of NBC (weights of a K chunk stay in L2), K in chunks of 1 KB of
  * a row (KC_BYTES), 32-row groups x block pairs inside; for bf16 with many rows the A tiles of a (row group,
  * K chunk) are first copied to a 32 KB stack buffer in tile order (pack_a: x rows are Kp * elemsize apart and alias
- * in L1), then used for every block pair.
- * Measured (16 vCPUs of a Xeon with AMX, forward-shaped calls): bf16 3.9 TFLOPS, int8 8.5 TOPS at 256 rows; the
- * same machine's register-only tdpbf16ps peak is 16.4 TFLOPS, 2x2 tiles reloaded from L1 each step 4.3 TFLOPS,
- * torch's dense bf16 4096^3 matmul (oneDNN) 3.35 TFLOPS. Tiles are not renamed: a tileloadd waits for the tdp
- * reading its register, which bounds the 2x2 scheme.
+ * in L1), then used for every block pair, unless the caller gives x in tile order already (act.tiles, kernels.h:
+ * the forward writes it once per expert; tile_rows in the table). A/B on forward-shaped work (DeepSeek-V3 layer,
+ * 32 experts x 128 rows, 16 threads, medians of 7 interleaved rounds, native/tests/probes/amx_ab.sh): bf16 4.95 ->
+ * 5.87 TFLOPS, int8 11.7 -> 13.4 TOPS with tiles; with the copy skipped entirely (wrong results, A in L1) 7.05.
+ * The machine's own bounds (native/tests/probes/amx_probe.c, two runs, 16 threads): register-only tdpbf16ps 14.0-18.1
+ * TFLOPS (one thread 2.3), 2x2 tiles with all 4 loads from L1 each step 7.8-10.0, with B streamed from L2 6.6-8.6,
+ * A and B both from L2 6.2-6.7; int8 2x2 from L1 17.5-18.7 TOPS. Tiles are not renamed: a tileloadd waits for the
+ * tdp reading its register, which bounds the 2x2 scheme. torch's dense bf16 4096^3 matmul (oneDNN): 3.35 TFLOPS.
  * Partial sums between K chunks live in y itself (fp32 for bf16; int32 bit patterns for int8, scaled to fp32 at
  * the end). Rows n % 16 are a last group with a tile config of r rows (A and C tiles), so any n works.
  * Tile config: sttilecfg is compared with ours at entry (another AMX user on this thread may have changed it),
@@ -81,11 +84,13 @@ static void cfg_set(int rows, int *cur) {
     *cur = rows;
 }
 
-/* Software-pipelined tile loads (1) or load-then-compute per step (0). Measured, 16 threads, W 2048 x 2048, TFLOPS
- * pipelined / not: bf16 64 rows 3.95 / 3.30, 128 rows 4.98 / 4.22, 256 rows 4.48 / 4.85; int8 64 rows 4.7 / 7.6,
- * 128 rows 7.8 / 9.2, 256 rows 8.6 / 9.8 (noisy machine, +-15%). Both pass the tests on AMX. */
-#ifndef AMX_PIPE
-#define AMX_PIPE 0
+/* Order of tile loads and tdps in a step (tests pass with each): 0 each load just before its first tdp; 1
+ * software-pipelined (each tile of step s + 1 loaded right after the last tdp of step s that reads it); 2 all loads
+ * of a step first, then its tdps. A/B as above, TFLOPS / TOPS of orders 0 / 1 / 2 (two runs): bf16 rows 5.14 / 5.29 /
+ * 4.55 and 4.95 / 5.17 / -, with tiles 5.87 / 6.20; int8 rows 11.6 / 13.7 / 12.5 and 11.7 / 12.3 / -, tiles 13.4 /
+ * 13.4. An earlier sweep (W 2048 x 2048, one matrix per call) had 0 ahead for int8: host noise is +-15% here. */
+#ifndef AMX_ORDER
+#define AMX_ORDER 1
 #endif
 
 /* One (row group, block pair, K chunk) step, all in bytes. A: the group's A tiles of the chunk's first K step (tile
@@ -102,7 +107,7 @@ KTK_AI void amx_step(const char *A, int64_t sa, int64_t a_step, int64_t a_tile, 
         TLOAD(0, C, ldcb); if (NB == 2) TLOAD(1, C + 16, ldcb);
         if (NA == 2) { TLOAD(2, C + 16 * ldc, ldcb); if (NB == 2) TLOAD(3, C + 16 * ldc + 16, ldcb); }
     }
-#if AMX_PIPE
+#if AMX_ORDER == 1
     /* software-pipelined: each tile of step s + 1 is loaded right after the last tdp of step s that reads it
      * (tiles are not renamed, so a load into a tile waits for those reads; this lets it overlap later tdps) */
     TLOAD(4, A, sa); TLOAD(6, B0, 64);
@@ -122,6 +127,18 @@ KTK_AI void amx_step(const char *A, int64_t sa, int64_t a_step, int64_t a_tile, 
         } else if (more) {
             TLOAD(6, b, 64);
             if (NB == 2) TLOAD(7, b + b_blk, 64);
+        }
+    }
+#elif AMX_ORDER == 2
+    for (int s = 0; s < steps; s++) {
+        const char *a = A + s * a_step, *b = B0 + (int64_t)s * 1024;
+        TLOAD(4, a, sa); if (NA == 2) TLOAD(5, a + a_tile, sa);
+        TLOAD(6, b, 64); if (NB == 2) TLOAD(7, b + b_blk, 64);
+        if (I8) TDP_I8(0, 4, 6); else TDP_BF16(0, 4, 6);
+        if (NB == 2) { if (I8) TDP_I8(1, 4, 7); else TDP_BF16(1, 4, 7); }
+        if (NA == 2) {
+            if (I8) TDP_I8(2, 5, 6); else TDP_BF16(2, 5, 6);
+            if (NB == 2) { if (I8) TDP_I8(3, 5, 7); else TDP_BF16(3, 5, 7); }
         }
     }
 #else
@@ -149,6 +166,10 @@ KTK_AI void amx_step(const char *A, int64_t sa, int64_t a_step, int64_t a_tile, 
  * loaded in place the 16-32 rows of A tiles fall in a few L1 sets and evict each other; packed they stay in L1 for
  * all the block pairs of the chunk. */
 static void pack_a(char *buf, const char *x, int64_t sx, int rows, int steps) {
+#ifdef AMX_FAKE_PACK   /* timing experiment only: wrong results */
+    (void)buf, (void)x, (void)sx, (void)rows, (void)steps;
+    return;
+#endif
     for (int i = 0; i < rows; i++) {
         const char *src = x + i * sx;
         char *dst = buf + (i / 16) * 1024 + (i % 16) * 64;
@@ -172,6 +193,8 @@ KTK_AI void amx_tiles(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, floa
     const char *xs = I8 ? (const char *)x->x_i8 : (const char *)x->x_bf16;
     const char *ws = I8 ? (const char *)w->data_i8 : (const char *)w->data_bf16;
     char abuf[KC_BYTES / 64 * 2048] __attribute__((aligned(64)));
+    const char *tl = (const char *)x->tiles;
+    const int64_t a_group = sx * 16;   /* tile order: bytes of one 16-row group */
     const int pack = !I8 && n >= AMX_PACK_MIN_ROWS_BF16;
     int cur = -1;
     for (int bc = nb0; bc < nb1; bc += NBC) {
@@ -183,7 +206,10 @@ KTK_AI void amx_tiles(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, floa
                 cfg_set(rows >= 16 ? 16 : rows, &cur);
                 const char *A = xs + (int64_t)t * sx + kb;
                 int64_t sa = sx, a_step = 64, a_tile = 16 * sx;
-                if (pack) {
+                if (tl) {   /* the caller's tile-order copy: group t / 16, step kb / 64 */
+                    A = tl + (t / 16) * a_group + kb / 64 * 1024;
+                    sa = 64, a_step = 1024, a_tile = a_group;
+                } else if (pack) {
                     pack_a(abuf, A, sx, rows, steps);
                     A = abuf, sa = 64, a_step = 2048, a_tile = 1024;
                 }
@@ -254,6 +280,6 @@ void ktk_amx_gemm_int4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, flo
 
 static const ktk_kernels amx_table = {"amx", gemm_bf16_amx, gemm_int8_amx, ktk_amx_gemm_int4,
                                       ktk_avx512_gemv_bf16_plain, ktk_avx512_gemv_int8_vnni,
-                                      ktk_avx512_gemv_int4_vnni, 1};
+                                      ktk_avx512_gemv_int4_vnni, 1, KTK_AMX_MIN_ROWS_BF16};
 
 const ktk_kernels *ktk_kernels_amx(void) { return &amx_table; }

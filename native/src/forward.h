@@ -1,0 +1,56 @@
+/* Internal to one forward (forward.c: routing, items, phases; acts.c: the activations the kernels read). */
+#ifndef KTKI_FORWARD_H
+#define KTKI_FORWARD_H
+#include "internal.h"
+
+#define RT 256                /* rows per gemm call */
+#define TC 1024               /* tokens per down item */
+#define CWMAX 8               /* 16-column blocks per item at most (128 columns) */
+#define ITEMS_PER_THREAD 4
+#define GATHER_ROWS 32
+#define DECODE_ROWS 4         /* decode path: every expert at most this many rows */
+
+typedef struct { int32_t a, r0, r1, cb0, cb1; } gu_item; /* active expert index, rows, column blocks */
+
+typedef struct {
+    const ktk_task *t;
+    const ktk_experts *ex;
+    ktk_gemm_fn gemm;
+    ktk_pool *pool;
+    int T, k, E, H, I, quant, act, KpH, KpI, UI, UH;
+    int a8;                            /* int8 activations (int8 and int4 weights) */
+    int int4_path, copies;             /* int4: KTK_INT4_PATH_*, bf16 copies of x and h + workspaces made */
+    int64_t work_off, work_bytes;      /* int4 workspace inside each thread's scratch */
+    float alpha, limit;
+    int A, R, maxrows;                 /* active experts, rows, most rows of one expert */
+    int32_t *start, *act_e, *off, *tok;  /* [E], [A], [A+1], [R] */
+    int32_t *tg;                       /* [A]: first 16-row group of the expert in xt / ht, or -1 (no tiles) */
+    char *xt, *ht;                     /* x and h in AMX tile order (kernels.h), or NULL */
+    int tes;                           /* their element size: 2 (bf16; int4's bf16 copies) or 1 (int8) */
+    float *wt;                          /* [R] routing weight of each row */
+    uint16_t *x16, *h16;
+    int8_t *x8, *h8;
+    float *xs, *hs, *hf;
+    int32_t *xsum, *hsum;
+    gu_item *gu;
+    int64_t ngu;
+    int cw_gu, cw_dn, ntc;
+    ktk_gemv_fn gemv;                  /* decode path (NULL: the item path) */
+    int nt;                            /* pool threads */
+    int tile_rows;                     /* the kernels read tiles from this many rows (0: never) */
+    _Alignas(64) _Atomic int64_t next; /* decode path: next unclaimed unit of the phase (own cache line) */
+    char pad_next[56];
+} fctx;
+
+static inline size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* acts.c */
+int ktki_fwd_tile_rows(const ktk_kernels *k);   /* rows from which x and h also go in tile order (0: never) */
+int ktki_fwd_plan_acts(fctx *c);                 /* scratch of x, h (and tiles); 0 when out of memory */
+void ktki_fwd_gather_item(void *ctx, int64_t item, int tid);      /* x: GATHER_ROWS rows per item */
+void ktki_fwd_quantize_h_item(void *ctx, int64_t item, int tid);  /* int8 / int4: h rows from hf */
+/* Bytes [b0, b1) of row r (of active expert a) of x (h = 0) or h (h = 1) -> its tiles, if the expert has tiles. */
+void ktki_fwd_to_tiles(const fctx *c, int h, int a, int r, const void *row, int64_t b0, int64_t b1);
+/* Rows [r0, r1) of active expert a of x (h = 0) or h (h = 1) as the kernels take them, for thread tid. */
+ktk_act ktki_fwd_rows(const fctx *c, int h, int a, int r0, int r1, int tid);
+#endif
