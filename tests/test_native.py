@@ -566,24 +566,37 @@ def test_concurrent_forwards_from_python_threads():
     assert not any(th.is_alive() for th in threads) and errors == []
 
 
+def _build_c_test(tmp_path, name: str, sanitizer: str, defines=()) -> Path:
+    """native/tests/<name>.c built against all native sources under a sanitizer (skips without gcc / its runtime)."""
+    if not shutil.which("gcc"):
+        pytest.skip("no gcc")
+    root = Path(__file__).resolve().parent.parent
+    srcs = sorted(str(p) for p in (root / "native" / "src").rglob("*.c"))
+    exe = tmp_path / name
+    cc = subprocess.run(["gcc", "-std=c11", "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread",
+                         f"-I{root / 'native' / 'include'}", f"-I{root / 'native' / 'src'}", *srcs, *defines,
+                         str(root / "native" / "tests" / f"{name}.c"), "-o", str(exe), "-lm"],
+                        capture_output=True, text=True, timeout=300)
+    if cc.returncode != 0 and "cannot find" in cc.stderr and "san" in cc.stderr:
+        pytest.skip(f"sanitizer runtime missing: {cc.stderr.strip()[-200:]}")
+    assert cc.returncode == 0, cc.stderr
+    return exe
+
+
+def test_activation_and_quantize_rows(tmp_path):
+    """native/tests/test_activation.c: the gate/up activations (the vector path where the CPU has AVX-512) and int8
+    row quantization against float64 references, odd lengths, biases, NaN rows; under ASan+UBSan."""
+    exe = _build_c_test(tmp_path, "test_activation", "address,undefined")
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.stdout + r.stderr)[-4000:]
+
+
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
 @pytest.mark.parametrize("decode", [False, True])
 def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):
     """native/tests/stress_pool.c against all native sources, under ThreadSanitizer / ASan+UBSan; decode: 3 tokens x 4
     experts of 8 (every expert <= 4 rows) on the gemv decode path (KTINJECT_GEMV=1, where the kernels have gemv)."""
-    if not shutil.which("gcc"):
-        pytest.skip("no gcc")
-    root = Path(__file__).resolve().parent.parent
-    srcs = sorted(str(p) for p in (root / "native" / "src").rglob("*.c"))
-    exe = tmp_path / "stress"
-    cc = subprocess.run(["gcc", "-std=c11", "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread",
-                         f"-I{root / 'native' / 'include'}", f"-I{root / 'native' / 'src'}", *srcs,
-                         *(["-DSTRESS_T=3", "-DSTRESS_K=4"] if decode else []),
-                         str(root / "native" / "tests" / "stress_pool.c"), "-o", str(exe), "-lm"],
-                        capture_output=True, text=True, timeout=300)
-    if cc.returncode != 0 and "cannot find" in cc.stderr and "san" in cc.stderr:
-        pytest.skip(f"sanitizer runtime missing: {cc.stderr.strip()[-200:]}")
-    assert cc.returncode == 0, cc.stderr
+    exe = _build_c_test(tmp_path, "stress_pool", sanitizer, ["-DSTRESS_T=3", "-DSTRESS_K=4"] if decode else [])
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                        env={"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1",
                             "KTINJECT_GEMV": "1" if decode else "0"})

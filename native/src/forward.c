@@ -9,6 +9,8 @@
  *   down:     items (<= CWMAX blocks of 16 columns of H, <= TC tokens): for each active expert in ascending
  *             order, acc[t] += w * (down_e(h) + bd) on these columns; then out = acc (F32 or BF16). One item owns
  *             its (tokens, columns) of out, so the sum order per token is fixed: results do not depend on threads.
+ * Gather and the int8 quantization of h run on the task's own thread, without a phase (no barrier), when all rows
+ * fit one item (<= GATHER_ROWS: one-token forwards).
  * int4 weights take int8 activations; when an expert has >= KTK_INT4_DEQUANT_MIN_ROWS_ANY rows (or
  * KTINJECT_INT4_PATH=dequant), x and h also get exact bf16 copies of their int8 values and each thread a workspace,
  * so the kernel may dequantize the weights to bf16 for many rows (kernels.h; the ISA picks by row count).
@@ -26,7 +28,6 @@
  * Where the kernel table says so (gemv_default: measured faster there); KTINJECT_GEMV=0/1 overrides (tests, A/B);
  * never with KTINJECT_INT4_PATH=dequant (that path is for many rows).
  */
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -121,13 +122,6 @@ static int plan(fctx *c) {
 }
 
 /* ---- gate/up + activation ---- */
-static inline float activation(const fctx *c, float g, float u) {
-    if (c->act == KTK_ACT_SILU) return g / (1.0f + expf(-g)) * u;
-    g = fminf(g, c->limit);
-    u = fminf(fmaxf(u, -c->limit), c->limit);
-    return g / (1.0f + expf(-c->alpha * g)) * (u + 1.0f);
-}
-
 /* Gate/up of expert a (active index), rows [r0, r1), blocks [cb0, cb1) -> h; gs, us: the thread's scratch. */
 static void gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1, float *gs, float *us, int tid) {
     const int e = c->act_e[a], bw = (cb1 - cb0) * 16;
@@ -145,16 +139,12 @@ static void gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1, 
     }
     const int j0 = cb0 * 16, j1 = cb1 * 16 < c->I ? cb1 * 16 : c->I, last = cb1 * 16 >= c->I;
     for (int r = r0; r < r1; r++) {
-        const float *gr = gs + (int64_t)(r - r0) * bw - j0, *ur = us + (int64_t)(r - r0) * bw - j0;
-        if (c->a8) {
-            float *hr = c->hf + (int64_t)r * c->I;
-            for (int j = j0; j < j1; j++)
-                hr[j] = activation(c, gr[j] + (bg ? bg[j] : 0.0f), ur[j] + (bu ? bu[j] : 0.0f));
-            continue;
-        }
+        float *gr = gs + (int64_t)(r - r0) * bw, *ur = us + (int64_t)(r - r0) * bw;
+        float *hf = c->a8 ? c->hf + (int64_t)r * c->I + j0 : gr;   /* bf16: in place, then rounded */
+        ktki_activation(c->act, c->alpha, c->limit, gr, ur, bg ? bg + j0 : NULL, bu ? bu + j0 : NULL, j1 - j0, hf);
+        if (c->a8) continue;
         uint16_t *hr = c->h16 + (int64_t)r * c->KpI;
-        for (int j = j0; j < j1; j++)
-            hr[j] = ktk_f32_to_bf16(activation(c, gr[j] + (bg ? bg[j] : 0.0f), ur[j] + (bu ? bu[j] : 0.0f)));
+        for (int j = j0; j < j1; j++) hr[j] = ktk_f32_to_bf16(gr[j - j0]);
         if (last) memset(hr + c->I, 0, (size_t)(c->KpI - c->I) * 2);
         ktki_fwd_to_tiles(c, 1, a, r, hr, (int64_t)j0 * 2, (int64_t)(last ? c->KpI : j1) * 2);
     }
@@ -340,14 +330,16 @@ int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
     if (!plan(&c))
         return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (scratch for %d rows, H=%d, I=%d)", c.R, c.H, c.I);
     if (c.R > 0) {
-        ktki_parallel(pool, ktki_fwd_gather_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
+        if (c.R <= GATHER_ROWS) ktki_fwd_gather_item(&c, 0, 0);   /* one item: here, without a phase */
+        else ktki_parallel(pool, ktki_fwd_gather_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
         if (c.gemv) {
             atomic_store_explicit(&c.next, 0, memory_order_relaxed);   /* published by the phase start */
             ktki_parallel(pool, gate_up_decode, &c, c.nt);
         } else {
             ktki_parallel(pool, gate_up_item, &c, c.ngu);
         }
-        if (c.a8) ktki_parallel(pool, ktki_fwd_quantize_h_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
+        if (c.a8 && c.R <= GATHER_ROWS) ktki_fwd_quantize_h_item(&c, 0, 0);
+        else if (c.a8) ktki_parallel(pool, ktki_fwd_quantize_h_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
     }
     if (c.gemv) {
         atomic_store_explicit(&c.next, 0, memory_order_relaxed);

@@ -98,6 +98,9 @@ float ktki_f16_to_f32(uint16_t h);
 void ktki_to_f32(const void *src, int dtype, int64_t n, int64_t stride, float *dst);
 /* Symmetric int8 quantization of one row: q = rint(x / s), s = max|x| / 127 (0 -> all zero). Returns sum of q. */
 int32_t ktki_quantize_row(const float *x, int64_t n, int8_t *q, float *scale);
+/* out[j] = act(g[j] + bg[j], u[j] + bu[j]) for j < n (bg, bu may be NULL: 0); activation.c */
+void ktki_activation(int act, float alpha, float limit, const float *g, const float *u, const float *bg,
+                     const float *bu, int n, float *out);
 void ktki_pack_bf16(const ktk_mat *m, uint16_t *data, int n, const float *row);
 void ktki_pack_int8(const ktk_mat *m, int8_t *data, float *scale, int32_t *wsum, int n, const float *row,
                     int8_t *qtmp);
