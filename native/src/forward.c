@@ -9,8 +9,9 @@
  *   down:     items (<= CWMAX blocks of 16 columns of H, <= TC tokens): for each active expert in ascending
  *             order, acc[t] += w * (down_e(h) + bd) on these columns; then out = acc (F32 or BF16). One item owns
  *             its (tokens, columns) of out, so the sum order per token is fixed: results do not depend on threads.
- * Gather and the int8 quantization of h run on the task's own thread, without a phase (no barrier), when all rows
- * fit one item (<= GATHER_ROWS: one-token forwards).
+ * One-token forwards keep gather and h's quantization as phases (one item each): run inline on the task's thread
+ * instead, they measured 0.4-3.8% slower (interleaved A/B, Qwen3-30B-A3B layer, 15 threads; the phase wakes the
+ * spinning workers ahead of gate/up).
  * int4 weights take int8 activations; when an expert has >= KTK_INT4_DEQUANT_MIN_ROWS_ANY rows (or
  * KTINJECT_INT4_PATH=dequant), x and h also get exact bf16 copies of their int8 values and each thread a workspace,
  * so the kernel may dequantize the weights to bf16 for many rows (kernels.h; the ISA picks by row count).
@@ -330,16 +331,14 @@ int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
     if (!plan(&c))
         return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (scratch for %d rows, H=%d, I=%d)", c.R, c.H, c.I);
     if (c.R > 0) {
-        if (c.R <= GATHER_ROWS) ktki_fwd_gather_item(&c, 0, 0);   /* one item: here, without a phase */
-        else ktki_parallel(pool, ktki_fwd_gather_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
+        ktki_parallel(pool, ktki_fwd_gather_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
         if (c.gemv) {
             atomic_store_explicit(&c.next, 0, memory_order_relaxed);   /* published by the phase start */
             ktki_parallel(pool, gate_up_decode, &c, c.nt);
         } else {
             ktki_parallel(pool, gate_up_item, &c, c.ngu);
         }
-        if (c.a8 && c.R <= GATHER_ROWS) ktki_fwd_quantize_h_item(&c, 0, 0);
-        else if (c.a8) ktki_parallel(pool, ktki_fwd_quantize_h_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
+        if (c.a8) ktki_parallel(pool, ktki_fwd_quantize_h_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
     }
     if (c.gemv) {
         atomic_store_explicit(&c.next, 0, memory_order_relaxed);
