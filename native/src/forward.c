@@ -10,8 +10,7 @@
  *             order, acc[t] += w * (down_e(h) + bd) on these columns; then out = acc (F32 or BF16). One item owns
  *             its (tokens, columns) of out, so the sum order per token is fixed: results do not depend on threads.
  * One-token forwards keep gather and h's quantization as phases (one item each): run inline on the task's thread
- * instead, they measured 0.4-3.8% slower (interleaved A/B, Qwen3-30B-A3B layer, 15 threads; the phase wakes the
- * spinning workers ahead of gate/up).
+ * instead, they measured 0.4-3.8% slower (interleaved A/B, Qwen3-30B-A3B layer, 15 threads; cause not established).
  * int4 weights take int8 activations; when an expert has >= KTK_INT4_DEQUANT_MIN_ROWS_ANY rows (or
  * KTINJECT_INT4_PATH=dequant), x and h also get exact bf16 copies of their int8 values and each thread a workspace,
  * so the kernel may dequantize the weights to bf16 for many rows (kernels.h; the ISA picks by row count).
