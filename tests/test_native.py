@@ -599,5 +599,6 @@ def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):
     exe = _build_c_test(tmp_path, "stress_pool", sanitizer, ["-DSTRESS_T=3", "-DSTRESS_K=4"] if decode else [])
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                        env={"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1",
-                            "KTINJECT_GEMV": "1" if decode else "0"})
+                            "KTINJECT_GEMV": "1" if decode else "0",
+                            "KTINJECT_TILES": "1"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.stdout + r.stderr)[-4000:]

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 # Rows from which the amx ISA uses AMX tiles, per quant: compile-time constants of the native kernels, not exported
-# by the native module (keep in step): KTK_AMX_MIN_ROWS_BF16 / _INT8 in native/src/kernels/amx/gemm.c,
-# KTK_AMX_INT4_DEQUANT_ROWS in native/src/kernels/amx/int4.c (int4: dequantize to bf16, then the bf16 AMX path).
+# by the native module (keep in step): KTK_AMX_MIN_ROWS_BF16 / _INT8 in native/src/kernels/amx/amx.h,
+# KTK_AMX_INT4_DEQUANT_ROWS there too (int4: dequantize to bf16, then the bf16 AMX path).
 AMX_MIN_ROWS = {"bf16": 8, "int8": 12, "int4": 32}
 ROWS_FULL = (1, 2, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 ROWS_QUICK = (1, 2, 4, 8, 12, 16, 32, 64)
@@ -131,7 +131,7 @@ def report(points: list[Point], describe: str, amx_available: bool) -> list[str]
     quants = list(dict.fromkeys(p.quant for p in points))
     thresholds = ", ".join(f"{q} {AMX_MIN_ROWS[q]}" for q in quants if q in AMX_MIN_ROWS)
     thr_txt = (f"dispatcher thresholds (rows from which the amx ISA uses tiles; KTK_AMX_MIN_ROWS_* in "
-               f"native/src/kernels/amx/gemm.c, KTK_AMX_INT4_DEQUANT_ROWS in amx/int4.c): "
+               f"native/src/kernels/amx/amx.h, and KTK_AMX_INT4_DEQUANT_ROWS): "
                f"{thresholds or 'none for these quants'}")
     if not amx_available:
         lines.append("AMX: not available on this CPU/OS/build: the sweep shows the few-token path only, no crossover "

@@ -1,8 +1,9 @@
 /* Gate/up activations of a row segment: silu(g) * u (SiLU experts) or gpt-oss's clamped variant, with the biases.
  * Vectorized where the CPU has AVX-512 (a Qwen3-30B-A3B prefill of 4096 tokens computes 25M of them per layer;
  * scalar expf cost ~10% of it): exp from a degree-6 polynomial after range reduction (Cephes' expf constants, about
- * 1 ulp, inputs clamped to +-88), so results may differ from the scalar expf path in the last bits; one CPU always
- * takes the same path. Elsewhere: libm's expf. */
+ * 1 ulp, inputs clamped to +-88; past 88 the product is 0), so results may differ from the scalar expf path in the
+ * last bits; one CPU always takes the same path. Elsewhere: libm's expf. gpt-oss's clamps take a NaN gate or up to
+ * the limit, as fminf / fmaxf do (the scalar path, and the same as before vectorizing). */
 #include <immintrin.h>
 #include <math.h>
 
@@ -47,15 +48,18 @@ static void act_avx512(int act, float alpha, float limit, const float *g, const 
         __m512 gv = _mm512_maskz_loadu_ps(m, g + j), uv = _mm512_maskz_loadu_ps(m, u + j);
         if (bg) gv = _mm512_add_ps(gv, _mm512_maskz_loadu_ps(m, bg + j));
         if (bu) uv = _mm512_add_ps(uv, _mm512_maskz_loadu_ps(m, bu + j));
-        __m512 y;
+        __m512 y, arg;
         if (act == KTK_ACT_SILU) {
-            y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), uv);
+            arg = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+            y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, exp512(arg))), uv);
         } else {
             gv = _mm512_min_ps(gv, lim);
             uv = _mm512_min_ps(_mm512_max_ps(uv, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-            y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_mul_ps(nalpha, gv)))),
-                              _mm512_add_ps(uv, one));
+            arg = _mm512_mul_ps(nalpha, gv);
+            y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, exp512(arg))), _mm512_add_ps(uv, one));
         }
+        /* exp's argument past 88 (clamped there): sigmoid is below 1e-38, the product 0 to float precision */
+        y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(arg, _mm512_set1_ps(88.0f), _CMP_GT_OQ), y, _mm512_setzero_ps());
         _mm512_mask_storeu_ps(out + j, m, y);
     }
 }

@@ -12,12 +12,12 @@
 
 /* KTINJECT_TILES (read at each forward; tests and A/B): 0 never gives the kernels x and h in tile order; N > 0
  * gives them from N rows on whatever table runs (the generic kernels read them too; others ignore them); unset or
- * anything else: the table's tile_rows. */
-int ktki_fwd_tile_rows(const ktk_kernels *k) {
+ * anything else: the table's tile_rows for the quant. */
+int ktki_fwd_tile_rows(const ktk_kernels *k, int quant) {
     const char *v = getenv("KTINJECT_TILES");
     char *end;
     long n = v && *v ? strtol(v, &end, 10) : -1;
-    return n >= 0 && n < (1L << 30) && *end == 0 ? (int)n : k->tile_rows;
+    return n >= 0 && n < (1L << 30) && *end == 0 ? (int)n : k->tile_rows[quant];
 }
 
 /* Tile-order copies of x and h (kernels.h) for the experts with at least the table's tile_rows rows, where the

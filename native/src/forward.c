@@ -321,7 +321,7 @@ int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
     c.tok = (int32_t *)(rs + 3 * a64(E * 4 + 4));
     c.wt = (float *)(rs + 3 * a64(E * 4 + 4) + a64(n * 4));
     c.tg = (int32_t *)(rs + 3 * a64(E * 4 + 4) + 2 * a64(n * 4));
-    c.tile_rows = ktki_fwd_tile_rows(kern);
+    c.tile_rows = ktki_fwd_tile_rows(kern, cfg->quant);
     int rc = route(&c);
     if (rc != KTK_OK) return rc;
     if (c.maxrows <= DECODE_ROWS && c.T <= TC && gemv_enabled(kern) && c.int4_path != KTK_INT4_PATH_DEQUANT)

@@ -45,7 +45,7 @@ typedef struct {
 static inline size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* acts.c */
-int ktki_fwd_tile_rows(const ktk_kernels *k);   /* rows from which x and h also go in tile order (0: never) */
+int ktki_fwd_tile_rows(const ktk_kernels *k, int quant);   /* rows from which x, h also go in tile order */
 int ktki_fwd_plan_acts(fctx *c);                 /* scratch of x, h (and tiles); 0 when out of memory */
 void ktki_fwd_gather_item(void *ctx, int64_t item, int tid);      /* x: GATHER_ROWS rows per item */
 void ktki_fwd_quantize_h_item(void *ctx, int64_t item, int tid);  /* int8 / int4: h rows from hf */

@@ -28,7 +28,8 @@
  *   int8: x_i8[t * Kp + c] symmetric per row: x ~= q * x_scale[t]; x_sum[t] = sum_c q[t][c].
  *   int4 weights take int8 activations (W4A8), plus optionally, for the dequantizing path of many rows, x_bf16 =
  *         the same q as bf16 (exact: |q| <= 127) and a workspace (see ktk_int4_dequant_gemm).
- *   tiles (optional, for a table with tile_rows > 0, given only where n >= tile_rows): the same x in AMX A-tile
+ *   tiles (optional, for a table with tile_rows > 0, given for the rows of an expert with at least tile_rows rows;
+ *         one call may have fewer, e.g. an expert's last 256-row chunk, and a kernel may ignore them): x in AMX A-tile
  *         order, 16 rows x 64 bytes per tile: row t, byte offset o of its row (o < Kp * element size) at
  *         tiles + ((t/16) * (Kp * es / 64) + o/64) * 1024 + (t%16) * 64 + o%64, rows of a last partial group of 16
  *         allocated (their content unused). Of x_bf16 for gemm_bf16 and gemm_int4 (its dequantizing path), of x_i8
@@ -103,7 +104,8 @@ typedef struct {
     ktk_gemv_fn gemv_int8;
     ktk_gemv_fn gemv_int4;   /* the direct int4 x int8 kernel's arithmetic */
     int gemv_default;        /* the forward uses the gemv kernels unless KTINJECT_GEMV says otherwise */
-    int tile_rows;           /* > 0: gemm reads act.tiles where given; the forward gives them from this many rows */
+    int tile_rows[3];        /* by KTK_QUANT_*: > 0: gemm reads act.tiles where given; the forward gives them for
+                                the experts with at least this many rows (0: never) */
 } ktk_kernels;
 
 /* int4 helpers of kernels/generic/int4.c, shared by the ISA files. */

@@ -61,6 +61,11 @@ static inline __attribute__((always_inline)) int32_t quantize_row(const float *x
         return 0;
     }
     const float s = amax / 127.0f, magic = 12582912.0f;   /* 1.5 * 2^23 */
+    if (!(s > 0.0f)) {   /* amax below ~1e-43: the scale underflows; the row is zero to this precision */
+        memset(q, 0, (size_t)n);
+        *scale = 0.0f;
+        return 0;
+    }
     int32_t sum = 0;
     for (int64_t i = 0; i < n; i++) {
         int32_t r = (int32_t)((x[i] / s + magic) - magic);   /* |x / s| <= 127 up to an ulp */

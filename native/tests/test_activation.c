@@ -16,6 +16,7 @@ static void check_act(int act, int n, int bias) {
         u[i] = -9.0f + 18.0f * (float)((i * 104729) % n) / n;
         bg[i] = 0.25f * (i % 5) - 0.5f, bu[i] = 0.125f * (i % 3);
     }
+    if (n >= 3) g[0] = -100.0f, g[1] = 100.0f, g[2] = -89.0f;   /* exp's argument past its clamp at 88 */
     const float alpha = 1.702f, limit = 7.0f;
     ktki_activation(act, alpha, limit, g, u, bias ? bg : NULL, bias ? bu : NULL, n, out);
     double worst = 0;
@@ -51,6 +52,11 @@ static void check_quantize(int n) {
         if (q[i] != r) { printf("FAIL quantize n=%d: q[%d] = %d, expected %d\n", n, i, q[i], r); fails++; break; }
     }
     if (sum != ref_sum) { printf("FAIL quantize n=%d: sum %d, expected %d\n", n, sum, ref_sum); fails++; }
+    for (int i = 0; i < n; i++) x[i] = i % 2 ? 1e-44f : -1e-45f;   /* denormal amax: the scale underflows to 0 */
+    if (ktki_quantize_row(x, n, q, &s) != 0 || s != 0.0f || q[0] != 0) {
+        printf("FAIL quantize n=%d: a row of tiny denormals must give scale 0 and q = 0\n", n);
+        fails++;
+    }
     x[n / 2] = NAN;   /* a NaN anywhere: scale NaN, q = 0 */
     if (n > 0 && (ktki_quantize_row(x, n, q, &s) != 0 || !isnan(s) || q[0] != 0)) {
         printf("FAIL quantize n=%d: a NaN must give scale NaN and q = 0\n", n);

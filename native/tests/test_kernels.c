@@ -8,7 +8,7 @@
 //     /tmp/tk bench [T [N K [NMAX]]]  kernel speed on T threads (default 1) for an N x K matrix (default 2048 x 2048,
 //                          rows n up to NMAX, default 256):
 //                          GB/s and GFLOPS per ISA variant at n = 1..256 rows; "amx tiles" is AMX at every n
-//                          (where it overtakes AVX-512 is KTK_AMX_MIN_ROWS_* in native/src/kernels/amx/gemm.c);
+//                          (where it overtakes AVX-512 is KTK_AMX_MIN_ROWS_* in native/src/kernels/amx/amx.h);
 //                          TK_ONLY=amx (env) benches only the variants whose name contains "amx", TK_QUANT=int4
 //                          only int4 (a comma list of bf16, int8, int4);
 //                          int4 (G = 64) runs each variant twice: its direct kernel and "dq", the dequantizing path

@@ -27,13 +27,7 @@
 #include <immintrin.h>
 #include "../../kernels.h"
 
-/* Rows from which AMX beats AVX-512 (16 threads, Xeon with AMX, W 2048 x 2048 / 768 x 2048 / 2048 x 7168, forward-
- * shaped calls; native/tests/test_kernels.c bench): bf16 8 rows 0.80 vs 0.70 TFLOPS (6 rows: equal, memory-bound);
- * int8 8 rows equal (1.47 TOPS), 12 rows 2.35 vs 1.85. Whole forwards (python -m ktinject.bench kernels crossover
- * sweep, Qwen3 layer, every expert at the same rows): bf16 from 8 rows (time ratio 0.93 at 8); int8 from 12 (0.92;
- * at 10 rows 1.00-1.40 over three runs). */
-#define KTK_AMX_MIN_ROWS_BF16 8
-#define KTK_AMX_MIN_ROWS_INT8 12
+#include "amx.h"
 #ifndef KC_BYTES
 #define KC_BYTES 1024         /* K chunk per row, bytes */
 #endif
@@ -280,6 +274,7 @@ void ktk_amx_gemm_int4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, flo
 
 static const ktk_kernels amx_table = {"amx", gemm_bf16_amx, gemm_int8_amx, ktk_amx_gemm_int4,
                                       ktk_avx512_gemv_bf16_plain, ktk_avx512_gemv_int8_vnni,
-                                      ktk_avx512_gemv_int4_vnni, 1, KTK_AMX_MIN_ROWS_BF16};
+                                      ktk_avx512_gemv_int4_vnni, 1,
+                                      {KTK_AMX_MIN_ROWS_BF16, KTK_AMX_MIN_ROWS_INT8, KTK_AMX_INT4_DEQUANT_ROWS}};
 
 const ktk_kernels *ktk_kernels_amx(void) { return &amx_table; }
