@@ -67,8 +67,5 @@ static void act_avx512(int act, float alpha, float limit, const float *g, const 
 
 void ktki_activation(int act, float alpha, float limit, const float *g, const float *u, const float *bg,
                      const float *bu, int n, float *out) {
-    static _Atomic int avx512 = -1;   /* the CPU's answer, asked once */
-    int a = avx512;
-    if (a < 0) avx512 = a = ktki_isa_available(KTK_ISA_AVX512);
-    (a ? act_avx512 : act_plain)(act, alpha, limit, g, u, bg, bu, n, out);
+    (ktki_isa_available(KTK_ISA_AVX512) ? act_avx512 : act_plain)(act, alpha, limit, g, u, bg, bu, n, out);
 }

@@ -83,10 +83,8 @@ __attribute__((target("avx512f"))) static int32_t quantize_row_avx512(const floa
 }
 
 int32_t ktki_quantize_row(const float *x, int64_t n, int8_t *q, float *scale) {
-    static _Atomic int avx512 = -1;   /* the CPU's answer, asked once */
-    int a = avx512;
-    if (a < 0) avx512 = a = ktki_isa_available(KTK_ISA_AVX512);
-    return a ? quantize_row_avx512(x, n, q, scale) : quantize_row(x, n, q, scale);
+    return ktki_isa_available(KTK_ISA_AVX512) ? quantize_row_avx512(x, n, q, scale)
+                                              : quantize_row(x, n, q, scale);
 }
 
 /* Element (n, c) offsets of the packed layouts. */
