@@ -95,8 +95,21 @@ def _cint(name: str, value: Any, lo: int = -_INT_MAX - 1, hi: int = _INT_MAX, co
     return value
 
 
+def _shape_ok(got: torch.Size, want: tuple) -> bool:
+    if len(got) != len(want):
+        return False
+    for w, g in zip(want, got):
+        if w is not None and w != g:
+            return False
+    return True
+
+
 def _tensor(name: str, t: Any, dtypes: tuple, shape: tuple | None = None, contiguous: bool = True) -> torch.Tensor:
-    """Check a tensor argument; ``shape`` entries may be None (any size)."""
+    """Check a tensor argument; ``shape`` entries may be None (any size). The checks that pass cost ~0.3 us (a
+    one-token forward checks four tensors); the messages are built only when one fails."""
+    if (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in dtypes and (shape is None or _shape_ok(t.shape, shape))
+            and (not contiguous or t.is_contiguous())):
+        return t
     if not isinstance(t, torch.Tensor):
         raise NativeError(ERR_NULL, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -105,18 +118,15 @@ def _tensor(name: str, t: Any, dtypes: tuple, shape: tuple | None = None, contig
         want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise NativeError(ERR_DTYPE, f"{name}: dtype {str(t.dtype).replace('torch.', '')} is not supported "
                                      f"(expected {want})")
-    if shape is not None and (t.dim() != len(shape) or any(s is not None and s != g for s, g in zip(shape, t.shape))):
+    if shape is not None and not _shape_ok(t.shape, shape):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise NativeError(ERR_SHAPE, f"{name}: expected shape {want}, got {list(t.shape)}")
-    if contiguous and not t.is_contiguous():
-        raise NativeError(ERR_SHAPE, f"{name}: must be contiguous (got strides {t.stride()} for shape "
-                                     f"{list(t.shape)}); call .contiguous()")
-    return t
+    raise NativeError(ERR_SHAPE, f"{name}: must be contiguous (got strides {t.stride()} for shape "
+                                 f"{list(t.shape)}); call .contiguous()")
 
 
 def _ptr(t: torch.Tensor, ctype: str = "void *"):
-    ffi, _ = _native()
-    return ffi.cast(ctype, t.data_ptr())
+    return _native()[0].cast(ctype, t.data_ptr())
 
 
 # ---- library ----

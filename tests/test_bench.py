@@ -90,7 +90,29 @@ def test_read_bandwidth_variants():
         assert list(bw.variants) == ["1s/no-pf", "1s/pf1K", "4s/no-pf", "4s/pf1K"]
         assert bw.best_gbs == max(max(bw.variants.values()), bw.torch_gbs)
         assert all(name in bw.summary() for name in bw.variants)
+        best = max(bw.variants, key=bw.variants.get)
+        assert best == memory._variant_name(bw.streams, bw.prefetch)
     assert sorted(memory.cpu_order()) == sorted(os.sched_getaffinity(0))
+
+
+def test_decode_timed_alongside_a_read_loop():
+    """time_decode alternates the timed calls with passes of the read loop: one pass per timed call."""
+    if memory._native_lib() is None:
+        pytest.skip("no C compiler for the read loop")
+    calls = []
+    work = kernels.Work(decode_x=torch.zeros(1, 4), decode_ids=[torch.zeros(1, 2, dtype=torch.int64)] * 3,
+                        decode_w=torch.zeros(1, 2), prefill_x=torch.zeros(1, 4), prefill_ids=None, prefill_w=None,
+                        decode_loops=2)
+    with memory.ReadLoop(4 << 20, 1, 4, 1024) as loop:
+        passes = []
+        seconds = loop.seconds
+        loop.seconds = lambda *a: passes.append(len(calls)) or seconds(*a)
+        t, gbs = kernels.time_decode(lambda x, i, w: calls.append(1), work, repeats=3, loop=loop)
+    assert len(calls) == 4 * 6 and passes == [6, 12, 18, 24]  # warm-up, then call / pass x 3
+    assert t > 0 and gbs > 0
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.seconds()
+    assert kernels.time_decode(lambda x, i, w: None, work, repeats=1)[1] is None
 
 
 def test_fresh_ids_avoid_the_previous_pass():

@@ -20,7 +20,9 @@ Baseline: the same work in torch on the CPU, the transformers "eager" experts lo
 expert). Limits: memory read bandwidth over a buffer of >= 4x the LLC, one pinned thread per core, the best of
 several native read-loop variants and a torch int64 sum (ktinject.bench.memory), for decode; a dense bf16 torch GEMM
 (oneDNN; AMX where the CPU has it) for prefill, a practical reference rather than a bound. Times: time.perf_counter,
-warm-up, median (the memory limit: best run).
+warm-up, median (the memory limit: best run). Decode's "of limit" divides by the best native variant timed in
+alternation with the decode calls (median of as many passes): on a shared host the load from elsewhere drifts over
+the minutes of a run, and a limit taken at the start compares a calm moment with a busy one.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ktinject.bench import crossover
-from ktinject.bench.memory import measure_read_bandwidth
+from ktinject.bench.memory import ReadLoop, measure_read_bandwidth
 from ktinject.info import cpu_model
 
 
@@ -141,14 +143,26 @@ def forward_overhead(native, pool, quant: str, repeats: int) -> float:
     return _median_time(run, repeats) / 200
 
 
-def time_decode(forward, work: Work, repeats: int) -> float:
-    """Seconds per one-token forward; each timed call runs every expert set `decode_loops` times."""
+def time_decode(forward, work: Work, repeats: int, loop: ReadLoop | None = None) -> tuple[float, float | None]:
+    """(seconds per one-token forward, GB/s of `loop` alongside or None); each timed call runs every expert set
+    `decode_loops` times. With a read loop, timed calls alternate with passes of it (after one warm-up each): both
+    medians come from the same stretch of time, so load from elsewhere on a shared host weighs on both alike."""
     def run():
         for _ in range(work.decode_loops):
             for ids in work.decode_ids:
                 forward(work.decode_x, ids, work.decode_w)
     calls = work.decode_loops * len(work.decode_ids)
-    return _median_time(run, repeats) / calls
+    if loop is None:
+        return _median_time(run, repeats) / calls, None
+    run()
+    loop.seconds()
+    ours, limit = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        ours.append(time.perf_counter() - t0)
+        limit.append(loop.gbs())
+    return statistics.median(ours) / calls, statistics.median(limit)
 
 
 def time_prefill(forward, work: Work, repeats: int) -> float:
@@ -250,9 +264,10 @@ def _print_table(head, rows) -> None:
         print(_fmt_row(r, widths))
 
 
-def _measure_layer(native, layer, built, quants, isas, threads, repeats, bw, sweep_rows, sweep_isas, no_torch):
-    """One layer: ({(quant, isa): (GB/s, decode s, TFLOPS, prefill s)}, torch (decode s, prefill s) or Nones,
-    work, sweep points)."""
+def _measure_layer(native, layer, built, quants, isas, threads, repeats, bw, loop, sweep_rows, sweep_isas,
+                   no_torch):
+    """One layer: ({(quant, isa): (GB/s, decode s, TFLOPS, prefill s, limit GB/s alongside or None)}, torch (decode
+    s, prefill s) or Nones, work, sweep points). loop: the read loop timed alongside decode (or None)."""
     H, I, k = layer.hidden, layer.intermediate, layer.top_k
     work = make_work(layer, built)
     t_pre = work.prefill_x.shape[0]
@@ -273,9 +288,9 @@ def _measure_layer(native, layer, built, quants, isas, threads, repeats, bw, swe
             out_p = torch.empty(t_pre, H, dtype=torch.bfloat16)
             for isa in isas:
                 native.set_isa(isa)
-                td = time_decode(lambda x, i, w: ex.forward(x, i, w, out=out_d, pool=pool), work, repeats)
+                td, lim = time_decode(lambda x, i, w: ex.forward(x, i, w, out=out_d, pool=pool), work, repeats, loop)
                 tp = time_prefill(lambda x, i, w: ex.forward(x, i, w, out=out_p, pool=pool), work, repeats)
-                ours[(quant, isa)] = (per_token / td / 1e9, td, flops / tp / 1e12, tp)
+                ours[(quant, isa)] = (per_token / td / 1e9, td, flops / tp / 1e12, tp, lim)
             if sweep_rows:
                 points += crossover.sweep(native, ex, quant, sweep_rows, sweep_isas, k, pool, repeats)
             ex = None  # free the packed weights before the next quant
@@ -287,7 +302,7 @@ def _measure_layer(native, layer, built, quants, isas, threads, repeats, bw, swe
     if not no_torch:
         time.sleep(0.2)
         with torch.inference_mode():
-            tdec = time_decode(lambda x, i, w: torch_experts(x, i, w, gate_up, down), work, repeats)
+            tdec = time_decode(lambda x, i, w: torch_experts(x, i, w, gate_up, down), work, repeats)[0]
             tpre = time_prefill(lambda x, i, w: torch_experts(x, i, w, gate_up, down), work, repeats)
     return ours, (tdec, tpre), work, points
 
@@ -304,11 +319,13 @@ def _layer_rows(layer, built, work, ours, torch_s, bw, peak) -> tuple[list[tuple
             f"top-{k} of {built} = {t_pre * k // built} rows per expert (as {PREFILL_TOKENS} tokens over "
             f"{layer.experts})")
     rows = []
-    for (quant, isa), (gbs, td, tfl, tp) in ours.items():
+    for (quant, isa), (gbs, td, tfl, tp, lim) in ours.items():
         torch_d = f"{bf16_bytes / tdec / 1e9:.1f} GB/s {tdec * 1e3:.2f} ms" if tdec else "-"
         torch_p = f"{flops / tpre / 1e12:.2f} TFLOPS {tpre * 1e3:.0f} ms" if tpre else "-"
+        limit = lim or bw
         rows.append((layer.name, "decode", quant, isa, f"{gbs:.1f} GB/s {td * 1e3:.2f} ms", torch_d,
-                     f"{bw:.1f} GB/s", f"{100 * gbs / bw:.0f}%"))
+                     f"{limit:.1f} GB/s" + (f" (best {bw:.1f})" if lim else ""),
+                     f"{100 * gbs / limit:.0f}%" + (f" ({100 * gbs / bw:.0f}%)" if lim else "")))
         rows.append((layer.name, "prefill", quant, isa, f"{tfl:.2f} TFLOPS {tp * 1e3:.0f} ms", torch_p,
                      f"{peak:.2f} TFLOPS", f"{100 * tfl / peak:.0f}%"))
     return rows, note
@@ -372,22 +389,29 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{q} {t * 1e6:.0f} us" for q, t in over.items()))
 
     rows, notes, points = [], [], []
-    for layer in layers:
-        built = layer.built_quick if quick else layer.built_full
-        ours, torch_s, work, pts = _measure_layer(
-            native, layer, built, quants, isas, threads, repeats, bw, sweep_rows if layer is sweep_layer else (),
-            sweep_isas, args.no_torch)
-        gc.collect()
-        points += pts
-        r, note = _layer_rows(layer, built, work, ours, torch_s, bw, peak)
-        rows += r
-        notes.append(note)
+    loop = ReadLoop(mem.nbytes, threads, mem.streams, mem.prefetch) if mem.streams else None
+    try:
+        for layer in layers:
+            built = layer.built_quick if quick else layer.built_full
+            ours, torch_s, work, pts = _measure_layer(
+                native, layer, built, quants, isas, threads, repeats, bw, loop,
+                sweep_rows if layer is sweep_layer else (), sweep_isas, args.no_torch)
+            gc.collect()
+            points += pts
+            r, note = _layer_rows(layer, built, work, ours, torch_s, bw, peak)
+            rows += r
+            notes.append(note)
+    finally:
+        if loop is not None:
+            loop.close()
 
     rows.sort(key=lambda r: (r[0], r[1], r[2], r[3]))
     _print_table(("layer", "phase", "quant", "isa", "ktinject", "torch (bf16, eager loop)", "limit", "of limit"), rows)
     print()
     print("decode: GB/s = weights read per token in the stored format (k experts x gate+up+down, int incl. scales;")
-    print("        torch: the same experts in bf16) / time of a one-token forward; limit = memory read bandwidth")
+    print("        torch: the same experts in bf16) / time of a one-token forward; limit = memory read bandwidth:")
+    print(f"        the median of {repeats} passes of the best native read loop ({mem.streams}s/pf{mem.prefetch}) alternating with the timed decode")
+    print("        calls (same stretch of time, same host load), and in brackets the best of the limits above")
     print("prefill: TFLOPS = 2 T k 3 H I / time; limit = a dense bf16 GEMM in torch (oneDNN): a reference, not a bound")
     for n in notes:
         print(n)

@@ -1,6 +1,8 @@
 """CPU memory read bandwidth: the limit the kernels and decode benchmarks print next to the decode figures.
 
     bw = measure_read_bandwidth(gb=1.0, threads=16)   # -> ReadBandwidth; bw.best_gbs, bw.summary()
+    with ReadLoop(bw.nbytes, 16, bw.streams, bw.prefetch) as loop:   # the best variant, pass by pass
+        gbs = loop.gbs()
 
 A small native read loop (compiled here with the system C compiler, loaded with ctypes: no cffi needed) reads a
 buffer of at least 4x the last-level cache (sysfs or CPUID, the larger; 2 MB aligned, MADV_HUGEPAGE like the packed
@@ -282,6 +284,8 @@ class ReadBandwidth:
     pinned: bool = False            # threads pinned in the native pool's order
     loads: str = ""                 # load width of the native loop ("" when it could not be built)
     repeats: int = 0
+    streams: int = 0                # the best native variant (0 without the native loop)
+    prefetch: int = 0
 
     def summary(self) -> str:
         """One line: the limit, where it came from, and what every variant gave."""
@@ -313,6 +317,62 @@ def _torch_sum_gbs(buf: torch.Tensor, threads: int, repeats: int) -> float:
         torch.set_num_threads(prev)
 
 
+class ReadLoop:
+    """A native read loop over a buffer of its own, pinned as the pool: one variant timed pass by pass, so a limit can
+    be measured right next to the work it bounds (the kernels bench alternates decode forwards with passes of the
+    best variant: both see the same load on a shared host). A context manager; close() frees the buffer.
+
+        with ReadLoop(nbytes, threads) as loop:
+            gbs = loop.gbs(streams=4, prefetch=1024)"""
+
+    def __init__(self, nbytes: int, threads: int, streams: int = 1, prefetch: int = 0):
+        lib = _native_lib()
+        if lib is None:
+            raise RuntimeError("the native read loop could not be built (no working C compiler)")
+        order = cpu_order()
+        self.nbytes, self.threads, self.streams, self.prefetch = nbytes, threads, streams, prefetch
+        self.pinned = threads <= len(order)  # more threads than CPUs: unpinned
+        self._cpus = (ctypes.c_int * threads)(*[order[i] if self.pinned else -1 for i in range(threads)])
+        self._lib, self._loads = lib, lib.ktb_loads()
+        self.loads = _LOADS[self._loads]
+        self._ptr = lib.ktb_alloc(nbytes)
+        if not self._ptr:
+            raise MemoryError(f"cannot allocate {nbytes} bytes for the read-bandwidth buffer")
+        self._sink = ctypes.c_uint64()
+        lib.ktb_run(self._ptr, nbytes, threads, self._cpus, 1, 0, self._loads, 1, None)  # first touch, as pinned
+
+    def seconds(self, streams: int | None = None, prefetch: int | None = None) -> float:
+        """One timed pass over the buffer (default: this loop's variant)."""
+        if not self._ptr:
+            raise RuntimeError("ReadLoop is closed")
+        s = self.streams if streams is None else streams
+        pf = self.prefetch if prefetch is None else prefetch
+        return self._lib.ktb_run(self._ptr, self.nbytes, self.threads, self._cpus, s, pf, self._loads, 0,
+                                 ctypes.byref(self._sink))
+
+    def gbs(self, streams: int | None = None, prefetch: int | None = None) -> float:
+        return self.nbytes / self.seconds(streams, prefetch) / 1e9
+
+    def torch_gbs(self, repeats: int) -> float:
+        """torch's multi-threaded int64 sum over the same buffer, best of `repeats`."""
+        arr = (ctypes.c_int64 * (self.nbytes // 8)).from_address(self._ptr)
+        return _torch_sum_gbs(torch.frombuffer(arr, dtype=torch.int64), self.threads, repeats)
+
+    def close(self) -> None:
+        if self._ptr:
+            self._lib.ktb_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> "ReadLoop":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+
 def measure_read_bandwidth(gb: float = 1.0, threads: int | None = None, repeats: int = 5,
                            streams=STREAMS, prefetch=PREFETCH, llc_multiple: float = 4.0) -> ReadBandwidth:
     """Best read bandwidth over a buffer of max(gb GB, llc_multiple x the LLC) with `threads` threads (default: one
@@ -322,32 +382,19 @@ def measure_read_bandwidth(gb: float = 1.0, threads: int | None = None, repeats:
     llc = llc_bytes()
     nbytes = max(int(gb * 1e9), int(llc_multiple * llc), 2 << 20) // (2 << 20) * (2 << 20)
     res = ReadBandwidth(0.0, "torch int64 sum", 0.0, nbytes=nbytes, threads=threads, llc=llc, repeats=repeats)
-    lib = _native_lib()
-    if lib is None:
+    if _native_lib() is None:
         buf = torch.ones(nbytes // 8, dtype=torch.int64)
         res.torch_gbs = res.best_gbs = _torch_sum_gbs(buf, threads, repeats)
         return res
-    res.pinned = pinned = threads <= len(order)  # more threads than CPUs: unpinned
-    cpus = (ctypes.c_int * threads)(*[order[i] if pinned else -1 for i in range(threads)])
-    ptr = lib.ktb_alloc(nbytes)
-    if not ptr:
-        raise MemoryError(f"cannot allocate {nbytes} bytes for the read-bandwidth buffer")
-    try:
-        loads = lib.ktb_loads()
-        res.loads = _LOADS[loads]
-        lib.ktb_run(ptr, nbytes, threads, cpus, 1, 0, loads, 1, None)  # first touch by the reading threads
-        sink = ctypes.c_uint64()
+    with ReadLoop(nbytes, threads) as loop:
+        res.pinned, res.loads = loop.pinned, loop.loads
         for s in streams:
             for pf in prefetch:
-                lib.ktb_run(ptr, nbytes, threads, cpus, s, pf, loads, 0, ctypes.byref(sink))  # warm-up
-                t = min(lib.ktb_run(ptr, nbytes, threads, cpus, s, pf, loads, 0, ctypes.byref(sink))
-                        for _ in range(repeats))
-                res.variants[_variant_name(s, pf)] = nbytes / t / 1e9
-        arr = (ctypes.c_int64 * (nbytes // 8)).from_address(ptr)
-        res.torch_gbs = _torch_sum_gbs(torch.frombuffer(arr, dtype=torch.int64), threads, repeats)
-        del arr
-    finally:
-        lib.ktb_free(ptr)
+                loop.seconds(s, pf)  # warm-up
+                res.variants[_variant_name(s, pf)] = max(loop.gbs(s, pf) for _ in range(repeats))
+                if res.variants[_variant_name(s, pf)] >= max(res.variants.values()):
+                    res.streams, res.prefetch = s, pf
+        res.torch_gbs = loop.torch_gbs(repeats)
     name, gbs = max(res.variants.items(), key=lambda kv: kv[1])
     res.best, res.best_gbs = (name, gbs) if gbs >= res.torch_gbs else ("torch int64 sum", res.torch_gbs)
     return res
