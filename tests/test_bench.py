@@ -82,16 +82,16 @@ def test_accuracy_against_float64():
 
 
 def test_read_bandwidth_variants():
-    bw = memory.measure_read_bandwidth(0.01, threads=1, repeats=1, streams=(1, 4), prefetch=(0, 1024),
-                                       llc_multiple=0)  # 10 MB, in 2 MB pages: the code, not the machine
-    assert bw.nbytes == 8 << 20 and bw.threads == 1 and bw.llc == memory.llc_bytes() > 0
+    bw = memory.measure_read_bandwidth(0.01, threads=2, repeats=1, streams=(1, 4), prefetch=(0, 1024),
+                                       chunks=(0, 1 << 20), llc_multiple=0)  # 10 MB in 2 MB pages: the code only
+    assert bw.nbytes == 8 << 20 and bw.threads == 2 and bw.llc == memory.llc_bytes() > 0
     assert bw.torch_gbs > 0 and bw.best_gbs >= bw.torch_gbs
     if bw.loads:  # a C compiler was found
-        assert list(bw.variants) == ["1s/no-pf", "1s/pf1K", "4s/no-pf", "4s/pf1K"]
+        assert list(bw.variants) == ["1s/no-pf", "1s/pf1K", "4s/no-pf", "4s/pf1K",
+                                     "1s/no-pf/c1024K", "1s/pf1K/c1024K", "4s/no-pf/c1024K", "4s/pf1K/c1024K"]
         assert bw.best_gbs == max(max(bw.variants.values()), bw.torch_gbs)
         assert all(name in bw.summary() for name in bw.variants)
-        best = max(bw.variants, key=bw.variants.get)
-        assert best == memory._variant_name(bw.streams, bw.prefetch)
+        assert max(bw.variants, key=bw.variants.get) == bw.best_variant.name
     assert sorted(memory.cpu_order()) == sorted(os.sched_getaffinity(0))
 
 
@@ -103,7 +103,8 @@ def test_decode_timed_alongside_a_read_loop():
     work = kernels.Work(decode_x=torch.zeros(1, 4), decode_ids=[torch.zeros(1, 2, dtype=torch.int64)] * 3,
                         decode_w=torch.zeros(1, 2), prefill_x=torch.zeros(1, 4), prefill_ids=None, prefill_w=None,
                         decode_loops=2)
-    with memory.ReadLoop(4 << 20, 1, 4, 1024) as loop:
+    with memory.ReadLoop(11 << 19, 2, memory.Variant(4, 1024, 1 << 20)) as loop:  # 5.5 MB: 5 whole chunks
+        assert loop.nbytes_read() == 5 << 20 and loop.nbytes_read(memory.Variant()) == 11 << 19
         passes = []
         seconds = loop.seconds
         loop.seconds = lambda *a: passes.append(len(calls)) or seconds(*a)

@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{q} {t * 1e6:.0f} us" for q, t in over.items()))
 
     rows, notes, points = [], [], []
-    loop = ReadLoop(mem.nbytes, threads, mem.streams, mem.prefetch) if mem.streams else None
+    loop = ReadLoop(mem.nbytes, threads, mem.best_variant) if mem.best_variant else None
     try:
         for layer in layers:
             built = layer.built_quick if quick else layer.built_full
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("decode: GB/s = weights read per token in the stored format (k experts x gate+up+down, int incl. scales;")
     print("        torch: the same experts in bf16) / time of a one-token forward; limit = memory read bandwidth:")
-    print(f"        the median of {repeats} passes of the best native read loop ({mem.streams}s/pf{mem.prefetch}) alternating with the timed decode")
+    print(f"        the median of {repeats} passes of the best native read loop ({mem.best_variant.name if loop else '-'}) alternating with the timed decode")
     print("        calls (same stretch of time, same host load), and in brackets the best of the limits above")
     print("prefill: TFLOPS = 2 T k 3 H I / time; limit = a dense bf16 GEMM in torch (oneDNN): a reference, not a bound")
     for n in notes:

@@ -1,13 +1,14 @@
 """CPU memory read bandwidth: the limit the kernels and decode benchmarks print next to the decode figures.
 
     bw = measure_read_bandwidth(gb=1.0, threads=16)   # -> ReadBandwidth; bw.best_gbs, bw.summary()
-    with ReadLoop(bw.nbytes, 16, bw.streams, bw.prefetch) as loop:   # the best variant, pass by pass
+    with ReadLoop(bw.nbytes, 16, bw.best_variant) as loop:   # the best variant, pass by pass
         gbs = loop.gbs()
 
 A small native read loop (compiled here with the system C compiler, loaded with ctypes: no cffi needed) reads a
 buffer of at least 4x the last-level cache (sysfs or CPUID, the larger; 2 MB aligned, MADV_HUGEPAGE like the packed
 expert weights, filled with distinct words by the reading threads) with one thread per physical core, pinned in the
-native pool's order. Each thread reads its slice as S interleaved sequential streams (S = 1, 4, 16) with 64-byte
+native pool's order. Each thread reads its slice, or chunks of 256 KB or 1 MB dealt round robin (all threads then
+read near each other, as the decode kernels do), as S interleaved sequential streams (S = 1, 4, 16) with 64-byte
 loads (AVX-512 where the CPU has it, else AVX2, else 64-bit words) xor-reduced, with software prefetch at a few
 distances (none, 1 KB, 4 KB ahead per stream). Every variant is timed `repeats` times after a warm-up; a variant's
 figure is its best run, the limit is the best variant (or torch's multi-threaded int64 sum over the same buffer,
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 STREAMS = (1, 4, 16)
 PREFETCH = (0, 1024, 4096)  # bytes ahead per stream; 0 = no software prefetch
+CHUNKS = (0, 256 << 10, 1 << 20)  # split between threads: 0 = a slice each, else chunks dealt round robin
 
 _C = r"""
 #define _GNU_SOURCE
@@ -96,7 +98,18 @@ int ktb_loads(void) {   /* 2 = AVX-512, 1 = AVX2, 0 = 64-bit words */
     return __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
 }
 
-typedef struct { char *p; size_t n; int streams, pf, cpu, loads, fill; pthread_barrier_t *bar; uint64_t r; } job;
+typedef struct {
+    char *p; size_t n; int streams, pf, cpu, loads, fill; pthread_barrier_t *bar; uint64_t r;
+    char *base; size_t total, chunk; int tid, nth;   /* chunk > 0: chunks tid, tid + nth, ... of base[0, total) */
+} job;
+
+static uint64_t read_any(const job *j, const char *p, size_t n) {
+    size_t per = n / (size_t)j->streams / STEP * STEP;
+    uint64_t r = j->loads == 2 ? read512(p, per, j->streams, j->pf)
+               : j->loads == 1 ? read256(p, per, j->streams, j->pf) : read64(p, per, j->streams, j->pf);
+    for (size_t i = per * (size_t)j->streams; i < n; i++) r ^= (unsigned char)p[i];
+    return r;
+}
 
 static void *run(void *arg) {
     job *j = arg;
@@ -112,18 +125,22 @@ static void *run(void *arg) {
         for (size_t i = 0; i < j->n / 8; i++) w[i] = (x + i) * 0x9E3779B97F4A7C15ull;
         return NULL;
     }
-    size_t per = j->n / (size_t)j->streams / STEP * STEP;
-    uint64_t r = j->loads == 2 ? read512(j->p, per, j->streams, j->pf)
-               : j->loads == 1 ? read256(j->p, per, j->streams, j->pf) : read64(j->p, per, j->streams, j->pf);
-    for (size_t i = per * (size_t)j->streams; i < j->n; i++) r ^= (unsigned char)j->p[i];
+    uint64_t r = 0;
+    if (j->chunk)
+        for (size_t c = (size_t)j->tid * j->chunk; c + j->chunk <= j->total; c += (size_t)j->nth * j->chunk)
+            r ^= read_any(j, j->base + c, j->chunk);
+    else
+        r = read_any(j, j->p, j->n);
     j->r = r;
     return NULL;
 }
 
-/* Runs `threads` threads (thread i pinned to cpus[i] when cpus[i] >= 0) over 4 KB-aligned slices of buf, all
- * started together; returns the seconds from the start barrier to the last join (thread creation excluded). */
+/* Runs `threads` threads (thread i pinned to cpus[i] when cpus[i] >= 0) over 4 KB-aligned slices of buf (chunk 0)
+ * or over chunks of `chunk` bytes dealt round robin (the whole chunks of buf: all threads read near each other, as
+ * the decode kernels do), all started together; returns the seconds from the start barrier to the last join
+ * (thread creation excluded). */
 double ktb_run(char *buf, size_t bytes, int threads, const int *cpus, int streams, int pf, int loads, int fill,
-               uint64_t *result) {
+               size_t chunk, uint64_t *result) {
     pthread_t th[1024];
     job jobs[1024];
     pthread_barrier_t bar;
@@ -136,7 +153,8 @@ double ktb_run(char *buf, size_t bytes, int threads, const int *cpus, int stream
     for (int i = 0; i < threads; i++) {
         size_t a = pages * (size_t)i / (size_t)threads * 4096, b = pages * (size_t)(i + 1) / (size_t)threads * 4096;
         if (i == threads - 1) b = bytes;
-        jobs[i] = (job){buf + a, b - a, streams, pf, cpus ? cpus[i] : -1, loads, fill, &bar, 0};
+        jobs[i] = (job){buf + a, b - a, streams, pf, cpus ? cpus[i] : -1, loads, fill, &bar, 0,
+                        buf, bytes, fill ? 0 : chunk, i, threads};
         pthread_create(&th[i], NULL, run, &jobs[i]);
     }
     pthread_barrier_wait(&bar);
@@ -204,7 +222,8 @@ def _compile():
         shutil.rmtree(tmp, ignore_errors=True)  # a loaded library stays mapped
     lib.ktb_run.restype = ctypes.c_double
     lib.ktb_run.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
-                            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
+                            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_size_t,
+                            ctypes.POINTER(ctypes.c_uint64)]
     lib.ktb_alloc.restype = ctypes.c_void_p
     lib.ktb_alloc.argtypes = [ctypes.c_size_t]
     lib.ktb_free.argtypes = [ctypes.c_void_p]
@@ -272,6 +291,22 @@ def llc_bytes() -> int:
 
 
 # ---- measurement ----
+@dataclass(frozen=True)
+class Variant:
+    """One way to read the buffer: streams per thread, software prefetch distance (bytes ahead per stream, 0: none),
+    and the split between threads (chunk 0: one contiguous slice each; else chunks of that many bytes dealt round
+    robin, so all threads read near each other as the decode kernels do)."""
+    streams: int = 1
+    prefetch: int = 0
+    chunk: int = 0
+
+    @property
+    def name(self) -> str:
+        pf = "no-pf" if self.prefetch == 0 else (f"pf{self.prefetch // 1024}K" if self.prefetch % 1024 == 0
+                                                 else f"pf{self.prefetch}")
+        return f"{self.streams}s/{pf}" + (f"/c{self.chunk // 1024}K" if self.chunk else "")
+
+
 @dataclass
 class ReadBandwidth:
     best_gbs: float                 # the limit: the best of every native variant and torch
@@ -284,22 +319,17 @@ class ReadBandwidth:
     pinned: bool = False            # threads pinned in the native pool's order
     loads: str = ""                 # load width of the native loop ("" when it could not be built)
     repeats: int = 0
-    streams: int = 0                # the best native variant (0 without the native loop)
-    prefetch: int = 0
+    best_variant: Variant | None = None  # the best native variant (None without the native loop)
 
     def summary(self) -> str:
         """One line: the limit, where it came from, and what every variant gave."""
         var = ", ".join(f"{k} {v:.1f}" for k, v in self.variants.items())
-        native = (f"native {self.loads} read loop [GB/s, streams/thread x prefetch ahead]: {var}; "
+        native = (f"native {self.loads} read loop [GB/s, streams/thread / prefetch ahead / chunks dealt round robin]: {var}; "
                   if self.variants else "native read loop unavailable; ")
         pinned = " pinned as the pool" if self.pinned else ""
         return (f"memory read {self.best_gbs:.1f} GB/s ({self.best}) over {self.nbytes / 1e9:.2f} GB "
                 f"(the LLC: {self.llc / 2**20:.0f} MiB), {self.threads} threads{pinned}, best of {self.repeats}; "
                 f"{native}torch int64 sum {self.torch_gbs:.1f}")
-
-
-def _variant_name(streams: int, pf: int) -> str:
-    return f"{streams}s/" + ("no-pf" if pf == 0 else f"pf{pf // 1024}K" if pf % 1024 == 0 else f"pf{pf}")
 
 
 def _torch_sum_gbs(buf: torch.Tensor, threads: int, repeats: int) -> float:
@@ -318,19 +348,19 @@ def _torch_sum_gbs(buf: torch.Tensor, threads: int, repeats: int) -> float:
 
 
 class ReadLoop:
-    """A native read loop over a buffer of its own, pinned as the pool: one variant timed pass by pass, so a limit can
-    be measured right next to the work it bounds (the kernels bench alternates decode forwards with passes of the
-    best variant: both see the same load on a shared host). A context manager; close() frees the buffer.
+    """A native read loop over a buffer of its own, pinned as the pool, timed pass by pass: measure_read_bandwidth
+    runs every variant on one; the kernels bench keeps one for the best variant and alternates its passes with the
+    decode forwards, so both see the same load on a shared host. A context manager; close() frees the buffer.
 
-        with ReadLoop(nbytes, threads) as loop:
-            gbs = loop.gbs(streams=4, prefetch=1024)"""
+        with ReadLoop(nbytes, threads, Variant(16, 1024)) as loop:
+            gbs = loop.gbs()"""
 
-    def __init__(self, nbytes: int, threads: int, streams: int = 1, prefetch: int = 0):
+    def __init__(self, nbytes: int, threads: int, variant: Variant = Variant()):
         lib = _native_lib()
         if lib is None:
             raise RuntimeError("the native read loop could not be built (no working C compiler)")
         order = cpu_order()
-        self.nbytes, self.threads, self.streams, self.prefetch = nbytes, threads, streams, prefetch
+        self.nbytes, self.threads, self.variant = nbytes, threads, variant
         self.pinned = threads <= len(order)  # more threads than CPUs: unpinned
         self._cpus = (ctypes.c_int * threads)(*[order[i] if self.pinned else -1 for i in range(threads)])
         self._lib, self._loads = lib, lib.ktb_loads()
@@ -339,19 +369,22 @@ class ReadLoop:
         if not self._ptr:
             raise MemoryError(f"cannot allocate {nbytes} bytes for the read-bandwidth buffer")
         self._sink = ctypes.c_uint64()
-        lib.ktb_run(self._ptr, nbytes, threads, self._cpus, 1, 0, self._loads, 1, None)  # first touch, as pinned
+        lib.ktb_run(self._ptr, nbytes, threads, self._cpus, 1, 0, self._loads, 1, 0, None)  # first touch, pinned
 
-    def seconds(self, streams: int | None = None, prefetch: int | None = None) -> float:
+    def nbytes_read(self, variant: Variant | None = None) -> int:
+        chunk = (variant or self.variant).chunk
+        return self.nbytes // chunk * chunk if chunk else self.nbytes
+
+    def seconds(self, variant: Variant | None = None) -> float:
         """One timed pass over the buffer (default: this loop's variant)."""
         if not self._ptr:
             raise RuntimeError("ReadLoop is closed")
-        s = self.streams if streams is None else streams
-        pf = self.prefetch if prefetch is None else prefetch
-        return self._lib.ktb_run(self._ptr, self.nbytes, self.threads, self._cpus, s, pf, self._loads, 0,
-                                 ctypes.byref(self._sink))
+        v = variant or self.variant
+        return self._lib.ktb_run(self._ptr, self.nbytes, self.threads, self._cpus, v.streams, v.prefetch,
+                                 self._loads, 0, v.chunk, ctypes.byref(self._sink))
 
-    def gbs(self, streams: int | None = None, prefetch: int | None = None) -> float:
-        return self.nbytes / self.seconds(streams, prefetch) / 1e9
+    def gbs(self, variant: Variant | None = None) -> float:
+        return self.nbytes_read(variant) / self.seconds(variant) / 1e9
 
     def torch_gbs(self, repeats: int) -> float:
         """torch's multi-threaded int64 sum over the same buffer, best of `repeats`."""
@@ -374,9 +407,11 @@ class ReadLoop:
 
 
 def measure_read_bandwidth(gb: float = 1.0, threads: int | None = None, repeats: int = 5,
-                           streams=STREAMS, prefetch=PREFETCH, llc_multiple: float = 4.0) -> ReadBandwidth:
+                           streams=STREAMS, prefetch=PREFETCH, chunks=CHUNKS,
+                           llc_multiple: float = 4.0) -> ReadBandwidth:
     """Best read bandwidth over a buffer of max(gb GB, llc_multiple x the LLC) with `threads` threads (default: one
-    per physical core), every native variant (streams x prefetch) and torch's int64 sum; see the module docstring."""
+    per physical core), every native variant (streams x prefetch x chunks) and torch's int64 sum; see the module
+    docstring."""
     order = cpu_order()
     threads = threads or _physical_cores(order)
     llc = llc_bytes()
@@ -388,12 +423,11 @@ def measure_read_bandwidth(gb: float = 1.0, threads: int | None = None, repeats:
         return res
     with ReadLoop(nbytes, threads) as loop:
         res.pinned, res.loads = loop.pinned, loop.loads
-        for s in streams:
-            for pf in prefetch:
-                loop.seconds(s, pf)  # warm-up
-                res.variants[_variant_name(s, pf)] = max(loop.gbs(s, pf) for _ in range(repeats))
-                if res.variants[_variant_name(s, pf)] >= max(res.variants.values()):
-                    res.streams, res.prefetch = s, pf
+        for v in (Variant(s, pf, c) for c in chunks for s in streams for pf in prefetch):
+            loop.seconds(v)  # warm-up
+            res.variants[v.name] = max(loop.gbs(v) for _ in range(repeats))
+            if res.best_variant is None or res.variants[v.name] > res.variants[res.best_variant.name]:
+                res.best_variant = v
         res.torch_gbs = loop.torch_gbs(repeats)
     name, gbs = max(res.variants.items(), key=lambda kv: kv[1])
     res.best, res.best_gbs = (name, gbs) if gbs >= res.torch_gbs else ("torch int64 sum", res.torch_gbs)
