@@ -18,10 +18,10 @@
  * (I/16/cw) gate/up items and (H/16/cw) down items; thousands of tokens split into RT-row and TC-token chunks.
  *
  * Decode (every expert <= DECODE_ROWS rows, T <= TC, and the kernels have a gemv for the quant): the two phases
- * run one loop per thread (ktki_parallel_each) over chunks of units (gate/up: (expert, block of 16 outputs of I);
- * down: blocks of 16 columns of H): a fixed first chunk per thread, then chunks claimed from a shared counter,
- * guided: rem / (2 threads) units, at most CWMAX, at least 1, so every thread finishes within about one small chunk
- * of the others (fixed items of 1/4-1/8 of a thread's share left up to 17% of a phase to the slowest thread). An expert with one row runs gate and up as one gemv (2 matrices), and the
+ * run one loop per thread that claims chunks of units (gate/up: (expert, block of 16 outputs of I); down: blocks of
+ * 16 columns of H) from a shared counter, guided: rem / (2 threads) units, at most CWMAX, at least 1, so every
+ * thread finishes within about one small chunk of the others (fixed items of 1/4-1/8 of a thread's share left up to
+ * 17% of a phase to the slowest thread). An expert with one row runs gate and up as one gemv (2 matrices), and the
  * down matrices of up to KTK_GEMV_MAX consecutive one-row experts as one gemv: 4 (gate/up) and up to 16 (down)
  * weight streams per thread instead of <= 4 of one matrix. Same arithmetic (gemv is bit-identical to gemm with one
  * row), same summation order.
@@ -174,37 +174,13 @@ static int claim(fctx *c, int64_t total, int maxc, int64_t *u0, int64_t *u1) {
     }
 }
 
-/* Decode path: the size of every thread's first chunk, the guided size of a first claim. Thread tid's first chunk
- * is fixed, [tid c0, (tid + 1) c0) (start_chunks sets the shared counter after them): 15 threads claiming at once
- * at a phase start serialize on the counter's cache line. */
-static int64_t first_chunk(const fctx *c, int64_t total, int maxc) {
-    int64_t n = total / (2 * (int64_t)c->nt);
-    return n < 1 ? 1 : n > maxc ? maxc : n;
-}
-
-static void start_chunks(fctx *c, int64_t total, int maxc) {
-    const int64_t n = (int64_t)c->nt * first_chunk(c, total, maxc);
-    atomic_store_explicit(&c->next, n < total ? n : total, memory_order_relaxed);   /* published by the phase */
-}
-
-/* Thread tid's next chunk: its fixed first one (first = 1), then claimed ones; 0 when none is left. */
-static int next_chunk(fctx *c, int tid, int first, int64_t total, int maxc, int64_t *u0, int64_t *u1) {
-    if (first) {
-        const int64_t c0 = first_chunk(c, total, maxc);
-        *u0 = tid * c0;
-        *u1 = *u0 + c0 < total ? *u0 + c0 : total;
-        if (*u0 < total) return 1;
-    }
-    return claim(c, total, maxc, u0, u1);
-}
-
 /* Decode path, gate/up: one call per thread; units (expert a, block b) = a * UI + b, a chunk split at experts. */
 static void gate_up_decode(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
     (void)item;
     float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)DECODE_ROWS * c->cw_gu * 16;
     int64_t u0, u1;
-    for (int first = 1; next_chunk(c, tid, first, (int64_t)c->A * c->UI, c->cw_gu, &u0, &u1); first = 0)
+    while (claim(c, (int64_t)c->A * c->UI, c->cw_gu, &u0, &u1))
         for (int64_t u = u0; u < u1;) {
             const int a = (int)(u / c->UI), cb0 = (int)(u % c->UI);
             const int cb1 = u1 - u < c->UI - cb0 ? cb0 + (int)(u1 - u) : c->UI;
@@ -300,8 +276,7 @@ static void down_decode(void *ctx, int64_t item, int tid) {
     (void)item;
     float *y = ktki_thread_scratch(c->pool, tid), *acc = y + (int64_t)RT * c->cw_dn * 16;
     int64_t u0, u1;
-    for (int first = 1; next_chunk(c, tid, first, c->UH, c->cw_dn, &u0, &u1); first = 0)
-        down_run(c, (int)u0, (int)u1, 0, c->T, y, acc, tid);
+    while (claim(c, c->UH, c->cw_dn, &u0, &u1)) down_run(c, (int)u0, (int)u1, 0, c->T, y, acc, tid);
 }
 
 /* KTINJECT_INT4_PATH (read at each int4 forward; for tests and crossover measurements): auto (default), direct or
@@ -357,16 +332,16 @@ int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
     if (c.R > 0) {
         ktki_parallel(pool, ktki_fwd_gather_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
         if (c.gemv) {
-            start_chunks(&c, (int64_t)c.A * c.UI, c.cw_gu);
-            ktki_parallel_each(pool, gate_up_decode, &c);
+            atomic_store_explicit(&c.next, 0, memory_order_relaxed);   /* published by the phase start */
+            ktki_parallel(pool, gate_up_decode, &c, c.nt);
         } else {
             ktki_parallel(pool, gate_up_item, &c, c.ngu);
         }
         if (c.a8) ktki_parallel(pool, ktki_fwd_quantize_h_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
     }
     if (c.gemv) {
-        start_chunks(&c, c.UH, c.cw_dn);
-        ktki_parallel_each(pool, down_decode, &c);
+        atomic_store_explicit(&c.next, 0, memory_order_relaxed);
+        ktki_parallel(pool, down_decode, &c, c.nt);
     } else {
         ktki_parallel(pool, down_item, &c, (int64_t)c.ntc * ((c.UH + c.cw_dn - 1) / c.cw_dn));
     }

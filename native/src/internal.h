@@ -53,9 +53,6 @@ void ktki_pool_wake(ktk_pool *pool);
 /* Run fn(ctx, i, tid) for i < nitems on all pool threads and return when all are done (a barrier).
  * Only from the thread running a task (thread 0 of the pool). */
 void ktki_parallel(ktk_pool *pool, ktki_item_fn fn, void *ctx, int64_t nitems);
-/* Run fn(ctx, tid, tid) once on every pool thread (item = tid, no shared counter) and return when all are done: for
- * phases whose threads share out the work themselves (the forward's decode path). Same caller rule. */
-void ktki_parallel_each(ktk_pool *pool, ktki_item_fn fn, void *ctx);
 /* Grow-only scratch. Shared slots: one buffer per slot for the task being run; per-thread: one buffer per thread.
  * Call between phases only (thread 0); NULL when out of memory. */
 enum { KTKI_SCR_ROUTE, KTKI_SCR_ITEMS, KTKI_SCR_X, KTKI_SCR_H, KTKI_SCR_HF, KTKI_SCR_XT, KTKI_SCR_HT,

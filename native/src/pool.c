@@ -109,19 +109,19 @@ void ktki_event_signal(ktki_event *ev) {
 }
 
 /* ---- phases ---- */
-/* nitems < 0: ktki_parallel_each (item = tid) */
 static void run_items(ktk_pool *p, int tid) {
     ktki_item_fn fn = p->fn;
     void *ctx = p->ctx;
     int64_t n = p->nitems, i;
-    if (n < 0) {
-        fn(ctx, tid, tid);
-        return;
-    }
     while ((i = atomic_fetch_add_explicit(&p->next, 1, memory_order_relaxed)) < n) fn(ctx, i, tid);
 }
 
-static void phase(ktk_pool *p, ktki_item_fn fn, void *ctx, int64_t nitems) {
+void ktki_parallel(ktk_pool *p, ktki_item_fn fn, void *ctx, int64_t nitems) {
+    if (nitems <= 0) return;
+    if (p->n == 1 || nitems == 1) {
+        for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
+        return;
+    }
     p->fn = fn;
     p->ctx = ctx;
     p->nitems = nitems;
@@ -132,22 +132,6 @@ static void phase(ktk_pool *p, ktki_item_fn fn, void *ctx, int64_t nitems) {
     uint32_t v;
     while ((v = atomic_load_explicit(&p->finished.seq, memory_order_acquire)) != target)
         ktki_event_wait(&p->finished, v, p->spin_ns);
-}
-
-void ktki_parallel(ktk_pool *p, ktki_item_fn fn, void *ctx, int64_t nitems) {
-    if (nitems <= 0) return;
-    if (p->n == 1 || nitems == 1) {
-        for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
-        return;
-    }
-    phase(p, fn, ctx, nitems);
-}
-
-/* Without the shared item counter: 15 threads taking their one item each from it cost ~15 serialized atomic
- * increments of one cache line at every phase start. */
-void ktki_parallel_each(ktk_pool *p, ktki_item_fn fn, void *ctx) {
-    if (p->n == 1) fn(ctx, 0, 0);
-    else phase(p, fn, ctx, -1);
 }
 
 /* ---- threads ---- */
