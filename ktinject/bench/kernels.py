@@ -410,8 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("decode: GB/s = weights read per token in the stored format (k experts x gate+up+down, int incl. scales;")
     print("        torch: the same experts in bf16) / time of a one-token forward; limit = memory read bandwidth:")
-    print(f"        the median of {repeats} passes of the best native read loop ({mem.best_variant.name if loop else '-'}) alternating with the timed decode")
-    print("        calls (same stretch of time, same host load), and in brackets the best of the limits above")
+    variant = mem.best_variant.name if mem.best_variant else "-"
+    print(f"        the median of {repeats} passes of the best native read loop ({variant}) alternating with the")
+    print("        timed decode calls (same stretch of time, same host load); in brackets the best of the limits above")
     print("prefill: TFLOPS = 2 T k 3 H I / time; limit = a dense bf16 GEMM in torch (oneDNN): a reference, not a bound")
     for n in notes:
         print(n)

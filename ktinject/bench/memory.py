@@ -392,7 +392,7 @@ class ReadLoop:
         return _torch_sum_gbs(torch.frombuffer(arr, dtype=torch.int64), self.threads, repeats)
 
     def close(self) -> None:
-        if self._ptr:
+        if getattr(self, "_ptr", None):  # also when __init__ stopped before allocating
             self._lib.ktb_free(self._ptr)
             self._ptr = None
 
