@@ -3,14 +3,15 @@
 Glue only: load with ktinject, apply the tokenizer's chat template, stream the reply, keep the history, and print
 prefill and decode speed after each reply. Without --model it uses the built-in demo model (random weights).
 
-Commands: /clear forgets the conversation, /stats prints session totals, /exit (or Ctrl-D) quits; Ctrl-C stops the
-current reply, not the program. --prompt TEXT answers once and exits.
+Commands: /clear forgets the conversation, /stats prints session totals and which fast paths run, /exit (or
+Ctrl-D) quits; Ctrl-C stops the current reply, not the program. --prompt TEXT answers once and exits.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import logging
+import math
 import signal
 import sys
 import threading
@@ -19,20 +20,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROG = "ktinject.chat"
-HELP = "commands: /clear (forget the conversation), /stats (session totals), /exit (or Ctrl-D); Ctrl-C stops a reply"
+HELP = ("commands: /clear (forget the conversation), /stats (session totals, fast paths), /exit (or Ctrl-D); "
+        "Ctrl-C stops a reply")
 
 
 class CliError(Exception):
     """A user error: printed as one line on stderr, exit code 2."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The chat's options; README.md's "Chat" table lists each of them (tests/test_readme.py checks it)."""
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description="Chat with a MoE model through ktinject.")
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
     p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
     p.add_argument("--quant", choices=["bf16", "int8", "int4"], default="bf16",
                    help="expert weight format (default bf16)")
-    p.add_argument("--threads", type=_positive, help="CPU threads for experts (default: ktinject's choice)")
+    p.add_argument("--threads", type=_positive,
+                   help="CPU threads for experts (default: one per physical core, less one from 8 cores up)")
     p.add_argument("--gpu-experts-budget", metavar="SIZE",
                    help="GPU bytes for hot routed experts, e.g. 12GiB (default: none, or the rules' kwarg)")
     p.add_argument("--placement", choices=["frequency", "uniform", "dynamic", "none"],
@@ -40,18 +44,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--expert-stats", metavar="FILE", help="expert statistics from python -m ktinject.calibrate")
     p.add_argument("--gpu", help='device for the dense part (default "cuda" if available, else "cpu")')
     p.add_argument("--max-new-tokens", type=_positive, default=512, help="reply length limit (default 512)")
-    p.add_argument("--temperature", type=float, help="sampling temperature; 0 = greedy (default: the model's)")
-    p.add_argument("--top-p", type=float, help="nucleus sampling threshold (default: the model's)")
+    p.add_argument("--temperature", type=_temperature,
+                   help="sampling temperature >= 0; 0 = greedy (default: the model's)")
+    p.add_argument("--top-p", type=_top_p, help="nucleus sampling threshold in (0, 1] (default: the model's)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--prompt", help="answer this one message and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="print the injection plan, logs and tracebacks")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = _finite(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 = no nucleus cut), got {text}")
     return value
 
 
@@ -155,7 +188,21 @@ class Chat:
             f"turns: {tot.turns}, history: {len(self.messages)} messages, {context} tokens",
             f"prefill: {tot.prompt_tokens} tokens in {tot.prefill_s:.2f} s, {_rate(tot.prompt_tokens, tot.prefill_s)}",
             f"decode: {tot.new_tokens} tokens in {tot.decode_s:.2f} s, {_rate(tot.decode_tokens, tot.decode_s)}",
+            *_fast_path_lines(self.model),
         ])
+
+
+def _fast_path_lines(model) -> list[str]:
+    """One line per fast path of ``ktinject.info(model)["fast_paths"]``: active, off (with the reason), or not run
+    yet (not known before the first reply)."""
+    import ktinject
+
+    lines = []
+    for name, state in ktinject.info(model)["fast_paths"].items():
+        status = {True: "active", False: "off", None: "not run yet"}[state["active"]]
+        reason = f" ({state['reason']})" if state["reason"] else ""
+        lines.append(f"fast path {name}: {status}{reason}")
+    return lines
 
 
 def _rate(tokens: int, seconds: float) -> str:
@@ -255,7 +302,7 @@ def _setup(args: argparse.Namespace) -> str:
         torch.set_num_threads(args.threads)
         from ktinject import native
 
-        native.set_default_threads(args.threads)
+        native.set_default_threads(args.threads, source=f"--threads {args.threads}")  # warns above the cores
     return gpu
 
 

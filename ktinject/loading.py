@@ -96,7 +96,15 @@ def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: b
     ckpt = Checkpoint(Path(checkpoint))
     if getattr(model, "config", None) is not None:
         check_quantization(model.config, ckpt.dir)
-    _Loader(model, plan, ckpt, cache_dir, progress).run()
+    try:
+        _Loader(model, plan, ckpt, cache_dir, progress).run()
+    except LoadError as e:
+        if not plan.unmatched_rules:
+            raise
+        from ktinject.plan import unmatched_note
+
+        notes = "; ".join(unmatched_note(rule, model) for rule in plan.unmatched_rules)
+        raise LoadError(f"{notes}\nbecause of that, loading failed: {e}") from e
     from ktinject.inject import finish
 
     finish(model, plan, **hot)

@@ -17,6 +17,7 @@ that say ``device: fast``. A rule device that is not a variable is read as a tor
 """
 from __future__ import annotations
 
+import difflib
 import logging
 import re
 from collections import Counter
@@ -89,8 +90,7 @@ def plan(model: nn.Module, rules: Any = None, *, quant: str | None = None, **dev
     walk.run(model)
     unmatched = tuple(r for i, r in enumerate(ruleset.rules) if i not in walk.matched)
     for rule in unmatched:
-        log.warning("%s matched no module of %s (match: name=%r class=%r)", rule.where, type(model).__name__,
-                    rule.match_name, rule.match_class)
+        log.warning("%s", unmatched_note(rule, model))
     return Plan(
         entries=tuple(walk.entries()),
         tensor_devices=MappingProxyType(walk.tensor_devices),
@@ -98,6 +98,26 @@ def plan(model: nn.Module, rules: Any = None, *, quant: str | None = None, **dev
         unmatched_rules=unmatched,
         unclaimed_nbytes=MappingProxyType(dict(walk.unclaimed)),
     )
+
+
+def unmatched_note(rule: Rule, model: nn.Module) -> str:
+    """One line on a rule that matched no module of ``model``: where it is written, what it matches, and for a
+    ``match.class`` that no module has, the model's closest class name (a misspelled class is the usual cause)."""
+    asked = ", ".join(f"{k}={v!r}" for k, v in (("name", rule.match_name), ("class", rule.match_class))
+                     if v is not None)
+    hint = ""
+    if rule.match_class is not None:
+        dotted = "." in rule.match_class
+        classes = {class_path(type(m)) if dotted else type(m).__name__ for m in model.modules()}
+        lower = {c.lower(): c for c in sorted(classes)}  # MoE vs Moe: case first, then spelling
+        close = difflib.get_close_matches(rule.match_class.lower(), list(lower), n=1, cutoff=0.6)
+        if rule.match_class in classes:
+            hint = "; modules of that class exist, but none has a matching name"
+        elif close:
+            hint = f"; did you mean {lower[close[0]]!r}?"
+        else:
+            hint = "; no module has that class"
+    return f"{rule.where} matched no module of {type(model).__name__} (match: {asked}{hint})"
 
 
 # ---------------------------------------------------------------------------------------------- devices

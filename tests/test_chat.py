@@ -61,6 +61,7 @@ def test_interactive_history_stats_clear(demo_env):
     assert stats[1] == ("2", "0", "0")  # after /clear: totals kept, history gone
     assert "(conversation cleared)" in r.stdout
     assert re.search(r"decode: 12 tokens in [\d.]+ s, [\d.]+ tok/s", r.stdout)
+    assert re.search(r"^fast path decode_attention: ", r.stdout, re.M), r.stdout  # /stats shows the fast paths
 
 
 def test_system_prompt_and_eof(demo_env):
@@ -155,3 +156,73 @@ def test_demo_model_is_deterministic_and_built_atomically(demo_env, tmp_path):
 
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert digest(built / name) == digest(reference / name), name
+
+
+def test_misspelled_moe_class_is_named_first(demo_env, tmp_path):
+    """A rule whose class matches nothing: the error line names that rule and the class it likely meant before the
+    loading error it caused (here: experts that streaming cannot fuse outside a 'moe' operator)."""
+    rules = tmp_path / "typo.yaml"
+    rules.write_text("- match: {class: Qwen3MoeSparseMoeBlok}\n  replace: moe\n  device: gpu\n"
+                     "- include: common.yaml\n")
+    r = chat(demo_env, "--rules", str(rules), "--gpu", "cpu", "--prompt", "hi", "--max-new-tokens", "2")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("ktinject.chat: error: ")]
+    assert len(errors) == 1, r.stderr
+    message = errors[0].split(": LoadError: ", 1)[1]
+    assert message.startswith(f"{rules}: rule[0] (line 1) matched no module of Qwen3MoeForCausalLM "
+                              "(match: class='Qwen3MoeSparseMoeBlok'; did you mean 'Qwen3MoeSparseMoeBlock'?)"), message
+    assert message.index("matched no module") < message.index("streaming")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--temperature", "-1"], "argument --temperature: must be >= 0 (0 = greedy), got -1"),
+    (["--temperature", "inf"], "argument --temperature: must be a finite number, got inf"),
+    (["--top-p", "2"], "argument --top-p: must be in (0, 1] (1 = no nucleus cut), got 2"),
+    (["--top-p", "0"], "argument --top-p: must be in (0, 1]"),
+    (["--top-p", "x"], "argument --top-p: not a number: 'x'"),
+])
+def test_sampling_arguments_out_of_range_are_rejected(args, needle, capsys):
+    from ktinject.chat import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(args)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_sampling_arguments_in_range():
+    from ktinject.chat import parse_args
+
+    a = parse_args(["--temperature", "0", "--top-p", "1"])
+    assert (a.temperature, a.top_p) == (0.0, 1.0)
+    assert parse_args(["--top-p", "0.05"]).top_p == 0.05
+
+
+def test_threads_above_the_cores_warn(demo_env):
+    from ktinject._nativelib import default_threads, usable_cpus
+
+    cpus = usable_cpus()
+    r = chat(demo_env, "--gpu", "cpu", "--prompt", "hi", "--max-new-tokens", "2", "--threads", str(cpus + 1))
+    assert r.returncode == 0, r.stderr
+    assert f"--threads {cpus + 1}: more expert threads than the {cpus} CPUs this process may run on" in r.stderr
+    assert f"the default: {default_threads()} here" in r.stderr
+    r = chat(demo_env, "--gpu", "cpu", "--prompt", "hi", "--max-new-tokens", "2", "--threads", str(cpus))
+    assert r.returncode == 0 and "more expert threads" not in r.stderr, r.stderr
+
+
+def test_stats_prints_one_line_per_fast_path(monkeypatch):
+    import argparse
+
+    import ktinject
+    from ktinject.chat import Chat
+
+    model = object()
+    paths = {"decode_attention": {"active": True, "reason": None},
+             "graph_decode": {"active": False, "reason": "no CUDA device"},
+             "fast_router": {"active": None, "reason": None}}
+    monkeypatch.setattr(ktinject, "info", lambda m: {"fast_paths": paths} if m is model else {}, raising=False)
+    lines = Chat(model, None, argparse.Namespace(system=None)).stats().splitlines()
+    assert lines[3:] == ["fast path decode_attention: active",
+                         "fast path graph_decode: off (no CUDA device)",
+                         "fast path fast_router: not run yet"]

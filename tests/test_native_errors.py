@@ -206,6 +206,22 @@ def test_default_pool_threads():
     assert r.stdout.strip() == "3", r.stderr
 
 
+def test_threads_above_the_usable_cpus_warn():
+    """64 threads on 2 cores decoded 12x slower: set_default_threads and KTINJECT_THREADS above the CPUs warn."""
+    from ktinject._nativelib import usable_cpus
+
+    cpus = usable_cpus()
+    default = kn.default_threads()
+    r = run_py(f"from ktinject import native as kn\nkn.set_default_threads({cpus + 1})\nkn.set_default_threads(None)")
+    assert r.returncode == 0, r.stderr
+    assert f"set_default_threads({cpus + 1}): more expert threads than the {cpus} CPUs" in r.stderr
+    assert f"the default: {default} here" in r.stderr
+    r = run_py("from ktinject import native as kn\nprint(kn.default_pool().threads)", KTINJECT_THREADS=str(cpus + 1))
+    assert r.stdout.strip() == str(cpus + 1) and f"KTINJECT_THREADS={cpus + 1}: more expert threads" in r.stderr
+    r = run_py(f"from ktinject import native as kn\nkn.set_default_threads({cpus})")
+    assert r.returncode == 0 and "more expert threads" not in r.stderr, r.stderr
+
+
 def test_pool_destroy_never_hangs():
     """Create/destroy cycles, with queued work and a watched task, in a subprocess with a timeout."""
     r = run_py("""

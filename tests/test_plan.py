@@ -188,6 +188,27 @@ def test_unmatched_rule_warns(models, caplog):
     assert "unmatched rule: extra.yaml: rule[0]" in str(p)
 
 
+@pytest.mark.parametrize("match, hint", [
+    ("{class: Glm4MoeMoe}", "(match: class='Glm4MoeMoe'; did you mean 'Glm4MoeMoE'?)"),
+    ("{class: transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeMOE}",
+     "did you mean 'transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeMoE'?"),
+    ("{class: Zzzz}", "(match: class='Zzzz'; no module has that class)"),
+    ("{name: 'model\\.nothing', class: Glm4MoeMoE}",
+     "(match: name='model\\\\.nothing', class='Glm4MoeMoE'; modules of that class exist, but none has a matching "
+     "name)"),
+])
+def test_unmatched_rule_names_the_closest_class(models, caplog, match, hint):
+    from ktinject.plan import unmatched_note
+
+    extra = parse_rules(f"- match: {match}\n  device: cpu\n", source="extra.yaml")
+    with caplog.at_level(logging.WARNING, logger="ktinject.plan"):
+        p = plan(models["glm4_moe"], [extra, "glm4_moe"], gpu="cpu")
+    assert p.unmatched_rules == extra.rules
+    note = unmatched_note(extra.rules[0], models["glm4_moe"])
+    assert note.startswith("extra.yaml: rule[0] (line 1) matched no module of Glm4MoeForCausalLM (match: ")
+    assert hint in note and note in caplog.text
+
+
 def test_unknown_family():
     model = nn.Linear(2, 2)
     model.config = SimpleNamespace(model_type="llama")

@@ -1,0 +1,82 @@
+"""README.md says what the code does: its Python API block runs as written, its chat options table lists the chat's
+options with their choices and defaults."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+
+def section(title: str) -> str:
+    """The text of the README section ``## title`` (up to the next ``## `` heading)."""
+    text = README.read_text()
+    head = f"\n## {title}\n"
+    assert head in text, f"README.md has no '## {title}' section"
+    return text.split(head, 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.fixture(scope="session")
+def demo_env(tmp_path_factory):
+    """Offline, this checkout importable, the demo model built once per session (same cache as test_chat.py)."""
+    from ktinject.demo import demo_model_dir
+
+    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"
+    demo_model_dir(cache)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, KTINJECT_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
+
+
+def test_python_api_block_runs_as_written(demo_env, tmp_path):
+    blocks = re.findall(r"```python\n(.*?)```", section("Python API"), re.S)
+    assert len(blocks) == 1, "the README's Python API section should have exactly one ```python block"
+    script = tmp_path / "readme_api.py"
+    script.write_text(blocks[0])
+    r = subprocess.run([sys.executable, str(script)], env=demo_env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Qwen3MoeSparseMoeBlock" in r.stdout and "moe" in r.stdout, r.stdout  # the plan was printed
+    assert r.stdout.rstrip().splitlines()[-1].startswith("Hello"), r.stdout  # prompt + the generated tokens
+
+
+def readme_options() -> dict[str, tuple[str, str]]:
+    """{option: (its argument as written, the row's meaning)} from the README's chat options table."""
+    out = {}
+    for row in section("Chat").splitlines():
+        if not row.startswith("| `"):
+            continue
+        first, meaning = row.strip("| ").split(" | ", 1)
+        for span in re.findall(r"`([^`]+)`", first):
+            option, _, argument = span.replace("\\|", "|").partition(" ")
+            out[option] = (argument, meaning)
+    return out
+
+
+def test_chat_options_table_matches_the_parser():
+    from ktinject.chat import build_parser
+
+    table = readme_options()
+    fix = "; update the option table under '## Chat' in README.md"
+    listed = set()
+    for action in build_parser()._actions:
+        if "-h" in action.option_strings:
+            continue
+        names = [n for n in action.option_strings if n in table]
+        assert names, f"{'/'.join(action.option_strings)} is missing from README.md's chat options table{fix}"
+        listed.update(names)
+        argument, meaning = table[names[0]]
+        if action.choices:
+            assert argument.split("|") == list(action.choices), \
+                f"{names[0]}: README lists {argument!r}, the parser's choices are {'|'.join(action.choices)}{fix}"
+        if action.default not in (None, False):
+            assert re.search(rf"default:? `?{re.escape(str(action.default))}\b", meaning), \
+                f"{names[0]}: README does not say its default, {action.default}{fix}"
+    stale = sorted(set(table) - listed)
+    assert not stale, f"README.md's chat options table lists {stale}, which the chat does not have{fix}"
