@@ -17,6 +17,7 @@ _EXPORTS = {
     "RuleError": "ktinject.rules",
     "from_pretrained": "ktinject.loading",
     "generate": "ktinject.generate",
+    "info": "ktinject.info",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

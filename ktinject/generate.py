@@ -35,6 +35,7 @@ import logging
 
 import torch
 
+from ktinject import compat
 from ktinject._callmod import callable_module
 from ktinject.graph import GraphRunner
 
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 _RUNNER_ATTR = "_ktinject_graph_runner"
 _HF_DEFAULT_MAX_LENGTH = 20
-_PLAIN_KWARGS = ("past_key_values", "cache_implementation", "assistant_model", "prompt_lookup_num_tokens",
+_PLAIN_KWARGS = ("past_key_values", "cache", "cache_implementation", "assistant_model", "prompt_lookup_num_tokens",
                  "custom_generate", "inputs_embeds", "assistant_early_exit", "negative_prompt_ids")
 
 
@@ -169,7 +170,7 @@ def _mask_hook(model, runner: GraphRunner):
     graphable: dict[int, bool] = {}
 
     def create_masks_for_generate(*args, **kwargs):
-        embeds, mask, cache = kwargs.get("inputs_embeds"), kwargs.get("attention_mask"), kwargs.get("past_key_values")
+        embeds, mask, cache = kwargs.get("inputs_embeds"), kwargs.get("attention_mask"), compat.cache_from(kwargs)
         if (not args and embeds is not None and embeds.dim() == 3 and embeds.shape[1] == 1
                 and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2))
                 and kwargs.get("block_sequence_ids") is None and kwargs.get("or_mask_function") is None
@@ -194,7 +195,7 @@ def _hooked(model, runner: GraphRunner, defer_cache=None):
         _DEFERRED[id(defer_cache)] = defer_cache
 
     def criteria(model_kwargs, generation_config):
-        cache = model_kwargs.get("past_key_values")
+        cache = compat.cache_from(model_kwargs)
         return cache is not None and any(cache is c for c in caches.values())
 
     model.__dict__["_valid_auto_compile_criteria"] = criteria
@@ -239,7 +240,7 @@ def generate(model, input_ids=None, attention_mask=None, **kwargs):
         rows += pad
 
     cache = runner.cache_for(rows, _needed_len(gc, prompt_len))
-    kwargs["past_key_values"] = cache
+    kwargs[compat.cache_kwarg()] = cache
     if runner.prefill_chunk and prompt_len > runner.prefill_chunk and gc.prefill_chunk_size is None:
         kwargs["prefill_chunk_size"] = runner.prefill_chunk
     defer = cache if runner.defer_stop and runner.graphs_enabled() and not gc.return_dict_in_generate else None

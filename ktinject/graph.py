@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ktinject import stream_experts
+from ktinject import compat, fastpaths, stream_experts
 
 log = logging.getLogger(__name__)
 
@@ -205,14 +205,15 @@ class GraphRunner:
     # ---- the step ------------------------------------------------------------------------------------------
     def __call__(self, **kwargs):
         """One forward with HF's keyword arguments: a graph replay for a bucketed decode step, else eager."""
-        key = self._key(kwargs)
+        key, why = self._classify(kwargs)
         if key is None:
-            return self._eager(kwargs)
+            return self._eager(kwargs, why)
         entry = self.graphs.get(key, False)
         if entry is False:
             entry = self.graphs[key] = self._capture(key, kwargs)
         if entry is None:
             self.stats.eager_decode += 1
+            fastpaths.report_for(self.model).fell_back("graph_decode", f"the capture of batch {key[0]} failed")
             return self.model(**kwargs)
         for pool in entry.pools:
             pool.wake()  # expert threads spin from now on: the first layer's go pays no futex wake-up
@@ -221,52 +222,71 @@ class GraphRunner:
         entry.graph.replay()
         entry.replays += 1
         self.stats.replays += 1
+        fastpaths.report_for(self.model).ran("graph_decode")
         return entry.output
 
-    def _eager(self, kwargs):
+    def _eager(self, kwargs, why: tuple[str, bool] | None = None):
         ids = kwargs.get("input_ids")
         if ids is not None and ids.dim() == 2 and ids.shape[1] == 1:
             self.stats.eager_decode += 1
+            if why is not None:
+                fastpaths.report_for(self.model).fell_back("graph_decode", *why)
         else:
             self.stats.eager_other += 1
         return self.model(**kwargs)
 
     def _key(self, kwargs) -> tuple | None:
         """Hashable description of a graphable decode step, or None for the eager path."""
+        return self._classify(kwargs)[0]
+
+    def _classify(self, kwargs) -> tuple[tuple | None, tuple[str, bool] | None]:
+        """(key, None) for a graphable decode step, else (None, (why eager, whether that is expected)); see
+        ``ktinject.fastpaths`` for what counts as expected."""
         if not self.graphs_enabled():
-            return None
+            return None, ("graphs are off (use_graphs=False)" if self.use_graphs is False else
+                          f"the model is on {self.device.type}, graphs need CUDA", True)
         ids = kwargs.get("input_ids")
-        cache = kwargs.get("past_key_values")
+        cache = compat.cache_from(kwargs)
         if ids is None or ids.dim() != 2 or ids.shape[1] != 1 or not ids.is_cuda:
-            return None
+            return None, ("not a one-token step of input_ids on the GPU", True)
         batch = ids.shape[0]
-        if batch not in self.buckets or self.caches.get(batch) is not cache or not self.graphable_cache(cache):
-            return None
+        if cache is None:
+            names = [k for k, v in kwargs.items() if hasattr(v, "update") and hasattr(v, "get_seq_length")]
+            if names:
+                return None, (f"the KV cache came as {names[0]!r}, which ktinject.compat does not expect from this "
+                              f"transformers (it reads {compat.cache_kwarg()!r})", False)
+        if batch not in self.buckets:
+            return None, (f"batch {batch} has no bucket (buckets {self.buckets})", True)
+        if self.caches.get(batch) is not cache:
+            return None, ("the step's cache is not the runner's static cache", True)
+        if not self.graphable_cache(cache):
+            return None, ("a cache layer keeps its position in Python (sliding window)", True)
         for name in EAGER_FLAGS:
             flag = kwargs.get(name)
             if isinstance(flag, torch.Tensor) or flag:
-                return None
+                return None, (f"{name} asked for", True)
         parts = []
         for name, value in sorted(kwargs.items()):
-            if name == "past_key_values":
+            if name in compat.CACHE_NAMES:
                 continue
             if isinstance(value, torch.Tensor):
                 if name not in GRAPH_TENSOR_ARGS or value.device != ids.device:
-                    return None
+                    held = ", ".join(GRAPH_TENSOR_ARGS)
+                    return None, (f"tensor argument {name!r} is not one the graph holds ({held})", False)
                 if name == "attention_mask" and value.dim() == 2:  # padding mask of the tokens so far: grows
                     if value.shape[0] != batch or value.shape[1] > self.max_cache_len:
-                        return None
+                        return None, ("a 2D mask longer than the static cache", False)
                     parts.append((name, "2d", value.dtype))
                 else:
                     parts.append((name, tuple(value.shape), value.dtype))
             elif value is None or isinstance(value, (bool, int, float, str)):
                 parts.append((name, value))
             else:
-                return None  # an argument we do not know how to hold static
-        return (batch, tuple(parts))
+                return None, (f"argument {name!r} of type {type(value).__name__} cannot be held static", False)
+        return (batch, tuple(parts)), None
 
     def _capture(self, key, kwargs) -> _Graph | None:
-        cache = kwargs["past_key_values"]
+        cache = compat.cache_from(kwargs)
         if self.host_wait:
             from ktinject import cuda_driver
 
@@ -274,7 +294,7 @@ class GraphRunner:
                 log.info("ktinject graph: cannot set the host wait mode (driver older than CUDA 12.1)")
         inputs = {n: _static_input(n, v, self.max_cache_len) for n, v in kwargs.items() if isinstance(v, torch.Tensor)}
         rest = {n: v for n, v in kwargs.items() if not isinstance(v, torch.Tensor)}
-        counters = [layer.cumulative_length for layer in cache.layers]
+        counters = [compat.static_position(layer) for layer in cache.layers]
         saved = [c.clone() for c in counters]
         try:
             side = torch.cuda.Stream(device=self.device)
@@ -293,8 +313,8 @@ class GraphRunner:
             torch.cuda.synchronize(self.device)
             for c, s in zip(counters, saved):
                 c.copy_(s)
-            log.warning("ktinject graph: capture of batch %d failed, running it eagerly: %s: %s",
-                        key[0], type(e).__name__, e)
+            fastpaths.report_for(self.model).fell_back(
+                "graph_decode", f"capture of batch {key[0]} failed: {type(e).__name__}: {e}")
             self.stats.capture_failures.append(f"batch {key[0]}: {type(e).__name__}: {e}")
             return None
         self.stats.captures += 1

@@ -1,8 +1,11 @@
-"""``python -m ktinject.info``: what ktinject sees on this machine (CPU, ISA, cores, native library, versions, GPUs)."""
+"""``python -m ktinject.info``: what ktinject sees on this machine (CPU, ISA, cores, native library, versions, GPUs);
+``ktinject.info(model)``: the same facts as a dict, and for an injected model which fast paths are active."""
 from __future__ import annotations
 
 import os
 import platform
+
+from ktinject._callmod import callable_module
 
 
 def cpu_model() -> str:
@@ -53,10 +56,55 @@ def lines() -> list[str]:
     return out
 
 
+def info(model=None) -> dict:
+    """Versions, and for a model injected by ktinject its fast paths: ``{"fast_paths": {path: {"active": True |
+    False | None (not run yet), "reason": why it last fell back or cannot run, "fast_calls", "fallback_calls"}}}``
+    (see ``ktinject.fastpaths``)."""
+    import torch
+
+    from ktinject import __version__, compat, fastpaths
+
+    try:
+        import transformers
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    out = {"ktinject": __version__, "torch": torch.__version__, "transformers": tf_version,
+           "transformers_tested": compat.supported_range(), "cuda": torch.cuda.is_available()}
+    if model is None:
+        return out
+    report = model.__dict__.get(fastpaths.ATTR)
+    if report is None:
+        raise ValueError(f"{type(model).__name__} was not injected by ktinject (ktinject.inject or "
+                         f"ktinject.from_pretrained): it has no fast paths to report")
+    paths = report.as_dict()
+    st = paths["decode_attention"]
+    if st["active"] is None:
+        why = _decode_attention_missing(model)
+        if why:
+            st.update(active=False, reason=why)
+    out["fast_paths"] = paths
+    return out
+
+
+def _decode_attention_missing(model) -> str | None:
+    """Why no attention module of ``model`` has the decode forward, or None when some have it."""
+    from ktinject.operators import decode_attention
+
+    attns = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    if any(decode_attention.installed(m) for m in attns):
+        return None
+    if not attns:
+        return "no attention modules found"
+    return f"not installed: {decode_attention.problem(attns[0]) or 'the rules turned it off (fast_decode: false)'}"
+
+
 def main() -> None:
     for line in lines():
         print(line)
 
+
+callable_module(__name__, "info")
 
 if __name__ == "__main__":
     main()

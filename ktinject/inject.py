@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 from torch import nn
 
-from ktinject import operators
+from ktinject import compat, fastpaths, operators
 from ktinject._callmod import callable_module
 
 if TYPE_CHECKING:
@@ -171,6 +171,10 @@ def finish(model: nn.Module, the_plan: Plan, **hot) -> str:
     generate(), and the mark of an injected model. Returns the attention implementation in use."""
     attn = _attention(model, the_plan)
     _generation_ready(model)
+    untested = compat.untested_release()
+    if untested:
+        log.warning("inject: %s", untested)
+    fastpaths.attach(model)
     place_hot_experts(model, the_plan, **hot)
     if the_plan.devices["gpu"].type == "cuda":
         # on CUDA, model.generate(...) replays each decode step as one CUDA graph (ktinject/generate.py)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ktinject
+from ktinject import compat
 from ktinject.generate import disable
 from ktinject.operators import attention as A
 from ktinject.operators import decode_attention
@@ -109,11 +110,11 @@ def _static_logits(model, impl, ids, mask, steps=6):
     model.set_attn_implementation(impl)
     cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=32)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+    out = model(ids, attention_mask=mask, position_ids=pos, **compat.cache_arg(cache))
     logits, tok, am = [out.logits], out.logits[:, -1:].argmax(-1), mask
     for _ in range(steps):
         am = torch.cat([am, torch.ones_like(tok)], 1)
-        out = model(tok, attention_mask=am, position_ids=(am.cumsum(-1) - 1)[:, -1:], past_key_values=cache)
+        out = model(tok, attention_mask=am, position_ids=(am.cumsum(-1) - 1)[:, -1:], **compat.cache_arg(cache))
         logits.append(out.logits)
         tok = out.logits[:, -1:].argmax(-1)
     return torch.cat(logits, 1)

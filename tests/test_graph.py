@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ktinject import cuda_driver, stream_experts
+from ktinject import compat, cuda_driver, stream_experts
 from ktinject.graph import GraphRunner, choose_bucket, round_cache_len
 from ktinject.testing import build_tiny_model
 
@@ -52,7 +52,7 @@ def test_runner_on_cpu_is_eager(tiny):
     assert not r.graphs_enabled()
     assert r.buckets == (1, 2, 4, 8)
     ids = torch.tensor([[5]])
-    assert r._key({"input_ids": ids, "past_key_values": None}) is None
+    assert r._key({"input_ids": ids, compat.cache_kwarg(): None}) is None
     assert r.padded_batch(3) == 3  # padding follows graphs by default
     r.pad_batches = True
     assert [r.padded_batch(b) for b in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, 9]
@@ -64,7 +64,7 @@ def test_cache_for_reuses_and_grows(tiny):
     assert r.max_cache_len == 256  # CPU floor
     assert all(layer.max_cache_len == 256 for layer in c1.layers)
     assert r.graphable_cache(c1)
-    tiny(torch.tensor([[4, 5, 6], [7, 8, 9]]), past_key_values=c1, use_cache=True)  # fills 3 positions
+    tiny(torch.tensor([[4, 5, 6], [7, 8, 9]]), **compat.cache_arg(c1), use_cache=True)  # fills 3 positions
     assert int(c1.get_seq_length()) == 3
     keys = c1.layers[0].keys
     c2 = r.cache_for(2, 100)  # fits: same object, reset in place (graph addresses unchanged)
@@ -88,13 +88,13 @@ def test_runner_key_logic_without_cuda(tiny, monkeypatch):
 
     ids = torch.tensor([[3], [4]]).as_subclass(FakeCuda)
     mask = torch.ones(2, 1, 1, r.max_cache_len, dtype=torch.bool)
-    kw = dict(input_ids=ids, attention_mask=mask, position_ids=torch.tensor([[5], [5]]), past_key_values=cache,
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=torch.tensor([[5], [5]]), **compat.cache_arg(cache),
               use_cache=True, logits_to_keep=1, return_dict=True)
     key = r._key(kw)
     assert key is not None and key[0] == 2
     assert r._key({**kw, "output_attentions": True}) is None
     assert r._key({**kw, "input_ids": torch.tensor([[3, 4], [4, 5]]).as_subclass(FakeCuda)}) is None  # prefill
-    assert r._key({**kw, "past_key_values": r.cache_for(1, 16)}) is None  # a cache that is not this batch's
+    assert r._key({**kw, compat.cache_kwarg(): r.cache_for(1, 16)}) is None  # a cache that is not this batch's
     assert r._key({**kw, "token_type_ids": torch.zeros(2, 1)}) is None  # an unknown tensor argument
     assert r._key({**kw, "logits_to_keep": 2}) != key  # other static arguments: another graph
     # a 2D padding mask (ktinject.generate's decode steps): one graph whatever its length, up to the cache length
@@ -160,17 +160,17 @@ def test_static_mask_buffer_gives_the_same_logits(tiny):
     L = r.max_cache_len
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     for c in caches:
-        out = tiny(ids, attention_mask=mask, position_ids=pos, past_key_values=c)
+        out = tiny(ids, attention_mask=mask, position_ids=pos, **compat.cache_arg(c))
     tok = out.logits[:, -1:].argmax(-1)
     for _ in range(4):
         mask = torch.cat([mask, torch.ones_like(tok)], 1)
         step = dict(input_ids=tok, position_ids=(mask.cumsum(-1) - 1)[:, -1:])
         four_d = create_masks_for_generate(config=tiny.config, inputs_embeds=torch.empty(2, 1, 0),
-                                           attention_mask=mask, past_key_values=caches[2],
+                                           attention_mask=mask, **compat.cache_arg(caches[2]),
                                            position_ids=step["position_ids"])
-        a = tiny(**step, attention_mask=_static_input("attention_mask", mask, L), past_key_values=caches[0]).logits
-        b = tiny(**step, attention_mask=mask, past_key_values=caches[1]).logits
-        c = tiny(**step, attention_mask=four_d, past_key_values=caches[2]).logits
+        a = tiny(**step, attention_mask=_static_input("attention_mask", mask, L), **compat.cache_arg(caches[0])).logits
+        b = tiny(**step, attention_mask=mask, **compat.cache_arg(caches[1])).logits
+        c = tiny(**step, attention_mask=four_d, **compat.cache_arg(caches[2])).logits
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-6)
         tok = a[:, -1:].argmax(-1)
@@ -186,11 +186,11 @@ def test_in_graph_mask_building_needs_no_host_sync(tiny):
 
     r = GraphRunner(tiny)
     cache = r.cache_for(2, 16)
-    tiny(torch.tensor([[1, 2, 3], [4, 5, 6]]), past_key_values=cache)  # initialized, counter on the device
+    tiny(torch.tensor([[1, 2, 3], [4, 5, 6]]), **compat.cache_arg(cache))  # initialized, counter on the device
     mask = _static_input("attention_mask", torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), r.max_cache_len)
     with FakeTensorMode(allow_non_fake_inputs=True):
         out = create_causal_mask(config=tiny.config, inputs_embeds=torch.zeros(2, 1, 64), attention_mask=mask,
-                                 past_key_values=cache, position_ids=torch.tensor([[2], [3]]))
+                                 **compat.cache_arg(cache), position_ids=torch.tensor([[2], [3]]))
     assert tuple(out.shape) == (2, 1, 1, r.max_cache_len)
 
 

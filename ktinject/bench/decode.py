@@ -27,6 +27,7 @@ import time
 import torch
 from torch import nn
 
+from ktinject import compat
 from ktinject.bench.memory import measure_read_bandwidth
 
 from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and the probe build the same model)
@@ -56,14 +57,14 @@ def hf_decode(model, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
     cache = DynamicCache(config=model.config)
     _sync(dev)
     t0 = time.perf_counter()
-    out = model(prompt, past_key_values=cache, use_cache=True)
+    out = model(prompt, **compat.cache_arg(cache), use_cache=True)
     tok = out.logits[:, -1:].argmax(-1)
     _sync(dev)
     t_prefill = time.perf_counter() - t0
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        out = model(tok, past_key_values=cache, use_cache=True)
+        out = model(tok, **compat.cache_arg(cache), use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
         _sync(dev)
         times.append(time.perf_counter() - t0)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ktinject import compat, fastpaths
 from ktinject.operators import fused
 
 log = logging.getLogger(__name__)
@@ -149,31 +150,40 @@ def _plain(mod: nn.Module) -> bool:
     return not (mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__)
 
 
-def _fallback_reason(module, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
-                     norms) -> str | None:
-    """Why this call runs HF's forward, or None for the decode path (``norms``: ``_qk_norms(module)``)."""
-    if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
-        return "not one query token"
-    if module.training or past_key_values is None or kwargs.get("output_attentions"):
-        return "training, no cache or output_attentions"
-    window = getattr(module, "sliding_window", None) or getattr(getattr(module, "config", None), "sliding_window",
-                                                                 None)
-    if window is not None and attention_mask is None:
-        return "a sliding window with no mask to carry it"
+def _fallback_reason(module, hidden_states, position_embeddings, attention_mask, cache, kwargs,
+                     norms) -> tuple[str, bool] | None:
+    """(why this call runs HF's forward, whether that is expected), or None for the decode path.
+
+    Expected: the user's choice (training, no cache, output_attentions, hooks, autograd, other dtypes) or a layout
+    this forward does not cover. ``norms``: ``_qk_norms(module)``."""
+    if module.training or kwargs.get("output_attentions"):
+        return "training or output_attentions", True
+    if cache is None:
+        names = [k for k, v in kwargs.items() if hasattr(v, "update") and hasattr(v, "get_seq_length")]
+        if names:  # a cache under a name ktinject.compat does not know for this transformers
+            return (f"the KV cache came as {names[0]!r}, which ktinject.compat does not expect from transformers "
+                    f"{'.'.join(map(str, compat.transformers_version()))} (it reads {compat.cache_kwarg()!r})"), False
+        return "no KV cache (use_cache=False)", True
+    # the module's own attribute decides where it has one (Qwen2-MoE: None on full-attention layers, whatever
+    # config.sliding_window says); 0 / None: no window
+    window = (module.sliding_window if hasattr(module, "sliding_window")
+              else getattr(getattr(module, "config", None), "sliding_window", None))
+    if window and attention_mask is None:
+        return "a sliding window with no mask to carry it", False
     if position_embeddings is None or position_embeddings[0].shape[-1] != module.head_dim:
-        return "partial or no rotary embedding"
+        return "partial or no rotary embedding", True
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4
                                        or attention_mask.shape[1] != 1 or attention_mask.shape[2] != 1):
-        return "a mask that is not [B, 1, 1, L]"
+        return "a mask that is not [B, 1, 1, L]", False
     projs = [getattr(module, n) for n in _PROJ]
     if any(type(p) is not nn.Linear or not _plain(p) for p in projs):
-        return "a q/k/v projection that is not a plain nn.Linear (subclass, hook or own forward)"
+        return "a q/k/v projection that is not a plain nn.Linear (subclass, hook or own forward)", True
     if norms is False or (norms and not all(_plain(n) and n.weight.dtype == hidden_states.dtype for n in norms[:2])):
-        return "q/k norms changed, hooked or in another dtype"
+        return "q/k norms changed, hooked or in another dtype", True
     if torch.is_grad_enabled() and any(p.weight.requires_grad for p in projs):
-        return "autograd through the projections"
+        return "autograd through the projections", True
     if any(p.weight.dtype != hidden_states.dtype for p in projs):
-        return "projection weights in another dtype"
+        return "projection weights in another dtype", True
     return None
 
 
@@ -215,14 +225,22 @@ def qk_norm_rope(qkv: torch.Tensor, hq: int, hk: int, norms, cos: torch.Tensor, 
     return torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin * sign)
 
 
-def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                   past_key_values=None, **kwargs):
-    """The module's forward for one query token (see the module docstring); anything else: HF's forward."""
+def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+    """The module's forward for one query token (see the module docstring); anything else: HF's forward.
+
+    The KV cache arrives under the name of the installed transformers (``ktinject.compat``); ``kwargs`` go to
+    HF's forward as they came, so a fallback passes the cache under the caller's name."""
     hf = self.__dict__[_HF_FORWARD]
+    if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:  # prefill: HF's forward, not a fallback
+        return hf(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
     norms = _qk_norms(self)
-    if _fallback_reason(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs, norms):
-        return hf(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                  past_key_values=past_key_values, **kwargs)
+    cache = compat.cache_from(kwargs)
+    why = _fallback_reason(self, hidden_states, position_embeddings, attention_mask, cache, kwargs, norms)
+    report = fastpaths.report_for(self)
+    if why is not None:
+        report.fell_back("decode_attention", f"{type(self).__name__} layer {self.layer_idx}: {why[0]}", why[1])
+        return hf(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+    report.ran("decode_attention")
     st = _state(self)
     B, D, hq, hk = hidden_states.shape[0], self.head_dim, st["hq"], st["hk"]
     qkv = F.linear(hidden_states, st["w"], st["b"]).view(B, hq + 2 * hk, D)  # [B, Hq + 2 Hkv, D]
@@ -233,7 +251,7 @@ def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
         qk = qk_norm_rope(qkv, hq, hk, norms, cos, sin, st["sign"])  # [B, Hq + Hkv, D]
     k_new = qk[:, hq:].unsqueeze(2)  # [B, Hkv, 1, D]
     v_new = qkv[:, hq + hk:].unsqueeze(2)
-    keys, values = past_key_values.update(k_new, v_new, self.layer_idx)  # [B, Hkv, L, D]
+    keys, values = cache.update(k_new, v_new, self.layer_idx)  # [B, Hkv, L, D]
     L = keys.shape[2]
     if attention_mask is not None:
         attention_mask = attention_mask[..., :L]  # as HF's sdpa: a mask may be longer than the keys

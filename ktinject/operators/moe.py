@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ktinject import stream_experts
+from ktinject import fastpaths, stream_experts
 from ktinject.operators import fused, register
 from ktinject.operators.base import Operator, OperatorError, tensor_bytes
 from ktinject.operators.families import (
@@ -198,8 +198,15 @@ class HybridMoE(nn.Module):
         top-k -> renormalize routers, the same weights by ``fast_routing`` (ids in its order), unless the router is
         hooked, replaced or recorded by autograd (HF's own forward, bitwise, for hooks and training)."""
         router = self._modules[self.spec.router]  # "gate" or "router" (gpt-oss); checked per call: may be replaced
-        if (softmax_topk_router(router) and not _hooked(router)
-                and not (torch.is_grad_enabled() and router.weight.requires_grad)):
+        report = fastpaths.report_for(self)
+        if not softmax_topk_router(router):
+            report.unavailable("fast_router", f"{type(router).__name__} is not a softmax -> top-k router")
+        elif _hooked(router):
+            report.fell_back("fast_router", f"{type(router).__name__} has hooks or its own forward", True)
+        elif torch.is_grad_enabled() and router.weight.requires_grad:
+            report.fell_back("fast_router", "autograd through the router", True)
+        else:
+            report.ran("fast_router")
             return fast_routing(router, x)
         _, weights, ids = router(x.float())  # float32
         return weights, ids

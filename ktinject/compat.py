@@ -1,0 +1,82 @@
+"""The transformers interfaces that moved between the releases ktinject supports, in one place.
+
+Supported: transformers 5.17 to 5.24 (``pyproject.toml``; CI tests both ends). Each entry names the releases on
+either side of the move. Every answer is decided from the installed version on first use (nothing at import), so
+call sites never guess with ``try``/``except``. Checked against each release's source (``modeling_qwen3_moe``,
+``generation/utils.py``, ``masking_utils``, ``cache_utils``, ``integrations/moe.py``, ``core_model_loading``):
+
+- The KV cache argument. 5.17-5.23: ``past_key_values``. 5.24 renamed it ``cache`` in the models' and attention
+  modules' forwards, in generate's ``model_kwargs``, in ``create_masks_for_generate`` / ``create_causal_mask`` and
+  in the model outputs; the old name still works there with a FutureWarning (removal announced for 5.40).
+  ``cache_kwarg()``, ``cache_from(kwargs)``, ``CACHE_NAMES``.
+- ``Cache.update``: 5.24 passes the attention's kwargs (``kwargs=``) along; both ends accept ``update(k, v,
+  layer_idx)``, which is what ktinject calls. No entry needed.
+- ``CacheLayerMixin.dtype``: removed in 5.24 (the keys tensor's dtype is the one to read). ktinject reads neither.
+- ``StaticLayer.cumulative_length`` (device-side position counter, a graph replay's write index): present from 5.17
+  to 5.24 unchanged. ``static_position(layer)``.
+- ``DeferredStopCheck`` (generation/utils): same signature 5.17-5.24; looked up by name with ``getattr``.
+- Rotary ``__init__(config, device=None)``: ``device`` deprecated in 5.18, removed in 5.24; ktinject passes
+  ``config`` alone.
+- The experts interface (``integrations/moe.py``) and the conversion mapping (``get_model_conversion_mapping``,
+  ``rename_source_key``) kept their signatures across the range.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+#: every name the KV cache argument has had in the supported releases, newest first
+CACHE_NAMES = ("cache", "past_key_values")
+#: the oldest and newest releases CI tests (pyproject's range is >= LOWEST, < the next minor after NEWEST)
+LOWEST, NEWEST = (5, 17), (5, 24)
+
+
+@functools.cache
+def transformers_version() -> tuple[int, int]:
+    """(major, minor) of the installed transformers (a dev or rc build counts as its release)."""
+    import transformers
+
+    m = re.match(r"(\d+)\.(\d+)", transformers.__version__)
+    if m is None:
+        raise RuntimeError(f"cannot read the transformers version {transformers.__version__!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+@functools.cache
+def cache_kwarg() -> str:
+    """The name under which this transformers passes the KV cache: ``cache`` from 5.24, else ``past_key_values``."""
+    return "cache" if transformers_version() >= (5, 24) else "past_key_values"
+
+
+def cache_from(kwargs) -> object | None:
+    """The KV cache in a call's keyword arguments: under this release's name, else under the deprecated one (5.24
+    still accepts ``past_key_values`` from callers, with a FutureWarning)."""
+    cache = kwargs.get(cache_kwarg())
+    if cache is None:
+        for name in CACHE_NAMES:
+            if kwargs.get(name) is not None:
+                return kwargs[name]
+    return cache
+
+
+def static_position(layer):
+    """A static cache layer's device-side write position (a 0-d int tensor advanced in place by ``update``)."""
+    return layer.cumulative_length
+
+
+def supported_range() -> str:
+    return f"{LOWEST[0]}.{LOWEST[1]} to {NEWEST[0]}.{NEWEST[1]}"
+
+
+def untested_release() -> str | None:
+    """A sentence when the installed transformers lies outside the tested range, else None."""
+    v = transformers_version()
+    if LOWEST <= v <= NEWEST:
+        return None
+    return (f"transformers {v[0]}.{v[1]} is outside the range ktinject is tested with ({supported_range()}); "
+            f"fast paths may fall back to Hugging Face's code (ktinject.info(model) says which)")
+
+
+def cache_arg(cache) -> dict:
+    """``{name: cache}`` for a model or mask-function call: ``model(ids, **cache_arg(cache))``."""
+    return {cache_kwarg(): cache}
