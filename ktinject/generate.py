@@ -58,6 +58,14 @@ def get_runner(model, **runner_kwargs) -> GraphRunner:
     return runner
 
 
+def invalidate_graphs(model) -> None:
+    """Drop the model's captured decode graphs (not its caches' contents): the next decode step captures again.
+    For code that moves tensors a graph reads (hot-expert placement)."""
+    runner = model.__dict__.get(_RUNNER_ATTR)
+    if runner is not None:
+        runner.reset()
+
+
 def enable(model, **runner_kwargs):
     """Route ``model.generate(...)`` through ``ktinject.generate`` (settings: GraphRunner's keywords)."""
     get_runner(model, **runner_kwargs)

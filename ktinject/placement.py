@@ -284,11 +284,9 @@ def _model_dtype(model) -> torch.dtype:
 
 def _invalidate_graphs(model) -> None:
     """Drop captured decode graphs: they hold the old banks' addresses (or none); the next step captures again."""
-    from ktinject.generate import _RUNNER_ATTR
+    from ktinject.generate import invalidate_graphs
 
-    runner = model.__dict__.get(_RUNNER_ATTR)
-    if runner is not None:
-        runner.reset()
+    invalidate_graphs(model)
 
 
 def rebalancer(model):
