@@ -3,9 +3,7 @@
  */
 #define _GNU_SOURCE
 #include <math.h>
-#include <stdarg.h>
 #include <stdlib.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
@@ -19,24 +17,8 @@
 #define MAX_NBYTES (1LL << 46)     /* 64 TiB of packed weights: anything larger is a wrong size */
 #define MAX_STRIDE (1LL << 40)     /* elements */
 
-/* ---- errors ---- */
-static _Thread_local char t_msg[KTKI_MSG_LEN];
-
-int ktki_error(int code, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(t_msg, sizeof t_msg, fmt, ap);
-    va_end(ap);
-    return code;
-}
-
-void ktki_error_clear(void) { t_msg[0] = 0; }
-const char *ktki_error_msg(void) { return t_msg; }
-void ktki_error_set_msg(int code, const char *msg) {
-    (void)code;
-    snprintf(t_msg, sizeof t_msg, "%s", msg);
-}
-const char *ktk_last_error(void) { return t_msg; }
+/* ---- errors: the state lives in error.c; this is its public reader ---- */
+const char *ktk_last_error(void) { return ktki_error_msg(); }
 
 #define CHECK_NULL(p, fn) \
     if (!(p)) return ktki_error(KTK_ERR_NULL, "%s: argument '%s' is NULL", fn, #p)
@@ -77,10 +59,7 @@ int ktk_isa_set(int isa) {
     return ktki_isa_set(isa);
 }
 
-const char *ktk_isa_name(int isa) {
-    static const char *names[] = {"generic", "avx2", "avx512", "amx"};
-    return isa >= KTK_ISA_GENERIC && isa <= KTK_ISA_AMX ? names[isa] : NULL;
-}
+const char *ktk_isa_name(int isa) { return ktki_isa_name(isa); }
 
 /* ---- pool ---- */
 int ktk_pool_create(int nthreads, int pin, ktk_pool **out) {

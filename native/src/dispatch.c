@@ -149,9 +149,14 @@ static void detect_topology(void) {
     g_norder = n + nsec;
 }
 
+const char *ktki_isa_name(int isa) {
+    static const char *names[] = {"generic", "avx2", "avx512", "amx"};
+    return isa >= KTK_ISA_GENERIC && isa <= KTK_ISA_AMX ? names[isa] : NULL;
+}
+
 static int isa_from_name(const char *s) {
     for (int i = KTK_ISA_GENERIC; i <= KTK_ISA_AMX; i++)
-        if (strcasecmp(s, ktk_isa_name(i)) == 0) return i;
+        if (strcasecmp(s, ktki_isa_name(i)) == 0) return i;
     return -1;
 }
 
@@ -172,7 +177,7 @@ static void init_once(void) {
         } else if (!cpu_has_isa(g_features, isa)) {
             snprintf(g_isa_error_msg, sizeof g_isa_error_msg,
                      "KTINJECT_ISA=%.40s: not available on this CPU/OS/build (best available: %s)", env,
-                     ktk_isa_name(g_best));
+                     ktki_isa_name(g_best));
             atomic_store(&g_isa_error, 1);
         } else {
             atomic_store(&g_isa, isa);
@@ -209,7 +214,7 @@ int ktki_isa_set(int isa) {
     init();
     if (!cpu_has_isa(g_features, isa))
         return ktki_error(KTK_ERR_ISA, "ktk_isa_set: ISA %s is not available on this CPU/OS/build (best: %s)",
-                          ktk_isa_name(isa), ktk_isa_name(g_best));
+                          ktki_isa_name(isa), ktki_isa_name(g_best));
     atomic_store(&g_isa, isa);
     atomic_store(&g_isa_error, 0);
     return KTK_OK;

@@ -15,7 +15,7 @@
 
 #define KTKI_MSG_LEN 320
 
-/* ---- errors (api.c): thread-local message ---- */
+/* ---- errors (error.c): thread-local message, read back by ktk_last_error ---- */
 /* Sets this thread's message and returns code (so: return ktki_error(KTK_ERR_SHAPE, "...")). */
 int ktki_error(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void ktki_error_clear(void);
@@ -29,6 +29,7 @@ int ktki_isa_available(int isa);
 int ktki_isa_check(void);        /* KTK_OK, or KTK_ERR_ISA + message while KTINJECT_ISA is invalid/unavailable */
 int ktki_isa_get(void);          /* ISA in use, or -KTK_ERR_ISA (message set) */
 int ktki_isa_set(int isa);
+const char *ktki_isa_name(int isa); /* "generic", "avx2", "avx512", "amx"; NULL if out of range (ktk_isa_name) */
 const ktk_kernels *ktki_kernels(void); /* the table of the ISA in use (generic while the ISA is in error) */
 int ktki_physical_cores(void);
 /* CPUs in pinning order: the first CPU of each physical core, then the remaining hyper-threads. Returns count. */
