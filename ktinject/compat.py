@@ -12,8 +12,9 @@ call sites never guess with ``try``/``except``. Checked against each release's s
 - ``Cache.update``: 5.24 passes the attention's kwargs (``kwargs=``) along; both ends accept ``update(k, v,
   layer_idx)``, which is what ktinject calls. No entry needed.
 - ``CacheLayerMixin.dtype``: removed in 5.24 (the keys tensor's dtype is the one to read). ktinject reads neither.
-- ``StaticLayer.cumulative_length`` (device-side position counter, a graph replay's write index): present from 5.17
-  to 5.24 unchanged. ``static_position(layer)``.
+- ``StaticLayer`` (the base of ``ktinject.kv_cache``'s layers: ``__init__(max_cache_len)``, ``lazy_initialization``,
+  ``get_mask_sizes``, ``cumulative_length`` read by HF as the cache length): unchanged from 5.17 to 5.24 in what
+  ktinject relies on; ``Cache(layers=[...])`` likewise.
 - ``DeferredStopCheck`` (generation/utils): same signature 5.17-5.24; looked up by name with ``getattr``.
 - Rotary ``__init__(config, device=None)``: ``device`` deprecated in 5.18, removed in 5.24; ktinject passes
   ``config`` alone.
@@ -57,11 +58,6 @@ def cache_from(kwargs) -> object | None:
             if kwargs.get(name) is not None:
                 return kwargs[name]
     return cache
-
-
-def static_position(layer):
-    """A static cache layer's device-side write position (a 0-d int tensor advanced in place by ``update``)."""
-    return layer.cumulative_length
 
 
 def supported_range() -> str:

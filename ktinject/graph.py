@@ -7,14 +7,16 @@ a bucket batch size B replays the graph captured for it; anything else (prefill 
 bucket, output_attentions, no CUDA) runs the model eagerly.
 
 Static state (addresses fixed for the life of the graphs):
-- one HF ``StaticCache`` per batch size, of ``max_cache_len`` tokens; its layers advance a device-side counter in
-  place (``cumulative_length``), so a replay writes K/V at the right position with no host involvement; a new
-  ``generate`` resets it in place (``cache.reset()``);
+- one ``ktinject.kv_cache.KVCache`` of ``max_cache_len`` tokens x ``slots`` rows; a batch of B rows uses rows
+  0..B-1 (a view). Each row's length is a device tensor that a forward advances in place, so a replay writes K/V
+  at every row's own position with no host involvement, and the step's masks are built from those lengths inside
+  the graph (rows may sit at different positions; sliding-window layers are masks too, so gpt-oss replays); a new
+  ``generate`` resets the rows' lengths in place;
 - per graph, input buffers filled before each replay: input_ids [B,1], position_ids [B,1] and the attention mask:
   either the 4D mask [B,1,1,L] that HF builds for static caches, or (through ``ktinject.generate``, which stops HF
   from building that mask on the host every step) the 2D padding mask [B,n] of the n tokens so far, copied into a
-  static [B,L] buffer (the rest is masked as future positions anyway): the model then builds the 4D mask from it
-  and the cache's device counter inside the graph (L = max_cache_len);
+  static [B,L] buffer (the rest is masked as future positions anyway): the runner builds the 4D masks from it and
+  the rows' lengths inside the graph (L = max_cache_len);
 - MoE blocks: while warming up and capturing, HybridMoE goes through ``ktinject.stream_experts`` (the stream raises
   a pinned go flag that a native pool thread watches, then waits for its done flag), one runner per (layer, B).
   Just before each replay the runner wakes those pools (``Pool.wake``): their threads spin through the step, so
@@ -141,7 +143,8 @@ class GraphRunner:
             raise ValueError(f"graph_pieces must be >= 1, got {graph_pieces!r}")
         self.graph_pieces = int(graph_pieces)
         self.defer_stop = bool(defer_stop)
-        self.caches: dict[int, Any] = {}  # batch -> StaticCache
+        self.kv = None  # the KVCache (ktinject.kv_cache), made by cache_for
+        self.caches: dict[int, Any] = {}  # batch -> rows 0..batch-1 of self.kv
         self.graphs: dict[tuple, _Graph | None] = {}  # key -> graph (None: capture failed, eager)
         self.stats = RunnerStats()
         self._pool = None
@@ -174,33 +177,49 @@ class GraphRunner:
 
     # ---- caches --------------------------------------------------------------------------------------------
     def cache_for(self, batch: int, needed_len: int):
-        """The reset StaticCache of ``batch`` rows with room for ``needed_len`` tokens.
+        """Rows 0..batch-1 of the runner's KVCache (``ktinject.kv_cache``), reset, with room for ``needed_len``
+        tokens. One cache per runner, of ``slots`` rows (the largest bucket, or the batch if larger); growing its
+        length or rows drops it and every graph (their shapes change); otherwise nothing is re-captured."""
+        from ktinject import kv_cache
 
-        Growing the length drops every cache and graph (their shapes change); otherwise nothing is re-captured."""
-        from transformers import StaticCache
-
-        if needed_len > self.max_cache_len:
-            floor = self.max_cache_len or (1024 if self.device.type == "cuda" else 256)
-            new_len = round_cache_len(needed_len, floor, self.max_len_limit())
-            if self.max_cache_len:
-                log.info("ktinject graph: cache length %d -> %d tokens (graphs are captured again)",
-                         self.max_cache_len, new_len)
+        slots = max(batch, max(self.buckets))
+        if needed_len > self.max_cache_len or (self.kv is not None and batch > self.kv.slots):
+            if needed_len > self.max_cache_len:
+                floor = self.max_cache_len or (1024 if self.device.type == "cuda" else 256)
+                new_len = round_cache_len(needed_len, floor, self.max_len_limit())
+                if self.max_cache_len:
+                    log.info("ktinject graph: cache length %d -> %d tokens (graphs are captured again)",
+                             self.max_cache_len, new_len)
+                self.max_cache_len = new_len
             self.reset()
-            self.max_cache_len = new_len
+        if self.kv is None:
+            self.kv = kv_cache.new(self.model.config, slots, self.max_cache_len, self.device)
         cache = self.caches.get(batch)
         if cache is None:
-            cfg = self.model.config.get_text_config(decoder=True)
-            cache = StaticCache(config=cfg, max_cache_len=self.max_cache_len)
-            self.caches[batch] = cache
-        elif _initialized(cache):
-            cache.reset()  # in place: the graphs keep their addresses
+            cache = self.caches[batch] = self.kv.rows(0, batch)
+        cache.reset()  # the rows' lengths only: the graphs keep their addresses
         return cache
 
     def graphable_cache(self, cache) -> bool:
-        """Only full-attention static layers keep all their state on the device (sliding ones keep a Python int)."""
-        from transformers.cache_utils import StaticLayer
+        """Caches whose whole state lives in device tensors a graph can replay: ktinject's KVCache."""
+        from ktinject import kv_cache
 
-        return all(type(layer) is StaticLayer for layer in getattr(cache, "layers", [None]))
+        return kv_cache.is_kv_cache(cache)
+
+    def _forward(self, kwargs):
+        """The model on ``kwargs``; on a KVCache, a 2D padding mask (or none) becomes the step's masks, built on the
+        device from the rows' lengths (inside the graph when captured)."""
+        from ktinject import kv_cache
+
+        cache = compat.cache_from(kwargs)
+        mask = kwargs.get("attention_mask")
+        ids = kwargs.get("input_ids")
+        if kv_cache.is_kv_cache(cache) and ids is not None and (mask is None or mask.dim() == 2):
+            B, S = ids.shape
+            kwargs = dict(kwargs)
+            kwargs["attention_mask"] = kv_cache.attention_masks(
+                self.model.config, cache.row_lengths[:B], S, cache.max_len, mask, kv_cache.mask_float_dtype(self.model))
+        return self.model(**kwargs)
 
     # ---- the step ------------------------------------------------------------------------------------------
     def __call__(self, **kwargs):
@@ -214,7 +233,7 @@ class GraphRunner:
         if entry is None:
             self.stats.eager_decode += 1
             fastpaths.report_for(self.model).fell_back("graph_decode", f"the capture of batch {key[0]} failed")
-            return self.model(**kwargs)
+            return self._forward(kwargs)
         for pool in entry.pools:
             pool.wake()  # expert threads spin from now on: the first layer's go pays no futex wake-up
         for name, buf in entry.inputs.items():
@@ -233,7 +252,7 @@ class GraphRunner:
                 fastpaths.report_for(self.model).fell_back("graph_decode", *why)
         else:
             self.stats.eager_other += 1
-        return self.model(**kwargs)
+        return self._forward(kwargs)
 
     def _key(self, kwargs) -> tuple | None:
         """Hashable description of a graphable decode step, or None for the eager path."""
@@ -294,16 +313,14 @@ class GraphRunner:
                 log.info("ktinject graph: cannot set the host wait mode (driver older than CUDA 12.1)")
         inputs = {n: _static_input(n, v, self.max_cache_len) for n, v in kwargs.items() if isinstance(v, torch.Tensor)}
         rest = {n: v for n, v in kwargs.items() if not isinstance(v, torch.Tensor)}
-        counters = [compat.static_position(layer) for layer in cache.layers]
-        saved = [c.clone() for c in counters]
+        saved = cache.save_lengths()
         try:
             side = torch.cuda.Stream(device=self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with stream_experts.stream_mode(), torch.cuda.stream(side):
                 for _ in range(max(self.warmup, 1)):
-                    self.model(**inputs, **rest)
-                    for c, s in zip(counters, saved):
-                        c.copy_(s)  # the warm-up wrote K/V at this step's position; the replay rewrites it
+                    self._forward({**inputs, **rest})
+                    cache.restore_lengths(saved)  # the warm-up wrote K/V at this step's positions; a replay rewrites
             torch.cuda.current_stream(self.device).wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -311,8 +328,7 @@ class GraphRunner:
                 graph, output = self._capture_pieces(inputs, rest)
         except Exception as e:  # noqa: BLE001 - any capture problem means: run this shape eagerly
             torch.cuda.synchronize(self.device)
-            for c, s in zip(counters, saved):
-                c.copy_(s)
+            cache.restore_lengths(saved)
             fastpaths.report_for(self.model).fell_back(
                 "graph_decode", f"capture of batch {key[0]} failed: {type(e).__name__}: {e}")
             self.stats.capture_failures.append(f"batch {key[0]}: {type(e).__name__}: {e}")
@@ -340,7 +356,7 @@ class GraphRunner:
             with torch.cuda.stream(stream):
                 graphs[0].capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
-                    output = self.model(**inputs, **rest)
+                    output = self._forward({**inputs, **rest})
                 except BaseException:
                     try:
                         graphs[-1].capture_end()
@@ -371,6 +387,7 @@ class GraphRunner:
             torch.cuda.synchronize()
         self.graphs.clear()
         self.caches.clear()
+        self.kv = None
         # a fresh memory pool for the next captures: capturing into the pool of graphs that no longer exist trips
         # the caching allocator's use_count assert (seen on torch 2.11 when placement re-captured)
         self._pool = None
@@ -408,7 +425,3 @@ def _fill(buf: torch.Tensor, value: torch.Tensor) -> None:
         buf.copy_(value, non_blocking=True)
     else:
         buf[:, : value.shape[1]].copy_(value, non_blocking=True)
-
-
-def _initialized(cache) -> bool:
-    return any(getattr(layer, "is_initialized", False) for layer in getattr(cache, "layers", []))
