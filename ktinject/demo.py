@@ -1,14 +1,17 @@
-"""A tiny Qwen3-MoE checkpoint with random weights, built locally, for examples, the chat CLI and tests.
+"""The demo checkpoints: a small trained Qwen3-MoE that ships with the package, and a random one built locally.
 
-`demo_model_dir()` returns a directory that `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
-load like any Hugging Face checkpoint: 4 layers, hidden 256, 8 experts top-2, bf16 safetensors, plus a byte-level BPE
-tokenizer trained on a short built-in text, with a ChatML chat template (<|im_start|>/<|im_end|>, eos = <|im_end|>).
-Nothing is downloaded. The weights are random (fixed seed), so the model writes gibberish by design: it exercises the
-whole pipeline (rules, injection, experts on the CPU, generation, streaming) in seconds on a laptop.
+`demo_model_dir()` returns the trained model (``ktinject/demo_model/``): 4 layers, hidden 192, 16 experts top-4
+(4.4M parameters, bf16), a byte-level BPE tokenizer of 2,048 tokens and a ChatML chat template (<|im_start|>/
+<|im_end|>, eos = <|im_end|>), trained on the English text of Debian's `fortunes` package (BSD licence:
+LICENSE.fortunes) by ``examples/train_demo_model.py``; ``heldout.txt`` is fortunes it never saw, for
+``python -m ktinject.eval``. It answers in fortune-like English. Its files are checked against SHA256SUMS.json
+before first use. This is the default model of the chat, the examples and the notebook.
 
-The directory is built once per spec and cached under $KTINJECT_CACHE (default ~/.cache/ktinject) as
-demo-<hash of the spec>/; it is built in a temporary directory and renamed into place, so concurrent first uses
-do not corrupt it, and a changed spec gets a new directory.
+`random_model_dir()` builds a tiny Qwen3-MoE with random weights (4 layers, hidden 256, 8 experts top-2) for tests
+that need a quick checkpoint of a fixed shape: it writes gibberish by design. It is built once per spec and cached
+under $KTINJECT_CACHE (default ~/.cache/ktinject) as demo-<hash of the spec>/; built in a temporary directory and
+renamed into place, so concurrent first uses do not corrupt it, and a changed spec gets a new directory.
+Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -94,8 +97,43 @@ def default_cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "ktinject"
 
 
+TRAINED = Path(__file__).resolve().parent / "demo_model"
+_VERIFIED: set[Path] = set()
+
+
+class DemoModelError(RuntimeError):
+    """The packaged demo model is missing or its files do not match their checksums."""
+
+
 def demo_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Return the demo checkpoint directory, building it on first use (a few seconds).
+    """The trained demo checkpoint that ships with ktinject (checked against its SHA256SUMS.json once per process).
+    ``cache_dir`` is accepted for symmetry with ``random_model_dir`` and unused: nothing is built."""
+    path = TRAINED
+    if path not in _VERIFIED:
+        try:
+            sums = json.loads((path / "SHA256SUMS.json").read_text())
+        except (OSError, ValueError) as e:
+            raise DemoModelError(f"the demo model's SHA256SUMS.json in {path} is missing or unreadable ({e}); "
+                                 f"reinstall ktinject") from None
+        for name, digest in sums.items():
+            try:
+                got = hashlib.sha256((path / name).read_bytes()).hexdigest()
+            except OSError as e:
+                raise DemoModelError(f"demo model file {path / name} is unreadable ({e}); reinstall ktinject") from None
+            if got != digest:
+                raise DemoModelError(f"demo model file {path / name} does not match its checksum (expected {digest}, "
+                                     f"got {got}); reinstall ktinject")
+        _VERIFIED.add(path)
+    return path
+
+
+def heldout_text() -> str:
+    """Fortunes the demo model never saw in training (for python -m ktinject.eval)."""
+    return (demo_model_dir() / "heldout.txt").read_text()
+
+
+def random_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the random-weight checkpoint directory, building it on first use (a few seconds).
 
     cache_dir: the cache root (default $KTINJECT_CACHE or ~/.cache/ktinject); the model lives in <root>/demo-<hash>.
     """

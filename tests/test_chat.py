@@ -136,11 +136,15 @@ def test_invalid_rules_file(demo_env, tmp_path):
     assert len(errors) == 1 and "bad.yaml" in errors[0], r.stderr
 
 
-def test_demo_model_is_deterministic_and_built_atomically(demo_env, tmp_path):
-    """Two processes building at once in a fresh cache agree on one directory, identical to the session's build."""
+def test_random_demo_model_is_deterministic_and_built_atomically(demo_env, tmp_path):
+    """Two processes building the random-weight checkpoint at once in a fresh cache agree on one directory,
+    identical to the session's build."""
     import hashlib
 
-    code = "from ktinject.demo import demo_model_dir; print(demo_model_dir())"
+    from ktinject.demo import random_model_dir
+
+    random_model_dir(demo_env["KTINJECT_CACHE"])
+    code = "from ktinject.demo import random_model_dir; print(random_model_dir())"
     env = dict(demo_env, KTINJECT_CACHE=str(tmp_path))
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(2)]

@@ -1,0 +1,158 @@
+"""``python -m ktinject.eval``: perplexity and next-token agreement of injected configurations on a text.
+
+Every configuration loads the same checkpoint. The reference is the plain Hugging Face model in float32; each row
+gives its perplexity on the text and how often its next-token argmax equals the reference's (agreement):
+
+  hf-bf16   plain HF in bfloat16 (what a user gets without ktinject)
+  bf16      injected, routed experts in bf16 on the CPU (native kernels)
+  int8      injected, int8 experts (W8A8)
+  int4      injected, group-wise int4 experts (W4A8)
+
+The text is tokenized once and cut into windows of ``--window`` tokens; in each window every token after the first
+is predicted from the ones before it. Beside the rows: a unigram model fit on the text itself (the best any
+unigram model can do on it, so a lower bound of its perplexity). Without ``--text`` the trained demo model's
+held-out fortunes are used, and without ``--model`` the demo model.
+Legend: W window, V vocabulary, N predicted positions.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CONFIGS = ("hf-bf16", "bf16", "int8", "int4")
+
+
+@dataclass
+class Scores:
+    """Summed over the predicted positions: negative log-likelihood (nats), argmax agreement, count."""
+    nll: float = 0.0
+    agree: int = 0
+    n: int = 0
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.n) if self.n else float("nan")
+
+    @property
+    def agreement(self) -> float:
+        return self.agree / self.n if self.n else float("nan")
+
+
+def windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
+    """Consecutive windows of ``window`` tokens of ids [T] (a last shorter one kept when it has 2+ tokens)."""
+    if window < 2:
+        raise ValueError(f"window must be at least 2 tokens, got {window}")
+    return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) >= 2]
+
+
+@torch.no_grad()
+def score(model, chunks: list[torch.Tensor], reference: list[torch.Tensor] | None = None, device=None):
+    """(Scores, argmax per window [W-1] each) of ``model`` on ``chunks``; ``reference``: the reference's argmaxes
+    to count agreement against (None: agreement with itself)."""
+    s = Scores()
+    argmaxes = []
+    dev = device or next(p.device for p in model.parameters() if p.device.type != "meta")
+    for i, chunk in enumerate(chunks):
+        ids = chunk.to(dev)[None]  # [1, W]
+        logits = model(ids).logits[0, :-1].float()  # [W-1, V]
+        target = ids[0, 1:]
+        s.nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+        top = logits.argmax(-1).cpu()
+        argmaxes.append(top)
+        s.agree += int((top == (reference[i] if reference is not None else top)).sum())
+        s.n += target.numel()
+    return s, argmaxes
+
+
+def unigram_perplexity(chunks: list[torch.Tensor]) -> float:
+    """Perplexity of the unigram model fit on the predicted tokens themselves (maximum likelihood)."""
+    targets = torch.cat([c[1:] for c in chunks])
+    counts = torch.bincount(targets).double()
+    p = counts[targets] / targets.numel()
+    return math.exp(float(-p.log().mean()))
+
+
+def load(model_dir, config: str, gpu: str, **inject_kwargs):
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if config == "hf-float32" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if config in ("hf-float32", "hf-bf16"):
+        return model.to(gpu)
+    if config not in CONFIGS:
+        raise ValueError(f"unknown configuration {config!r}; use {', '.join(CONFIGS)}")
+    import ktinject
+
+    ktinject.inject(model, gpu=gpu, quant=config, **inject_kwargs)
+    return model
+
+
+def run(model_dir, text: str, configs, gpu: str = "cpu", window: int = 256, max_tokens: int | None = None,
+        **inject_kwargs) -> list[tuple[str, Scores]]:
+    """[(name, Scores)]: the float32 reference first, then each configuration."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = torch.tensor(tok(text)["input_ids"])
+    if max_tokens:
+        ids = ids[:max_tokens]
+    chunks = windows(ids, window)
+    ref = load(model_dir, "hf-float32", gpu)
+    ref_scores, ref_top = score(ref, chunks)
+    del ref
+    rows = [("hf-float32 (reference)", ref_scores)]
+    for name in configs:
+        model = load(model_dir, name, gpu, **inject_kwargs)
+        rows.append((name, score(model, chunks, ref_top)[0]))
+        del model
+    rows.append(("unigram (fit on this text)", Scores(nll=math.log(unigram_perplexity(chunks)) * ref_scores.n,
+                                                       n=ref_scores.n)))
+    return rows
+
+
+def table(rows) -> str:
+    ref = rows[0][1].perplexity
+    out = ["| configuration | perplexity | vs reference | next-token agreement |", "|---|---:|---:|---:|"]
+    for name, s in rows:
+        agree = "" if name.startswith("unigram") else f"{s.agreement:.2%}"
+        out.append(f"| {name} | {s.perplexity:.3f} | {s.perplexity / ref - 1:+.2%} | {agree} |")
+    return "\n".join(out) + f"\n\n{rows[0][1].n} predicted tokens"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ktinject.eval", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="checkpoint directory (default: the trained demo model)")
+    p.add_argument("--text", help="a UTF-8 text file (default: the demo model's held-out fortunes)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument("--gpu", default="cuda" if torch.cuda.is_available() else "cpu", help="device of the dense part")
+    p.add_argument("--window", type=int, default=256, help="tokens per window (default 256)")
+    p.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
+    p.add_argument("--gpu-experts-budget", help="hot experts on the GPU for the injected configurations, e.g. 1MiB")
+    a = p.parse_args(argv)
+    from ktinject import demo
+
+    model_dir = a.model or demo.demo_model_dir()
+    try:
+        text = open(a.text, encoding="utf-8").read() if a.text else demo.heldout_text()
+    except OSError as e:
+        p.error(f"--text: {e}")
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        p.error(f"--configs: unknown {', '.join(bad)}; use {', '.join(CONFIGS)}")
+    kw = {"gpu_experts_budget": a.gpu_experts_budget} if a.gpu_experts_budget else {}
+    rows = run(model_dir, text, configs, a.gpu, a.window, a.max_tokens, **kw)
+    print(f"model {model_dir}, gpu {a.gpu}, window {a.window}")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
