@@ -105,8 +105,9 @@ def _shape_ok(got: torch.Size, want: tuple) -> bool:
 
 
 def _tensor(name: str, t: Any, dtypes: tuple, shape: tuple | None = None, contiguous: bool = True) -> torch.Tensor:
-    """Check a tensor argument; ``shape`` entries may be None (any size). The checks that pass cost ~0.3 us (a
-    one-token forward checks four tensors); the messages are built only when one fails."""
+    """Check a tensor argument; ``shape`` entries may be None (any size). The checks that pass are one condition
+    (a one-token forward checks four tensors, and Python time there is decode time); the messages are built only
+    when one fails."""
     if (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in dtypes and (shape is None or _shape_ok(t.shape, shape))
             and (not contiguous or t.is_contiguous())):
         return t
@@ -181,9 +182,8 @@ def default_threads() -> int:
 
     The spare core is for the thread that drives the pool (Python, the CUDA driver, the host side of a graph
     replay): with every core running a pinned expert thread, that thread preempts one of them, and each phase of a
-    forward waits at a barrier for the one preempted. Measured on the GPU machine (16 cores, Qwen3-30B-A3B shapes,
-    graph decode through generate): 16 threads 45.9 ms/token with a 38.7 us handshake, 15 threads 41.4 ms with
-    14.6 us; 12 threads 62 ms (bandwidth needs the cores)."""
+    forward waits at a barrier for the one preempted. Fewer threads than that lose memory bandwidth, which needs
+    the cores (the README's Performance section has the figures)."""
     n = physical_cores()
     return n - 1 if n >= 8 else n
 
@@ -197,8 +197,8 @@ def usable_cpus() -> int:
 
 def warn_if_oversubscribed(n: int, source: str) -> bool:
     """Log a warning (and return True) when ``n`` expert threads outnumber the CPUs this process may use: the
-    pool's threads then wait for preempted ones at every phase of a forward (64 threads on 2 cores: decode 395 ->
-    29-32 tok/s). ``source`` names the setting in the message (``set_default_threads(64)``, ``--threads 64``)."""
+    pool's threads then wait for preempted ones at every phase of a forward, several times slower. ``source``
+    names the setting in the message (``set_default_threads(64)``, ``--threads 64``)."""
     cpus = usable_cpus()
     if n <= cpus:
         return False
@@ -353,3 +353,11 @@ def experts_region(experts: Any) -> tuple[int, int]:
     base, nbytes = ffi.new("const void **"), ffi.new("int64_t *")
     _check(lib.ktk_experts_region(experts._p, base, nbytes))
     return int(ffi.cast("uintptr_t", base[0])), int(nbytes[0])
+
+
+def experts_region_view(experts: Any) -> tuple[int, torch.Tensor]:
+    """(address, uint8 CPU tensor [nbytes]) over a ktinject.native.Experts' packed storage (zero copy): valid while
+    the Experts object lives, so keep a reference to it beside the tensor."""
+    ffi, _ = _native()
+    addr, nbytes = experts_region(experts)
+    return addr, torch.frombuffer(ffi.buffer(ffi.cast("char *", addr), nbytes), dtype=torch.uint8)

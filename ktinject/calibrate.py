@@ -2,9 +2,13 @@
 
 Loads the model through ktinject, runs each prompt (its chat template applied when the tokenizer has one, unless
 --raw) and generates --max-new-tokens tokens greedily, counting on the device the (token, slot) pairs each layer's
-router sends to each expert (prompt and generated tokens alike). Writes them with ``ktinject.placement.save_stats``
-(safetensors; JSON when OUT ends in .json). Use them with ``--gpu-experts-budget`` (chat), the moe rule kwarg
-``stats: OUT`` or ``ktinject.placement.place(model, budget, "frequency", "OUT")``.
+router sends to each expert (prompt and generated tokens alike). Writes them with
+``ktinject.gpu_experts.stats.save_stats`` (safetensors; JSON when OUT ends in .json). Use them as the hot-expert
+option ``stats``: ``--expert-stats OUT`` (chat), ``inject(model, gpu_experts_budget=..., stats="OUT")`` (also
+``from_pretrained``) or the moe rule kwarg ``stats: OUT``; with stats, placement defaults to ``frequency``.
+
+Like the chat, a CLI: torch and the model code are imported inside ``main`` (after the arguments and paths are
+checked), so usage errors come back at once.
 
 Prompts FILE: plain text, one prompt per line (blank lines and lines starting with # skipped), or JSON Lines
 (``.jsonl``) with a "prompt", "text" or "messages" (chat messages) field per line.
@@ -71,9 +75,9 @@ def calibrate(model, tokenizer, prompts, max_new_tokens: int = 64, raw: bool = F
     """Run ``prompts`` through an injected model from zeroed counts; returns its ExpertStats."""
     import torch
 
-    from ktinject import placement
+    from ktinject.gpu_experts import stats as expert_stats
 
-    placement.reset_stats(model)
+    expert_stats.reset_stats(model)
     device = model.get_input_embeddings().weight.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for prompt in prompts:
@@ -81,7 +85,7 @@ def calibrate(model, tokenizer, prompts, max_new_tokens: int = 64, raw: bool = F
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                            do_sample=False, pad_token_id=pad)
-    return placement.read_stats(model)
+    return expert_stats.read_stats(model)
 
 
 def summary(stats) -> str:
@@ -105,19 +109,18 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    from ktinject import placement
+    from ktinject import native
     from ktinject.chat import load_model
+    from ktinject.gpu_experts import stats as expert_stats
 
     if args.threads:
-        from ktinject import native
-
         torch.set_num_threads(args.threads)
         native.set_default_threads(args.threads)
     gpu = args.gpu or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     model, tokenizer, _ = load_model(model_dir, args.rules, quant=args.quant, progress=sys.stderr.isatty(), gpu=gpu)
     stats = calibrate(model, tokenizer, prompts, args.max_new_tokens, args.raw)
-    out = placement.save_stats(stats, args.out)
+    out = expert_stats.save_stats(stats, args.out)
     print(f"{len(prompts)} prompts, {summary(stats)}; wrote {out} in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -5,6 +5,10 @@ prefill and decode speed after each reply. Without --model it uses the built-in 
 
 Commands: /clear forgets the conversation, /stats prints session totals and which fast paths run, /exit (or
 Ctrl-D) quits; Ctrl-C stops the current reply, not the program. --prompt TEXT answers once and exits.
+
+torch, transformers and the model code are imported inside the functions that need them (seconds of imports), so
+--help and the checks of the arguments and paths answer at once; the hot-expert options are checked by the same
+(torch-free) code as inject's and from_pretrained's, before the model loads.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ktinject.gpu_experts.settings import DEFAULT_REBALANCE_EVERY, STRATEGIES, HotExpertSettings
 
 PROG = "ktinject.chat"
 HELP = ("commands: /clear (forget the conversation), /stats (session totals, fast paths), /exit (or Ctrl-D); "
@@ -39,9 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads for experts (default: one per physical core, less one from 8 cores up)")
     p.add_argument("--gpu-experts-budget", metavar="SIZE",
                    help="GPU bytes for hot routed experts, e.g. 12GiB (default: none, or the rules' kwarg)")
-    p.add_argument("--placement", choices=["frequency", "uniform", "dynamic", "none"],
+    p.add_argument("--placement", choices=STRATEGIES,
                    help="how hot experts are chosen (default: frequency with --expert-stats, else dynamic)")
     p.add_argument("--expert-stats", metavar="FILE", help="expert statistics from python -m ktinject.calibrate")
+    p.add_argument("--rebalance-every", metavar="N", type=_positive,
+                   help=f"dynamic placement: tokens between re-rankings (default {DEFAULT_REBALANCE_EVERY})")
     p.add_argument("--gpu", help='device for the dense part (default "cuda" if available, else "cpu")')
     p.add_argument("--max-new-tokens", type=_positive, default=512, help="reply length limit (default 512)")
     p.add_argument("--temperature", type=_temperature,
@@ -88,13 +96,15 @@ def _top_p(text: str) -> float:
     return value
 
 
-def load_model(model_dir, rules=None, quant="bf16", progress=True, **devices):
-    """Load a checkpoint through ktinject; returns (model, tokenizer, plan)."""
-    import ktinject
+def load_model(model_dir, rules=None, quant="bf16", progress=True, **options):
+    """Load a checkpoint through ktinject; returns (model, tokenizer, plan). ``options``: from_pretrained's keywords
+    (device variables, hot-expert options)."""
     from transformers import AutoTokenizer
 
+    from ktinject.loading import from_pretrained
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = ktinject.from_pretrained(model_dir, rules, quant=quant, progress=progress, **devices)
+    model = from_pretrained(model_dir, rules, quant=quant, progress=progress, **options)
     return model.eval(), tokenizer, model._ktinject_plan
 
 
@@ -306,17 +316,16 @@ def _setup(args: argparse.Namespace) -> str:
     return gpu
 
 
-def _place_hot(model, args: argparse.Namespace):
-    """GPU-resident hot experts from --gpu-experts-budget / --placement / --expert-stats (None if not asked)."""
-    if args.gpu_experts_budget is None and args.placement is None:
-        return None
-    from ktinject import placement
-
-    strategy = args.placement or ("frequency" if args.expert_stats else "dynamic")
+def _hot_options(args: argparse.Namespace) -> dict:
+    """from_pretrained's hot-expert options from --gpu-experts-budget / --placement / --expert-stats /
+    --rebalance-every, checked before anything loads (the same check inject and from_pretrained make)."""
+    options = dict(gpu_experts_budget=args.gpu_experts_budget, placement=args.placement, stats=args.expert_stats,
+                   rebalance_every=args.rebalance_every)
     try:
-        return placement.place(model, args.gpu_experts_budget or 0, strategy, args.expert_stats)
-    except (OSError, ValueError) as e:
+        HotExpertSettings.make(**options)
+    except ValueError as e:
         raise CliError(f"hot experts: {e}") from e
+    return options
 
 
 def _loop(chat: Chat) -> None:
@@ -354,20 +363,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         model_dir, rules = _resolve(args)
+        hot = _hot_options(args)
         gpu = _setup(args)
         t0 = time.perf_counter()
         try:
             model, tokenizer, plan = load_model(model_dir, rules, quant=args.quant, progress=sys.stderr.isatty(),
-                                               gpu=gpu)
+                                               gpu=gpu, **hot)
         except Exception as e:  # bad rules, unsupported model, unreadable checkpoint: user errors, one line
             if args.verbose:
                 raise
             raise CliError(f"cannot load {model_dir}: {type(e).__name__}: {e} (-v shows the traceback)") from e
         if args.verbose and plan is not None:
             print(plan)
-        hot = _place_hot(model, args)
-        if hot is not None:
-            print(hot)
+        placed = model.__dict__.get("_ktinject_placement")
+        if placed is not None:
+            print(placed)
         print(f"Loaded {model_dir.name} in {time.perf_counter() - t0:.2f} s (gpu={gpu}, quant={args.quant}).")
         chat = Chat(model, tokenizer, args)
         if args.prompt is not None:

@@ -20,7 +20,8 @@ from ktinject._nativelib import (  # noqa: F401  (re-exported)
     ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_ISA, ERR_NOMEM, ERR_NULL, ERR_RANGE, ERR_SHAPE, ERR_STATE, ERR_THREAD,
     ERROR_NAMES, GROUP_SIZES, ISA_NAMES, MATRICES, OK, QUANTS, NativeError, Pool,
     _check, _cint, _native, _ptr, _tensor, available_isas, best_isa, cpu_features, default_pool, isa, library_path,
-    physical_cores, default_threads, set_default_threads, set_isa, version)
+    physical_cores, default_threads, set_default_threads, set_isa, version, RawMatrix, experts_raw, experts_region,
+    experts_region_view)
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +104,15 @@ class Experts:
         bias = bias.contiguous()
         _check(lib.ktk_experts_set_bias(self._p, e, w, _ptr(bias), DTYPES[bias.dtype]))
 
-    def get(self, expert: int, which: str) -> torch.Tensor:
-        """One matrix as stored (bf16-rounded, or int8/int4-dequantized: q * scale), float32 [out, in]."""
+    def get(self, expert: int, which: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One matrix as stored (bf16-rounded, or int8/int4-dequantized: q * scale), float32 [out, in]; written into
+        ``out`` (contiguous float32 of that shape, e.g. a pinned buffer) when given, with no torch kernel."""
         _, lib = _native()
         e, w = self._expert(expert), _which(which)
-        dst = torch.empty(self.shape(which), dtype=torch.float32)
+        if out is None:
+            dst = torch.empty(self.shape(which), dtype=torch.float32)
+        else:
+            dst = _tensor(f"out ({which} of expert {e})", out, (torch.float32,), self.shape(which))
         _check(lib.ktk_experts_get(self._p, e, w, _ptr(dst, "float *")))
         return dst
 

@@ -1,4 +1,4 @@
-"""The packed-experts cache of streaming loads (checkpoint reading is ``ktinject.checkpoint``).
+"""The packed-experts cache of streaming loads (checkpoint reading is ``ktinject.formats``).
 
 Packing (and quantizing) routed experts into the native layout costs CPU time on every start. After a cold
 load, each MoE block's packed bytes (``native.Experts.export``) are written to ``<root>/<key>/<block>.safetensors``
@@ -10,9 +10,8 @@ is removed when the new one is written). A cache directory is written under a te
 place when complete (atomic): a crash leaves no half cache behind. The root is ``cache_dir`` if given, else
 ``$KTINJECT_CACHE``, else ``<checkpoint>/.ktinject-cache`` when the checkpoint directory is writable; ``False`` or
 ``KTINJECT_CACHE=off`` disables it. By default (``cache_dir=None``, no ``$KTINJECT_CACHE``) it is used only for
-quantized packings (int8): a bf16 cache holds as many bytes as the checkpoint's experts, so reading it is no
-faster than streaming them, and writing it costs a second copy (H100 machine, 16 cores, 3.7 GB checkpoint:
-bf16 stream 2.9 s, cold + cache write 6.6 s, cached 3.6 s; int8 2.8 s, 4.9 s, 2.4 s).
+quantized packings (int8, int4): a bf16 cache holds as many bytes as the checkpoint's experts, so reading it is no
+faster than streaming them, and writing it costs a second copy (the README's Loading figures).
 """
 from __future__ import annotations
 
@@ -28,7 +27,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ktinject.checkpoint import BufferPool, pread_into, read_header
+from ktinject.formats.base import BufferPool, pread_into
+from ktinject.formats.safetensors import read_header
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ktinject
+from ktinject import native
 from ktinject.loading import LoadError, load_into
+from ktinject.operators import register
+from ktinject.operators.moe import MoEOperator
 from ktinject.plan import plan
 from ktinject.testing import FAMILIES, build_tiny_model, tiny_prompts
 
@@ -191,6 +194,85 @@ def test_meta_model_load_into_and_inject_checkpoint(tmp_path_factory):
     meta = AutoModelForCausalLM.from_pretrained(d, device_map="meta")
     inject(meta, gpu="cpu", checkpoint=d)
     assert torch.equal(logits(meta.eval()), ref)
+
+
+# ---------------------------------------------------------------------------------------------- one apply path
+
+
+def _hybrids(model):
+    from ktinject.gpu_experts.stats import hybrid_blocks
+
+    return [b for _, b in hybrid_blocks(model)]
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int8"])
+def test_gpt_oss_from_checkpoint_keeps_biases_and_gets_hot_experts(tmp_path_factory, tmp_path, quant):
+    """Issue 22: a streamed gpt-oss model never set expert_biases, so no expert could go to the GPU. Streamed
+    (and from the packed cache) it now holds the biases inject keeps, and places hot experts as inject does."""
+    d = copy_ckpt(saved(tmp_path_factory, "gpt_oss"), tmp_path / "ckpt")
+    hot = dict(gpu_experts_budget="1GiB", placement="uniform")
+    ref = hf_injected(d, quant=quant, **hot)
+    want = [b.expert_biases for b in _hybrids(ref)]
+    assert all(b.hot is not None and b.hot.residents() == list(range(b.num_experts)) for b in _hybrids(ref))
+    for expect in ("written", "hit"):  # the second load reads the packed cache, not the expert weights
+        model = ktinject.from_pretrained(d, quant=quant, gpu="cpu", cache_dir=tmp_path / "cache", progress=False,
+                                         **hot)
+        assert model._ktinject_load_stats["cache"] == expect
+        blocks = _hybrids(model)
+        for b, (gate_up, down) in zip(blocks, want):
+            assert torch.equal(b.expert_biases[0], gate_up) and torch.equal(b.expert_biases[1], down)
+            assert b.hot is not None and b.hot.residents() == list(range(b.num_experts))
+        assert model._ktinject_placement.strategy == "uniform" and model._ktinject_placement.resident > 0
+        assert torch.equal(logits(model), logits(ref))
+
+
+def test_from_pretrained_takes_the_hot_expert_options(tmp_path_factory):
+    """Issue 22: from_pretrained(dir, gpu_experts_budget=...) failed with 'not a torch device'. It takes inject's
+    options with inject's defaults (dynamic without statistics, frequency with them)."""
+    from ktinject.gpu_experts import placement
+    from ktinject.gpu_experts.stats import read_stats, save_stats
+
+    d = saved(tmp_path_factory, "qwen3_moe")
+    model = ktinject.from_pretrained(d, gpu="cpu", cache_dir=False, progress=False, gpu_experts_budget="64KiB")
+    p = model._ktinject_placement
+    assert p.strategy == "dynamic" and 0 < p.nbytes <= 64 * 1024
+    assert placement.rebalancer(model) is not None and placement.rebalancer(model).every == 64
+    ref = hf_injected(d, gpu_experts_budget="64KiB")
+    assert ref._ktinject_placement.strategy == "dynamic" and ref._ktinject_placement.experts == p.experts
+
+    logits(model)  # some routing counts, saved as statistics
+    stats = save_stats(read_stats(model), Path(d).parent / "stats.json")
+    model = ktinject.from_pretrained(d, gpu="cpu", cache_dir=False, progress=False, gpu_experts_budget="64KiB",
+                                     stats=str(stats), rebalance_every=8)
+    assert model._ktinject_placement.strategy == "frequency" and placement.rebalancer(model) is None
+    with pytest.raises(ValueError, match=r"gpu_experts_budget: expected bytes or a size like '12GiB', got 'lots'"):
+        ktinject.from_pretrained(d, gpu="cpu", cache_dir=False, progress=False, gpu_experts_budget="lots")
+    with pytest.raises(ValueError, match=r"rebalance_every: expected a positive number of tokens, got 0"):
+        ktinject.from_pretrained(d, gpu="cpu", cache_dir=False, progress=False, placement="dynamic",
+                                 rebalance_every=0)
+
+
+class _OtherMoE(MoEOperator):
+    """The moe operator under another id: the loader must ask the operator, not test for the string "moe"."""
+
+
+register("moe_under_another_id")(_OtherMoE)
+
+
+def test_loader_asks_the_operator_for_streamed_experts(tmp_path_factory, tmp_path):
+    d = saved(tmp_path_factory, "qwen2_moe")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("- match: {class: Qwen2MoeSparseMoeBlock}\n  replace: moe_under_another_id\n"
+                     "- include: common.yaml\n")
+
+    def no_from_hf(*a, **k):
+        raise AssertionError("the block was materialized and packed whole instead of streamed")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(native.Experts, "from_hf", no_from_hf)
+        model = ktinject.from_pretrained(d, str(rules), gpu="cpu", cache_dir=False, progress=False)
+    assert len(_hybrids(model)) > 0
+    assert torch.equal(logits(model), logits(hf_injected(d)))
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -10,7 +10,9 @@ import random
 import pytest
 import torch
 
-from ktinject import inject, placement
+from ktinject import inject
+from ktinject.gpu_experts import placement, settings
+from ktinject.gpu_experts import stats as expert_stats
 from ktinject.testing import FAMILIES, build_tiny_model, tiny_prompts
 
 PROMPTS = tiny_prompts(4, 32, seed=3)  # [4, 32]
@@ -25,13 +27,13 @@ SLACK = 1.5  # injected-with-placement logits error vs float32 <= 1.5 x HF bf16'
     ("2kib", 2048), ("100", 100), (1e9, 10**9),
 ])
 def test_parse_bytes(text, expected):
-    assert placement.parse_bytes(text) == expected
+    assert settings.parse_bytes(text) == expected
 
 
 @pytest.mark.parametrize("bad", ["12 parsecs", "-1GiB", "", "GiB", True, float("nan")])
 def test_parse_bytes_rejects(bad):
     with pytest.raises(ValueError, match="byte size"):
-        placement.parse_bytes(bad)
+        settings.parse_bytes(bad)
 
 
 def test_frequency_picks_global_top():
@@ -84,16 +86,16 @@ def test_budget_never_exceeded_random():
 
 def test_hit_share():
     counts = torch.tensor([[3, 1], [0, 4]])
-    assert placement.hit_share(counts, [[0], [1]]) == pytest.approx(7 / 8)
-    assert placement.hit_share(torch.zeros(2, 2), [[0], []]) == 0.0
+    assert expert_stats.hit_share(counts, [[0], [1]]) == pytest.approx(7 / 8)
+    assert expert_stats.hit_share(torch.zeros(2, 2), [[0], []]) == 0.0
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".json", ""])
 def test_stats_round_trip(tmp_path, suffix):
-    stats = placement.ExpertStats(("model.layers.1.mlp", "model.layers.2.mlp"),
+    stats = expert_stats.ExpertStats(("model.layers.1.mlp", "model.layers.2.mlp"),
                                   torch.tensor([[1, 2**40, 0], [7, 8, 9]]))
-    path = placement.save_stats(stats, tmp_path / f"stats{suffix}")
-    back = placement.load_stats(path)
+    path = expert_stats.save_stats(stats, tmp_path / f"stats{suffix}")
+    back = expert_stats.load_stats(path)
     assert back.layers == stats.layers and torch.equal(back.counts, stats.counts)
     assert back.counts.dtype == torch.int64
 
@@ -101,14 +103,14 @@ def test_stats_round_trip(tmp_path, suffix):
 def test_load_stats_rejects_other_files(tmp_path):
     (tmp_path / "x.json").write_text('{"format": "something"}')
     with pytest.raises(ValueError, match="not a ktinject expert stats"):
-        placement.load_stats(tmp_path / "x.json")
+        expert_stats.load_stats(tmp_path / "x.json")
     from safetensors.torch import save_file
 
     save_file({"counts": torch.zeros(2, 2)}, str(tmp_path / "y.safetensors"))
     with pytest.raises(ValueError, match="not a ktinject expert stats"):
-        placement.load_stats(tmp_path / "y.safetensors")
+        expert_stats.load_stats(tmp_path / "y.safetensors")
     with pytest.raises(FileNotFoundError):
-        placement.load_stats(tmp_path / "missing")
+        expert_stats.load_stats(tmp_path / "missing")
 
 
 # ---------------------------------------------------------------------------------------------- with models
@@ -132,7 +134,7 @@ def _rel(a, b) -> float:
 @torch.no_grad()
 def test_counts_match_router_ids():
     model = _injected("qwen3_moe")
-    blocks = placement.hybrid_blocks(model)
+    blocks = expert_stats.hybrid_blocks(model)
     seen = {name: torch.zeros(b.num_experts, dtype=torch.int64) for name, b in blocks}
 
     def hook(name):
@@ -144,16 +146,16 @@ def test_counts_match_router_ids():
     _logits(model)
     for h in handles:
         h.remove()
-    stats = placement.read_stats(model)
+    stats = expert_stats.read_stats(model)
     assert stats.layers == tuple(seen)
     assert torch.equal(stats.counts, torch.stack(list(seen.values())))
     k = model.config.num_experts_per_tok
     assert stats.total == len(blocks) * PROMPTS.numel() * k
-    placement.reset_stats(model)
-    assert placement.read_stats(model).total == 0
-    placement.set_collection(model, False)
+    expert_stats.reset_stats(model)
+    assert expert_stats.read_stats(model).total == 0
+    expert_stats.set_collection(model, False)
     _logits(model)
-    assert placement.read_stats(model).total == 0
+    assert expert_stats.read_stats(model).total == 0
 
 
 @pytest.fixture(scope="module")
@@ -167,11 +169,11 @@ def references():
     return out
 
 
-def _random_stats(model, seed: int) -> placement.ExpertStats:
-    blocks = placement.hybrid_blocks(model)
+def _random_stats(model, seed: int) -> expert_stats.ExpertStats:
+    blocks = expert_stats.hybrid_blocks(model)
     g = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, 1000, (len(blocks), blocks[0][1].num_experts), generator=g)
-    return placement.ExpertStats(tuple(n for n, _ in blocks), counts)
+    return expert_stats.ExpertStats(tuple(n for n, _ in blocks), counts)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -179,7 +181,7 @@ def _random_stats(model, seed: int) -> placement.ExpertStats:
 def test_logits_with_placement(references, family, how):
     truth, yard, plain = references[family]
     model = _injected(family)
-    blocks = placement.hybrid_blocks(model)
+    blocks = expert_stats.hybrid_blocks(model)
     if how == "none":
         p = placement.place(model, "1GiB", "none")
         assert p.resident == 0 and all(b.hot is None for _, b in blocks)
@@ -190,7 +192,7 @@ def test_logits_with_placement(references, family, how):
     else:
         stats = _random_stats(model, seed=len(family))
         E = blocks[0][1].num_experts
-        from ktinject.operators.hot import HotExperts
+        from ktinject.gpu_experts.bank import HotExperts
 
         eb = HotExperts.expert_nbytes(blocks[0][1].spec, torch.bfloat16)
         budget = eb * (len(blocks) * E // 2) + len(blocks) * HotExperts.table_nbytes(E)
@@ -214,7 +216,7 @@ def test_logits_with_placement(references, family, how):
 
 def test_budget_respected_by_place():
     model = _injected("deepseek_v3")
-    blocks = placement.hybrid_blocks(model)
+    blocks = expert_stats.hybrid_blocks(model)
     stats = _random_stats(model, 1)
     for budget in (0, 1, 50_000, 123_456, 400_000, 10**9):
         for strategy in ("frequency", "uniform", "dynamic"):
@@ -225,15 +227,54 @@ def test_budget_respected_by_place():
     assert placement.rebalancer(model) is None
 
 
+def test_hot_expert_settings_defaults_and_errors(tmp_path):
+    """One validated set of options for inject, from_pretrained, the chat and the rules (issue 22): the same
+    defaults everywhere, and errors that name the option and what to write."""
+    from ktinject.operators.moe import MoEOperator
+
+    make = settings.HotExpertSettings.make
+    assert set(settings.OPTIONS) == MoEOperator.kwargs_allowed - {"quant"}  # the rules take the same options
+    assert make("12GiB") == settings.HotExpertSettings(12 * 2**30, "dynamic", None, 64)
+    stats = expert_stats.save_stats(expert_stats.ExpertStats(("a",), torch.ones(1, 4)), tmp_path / "s.json")
+    assert make("1GiB", stats=str(stats)).strategy == "frequency"
+    assert make(None, "uniform", rebalance_every=8) == settings.HotExpertSettings(0, "uniform", None, 8)
+    for kwargs, message in [
+        (dict(gpu_experts_budget="lots"), r"gpu_experts_budget: expected bytes or a size like '12GiB', got 'lots'"),
+        (dict(placement="hottest"), r"placement: expected one of frequency, uniform, dynamic, none, got 'hottest'"),
+        (dict(rebalance_every=0), r"rebalance_every: expected a positive number of tokens, got 0"),
+        (dict(stats=str(tmp_path / "missing.json")), r"stats: expert statistics file not found"),
+        (dict(stats=3), r"stats: expected a statistics file .* got int"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            make(**kwargs)
+
+    def plan_with(*kwargs):
+        rule = lambda i: type("Rule", (), {"where": f"rules.yaml rule {i}"})()  # noqa: E731
+        entries = [type("Entry", (), {"kwargs": k, "rule": rule(i)})() for i, k in enumerate(kwargs)]
+        return type("Plan", (), {"operator_entries": lambda self: entries})()
+
+    from_plan = settings.HotExpertSettings.from_plan
+    assert from_plan(plan_with({"quant": "int8"})) is None  # nothing asked: nothing placed
+    got = from_plan(plan_with({"gpu_experts_budget": "1KiB"}, {"gpu_experts_budget": "1KiB"}), rebalance_every=5)
+    assert got == settings.HotExpertSettings(1024, "dynamic", None, 5)
+    assert from_plan(plan_with({"gpu_experts_budget": "1KiB"}), gpu_experts_budget=2048).budget == 2048
+    with pytest.raises(ValueError, match=r"moe rules disagree on placement: 'uniform' \(rules.yaml rule 0\)"):
+        from_plan(plan_with({"placement": "uniform"}, {"placement": "frequency"}))
+    with pytest.raises(ValueError, match=r"rules.yaml rule 1: gpu_experts_budget: expected bytes"):
+        from_plan(plan_with({}, {"gpu_experts_budget": "lots"}))
+    with pytest.raises(TypeError, match="unknown hot-expert option"):
+        from_plan(plan_with({}), budget="1GiB")
+
+
 def test_inject_kwargs_and_rules(tmp_path):
     model = _injected("qwen3_moe", gpu_experts_budget="64KiB", placement="uniform")
-    blocks = placement.hybrid_blocks(model)
+    blocks = expert_stats.hybrid_blocks(model)
     assert all(b.hot is not None for _, b in blocks)
     assert len({b.hot.C for _, b in blocks}) == 1
     assert model._ktinject_placement.nbytes <= 64 * 1024
 
     stats = _random_stats(model, 2)
-    path = placement.save_stats(stats, tmp_path / "s.safetensors")
+    path = expert_stats.save_stats(stats, tmp_path / "s.safetensors")
     rules = tmp_path / "rules.yaml"
     rules.write_text(f"""
 - match: {{class: Qwen3MoeSparseMoeBlock}}
@@ -263,9 +304,9 @@ def test_dynamic_rebalancing_moves_hot_experts_and_keeps_logits(transfer, quant)
     torch CPU ops), straight from the packed region or through staging buffers filled by a worker."""
     family = "qwen3_moe"
     model = _injected(family, quant=quant)
-    blocks = placement.hybrid_blocks(model)
+    blocks = expert_stats.hybrid_blocks(model)
     E = blocks[0][1].num_experts
-    from ktinject.operators.hot import HotExperts
+    from ktinject.gpu_experts.bank import HotExperts
 
     eb = HotExperts.expert_nbytes(blocks[0][1].spec, torch.bfloat16)
     budget = len(blocks) * (2 * eb + HotExperts.table_nbytes(E))
@@ -301,8 +342,8 @@ def test_dynamic_rebalancing_moves_hot_experts_and_keeps_logits(transfer, quant)
 def test_rebalancer_rate_limit_and_queue():
     """moves_per_step bounds the moves started per token; the queue is re-planned each period; drain finishes it."""
     model = _injected("qwen3_moe")
-    blocks = [b for _, b in placement.hybrid_blocks(model)]
-    from ktinject.operators.hot import HotExperts
+    blocks = [b for _, b in expert_stats.hybrid_blocks(model)]
+    from ktinject.gpu_experts.bank import HotExperts
 
     eb = HotExperts.expert_nbytes(blocks[0].spec, torch.bfloat16)
     budget = len(blocks) * (2 * eb + HotExperts.table_nbytes(8))
@@ -321,7 +362,7 @@ def test_rebalancer_rate_limit_and_queue():
     assert reb.moved == 4 and reb.pending() == 0
     assert [b.hot.residents() for b in blocks] == [[5, 6], [3, 4]]
     with pytest.raises(ValueError, match="transfer 'bogus'"):
-        from ktinject.operators.rebalance import Rebalancer
+        from ktinject.gpu_experts.rebalance import Rebalancer
 
         Rebalancer(blocks, transfer="bogus")
     with pytest.raises(ValueError, match="moves_per_step"):
@@ -338,7 +379,7 @@ def test_calibrate_cli(tmp_path):
     out = tmp_path / "stats.json"
     assert calibrate.main(["--model", str(demo_model_dir(tmp_path / "cache")), "--prompts", str(prompts), "--out",
                            str(out), "--max-new-tokens", "4", "--gpu", "cpu"]) == 0
-    stats = placement.load_stats(out)
+    stats = expert_stats.load_stats(out)
     assert stats.total > 0 and len(stats.layers) >= 1
     per_layer = stats.counts.sum(1)
     assert bool((per_layer == per_layer[0]).all())  # every layer sees every token
@@ -375,8 +416,8 @@ def test_chat_gpu_experts_budget(tmp_path, extra):
 
 def test_rebalancer_follows_recent_counts_with_margin():
     model = _injected("qwen3_moe")
-    blocks = [b for _, b in placement.hybrid_blocks(model)]
-    from ktinject.operators.hot import HotExperts
+    blocks = [b for _, b in expert_stats.hybrid_blocks(model)]
+    from ktinject.gpu_experts.bank import HotExperts
 
     eb = HotExperts.expert_nbytes(blocks[0].spec, torch.bfloat16)
     budget = len(blocks) * (2 * eb + HotExperts.table_nbytes(8))
@@ -398,7 +439,7 @@ def test_rebalancer_follows_recent_counts_with_margin():
             gu = torch.cat([b.native_experts.get(e, "gate"), b.native_experts.get(e, "up")])
             assert torch.equal(b.hot.gate_up[s], gu.to(torch.bfloat16))
     with pytest.raises(ValueError, match="dynamic"):
-        from ktinject.operators.hot import Rebalancer
+        from ktinject.gpu_experts.rebalance import Rebalancer
 
         placement.place(model, budget, "uniform")
         Rebalancer(blocks)

@@ -1,5 +1,5 @@
 """Zero-copy views of packed experts (ktk_experts_raw / ktk_experts_region) and the unpack that re-placement moves run
-on the device (ktinject.operators.upload), here with torch ops on CPU tensors: bit-identical to ktk_experts_get
+on the device (ktinject.gpu_experts.upload), here with torch ops on CPU tensors: bit-identical to ktk_experts_get
 (HotExperts.host_weights) converted to the bank dtype, for bf16 and int8, shapes that are not multiples of 16 / 64,
 with and without gpt-oss biases.
 
@@ -14,8 +14,8 @@ import torch
 
 from ktinject import native as kn
 from ktinject._nativelib import experts_raw, experts_region
-from ktinject.operators.hot import HotExperts
-from ktinject.operators.upload import PackedRegion, StagingPool, Uploader, expert_layout, unpack_matrix
+from ktinject.gpu_experts.bank import HotExperts
+from ktinject.gpu_experts.upload import PackedRegion, StagingPool, Uploader, expert_layout, unpack_matrix
 
 SHAPES = [(3, 37, 21), (2, 64, 16), (2, 130, 70), (1, 16, 64), (2, 1, 1)]  # (E, H, I)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -23,7 +23,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _experts(E, H, I, quant, bias=False, seed=0):
     """native.Experts with random weights; bias=True: gpt-oss experts, returned with the biases HybridMoE keeps
-    for them ((gate_up_bias [E, 2I] gate then up, down_bias [E, H]) as ktinject.operators.hot.gpt_oss_biases)."""
+    for them ((gate_up_bias [E, 2I] gate then up, down_bias [E, H]) as ktinject.operators.families.gpt_oss_biases)."""
     g = torch.Generator().manual_seed(seed)
     if not bias:
         return kn.Experts.from_hf(torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g),
@@ -164,7 +164,7 @@ def test_raw_view_errors():
 def test_quant_without_device_unpack_keeps_the_host_path():
     """int4 has no raw view: ktk_experts_raw says so, a dynamic bank keeps no packed region, and the Rebalancer's
     auto transfer is the host path (ktk_experts_get); asking for packed is an error that says what to use."""
-    from ktinject.operators.rebalance import Rebalancer
+    from ktinject.gpu_experts.rebalance import Rebalancer
 
     ex = kn.Experts.from_hf(torch.randn(2, 2 * 16, 64), torch.randn(2, 64, 16), quant="int4")
     with pytest.raises(kn.NativeError) as err:

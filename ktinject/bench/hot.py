@@ -41,6 +41,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import ktinject
+from ktinject import native
+from ktinject.bench.model import build_model, build_tiny, set_generation_defaults
+from ktinject.generate import get_runner
+from ktinject.gpu_experts import placement
+from ktinject.gpu_experts import stats as expert_stats
+from ktinject.gpu_experts.bank import HotExperts
+from ktinject.gpu_experts.settings import parse_bytes
+from ktinject.plan import human_bytes
+
 
 # ---- skewed routing -----------------------------------------------------------------------------------------
 class SkewedRouter(nn.Module):
@@ -94,9 +104,7 @@ def solve_biases(q: torch.Tensor, k: int, sigma: float, device, tokens: int = 16
 
 def skew_routing(model, zipf: float, spread: float, sigma: float = 1.5, seed: int = 0) -> list[float]:
     """Wrap every injected block's router with Zipf logit offsets; returns the exponent of each layer."""
-    from ktinject.placement import hybrid_blocks
-
-    blocks = hybrid_blocks(model)
+    blocks = expert_stats.hybrid_blocks(model)
     L = len(blocks)
     exps = [zipf + (spread * (2 * i / (L - 1) - 1) if L > 1 else 0.0) for i in range(L)]
     gen = torch.Generator().manual_seed(seed)
@@ -152,8 +160,6 @@ class TokenClock:
 
 
 def _generate(model, ids, n: int, seed: int, clock: TokenClock | None = None) -> float:
-    import ktinject
-
     torch.manual_seed(seed)
     _sync(ids.device)
     t0 = time.perf_counter()
@@ -176,8 +182,6 @@ def _summary(steps: list[tuple[float, bool]], h: float, moves: int) -> dict:
 
 def _timed(model, prompt, tokens: int, seeds) -> dict:
     """Decode ``tokens`` tokens per seed, timing each step (prefill excluded); h over them (device counters)."""
-    from ktinject import placement
-
     reb = placement.rebalancer(model)
     placement.reset_served(model)
     steps, started = [], reb.started if reb is not None else 0
@@ -200,8 +204,6 @@ def dynamic_startup(model, prompt, limit: int, seed: int = 0) -> dict:
     """Re-placement from its initial (arbitrary) placement: decode chunks of 4 periods until a chunk starts no more
     than 2% of the slots' worth of moves and none is left under way, or ``limit`` tokens; the same summary as the
     timed run, over all of it (this is the cost of getting there, not steady state)."""
-    from ktinject import placement
-
     reb = placement.rebalancer(model)
     slots = sum(b.hot.C for b in reb.blocks)
     steps, started, done = [], reb.started, 0
@@ -222,8 +224,6 @@ def dynamic_startup(model, prompt, limit: int, seed: int = 0) -> dict:
 
 
 def _parse_budget(text: str, total: int) -> int:
-    from ktinject.placement import parse_bytes
-
     text = text.strip()
     if text.endswith("%"):
         return int(total * float(text[:-1]) / 100)
@@ -263,12 +263,6 @@ def _row(rows: list, row: tuple) -> None:
 
 
 def run(args) -> list[tuple]:
-    import ktinject
-    from ktinject import native, placement
-    from ktinject.bench.decode import _set_generation_defaults, build_model, build_tiny
-    from ktinject.generate import get_runner
-    from ktinject.operators.hot import HotExperts
-    from ktinject.plan import human_bytes
 
     if args.threads:
         native.set_default_threads(args.threads)
@@ -277,9 +271,9 @@ def run(args) -> list[tuple]:
     t0 = time.perf_counter()
     model = build_tiny(device) if args.tiny else build_model(args.layers, device)
     cfg = model.config
-    _set_generation_defaults(model)
+    set_generation_defaults(model)
     ktinject.inject(model, gpu=str(device))
-    blocks = placement.hybrid_blocks(model)
+    blocks = expert_stats.hybrid_blocks(model)
     L, E, k = len(blocks), blocks[0][1].num_experts, cfg.num_experts_per_tok
     print(f"# {'tiny qwen3_moe' if args.tiny else 'Qwen3-30B-A3B shapes'}: {cfg.num_hidden_layers} layers ({L} MoE), "
           f"H={cfg.hidden_size}, E={E} top-{k}, I={cfg.moe_intermediate_size}, bf16; device "
@@ -296,10 +290,10 @@ def run(args) -> list[tuple]:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, cfg.vocab_size, (1, args.prompt), generator=gen).to(device)
     calib_prompt = torch.randint(3, cfg.vocab_size, (1, args.prompt), generator=gen).to(device)
-    placement.reset_stats(model)
+    expert_stats.reset_stats(model)
     t0 = time.perf_counter()
     _generate(model, calib_prompt, args.calib_tokens, seed=100)
-    stats = placement.read_stats(model)
+    stats = expert_stats.read_stats(model)
     s_mean, s_min, s_max = fitted_exponent(stats.counts, k)
     print(f"# calibration: {args.calib_tokens} sampled tokens, {stats.total} routed pairs in "
           f"{time.perf_counter() - t0:.1f} s; measured popularity exponent (ranks {k + 1}..{E // 2}) "
@@ -325,7 +319,7 @@ def run(args) -> list[tuple]:
             if strategy == "dynamic":
                 extra = {"rebalance_every": args.every, "max_moves": args.moves,
                          "moves_per_step": args.moves_per_step, "transfer": args.transfer}
-                placement.reset_stats(model)  # it learns from nothing: no calibration, no earlier counts
+                expert_stats.reset_stats(model)  # it learns from nothing: no calibration, no earlier counts
             p = placement.place(model, budget, strategy, None if strategy == "dynamic" else stats, **extra)
             t_place = time.perf_counter() - t0
             mem = (torch.cuda.memory_allocated() - mem0) if device.type == "cuda" else p.nbytes
@@ -361,8 +355,6 @@ def _split(r: dict) -> str:
 
 def _result(rows: list, base: float | None, budget: int, strategy: str, r: dict, note: str) -> float | None:
     """Add a table row for measurement ``r``; returns the baseline rate (budget 0) once known."""
-    from ktinject.plan import human_bytes
-
     rate = 1 / r["s"]
     if base is None and budget == 0:
         base = rate

@@ -91,10 +91,11 @@ def build_tiny(device: torch.device) -> nn.Module:
     return build_tiny_model("qwen3_moe", dtype=dtype).to(device)
 
 
-def _set_generation_defaults(model) -> None:
+def set_generation_defaults(model) -> None:
     gc = model.generation_config
     gc.eos_token_id, gc.pad_token_id, gc.bos_token_id = None, 0, None
     gc.do_sample = False
     gc.temperature = gc.top_p = gc.top_k = None
 
 
+_set_generation_defaults = set_generation_defaults  # the old private name, still imported by bench/decode.py

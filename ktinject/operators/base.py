@@ -1,4 +1,4 @@
-"""The operator protocol shared by plan (which asks) and inject (which builds).
+"""The operator protocol shared by plan (which asks) and ktinject.apply (which builds).
 
 Legend for tensor shapes in operators: T tokens, E experts, H hidden, I expert intermediate, k experts per token.
 """
@@ -40,6 +40,21 @@ class Operator:
     def build(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any], device: torch.device) -> nn.Module:
         """Return the replacement for ``module`` (its weights handed over or moved; originals may be freed)."""
         raise NotImplementedError
+
+    # Operators whose routed experts live in native memory also take them already packed, so that the streaming
+    # loader (ktinject.loading) can fill them from the checkpoint without the module's expert tensors ever existing.
+    @classmethod
+    def expert_stream(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> Any:
+        """What the loader packs for ``module`` (``families.ExpertStream``), or None (the default): the loader then
+        materializes the module's tensors and calls ``build``."""
+        return None
+
+    @classmethod
+    def build_packed(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any], device: torch.device, experts,
+                     biases=None) -> nn.Module:
+        """The replacement for ``module`` around ``experts`` filled as ``expert_stream`` described (``biases``: the
+        experts' biases where the family has them). Only for operators whose ``expert_stream`` is not None."""
+        raise NotImplementedError(f"operator {cls.op_id!r} does not take packed experts")
 
 
 def tensor_bytes(module: nn.Module, recurse: bool = True) -> int:

@@ -30,11 +30,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ktinject.operators.base import OperatorError
+from ktinject import native
+from ktinject.operators.base import OperatorError, tensor_bytes
 
 log = logging.getLogger(__name__)
 
 QUANTS = ("bf16", "int8", "int4")  # int4: group-wise (native.Experts' default group size, 64 inputs per scale)
+# gpt-oss's clamped SwiGLU when its experts module does not say (transformers' GptOssExperts defaults)
+GPT_OSS_ALPHA = 1.702
+GPT_OSS_LIMIT = 7.0
 
 # class name -> (router attribute, shared kind, returns router scores); layout is read from the experts module.
 KNOWN_BLOCKS: dict[str, tuple[str, str | None, bool]] = {
@@ -71,6 +75,32 @@ class BlockSpec:
     @property
     def has_bias(self) -> bool:
         return self.layout == "gpt_oss"
+
+
+#: tensors of an HF experts module that go to native experts (both layouts)
+EXPERT_LEAVES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+@dataclass(frozen=True)
+class ExpertStream:
+    """What the streaming loader fills for one block: native experts of ``spec`` in ``quant``, from the checkpoint
+    tensors of the block's ``experts`` module (fused leaves ``EXPERT_LEAVES``), never materialized in HF layout."""
+
+    spec: BlockSpec
+    quant: str
+
+    def leaf(self, rest: str) -> str | None:
+        """The experts leaf named by ``rest`` (a tensor name relative to the block), or None for other tensors."""
+        leaf = rest.removeprefix("experts.")
+        return leaf if leaf != rest and leaf in EXPERT_LEAVES else None
+
+    @property
+    def nbytes(self) -> int:
+        return packed_nbytes(self.spec, self.quant)
+
+    def new_experts(self, block: nn.Module):
+        """Empty native experts for ``block`` (its experts module may be on the meta device)."""
+        return new_experts(self.spec, block.experts, self.quant)
 
 
 def _fail(name: str, module: nn.Module, why: str) -> OperatorError:
@@ -159,17 +189,13 @@ def packed_nbytes(spec: BlockSpec, quant: str) -> int:
 
     About 2 B/weight for bf16, 1 B/weight plus per-row scales for int8, 0.5 B/weight plus a scale per 64 weights
     for int4; gpt-oss adds f32 biases. Pure: no library load, works for meta-device modules."""
-    from ktinject.native import Experts
-
     if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r}; use one of {', '.join(QUANTS)}")
-    return Experts.packed_nbytes(spec.num_experts, spec.hidden, spec.intermediate, quant, bias=spec.has_bias)
+    return native.Experts.packed_nbytes(spec.num_experts, spec.hidden, spec.intermediate, quant, bias=spec.has_bias)
 
 
 def experts_nbytes(module: nn.Module) -> int:
     """Bytes of the HF experts module's tensors (what leaves the device when the block is built)."""
-    from ktinject.operators.base import tensor_bytes
-
     return tensor_bytes(module.experts)
 
 
@@ -177,20 +203,55 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.device.type == "cpu" else t.detach().to("cpu")
 
 
+def _activation(spec: BlockSpec, experts_module: nn.Module) -> dict:
+    """native.Experts' activation keywords for the block (attributes only: works on meta-device modules)."""
+    if spec.layout != "gpt_oss":
+        return {"activation": "silu"}
+    return {"activation": "gptoss", "alpha": float(getattr(experts_module, "alpha", GPT_OSS_ALPHA)),
+            "limit": float(getattr(experts_module, "limit", GPT_OSS_LIMIT))}
+
+
+def new_experts(spec: BlockSpec, experts_module: nn.Module, quant: str):
+    """Empty ``native.Experts`` for the block (filled expert by expert, e.g. by the streaming loader)."""
+    return native.Experts(spec.num_experts, spec.hidden, spec.intermediate, quant=quant, bias=spec.has_bias,
+                          **_activation(spec, experts_module))
+
+
 def pack_experts(module: nn.Module, spec: BlockSpec, quant: str, name: str):
     """Hand the block's routed experts to a new ``native.Experts`` (repacked, maybe quantized)."""
-    from ktinject import native
-
     ex = module.experts
     if ex.gate_up_proj.device.type == "meta":
         raise OperatorError(f"moe: the experts of {name!r} ({type(module).__name__}) are on the meta device; load "
                             f"the weights first (ktinject.from_pretrained streams them from the checkpoint)")
+    act = _activation(spec, ex)
     if spec.layout == "gpt_oss":
         return native.Experts.from_gpt_oss(
             _cpu(ex.gate_up_proj), _cpu(ex.gate_up_proj_bias), _cpu(ex.down_proj), _cpu(ex.down_proj_bias),
-            alpha=float(getattr(ex, "alpha", 1.702)), limit=float(getattr(ex, "limit", 7.0)), quant=quant,
+            alpha=act["alpha"], limit=act["limit"], quant=quant,
         )
     return native.Experts.from_hf(_cpu(ex.gate_up_proj), _cpu(ex.down_proj), quant=quant)
+
+
+def gpt_oss_biases(experts_module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up_bias [E, 2I] as gate then up, down_bias [E, H]) in float32 on the CPU, from HF gpt-oss experts
+    (gate_up_proj_bias interleaved: even = gate, odd = up). HybridMoE keeps them (``expert_biases``, tiny next to
+    the weights) because the native copy cannot give them back and GPU-resident experts need them."""
+    b = experts_module.gate_up_proj_bias.detach().float().cpu()
+    return torch.cat([b[:, 0::2], b[:, 1::2]], dim=1), experts_module.down_proj_bias.detach().float().cpu().clone()
+
+
+def empty_biases(spec: BlockSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed (gate_up_bias [E, 2I], down_bias [E, H]) float32, as gpt_oss_biases gives them, for set_bias."""
+    E, H, I = spec.num_experts, spec.hidden, spec.intermediate
+    return torch.zeros(E, 2 * I), torch.zeros(E, H)
+
+
+def set_bias(biases: tuple[torch.Tensor, torch.Tensor], spec: BlockSpec, expert: int, which: str,
+             bias: torch.Tensor) -> None:
+    """Store one expert's ``which`` bias (gate_bias [I], up_bias [I], down_bias [H]) in ``biases``."""
+    I = spec.intermediate
+    rows = {"gate_bias": biases[0][expert, :I], "up_bias": biases[0][expert, I:], "down_bias": biases[1][expert]}
+    rows[which].copy_(bias)
 
 
 @torch.no_grad()

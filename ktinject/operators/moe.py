@@ -12,13 +12,13 @@ attribute names, so state-dict keys and router-logit recorders still work), hand
 
 Rule keyword arguments: ``quant``: ``bf16`` (default), ``int8`` (W8A8: int8 weights with per-output-channel
 scales, activations quantized per token on the fly) or ``int4`` (W4A8: int4 weights with a scale per group of 64
-inputs, ~4.5 bits a weight; int8 activations; dequantized to bf16 for AMX when an expert has many rows). Hot experts (model-wide, applied by ``inject`` once every block
-is built; see ``ktinject.placement``): ``gpu_experts_budget`` (bytes or '12GiB'), ``placement`` (frequency, uniform,
-dynamic, none), ``stats`` (a file from ``python -m ktinject.calibrate``), ``rebalance_every`` (tokens, dynamic).
+inputs, ~4.5 bits a weight; int8 activations; dequantized to bf16 for AMX when an expert has many rows). The
+hot-expert options (``HOT_KWARGS``) are accepted too: model-wide, applied once every block is built
+(``ktinject.gpu_experts``).
 
 Each forward also counts the routed (token, slot) pairs per expert into ``counts`` [E] on the device (statistics),
-and GPU-resident experts (``hot``, a ``ktinject.operators.hot.HotExperts``) run on the device between the host
-submit and wait, while the native experts skip them through ``skip``.
+and GPU-resident experts (``hot``, a ``ktinject.gpu_experts.bank.HotExperts``, set by placement) run on the device
+between the host submit and wait, while the native experts skip them through ``skip``.
 
 Legend: B batch, S sequence, T tokens (B*S), E experts, H hidden, I expert intermediate, k experts per token.
 """
@@ -31,12 +31,12 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ktinject import fastpaths, stream_experts
+from ktinject import fastpaths, native, stream_experts
 from ktinject.operators import fused, register
 from ktinject.operators.base import Operator, OperatorError, tensor_bytes
 from ktinject.operators.families import (
-    QUANTS, SHARED_ATTRS, BlockSpec, experts_nbytes, free_experts, inspect_block, pack_experts, packed_nbytes,
-    shared_output,
+    QUANTS, SHARED_ATTRS, BlockSpec, ExpertStream, experts_nbytes, free_experts, gpt_oss_biases, inspect_block,
+    pack_experts, packed_nbytes, shared_output,
 )
 
 log = logging.getLogger(__name__)
@@ -91,16 +91,16 @@ def router_f32_extra(router: nn.Module) -> int:
     return sum(t.numel() * (4 - t.element_size()) for t in tensors if t.is_floating_point() and t.element_size() < 4)
 
 
-# Routers that take the softmax over all experts, its top k and renormalize those (class name -> the attribute that
-# must be True for the renormalization, None: always). Their weights equal the softmax over the k largest logits
+# Routers that take the softmax over all experts, its top k and renormalize those (class name -> the attribute that must
+# be True for the renormalization, None: always). Their weights equal the softmax over the k largest logits
 # (softmax(l)_i / sum_top softmax(l)_j = exp(l_i) / sum_top exp(l_j)): linear, top-k, softmax of k instead of HF's
-# linear, softmax of E, sorted top-k (a selection and a sort), sum and division. A decode step on the GPU is a chain
-# of small dependent kernels, so this takes 8 us (torch ops) or 16 us (Triton, fused.router_topk) of GPU time per
-# layer off it. The k ids come unsorted or in descending order (the native experts sum in expert order whatever the
-# slots; the hot experts' sum is order-free up to rounding). The experts are HF's except at near-ties: logits an ulp
-# or so apart, which HF's float32 probabilities may round equal and then rank by index, and which the Triton logits
-# kernel (another summation order than cuBLAS) may round the other way. Eligibility is by class (and flag):
-# tests/test_router.py checks each class against the installed transformers.
+# linear, softmax of E, sorted top-k (a selection and a sort), sum and division. A decode step on the GPU is a chain of
+# small dependent kernels, so every kernel fewer shortens it (README, Performance: the router's row). The k ids come
+# unsorted or in descending order (the native experts sum in expert order whatever the slots; the hot experts' sum is
+# order-free up to rounding). The experts are HF's except at near-ties: logits an ulp or so apart, which HF's float32
+# probabilities may round equal and then rank by index, and which the Triton logits kernel (another summation order than
+# cuBLAS) may round the other way. Eligibility is by class (and flag): tests/test_router.py checks each class against
+# the installed transformers.
 _SOFTMAX_TOPK_ROUTERS = {"Qwen3MoeTopKRouter": "norm_topk_prob", "Qwen2MoeTopKRouter": "norm_topk_prob",
                          "OlmoeTopKRouter": "norm_topk_prob", "MixtralTopKRouter": None}
 
@@ -179,7 +179,7 @@ class HybridMoE(nn.Module):
         self.skip = torch.zeros(spec.num_experts, dtype=torch.uint8, pin_memory=pin)
         self.counts = torch.zeros(spec.num_experts, dtype=torch.int64, device=self.device)  # [E] routed pairs
         self.collect_stats = True
-        self.hot = None  # HotExperts: GPU-resident experts (ktinject.placement.place)
+        self.hot = None  # HotExperts: GPU-resident experts (ktinject.gpu_experts.placement.place)
         self.expert_biases = None  # gpt-oss: (gate_up_bias [E, 2I], down_bias [E, H]) f32 host copies, for hot
         self._ones: dict[tuple, torch.Tensor] = {}
         self.class_name = type(block).__name__
@@ -295,8 +295,6 @@ class HybridMoE(nn.Module):
             self.skip.copy_(self.hot.resident, non_blocking=non_blocking)
 
     def _bound_task(self, h, i, w, o):
-        from ktinject import native
-
         if self._task is None:
             self._task = native.Task()
         self._task.bind(self.native_experts, h, i, w, skip=self.skip, out=o)
@@ -308,37 +306,25 @@ def _combine(routed: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
     return routed if extra is None else (extra + routed).to(routed.dtype)
 
 
-_HOT_KWARGS = frozenset({"gpu_experts_budget", "placement", "stats", "rebalance_every"})
-
-
-def _check_hot_kwargs(kwargs: Mapping[str, Any], name: str) -> None:
-    from ktinject.placement import check_strategy, parse_bytes
-
-    try:
-        if kwargs.get("gpu_experts_budget") is not None:
-            parse_bytes(kwargs["gpu_experts_budget"])
-        if kwargs.get("placement") is not None:
-            check_strategy(kwargs["placement"])
-        every = kwargs.get("rebalance_every")
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(f"rebalance_every {every!r}: expected a positive number of tokens")
-        if kwargs.get("stats") is not None and not isinstance(kwargs["stats"], str):
-            raise ValueError(f"stats {kwargs['stats']!r}: expected a file path")
-    except ValueError as e:
-        raise OperatorError(f"moe: {name!r}: {e}") from None
+#: the model-wide hot-expert options a moe rule may carry (``ktinject.gpu_experts.settings.OPTIONS``): the operator
+#: only accepts them; ``ktinject.apply`` validates them (naming the rule) and places the experts once every block
+#: is built, so this module never depends on the GPU-expert code
+HOT_KWARGS = frozenset({"gpu_experts_budget", "placement", "stats", "rebalance_every"})
 
 
 @register("moe")
 class MoEOperator(Operator):
-    """Replace an MoE block by a HybridMoE: routed experts on the host (native), the rest on ``device``."""
+    """Replace an MoE block by a HybridMoE: routed experts on the host (native), the rest on ``device``.
 
-    kwargs_allowed = frozenset({"quant"}) | _HOT_KWARGS
+    Two ways in, one way out: ``build`` packs the experts of a loaded block, the streaming loader fills native
+    experts from the checkpoint itself (``expert_stream`` says what to fill); both end in ``build_packed``."""
+
+    kwargs_allowed = frozenset({"quant"}) | HOT_KWARGS
 
     @classmethod
     def check(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> None:
         spec = inspect_block(module, name)
         _quant(kwargs, name)
-        _check_hot_kwargs(kwargs, name)
         if not spec.known:
             log.warning("moe: %s (%s) is not a verified block class; driving it as one with router %r, shared "
                         "experts %s, %s experts layout", name, type(module).__name__, spec.router, spec.shared,
@@ -354,18 +340,34 @@ class MoEOperator(Operator):
         return out
 
     @classmethod
+    def expert_stream(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> ExpertStream:
+        return ExpertStream(inspect_block(module, name), _quant(kwargs, name))
+
+    @classmethod
     def build(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any], device: torch.device) -> nn.Module:
         spec = inspect_block(module, name)
         quant = _quant(kwargs, name)
         experts = pack_experts(module, spec, quant, name)
-        biases = None
-        if spec.has_bias:  # kept (tiny) so gpt-oss experts can be placed on the GPU later
-            from ktinject.operators.hot import gpt_oss_biases
-
-            biases = gpt_oss_biases(module.experts)
+        biases = gpt_oss_biases(module.experts) if spec.has_bias else None
         free_experts(module)
-        hybrid = HybridMoE(module, spec, experts, device, quant)
-        hybrid.expert_biases = biases
-        hybrid.train(module.training)
-        log.debug("moe: %s -> %s", name, hybrid.extra_repr())
-        return hybrid
+        return _hybrid(module, name, spec, quant, device, experts, biases)
+
+    @classmethod
+    def build_packed(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any], device: torch.device, experts,
+                     biases=None) -> nn.Module:
+        """The HybridMoE around ``experts`` (a filled native.Experts of ``expert_stream``'s spec); ``biases``:
+        gpt-oss's (gate_up [E, 2I], down [E, H]) float32 host copies. The block's experts module (still on the meta
+        device when streamed) is left behind."""
+        return _hybrid(module, name, inspect_block(module, name), _quant(kwargs, name), device, experts, biases)
+
+
+def _hybrid(module: nn.Module, name: str, spec: BlockSpec, quant: str, device: torch.device, experts,
+            biases) -> HybridMoE:
+    """The one place a HybridMoE is made, whichever way its experts were packed."""
+    if spec.has_bias and biases is None:  # GPU-resident gpt-oss experts need them; the native copy cannot give them
+        raise OperatorError(f"moe: {name!r} has gpt-oss experts (with biases) but no expert_biases were given")
+    hybrid = HybridMoE(module, spec, experts, device, quant)
+    hybrid.expert_biases = biases
+    hybrid.train(module.training)
+    log.debug("moe: %s -> %s", name, hybrid.extra_repr())
+    return hybrid

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import ktinject
-from ktinject import placement
+from ktinject.gpu_experts import placement
+from ktinject.gpu_experts import stats as expert_stats
 from ktinject.generate import get_runner
 from ktinject.testing import build_tiny_model, tiny_prompts
 
@@ -68,10 +69,10 @@ def _assert_greedy(ref, seq, mask, prompt_len):
 
 
 def _random_stats(inj, seed):
-    blocks = placement.hybrid_blocks(inj)
+    blocks = expert_stats.hybrid_blocks(inj)
     g = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, 100, (len(blocks), blocks[0][1].num_experts), generator=g)
-    return placement.ExpertStats(tuple(n for n, _ in blocks), counts)
+    return expert_stats.ExpertStats(tuple(n for n, _ in blocks), counts)
 
 
 @pytest.mark.parametrize("how", ["all", "random"])
@@ -80,9 +81,9 @@ def test_graph_with_hot_experts(models, how):
     if how == "all":
         placement.place(inj, "1GiB", "uniform")
     else:
-        blocks = placement.hybrid_blocks(inj)
+        blocks = expert_stats.hybrid_blocks(inj)
         total = sum(b.num_experts for _, b in blocks)
-        from ktinject.operators.hot import HotExperts
+        from ktinject.gpu_experts.bank import HotExperts
 
         eb = HotExperts.expert_nbytes(blocks[0][1].spec, torch.float32)
         placement.place(inj, eb * total // 2 + 4096 * len(blocks), "frequency", _random_stats(inj, 7))
@@ -104,20 +105,20 @@ def test_stats_in_graph_equal_eager(models):
     placement.place(inj, 0, "none")
     ids, mask = _prompt(2)
     _, runner = _generate(inj, ids, mask, graphs=True)  # captures (its warm-up steps count too)
-    placement.reset_stats(inj)
+    expert_stats.reset_stats(inj)
     graph = _again(inj, ids, mask)  # replays only
     assert runner.stats.captures == 1 and runner.stats.replays == 2 * (N - 1)
-    in_graph = placement.read_stats(inj).counts
-    placement.reset_stats(inj)
+    in_graph = expert_stats.read_stats(inj).counts
+    expert_stats.reset_stats(inj)
     eager, _ = _generate(inj, ids, mask, graphs=False)
     assert torch.equal(graph, eager)
-    assert torch.equal(in_graph, placement.read_stats(inj).counts)
+    assert torch.equal(in_graph, expert_stats.read_stats(inj).counts)
 
 
 def test_dynamic_replacement_during_graph_decode(models):
     family, ref, inj = models
-    blocks = placement.hybrid_blocks(inj)
-    from ktinject.operators.hot import HotExperts
+    blocks = expert_stats.hybrid_blocks(inj)
+    from ktinject.gpu_experts.bank import HotExperts
 
     E = blocks[0][1].num_experts
     budget = len(blocks) * (2 * HotExperts.expert_nbytes(blocks[0][1].spec, torch.float32) +
@@ -157,14 +158,14 @@ def test_dynamic_moves_unpack_packed_bytes_on_cuda(quant, transfer):
     """Moves copy the packed bytes as stored (bf16, or int8 + scales) and unpack them on the GPU, from the page-locked
     region or through staging buffers: bank contents bit-equal to ktk_experts_get in the bank dtype, one capture for
     the whole run, tokens right (bf16: the reference's greedy choice; int8: graph == eager once frozen)."""
-    from ktinject.operators.hot import HotExperts
+    from ktinject.gpu_experts.bank import HotExperts
 
     if quant == "bf16":  # a float32 model (bank float32) against its reference with bf16-rounded experts
         ref, inj = pair("qwen3_moe", torch.float32)
     else:  # a bf16 model: the bank is bf16, so q * scale is rounded to bf16 on the GPU
         ref, inj = None, build_tiny_model("qwen3_moe", dtype=torch.bfloat16)
         ktinject.inject(inj, gpu="cuda", quant="int8")
-    blocks = placement.hybrid_blocks(inj)
+    blocks = expert_stats.hybrid_blocks(inj)
     E = blocks[0][1].num_experts
     budget = len(blocks) * (2 * HotExperts.expert_nbytes(blocks[0][1].spec, torch.float32) +
                             HotExperts.table_nbytes(E))
@@ -203,7 +204,7 @@ def test_bf16_grouped_path_and_memory(models_bf16):
     free0 = torch.cuda.memory_allocated()
     p = placement.place(inj, "1GiB", "uniform")
     assert torch.cuda.memory_allocated() - free0 >= p.nbytes * 0.99
-    blocks = placement.hybrid_blocks(inj)
+    blocks = expert_stats.hybrid_blocks(inj)
     hot = blocks[0][1].hot
     cap = torch.cuda.get_device_capability()
     assert hot.grouped == (cap[0] in (9, 10)), "grouped_mm expected on Hopper/Blackwell"

@@ -1,6 +1,6 @@
 """Moving one routed expert from its packed native (CPU) copy into a hot-expert bank slot, with (almost) no CPU work.
 
-Runtime re-placement (``ktinject.operators.rebalance``) moves experts while decode runs; the 16 native expert threads
+Runtime re-placement (``rebalance``) moves experts while decode runs; the 16 native expert threads
 own the CPU then, so a move must not compute on it. The native packed storage of a layer (one mapping per
 ``native.Experts``, ``ktk_experts_region``) is page-locked once when its bank is made for re-placement
 (``PackedRegion``), and a move is, on a side stream:
@@ -30,6 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
+
+from ktinject import cuda_driver, native
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +67,10 @@ class ExpertLayout(NamedTuple):
 
 def expert_layout(experts) -> ExpertLayout:
     """The layout of ``experts`` (native.Experts, quant in GPU_QUANTS) from ktk_experts_raw."""
-    from ktinject._nativelib import experts_raw
-
     mats = []
     for which in MATRICES:
-        first, last = experts_raw(experts, 0, which), experts_raw(experts, experts.num_experts - 1, which)
+        first = native.experts_raw(experts, 0, which)
+        last = native.experts_raw(experts, experts.num_experts - 1, which)
         rel = lambda r, p: p - r.expert if p else -1  # noqa: E731
         m = MatLayout(first.N, first.K, first.Np, first.Kp, rel(first, first.data), first.data_bytes,
                       rel(first, first.scale), rel(first, first.bias))
@@ -144,8 +145,6 @@ _pinned: dict[int, int] = {}  # region address -> PackedRegions that pinned it
 
 
 def _pin(addr: int, nbytes: int) -> bool:
-    from ktinject import cuda_driver
-
     with _pin_lock:
         if addr in _pinned:
             _pinned[addr] += 1
@@ -165,8 +164,6 @@ def _pin(addr: int, nbytes: int) -> bool:
 
 def _unpin(addr: int, experts) -> None:
     """Release one pin of ``addr``; ``experts`` (unused) keeps the mapping alive until then."""
-    from ktinject import cuda_driver
-
     with _pin_lock:
         n = _pinned.get(addr, 0) - 1
         if n > 0:
@@ -185,13 +182,10 @@ class PackedRegion:
     (or garbage collection) unpins; no copy from it may be in flight then."""
 
     def __init__(self, experts, pin: bool = False):
-        from ktinject._nativelib import _native, experts_region
-
         self.experts = experts  # keeps the mapping alive while the tensor exists
         self.layout = expert_layout(experts)
-        addr, nbytes = experts_region(experts)
-        ffi, _ = _native()
-        self.tensor = torch.frombuffer(ffi.buffer(ffi.cast("char *", addr), nbytes), dtype=torch.uint8)  # [nbytes]
+        addr, self.tensor = native.experts_region_view(experts)  # uint8 [nbytes]
+        nbytes = self.tensor.numel()
         self.pinned = bool(pin) and _pin(addr, nbytes)
         self._finalizer = weakref.finalize(self, _unpin, addr, experts) if self.pinned else None
 

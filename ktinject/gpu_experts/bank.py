@@ -1,5 +1,5 @@
 """GPU-resident ("hot") routed experts of one HybridMoE: a weight bank on the block's device and a graph-capturable
-compute for the (token, slot) pairs routed to it. ``ktinject.placement`` decides which experts live here.
+compute for the (token, slot) pairs routed to it. ``placement`` decides which experts live here.
 
 Bank of C slots, allocated once (addresses fixed for its life, so captured graphs stay valid while contents change):
     gate_up [C, 2I, H] (gate rows, then up rows)   down [C, H, I]   dtype D (the model's: bf16 -> 2 B/weight)
@@ -23,9 +23,9 @@ Weights come from the native (CPU) copy, which stays as it is (the skip mask lea
 bf16 experts land in the bank bit-exact; int8 experts are dequantized into it (the GPU then runs the dequantized
 weights with bf16 activations instead of W8A8).
 
-Runtime re-placement (``ktinject.operators.rebalance.Rebalancer``) swaps bank contents and the two tables in place
-between decode steps; for it, a dynamic bank keeps ``packed``, the layer's packed native copy page-locked once (on
-CUDA), from which a move copies the bytes as stored and unpacks them on the device (``ktinject.operators.upload``).
+Runtime re-placement (``rebalance.Rebalancer``) swaps bank contents and the two tables in place between decode
+steps; for it, a dynamic bank keeps ``packed``, the layer's packed native copy page-locked once (on CUDA), from which
+a move copies the bytes as stored and unpacks them on the device (``upload``).
 Legend: T tokens, k experts per token, S = T*k pairs, E experts, C bank slots, H hidden, I intermediate.
 """
 from __future__ import annotations
@@ -34,6 +34,8 @@ import logging
 from typing import Sequence
 
 import torch
+
+from ktinject.gpu_experts.upload import GPU_QUANTS, PackedRegion
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +93,9 @@ class HotExperts:
         self.alpha, self.limit = self.experts.alpha, self.experts.limit
         self.host_biases = getattr(block, "expert_biases", None) if self.experts.bias else None
         if self.experts.bias and self.host_biases is None:
-            raise ValueError("hot experts: this block's experts have biases (gpt-oss) but the HybridMoE kept none "
-                             "(built from a packed cache?); it cannot have GPU-resident experts")
+            raise ValueError("hot experts: this block's experts have biases (gpt-oss) but the HybridMoE holds no "
+                             "expert_biases; build it with the moe operator (inject or from_pretrained), which keeps "
+                             "them; without them it cannot have GPU-resident experts")
         dev, C, E, H, I = self.device, self.C, self.E, self.H, self.I
         self.gate_up = torch.zeros((C, 2 * I, H), dtype=dtype, device=dev)  # [C, 2I, H]
         self.down = torch.zeros((C, H, I), dtype=dtype, device=dev)  # [C, H, I]
@@ -107,11 +110,8 @@ class HotExperts:
         self.grouped = grouped_mm_usable(dev, dtype)
         self._bounds = torch.arange(1, C + 1, dtype=torch.int64, device=dev)  # [C] searchsorted bounds
         self.packed = None  # upload.PackedRegion: source of re-placement moves (page-locked on CUDA); close() frees
-        if self.dynamic:
-            from ktinject.operators.upload import GPU_QUANTS, PackedRegion
-
-            if self.experts.quant in GPU_QUANTS:
-                self.packed = PackedRegion(self.experts, pin=dev.type == "cuda")
+        if self.dynamic and self.experts.quant in GPU_QUANTS:
+            self.packed = PackedRegion(self.experts, pin=dev.type == "cuda")
 
     def close(self) -> None:
         """Unpin the packed native copy (no move may be in flight: Rebalancer.close first). The bank stays usable."""
@@ -146,14 +146,11 @@ class HotExperts:
     def host_weights(self, expert: int, pin: bool = False) -> dict[str, torch.Tensor]:
         """One expert's bank rows as float32 host tensors written directly by native (no torch CPU kernels: this
         runs in a worker thread next to the native expert threads); pinned if asked (async copies)."""
-        from ktinject._nativelib import MATRICES, _check, _native, _ptr
-
-        _, lib = _native()
         I, H = self.I, self.H
         out = {"gate_up": torch.empty((2 * I, H), dtype=torch.float32, pin_memory=pin),  # [2I, H]
                "down": torch.empty((H, I), dtype=torch.float32, pin_memory=pin)}  # [H, I]
         for which, dst in (("gate", out["gate_up"][:I]), ("up", out["gate_up"][I:]), ("down", out["down"])):
-            _check(lib.ktk_experts_get(self.experts._p, int(expert), MATRICES[which], _ptr(dst, "float *")))
+            self.experts.get(int(expert), which, out=dst)
         if self.host_biases is not None:  # tiny rows
             out["gate_up_bias"], out["down_bias"] = self.host_biases[0][expert], self.host_biases[1][expert]
         return out
@@ -262,18 +259,3 @@ class HotExperts:
             parts.append(y.float())
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
         return torch.where(valid.unsqueeze(1), y * w.float().unsqueeze(1), 0.0)
-
-
-def gpt_oss_biases(experts_module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up_bias [E, 2I] as gate then up, down_bias [E, H]) in float32 on the CPU, from HF gpt-oss experts
-    (gate_up_proj_bias interleaved: even = gate, odd = up). Kept by HybridMoE: tiny next to the weights."""
-    b = experts_module.gate_up_proj_bias.detach().float().cpu()
-    return torch.cat([b[:, 0::2], b[:, 1::2]], dim=1), experts_module.down_proj_bias.detach().float().cpu().clone()
-
-
-def __getattr__(name: str):
-    if name == "Rebalancer":  # moved to ktinject.operators.rebalance; old imports keep working
-        from ktinject.operators.rebalance import Rebalancer
-
-        return Rebalancer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Opt-in runtime re-placement of hot experts (``placement.place(..., "dynamic")``): the ``Rebalancer``.
+"""Runtime re-placement of hot experts, the ``Rebalancer`` of strategy ``dynamic`` (the default without statistics).
 
 Every ``every`` generated tokens, each layer's experts are re-ranked by recent routed counts (exponentially decayed
 by ``decay`` per period) and those whose rank changed are queued to move into the bank, each layer keeping its slot
@@ -18,7 +18,7 @@ all layers, largest gain first) is replaced at each period, so a queue that coul
 
 How a move gets its bytes (``transfer``; "auto" picks, per layer, the first that applies):
   packed  from the layer's packed native region, page-locked once (HotExperts.packed): H2D copy of the bytes as
-          stored (bf16, or int8 + scales) and an unpack on the device (ktinject.operators.upload); the CPU only
+          stored (bf16, or int8 + scales) and an unpack on the device (``upload``); the CPU only
           launches a few operations;
   staged  the same through pinned staging buffers that a worker fills with a memcpy (the region could not be pinned);
   host    HotExperts.host_weights (float32 via ktk_experts_get) on ``workers`` threads: quants without a device
@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from ktinject.gpu_experts.upload import StagingPool, Uploader
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +86,6 @@ class Rebalancer:
         self._uploader = self._staging = self._worker = None
         layouts = [b.hot.packed.layout for b, k in zip(self.blocks, self.kinds) if k in ("packed", "staged")]
         if layouts:
-            from ktinject.operators.upload import StagingPool, Uploader
-
             eb = max(x.expert_bytes for x in layouts)
             self._uploader = Uploader(device, eb, max(x.work_bytes for x in layouts), chunk_bytes)
             if "staged" in self.kinds:
