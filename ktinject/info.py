@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import platform
 
+import torch
+
+from ktinject import __version__, compat, fastpaths, native
 from ktinject._callmod import callable_module
+from ktinject.operators import decode_attention
 
 
 def cpu_model() -> str:
@@ -22,10 +26,6 @@ def cpu_model() -> str:
 
 def lines() -> list[str]:
     """The report, one line per fact."""
-    import torch
-
-    from ktinject import __version__, native
-
     out = [f"ktinject        {__version__}", f"cpu             {cpu_model()} ({os.cpu_count()} logical CPUs)"]
     try:
         out.append(f"native library  {native.library_path()} (version {native.version()})")
@@ -43,7 +43,7 @@ def lines() -> list[str]:
     out.append(f"python          {platform.python_version()}")
     out.append(f"torch           {torch.__version__} (threads {torch.get_num_threads()})")
     try:
-        import transformers
+        import transformers  # optional here: the report says when it is missing
         out.append(f"transformers    {transformers.__version__}")
     except ImportError:
         out.append("transformers    not installed")
@@ -60,12 +60,8 @@ def info(model=None) -> dict:
     """Versions, and for a model injected by ktinject its fast paths: ``{"fast_paths": {path: {"active": True |
     False | None (not run yet), "reason": why it last fell back or cannot run, "fast_calls", "fallback_calls"}}}``
     (see ``ktinject.fastpaths``)."""
-    import torch
-
-    from ktinject import __version__, compat, fastpaths
-
     try:
-        import transformers
+        import transformers  # optional here: the report says when it is missing
         tf_version = transformers.__version__
     except ImportError:
         tf_version = None
@@ -89,8 +85,6 @@ def info(model=None) -> dict:
 
 def _decode_attention_missing(model) -> str | None:
     """Why no attention module of ``model`` has the decode forward, or None when some have it."""
-    from ktinject.operators import decode_attention
-
     attns = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     if any(decode_attention.installed(m) for m in attns):
         return None

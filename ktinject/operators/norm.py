@@ -52,7 +52,8 @@ class FusedRMSNorm(nn.Module):
         return f"{self.class_name}, {self._shape[0]}, eps={self.variance_epsilon:g}, fused"
 
 
-def _problem(module: nn.Module) -> str | None:
+def fuse_problem(module: nn.Module) -> str | None:
+    """Why ``module`` cannot become a FusedRMSNorm, or None when it can."""
     cname = type(module).__name__
     if cname not in KNOWN:
         return (f"its class {cname} is not a known HF RMSNorm (known: {', '.join(sorted(KNOWN))}); other norms "
@@ -66,7 +67,7 @@ def _problem(module: nn.Module) -> str | None:
 
 
 def fuse(module: nn.Module) -> FusedRMSNorm:
-    """A FusedRMSNorm sharing ``module``'s weight (``module`` must pass ``_problem``)."""
+    """A FusedRMSNorm sharing ``module``'s weight (``module`` must pass ``fuse_problem``)."""
     return FusedRMSNorm(module.weight, module.variance_epsilon, type(module).__name__)
 
 
@@ -74,7 +75,7 @@ def fuse_children(module: nn.Module) -> int:
     """Replace every known RMSNorm below ``module`` by a FusedRMSNorm in place; returns how many."""
     n = 0
     for name, child in list(module.named_modules()):
-        if name and _problem(child) is None:
+        if name and fuse_problem(child) is None:
             parent, _, attr = name.rpartition(".")
             setattr(module.get_submodule(parent) if parent else module, attr, fuse(child))
             n += 1
@@ -89,7 +90,7 @@ class RMSNormOperator(Operator):
 
     @classmethod
     def check(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> None:
-        problem = _problem(module)
+        problem = fuse_problem(module)
         if problem:
             raise OperatorError(f"rmsnorm: cannot take module {name!r} ({type(module).__name__}): {problem}")
 
@@ -100,3 +101,6 @@ class RMSNormOperator(Operator):
     @classmethod
     def build(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any], device: torch.device) -> nn.Module:
         return fuse(module.to(device))
+
+
+_problem = fuse_problem  # the old private name, still imported by decode_attention.py (to switch to fuse_problem)

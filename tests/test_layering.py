@@ -1,0 +1,210 @@
+"""Layering: no import cycles in the package, no module using another's private names, and a native core whose
+files below the API never call back into it.
+
+Python: every module of ``ktinject`` is parsed (ast, nothing imported) for ``import ktinject...`` / ``from
+ktinject... import ...``, at module level and inside functions. The module-level imports must form no cycle (Python
+would run a half-initialized module). Imports inside functions are allowed where a module is loaded lazily on
+purpose, never to hide a cycle: together with the module-level ones they must form no cycle either, except for the
+few edges listed in ``LAZY_CYCLE_EDGES`` with the reason each is lazy.
+
+C: ``native/src/*.c`` by the functions each file defines and calls: ``api.c`` (the public entry points) is called by
+no other file, ``error.c`` (the error state) calls none.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ktinject"
+
+#: (importer, imported) function-level edges that close a cycle, and why they stay lazy
+LAZY_CYCLE_EDGES: dict[tuple[str, str], str] = {}
+
+#: (importer, module, private name): uses of another module's private names that are accepted, and why
+PRIVATE_USES: dict[tuple[str, str, str], str] = {
+    # native.py is the public face of _nativelib, its implementation module: it re-exports the argument checks
+    # and the library handle that its own wrappers use
+    **{("ktinject.native", "ktinject._nativelib", n): "re-export" for n in ("_check", "_cint", "_native", "_ptr",
+                                                                             "_tensor")},
+    # old private names kept as aliases of public ones until these importers switch (then drop the aliases)
+    ("ktinject.bench.decode", "ktinject.bench.model", "_set_generation_defaults"): "use set_generation_defaults",
+    ("ktinject.operators.decode_attention", "ktinject.operators.norm", "_problem"): "use fuse_problem",
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _targets(node: ast.AST, importer: str) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) for each ktinject module an import statement names."""
+    if isinstance(node, ast.Import):
+        return [(a.name, None) for a in node.names if a.name.split(".")[0] == "ktinject"]
+    base = node.module or ""
+    if node.level:  # relative: resolved against the importer's package
+        package = importer if MODULES[importer].name == "__init__.py" else importer.rpartition(".")[0]
+        base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+    if base.split(".")[0] != "ktinject":
+        return []
+    return [(f"{base}.{a.name}", None) if f"{base}.{a.name}" in MODULES else (base, a.name) for a in node.names]
+
+
+def _type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(test)
+
+
+def _imports(name: str) -> tuple[list[tuple[str, str | None, int]], list[tuple[str, str | None, int]]]:
+    """(module-level, function-level) imports of module ``name``: (module, name or None, line)."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    top, inner = [], []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if _type_checking(node):
+            return  # annotations only: never executed
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            (inner if in_function else top).extend((m, n, node.lineno) for m, n in _targets(node, name))
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return top, inner
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path [a, b, ..., a], or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(v: str) -> list[str] | None:
+        state[v] = 1
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if state.get(w) == 1:
+                return stack[stack.index(w):] + [w]
+            if w not in state:
+                found = walk(w)
+                if found:
+                    return found
+        state[v] = 2
+        stack.pop()
+        return None
+
+    for v in sorted(graph):
+        if v not in state:
+            found = walk(v)
+            if found:
+                return found
+    return None
+
+
+def _graphs() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    top: dict[str, set[str]] = {m: set() for m in MODULES}
+    full: dict[str, set[str]] = {m: set() for m in MODULES}
+    for m in MODULES:
+        outer, inner = _imports(m)
+        for target, _, _ in outer:
+            if target in MODULES and target != m:
+                top[m].add(target)
+                full[m].add(target)
+        for target, _, _ in inner:
+            if target in MODULES and target != m and (m, target) not in LAZY_CYCLE_EDGES:
+                full[m].add(target)
+    return top, full
+
+
+def test_no_cycle_of_module_level_imports():
+    top, _ = _graphs()
+    cycle = _cycle(top)
+    assert cycle is None, f"module-level import cycle: {' -> '.join(cycle)}"
+
+
+def test_no_cycle_hidden_in_function_level_imports():
+    _, full = _graphs()
+    cycle = _cycle(full)
+    assert cycle is None, (f"import cycle through imports inside functions: {' -> '.join(cycle)}; import at module "
+                           f"level and move what both sides need to a module below them")
+
+
+def test_lazy_cycle_edges_are_still_needed():
+    """An entry of LAZY_CYCLE_EDGES whose import is gone must be dropped from the list."""
+    for importer, target in LAZY_CYCLE_EDGES:
+        inner = {t for t, _, _ in _imports(importer)[1]}
+        assert target in inner, f"LAZY_CYCLE_EDGES lists {importer} -> {target}, which imports it no more"
+
+
+def test_operators_do_not_import_the_layers_above():
+    """Operators are the bottom floor: ktinject.gpu_experts, apply, inject and loading build on them, never the
+    reverse (at module level or inside functions)."""
+    above = ("ktinject.gpu_experts", "ktinject.apply", "ktinject.inject", "ktinject.loading", "ktinject.formats")
+    bad = [f"{m} imports {t} (line {line})" for m in MODULES if m.startswith("ktinject.operators")
+           for t, _, line in sum(_imports(m), []) if t.startswith(above)]
+    assert not bad, "; ".join(bad)
+
+
+def _private_uses(name: str) -> list[tuple[str, str, int]]:
+    """(module, private name, line) that module ``name`` takes from another ktinject module: ``from m import _x``
+    and ``alias._x`` where ``alias`` is bound to a ktinject module by an import."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    out, aliases = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for (module, imported, ), alias in zip(_targets(node, name), node.names):
+                bound = alias.asname or alias.name.split(".")[0]
+                if imported is None and module != name:
+                    aliases[bound] = module if isinstance(node, ast.ImportFrom) or alias.asname else "ktinject"
+                elif imported.startswith("_") and not imported.startswith("__") and module != name:
+                    out.append((module, imported, node.lineno))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                out.append((aliases[node.value.id], node.attr, node.lineno))
+    return out
+
+
+def test_no_module_uses_another_modules_private_names():
+    bad = [f"{MODULES[m].relative_to(ROOT)}:{line}: {target}.{attr}" for m in MODULES
+           for target, attr, line in _private_uses(m) if (m, target, attr) not in PRIVATE_USES]
+    assert not bad, "private names used across modules (make them public or move the code):\n" + "\n".join(bad)
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists packages explicitly: a new subpackage missing there is missing from the wheel."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")  # (tomllib is 3.11+; the project runs on 3.10)
+    listed = set(re.findall(r'"([^"]+)"', re.search(r"^packages = \[(.*?)\]", text, re.S | re.M).group(1)))
+    packages = {m for m, path in MODULES.items() if path.name == "__init__.py"}
+    assert packages <= listed, f"add {sorted(packages - listed)} to [tool.setuptools] packages in pyproject.toml"
+
+
+# ---------------------------------------------------------------------------------------------- C
+
+
+def _c_calls() -> tuple[dict[str, str], dict[str, set[str]]]:
+    """(function -> defining file, file -> functions it calls) for native/src/*.c (comments and strings removed)."""
+    defined, calls = {}, {}
+    for path in sorted((ROOT / "native" / "src").glob("*.c")):
+        text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", path.read_text(encoding="utf-8"), flags=re.S)
+        text = re.sub(r'"(\\.|[^"\\])*"', '""', text)
+        for m in re.finditer(r"^(?!static\b)[A-Za-z_][\w \t\*]*?\b(\w+)\s*\([^;{)]*\)\s*\{", text, flags=re.M):
+            defined[m.group(1)] = path.name
+        calls[path.name] = set(re.findall(r"\b(\w+)\s*\(", text))
+    return defined, calls
+
+
+def test_native_files_below_the_api_do_not_call_it():
+    defined, calls = _c_calls()
+    assert defined.get("ktk_last_error") == "api.c" and defined.get("ktki_error") == "error.c"
+    into_api = sorted(f"{f} calls {fn}" for f, called in calls.items() if f != "api.c"
+                      for fn in called if defined.get(fn) == "api.c")
+    assert not into_api, "native files below api.c call into it: " + "; ".join(into_api)
+    from_error = sorted(fn for fn in calls["error.c"] if defined.get(fn, "error.c") != "error.c")
+    assert not from_error, f"error.c calls other files: {from_error}"
