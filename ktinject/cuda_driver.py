@@ -2,9 +2,8 @@
 
 Stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32) let a CUDA stream raise a flag in pinned host
 memory and wait for another one: CUDA graph capture records them, so a captured step can hand work to a CPU thread
-and wait for its result without Python. cuLaunchHostFunc (a host-callback node) is the slower fallback: measured
-on the H100 machine with the native pool (bench decode, empty tasks), 14-34 us per stream-memop handshake against
-150-190 us per submit+wait pair of host callbacks.
+and wait for its result without Python. cuLaunchHostFunc (a host-callback node) is the fallback, several times
+slower per submit + wait (the README's Performance section has both, measured with the native pool).
 
 Nothing happens at import: the library is opened on first use. Every call raises CudaDriverError naming the entry
 point and the driver's error name (cuGetErrorName) when the result is not CUDA_SUCCESS.

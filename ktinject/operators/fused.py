@@ -1,21 +1,21 @@
 """Triton kernels for the decode step on CUDA: chains of small kernels as one or two each.
 
 A decode step on the GPU is a chain of small dependent kernels, each costing its launch gap; with the routed
-experts on the CPU that chain is on the step's critical path. Timed inside CUDA graphs at Qwen3-30B-A3B shapes on
-the H100 machine (tests/gpu/probe_fused.py), per layer:
+experts on the CPU that chain is on the step's critical path (the GPU time of each chain before and after is in the
+README's Performance section, timed inside CUDA graphs by tests/gpu/probe_fused.py):
 
 - ``qk_norm_rope``: q/k RMSNorm and rotary embedding, seven torch kernels (stacked norm weights, unweighted norm,
-  weight multiplication, x * cos, roll, sign * sin, addcmul), 11.3 us -> 1.6 us. One program per (batch, head) row
+  weight multiplication, x * cos, roll, sign * sin, addcmul) as one kernel. One program per (batch, head) row
   of q and k, with the roundings of the torch ops (to the input dtype after the norm, after the weight, after
   x * cos, once at the end):
       y   = round(round(x * rsqrt(mean(x^2) + eps)) * w)      (w: q_norm's weight for q rows, k_norm's for k rows)
       out = round(round(y * cos) + roll(y, D/2) * sign * sin)  (sign = -1 for the first half of D, +1 after)
 - ``masked_softmax``: float32 scores -> scale, mask (bool: keep where true; float: added) -> softmax over the keys
-  -> probabilities in the value dtype, four torch kernels (mul_, where / add, softmax, cast), 13.6 us -> 2.0 us.
+  -> probabilities in the value dtype, four torch kernels (mul_, where / add, softmax, cast) as one.
   One program per score row, the keys in blocks of 1024: a pass for the running max and sum (online softmax), a
   pass that writes.
 - ``router_topk`` (the MoE operator's fast routing): logits (blocks of 2 experts, 64 programs for 128) and top-k
-  + the softmax of the k, two kernels instead of five: 14.0 us -> 5.6 us (HF's router: 21.5 us).
+  + the softmax of the k, two kernels instead of five.
 
 ``available(t, head_dim)`` says where they run (see there); elsewhere the torch ops run. Triton is imported at the
 first call (the first routing, prefill included), not at import. exp and rsqrt are Triton's fast versions (relative
