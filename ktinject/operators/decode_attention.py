@@ -37,6 +37,7 @@ from torch import nn
 
 from ktinject import compat, fastpaths
 from ktinject.operators import fused
+from ktinject.operators.norm import FusedRMSNorm, fuse_problem
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +70,11 @@ def problem(module: nn.Module) -> str | None:
 
 def _qk_norms(module: nn.Module):
     """(q_norm, k_norm, eps) when the module normalizes q and k per head; None without norms; False: other norms."""
-    from ktinject.operators.norm import FusedRMSNorm, _problem
-
     if not getattr(module, "use_qk_norm", True) or not hasattr(module, "q_norm"):
         return None
     qn, kn = module.q_norm, getattr(module, "k_norm", None)
     for n in (qn, kn):
-        if n is None or not (isinstance(n, FusedRMSNorm) or _problem(n) is None):
+        if n is None or not (isinstance(n, FusedRMSNorm) or fuse_problem(n) is None):
             return False
         if n.weight.shape != (module.head_dim,):
             return False

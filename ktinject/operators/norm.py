@@ -103,4 +103,3 @@ class RMSNormOperator(Operator):
         return fuse(module.to(device))
 
 
-_problem = fuse_problem  # the old private name, still imported by decode_attention.py (to switch to fuse_problem)
