@@ -1,0 +1,11 @@
+"""``ktinject.serve``: an OpenAI-compatible server with continuous batching (``python -m ktinject.serve``).
+
+- ``engine.py``: the engine (one thread owns the model; per step: cancellations, chunked prefill, one batched
+  decode step of every running request); knows nothing about HTTP. ``Engine``, ``EngineConfig``,
+  ``SamplingParams``.
+- ``scheduler.py``: KV-cache rows and admission (pure bookkeeping); ``sampling.py``: per-row sampling;
+  ``text.py``: incremental detokenization and stop strings; ``metrics.py``: counters and Prometheus text.
+- ``protocol.py``: OpenAI request/response bodies; ``api.py``: the FastAPI app; ``__main__.py``: the CLI.
+
+Nothing is imported here (FastAPI and uvicorn are the ``serve`` extra; torch loads with the engine).
+"""

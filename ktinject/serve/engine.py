@@ -1,0 +1,461 @@
+"""The serving engine: one thread owns the model and runs every request in one loop of steps (no HTTP here).
+
+Each step of the loop:
+1. drops the requests cancelled since the last step (a client that went away): their rows are free at once;
+2. prefills: prompt chunks of waiting requests, oldest first, into their rows of the KV cache
+   (``kv_cache.forward`` on ``rows(r, r + 1)``), at most ``prefill_chunk`` tokens in the step while other
+   requests decode, so a long prompt delays the running streams by one chunk per step, never by its whole length;
+   a request whose last chunk went in samples its first token from that chunk's logits and is running;
+3. decodes one token for every running request as one forward of the batch bucket b >= n (rows 0..n-1: the
+   running requests, each at its own position and cache length; rows n..b-1: padding, whose cache lengths are put
+   back after the step), through the model's ``GraphRunner``: on CUDA the step replays the graph captured for b;
+   then samples each row with its own parameters (``sampling.py``) and hands each request its new text.
+Rows and admission: ``scheduler.py`` (running requests stay in rows 0..n-1; a finished row is refilled by moving
+the last one into it, so the bucket always fits the running batch). Text and stop strings: ``text.py``.
+
+Requests come from any thread (``submit``); each gets its ``Output`` events through the ``sink`` callable it
+passed, called on the engine thread (keep it short: the API puts the event on its asyncio queue). A request that
+fails (a prefill error) fails alone; a failed decode step fails the requests of that step; the engine goes on.
+Legend: n running requests, b bucket, V vocabulary, S prompt chunk.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from typing import Callable
+
+import torch
+
+from ktinject.serve.metrics import Metrics
+from ktinject.serve.request import (
+    EngineConfig, EngineUnavailable, Output, Request, RequestError, Result,
+)
+from ktinject.serve.sampling import SamplingParams, sample
+from ktinject.serve.scheduler import QueueFull, Scheduler
+from ktinject.serve.text import TextStream
+
+log = logging.getLogger("ktinject.serve")
+
+__all__ = ["Engine", "EngineConfig", "EngineUnavailable", "Output", "QueueFull", "RequestError", "Result",
+           "SamplingParams"]
+
+
+class Engine:
+    """Continuous batching over one model (see the module docstring). ``tokenizer`` may be None: token ids only.
+
+    ``engine.start()`` loads the device state (cache, graphs) on the engine thread and waits until it is ready;
+    ``submit(prompt_ids, params, sink)`` queues a request; ``generate(...)`` is the blocking form; ``stop()``."""
+
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, name: str = "model"):
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.config = config or EngineConfig()
+        text_cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
+            else model.config
+        self.vocab_size = int(text_cfg.vocab_size)
+        limit = getattr(text_cfg, "max_position_embeddings", None)
+        if limit and self.config.max_context > limit:
+            raise ValueError(f"max_context {self.config.max_context} exceeds the model's max_position_embeddings "
+                             f"{limit}")
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.pad_id = _pad_id(model, tokenizer)
+        self.metrics = Metrics()
+        self.sched = Scheduler(self.config.max_batch, self.config.max_queue)
+        self._cond = threading.Condition()
+        self._cancels: list[Request] = []
+        self._tok_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._ready = threading.Event()
+        self.failure: BaseException | None = None  # what stopped the engine thread, if anything did
+        self._ids = itertools.count()
+        self.runner = self.kv = None
+
+    # ---- lifetime ------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    def start(self, timeout: float | None = None) -> "Engine":
+        """Start the engine thread; returns once the cache is allocated and the graphs captured."""
+        if self._thread is not None:
+            return self
+        self._thread = threading.Thread(target=self._main, name="ktinject-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout)
+        if self.failure is not None:
+            raise EngineUnavailable(f"the engine failed to start: {type(self.failure).__name__}: "
+                                    f"{self.failure}") from self.failure
+        return self
+
+    def stop(self, timeout: float | None = 30) -> None:
+        """Finish: every request still held ends with ``cancelled``; the thread exits."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # ---- requests (any thread) -----------------------------------------------------------------------------
+    def default_params(self) -> dict:
+        """Sampling defaults from the model's generation_config: temperature 0 unless it samples."""
+        gc = getattr(self.model, "generation_config", None)
+        if gc is None or not getattr(gc, "do_sample", False):
+            return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+        return {"temperature": float(gc.temperature if gc.temperature is not None else 1.0),
+                "top_p": float(gc.top_p if gc.top_p is not None else 1.0), "top_k": int(gc.top_k or 0)}
+
+    def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+        """The request's max_tokens (None: what the context leaves); RequestError when it does not fit."""
+        ctx = self.config.max_context
+        if prompt_len < 1:
+            raise RequestError("the prompt is empty (0 tokens)", param="prompt")
+        if max_tokens is None:
+            if prompt_len >= ctx:
+                raise RequestError(f"the prompt has {prompt_len} tokens, which leaves no room for a completion in "
+                                   f"the context of {ctx} tokens (--max-context)", param="messages",
+                                   code="context_length_exceeded")
+            return ctx - prompt_len
+        if prompt_len + max_tokens > ctx:
+            raise RequestError(f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
+                               f"{prompt_len + max_tokens} tokens, more than the context of {ctx} tokens "
+                               f"(--max-context)", param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def submit(self, prompt_ids, params: SamplingParams, sink: Callable[[Output], None] | None = None,
+               request_id: str | None = None) -> Request:
+        """Queue a request; its events go to ``sink`` (on the engine thread). Raises RequestError (bad input),
+        QueueFull, EngineUnavailable."""
+        prompt = [int(t) for t in prompt_ids]
+        self.check_length(len(prompt), params.max_tokens)
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param="prompt")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer (this engine has none)", param="stop")
+        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        req = Request(rid, prompt, params, sink or (lambda out: None), self,
+                      TextStream(self.tokenizer, prompt, params.stop), params.rng())
+        with self._cond:
+            if not self.alive or self.failure is not None:
+                raise EngineUnavailable("the engine is not running" + (
+                    f" ({type(self.failure).__name__}: {self.failure})" if self.failure else ""))
+            try:
+                self.sched.submit(req)
+            except QueueFull:
+                self.metrics.reject("queue_full")
+                raise
+            self._cond.notify_all()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop ``req``: its row is freed before the next step (idempotent)."""
+        with self._cond:
+            if req.done or req.cancelled:
+                return
+            req.cancelled = True
+            self._cancels.append(req)
+            self._cond.notify_all()
+
+    def generate(self, prompt_ids, params: SamplingParams, timeout: float | None = None) -> Result:
+        """Submit and wait for the whole completion (any thread but the engine's)."""
+        done = threading.Event()
+        parts: list[Output] = []
+
+        def sink(out: Output):
+            parts.append(out)
+            if out.finish_reason is not None:
+                done.set()
+
+        req = self.submit(prompt_ids, params, sink)
+        if not done.wait(timeout):
+            req.cancel()
+            raise TimeoutError(f"request {req.id} did not finish in {timeout} s")
+        last = parts[-1]
+        return Result("".join(p.text for p in parts), [t for p in parts for t in p.token_ids], last.finish_reason,
+                      last.prompt_tokens, last.completion_tokens,
+                      None if req.t_first is None else req.t_first - req.t_arrival, last.error)
+
+    def counts(self) -> dict:
+        """{running, waiting, free_rows}: running counts every request holding a row (prefilling or decoding)."""
+        with self._cond:
+            s = self.sched
+            return {"running": len(s.running) + (s.prefilling is not None), "waiting": len(s.waiting),
+                    "free_rows": s.free_rows}
+
+    # ---- tokenizer (any thread) ----------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        self._need_tokenizer()
+        with self._tok_lock:
+            return list(self.tokenizer(text, add_special_tokens=True).input_ids)
+
+    def render_chat(self, messages: list[dict], tools: list | None = None, **template_kwargs) -> list[int]:
+        """Token ids of ``messages`` through the tokenizer's chat template, with the generation prompt; ``tools``
+        and ``template_kwargs`` (``enable_thinking``, ...) go to the template. RequestError when it fails."""
+        self._need_tokenizer()
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this model's tokenizer has no chat template: use /v1/completions",
+                               param="messages")
+        try:
+            with self._tok_lock:
+                text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                          add_generation_prompt=True, **template_kwargs)
+                return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation: the client's input
+            raise RequestError(f"the chat template rejected the messages: {type(e).__name__}: {e}",
+                               param="messages") from e
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise RequestError("this engine has no tokenizer: send token ids", param="prompt")
+
+    # ---- the engine thread ---------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            with torch.no_grad():
+                self._setup()
+                self._ready.set()
+                while self._next_step():
+                    pass
+        except BaseException as e:  # noqa: BLE001 - the thread must report, not vanish
+            self.failure = e
+            log.exception("the engine stopped")
+        finally:
+            self._ready.set()
+            self._close()
+
+    def _setup(self) -> None:
+        """The runner, its cache (max_batch rows x max_context, fixed addresses) and, on CUDA, every bucket's graph."""
+        from ktinject.generate import get_runner
+
+        cfg = self.config
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.runner = get_runner(self.model, buckets=cfg.buckets, max_cache_len=cfg.max_context,
+                                 use_graphs=cfg.graphs)
+        for b in reversed(cfg.buckets):
+            self.runner.cache_for(b, cfg.max_context)
+        self.kv = self.runner.kv
+        self._rebalancer = _rebalancer(self.model)
+        if cfg.warmup:
+            t0 = time.perf_counter()
+            self._forward_prefill(0, [self.pad_id] * min(8, cfg.max_context))  # allocates K/V of every row
+            for b in cfg.buckets if self.runner.graphs_enabled() else cfg.buckets[-1:]:
+                self._forward_decode([self.pad_id] * b, b)
+            self.kv.reset_rows(list(range(self.kv.slots)))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            log.info("warm-up in %.1f s (%s)", time.perf_counter() - t0, self.runner.describe())
+
+    def _next_step(self) -> bool:
+        with self._cond:
+            while not self._stopping and not self._cancels and self.sched.idle():
+                self._cond.wait()
+            if self._stopping:
+                return False
+            cancels, self._cancels = self._cancels, []
+        self._finish_many([(r, "cancelled", None) for r in cancels if not r.done])
+        self._prefill_phase()
+        self._decode_phase()
+        return True
+
+    def _prefill_phase(self) -> None:
+        cfg = self.config
+        budget = cfg.prefill_chunk
+        while True:
+            with self._cond:
+                job = self.sched.next_prefill(budget, cfg.prefill_chunk)
+            if job is None:
+                return
+            req = job.seq
+            if req.cancelled:
+                self._finish_many([(req, "cancelled", None)])
+                continue
+            t0 = time.perf_counter()
+            try:
+                if job.fresh:
+                    self.kv.reset_rows(job.row)
+                logits = self._forward_prefill(job.row, req.prompt[job.start:job.end])  # [V]
+                first = sample(logits[None], [req.params], [req.rng])[0] if job.last else None
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                log.exception("prefill of %s failed", req.id)
+                self._finish_many([(req, "error", f"prefill failed: {type(e).__name__}: {e}")])
+                continue
+            self.metrics.prefill(job.end - job.start, time.perf_counter() - t0)
+            budget -= job.end - job.start
+            with self._cond:
+                self.sched.prefilled(job)
+            if first is not None:
+                self._take_tokens([req], [first])
+
+    def _decode_phase(self) -> None:
+        running = list(self.sched.running)  # only this thread changes it
+        n = len(running)
+        if n == 0:
+            return
+        b = next(x for x in self.config.buckets if x >= n)
+        t0 = time.perf_counter()
+        try:
+            logits = self._forward_decode([r.out_ids[-1] for r in running], b)  # [n, V]
+            tokens = sample(logits, [r.params for r in running], [r.rng for r in running])
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            log.exception("a decode step of %d requests failed", n)
+            self._finish_many([(r, "error", f"decode step failed: {type(e).__name__}: {e}") for r in running])
+            return
+        self.metrics.decode_step(n, time.perf_counter() - t0)
+        if self._rebalancer is not None:
+            self._rebalancer.step()
+        self._take_tokens(running, tokens)
+
+    # ---- model calls ---------------------------------------------------------------------------------------
+    def _forward_prefill(self, row: int, ids: list[int]) -> torch.Tensor:
+        """Prompt tokens into ``row`` (after what it holds); the logits [V] after the last one."""
+        from ktinject import kv_cache
+
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, S]
+        out = kv_cache.forward(self.model, self.kv.rows(row, row + 1), x, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    def _forward_decode(self, tokens: list[int], b: int) -> torch.Tensor:
+        """One token for rows 0..n-1 (n = len(tokens)) in the bucket ``b``; logits [n, V]."""
+        from ktinject import compat
+
+        n = len(tokens)
+        cache = self.runner.caches[b]
+        ids = torch.tensor(tokens + [self.pad_id] * (b - n), dtype=torch.long).view(b, 1).to(self.device)
+        pos = cache.row_lengths[:b, None].clone()  # [b, 1]: every row at its own position
+        out = self.runner(input_ids=ids, position_ids=pos, use_cache=True, **compat.cache_arg(cache))
+        if b > n:
+            self.kv.lengths[:, n:b] -= 1  # padding rows: their dummy token is forgotten
+        return out.logits[:n, -1]
+
+    # ---- tokens and endings --------------------------------------------------------------------------------
+    def _take_tokens(self, reqs: list[Request], tokens: list[int]) -> None:
+        """Each request's new token: text, stop checks, its event; finished ones release their rows."""
+        ended = []
+        now = time.perf_counter()
+        with self._tok_lock:
+            for req, tok in zip(reqs, tokens):
+                if req.t_first is None:
+                    req.t_first = now
+                    self.metrics.first_token(now - req.t_arrival)
+                req.out_ids.append(tok)
+                self.metrics.token()
+                try:
+                    finish, text = self._text(req, tok)
+                except Exception as e:  # noqa: BLE001 - a token the tokenizer cannot decode fails its request only
+                    log.exception("decoding the text of %s failed", req.id)
+                    ended.append((req, "error", f"decoding token {tok} failed: {type(e).__name__}: {e}"))
+                    continue
+                if finish is None:
+                    self._send(req, Output(req.id, text, [tok]))
+                else:
+                    ended.append((req, finish, None, text, [tok]))
+        if ended:
+            self._finish_many(ended)
+
+    def _text(self, req: Request, tok: int) -> tuple[str | None, str]:
+        """(finish reason or None, the text to send) after ``tok``."""
+        if tok in self.eos_ids and not req.params.ignore_eos:
+            return "stop", req.text.finish()
+        text = req.text.push(tok)
+        if req.text.stopped is not None:
+            return "stop", text
+        if len(req.out_ids) >= req.params.max_tokens:
+            return "length", text + req.text.finish()
+        return None, text
+
+    def _finish_many(self, items) -> None:
+        """End requests: (req, reason, error[, text, tokens]); rows freed and the layout compacted."""
+        items = [it for it in items if not it[0].done]
+        if not items:
+            return
+        with self._cond:
+            for it in items:
+                it[0].done = True
+            moves, freed = self.sched.release_many([it[0] for it in items])
+        try:
+            for src, dst in moves:
+                self.kv.copy_row(src, dst)
+            if freed:
+                self.kv.reset_rows(freed)
+        except Exception:  # noqa: BLE001 - a broken cache breaks every row: stop the engine
+            log.exception("moving KV-cache rows failed")
+            raise
+        for it in items:
+            req, reason, error = it[:3]
+            text, toks = (it[3], it[4]) if len(it) > 3 else ("", [])
+            self.metrics.finish(reason)
+            self._send(req, Output(req.id, text, toks, reason, req.prompt_len, len(req.out_ids), error))
+            self._log_end(req, reason, error)
+
+    def _send(self, req: Request, out: Output) -> None:
+        try:
+            req.sink(out)
+        except Exception:  # noqa: BLE001 - a broken consumer cancels its request, nothing else
+            log.exception("the consumer of %s failed; cancelling it", req.id)
+            if out.finish_reason is None:
+                self.cancel(req)
+
+    def _log_end(self, req: Request, reason: str, error: str | None) -> None:
+        now = time.perf_counter()
+        n = len(req.out_ids)
+        ttft = "n/a" if req.t_first is None else f"{req.t_first - req.t_arrival:.3f} s"
+        rate = f"{(n - 1) / (now - req.t_first):.1f} tok/s" if req.t_first and n > 1 and now > req.t_first else "n/a"
+        log.info("%s: %s after %d prompt + %d completion tokens, first token %s, decode %s%s", req.id, reason,
+                 req.prompt_len, n, ttft, rate, f" ({error})" if error else "")
+
+    def _close(self) -> None:
+        """The thread ends: every request still held is told so."""
+        with self._cond:
+            self._stopping = True
+            held = list(self.sched.waiting) + list(self.sched.running) + \
+                ([self.sched.prefilling] if self.sched.prefilling else [])
+        why = "the engine stopped" if self.failure is None else f"the engine failed: {self.failure}"
+        for req in held:
+            if not req.done:
+                req.done = True
+                self._send(req, Output(req.id, "", [], "cancelled" if self.failure is None else "error",
+                                       req.prompt_len, len(req.out_ids), why))
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids = set()
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        if e is not None:
+            ids.add(int(e))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def _pad_id(model, tokenizer) -> int:
+    for v in (getattr(tokenizer, "pad_token_id", None), getattr(model.generation_config, "pad_token_id", None)
+              if getattr(model, "generation_config", None) is not None else None):
+        if isinstance(v, int):
+            return v
+    return 0
+
+
+def _rebalancer(model):
+    """The dynamic hot-expert placement's Rebalancer (stepped once per decode step), or None."""
+    try:
+        from ktinject.gpu_experts import placement
+    except ImportError:
+        return None
+    get = getattr(placement, "rebalancer", None)
+    return get(model) if get is not None else None

@@ -1,0 +1,108 @@
+"""What the engine takes and gives: its settings, a request inside it, the events a request gets, and the two
+errors a caller handles (``RequestError``: bad input, the API's 400; ``EngineUnavailable``: the API's 503).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from ktinject.serve.engine import Engine
+    from ktinject.serve.sampling import SamplingParams
+    from ktinject.serve.text import TextStream
+
+#: batch sizes that get a decode graph (up to --max-batch, which gets one too)
+BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (the API answers 400); ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is stopping or has stopped (the API answers 503)."""
+
+
+@dataclass
+class EngineConfig:
+    """``max_batch``: KV-cache rows = requests decoding together; ``max_context``: tokens per row (prompt +
+    completion); ``max_queue``: requests waiting for a row before new ones get QueueFull; ``prefill_chunk``:
+    prompt tokens per step while others decode; ``graphs``: CUDA graphs (None: on CUDA); ``warmup``: capture every
+    bucket's graph and allocate the cache before serving."""
+
+    max_batch: int = 8
+    max_context: int = 4096
+    max_queue: int = 128
+    prefill_chunk: int = 512
+    graphs: bool | None = None
+    warmup: bool = True
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_context", "prefill_chunk"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(sorted({b for b in BUCKETS if b < self.max_batch} | {self.max_batch}))
+
+
+@dataclass
+class Output:
+    """One event of a request: new text and tokens; the last one has ``finish_reason`` (stop, length, cancelled,
+    error; ``error`` says what went wrong)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Result:
+    """A whole completion (``Engine.generate``)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft: float | None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """A request inside the engine. ``cancel()`` may be called from any thread."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: Callable[[Output], None]
+    engine: "Engine"
+    text: TextStream
+    rng: object
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    out_ids: list[int] = field(default_factory=list)
+    row: int | None = None
+    prefilled: int = 0
+    cancelled: bool = False
+    done: bool = False
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    def cancel(self) -> None:
+        self.engine.cancel(self)

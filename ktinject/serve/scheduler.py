@@ -1,0 +1,144 @@
+"""Which request holds which KV-cache row, and what the engine does next: pure bookkeeping, no torch.
+
+Rows (slots of ``ktinject.kv_cache``, ``max_batch`` of them, allocated once) are kept compact:
+
+- rows 0..n-1 hold the n *running* requests (prompt in the cache, decoding), so one decode step of the bucket
+  b >= n covers exactly them, plus b - n padding rows;
+- row n holds at most one request whose prompt is *partly* prefilled (a long prompt is prefilled in chunks between
+  decode steps; the chunk budget of a step is spent on the oldest admitted request first, so only the last one a
+  step touches can be left half done);
+- the other rows are free.
+
+A running request that finishes or is cancelled frees its row at once: the last running row moves into the hole
+(``copy_row``) and the half-prefilled request, if any, moves down one row behind it, so the layout above holds
+again before the next step; the moves come back as (src, dst) pairs for the engine to apply to the cache, in
+order. A waiting request takes row n when its prefill starts and joins the running rows (row n, now n + 1 rows)
+when its last prompt chunk is in. Requests are admitted first come, first served.
+
+``Scheduler`` works on any objects with a ``prompt_len`` attribute; it sets ``row`` and ``prefilled`` on them.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit (the API answers 429)."""
+
+
+@dataclass
+class PrefillJob:
+    """Prefill prompt tokens [start, end) of ``seq`` into ``row``; ``fresh``: the row must be reset first."""
+
+    seq: object
+    row: int
+    start: int
+    end: int
+
+    @property
+    def fresh(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.seq.prompt_len
+
+
+class Scheduler:
+    """Slots and admission (see the module docstring). Not thread-safe: the engine holds its lock around calls."""
+
+    def __init__(self, max_batch: int, max_queue: int):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.waiting: deque = deque()
+        self.running: list = []  # running[i] holds row i
+        self.prefilling = None  # the half-prefilled request, in row len(running)
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    @property
+    def free_rows(self) -> int:
+        return self.max_batch - len(self.running) - (self.prefilling is not None)
+
+    def idle(self) -> bool:
+        return not (self.waiting or self.running or self.prefilling)
+
+    def holds(self, seq) -> bool:
+        return seq is self.prefilling or any(s is seq for s in self.running) or any(s is seq for s in self.waiting)
+
+    def check(self) -> None:
+        """Assert the row layout (tests and debugging)."""
+        for i, s in enumerate(self.running):
+            assert s.row == i, f"running request in row {s.row} listed at {i}"
+        if self.prefilling is not None:
+            assert self.prefilling.row == len(self.running), "the half-prefilled request is not right after the running rows"
+            assert 0 < self.prefilling.prefilled < self.prefilling.prompt_len
+        assert len(self.running) + (self.prefilling is not None) <= self.max_batch
+        assert all(s.row is None for s in self.waiting)
+
+    # ---- admission -----------------------------------------------------------------------------------------
+    def submit(self, seq) -> None:
+        """Queue ``seq``; ``QueueFull`` when ``max_queue`` requests already wait beyond the free rows (a request
+        that a free row takes at the next step does not count as waiting)."""
+        if len(self.waiting) - self.free_rows >= self.max_queue:
+            raise QueueFull(f"every row is busy and {self.max_queue} requests already wait for one (--max-queue); "
+                            "retry later")
+        seq.row, seq.prefilled = None, 0
+        self.waiting.append(seq)
+
+    def next_prefill(self, budget: int, chunk: int) -> PrefillJob | None:
+        """The next prompt chunk to prefill (at most ``min(budget, chunk)`` tokens), or None: nothing waits, no row
+        is free, or the budget is spent. Call ``prefilled(job)`` once it ran."""
+        if budget <= 0:
+            return None
+        seq = self.prefilling
+        if seq is None:
+            if not self.waiting or len(self.running) >= self.max_batch:
+                return None
+            seq = self.prefilling = self.waiting.popleft()
+            seq.row, seq.prefilled = len(self.running), 0
+        end = min(seq.prompt_len, seq.prefilled + min(budget, chunk))
+        return PrefillJob(seq, seq.row, seq.prefilled, end)
+
+    def prefilled(self, job: PrefillJob) -> bool:
+        """Record that ``job`` ran; True when the request's whole prompt is in (it is running from now on)."""
+        seq = job.seq
+        assert seq is self.prefilling and seq.prefilled == job.start, "prefill jobs must run in the order given"
+        seq.prefilled = job.end
+        if job.end < seq.prompt_len:
+            return False
+        self.prefilling = None
+        self.running.append(seq)
+        return True
+
+    # ---- release -------------------------------------------------------------------------------------------
+    def release(self, seq) -> list[tuple[int, int]]:
+        """Forget ``seq`` wherever it is; returns the row moves (src, dst) that keep the layout compact."""
+        return self.release_many([seq])[0]
+
+    def release_many(self, seqs) -> tuple[list[tuple[int, int]], list[int]]:
+        """Forget several requests at once; (row moves (src, dst) to apply in order, rows free afterwards). Moves are
+        as few as can be: only survivors above the new end of the running rows move, into the holes below it."""
+        gone = {id(s) for s in seqs}
+        held = len(self.running) + (self.prefilling is not None)
+        self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        survivors = [s for s in self.running if id(s) not in gone]
+        n = len(survivors)
+        holes = [s.row for s in self.running if id(s) in gone and s.row < n]
+        movers = [s for s in survivors if s.row >= n]
+        moves = []
+        for s, hole in zip(movers, holes):
+            moves.append((s.row, hole))
+            s.row = hole
+        for s in seqs:
+            if s is not self.prefilling:
+                s.row = None
+        self.running = sorted(survivors, key=lambda s: s.row)
+        if self.prefilling is not None and id(self.prefilling) in gone:
+            self.prefilling.row, self.prefilling = None, None
+        if self.prefilling is not None and self.prefilling.row != n:
+            moves.append((self.prefilling.row, n))  # after the others: row n may have been a source above
+            self.prefilling.row = n
+        return moves, list(range(n + (self.prefilling is not None), held))

@@ -1,0 +1,247 @@
+"""ktinject.serve's parts without a model: the scheduler's admission and row logic, per-row sampling, incremental
+text with stop strings, the Prometheus text and the request checks. Fast (no model, no server)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from ktinject.serve.metrics import Metrics
+from ktinject.serve.sampling import SamplingParams, sample
+from ktinject.serve.scheduler import QueueFull, Scheduler
+from ktinject.serve.text import TextStream
+
+
+@dataclass(eq=False)
+class Seq:
+    name: str
+    prompt_len: int
+    row: int | None = None
+    prefilled: int = 0
+
+
+def _prefill_all(s: Scheduler, budget: int = 10**9, chunk: int = 10**9) -> list:
+    """Run next_prefill/prefilled until nothing is left in the budget: the jobs, as (name, row, start, end)."""
+    jobs = []
+    while (job := s.next_prefill(budget, chunk)) is not None:
+        jobs.append((job.seq.name, job.row, job.start, job.end))
+        budget -= job.end - job.start
+        s.prefilled(job)
+        s.check()
+    return jobs
+
+
+# ---- scheduler -----------------------------------------------------------------------------------------------
+def test_admission_fills_rows_in_order_and_queues_the_rest():
+    s = Scheduler(max_batch=3, max_queue=2)
+    seqs = [Seq(f"r{i}", 4) for i in range(5)]
+    for q in seqs:
+        s.submit(q)
+    assert _prefill_all(s) == [("r0", 0, 0, 4), ("r1", 1, 0, 4), ("r2", 2, 0, 4)]
+    assert [q.row for q in s.running] == [0, 1, 2] and len(s.waiting) == 2 and s.free_rows == 0
+    with pytest.raises(QueueFull, match="max-queue"):
+        s.submit(Seq("r5", 1))  # 3 rows busy, 2 waiting = the limit
+    assert s.next_prefill(100, 100) is None  # no free row
+
+
+def test_queue_limit_counts_only_requests_beyond_the_free_rows():
+    s = Scheduler(max_batch=2, max_queue=0)
+    s.submit(Seq("a", 1))
+    s.submit(Seq("b", 1))  # two free rows take both at the next step
+    with pytest.raises(QueueFull):
+        s.submit(Seq("c", 1))
+
+
+def test_chunked_prefill_spends_the_budget_oldest_first_and_leaves_one_half_done():
+    s = Scheduler(max_batch=4, max_queue=8)
+    long, short, other = Seq("long", 10), Seq("short", 2), Seq("other", 5)
+    for q in (long, short, other):
+        s.submit(q)
+    assert _prefill_all(s, budget=4, chunk=4) == [("long", 0, 0, 4)]
+    assert s.prefilling is long and long.prefilled == 4 and not s.running
+    assert _prefill_all(s, budget=4, chunk=4) == [("long", 0, 4, 8)]
+    assert _prefill_all(s, budget=5, chunk=4) == [("long", 0, 8, 10), ("short", 1, 0, 2), ("other", 2, 0, 1)]
+    assert [q.name for q in s.running] == ["long", "short"] and s.prefilling is other and other.row == 2
+
+
+def test_release_moves_the_last_row_into_the_hole_and_the_half_prefilled_one_behind_it():
+    s = Scheduler(max_batch=5, max_queue=8)
+    seqs = [Seq(f"r{i}", 2) for i in range(4)]
+    late = Seq("late", 9)
+    for q in (*seqs, late):
+        s.submit(q)
+    _prefill_all(s, budget=2 * 4 + 3)
+    assert [q.row for q in seqs] == [0, 1, 2, 3] and s.prefilling is late and late.row == 4
+    assert s.release(seqs[1]) == [(3, 1), (4, 3)]  # r3 fills row 1, the half-prefilled request moves to row 3
+    s.check()
+    assert [q.name for q in s.running] == ["r0", "r3", "r2"] and late.row == 3 and seqs[1].row is None
+    assert s.release(seqs[2]) == [(3, 2)]  # the last running row: only the prefilling one moves down
+    s.check()
+    assert s.release(late) == [] and s.prefilling is None and s.free_rows == 3
+    assert s.release(Seq("stranger", 1)) == []
+
+
+def test_release_many_frees_the_top_rows_with_fewest_moves():
+    s = Scheduler(max_batch=6, max_queue=8)
+    seqs = [Seq(f"r{i}", 1) for i in range(6)]
+    for q in seqs:
+        s.submit(q)
+    _prefill_all(s)
+    moves, freed = s.release_many([seqs[1], seqs[5], seqs[3]])
+    s.check()
+    assert moves == [(4, 1)]  # r4, the one survivor above the new end (row 3), fills the hole at row 1
+    assert sorted(q.name for q in s.running) == ["r0", "r2", "r4"] and freed == [3, 4, 5]
+
+
+def test_a_waiting_request_takes_a_freed_row_at_the_next_prefill():
+    s = Scheduler(max_batch=2, max_queue=4)
+    a, b, c = Seq("a", 1), Seq("b", 1), Seq("c", 3)
+    for q in (a, b, c):
+        s.submit(q)
+    _prefill_all(s)
+    assert s.waiting[0] is c
+    s.release(a)
+    assert _prefill_all(s) == [("c", 1, 0, 3)] and [q.name for q in s.running] == ["b", "c"]
+    s.release(c)  # a waiting request cancelled before it got a row
+    s.submit(d := Seq("d", 1))
+    s.release(d)
+    assert not s.waiting and s.free_rows == 1
+
+
+def test_random_admissions_and_releases_keep_the_layout(seed=0):
+    rng = random.Random(seed)
+    s = Scheduler(max_batch=5, max_queue=50)
+    live = []
+    for step in range(400):
+        if rng.random() < 0.5:
+            q = Seq(f"s{step}", rng.randint(1, 12))
+            try:
+                s.submit(q)
+                live.append(q)
+            except QueueFull:
+                pass
+        _prefill_all(s, budget=rng.randint(0, 8), chunk=rng.randint(1, 6))
+        if live and rng.random() < 0.4:
+            gone = rng.sample(live, rng.randint(1, min(3, len(live))))
+            rows_before = {q.name: q.row for q in s.running}
+            moves, freed = s.release_many(gone)
+            for q in gone:
+                live.remove(q)
+            assert all(src > dst for src, dst in moves)  # rows only move down
+            assert all(q.row == i for i, q in enumerate(s.running)) and rows_before is not None
+        s.check()
+
+
+# ---- sampling ------------------------------------------------------------------------------------------------
+def test_greedy_rows_take_the_argmax_and_sampled_rows_follow_their_own_seed():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g)
+    greedy, hot = SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=1, temperature=1.0, seed=7)
+    first = sample(logits, [greedy, hot, greedy], [greedy.rng(), hot.rng(), greedy.rng()])
+    assert first[0] == int(logits[0].argmax()) and first[2] == int(logits[2].argmax())
+    alone = sample(logits[1:2], [hot], [hot.rng()])  # the same seed alone: the same token
+    assert alone == [first[1]]
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy_and_the_distribution_is_followed():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    rng = random.Random(3)
+    for p in (SamplingParams(max_tokens=1, temperature=1.5, top_k=1), SamplingParams(max_tokens=1, top_p=1e-6)):
+        assert {sample(logits, [p], [rng])[0] for _ in range(30)} == {1}
+    p = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.8)  # probs .09 .64 .24 .03: tokens 1, 2 kept
+    counts = torch.bincount(torch.tensor([sample(logits, [p], [rng])[0] for _ in range(2000)]), minlength=4)
+    assert counts[0] == 0 and counts[3] == 0 and 0.68 < counts[1] / 2000 < 0.78  # .64 / (.64 + .24)
+
+
+def test_sampling_params_name_the_bad_field():
+    from ktinject.serve.engine import RequestError
+
+    for kw, field in [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 1, "top_p": 0}, "top_p"),
+                      ({"max_tokens": 1, "temperature": -1}, "temperature"), ({"max_tokens": 1, "stop": ("",)}, "stop")]:
+        with pytest.raises(RequestError) as e:
+            SamplingParams(**kw)
+        assert e.value.param == field
+
+
+# ---- text ----------------------------------------------------------------------------------------------------
+class CharTokenizer:
+    """Token i decodes to VOCAB[i]; '\\xff' stands for an incomplete byte (decodes to U+FFFD until its pair)."""
+
+    VOCAB = ["", "Hel", "lo", " wor", "ld", "!", " ST", "OP", "\xe2", "\x82\xac", "END"]
+
+    def decode(self, ids, **kw):
+        raw = "".join(self.VOCAB[i] for i in ids).encode("latin-1")
+        return raw.decode("utf-8", errors="replace")
+
+
+def _run(stream: TextStream, ids) -> list[str]:
+    return [stream.push(i) for i in ids] + [stream.finish()]
+
+
+def test_text_waits_for_whole_characters():
+    out = _run(TextStream(CharTokenizer()), [1, 2, 8, 9, 5])
+    assert out == ["Hel", "lo", "", "\u20ac", "!", ""]
+
+
+def test_stop_string_across_tokens_ends_the_text_before_it():
+    s = TextStream(CharTokenizer(), stop=("STOP",))
+    out = _run(s, [1, 2, 6, 7, 3])
+    assert "".join(out) == "Hello " and s.stopped == "STOP"
+    assert out[2] == " "  # "ST" is held: it may be the start of STOP
+    assert s.push(4) == ""  # nothing after the stop
+
+
+def test_held_text_is_released_when_it_turns_out_not_to_be_a_stop():
+    s = TextStream(CharTokenizer(), stop=("STOP", "!!"))
+    assert _run(s, [1, 6, 3, 5]) == ["Hel", " ", "ST wor", "", "!"]
+    assert s.stopped is None
+
+
+# ---- metrics and protocol ------------------------------------------------------------------------------------
+def test_prometheus_text_has_the_gauges_counters_and_histogram():
+    m = Metrics()
+    m.first_token(0.07)
+    m.first_token(3.0)
+    m.decode_step(4, 0.01)
+    m.token(5)
+    m.finish("length")
+    text = m.render(running=2, waiting=1, slots=8)
+    assert "ktinject_requests_running 2" in text and "ktinject_requests_waiting 1" in text
+    assert "ktinject_generation_tokens_total 5" in text
+    assert 'ktinject_time_to_first_token_seconds_bucket{le="0.1"} 1' in text
+    assert 'ktinject_time_to_first_token_seconds_bucket{le="+Inf"} 2' in text
+    assert 'ktinject_requests_finished_total{finish_reason="length"} 1' in text
+    assert m.decode_rate() > 0
+    for line in text.splitlines():  # every sample line: name{labels} number
+        if not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1])
+
+
+def test_request_checks_name_the_field():
+    from ktinject.serve.engine import RequestError
+    from ktinject.serve.protocol import ChatRequest, CompletionRequest, stop_strings
+
+    def param(fn):
+        with pytest.raises(RequestError) as e:
+            fn()
+        return e.value.param
+
+    chat = ChatRequest.model_validate
+    assert param(lambda: chat({"messages": [{"role": "robot", "content": "x"}]}).template_messages()) == \
+        "messages[0].role"
+    assert param(lambda: chat({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+                 .template_messages()) == "messages[0].content[0]"
+    assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "n": 2}).check()) == "n"
+    assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).check()) == \
+        "logprobs"
+    assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})
+                 .check()) == "tool_choice"
+    assert param(lambda: stop_strings(["a", 3])) == "stop"
+    assert param(lambda: CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompt_value()) == "prompt"
+    assert param(lambda: CompletionRequest.model_validate({"prompt": ""}).prompt_value()) == "prompt"
+    assert CompletionRequest.model_validate({"prompt": [[5, 6]]}).prompt_value() == [5, 6]
+    msgs = chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                  {"type": "text", "text": "b"}]}]})
+    assert msgs.template_messages() == [{"role": "system", "content": "ab"}]
