@@ -1,0 +1,184 @@
+"""``python -m ktinject.serve --model DIR``: an OpenAI-compatible server with continuous batching.
+
+Loads the model as the chat does (same options; without --model, the built-in demo model), starts the engine
+(``engine.py``: KV cache of --max-batch rows x --max-context tokens, CUDA graphs captured for every batch bucket
+before the first request), then serves ``api.py``'s app with uvicorn on --host:--port (127.0.0.1 unless told
+otherwise; --port 0 picks a free port). The port is bound before the model loads, so a port in use fails at once.
+Needs the serve extra: ``pip install -e ".[serve]"``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ktinject.chat import CliError, _hot_options, _positive, _resolve, _setup
+from ktinject.gpu_experts.settings import DEFAULT_REBALANCE_EVERY, STRATEGIES
+
+PROG = "ktinject.serve"
+log = logging.getLogger("ktinject.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The server's options; README.md's "Serving" table lists each of them (tests/test_serve_cli.py checks it)."""
+    p = argparse.ArgumentParser(prog=f"python -m {PROG}",
+                                description="Serve a MoE model through ktinject with an OpenAI-compatible API.")
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $KTINJECT_API_KEY if set, else no key)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--max-batch", type=_positive, default=8,
+                   help="requests decoding together = KV-cache rows (default 8); graphs for 1, 2, 4, ... up to it")
+    p.add_argument("--max-context", type=_positive,
+                   help="tokens per request, prompt + completion (default: 4096, or less if the model has less)")
+    p.add_argument("--max-queue", type=int, default=128,
+                   help="requests waiting for a row before new ones get 429 (default 128)")
+    p.add_argument("--prefill-chunk", type=_positive, default=512,
+                   help="prompt tokens prefilled per step while other requests decode (default 512)")
+    p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
+    p.add_argument("--quant", choices=["bf16", "int8", "int4"], default="bf16",
+                   help="expert weight format (default bf16)")
+    p.add_argument("--threads", type=_positive,
+                   help="CPU threads for experts (default: one per physical core, less one from 8 cores up)")
+    p.add_argument("--gpu-experts-budget", metavar="SIZE",
+                   help="GPU bytes for hot routed experts, e.g. 12GiB (default: none, or the rules' kwarg)")
+    p.add_argument("--placement", choices=STRATEGIES,
+                   help="how hot experts are chosen (default: frequency with --expert-stats, else dynamic)")
+    p.add_argument("--expert-stats", metavar="FILE", help="expert statistics from python -m ktinject.calibrate")
+    p.add_argument("--rebalance-every", metavar="N", type=_positive,
+                   help=f"dynamic placement: tokens between re-rankings (default {DEFAULT_REBALANCE_EVERY})")
+    p.add_argument("--gpu", help='device for the dense part (default "cuda" if available, else "cpu")')
+    p.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs (for comparison)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logs, the injection plan and tracebacks")
+    return p
+
+
+def _check_extra() -> None:
+    missing = [m for m in ("fastapi", "uvicorn") if _missing(m)]
+    if missing:
+        raise CliError(f"{' and '.join(missing)} not installed: pip install -e \".[serve]\" (or pip install fastapi "
+                       "uvicorn)")
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads (a port in use fails in a second, not after the load)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CliError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror} (another server there? pick --port)") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _max_context(args, model) -> int:
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(cfg, "max_position_embeddings", None) or 1 << 30
+    if args.max_context is None:
+        return min(4096, limit)
+    if args.max_context > limit:
+        raise CliError(f"--max-context {args.max_context} exceeds the model's max_position_embeddings {limit}")
+    return args.max_context
+
+
+def _kv_bytes(engine) -> int:
+    return sum(t.numel() * t.element_size() for layer in engine.kv.layers if layer.is_initialized
+               for t in (layer.keys, layer.values))
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def serve(args: argparse.Namespace) -> int:
+    _check_extra()
+    import uvicorn
+
+    from ktinject.chat import load_model
+    from ktinject.serve.api import create_app
+    from ktinject.serve.engine import Engine, EngineConfig
+
+    api_key = args.api_key or os.environ.get("KTINJECT_API_KEY") or None
+    if args.max_queue < 0:
+        raise CliError(f"--max-queue must be >= 0, got {args.max_queue}")
+    sock = _bind(args.host, args.port)
+    model_dir, rules = _resolve(args)
+    hot = _hot_options(args)
+    gpu = _setup(args)
+    logging.getLogger("ktinject.serve").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    t0 = time.perf_counter()
+    try:
+        model, tokenizer, plan = load_model(model_dir, rules, quant=args.quant, progress=sys.stderr.isatty(),
+                                            gpu=gpu, **hot)
+    except Exception as e:  # bad rules, unsupported model, unreadable checkpoint: user errors, one line
+        if args.verbose:
+            raise
+        raise CliError(f"cannot load {model_dir}: {type(e).__name__}: {e} (-v shows the traceback)") from e
+    if args.verbose and plan is not None:
+        print(plan)
+    name = args.served_model_name or ("ktinject-demo" if args.model is None else Path(model_dir).name)
+    aliases = (name,) + tuple(a for a in (args.model, str(model_dir)) if a and a != name)
+    config = EngineConfig(max_batch=args.max_batch, max_context=_max_context(args, model), max_queue=args.max_queue,
+                          prefill_chunk=args.prefill_chunk, graphs=False if args.no_graphs else None)
+    engine = Engine(model, tokenizer, config, name=name).start()
+    graphs = "on" if engine.runner.graphs_enabled() else "off"
+    print(f"Loaded {Path(model_dir).name} in {time.perf_counter() - t0:.1f} s (gpu={gpu}, quant={args.quant}); "
+          f"KV cache {config.max_batch} x {config.max_context} tokens = {_kv_bytes(engine) / 2**30:.2f} GiB, "
+          f"CUDA graphs {graphs} for batches {', '.join(map(str, config.buckets))}.", flush=True)
+    url = _url(sock)
+    print(f"Serving {name!r} at {url}/v1 (OpenAI API; {'API key required' if api_key else 'no API key'}); "
+          f"Ctrl-C stops.", flush=True)
+    app = create_app(engine, aliases, api_key=api_key)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="debug" if args.verbose else "info",
+                                           timeout_graceful_shutdown=5))
+    # uvicorn stops on SIGINT / SIGTERM, then raises the signal again: a stop asked for is a clean exit
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.stop()
+        sock.close()
+    print(f"{PROG}: stopped", flush=True)
+    return 0 if engine.failure is None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return serve(args)
+    except CliError as e:
+        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

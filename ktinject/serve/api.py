@@ -1,0 +1,301 @@
+"""The HTTP face of the engine: an OpenAI-compatible FastAPI app (``create_app(engine)``).
+
+Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streamed as server-sent
+events ending with ``data: [DONE]`` when ``stream`` is true), ``GET /health``, ``GET /metrics`` (Prometheus text).
+Every error is OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
+JSON, wrong types, unknown model, a prompt that does not fit the context, unsupported parameters), 401 without the
+API key, 404 for unknown paths, 429 when the queue is full, 503 when the engine is down. With an API key, every
+path but ``/health`` needs ``Authorization: Bearer KEY``.
+
+Requests are tokenized in a worker thread (the chat template, under the engine's tokenizer lock), submitted to the
+engine, and their events come back through an asyncio queue. A client that goes away (its connection closes) is
+noticed while the reply waits or streams, and its request is cancelled: the engine frees its row before its next
+step.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ktinject.serve import protocol
+from ktinject.serve.engine import EngineUnavailable, Output, QueueFull, RequestError
+
+log = logging.getLogger("ktinject.serve")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type_, param, code
+
+
+def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key: str | None = None):
+    """The FastAPI app serving ``engine`` (started by the caller) under ``model_names`` (the first one is listed
+    by /v1/models; the others are accepted aliases)."""
+    names = (model_names,) if isinstance(model_names, str) else tuple(model_names or (engine.name,))
+    created = int(time.time())
+
+    def error(status: int, message: str, **kw) -> JSONResponse:
+        if status >= 500:
+            kw.setdefault("type_", "server_error")
+        return JSONResponse(protocol.error_body(message, **kw), status_code=status)
+
+    app = FastAPI(title="ktinject", description="OpenAI-compatible server of a ktinject model", docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    if api_key:
+        app.add_middleware(_KeyCheck, key=api_key, reply=error)
+    app.state.engine = engine
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error(e.status, str(e), type_=e.type, param=e.param, code=e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, e: RequestValidationError):
+        kind = request.headers.get("content-type", "")
+        if "json" not in kind.lower() and any(tuple(x.get("loc", ())) == ("body",) for x in e.errors()):
+            got = f"Content-Type {kind!r}" if kind else "no Content-Type"
+            return error(400, f"send the request body as JSON with 'Content-Type: application/json' (got {got})")
+        message, param = _validation_message(e.errors())
+        return error(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            return error(404, f"no such endpoint: {request.method} {request.url.path}", code="not_found")
+        if e.status_code == 405:
+            return error(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+        return error(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error(500, f"internal error: {type(e).__name__}: {e}")
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            why = f": {engine.failure}" if engine.failure else ""
+            return error(503, f"the engine is not running{why}", code="engine_down")
+        return {"status": "ok", "model": names[0], **engine.counts()}
+
+    @app.get("/metrics")
+    async def metrics():
+        c = engine.counts()
+        return PlainTextResponse(engine.metrics.render(c["running"], c["waiting"], engine.config.max_batch),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": names[0], "object": "model", "created": created,
+                                            "owned_by": "ktinject", "max_model_len": engine.config.max_context}]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        _check_model(name, names)
+        return {"id": names[0], "object": "model", "created": created, "owned_by": "ktinject",
+                "max_model_len": engine.config.max_context}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: protocol.ChatRequest, request: Request):
+        _check_model(body.model, names)
+        _checked(body.check)
+        messages = _checked(body.template_messages)
+        tools = body.tools if body.tool_choice != "none" else None
+        kwargs = _checked(body.template_kwargs)
+        prompt = await _in_thread(engine.render_chat, messages, tools, **kwargs)
+        return await _serve(engine, body, prompt, request, names[0], chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: protocol.CompletionRequest, request: Request):
+        _check_model(body.model, names)
+        _checked(body.check)
+        value = _checked(body.prompt_value)
+        prompt = await _in_thread(engine.encode, value) if isinstance(value, str) else value
+        return await _serve(engine, body, prompt, request, names[0], chat=False)
+
+    async def _serve(engine, body, prompt: list[int], request, model_name: str, chat: bool):
+        max_tokens = _checked(engine.check_length, len(prompt), body.limit)
+        params = _checked(body.sampling, engine.default_params(), max_tokens)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(out: Output):  # the engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        prefix = "chatcmpl" if chat else "cmpl"
+        try:
+            req = engine.submit(prompt, params, sink)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+        except QueueFull as e:
+            raise ApiError(429, str(e), type_="rate_limit_error", code="queue_full") from None
+        except EngineUnavailable as e:
+            raise ApiError(503, str(e), type_="server_error", code="engine_down") from None
+        rid = f"{prefix}-{req.id}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = _stream(req, queue, request, rid, model_name, chat, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        parts, last = await _collect(req, queue, request)
+        if last is None:  # the client left
+            return error(499, "client closed the request")
+        if last.finish_reason == "error":
+            return error(500, last.error or "generation failed", code="generation_failed")
+        if last.finish_reason == "cancelled":
+            return error(503, last.error or "the request was cancelled", code="cancelled")
+        build = protocol.chat_response if chat else protocol.completion_response
+        return build(rid, model_name, "".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+
+    return app
+
+
+class _KeyCheck:
+    """ASGI middleware: every path but /health needs ``Authorization: Bearer <key>`` (checked before the body is
+    read, so a request without the key gets 401 whatever it sends)."""
+
+    def __init__(self, app, key: str, reply):
+        self.app, self.key, self.reply = app, key.encode(), reply
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path") != "/health":
+            given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                why = "no" if not given else "a wrong"
+                response = self.reply(401, f"invalid API key ({why} 'Authorization: Bearer ...' header)",
+                                      type_="authentication_error", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _in_thread(fn, *args, **kwargs):
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except RequestError as e:
+        raise ApiError(400, str(e), param=e.param, code=e.code) from None
+
+
+def _checked(fn, *args):
+    try:
+        return fn(*args)
+    except RequestError as e:
+        raise ApiError(400, str(e), param=e.param, code=e.code) from None
+
+
+def _check_model(name: str | None, names: tuple[str, ...]) -> None:
+    if name is not None and name not in names:
+        raise ApiError(400, f"model {name!r} is not served here; this server serves {names[0]!r}", param="model",
+                       code="model_not_found")
+
+
+async def _until_disconnect(request) -> None:
+    """Returns when the client has gone away (the ASGI server reports http.disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _next(queue: asyncio.Queue, gone: asyncio.Task) -> Output | None:
+    """The request's next event, or None once the client is gone."""
+    get = asyncio.ensure_future(queue.get())
+    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    return None
+
+
+async def _collect(req, queue, request):
+    """(texts, the last event) of a request answered in one piece; (…, None) when the client left."""
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    parts = []
+    try:
+        while True:
+            out = await _next(queue, gone)
+            if out is None:
+                return parts, None
+            parts.append(out.text)
+            if out.finish_reason is not None:
+                return parts, out
+    finally:
+        gone.cancel()
+        req.cancel()  # a no-op once finished
+
+
+async def _stream(req, queue, request, rid: str, model: str, chat: bool, include_usage: bool):
+    """Server-sent events of a streamed request: chunks, the final chunk with finish_reason, [DONE]."""
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    created = int(time.time())
+
+    def sse(body: dict) -> str:
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def chunk(text: str | None, finish: str | None = None, use: dict | None = None) -> str:
+        if chat:
+            delta = None if text is None else ({"content": text} if text or finish is None else {})
+            return sse(protocol.chat_chunk(rid, model, created, delta, finish, use))
+        return sse(protocol.completion_chunk(rid, model, created, text, finish, use))
+
+    try:
+        if chat:
+            yield sse(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+        while True:
+            out = await _next(queue, gone)
+            if out is None:
+                log.info("%s: the client went away; cancelled", req.id)
+                return
+            if out.finish_reason in ("error", "cancelled"):
+                kind = "server_error"
+                yield sse(protocol.error_body(out.error or f"the request was {out.finish_reason}", type_=kind,
+                                              code=out.finish_reason))
+                break
+            if out.finish_reason is None:
+                if out.text:
+                    yield chunk(out.text)
+                continue
+            if out.text:
+                yield chunk(out.text)
+            yield chunk("", out.finish_reason)
+            if include_usage:
+                yield chunk(None, use=protocol.usage(out.prompt_tokens, out.completion_tokens))
+            break
+        yield "data: [DONE]\n\n"
+    finally:
+        gone.cancel()
+        req.cancel()
+
+
+def _validation_message(errors) -> tuple[str, str | None]:
+    """One sentence naming the field of the first validation error, and that field (OpenAI's ``param``)."""
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    loc = [x for x in e.get("loc", ()) if x != "body"]
+    if e.get("type") == "json_invalid":
+        detail = (e.get("ctx") or {}).get("error") or e.get("msg")
+        return f"the request body is not valid JSON: {detail}", None
+    if not loc:
+        if e.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+            return "the request body must be a JSON object", None
+        return f"the request body: {e.get('msg')}", None
+    param = ""
+    for x in loc:
+        param += f"[{x}]" if isinstance(x, int) else (f".{x}" if param else str(x))
+    if e.get("type") == "missing":
+        return f"{param}: this field is required", param
+    got = e.get("input")
+    shown = json.dumps(got)[:80] if isinstance(got, (str, int, float, bool, list, dict, type(None))) else repr(got)
+    return f"{param}: {e.get('msg')} (got {shown})", param

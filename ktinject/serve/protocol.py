@@ -1,0 +1,222 @@
+"""The OpenAI request bodies the server takes, checked, and the response bodies it writes.
+
+Requests are pydantic models in strict mode (a number sent as a string is an error, as OpenAI's API has it);
+unknown fields are ignored. Fields whose JSON type varies (``content``, ``stop``, ``prompt``) are checked here by
+hand so that errors name the field plainly (``messages[1].content``). Parameters the engine does not implement
+(n > 1, logprobs, penalties, forced tool calls, JSON response formats, echo, suffix) are refused with 400 rather
+than ignored. Extensions, as in vLLM: ``top_k``, ``ignore_eos``, ``chat_template_kwargs``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ktinject.serve.request import RequestError
+from ktinject.serve.sampling import SamplingParams
+
+MAX_STOP = 16
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _Common(_Model):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: Any = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    ignore_eos: bool = False
+
+    def check_unsupported(self, extra: dict) -> None:
+        if self.n != 1:
+            raise RequestError(f"n: only 1 completion per request is supported, got {self.n}", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise RequestError(f"{name} is not supported (send 0 or leave it out)", param=name)
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported", param="logit_bias")
+        for name, (value, fine) in extra.items():
+            if value is not None and value is not False and not fine(value):
+                raise RequestError(f"{name} is not supported (got {value!r})", param=name)
+
+    def sampling(self, defaults: dict, max_tokens: int) -> SamplingParams:
+        pick = {k: getattr(self, k) if getattr(self, k) is not None else defaults[k]
+                for k in ("temperature", "top_p", "top_k")}
+        return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=stop_strings(self.stop),
+                              ignore_eos=self.ignore_eos, **pick)
+
+
+class ChatRequest(_Common):
+    messages: list[dict] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict | None = None
+
+    def check(self) -> None:
+        self.check_unsupported({"logprobs": (self.logprobs, _no), "top_logprobs": (self.top_logprobs, _no),
+                                "response_format": (self.response_format, _text_format)})
+        if self.tool_choice not in (None, "none", "auto"):
+            raise RequestError("tool_choice: only 'auto' and 'none' are supported (the model decides; its tool calls "
+                               "come back as text)", param="tool_choice")
+        for i, tool in enumerate(self.tools or []):
+            fn = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise RequestError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                                   param=f"tools[{i}]")
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict]:
+        """The messages as the chat template takes them: text content, roles checked."""
+        out = []
+        for i, m in enumerate(self.messages):
+            role = m.get("role")
+            if role not in ("system", "developer", "user", "assistant", "tool"):
+                raise RequestError(f"messages[{i}].role: expected one of system, developer, user, assistant, tool; got "
+                                   f"{role!r}", param=f"messages[{i}].role")
+            msg = {k: v for k, v in m.items() if k in ("name", "tool_calls", "tool_call_id", "reasoning_content")}
+            msg["role"] = "system" if role == "developer" else role
+            msg["content"] = _content_text(m.get("content"), i, tool_calls="tool_calls" in m)
+            out.append(msg)
+        return out
+
+    def template_kwargs(self) -> dict:
+        kw = dict(self.chat_template_kwargs or {})
+        bad = [k for k in kw if k in ("tools", "tokenize", "add_generation_prompt", "messages", "conversation")]
+        if bad:
+            raise RequestError(f"chat_template_kwargs may not set {bad[0]}", param="chat_template_kwargs")
+        return kw
+
+
+class CompletionRequest(_Common):
+    prompt: Any
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def check(self) -> None:
+        self.check_unsupported({"echo": (self.echo, _no), "suffix": (self.suffix, _no),
+                                "logprobs": (self.logprobs, _no), "best_of": (self.best_of, lambda v: v == 1)})
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+    def prompt_value(self) -> str | list[int]:
+        """The one prompt: a string, or token ids."""
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, str):
+            if not p:
+                raise RequestError("prompt: the prompt is empty", param="prompt")
+            return p
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+            raise RequestError(f"prompt: one prompt per request is supported, got {len(p)}", param="prompt")
+        raise RequestError("prompt: expected a non-empty string or a list of token ids", param="prompt")
+
+
+def _no(value) -> bool:
+    return False
+
+
+def _text_format(value) -> bool:
+    return value == {"type": "text"}
+
+
+def stop_strings(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise RequestError("stop: expected a non-empty string or a list of non-empty strings", param="stop")
+    if len(items) > MAX_STOP:
+        raise RequestError(f"stop: at most {MAX_STOP} stop strings, got {len(items)}", param="stop")
+    return tuple(dict.fromkeys(items))
+
+
+def _content_text(content, i: int, tool_calls: bool) -> str:
+    where = f"messages[{i}].content"
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if tool_calls:
+            return ""
+        raise RequestError(f"{where}: missing", param=where)
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(f"{where}[{j}]: only text parts are supported, got {kind!r}", param=f"{where}[{j}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise RequestError(f"{where}: expected a string or a list of text parts, got {type(content).__name__}",
+                       param=where)
+
+
+# ---- responses -----------------------------------------------------------------------------------------------
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish}],
+            "usage": usage(prompt, completion)}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
+               use: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": usage(prompt, completion)}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None = None,
+                     use: dict | None = None) -> dict:
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if use is not None:
+        body["usage"] = use
+    return body
