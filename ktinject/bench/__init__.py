@@ -13,4 +13,5 @@ BENCHES: dict[str, str] = {
     "decode": "ktinject.bench.decode",     # decode tok/s: graph vs eager vs HF vs roofline, time split per token
     "prefill": "ktinject.bench.prefill",   # prefill tok/s at 128/1024/8192 tokens (same model as decode)
     "hot": "ktinject.bench.hot",           # hot experts on the GPU: tok/s by budget and strategy vs 1/(1-h)
+    "serve": "ktinject.bench.serve",       # serving engine: aggregate tok/s and TTFT at 1/4/8/16 streams vs roofline
 }

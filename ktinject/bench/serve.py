@@ -1,0 +1,198 @@
+"""Serving: aggregate decode tok/s and time to first token at 1/4/8/16 concurrent streams (ktinject.serve engine).
+
+Builds the random-weight Qwen3-30B-A3B-shaped model of the decode bench in memory (``--tiny``: the tiny qwen3_moe
+test model, on any machine), injects it once per ``--quant``, then drives ``ktinject.serve.engine.Engine`` (the
+server's engine, without HTTP: the figures are the engine's, not the network's) with N client threads per row
+of the table, each sending ``--rounds`` requests back to back (closed loop): prompts of mixed lengths
+(``--prompts``, each stream starting at a different one), ``--tokens`` new tokens each, greedy, EOS ignored.
+
+Per quant and stream count:
+  aggregate   completion tokens of all requests / wall time from the first request to the last token
+  decode      tokens of decode steps / time in decode steps (prefill chunks excluded); mean batch of those steps
+  TTFT        time to first token, p50 and p99 over the requests (queueing and chunked prefill included)
+  roofline    decode limit of that batch: the bytes of the distinct experts one step reads (expected distinct
+              experts of B uniformly routed tokens x the stored bytes of one expert x layers) / the CPU read
+              bandwidth measured in the run, x B tokens per step
+  batch 1     ``ktinject.generate`` (HF's loop, graph replay) at batch 1, prompt 32, the reference figure
+Legend: B batch (streams decoding together), N streams, L layers.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ktinject.bench serve", description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=48, help="decoder layers (48 = the real model)")
+    p.add_argument("--quant", default="bf16,int4", help="comma-separated expert formats, one model build each")
+    p.add_argument("--streams", type=_ints, default=[1, 4, 8, 16], help="concurrent streams per row (1,4,8,16)")
+    p.add_argument("--prompts", type=_ints, default=[32, 128, 512, 1024],
+                   help="prompt lengths the requests cycle through (mixed lengths)")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--rounds", type=int, default=2, help="requests per stream, back to back")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="the engine's prefill tokens per step")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (native pool and torch); default: cores")
+    p.add_argument("--bandwidth-gb", type=float, default=4.0, help="buffer of the CPU read-bandwidth probe (GB)")
+    p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
+    p.add_argument("--no-graphs", action="store_true", help="decode steps eagerly (for comparison)")
+    return p
+
+
+def _build(args, quant: str, device: torch.device):
+    import ktinject
+    from ktinject.bench.model import build_model, build_tiny, set_generation_defaults
+
+    t0 = time.perf_counter()
+    model = build_tiny(device) if args.tiny else build_model(args.layers, device)
+    set_generation_defaults(model)
+    ktinject.inject(model, gpu=str(device), quant=quant)
+    cfg = model.config
+    print(f"# {'tiny qwen3_moe' if args.tiny else 'Qwen3-30B-A3B shapes'}, {quant} experts: "
+          f"{cfg.num_hidden_layers} layers, E={cfg.num_experts} top-{cfg.num_experts_per_tok}; built and injected in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return model
+
+
+def _batch1(model, device, tokens: int) -> float:
+    """tok/s of ktinject.generate at batch 1 (prompt 32; the decode bench's graph row)."""
+    from ktinject.bench.decode import ktinject_decode
+
+    prompt = torch.randint(3, model.config.vocab_size, (1, 32), device=device)
+    return 1.0 / ktinject_decode(model, prompt, tokens, graphs=device.type == "cuda")["s_per_token"]
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def run_streams(engine, streams: int, args, vocab: int, seed: int = 0) -> dict:
+    """``streams`` closed-loop clients of ``args.rounds`` requests each; the row's figures."""
+    from ktinject.serve.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = args.prompts
+    jobs = [[torch.randint(3, vocab, (lengths[(s + r) % len(lengths)],), generator=gen).tolist()
+             for r in range(args.rounds)] for s in range(streams)]
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    results, errors = [], []
+    m = engine.metrics
+    steps0, rows0, secs0 = m.decode_steps, m.decode_rows, m.decode_seconds
+
+    def client(prompts):
+        for p in prompts:
+            r = engine.generate(p, params)
+            (errors if r.error else results).append(r)
+
+    threads = [threading.Thread(target=client, args=(j,)) for j in jobs]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0].error}")
+    steps, rows, secs = m.decode_steps - steps0, m.decode_rows - rows0, m.decode_seconds - secs0
+    ttft = [r.ttft for r in results]
+    return {"streams": streams, "requests": len(results), "tokens": sum(r.completion_tokens for r in results),
+            "wall": wall, "aggregate": sum(r.completion_tokens for r in results) / wall,
+            "decode": rows / secs if secs else float("nan"), "batch": rows / steps if steps else 0.0,
+            "step_ms": 1e3 * secs / steps if steps else float("nan"),
+            "ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99)}
+
+
+def run(args, quant: str) -> list[dict]:
+    from ktinject.bench.decode import expert_bytes_per_token
+    from ktinject.bench.memory import measure_read_bandwidth
+    from ktinject.serve.engine import Engine, EngineConfig
+
+    if args.threads:
+        from ktinject import native
+
+        native.set_default_threads(args.threads)
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = _build(args, quant, device)
+    cfg = model.config
+    mem = measure_read_bandwidth(args.bandwidth_gb, args.threads)
+    print(f"# {mem.summary()}", flush=True)
+    bw = mem.best_gbs * 1e9
+    one = _batch1(model, device, args.tokens)
+    print(f"# batch 1, ktinject.generate: {one:.1f} tok/s", flush=True)
+    max_context = max(args.prompts) + args.tokens
+    config = EngineConfig(max_batch=max(args.streams), max_context=max_context, max_queue=max(args.streams),
+                          prefill_chunk=args.prefill_chunk, graphs=False if args.no_graphs else None)
+    t0 = time.perf_counter()
+    engine = Engine(model, None, config, name="bench").start()
+    print(f"# engine ready in {time.perf_counter() - t0:.1f} s: {engine.runner.describe()}", flush=True)
+    rows = []
+    try:
+        run_streams(engine, 1, argparse.Namespace(**{**vars(args), "rounds": 1, "tokens": 4}), cfg.vocab_size)
+        for n in args.streams:
+            row = run_streams(engine, n, args, cfg.vocab_size, seed=n)
+            per_tok = expert_bytes_per_token(cfg, n, quant)  # bytes of distinct experts per step / n
+            row.update(quant=quant, roofline=bw / per_tok, batch1=one, step_gb=per_tok * n / 1e9)
+            rows.append(row)
+            print("# " + _line(row), flush=True)
+        stats = engine.runner.stats
+        print(f"# graph replays {stats.replays}, eager decode steps {stats.eager_decode}"
+              + (f", capture failures: {stats.capture_failures}" if stats.capture_failures else ""), flush=True)
+    finally:
+        engine.stop()
+        engine.runner.close()
+    return rows
+
+
+HEAD = ("| quant | streams | aggregate tok/s | decode tok/s | mean batch | step ms | TTFT p50 ms | TTFT p99 ms | "
+        "roofline tok/s (GB/step) | decode / roofline | decode / batch 1 |")
+
+
+def _line(r: dict) -> str:
+    return (f"| {r['quant']} | {r['streams']} | {r['aggregate']:.1f} | {r['decode']:.1f} | {r['batch']:.1f} | "
+            f"{r['step_ms']:.1f} | {1e3 * r['ttft_p50']:.0f} | {1e3 * r['ttft_p99']:.0f} | "
+            f"{r['roofline']:.1f} ({r['step_gb']:.2f}) | {100 * r['decode'] / r['roofline']:.0f}% | "
+            f"{r['decode'] / r['batch1']:.2f}x |")
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    quants = [q.strip() for q in args.quant.split(",") if q.strip()]
+    if not quants or any(q not in ("bf16", "int8", "int4") for q in quants):
+        raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of bf16, int8, int4")
+    rows = []
+    for q in quants:
+        rows += run(args, q)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print("\n" + HEAD)
+    print("|" + "---|" * HEAD.count(" | ") + "---|")
+    for r in rows:
+        print(_line(r))
+    print(f"\n({args.rounds} requests per stream back to back, prompts {','.join(map(str, args.prompts))} tokens "
+          f"cycled, {args.tokens} new tokens each, greedy, prefill chunk {args.prefill_chunk}, threads "
+          f"{args.threads or 'default'}, layers {'tiny' if args.tiny else args.layers}; roofline: expected distinct "
+          f"experts of B uniformly routed tokens; TTFT includes queueing and chunked prefill)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
