@@ -1,0 +1,129 @@
+"""``python -m ktinject.serve`` as a user starts it (a subprocess on a free port, the demo model, the CPU), its
+argument errors, the README's Serving section against the parser, and ``python -m ktinject.bench serve --tiny``."""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+
+@pytest.fixture(scope="session")
+def demo_env(tmp_path_factory):
+    """Offline, this checkout importable, the demo model built once per session (same cache as test_chat.py)."""
+    from ktinject.demo import demo_model_dir
+
+    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"
+    demo_model_dir(cache)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, KTINJECT_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                PYTHONPATH=path, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+
+
+def _read_until(proc, pattern: str, timeout: float) -> re.Match:
+    """Read the process's stdout (in a thread: a blocking readline never hangs the test) until ``pattern`` shows."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    text, end = "", time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        try:
+            text += lines.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        m = re.search(pattern, text)
+        if m:
+            return m
+    proc.kill()
+    raise AssertionError(f"no {pattern!r} in the server's output:\n{text}\n{proc.stderr.read()}")
+
+
+def test_server_starts_answers_and_stops_on_ctrl_c(demo_env):
+    env = dict(demo_env, KTINJECT_API_KEY="sekret")
+    proc = subprocess.Popen([sys.executable, "-m", "ktinject.serve", "--gpu", "cpu", "--port", "0", "--max-batch", "2",
+                             "--max-context", "256"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        m = _read_until(proc, r"Serving 'ktinject-demo' at (http://127\.0\.0\.1:\d+)/v1 \(OpenAI API; API key required",
+                        timeout=240)
+        url = m.group(1)
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        auth = {"Authorization": "Bearer sekret"}
+        r = httpx.post(f"{url}/v1/chat/completions", headers=auth, timeout=60,
+                       json={"model": "ktinject-demo", "messages": [{"role": "user", "content": "hi"}],
+                             "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_port_in_use_fails_before_loading(demo_env):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "ktinject.serve", "--gpu", "cpu", "--port", str(port)],
+                           env=demo_env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert "Loaded" not in r.stdout and time.monotonic() - t0 < 60
+
+
+def section(title: str) -> str:
+    text = README.read_text()
+    head = f"\n## {title}\n"
+    assert head in text, f"README.md has no '## {title}' section"
+    return text.split(head, 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_serving_table_lists_every_option():
+    from ktinject.serve.__main__ import build_parser
+
+    listed = set()
+    for row in section("Serving").splitlines():
+        if row.startswith("| `"):
+            first = row.strip("| ").split(" | ", 1)[0]
+            listed |= {span.split(" ")[0] for span in re.findall(r"`([^`]+)`", first)}
+    options = {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    assert options <= listed, f"README's Serving table misses {sorted(options - listed)}"
+    assert listed <= options | {"-v"}, f"README's Serving table lists unknown options {sorted(listed - options)}"
+
+
+def test_bench_serve_tiny(monkeypatch, capsys):
+    from ktinject.bench import memory, serve
+
+    class Fake:
+        best_gbs = 10.0
+
+        def summary(self):
+            return "memory read 10.0 GB/s (stub)"
+
+    monkeypatch.setattr(memory, "measure_read_bandwidth", lambda *a, **k: Fake())
+    assert serve.main(["--tiny", "--quant", "bf16", "--streams", "1,3", "--prompts", "5,17", "--tokens", "4",
+                       "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| bf16 |")]
+    assert [r.split(" | ")[1] for r in rows] == ["1", "3"], out
+    assert "TTFT p99" in out and "roofline" in out
