@@ -244,6 +244,12 @@ def test_client_disconnect_frees_the_slot(served):
     assert time.monotonic() - t0 < 5
     assert eng.metrics.finished["cancelled"] == cancelled + 1
     assert eng.sched.free_rows == eng.config.max_batch and not eng._cancels
+    # not streamed: the client gives up waiting (its read times out) and closes the connection
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(5, read=0.5))
+    served.wait_idle(10)
+    assert eng.metrics.finished["cancelled"] == cancelled + 2
+    assert eng.sched.free_rows == eng.config.max_batch
 
 
 @pytest.mark.parametrize("path,body,param,words", [

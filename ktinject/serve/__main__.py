@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from ktinject.chat import CliError, _hot_options, _positive, _resolve, _setup
-from ktinject.gpu_experts.settings import DEFAULT_REBALANCE_EVERY, STRATEGIES
+from ktinject.chat import CliError
+from ktinject.gpu_experts.settings import DEFAULT_REBALANCE_EVERY, STRATEGIES, HotExpertSettings
 
 PROG = "ktinject.serve"
 log = logging.getLogger("ktinject.serve")
@@ -59,6 +59,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs (for comparison)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs, the injection plan and tracebacks")
     return p
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _resolve(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """Check the paths before loading anything heavy; (model dir, rules path or packaged name or None)."""
+    if args.model is None:
+        from ktinject.demo import demo_model_dir
+
+        model = demo_model_dir()
+        print(f"Serving the ktinject demo model at {model} (a tiny model, for trying the server out).")
+    else:
+        model = Path(args.model).expanduser()
+        if not (model / "config.json").is_file():
+            what = "not found" if not model.is_dir() else "not a Hugging Face model directory (no config.json)"
+            raise CliError(f"--model {args.model}: {what}")
+    if args.rules is None:
+        return model, None
+    from ktinject.rules import packaged_files
+
+    path = Path(args.rules).expanduser()
+    if path.is_file():
+        return model, str(path)
+    if args.rules in packaged_files() or f"{args.rules}.yaml" in packaged_files():
+        return model, args.rules
+    raise CliError(f"rules file not found: {args.rules}")
+
+
+def _hot_options(args: argparse.Namespace) -> dict:
+    """from_pretrained's hot-expert options, checked before anything loads (as inject and the chat check them)."""
+    options = dict(gpu_experts_budget=args.gpu_experts_budget, placement=args.placement, stats=args.expert_stats,
+                   rebalance_every=args.rebalance_every)
+    try:
+        HotExpertSettings.make(**options)
+    except ValueError as e:
+        raise CliError(f"hot experts: {e}") from e
+    return options
+
+
+def _setup(args: argparse.Namespace) -> str:
+    """Logs (ktinject.serve at INFO: a line per request; -v: DEBUG everywhere), threads, the GPU device."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("ktinject.serve").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    if not args.verbose:
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    gpu = args.gpu or ("cuda" if torch.cuda.is_available() else "cpu")
+    if gpu.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError(f"--gpu {gpu}: CUDA is not available on this machine (use --gpu cpu)")
+    if args.threads:
+        from ktinject import native
+
+        torch.set_num_threads(args.threads)
+        native.set_default_threads(args.threads, source=f"--threads {args.threads}")
+    return gpu
 
 
 def _check_extra() -> None:
@@ -128,7 +192,6 @@ def serve(args: argparse.Namespace) -> int:
     model_dir, rules = _resolve(args)
     hot = _hot_options(args)
     gpu = _setup(args)
-    logging.getLogger("ktinject.serve").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     t0 = time.perf_counter()
     try:
         model, tokenizer, plan = load_model(model_dir, rules, quant=args.quant, progress=sys.stderr.isatty(),

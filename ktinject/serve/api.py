@@ -124,7 +124,7 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
         return await _serve(engine, body, prompt, request, names[0], chat=False)
 
     async def _serve(engine, body, prompt: list[int], request, model_name: str, chat: bool):
-        max_tokens = _checked(engine.check_length, len(prompt), body.limit)
+        max_tokens = _checked(engine.check_length, len(prompt), body.limit, "messages" if chat else "prompt")
         params = _checked(body.sampling, engine.default_params(), max_tokens)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -142,12 +142,14 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
         except EngineUnavailable as e:
             raise ApiError(503, str(e), type_="server_error", code="engine_down") from None
         rid = f"{prefix}-{req.id}"
+        # watches the connection from now on, whether or not the reply ever starts: a client gone cancels
+        gone = asyncio.ensure_future(_cancel_on_disconnect(request, req))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _stream(req, queue, request, rid, model_name, chat, include_usage)
+            events = _stream(req, queue, gone, rid, model_name, chat, include_usage)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        parts, last = await _collect(req, queue, request)
+        parts, last = await _collect(req, queue, gone)
         if last is None:  # the client left
             return error(499, "client closed the request")
         if last.finish_reason == "error":
@@ -200,11 +202,13 @@ def _check_model(name: str | None, names: tuple[str, ...]) -> None:
                        code="model_not_found")
 
 
-async def _until_disconnect(request) -> None:
-    """Returns when the client has gone away (the ASGI server reports http.disconnect)."""
+async def _cancel_on_disconnect(request, req) -> None:
+    """Cancel ``req`` when the client goes away (the ASGI server reports http.disconnect; it also does once the
+    response is complete, when cancelling is a no-op)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            req.cancel()
             return
 
 
@@ -218,9 +222,8 @@ async def _next(queue: asyncio.Queue, gone: asyncio.Task) -> Output | None:
     return None
 
 
-async def _collect(req, queue, request):
+async def _collect(req, queue, gone: asyncio.Task):
     """(texts, the last event) of a request answered in one piece; (…, None) when the client left."""
-    gone = asyncio.ensure_future(_until_disconnect(request))
     parts = []
     try:
         while True:
@@ -235,9 +238,8 @@ async def _collect(req, queue, request):
         req.cancel()  # a no-op once finished
 
 
-async def _stream(req, queue, request, rid: str, model: str, chat: bool, include_usage: bool):
+async def _stream(req, queue, gone: asyncio.Task, rid: str, model: str, chat: bool, include_usage: bool):
     """Server-sent events of a streamed request: chunks, the final chunk with finish_reason, [DONE]."""
-    gone = asyncio.ensure_future(_until_disconnect(request))
     created = int(time.time())
 
     def sse(body: dict) -> str:

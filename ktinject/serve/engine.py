@@ -117,15 +117,15 @@ class Engine:
         return {"temperature": float(gc.temperature if gc.temperature is not None else 1.0),
                 "top_p": float(gc.top_p if gc.top_p is not None else 1.0), "top_k": int(gc.top_k or 0)}
 
-    def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+    def check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str = "prompt") -> int:
         """The request's max_tokens (None: what the context leaves); RequestError when it does not fit."""
         ctx = self.config.max_context
         if prompt_len < 1:
-            raise RequestError("the prompt is empty (0 tokens)", param="prompt")
+            raise RequestError("the prompt is empty (0 tokens)", param=prompt_param)
         if max_tokens is None:
             if prompt_len >= ctx:
                 raise RequestError(f"the prompt has {prompt_len} tokens, which leaves no room for a completion in "
-                                   f"the context of {ctx} tokens (--max-context)", param="messages",
+                                   f"the context of {ctx} tokens (--max-context)", param=prompt_param,
                                    code="context_length_exceeded")
             return ctx - prompt_len
         if prompt_len + max_tokens > ctx:
