@@ -594,9 +594,11 @@ def test_activation_and_quantize_rows(tmp_path):
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
 @pytest.mark.parametrize("decode", [False, True])
 def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):
-    """native/tests/stress_pool.c against all native sources, under ThreadSanitizer / ASan+UBSan; decode: 3 tokens x 4
-    experts of 8 (every expert <= 4 rows) on the gemv decode path (KTINJECT_GEMV=1, where the kernels have gemv)."""
-    exe = _build_c_test(tmp_path, "stress_pool", sanitizer, ["-DSTRESS_T=3", "-DSTRESS_K=4"] if decode else [])
+    """native/tests/stress_pool.c against all native sources, under ThreadSanitizer / ASan+UBSan, with pool threads
+    delayed by the test hook; decode: 3 tokens x 4 experts of 8 (every expert <= 4 rows) on the gemv decode path
+    (KTINJECT_GEMV=1, where the kernels have gemv); else 33 tokens x 2, claim windows of 7 items (phases of several)."""
+    exe = _build_c_test(tmp_path, "stress_pool", sanitizer,
+                        ["-DSTRESS_T=3", "-DSTRESS_K=4"] if decode else ["-DCLAIM_BITS=3"])
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                        env={"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1",
                             "KTINJECT_GEMV": "1" if decode else "0",

@@ -95,7 +95,9 @@ int ktk_physical_cores(void);         /* physical cores (not hyper-threads) avai
 
 /* ---- thread pool ---- */
 typedef struct ktk_pool ktk_pool;
-/* nthreads <= 0: physical cores. Threads start at once, pinned to cores when pin != 0, and stay. */
+/* nthreads <= 0: physical cores. Threads start at once, pinned to cores when pin != 0 (env KTINJECT_PIN=0/1
+ * overrides), and stay. A forward's work is claimed in small chunks by whichever threads are there: a thread that
+ * loses its core to another process holds up at most its chunk. */
 int ktk_pool_create(int nthreads, int pin, ktk_pool **out);
 int ktk_pool_threads(const ktk_pool *pool);
 /* Watch spin window, in microseconds: while tasks are watched (ktk_task_watch), the pool's threads keep spinning

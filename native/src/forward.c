@@ -1,7 +1,8 @@
 /* Forward orchestration of one MoE layer (ISA-independent; the kernels do the matrix products; acts.c makes the
  * activations they read).
  *
- * Phases (each a parallel-for on the pool, separated by barriers):
+ * A forward is a job of the pool (pool.c): serial steps and parallel phases, each phase's items claimed in chunks by
+ * whichever threads come; the thread that finishes a phase's last chunk starts the next (ktki_forward_step):
  *   route (serial): validate ids, count rows per expert (skipping masked experts), rows sorted by (expert, token)
  *   gather:   x [R, Kp(H)] activations of every row (bf16 zero-padded, or int8 per row + scale + sum; acts.c)
  *   gate/up:  items (expert, <= RT rows, <= CWMAX blocks of 16 outputs of I): h = act(g + bg, u + bu)
@@ -17,11 +18,11 @@
  * Block sizes give >= ITEMS_PER_THREAD items per thread where possible: 1 token x 8 experts has 8 experts x
  * (I/16/cw) gate/up items and (H/16/cw) down items; thousands of tokens split into RT-row and TC-token chunks.
  *
- * Decode (every expert <= DECODE_ROWS rows, T <= TC, and the kernels have a gemv for the quant): the two phases
- * run one loop per thread that claims chunks of units (gate/up: (expert, block of 16 outputs of I); down: blocks of
- * 16 columns of H) from a shared counter, guided: rem / (2 threads) units, at most CWMAX, at least 1, so every
- * thread finishes within about one small chunk of the others (fixed items of 1/4-1/8 of a thread's share left up to
- * 17% of a phase to the slowest thread). An expert with one row runs gate and up as one gemv (2 matrices), and the
+ * Decode (every expert <= DECODE_ROWS rows, T <= TC, and the kernels have a gemv for the quant): the two phases'
+ * units (gate/up: (expert, block of 16 outputs of I); down: blocks of 16 columns of H) are claimed in guided chunks:
+ * rem / (2 threads) units, at most CWMAX, at least 1, so every thread finishes within about one small chunk of the
+ * others (fixed items of 1/4-1/8 of a thread's share left up to 17% of a phase to the slowest thread), and a thread
+ * that loses its core holds up one chunk. An expert with one row runs gate and up as one gemv (2 matrices), and the
  * down matrices of up to KTK_GEMV_MAX consecutive one-row experts as one gemv: 4 (gate/up) and up to 16 (down)
  * weight streams per thread instead of <= 4 of one matrix. Same arithmetic (gemv is bit-identical to gemm with one
  * row), same summation order.
@@ -157,36 +158,16 @@ static void gate_up_item(void *ctx, int64_t item, int tid) {
     gate_up_run(c, it.a, it.r0, it.r1, it.cb0, it.cb1, gs, us, tid);
 }
 
-/* Decode path: the next chunk of [0, total) units, guided (see the header); 0 when none is left. */
-static int claim(fctx *c, int64_t total, int maxc, int64_t *u0, int64_t *u1) {
-    int64_t cur = atomic_load_explicit(&c->next, memory_order_relaxed);
-    for (;;) {
-        if (cur >= total) return 0;
-        int64_t n = (total - cur) / (2 * (int64_t)c->nt);
-        n = n < 1 ? 1 : n > maxc ? maxc : n;
-        if (n > total - cur) n = total - cur;
-        if (atomic_compare_exchange_weak_explicit(&c->next, &cur, cur + n, memory_order_relaxed,
-                                                  memory_order_relaxed)) {
-            *u0 = cur;
-            *u1 = cur + n;
-            return 1;
-        }
-    }
-}
-
-/* Decode path, gate/up: one call per thread; units (expert a, block b) = a * UI + b, a chunk split at experts. */
-static void gate_up_decode(void *ctx, int64_t item, int tid) {
+/* Decode path, gate/up: units [u0, u1) of (expert a, block b) = a * UI + b, a guided chunk (pool), split at experts. */
+static void gate_up_decode(void *ctx, int64_t u0, int64_t u1, int tid) {
     fctx *c = ctx;
-    (void)item;
     float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)DECODE_ROWS * c->cw_gu * 16;
-    int64_t u0, u1;
-    while (claim(c, (int64_t)c->A * c->UI, c->cw_gu, &u0, &u1))
-        for (int64_t u = u0; u < u1;) {
-            const int a = (int)(u / c->UI), cb0 = (int)(u % c->UI);
-            const int cb1 = u1 - u < c->UI - cb0 ? cb0 + (int)(u1 - u) : c->UI;
-            gate_up_run(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
-            u += cb1 - cb0;
-        }
+    for (int64_t u = u0; u < u1;) {
+        const int a = (int)(u / c->UI), cb0 = (int)(u % c->UI);
+        const int cb1 = u1 - u < c->UI - cb0 ? cb0 + (int)(u1 - u) : c->UI;
+        gate_up_run(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
+        u += cb1 - cb0;
+    }
 }
 
 /* ---- down + combine ---- */
@@ -270,13 +251,11 @@ static void down_item(void *ctx, int64_t item, int tid) {
     down_run(c, cb0, cb1, t0, t1, y, y + (int64_t)RT * (cb1 - cb0) * 16, tid);
 }
 
-/* Decode path, down: one call per thread; units = column blocks of H (all T <= TC tokens). */
-static void down_decode(void *ctx, int64_t item, int tid) {
+/* Decode path, down: column blocks [u0, u1) of H (a guided chunk), all T <= TC tokens. */
+static void down_decode(void *ctx, int64_t u0, int64_t u1, int tid) {
     fctx *c = ctx;
-    (void)item;
     float *y = ktki_thread_scratch(c->pool, tid), *acc = y + (int64_t)RT * c->cw_dn * 16;
-    int64_t u0, u1;
-    while (claim(c, c->UH, c->cw_dn, &u0, &u1)) down_run(c, (int)u0, (int)u1, 0, c->T, y, acc, tid);
+    down_run(c, (int)u0, (int)u1, 0, c->T, y, acc, tid);
 }
 
 /* KTINJECT_INT4_PATH (read at each int4 forward; for tests and crossover measurements): auto (default), direct or
@@ -297,53 +276,74 @@ static int gemv_enabled(const ktk_kernels *k) {
     return k->gemv_default;
 }
 
-int ktki_forward_run(ktk_pool *pool, const ktk_task *t) {
+/* The first step: fctx from the task, routing, the decode path's choice, block sizes and scratch. */
+static int start(fctx *c, ktk_pool *pool, const ktk_task *t) {
     const ktk_experts *ex = t->ex;
     const ktk_experts_config *cfg = &ex->cfg;
     const ktk_kernels *kern = ktki_kernels();
-    fctx c = {.t = t, .ex = ex, .pool = pool, .T = t->T, .k = t->k, .E = cfg->num_experts, .H = cfg->hidden,
-              .I = cfg->intermediate, .quant = cfg->quant, .act = cfg->activation, .alpha = cfg->alpha,
-              .limit = cfg->limit, .KpH = ex->Kp[KTK_MAT_GATE], .KpI = ex->Kp[KTK_MAT_DOWN],
-              .UI = ex->Np[KTK_MAT_GATE] / 16, .UH = ex->Np[KTK_MAT_DOWN] / 16};
-    c.gemm = cfg->quant == KTK_QUANT_BF16 ? kern->gemm_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemm_int8
-                                                                                      : kern->gemm_int4;
-    c.a8 = cfg->quant != KTK_QUANT_BF16;
-    c.nt = ktki_pool_threads(pool);
-    if (cfg->quant == KTK_QUANT_INT4 && (c.int4_path = int4_path_env()) < 0)
+    *c = (fctx){.t = t, .ex = ex, .pool = pool, .T = t->T, .k = t->k, .E = cfg->num_experts, .H = cfg->hidden,
+                .I = cfg->intermediate, .quant = cfg->quant, .act = cfg->activation, .alpha = cfg->alpha,
+                .limit = cfg->limit, .KpH = ex->Kp[KTK_MAT_GATE], .KpI = ex->Kp[KTK_MAT_DOWN],
+                .UI = ex->Np[KTK_MAT_GATE] / 16, .UH = ex->Np[KTK_MAT_DOWN] / 16};
+    c->gemm = cfg->quant == KTK_QUANT_BF16 ? kern->gemm_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemm_int8
+                                                                                        : kern->gemm_int4;
+    c->a8 = cfg->quant != KTK_QUANT_BF16;
+    c->nt = ktki_pool_threads(pool);
+    if (cfg->quant == KTK_QUANT_INT4 && (c->int4_path = int4_path_env()) < 0)
         return ktki_error(KTK_ERR_SHAPE, "KTINJECT_INT4_PATH=%.40s: expected auto, direct or dequant",
                           getenv("KTINJECT_INT4_PATH"));
-    const size_t n = (size_t)c.T * c.k, E = (size_t)c.E;
+    const size_t n = (size_t)c->T * c->k, E = (size_t)c->E;
     uint8_t *rs = ktki_scratch(pool, KTKI_SCR_ROUTE, 4 * a64(E * 4 + 4) + 2 * a64(n * 4));
     if (!rs) return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (routing tables)");
-    c.start = (int32_t *)rs;
-    c.act_e = (int32_t *)(rs + a64(E * 4 + 4));
-    c.off = (int32_t *)(rs + 2 * a64(E * 4 + 4));
-    c.tok = (int32_t *)(rs + 3 * a64(E * 4 + 4));
-    c.wt = (float *)(rs + 3 * a64(E * 4 + 4) + a64(n * 4));
-    c.tg = (int32_t *)(rs + 3 * a64(E * 4 + 4) + 2 * a64(n * 4));
-    c.tile_rows = ktki_fwd_tile_rows(kern, cfg->quant);
-    int rc = route(&c);
+    c->start = (int32_t *)rs;
+    c->act_e = (int32_t *)(rs + a64(E * 4 + 4));
+    c->off = (int32_t *)(rs + 2 * a64(E * 4 + 4));
+    c->tok = (int32_t *)(rs + 3 * a64(E * 4 + 4));
+    c->wt = (float *)(rs + 3 * a64(E * 4 + 4) + a64(n * 4));
+    c->tg = (int32_t *)(rs + 3 * a64(E * 4 + 4) + 2 * a64(n * 4));
+    c->tile_rows = ktki_fwd_tile_rows(kern, cfg->quant);
+    int rc = route(c);
     if (rc != KTK_OK) return rc;
-    if (c.maxrows <= DECODE_ROWS && c.T <= TC && gemv_enabled(kern) && c.int4_path != KTK_INT4_PATH_DEQUANT)
-        c.gemv = cfg->quant == KTK_QUANT_BF16 ? kern->gemv_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemv_int8
-                                                                                         : kern->gemv_int4;
-    if (!plan(&c))
-        return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (scratch for %d rows, H=%d, I=%d)", c.R, c.H, c.I);
-    if (c.R > 0) {
-        ktki_parallel(pool, ktki_fwd_gather_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
-        if (c.gemv) {
-            atomic_store_explicit(&c.next, 0, memory_order_relaxed);   /* published by the phase start */
-            ktki_parallel(pool, gate_up_decode, &c, c.nt);
-        } else {
-            ktki_parallel(pool, gate_up_item, &c, c.ngu);
-        }
-        if (c.a8) ktki_parallel(pool, ktki_fwd_quantize_h_item, &c, (c.R + GATHER_ROWS - 1) / GATHER_ROWS);
-    }
-    if (c.gemv) {
-        atomic_store_explicit(&c.next, 0, memory_order_relaxed);
-        ktki_parallel(pool, down_decode, &c, c.nt);
-    } else {
-        ktki_parallel(pool, down_item, &c, (int64_t)c.ntc * ((c.UH + c.cw_dn - 1) / c.cw_dn));
-    }
+    if (c->maxrows <= DECODE_ROWS && c->T <= TC && gemv_enabled(kern) && c->int4_path != KTK_INT4_PATH_DEQUANT)
+        c->gemv = cfg->quant == KTK_QUANT_BF16 ? kern->gemv_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemv_int8
+                                                                                            : kern->gemv_int4;
+    if (!plan(c))
+        return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (scratch for %d rows, H=%d, I=%d)", c->R, c->H,
+                          c->I);
     return KTK_OK;
+}
+
+static int phase(ktki_phase *ph, fctx *c, ktki_item_fn item, ktki_range_fn range, int64_t n, int maxc) {
+    *ph = (ktki_phase){item, range, c, n, maxc, range != NULL};
+    return KTKI_PHASE;
+}
+
+/* Phases in order: gather, gate/up, (int8 / int4) h quantized, down; those of the decode path in guided chunks. */
+int ktki_forward_step(ktk_pool *pool, const ktk_task *t, int first, ktki_phase *ph) {
+    fctx *c = ktki_scratch(pool, KTKI_SCR_JOB, sizeof *c);   /* the same buffer at every step (grow-only) */
+    if (!c) return ktki_error(KTK_ERR_NOMEM, "forward: out of memory");
+    if (first) {
+        int rc = start(c, pool, t);
+        if (rc != KTK_OK) return rc;
+    }
+    const int64_t row_items = (c->R + GATHER_ROWS - 1) / GATHER_ROWS;
+    for (;;) {
+        switch (c->step++) {
+        case 0:
+            if (c->R > 0) return phase(ph, c, ktki_fwd_gather_item, NULL, row_items, 1);
+            break;
+        case 1:
+            if (c->R > 0 && c->gemv) return phase(ph, c, NULL, gate_up_decode, (int64_t)c->A * c->UI, c->cw_gu);
+            if (c->R > 0) return phase(ph, c, gate_up_item, NULL, c->ngu, 1);
+            break;
+        case 2:
+            if (c->R > 0 && c->a8) return phase(ph, c, ktki_fwd_quantize_h_item, NULL, row_items, 1);
+            break;
+        case 3:
+            if (c->gemv) return phase(ph, c, NULL, down_decode, c->UH, c->cw_dn);
+            return phase(ph, c, down_item, NULL, (int64_t)c->ntc * ((c->UH + c->cw_dn - 1) / c->cw_dn), 1);
+        default:
+            return KTK_OK;
+        }
+    }
 }

@@ -38,8 +38,7 @@ typedef struct {
     ktk_gemv_fn gemv;                  /* decode path (NULL: the item path) */
     int nt;                            /* pool threads */
     int tile_rows;                     /* the kernels read tiles from this many rows (0: never) */
-    _Alignas(64) _Atomic int64_t next; /* decode path: next unclaimed unit of the phase (own cache line) */
-    char pad_next[56];
+    int step;                          /* ktki_forward_step: the next phase */
 } fctx;
 
 static inline size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }

@@ -44,29 +44,38 @@ void ktki_event_wait(ktki_event *ev, uint32_t seen, int64_t spin_ns); /* returns
 void ktki_event_signal(ktki_event *ev);                                /* seq++, wakes sleepers */
 
 /* ---- pool (pool.c) ---- */
+/* A job (one task's forward) is a chain of serial steps and parallel phases. A phase is [0, nitems): chunks of it
+ * are claimed by whichever threads come (at most maxc items each; guided: remaining / (2 x threads), at least 1)
+ * and run as range(ctx, i0, i1, tid), or item(ctx, i, tid) for each i; tid indexes per-thread scratch (0..n). */
 typedef void (*ktki_item_fn)(void *ctx, int64_t item, int tid);
+typedef void (*ktki_range_fn)(void *ctx, int64_t i0, int64_t i1, int tid);
+typedef struct {
+    ktki_item_fn item;     /* one of item, range */
+    ktki_range_fn range;
+    void *ctx;
+    int64_t nitems;
+    int maxc, guided;
+} ktki_phase;
 int ktki_pool_create(int nthreads, int pin, ktk_pool **out);
 void ktki_pool_destroy(ktk_pool *pool);
 int ktki_pool_threads(const ktk_pool *pool);
 void ktki_pool_set_watch_spin_us(ktk_pool *pool, int64_t us); /* us checked by the caller */
 int64_t ktki_pool_watch_spin_us(const ktk_pool *pool);
 void ktki_pool_wake(ktk_pool *pool);
-/* Run fn(ctx, i, tid) for i < nitems on all pool threads and return when all are done (a barrier).
- * Only from the thread running a task (thread 0 of the pool). */
-void ktki_parallel(ktk_pool *pool, ktki_item_fn fn, void *ctx, int64_t nitems);
-/* Grow-only scratch. Shared slots: one buffer per slot for the task being run; per-thread: one buffer per thread.
- * Call between phases only (thread 0); NULL when out of memory. */
-enum { KTKI_SCR_ROUTE, KTKI_SCR_ITEMS, KTKI_SCR_X, KTKI_SCR_H, KTKI_SCR_HF, KTKI_SCR_XT, KTKI_SCR_HT,
+/* Grow-only scratch. Shared slots: one buffer per slot for the job being run; per-thread: one buffer per thread id
+ * (n + 1 of them). Call from a job's serial steps only; NULL when out of memory. */
+enum { KTKI_SCR_ROUTE, KTKI_SCR_ITEMS, KTKI_SCR_X, KTKI_SCR_H, KTKI_SCR_HF, KTKI_SCR_XT, KTKI_SCR_HT, KTKI_SCR_JOB,
        KTKI_SCR_SLOTS };
 void *ktki_scratch(ktk_pool *pool, int slot, size_t bytes);
 int ktki_thread_scratch_reserve(ktk_pool *pool, size_t bytes);
 void *ktki_thread_scratch(ktk_pool *pool, int tid);
-/* Queue (tasks run one after another on thread 0) and watch list. */
+/* Queue (tasks run one after another) and watch list. */
 void ktki_pool_enqueue(ktk_pool *pool, ktk_task *task);
-/* Run task on the calling thread (as thread 0) if the pool is idle; 1 if it ran, 0 if the pool was busy. */
+/* Run task's serial steps on the calling thread if the pool is idle and wait for its end; 1 if it ran, 0 if the
+ * pool was busy. */
 int ktki_pool_run_inline(ktk_pool *pool, ktk_task *task);
 int ktki_pool_watch(ktk_pool *pool, ktk_task *task);
-void ktki_pool_unwatch(ktk_pool *pool, ktk_task *task); /* returns when thread 0 no longer touches the task */
+void ktki_pool_unwatch(ktk_pool *pool, ktk_task *task); /* returns when no pool thread touches the task */
 int64_t ktki_pool_spin_ns(const ktk_pool *pool);
 /* Signalled after any task of the pool ends (the task memory may be gone by then: waiters re-check their task). */
 ktki_event *ktki_pool_done_event(ktk_pool *pool);
@@ -129,6 +138,7 @@ struct ktk_task {
     /* watch */
     volatile uint32_t *go, *done;
     int watched;
+    int steps;                 /* steps of the current run so far */
     ktk_task *next;            /* pool queue link */
 };
 void ktki_task_init(ktk_task *task, ktk_pool *pool);
@@ -145,7 +155,14 @@ int ktki_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidd
                  int out_dtype);
 void ktki_submit_fn(ktk_task *task);
 void ktki_wait_fn(ktk_task *task);
-void ktki_task_run(ktk_task *task, int watched);   /* on pool thread 0 */
-int ktki_forward_run(ktk_pool *pool, const ktk_task *task); /* error message on the calling thread */
+/* A run, on whichever threads: begin (RUNNING), then steps until one returns 0, then end (done flag if watched, then
+ * IDLE: the task may be freed from then on). A step returns 1 with the next parallel phase in *ph. */
+void ktki_task_begin(ktk_task *task);
+int ktki_task_step(ktk_task *task, ktki_phase *ph);
+void ktki_task_end(ktk_task *task, int watched);
+#define KTKI_PHASE (-1)
+/* Next step of the task's forward (first: the run's first step): KTKI_PHASE with *ph to run, or a KTK_* code when
+ * the forward is done (error message on the calling thread). Its state lives in the pool's KTKI_SCR_JOB slot. */
+int ktki_forward_step(ktk_pool *pool, const ktk_task *task, int first, ktki_phase *ph);
 
 #endif

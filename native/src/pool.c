@@ -1,18 +1,23 @@
-/* Persistent thread pool: pinned threads, barrier-separated parallel phases, a task queue and a watch list.
+/* Persistent thread pool that a thread losing its core does not stall: one job at a time (a task's forward), run as
+ * a chain of parallel phases by whichever threads are there; a task queue and a watch list (watch.c).
  *
- * Thread 0 ("leader") takes tasks from the queue one after another (or, while tasks are watched, polls their go
- * flags) and runs each task's phases; a synchronous ktk_forward on an idle pool runs inline on its caller instead
- * (the caller takes thread 0's place: no hand-off to wait for). Inside a phase every thread, thread 0 included,
- * takes items from an atomic counter, then thread 0 waits until all threads have finished (the barrier). Idle threads
- * spin for a short while (KTINJECT_SPIN_US, default 50 us) and then sleep on a futex, so back-to-back phases do not
- * pay a wake-up. While tasks are watched (a CUDA graph drives the pool, one task per layer, GPU work in between):
- * - the leader spins on the go flags for 20 ms after the last watched run, then polls every ~50 us;
- * - the other threads keep spinning (no futex sleep) while a watched run started or ended within the "watch spin"
- *   window (KTINJECT_WATCH_SPIN_US, default 1000 us; ktk_pool_set_watch_spin_us), so a raised go flag starts every
- *   thread within a microsecond or two instead of a futex wake-up of all of them (~25 us) at every layer. The
- *   window bounds the cost: between decode steps (the host runs the sampling loop) and in an idle chat they sleep.
- *   ktk_pool_wake (the graph runner calls it just before a replay) opens the window early and wakes sleepers, so
- *   the first layer of a step does not pay the wake-up either. Unwatching the last task ends the window at once.
+ * Why no leader and no barrier (issue 18): on a shared host a thread can be off its core for a time slice of another
+ * process (milliseconds). Each phase used to end when all threads had arrived, and one leader thread alone picked
+ * up tasks and started phases, so every phase waited for a thread that had lost its core, work left or not: one busy
+ * process took graph decode on 16 cores / 15 pinned threads from ~65 to 3.9 tok/s. Now:
+ * - a phase is [0, nitems), claimed in chunks from one 64-bit word (generation | items | next unclaimed); chunks are
+ *   fixed (maxc) or guided (remaining / (2 x threads), within [1, maxc]): no thread has a fixed share;
+ * - a phase ends when its items are done (a count), not when threads arrive: a thread that comes late finds nothing
+ *   to claim and holds nothing; one that loses its core mid-chunk delays that chunk only;
+ * - the thread that finishes a phase's last chunk runs the job's next serial step and publishes the next phase, or
+ *   ends the job (the task's done flag); any idle thread takes queued tasks and raised go flags (watch.c);
+ * - idle threads spin (KTINJECT_SPIN_US, default 50 us), then sleep on a futex; while the pool is "hot" (watch.c:
+ *   a watched run started or ended within the watch spin window) they keep spinning but yield their core every
+ *   ~10-20 us, so a runnable thread of another process, or the one driving the GPU, gets it at once.
+ * Claims: a thread claims only with the word it read, and phase fields are rewritten only after the phase is done
+ * (every item claimed), so a claim that succeeds read the fields of its own phase. Thread ids index per-thread
+ * scratch: 0..n-1 the pool's threads, n a caller of ktk_forward on an idle pool, which runs the first steps and then
+ * helps with chunks, holding id n (a flag) meanwhile, so an id is never used by two threads at once.
  * Scratch buffers are grow-only and kept by the pool: no allocation on the hot path once sizes are reached.
  */
 #define _GNU_SOURCE
@@ -28,69 +33,34 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "pool.h"
 
-#define KTKI_WATCH_SPIN_NS 20000000LL /* leader keeps spinning on go flags this long after the last activity */
-#define KTKI_WATCH_NAP_NS 50000L      /* then naps this long between polls */
-#define KTKI_WATCH_SPIN_US_DEFAULT 1000 /* workers spin this long after watched activity (KTINJECT_WATCH_SPIN_US) */
-#define KTKI_WATCH_SPIN_US_MAX 10000000LL
+#ifndef CLAIM_BITS   /* the stress test builds with a few bits: phases of several windows */
+#define CLAIM_BITS 20
+#endif
+#define CLAIM_MAX ((1LL << CLAIM_BITS) - 1)   /* items of one claim window (larger phases: several windows) */
+#define YIELD_NS 15000                         /* hot idle threads yield their core this often */
+#ifndef KTKI_CHUNK_YIELD_US
+#define KTKI_CHUNK_YIELD_US 0
+#endif
 
-typedef struct {
-    void *buf;
-    size_t size;
-    char pad[64 - sizeof(void *) - sizeof(size_t)];
-} ktki_slot;
-
-struct ktk_pool {
-    int n, pin;
-    int64_t spin_ns;
-    _Atomic int64_t watch_spin_ns;  /* workers spin (no futex sleep) this long after watched activity */
-    _Atomic int64_t hot_until __attribute__((aligned(64)));  /* now_ns() deadline of that spinning; 0: none */
-    pthread_t *threads;
-    int *started;
-    /* phases */
-    ktki_event phase;       /* bumped once per phase (and once to stop the workers) */
-    ktki_event finished;    /* bumped by each worker at the end of a phase */
-    ktki_item_fn fn;
-    void *ctx;
-    int64_t nitems;
-    _Atomic int64_t next __attribute__((aligned(64)));
-    _Atomic int stop_workers;
-    /* queue + watch list (mu) */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;       /* signalled when a watched run ends */
-    ktk_task *head, *tail;
-    ktki_event queue_ev;     /* bumped on enqueue, watch and stop */
-    ktki_event done_ev;      /* bumped after a task run ends */
-    int stop;
-    ktk_task **watch;
-    int nwatch, watch_cap, watch_next;
-    ktk_task *watch_running;
-    int running;             /* a task runs (on the leader, or inline on a caller of ktk_forward) */
-    /* scratch */
-    ktki_slot shared[KTKI_SCR_SLOTS];
-    ktki_slot *per_thread;
-};
+static inline uint64_t claim_word(uint64_t gen, int64_t n, int64_t next) {
+    return gen << (2 * CLAIM_BITS) | (uint64_t)n << CLAIM_BITS | (uint64_t)next;
+}
 
 /* ---- events ---- */
-static int64_t now_ns(void) {
+int64_t ktki_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
 void ktki_event_wait(ktki_event *ev, uint32_t seen, int64_t spin_ns) {
     int64_t deadline = 0;
     for (uint32_t i = 0; atomic_load_explicit(&ev->seq, memory_order_acquire) == seen; i++) {
-        cpu_relax();
+        ktki_cpu_relax();
         if ((i & 63) != 63) continue;
-        int64_t t = now_ns();
+        int64_t t = ktki_now_ns();
         if (deadline == 0) deadline = t + spin_ns;
         else if (t > deadline) break;
     }
@@ -109,29 +79,107 @@ void ktki_event_signal(ktki_event *ev) {
 }
 
 /* ---- phases ---- */
-static void run_items(ktk_pool *p, int tid) {
-    ktki_item_fn fn = p->fn;
-    void *ctx = p->ctx;
-    int64_t n = p->nitems, i;
-    while ((i = atomic_fetch_add_explicit(&p->next, 1, memory_order_relaxed)) < n) fn(ctx, i, tid);
+/* Open window [base, base + n) of the current phase (n <= CLAIM_MAX): a new generation, nothing claimed or done. */
+static void publish(ktk_pool *p, int64_t base, int64_t n) {
+    atomic_store_explicit(&p->base, base, memory_order_relaxed);
+    atomic_store_explicit(&p->ndone, 0, memory_order_relaxed);
+    uint64_t gen = (atomic_load_explicit(&p->claim, memory_order_relaxed) >> (2 * CLAIM_BITS)) + 1;
+    atomic_store_explicit(&p->claim, claim_word(gen & ((1ULL << (64 - 2 * CLAIM_BITS)) - 1), n, 0),
+                          memory_order_release);
+    ktki_event_signal(&p->work);
 }
 
-void ktki_parallel(ktk_pool *p, ktki_item_fn fn, void *ctx, int64_t nitems) {
-    if (nitems <= 0) return;
-    if (p->n == 1 || nitems == 1) {
-        for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
+/* The job's next steps on this thread, up to the next phase of several items (published) or the job's end. Phases
+ * of one item run here: no hand-off for them. */
+static void advance(ktk_pool *p, int tid) {
+    ktki_phase ph;
+    while (ktki_task_step(p->job, &ph)) {
+        if (ph.nitems <= 0) continue;
+        if (ph.nitems == 1) {
+            if (ph.range) ph.range(ph.ctx, 0, 1, tid);
+            else ph.item(ph.ctx, 0, tid);
+            continue;
+        }
+        atomic_store_explicit(&p->item, ph.item, memory_order_relaxed);
+        atomic_store_explicit(&p->range, ph.range, memory_order_relaxed);
+        atomic_store_explicit(&p->ctx, ph.ctx, memory_order_relaxed);
+        atomic_store_explicit(&p->maxc, ph.maxc < 1 ? 1 : ph.maxc, memory_order_relaxed);
+        atomic_store_explicit(&p->guided, ph.guided, memory_order_relaxed);
+        atomic_store_explicit(&p->total, ph.nitems, memory_order_relaxed);
+        publish(p, 0, ph.nitems < CLAIM_MAX ? ph.nitems : CLAIM_MAX);
         return;
     }
-    p->fn = fn;
-    p->ctx = ctx;
-    p->nitems = nitems;
-    atomic_store_explicit(&p->next, 0, memory_order_relaxed);
-    uint32_t target = atomic_load(&p->finished.seq) + (uint32_t)(p->n - 1);
-    ktki_event_signal(&p->phase);
-    run_items(p, 0);
-    uint32_t v;
-    while ((v = atomic_load_explicit(&p->finished.seq, memory_order_acquire)) != target)
-        ktki_event_wait(&p->finished, v, p->spin_ns);
+    ktki_pool_end_job(p);
+}
+
+void ktki_pool_start_job(ktk_pool *p, ktk_task *t, int watched, int tid) {
+    p->job = t;
+    p->job_watched = watched;
+    if (watched) ktki_pool_mark_hot(p);   /* idle threads stay awake for this run's phases */
+    ktki_task_begin(t);
+    advance(p, tid);
+}
+
+/* Claim a chunk of the open window: 1 with [*i0, *i1) and the window's size *n, 0 if nothing is left. */
+static int claim(ktk_pool *p, int64_t *i0, int64_t *i1, int64_t *n) {
+    uint64_t w = atomic_load_explicit(&p->claim, memory_order_acquire);
+    for (;;) {
+        const int64_t size = (int64_t)(w >> CLAIM_BITS) & CLAIM_MAX, next = (int64_t)w & CLAIM_MAX;
+        if (next >= size) return 0;
+        int64_t c = atomic_load_explicit(&p->maxc, memory_order_relaxed);
+        if (atomic_load_explicit(&p->guided, memory_order_relaxed)) {
+            const int64_t g = (size - next) / (2 * (int64_t)p->n);
+            c = g < 1 ? 1 : g < c ? g : c;
+        }
+        if (c > size - next) c = size - next;
+        if (atomic_compare_exchange_weak_explicit(&p->claim, &w, w + (uint64_t)c, memory_order_acquire,
+                                                  memory_order_acquire)) {
+            *i0 = next;
+            *i1 = next + c;
+            *n = size;
+            return 1;
+        }
+    }
+}
+
+/* Test hook KTINJECT_TEST_DELAY=TID:US: thread TID sleeps US us before every other claim of a phase with items left
+ * (it comes late) and after every other chunk it claims (it holds the chunk while off its core). */
+static void test_delay(ktk_pool *p, int tid, int holding) {
+    if (tid != p->delay_tid || (p->delay_count[holding]++ & 1)) return;
+    struct timespec ts = {p->delay_us / 1000000, (long)(p->delay_us % 1000000) * 1000};
+    nanosleep(&ts, NULL);
+}
+
+int ktki_pool_run_chunk(ktk_pool *p, int tid) {
+    int64_t i0, i1, n;
+    if (p->delay_tid >= 0 && ktki_pool_items_left(p)) test_delay(p, tid, 0);
+    if (p->chunk_yield_ns && ktki_pool_items_left(p)) {
+        ktki_slot *me = &p->per_thread[tid];
+        const int64_t t = ktki_now_ns();
+        if (t >= me->yield_at) {
+            sched_yield();
+            me->yield_at = t + p->chunk_yield_ns;
+        }
+    }
+    if (!claim(p, &i0, &i1, &n)) return 0;
+    if (p->delay_tid >= 0) test_delay(p, tid, 1);
+    const int64_t base = atomic_load_explicit(&p->base, memory_order_relaxed);
+    ktki_range_fn range = atomic_load_explicit(&p->range, memory_order_relaxed);
+    ktki_item_fn item = atomic_load_explicit(&p->item, memory_order_relaxed);
+    void *ctx = atomic_load_explicit(&p->ctx, memory_order_relaxed);
+    if (range) range(ctx, base + i0, base + i1, tid);
+    else for (int64_t i = base + i0; i < base + i1; i++) item(ctx, i, tid);
+    if (atomic_fetch_add_explicit(&p->ndone, i1 - i0, memory_order_acq_rel) + (i1 - i0) != n) return 1;
+    /* the phase's window is done and this thread finished it: the next window, else the job's next steps */
+    const int64_t total = atomic_load_explicit(&p->total, memory_order_relaxed);
+    if (base + n < total) publish(p, base + n, total - base - n < CLAIM_MAX ? total - base - n : CLAIM_MAX);
+    else advance(p, tid);
+    return 1;
+}
+
+int ktki_pool_items_left(ktk_pool *p) {
+    uint64_t w = atomic_load_explicit(&p->claim, memory_order_relaxed);
+    return (int64_t)(w & CLAIM_MAX) < ((int64_t)(w >> CLAIM_BITS) & CLAIM_MAX);
 }
 
 /* ---- threads ---- */
@@ -147,134 +195,48 @@ static void pin_self(int cpu) {
     (void)pthread_setaffinity_np(pthread_self(), sizeof set, &set); /* failure is fine: runs unpinned */
 }
 
-/* Workers between phases: spin while the pool is "hot" (within the watch spin window) or for the ordinary short
- * spin, then sleep on the phase event's futex. A ktk_pool_wake wakes sleepers without a phase: they spin again.
- * While hot, a spinning worker yields its CPU every ~10-20 us: a no-op when nothing else wants it, but the host
- * thread (which wakes up between decode steps, when all cores may be spinning) gets a core at once. */
-static void worker_wait(ktk_pool *p, uint32_t seen) {
-    ktki_event *ev = &p->phase;
-    for (;;) {
-        int64_t spin_until = 0;
-        for (;;) {
-            for (int i = 0; i < 256; i++) {
-                if (atomic_load_explicit(&ev->seq, memory_order_acquire) != seen) return;
-                cpu_relax();
-            }
-            int64_t t = now_ns();
-            if (spin_until == 0) spin_until = t + p->spin_ns;
-            if (t < spin_until) continue;
-            if (t >= atomic_load_explicit(&p->hot_until, memory_order_relaxed)) break;
+/* Until there may be something to do: a new phase, task or stop (the work event moved), or a raised go flag. Spins
+ * for spin_ns; then, while hot, keeps spinning and yields every YIELD_NS; else sleeps on the work event (thread 0,
+ * while tasks are watched, polls the go flags instead: watch.c). */
+static void idle(ktk_pool *p, int tid) {
+    ktki_event *ev = &p->work;
+    const uint32_t seen = atomic_load_explicit(&ev->seq, memory_order_acquire);
+    const int64_t t0 = ktki_now_ns();
+    int64_t yield_at = t0 + YIELD_NS;
+    for (uint32_t i = 1;; i++) {
+        if (atomic_load_explicit(&ev->seq, memory_order_acquire) != seen || ktki_pool_items_left(p)) return;
+        ktki_cpu_relax();
+        if (i & 31) continue;
+        if (ktki_pool_go_raised(p, tid)) return;
+        if (i & 255) continue;
+        if (atomic_load(&p->stop)) {   /* the pool is being destroyed: the caller checks whether to exit */
             sched_yield();
-        }
-        atomic_fetch_add(&ev->waiters, 1);
-        if (atomic_load(&ev->seq) == seen)
-            syscall(SYS_futex, (uint32_t *)&ev->seq, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
-        atomic_fetch_sub(&ev->waiters, 1);
-        if (atomic_load_explicit(&ev->seq, memory_order_acquire) != seen) return;
-    }
-}
-
-/* Extend the workers' spinning to now + watch spin window (called around watched runs and on watch). */
-static void mark_hot(ktk_pool *p) {
-    int64_t w = atomic_load_explicit(&p->watch_spin_ns, memory_order_relaxed);
-    atomic_store_explicit(&p->hot_until, w > 0 ? now_ns() + w : 0, memory_order_relaxed);
-}
-
-static void worker_loop(ktk_pool *p, int tid) {
-    uint32_t seen = 0; /* not the current value: a phase may start before this thread does */
-    for (;;) {
-        worker_wait(p, seen);
-        seen = atomic_load(&p->phase.seq);
-        if (atomic_load(&p->stop_workers)) return;
-        run_items(p, tid);
-        ktki_event_signal(&p->finished);
-    }
-}
-
-/* Under mu: a watched task whose *go is 1 (round robin), its *go reset to 0; NULL if none. */
-static ktk_task *poll_watch(ktk_pool *p) {
-    for (int j = 0; j < p->nwatch; j++) {
-        int i = (p->watch_next + j) % p->nwatch;
-        ktk_task *t = p->watch[i];
-        if (__atomic_load_n(t->go, __ATOMIC_ACQUIRE) == 1) {
-            __atomic_store_n(t->go, 0, __ATOMIC_RELAXED);
-            p->watch_next = (i + 1) % p->nwatch;
-            p->watch_running = t;
-            return t;
-        }
-    }
-    return NULL;
-}
-
-/* Under mu: the next task for the leader (queue first, then raised go flags), marking the pool running. */
-static ktk_task *take_task(ktk_pool *p, int *watched) {
-    ktk_task *t = NULL;
-    *watched = 0;
-    if (p->running) return NULL;   /* a caller runs a forward inline (ktki_pool_run_inline) */
-    if ((t = p->head)) {
-        p->head = t->next;
-        if (!p->head) p->tail = NULL;
-    } else if (p->nwatch) {
-        t = poll_watch(p);
-        *watched = t != NULL;
-    }
-    if (t) p->running = 1;
-    return t;
-}
-
-static void leader_loop(ktk_pool *p) {
-    int64_t last_active = now_ns();
-    for (;;) {
-        uint32_t qseen = atomic_load(&p->queue_ev.seq);
-        int watched;
-        pthread_mutex_lock(&p->mu);
-        ktk_task *t = take_task(p, &watched);
-        int stop = p->stop, poll = p->nwatch && !p->running;
-        pthread_mutex_unlock(&p->mu);
-        if (t) {
-            if (watched) mark_hot(p);    /* spinning workers stay awake for this run's phases */
-            ktki_task_run(t, watched);   /* t may be gone once it returns */
-            if (watched) mark_hot(p);    /* ... and for the next layer's go */
-            pthread_mutex_lock(&p->mu);
-            p->running = 0;
-            if (watched) p->watch_running = NULL;
-            pthread_cond_broadcast(&p->cv);
-            pthread_mutex_unlock(&p->mu);
-            ktki_event_signal(&p->done_ev);
-            last_active = now_ns();
-        } else if (stop) {
             return;
-        } else if (poll) {
-            int64_t t = now_ns(), hot = atomic_load_explicit(&p->hot_until, memory_order_relaxed);
-            if (t - last_active < KTKI_WATCH_SPIN_NS || t < hot) {
-                for (int i = 0; i < 32; i++) cpu_relax();
-            } else {
-                struct timespec nap = {0, KTKI_WATCH_NAP_NS};
-                nanosleep(&nap, NULL);
-            }
-        } else {
-            ktki_event_wait(&p->queue_ev, qseen, p->spin_ns);
         }
+        const int64_t t = ktki_now_ns();
+        if (t < t0 + p->spin_ns) continue;
+        if (t < atomic_load_explicit(&p->hot_until, memory_order_relaxed)) {
+            if (t >= yield_at) {
+                sched_yield();
+                yield_at = ktki_now_ns() + YIELD_NS;
+            }
+            continue;
+        }
+        if (ktki_pool_nap(p, tid, seen)) return;   /* thread 0 polled until something happened */
+        break;
     }
+    atomic_fetch_add(&ev->waiters, 1);
+    if (atomic_load(&ev->seq) == seen)
+        syscall(SYS_futex, (uint32_t *)&ev->seq, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+    atomic_fetch_sub(&ev->waiters, 1);
 }
 
-int ktki_pool_run_inline(ktk_pool *p, ktk_task *t) {
-    pthread_mutex_lock(&p->mu);
-    int free_now = !p->running && !p->head && !p->stop;
-    if (free_now) p->running = 1;
-    pthread_mutex_unlock(&p->mu);
-    if (!free_now) return 0;
-    ktki_task_run(t, 0);
-    pthread_mutex_lock(&p->mu);
-    p->running = 0;
-    const int waiting = p->head != NULL || p->nwatch > 0;
-    pthread_mutex_unlock(&p->mu);
-    /* Wake the leader only if it may wait for this: tasks were queued meanwhile, or tasks are watched (it polls
-     * their flags, but waits on the queue event while the pool is running). A signal every time restarted its spin
-     * window, so back-to-back inline forwards kept it spinning on a CPU of its own (on 2 CPUs: three spinning
-     * threads, 21-23 instead of 7 us a one-token forward of a tiny layer). Later enqueues and watches signal. */
-    if (waiting) ktki_event_signal(&p->queue_ev);
-    return 1;
+static void thread_loop(ktk_pool *p, int tid) {
+    for (;;) {
+        if (ktki_pool_run_chunk(p, tid) || ktki_pool_take_task(p, tid)) continue;
+        if (atomic_load(&p->stop) && !atomic_load(&p->running) && !atomic_load(&p->queued)) return;
+        idle(p, tid);
+    }
 }
 
 static void *thread_main(void *argp) {
@@ -284,41 +246,30 @@ static void *thread_main(void *argp) {
     snprintf(name, sizeof name, "ktk-%d", arg.tid);
     pthread_setname_np(pthread_self(), name);
     if (arg.pool->pin && arg.cpu >= 0) pin_self(arg.cpu);
-    if (arg.tid == 0) leader_loop(arg.pool);
-    else worker_loop(arg.pool, arg.tid);
+    thread_loop(arg.pool, arg.tid);
     return NULL;
 }
 
 static void stop_and_join(ktk_pool *p) {
-    pthread_mutex_lock(&p->mu);
-    p->stop = 1;
-    pthread_mutex_unlock(&p->mu);
-    ktki_event_signal(&p->queue_ev);
-    if (p->started[0]) pthread_join(p->threads[0], NULL);  /* the leader drains the queue first */
-    atomic_store(&p->stop_workers, 1);
-    ktki_event_signal(&p->phase);
-    for (int i = 1; i < p->n; i++)
+    atomic_store(&p->stop, 1);   /* threads run what is queued first */
+    ktki_event_signal(&p->work);
+    for (int i = 0; i < p->n; i++)
         if (p->started[i]) pthread_join(p->threads[i], NULL);
 }
 
 static void free_pool(ktk_pool *p) {
     for (int s = 0; s < KTKI_SCR_SLOTS; s++) free(p->shared[s].buf);
     if (p->per_thread)
-        for (int i = 0; i < p->n; i++) free(p->per_thread[i].buf);
+        for (int i = 0; i <= p->n; i++) free(p->per_thread[i].buf);
     free(p->per_thread);
-    free(p->watch);
+    free(atomic_load(&p->watch));
     free(p->threads);
     free(p->started);
     pthread_mutex_destroy(&p->mu);
-    pthread_cond_destroy(&p->cv);
     free(p);
 }
 
-int ktki_pool_create(int nthreads, int pin, ktk_pool **out) {
-    ktk_pool *p = calloc(1, sizeof *p);
-    if (!p) return ktki_error(KTK_ERR_NOMEM, "ktk_pool_create: out of memory");
-    p->n = nthreads;
-    p->pin = pin != 0;
+static void read_env(ktk_pool *p) {
     const char *spin = getenv("KTINJECT_SPIN_US");
     long us = spin ? strtol(spin, NULL, 10) : 50;
     p->spin_ns = (us < 0 ? 0 : us > 1000000 ? 1000000 : us) * 1000LL;
@@ -326,11 +277,27 @@ int ktki_pool_create(int nthreads, int pin, ktk_pool **out) {
     long long wus = wspin ? strtoll(wspin, NULL, 10) : KTKI_WATCH_SPIN_US_DEFAULT;
     atomic_store(&p->watch_spin_ns,
                  (wus < 0 ? 0 : wus > KTKI_WATCH_SPIN_US_MAX ? KTKI_WATCH_SPIN_US_MAX : wus) * 1000LL);
+    const char *cy = getenv("KTINJECT_CHUNK_YIELD_US");
+    p->chunk_yield_ns = (cy ? strtoll(cy, NULL, 10) : KTKI_CHUNK_YIELD_US) * 1000LL;
+    const char *delay = getenv("KTINJECT_TEST_DELAY");
+    p->delay_tid = -1;
+    if (delay && strchr(delay, ':')) {
+        p->delay_tid = atoi(delay);
+        p->delay_us = strtoll(strchr(delay, ':') + 1, NULL, 10);
+    }
+}
+
+int ktki_pool_create(int nthreads, int pin, ktk_pool **out) {
+    ktk_pool *p = calloc(1, sizeof *p);
+    if (!p) return ktki_error(KTK_ERR_NOMEM, "ktk_pool_create: out of memory");
+    p->n = nthreads;
+    const char *pin_env = getenv("KTINJECT_PIN");   /* 0 / 1 overrides the caller's choice (A/B measurements) */
+    p->pin = pin_env && (pin_env[0] == '0' || pin_env[0] == '1') && !pin_env[1] ? pin_env[0] == '1' : pin != 0;
+    read_env(p);
     pthread_mutex_init(&p->mu, NULL);
-    pthread_cond_init(&p->cv, NULL);
     p->threads = calloc((size_t)nthreads, sizeof *p->threads);
     p->started = calloc((size_t)nthreads, sizeof *p->started);
-    p->per_thread = calloc((size_t)nthreads, sizeof *p->per_thread);
+    p->per_thread = calloc((size_t)nthreads + 1, sizeof *p->per_thread);
     int *order = malloc(4096 * sizeof(int));
     if (!p->threads || !p->started || !p->per_thread || !order) {
         free(order);
@@ -366,25 +333,6 @@ void ktki_pool_destroy(ktk_pool *p) {
 }
 
 int ktki_pool_threads(const ktk_pool *p) { return p->n; }
-
-void ktki_pool_set_watch_spin_us(ktk_pool *p, int64_t us) {
-    atomic_store(&p->watch_spin_ns, us * 1000LL);
-    pthread_mutex_lock(&p->mu);
-    if (p->nwatch) mark_hot(p);   /* a shorter window takes effect now, a longer one from now */
-    pthread_mutex_unlock(&p->mu);
-}
-
-int64_t ktki_pool_watch_spin_us(const ktk_pool *p) { return atomic_load(&p->watch_spin_ns) / 1000; }
-
-void ktki_pool_wake(ktk_pool *p) {
-    pthread_mutex_lock(&p->mu);
-    int watched = p->nwatch != 0;
-    if (watched) mark_hot(p);
-    pthread_mutex_unlock(&p->mu);
-    if (watched && atomic_load(&p->phase.waiters) != 0)   /* sleepers see no new phase and spin (hot) */
-        syscall(SYS_futex, (uint32_t *)&p->phase.seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-}
-
 int64_t ktki_pool_spin_ns(const ktk_pool *p) { return p->spin_ns; }
 ktki_event *ktki_pool_done_event(ktk_pool *p) { return &p->done_ev; }
 
@@ -404,53 +352,9 @@ static void *grow(ktki_slot *s, size_t bytes) {
 void *ktki_scratch(ktk_pool *p, int slot, size_t bytes) { return grow(&p->shared[slot], bytes); }
 
 int ktki_thread_scratch_reserve(ktk_pool *p, size_t bytes) {
-    for (int i = 0; i < p->n; i++)
+    for (int i = 0; i <= p->n; i++)
         if (!grow(&p->per_thread[i], bytes)) return 0;
     return 1;
 }
 
 void *ktki_thread_scratch(ktk_pool *p, int tid) { return p->per_thread[tid].buf; }
-
-/* ---- queue and watch list ---- */
-void ktki_pool_enqueue(ktk_pool *p, ktk_task *t) {
-    t->next = NULL;
-    pthread_mutex_lock(&p->mu);
-    if (p->tail) p->tail->next = t;
-    else p->head = t;
-    p->tail = t;
-    pthread_mutex_unlock(&p->mu);
-    ktki_event_signal(&p->queue_ev);
-}
-
-int ktki_pool_watch(ktk_pool *p, ktk_task *t) {
-    pthread_mutex_lock(&p->mu);
-    if (p->nwatch == p->watch_cap) {
-        int cap = p->watch_cap ? 2 * p->watch_cap : 16;
-        ktk_task **w = realloc(p->watch, (size_t)cap * sizeof *w);
-        if (!w) {
-            pthread_mutex_unlock(&p->mu);
-            return ktki_error(KTK_ERR_NOMEM, "ktk_task_watch: out of memory");
-        }
-        p->watch = w;
-        p->watch_cap = cap;
-    }
-    p->watch[p->nwatch++] = t;
-    mark_hot(p);   /* a graph that signals it is about to run */
-    pthread_mutex_unlock(&p->mu);
-    ktki_event_signal(&p->queue_ev);
-    return KTK_OK;
-}
-
-void ktki_pool_unwatch(ktk_pool *p, ktk_task *t) {
-    pthread_mutex_lock(&p->mu);
-    while (p->watch_running == t) pthread_cond_wait(&p->cv, &p->mu);
-    for (int i = 0; i < p->nwatch; i++) {
-        if (p->watch[i] != t) continue;
-        memmove(p->watch + i, p->watch + i + 1, (size_t)(p->nwatch - i - 1) * sizeof *p->watch);
-        p->nwatch--;
-        break;
-    }
-    p->watch_next = 0;
-    if (!p->nwatch) atomic_store(&p->hot_until, 0);   /* nothing watched: workers may sleep at once */
-    pthread_mutex_unlock(&p->mu);
-}

@@ -1,9 +1,10 @@
 /* Tasks: one forward's arguments at a fixed address; submit/wait, the void(*)(void*) forms and watching.
  *
- * A run ends with the task's state stored IDLE (its last touch of the task) and the pool's done event signalled,
- * so a waiter may free the task as soon as it sees IDLE. Errors: `result` is the latest run's code; `sticky` keeps
- * the first error that nobody could return at once (a failed ktk_submit_fn, a failed run seen by ktk_wait_fn, a
- * failed watched run) until ktk_wait or ktk_task_unwatch returns it.
+ * A run (begin, steps, end: on whichever pool threads) ends with the task's state stored IDLE (its last touch of the
+ * task) and the pool's done event signalled, so a waiter may free the task as soon as it sees IDLE. Errors: `result`
+ * is the latest run's code; `sticky` keeps the first error that nobody could return at once (a failed
+ * ktk_submit_fn, a failed run seen by ktk_wait_fn, a failed watched run) until ktk_wait or ktk_task_unwatch
+ * returns it.
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -87,15 +88,24 @@ void ktki_wait_fn(ktk_task *t) {
     keep_sticky(t, t->result, t->msg);
 }
 
-void ktki_task_run(ktk_task *t, int watched) {
+void ktki_task_begin(ktk_task *t) {
     atomic_store(&t->state, KTKI_TASK_RUNNING);
+    t->steps = 0;
+}
+
+int ktki_task_step(ktk_task *t, ktki_phase *ph) {
     ktki_error_clear();
-    int rc = ktki_forward_run(t->pool, t);
+    int rc = ktki_forward_step(t->pool, t, t->steps++ == 0, ph);
+    if (rc == KTKI_PHASE) return 1;
     t->result = rc;
     if (rc != KTK_OK) snprintf(t->msg, sizeof t->msg, "%s", ktki_error_msg());
     else t->msg[0] = 0;
+    return 0;
+}
+
+void ktki_task_end(ktk_task *t, int watched) {
     if (watched) {
-        keep_sticky(t, rc, t->msg);
+        keep_sticky(t, t->result, t->msg);
         __atomic_store_n(t->done, 1u, __ATOMIC_RELEASE);
     }
     atomic_store_explicit(&t->state, KTKI_TASK_IDLE, memory_order_release);

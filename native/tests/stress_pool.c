@@ -1,9 +1,12 @@
 /* Stress test of the pool, tasks and watch flags, built with -fsanitize=thread (or address) by
  * tests/test_native.py::test_pool_stress_sanitizers: three threads call ktk_forward on one pool while a task is
  * submitted/waited and then driven through go/done flags (changing the watch spin window and waking the pool on
- * the way); every result must equal the single-caller one. Pools of 1..5 threads are then created and destroyed
- * with work queued. Prints "ok" and exits 0 on success.
+ * the way); then pools of 2..4 threads of which one is artificially delayed (KTINJECT_TEST_DELAY: it sleeps before
+ * each chunk it claims and, every other time, while holding it) run forwards and watched tasks. Every result must
+ * be bit-identical to the one of a 1-thread pool (the plain path). Pools of 1..5 threads are then created and
+ * destroyed with work queued. Prints "ok" and exits 0 on success.
  */
+#define _GNU_SOURCE
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -70,19 +73,19 @@ static void setup(void) {
     for (int i = 0; i < T * K; i++) ids[i] = (i * 5 + i / K) % E;
 }
 
-/* Submit/wait, then 100 go/done handshakes driven from this thread (as a CUDA stream would). */
-static void drive_task(void) {
+/* Submit/wait, then go/done handshakes driven from this thread (as a CUDA stream would), iters of each. */
+static void drive_task(ktk_pool *pool, int iters) {
     static float out[T * H];
     ktk_task *task;
     if (ktk_task_create(pool, &task)) fail("task_create");
     if (ktk_task_bind(task, ex, T, K, x, KTK_DTYPE_F32, ids, w, KTK_DTYPE_F32, NULL, out, KTK_DTYPE_F32))
         fail("bind");
-    for (int it = 0; it < 100; it++) {
+    for (int it = 0; it < iters; it++) {
         if (ktk_submit(task) || ktk_wait(task)) fail("submit/wait");
         if (memcmp(out, ref, sizeof out)) fail("task result differs");
     }
     if (ktk_task_watch(task, (volatile uint32_t *)&go, (volatile uint32_t *)&done)) fail("watch");
-    for (int it = 0; it < 100; it++) {
+    for (int it = 0; it < iters; it++) {
         /* the watch spin window changes and wakes race with the pool's threads (sleeping or spinning) */
         if (it % 10 == 0 && ktk_pool_set_watch_spin_us(pool, it % 20 ? 0 : 5000)) fail("set_watch_spin_us");
         if (it % 3 == 0 && ktk_pool_wake(pool)) fail("wake");
@@ -97,15 +100,38 @@ static void drive_task(void) {
     ktk_task_destroy(task);
 }
 
+/* Pools of 2..4 threads, thread 0 or the last one delayed by the test hook: forwards and a driven task. */
+static void delayed(void) {
+    for (int n = 2; n <= 4; n++)
+        for (int last = 0; last < 2; last++) {
+            char v[32];
+            snprintf(v, sizeof v, "%d:300", last ? n - 1 : 0);
+            setenv("KTINJECT_TEST_DELAY", v, 1);   /* read when the pool is created */
+            ktk_pool *p;
+            if (ktk_pool_create(n, 0, &p)) fail("pool_create (delayed)");
+            unsetenv("KTINJECT_TEST_DELAY");
+            float out[T * H];
+            for (int it = 0; it < 10; it++) {
+                if (forward(p, out)) fail("ktk_forward (delayed)");
+                if (memcmp(out, ref, sizeof out)) fail("forward with a delayed thread differs");
+            }
+            drive_task(p, 10);
+            ktk_pool_destroy(p);
+        }
+}
+
 int main(void) {
     setup();
+    if (ktk_pool_create(1, 0, &pool)) fail("pool_create");
+    if (forward(pool, ref)) fail("reference forward");   /* the plain path: one pool thread */
+    ktk_pool_destroy(pool);
     if (ktk_pool_create(3, 1, &pool)) fail("pool_create");
-    if (forward(pool, ref)) fail("reference forward");
     pthread_t th[3];
     for (int i = 0; i < 3; i++) pthread_create(&th[i], NULL, caller, NULL);
-    drive_task();
+    drive_task(pool, 100);
     for (int i = 0; i < 3; i++) pthread_join(th[i], NULL);
     ktk_pool_destroy(pool);
+    delayed();
     for (int n = 1; n < 6; n++) {   /* destroy with a task queued (the task is destroyed first, as documented) */
         static float out[T * H];
         ktk_pool *p;

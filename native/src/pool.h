@@ -1,0 +1,83 @@
+/* Internal to the pool (pool.c: threads, phases, idle; watch.c: queue, watch list, picking up tasks). */
+#ifndef KTKI_POOL_H
+#define KTKI_POOL_H
+#include <pthread.h>
+
+#include "internal.h"
+
+#define KTKI_WATCH_SPIN_NS 20000000LL    /* thread 0 spins on go flags this long after the last watched run */
+#define KTKI_WATCH_NAP_NS 50000L         /* then naps this long between polls */
+#define KTKI_WATCH_SPIN_US_DEFAULT 1000  /* idle threads spin this long after watched activity */
+#define KTKI_WATCH_SPIN_US_MAX 10000000LL
+
+typedef struct {
+    void *buf;
+    size_t size;
+    _Atomic uint32_t scan;   /* odd while this thread reads the watch list (watch.c) */
+    int64_t yield_at;        /* pool.c: when this thread next yields between chunks */
+} __attribute__((aligned(64))) ktki_slot;
+
+typedef struct {
+    int n;
+    ktk_task *t[];
+} ktki_wlist;
+
+struct ktk_pool {
+    int n, pin;
+    int64_t spin_ns;
+    int delay_tid, delay_count[2];   /* test hook (KTINJECT_TEST_DELAY) */
+    int64_t delay_us;
+    int64_t chunk_yield_ns;
+    _Atomic int64_t watch_spin_ns;  /* idle threads spin (no futex sleep) this long after watched activity */
+    _Atomic int64_t hot_until __attribute__((aligned(64)));  /* now_ns() deadline of that spinning; 0: none */
+    pthread_t *threads;
+    int *started;
+    /* the open phase: claim word (generation | window size | next unclaimed) and items done, own cache lines */
+    _Atomic uint64_t claim __attribute__((aligned(64)));
+    _Atomic int64_t ndone __attribute__((aligned(64)));
+    _Atomic(ktki_item_fn) item __attribute__((aligned(64)));
+    _Atomic(ktki_range_fn) range;
+    _Atomic(void *) ctx;
+    _Atomic int64_t base, total;   /* window start, items of the phase */
+    _Atomic int maxc, guided;
+    /* the job: claimed by a CAS of running 0 -> 1; job, job_watched written by the claimer before it publishes */
+    _Atomic int running __attribute__((aligned(64)));
+    ktk_task *job;
+    int job_watched;
+    _Atomic(ktk_task *) watch_running;
+    _Atomic int stop;
+    _Atomic int ext;   /* thread id n is in use by a caller of an inline run (watch.c) */
+    ktki_event work __attribute__((aligned(64)));  /* bumped on a new phase, task, watch and stop */
+    ktki_event done_ev;                             /* bumped after a job ends */
+    /* queue and watch list (mu serializes writers; the watch list is read without it) */
+    pthread_mutex_t mu;
+    ktk_task *head, *tail;
+    _Atomic int queued;
+    _Atomic(ktki_wlist *) watch;
+    _Atomic int watch_next;            /* where the next scan starts (round robin) */
+    _Atomic int64_t last_watched;      /* now_ns() at the end of the last watched run */
+    /* scratch */
+    ktki_slot shared[KTKI_SCR_SLOTS];
+    ktki_slot *per_thread;             /* [n + 1] */
+};
+
+static inline void ktki_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+int64_t ktki_now_ns(void);
+/* pool.c */
+void ktki_pool_start_job(ktk_pool *p, ktk_task *t, int watched, int tid); /* running claimed by the caller */
+int ktki_pool_run_chunk(ktk_pool *p, int tid);   /* 1 if it claimed and ran a chunk of the open phase */
+int ktki_pool_items_left(ktk_pool *p);
+/* watch.c */
+void ktki_pool_end_job(ktk_pool *p);
+void ktki_pool_mark_hot(ktk_pool *p);
+int ktki_pool_take_task(ktk_pool *p, int tid);   /* 1 if it took a queued task or a raised go flag and ran steps */
+int ktki_pool_go_raised(ktk_pool *p, int tid);   /* 1 if the pool is free and a watched go flag is raised */
+/* Outside the hot window, while tasks are watched: 1 after polling the go flags (thread 0) until something happened;
+ * 0 if this thread should sleep (another thread, or nothing watched). */
+int ktki_pool_nap(ktk_pool *p, int tid, uint32_t seen);
+#endif
