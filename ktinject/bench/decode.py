@@ -13,12 +13,18 @@ on the GPU. Nothing is written to disk. Then, in one run, with the limit and the
             muted), waiting (graph step - GPU time), coordination (stream handshakes alone, per layer x layers)
   prefill   ktinject (eager, chunked) and hf at the prompt lengths asked for
 
+``--quant bf16,int8,int4`` runs the flow once per expert quantization (one model build each; hf rows with the first).
+``--noise 1,2,4`` adds the interference mode: decode (graph; eager without CUDA) and CPU experts alone timed quiet and
+with N background processes copying 1 GiB buffers (ktinject.bench.noise), ``--noise-runs`` rounds of every level in
+turn, with what the scheduler did to the pool's threads meanwhile; then per level the median, its share of the quiet
+speed and the spread of the runs.
 ``--tiny`` runs the same flow on the tiny qwen3_moe test model (CPU-only machines too: GPU rows say n/a).
 Legend: B batch, P prompt tokens, N new tokens, L layers.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -41,12 +47,15 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def expert_bytes_per_token(cfg, batch: int = 1) -> float:
-    """Bytes of routed expert weights one decode step reads (distinct experts: batch=1 -> k per layer)."""
+def expert_bytes_per_token(cfg, batch: int = 1, quant: str = "bf16") -> float:
+    """Bytes of routed expert weights one decode step reads, in the stored format of ``quant`` (distinct experts:
+    batch=1 -> k per layer)."""
+    from ktinject.native import Experts
+
     L, E, k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     distinct = E * (1 - (1 - k / E) ** batch)  # expected distinct experts of B random tokens
-    return L * distinct * 3 * H * I * 2 / batch
+    return L * distinct * Experts.packed_nbytes(1, H, I, quant) / batch
 
 
 def hf_decode(model, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
@@ -302,6 +311,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
     p.add_argument("--no-decode", action="store_true", help="prefill rows only")
     p.add_argument("--profile", action="store_true", help="print the kernels of a muted decode-graph replay")
+    p.add_argument("--quant", default="bf16",
+                   help="comma-separated expert quantizations (bf16, int8, int4): the whole run once per quant, "
+                        "one model build each")
+    p.add_argument("--noise", default="",
+                   help="comma-separated counts of background memory-copy processes (e.g. 1,2,4): time decode quiet "
+                        "and with each ('' skips)")
+    p.add_argument("--noise-runs", type=int, default=3, help="rounds of the quiet and noisy turns (--noise)")
     p.add_argument("--compare", action="store_true",
                    help="also time the graph decode with one speed-up undone at a time: HF's sdpa attention, 4D "
                         "masks built by HF every step, the pool's watch spin off")
@@ -322,7 +338,45 @@ def _fmt_ms(s):
     return "n/a" if s is None else f"{s * 1e3:.2f}"
 
 
-def run(args) -> list[tuple[str, str, str, str]]:
+def _decode_rate(model, prompt, tokens: int) -> float:
+    """Seconds per decode token through ktinject.generate with the model's current runner (no new capture)."""
+    t1 = min(_gen_time(model, prompt, 1) for _ in range(2))
+    return (_gen_time(model, prompt, tokens + 1) - t1) / tokens
+
+
+def _noise_rows(model, prompt, args, rows: list, graphs: bool) -> None:
+    """Interference mode: rounds of decode + one CPU-experts pass, quiet and with each --noise level in turn."""
+    from ktinject.bench.noise import Noise, Sched
+
+    levels = [0] + sorted({int(x) for x in args.noise.split(",") if x.strip() and int(x) > 0})
+    B = prompt.shape[0]
+    way = "graph" if graphs else "eager"
+    ktinject_decode(model, prompt, 2, graphs=graphs)  # the runner this mode reuses (captured once)
+    times: dict[int, list[float]] = {n: [] for n in levels}
+    with Noise(max(levels)) as bg:
+        for r in range(args.noise_runs):
+            for n in levels:
+                bg.set(n)
+                before = Sched.take(p.pid for p in bg.procs)
+                s = _decode_rate(model, prompt, args.tokens)
+                sched = Sched.take(p.pid for p in bg.procs).since(before)
+                cpu = statistics.median(cpu_expert_time(model, B, passes=3))
+                bg.set(0)
+                times[n].append(s)
+                _add(rows, (f"noise {n}, run {r + 1}: {way} decode", _fmt_rate(B / s), _fmt_ms(s),
+                            f"CPU experts alone {_fmt_ms(cpu)} ms; {sched}"))
+    quiet = statistics.median(times[0])
+    for n in levels:
+        med = statistics.median(times[n])
+        spread = (max(times[n]) - min(times[n])) / med
+        _add(rows, (f"noise {n}: {way} decode, median of {len(times[n])} runs", _fmt_rate(B / med), _fmt_ms(med),
+                    f"{100 * quiet / med:.0f}% of the quiet speed; runs " +
+                    ", ".join(_fmt_rate(B / t) for t in times[n]) + f" tok/s, spread {100 * spread:.0f}% of the "
+                    "median"))
+
+
+def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, str, str]]:
+    """The rows of one model build with experts in ``quant`` (hf baselines only when ``first``)."""
     import ktinject
     from ktinject import native
 
@@ -349,29 +403,30 @@ def run(args) -> list[tuple[str, str, str, str]]:
         mem = measure_read_bandwidth(4.0, args.threads)  # ~ the 3.6 GB of experts a Qwen3-30B token reads
         print(f"# {mem.summary()}", flush=True)
         bw = mem.best_gbs * 1e9
-        per_tok = expert_bytes_per_token(cfg, B)
-        _add(rows, (f"roofline: {per_tok / 1e9:.2f} GB experts/token at {bw / 1e9:.1f} GB/s",
+        per_tok = expert_bytes_per_token(cfg, B, quant)
+        _add(rows, (f"roofline: {per_tok / 1e9:.2f} GB {quant} experts/token at {bw / 1e9:.1f} GB/s",
                      _fmt_rate(bw / per_tok), _fmt_ms(per_tok / bw),
                      f"CPU read bandwidth measured in this run ({mem.best})"))
 
     if not args.tiny:
         _wrap_cpu_experts(model, True)
-    if args.hf_tokens and not args.no_decode:
+    if args.hf_tokens and not args.no_decode and first:
         try:
             _, s = hf_decode(model, prompt, args.hf_tokens)
             _add(rows, ("hf: HF modules, experts by torch on the CPU", _fmt_rate(B / s), _fmt_ms(s),
                          f"median of {args.hf_tokens} steps"))
         except Exception as e:  # noqa: BLE001 - a baseline failing must not hide the rest
             _add(rows, ("hf: HF modules, experts by torch on the CPU", "failed", "", f"{type(e).__name__}: {e}"))
-    for n in hf_prefill_lengths:
+    for n in hf_prefill_lengths if first else []:
         s = hf_prefill(model, n, cfg.vocab_size, device)
         _add(rows, (f"hf prefill {n} tokens", _fmt_rate(n / s), "", f"{s:.2f} s"))
     _wrap_cpu_experts(model, False)
 
     t0 = time.perf_counter()
-    ktinject.inject(model, gpu=str(device))
-    print(f"# injected in {time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, "
-          f"{native.default_pool().threads} threads", flush=True)
+    ktinject.inject(model, gpu=str(device), quant=quant)
+    pool = native.default_pool()
+    print(f"# injected ({quant}) in {time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, "
+          f"{pool.threads} threads{'' if pool.pin else ', not pinned'}", flush=True)
 
     if not args.no_decode:
         eager = ktinject_decode(model, prompt, args.tokens, graphs=False)
@@ -457,6 +512,8 @@ def run(args) -> list[tuple[str, str, str, str]]:
             cuda_driver.set_host_wait_mode("block")
             one.close()
 
+    if args.noise and not args.no_decode:
+        _noise_rows(model, prompt, args, rows, graphs=device.type == "cuda")
     for n in prefill_lengths:
         s = ktinject_prefill(model, n, args.chunk, cfg.vocab_size, device)
         _add(rows, (f"ktinject prefill {n} tokens", _fmt_rate(n / s), "", f"{s:.2f} s, chunks of {args.chunk}"))
@@ -470,7 +527,8 @@ def print_table(rows, args) -> None:
     for what, rate, ms, note in rows:
         print(f"| {what.ljust(w)} | {rate:>9} | {ms:>9} | {note}")
     print(f"\n(batch {args.batch}, prompt {args.prompt}, {args.tokens} decode tokens, threads "
-          f"{args.threads or 'default'}, layers {'tiny' if args.tiny else args.layers})", flush=True)
+          f"{args.threads or 'default'}, layers {'tiny' if args.tiny else args.layers}, quant {args.quant}"
+          f"{', noise ' + args.noise if args.noise else ''})", flush=True)
 
 
 def main(argv=None, prog: str = "decode") -> int:
@@ -478,7 +536,17 @@ def main(argv=None, prog: str = "decode") -> int:
     if prog == "prefill":
         args.no_decode = True
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    rows = run(args)
+    quants = [q.strip() for q in args.quant.split(",") if q.strip()]
+    bad = [q for q in quants if q not in ("bf16", "int8", "int4")]
+    if bad or not quants:
+        raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of bf16, int8, int4")
+    rows = []
+    for i, q in enumerate(quants):
+        got = run(args, q, first=i == 0)  # the model goes with run's frame before the next build
+        rows += [(f"{q}: {r[0]}", *r[1:]) for r in got] if len(quants) > 1 else got
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     print_table(rows, args)
     return 0
 
