@@ -124,3 +124,29 @@ def test_fresh_ids_avoid_the_previous_pass():
     assert all(len(set(r.tolist())) == 8 for r in ids)
     ids = fresh_ids(g, 12, 8, 1, prev)  # only 4 others: any experts
     assert len(set(ids.flatten().tolist())) == 8
+
+
+def test_noise_processes_run_only_when_set_and_sched_reports_the_pool():
+    """bench decode --noise: the background copy processes are stopped until set(k) lets the first k run, and are
+    gone after close; Sched.since reports the pool's threads (ktk-*) and the CPU the noise processes got."""
+    import time
+
+    from ktinject.bench.noise import Noise, Sched
+
+    def state(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    with kn.Pool(2, pin=False), Noise(2, mib=8, settle_s=0.05) as bg:
+        pids = [p.pid for p in bg.procs]
+        assert [state(p) for p in pids] == ["T", "T"]
+        before = Sched.take(pids)
+        bg.set(1)
+        time.sleep(0.2)
+        assert state(pids[0]) in "RS" and state(pids[1]) == "T"
+        line = Sched.take(pids).since(before)
+        assert line.startswith("pool threads waited runnable") and "noise got" in line
+        assert float(line.split("noise got ")[1].split()[0]) > 0.1  # the running one copies
+        bg.set(0)
+        assert [state(p) for p in pids] == ["T", "T"]
+    assert all(not os.path.exists(f"/proc/{p}") or state(p) == "Z" for p in pids)

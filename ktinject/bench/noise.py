@@ -42,15 +42,21 @@ class Noise:
             for p in self.procs:
                 if p.stdout.readline().strip() != b"ready":
                     raise RuntimeError(f"noise process {p.pid} did not start (exit code {p.poll()})")
-                os.kill(p.pid, signal.SIGSTOP)
+            self.running = len(self.procs)
+            self.set(0)
         except BaseException:
             self.close()
             raise
 
     def set(self, k: int) -> None:
-        """Let the first k processes run, stop the others; wait settle_s when k > 0 (the copies are under way)."""
+        """Let the first k processes run, stop the others (returns once they are stopped); wait settle_s when k > 0
+        (the copies are under way)."""
         for i, p in enumerate(self.procs):
-            os.kill(p.pid, signal.SIGCONT if i < k else signal.SIGSTOP)
+            if i < k:
+                os.kill(p.pid, signal.SIGCONT)
+            elif i < self.running:
+                os.kill(p.pid, signal.SIGSTOP)
+                os.waitpid(p.pid, os.WUNTRACED)  # its stop, reported (not reaped)
         self.running = min(k, len(self.procs))
         if k:
             time.sleep(self.settle_s)
