@@ -114,6 +114,22 @@ def test_concurrent_greedy_requests_get_the_tokens_they_get_alone(served):
     assert eng.sched.free_rows == eng.config.max_batch
 
 
+def test_short_prompts_arriving_together_share_a_prefill_forward(served):
+    eng = served.engine
+    prompts = [eng.encode(served.prompt(n))[:k] for n, k in ((1, 1), (3, 2), (5, 3), (2, 2))]  # 4 x 3 <= CHUNK
+    alone = [eng.generate(p, greedy(5, ignore_eos=True)).token_ids for p in prompts]
+    forwards = eng.metrics.prefill_forwards
+    done = [threading.Event() for _ in prompts]
+    outs = [[] for _ in prompts]
+    with eng._cond:  # the engine thread waits for this lock: all four are queued before its next step
+        for i, p in enumerate(prompts):
+            eng.submit(p, greedy(5, ignore_eos=True),
+                       lambda out, i=i: (outs[i].append(out), out.finish_reason and done[i].set()))
+    assert all(d.wait(60) for d in done)
+    assert eng.metrics.prefill_forwards == forwards + 1
+    assert [[t for o in out for t in o.token_ids] for out in outs] == alone
+
+
 def test_long_prompt_is_prefilled_between_decode_steps(served):
     eng = served.engine
     times = []

@@ -22,15 +22,18 @@ class Seq:
     prefilled: int = 0
 
 
-def _prefill_all(s: Scheduler, budget: int = 10**9, chunk: int = 10**9) -> list:
-    """Run next_prefill/prefilled until nothing is left in the budget: the jobs, as (name, row, start, end)."""
-    jobs = []
-    while (job := s.next_prefill(budget, chunk)) is not None:
-        jobs.append((job.seq.name, job.row, job.start, job.end))
-        budget -= job.end - job.start
-        s.prefilled(job)
+def _prefill_all(s: Scheduler, budget: int = 10**9, chunk: int = 10**9, max_len: int | None = None) -> list:
+    """Run next_prefill/prefilled until nothing is left in the budget: per forward, its jobs as (name, row, start,
+    end)."""
+    forwards = []
+    while jobs := s.next_prefill(budget, chunk, max_len):
+        forwards.append([(j.seq.name, j.row, j.start, j.end) for j in jobs])
+        rows = [j.row for j in jobs]
+        assert rows == list(range(len(s.running), len(s.running) + len(jobs)))  # consecutive, after the running
+        budget -= sum(j.end - j.start for j in jobs)
+        s.prefilled(jobs)
         s.check()
-    return jobs
+    return forwards
 
 
 # ---- scheduler -----------------------------------------------------------------------------------------------
@@ -39,11 +42,11 @@ def test_admission_fills_rows_in_order_and_queues_the_rest():
     seqs = [Seq(f"r{i}", 4) for i in range(5)]
     for q in seqs:
         s.submit(q)
-    assert _prefill_all(s) == [("r0", 0, 0, 4), ("r1", 1, 0, 4), ("r2", 2, 0, 4)]
+    assert _prefill_all(s) == [[("r0", 0, 0, 4), ("r1", 1, 0, 4), ("r2", 2, 0, 4)]]  # one forward for three
     assert [q.row for q in s.running] == [0, 1, 2] and len(s.waiting) == 2 and s.free_rows == 0
     with pytest.raises(QueueFull, match="max-queue"):
         s.submit(Seq("r5", 1))  # 3 rows busy, 2 waiting = the limit
-    assert s.next_prefill(100, 100) is None  # no free row
+    assert s.next_prefill(100, 100) == []  # no free row
 
 
 def test_queue_limit_counts_only_requests_beyond_the_free_rows():
@@ -59,11 +62,38 @@ def test_chunked_prefill_spends_the_budget_oldest_first_and_leaves_one_half_done
     long, short, other = Seq("long", 10), Seq("short", 2), Seq("other", 5)
     for q in (long, short, other):
         s.submit(q)
-    assert _prefill_all(s, budget=4, chunk=4) == [("long", 0, 0, 4)]
+    assert _prefill_all(s, budget=4, chunk=4) == [[("long", 0, 0, 4)]]
     assert s.prefilling is long and long.prefilled == 4 and not s.running
-    assert _prefill_all(s, budget=4, chunk=4) == [("long", 0, 4, 8)]
-    assert _prefill_all(s, budget=5, chunk=4) == [("long", 0, 8, 10), ("short", 1, 0, 2), ("other", 2, 0, 1)]
+    assert _prefill_all(s, budget=4, chunk=4) == [[("long", 0, 4, 8)]]
+    # the end of "long" and all of "short" share a forward (2 rows x 2 tokens <= 4); "other" (5) would not fit
+    assert _prefill_all(s, budget=5, chunk=4) == [[("long", 0, 8, 10), ("short", 1, 0, 2)], [("other", 2, 0, 1)]]
     assert [q.name for q in s.running] == ["long", "short"] and s.prefilling is other and other.row == 2
+
+
+def test_short_prompts_share_a_forward_within_the_chunk_and_the_cache():
+    s = Scheduler(max_batch=8, max_queue=8)
+    seqs = [Seq(n, k) for n, k in (("a", 3), ("b", 5), ("c", 2), ("d", 9), ("e", 4))]
+    for q in seqs:
+        s.submit(q)
+    # padded: 2 x 5 = 10, 3 x 5 = 15 <= 16; d would make 4 x 9 = 36; then d alone; e (4) joins it: 2 x 9 = 18 > 16
+    assert _prefill_all(s, chunk=16) == [[("a", 0, 0, 3), ("b", 1, 0, 5), ("c", 2, 0, 2)], [("d", 3, 0, 9)],
+                                         [("e", 4, 0, 4)]]
+    t = Scheduler(max_batch=8, max_queue=8)
+    for q in (Seq("x", 6), Seq("y", 3), Seq("z", 8)):
+        t.submit(q)
+    assert _prefill_all(t, budget=4, chunk=100) == [[("x", 0, 0, 4)]]
+    # x's last 2 tokens start at 4: padded to z's 8 they would end at 12 > the cache of 10, so z waits
+    assert _prefill_all(t, chunk=100, max_len=10) == [[("x", 0, 4, 6), ("y", 1, 0, 3)], [("z", 2, 0, 8)]]
+
+
+def test_a_failed_prefill_forward_gives_its_rows_back():
+    s = Scheduler(max_batch=4, max_queue=4)
+    for q in (Seq("a", 2), Seq("b", 2)):
+        s.submit(q)
+    jobs = s.next_prefill(100, 100)
+    assert s.free_rows == 2 and not s.idle()
+    assert [q.name for q in s.prefill_failed(jobs)] == ["a", "b"]
+    assert s.free_rows == 4 and s.idle()
 
 
 def test_release_moves_the_last_row_into_the_hole_and_the_half_prefilled_one_behind_it():
@@ -103,7 +133,7 @@ def test_a_waiting_request_takes_a_freed_row_at_the_next_prefill():
     _prefill_all(s)
     assert s.waiting[0] is c
     s.release(a)
-    assert _prefill_all(s) == [("c", 1, 0, 3)] and [q.name for q in s.running] == ["b", "c"]
+    assert _prefill_all(s) == [[("c", 1, 0, 3)]] and [q.name for q in s.running] == ["b", "c"]
     s.release(c)  # a waiting request cancelled before it got a row
     s.submit(d := Seq("d", 1))
     s.release(d)

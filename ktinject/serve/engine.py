@@ -3,9 +3,11 @@
 Each step of the loop:
 1. drops the requests cancelled since the last step (a client that went away): their rows are free at once;
 2. prefills: prompt chunks of waiting requests, oldest first, into their rows of the KV cache
-   (``kv_cache.forward`` on ``rows(r, r + 1)``), at most ``prefill_chunk`` tokens in the step while other
+   (``kv_cache.forward`` on the rows of the forward), at most ``prefill_chunk`` tokens in the step while other
    requests decode, so a long prompt delays the running streams by one chunk per step, never by its whole length;
-   a request whose last chunk went in samples its first token from that chunk's logits and is running;
+   short prompts that arrive together share one forward (right-padded to the longest; each row's cache length is
+   set back to its own end), so the routed experts are read once for all of them, not once per prompt; a request
+   whose last chunk went in samples its first token from that chunk's logits and is running;
 3. decodes one token for every running request as one forward of the batch bucket b >= n (rows 0..n-1: the
    running requests, each at its own position and cache length; rows n..b-1: padding, whose cache lengths are put
    back after the step), through the model's ``GraphRunner``: on CUDA the step replays the graph captured for b;
@@ -25,6 +27,7 @@ import logging
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -34,7 +37,7 @@ from ktinject.serve.request import (
     EngineConfig, EngineUnavailable, Output, Request, RequestError, Result,
 )
 from ktinject.serve.sampling import SamplingParams, sample
-from ktinject.serve.scheduler import QueueFull, Scheduler
+from ktinject.serve.scheduler import PrefillJob, QueueFull, Scheduler
 from ktinject.serve.text import TextStream
 
 log = logging.getLogger("ktinject.serve")
@@ -192,8 +195,7 @@ class Engine:
         """{running, waiting, free_rows}: running counts every request holding a row (prefilling or decoding)."""
         with self._cond:
             s = self.sched
-            return {"running": len(s.running) + (s.prefilling is not None), "waiting": len(s.waiting),
-                    "free_rows": s.free_rows}
+            return {"running": s.held_rows, "waiting": len(s.waiting), "free_rows": s.free_rows}
 
     # ---- tokenizer (any thread) ----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -251,7 +253,9 @@ class Engine:
         self._rebalancer = _rebalancer(self.model)
         if cfg.warmup:
             t0 = time.perf_counter()
-            self._forward_prefill(0, [self.pad_id] * min(8, cfg.max_context))  # allocates K/V of every row
+            k = min(8, cfg.max_context)
+            probe = SimpleNamespace(prompt=[self.pad_id] * k, prompt_len=k)
+            self._forward_prefill([PrefillJob(probe, 0, 0, k)])  # allocates K/V of every row
             for b in cfg.buckets if self.runner.graphs_enabled() else cfg.buckets[-1:]:
                 self._forward_decode([self.pad_id] * b, b)
             self.kv.reset_rows(list(range(self.kv.slots)))
@@ -276,29 +280,32 @@ class Engine:
         budget = cfg.prefill_chunk
         while True:
             with self._cond:
-                job = self.sched.next_prefill(budget, cfg.prefill_chunk)
-            if job is None:
+                jobs = self.sched.next_prefill(budget, cfg.prefill_chunk, cfg.max_context)
+            if not jobs:
                 return
-            req = job.seq
-            if req.cancelled:
-                self._finish_many([(req, "cancelled", None)])
-                continue
+            reqs = [j.seq for j in jobs]
             t0 = time.perf_counter()
             try:
-                if job.fresh:
-                    self.kv.reset_rows(job.row)
-                logits = self._forward_prefill(job.row, req.prompt[job.start:job.end])  # [V]
-                first = sample(logits[None], [req.params], [req.rng])[0] if job.last else None
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                log.exception("prefill of %s failed", req.id)
-                self._finish_many([(req, "error", f"prefill failed: {type(e).__name__}: {e}")])
+                fresh = [j.row for j in jobs if j.fresh]
+                if fresh:
+                    self.kv.reset_rows(fresh)
+                logits = self._forward_prefill(jobs)  # [k, V]: the jobs that end their prompts
+                done = [j.seq for j in jobs if j.last]
+                firsts = sample(logits, [r.params for r in done], [r.rng for r in done]) if done else []
+            except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
+                log.exception("prefill of %s failed", ", ".join(r.id for r in reqs))
+                with self._cond:
+                    self.sched.prefill_failed(jobs)
+                self.kv.reset_rows([j.row for j in jobs])
+                self._finish_many([(r, "error", f"prefill failed: {type(e).__name__}: {e}") for r in reqs])
                 continue
-            self.metrics.prefill(job.end - job.start, time.perf_counter() - t0)
-            budget -= job.end - job.start
+            tokens = sum(j.end - j.start for j in jobs)
+            self.metrics.prefill(tokens, time.perf_counter() - t0)
+            budget -= tokens
             with self._cond:
-                self.sched.prefilled(job)
-            if first is not None:
-                self._take_tokens([req], [first])
+                done = self.sched.prefilled(jobs)
+            if done:
+                self._take_tokens(done, firsts)
 
     def _decode_phase(self) -> None:
         running = list(self.sched.running)  # only this thread changes it
@@ -320,13 +327,27 @@ class Engine:
         self._take_tokens(running, tokens)
 
     # ---- model calls ---------------------------------------------------------------------------------------
-    def _forward_prefill(self, row: int, ids: list[int]) -> torch.Tensor:
-        """Prompt tokens into ``row`` (after what it holds); the logits [V] after the last one."""
+    def _forward_prefill(self, jobs) -> torch.Tensor:
+        """One forward of the jobs' prompt chunks in their rows (consecutive), each after what its row holds,
+        right-padded to the longest; the logits [k, V] after the last prompt token of the k jobs that end a prompt.
+        A padded row's extra tokens come after its own, so its tokens never see them, and its cache length is set
+        back to its own end afterwards."""
         from ktinject import kv_cache
 
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, S]
-        out = kv_cache.forward(self.model, self.kv.rows(row, row + 1), x, logits_to_keep=1)
-        return out.logits[0, -1]
+        r0, B = jobs[0].row, len(jobs)
+        sizes = [j.end - j.start for j in jobs]
+        S = max(sizes)
+        ids = torch.full((B, S), self.pad_id, dtype=torch.long)  # [B, S]
+        for i, j in enumerate(jobs):
+            ids[i, :sizes[i]] = torch.tensor(j.seq.prompt[j.start:j.end])
+        ends = sorted({n - 1 for n, j in zip(sizes, jobs) if j.last})
+        keep = 1 if B == 1 else torch.tensor(ends, device=self.device)
+        out = kv_cache.forward(self.model, self.kv.rows(r0, r0 + B), ids.to(self.device), logits_to_keep=keep)
+        if min(sizes) < S:
+            self.kv.lengths[:, r0:r0 + B] = torch.tensor([j.end for j in jobs], device=self.device)
+        if B == 1:
+            return out.logits[:, -1]  # [1, V]
+        return torch.stack([out.logits[i, ends.index(n - 1)] for i, (n, j) in enumerate(zip(sizes, jobs)) if j.last])
 
     def _forward_decode(self, tokens: list[int], b: int) -> torch.Tensor:
         """One token for rows 0..n-1 (n = len(tokens)) in the bucket ``b``; logits [n, V]."""

@@ -24,6 +24,7 @@ class Metrics:
         self.decode_rows = 0  # rows of running requests over all decode steps (mean batch = rows / steps)
         self.decode_seconds = 0.0
         self.prefill_seconds = 0.0
+        self.prefill_forwards = 0  # a forward prefills chunks of one or several requests
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
         self.rejected: dict[str, int] = {}
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
@@ -35,6 +36,7 @@ class Metrics:
         with self._lock:
             self.prompt_tokens += tokens
             self.prefill_seconds += seconds
+            self.prefill_forwards += 1
 
     def decode_step(self, rows: int, seconds: float) -> None:
         now = time.monotonic()
@@ -101,7 +103,9 @@ class Metrics:
             metric("decode_rows_total", "counter", "Request rows over all decode steps (/ steps = mean batch).",
                    [("", self.decode_rows)])
             metric("decode_seconds_total", "counter", "Time in decode steps.", [("", self.decode_seconds)])
-            metric("prefill_seconds_total", "counter", "Time in prefill chunks.", [("", self.prefill_seconds)])
+            metric("prefill_seconds_total", "counter", "Time in prefill forwards.", [("", self.prefill_seconds)])
+            metric("prefill_forwards_total", "counter", "Prefill forwards (each of one or several requests' chunks).",
+                   [("", self.prefill_forwards)])
             metric("decode_tokens_per_second", "gauge",
                    f"Tokens per second of decode steps over the last {self.window:g} s.", [("", rate)])
             metric("requests_finished_total", "counter", "Finished requests by finish reason.",

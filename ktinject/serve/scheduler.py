@@ -5,15 +5,15 @@ Rows (slots of ``ktinject.kv_cache``, ``max_batch`` of them, allocated once) are
 - rows 0..n-1 hold the n *running* requests (prompt in the cache, decoding), so one decode step of the bucket
   b >= n covers exactly them, plus b - n padding rows;
 - row n holds at most one request whose prompt is *partly* prefilled (a long prompt is prefilled in chunks between
-  decode steps; the chunk budget of a step is spent on the oldest admitted request first, so only the last one a
-  step touches can be left half done);
+  decode steps; the chunk budget of a step is spent on the oldest admitted request first, and a prefill forward
+  either continues or starts one long prompt, or takes several whole short ones, so at most one is left half done);
 - the other rows are free.
 
 A running request that finishes or is cancelled frees its row at once: the last running row moves into the hole
 (``copy_row``) and the half-prefilled request, if any, moves down one row behind it, so the layout above holds
 again before the next step; the moves come back as (src, dst) pairs for the engine to apply to the cache, in
-order. A waiting request takes row n when its prefill starts and joins the running rows (row n, now n + 1 rows)
-when its last prompt chunk is in. Requests are admitted first come, first served.
+order. A waiting request takes the next row when its prefill starts and joins the running rows when its last prompt
+chunk is in. Requests are admitted first come, first served.
 
 ``Scheduler`` works on any objects with a ``prompt_len`` attribute; it sets ``row`` and ``prefilled`` on them.
 """
@@ -56,14 +56,20 @@ class Scheduler:
         self.waiting: deque = deque()
         self.running: list = []  # running[i] holds row i
         self.prefilling = None  # the half-prefilled request, in row len(running)
+        self._group: list[PrefillJob] = []  # the jobs of the prefill forward under way
 
     # ---- state ---------------------------------------------------------------------------------------------
     @property
+    def held_rows(self) -> int:
+        """Rows with a request in them: running, half-prefilled, or in the prefill forward under way."""
+        return len(self.running) + (self.prefilling is not None) + len(self._group)
+
+    @property
     def free_rows(self) -> int:
-        return self.max_batch - len(self.running) - (self.prefilling is not None)
+        return self.max_batch - self.held_rows
 
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self.prefilling)
+        return not (self.waiting or self.held_rows)
 
     def holds(self, seq) -> bool:
         return seq is self.prefilling or any(s is seq for s in self.running) or any(s is seq for s in self.waiting)
@@ -88,30 +94,66 @@ class Scheduler:
         seq.row, seq.prefilled = None, 0
         self.waiting.append(seq)
 
-    def next_prefill(self, budget: int, chunk: int) -> PrefillJob | None:
-        """The next prompt chunk to prefill (at most ``min(budget, chunk)`` tokens), or None: nothing waits, no row
-        is free, or the budget is spent. Call ``prefilled(job)`` once it ran."""
-        if budget <= 0:
-            return None
+    def next_prefill(self, budget: int, chunk: int, max_len: int | None = None) -> list[PrefillJob]:
+        """The prompt chunks of the next prefill forward, in rows n, n+1, ... (n running rows); [] when nothing
+        waits, no row is free or ``budget`` (prompt tokens left in this step) is spent. The first job continues the
+        half-prefilled request, else starts the oldest waiting one, with up to min(budget, chunk) tokens; more
+        waiting requests join while their whole prompts fit, padded to the longest chunk: (jobs) x (longest) <=
+        ``chunk`` tokens and, with ``max_len`` (cache length), every row's padded end within it. Many short prompts
+        thus share one forward, which reads the expert weights once for all of them. Only the first job can be
+        partial. Call ``prefilled(jobs)`` once the forward ran, or ``prefill_failed(jobs)``."""
+        assert not self._group, "prefilled() or prefill_failed() of the previous jobs first"
+        n = len(self.running)
+        if budget <= 0 or n >= self.max_batch:
+            return []
+        jobs: list[PrefillJob] = []
         seq = self.prefilling
         if seq is None:
-            if not self.waiting or len(self.running) >= self.max_batch:
-                return None
-            seq = self.prefilling = self.waiting.popleft()
-            seq.row, seq.prefilled = len(self.running), 0
-        end = min(seq.prompt_len, seq.prefilled + min(budget, chunk))
-        return PrefillJob(seq, seq.row, seq.prefilled, end)
+            if not self.waiting:
+                return []
+            seq = self.waiting.popleft()
+            seq.row, seq.prefilled = n, 0
+        take = min(seq.prompt_len - seq.prefilled, budget, chunk)
+        jobs.append(PrefillJob(seq, seq.row, seq.prefilled, seq.prefilled + take))
+        self.prefilling = None  # in the group now; prefilled() puts a partial one back
+        width, budget = take, budget - take
+        while jobs[0].last and self.waiting and n + len(jobs) < self.max_batch:
+            nxt = self.waiting[0]
+            wide = max(width, nxt.prompt_len)
+            fits = (len(jobs) + 1) * wide <= chunk and nxt.prompt_len <= budget
+            if max_len is not None:
+                fits = fits and all(j.start + wide <= max_len for j in jobs) and wide <= max_len
+            if not fits:
+                break
+            self.waiting.popleft()
+            nxt.row, nxt.prefilled = n + len(jobs), 0
+            jobs.append(PrefillJob(nxt, nxt.row, 0, nxt.prompt_len))
+            width, budget = wide, budget - nxt.prompt_len
+        self._group = jobs
+        return jobs
 
-    def prefilled(self, job: PrefillJob) -> bool:
-        """Record that ``job`` ran; True when the request's whole prompt is in (it is running from now on)."""
-        seq = job.seq
-        assert seq is self.prefilling and seq.prefilled == job.start, "prefill jobs must run in the order given"
-        seq.prefilled = job.end
-        if job.end < seq.prompt_len:
-            return False
-        self.prefilling = None
-        self.running.append(seq)
-        return True
+    def prefilled(self, jobs: list[PrefillJob]) -> list:
+        """Record that ``jobs`` ran; the requests whose whole prompt is in now (running from now on, in row order)."""
+        assert jobs is self._group, "prefilled() takes the jobs next_prefill() gave"
+        self._group = []
+        done = []
+        for job in jobs:
+            job.seq.prefilled = job.end
+            if job.last:
+                done.append(job.seq)
+            else:
+                assert job is jobs[0] and len(jobs) == 1, "only a lone first job may be partial"
+                self.prefilling = job.seq
+        self.running.extend(done)
+        return done
+
+    def prefill_failed(self, jobs: list[PrefillJob]) -> list:
+        """The forward of ``jobs`` failed: their requests leave (rows free; the caller fails them). Returns them."""
+        assert jobs is self._group
+        self._group = []
+        for job in jobs:
+            job.seq.row = None
+        return [job.seq for job in jobs]
 
     # ---- release -------------------------------------------------------------------------------------------
     def release(self, seq) -> list[tuple[int, int]]:
