@@ -1,4 +1,4 @@
-"""Serving: aggregate decode tok/s and time to first token at 1/4/8/16 concurrent streams (ktinject.serve engine).
+"""Serving: aggregate decode tok/s and time to first token at 1/4/8/16 concurrent streams, vs the roofline.
 
 Builds the random-weight Qwen3-30B-A3B-shaped model of the decode bench in memory (``--tiny``: the tiny qwen3_moe
 test model, on any machine), injects it once per ``--quant``, then drives ``ktinject.serve.engine.Engine`` (the
