@@ -1,7 +1,7 @@
 """Chat with a model in the terminal: ``python -m ktinject.chat --model DIR``.
 
 Glue only: load with ktinject, apply the tokenizer's chat template, stream the reply, keep the history, and print
-prefill and decode speed after each reply. Without --model it uses the built-in demo model (random weights).
+prefill and decode speed after each reply. Without --model it uses the built-in demo model (a tiny MoE trained on fortunes).
 
 Commands: /clear forgets the conversation, /stats prints session totals and which fast paths run, /exit (or
 Ctrl-D) quits; Ctrl-C stops the current reply, not the program. --prompt TEXT answers once and exits.
@@ -275,7 +275,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Path, str | None]:
         from ktinject.demo import demo_model_dir
 
         model = demo_model_dir()
-        print(f"Using the ktinject demo model at {model}: its weights are random, so replies are gibberish by design.")
+        print(f"Using the ktinject demo model at {model}: a tiny MoE trained on fortune cookies, so expect fortunes.")
     else:
         model = Path(args.model).expanduser()
         if not model.is_dir():
