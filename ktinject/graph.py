@@ -200,6 +200,11 @@ class GraphRunner:
         cache.reset()  # the rows' lengths only: the graphs keep their addresses
         return cache
 
+    def rows(self, batch: int):
+        """Rows 0..batch-1 of the runner's KVCache as made by ``cache_for`` (not reset): the cache object whose
+        decode steps replay the graph of bucket ``batch``. KeyError before ``cache_for(batch, ...)``."""
+        return self.caches[batch]
+
     def graphable_cache(self, cache) -> bool:
         """Caches whose whole state lives in device tensors a graph can replay: ktinject's KVCache."""
         from ktinject import kv_cache

@@ -146,12 +146,14 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
             """Forget rows (an index, a list or a tensor of row indices)."""
             self.lengths[:, torch.as_tensor(rows, device=self.lengths.device)] = 0
 
-        def copy_row(self, src: int, dst: int) -> None:
-            """Row ``dst`` becomes a copy of row ``src`` (K, V and length)."""
+        def copy_row(self, src: int, dst: int, length: int | None = None) -> None:
+            """Row ``dst`` becomes a copy of row ``src`` (K, V and length); ``length``: copy only that many
+            positions (the row's length read on the host when None: positions past it are never read)."""
+            n = int(self.lengths[0, src]) if length is None else int(length)
             for layer in self.layers:
                 if layer.is_initialized:
-                    layer.keys[dst].copy_(layer.keys[src])
-                    layer.values[dst].copy_(layer.values[src])
+                    layer.keys[dst, :, :n].copy_(layer.keys[src, :, :n])
+                    layer.values[dst, :, :n].copy_(layer.values[src, :, :n])
             self.lengths[:, dst].copy_(self.lengths[:, src])
 
         def export_row(self, row: int, start: int = 0, end: int | None = None) -> list:

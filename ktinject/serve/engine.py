@@ -354,7 +354,7 @@ class Engine:
         from ktinject import compat
 
         n = len(tokens)
-        cache = self.runner.caches[b]
+        cache = self.runner.rows(b)
         ids = torch.tensor(tokens + [self.pad_id] * (b - n), dtype=torch.long).view(b, 1).to(self.device)
         pos = cache.row_lengths[:b, None].clone()  # [b, 1]: every row at its own position
         out = self.runner(input_ids=ids, position_ids=pos, use_cache=True, **compat.cache_arg(cache))
