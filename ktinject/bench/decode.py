@@ -318,6 +318,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                    help="comma-separated counts of background memory-copy processes (e.g. 1,2,4): time decode quiet "
                         "and with each ('' skips)")
     p.add_argument("--noise-runs", type=int, default=3, help="rounds of the quiet and noisy turns (--noise)")
+    p.add_argument("--noise-only", action="store_true",
+                   help="with --noise: only its rows after the injection (no roofline, eager, split, coordination)")
     p.add_argument("--compare", action="store_true",
                    help="also time the graph decode with one speed-up undone at a time: HF's sdpa attention, 4D "
                         "masks built by HF every step, the pool's watch spin off")
@@ -399,7 +401,8 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     prefill_lengths = [int(x) for x in args.prefill.split(",") if x.strip()]
     hf_prefill_lengths = [int(x) for x in args.hf_prefill.split(",") if x.strip()] if prefill_lengths else []
 
-    if not args.no_decode:
+    quick = bool(args.noise and args.noise_only)  # the interference rows alone
+    if not args.no_decode and not quick:
         mem = measure_read_bandwidth(4.0, args.threads)  # ~ the 3.6 GB of experts a Qwen3-30B token reads
         print(f"# {mem.summary()}", flush=True)
         bw = mem.best_gbs * 1e9
@@ -410,7 +413,7 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
 
     if not args.tiny:
         _wrap_cpu_experts(model, True)
-    if args.hf_tokens and not args.no_decode and first:
+    if args.hf_tokens and not args.no_decode and first and not quick:
         try:
             _, s = hf_decode(model, prompt, args.hf_tokens)
             _add(rows, ("hf: HF modules, experts by torch on the CPU", _fmt_rate(B / s), _fmt_ms(s),
@@ -425,10 +428,11 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     t0 = time.perf_counter()
     ktinject.inject(model, gpu=str(device), quant=quant)
     pool = native.default_pool()
+    pinned = os.environ.get("KTINJECT_PIN") == "1" if os.environ.get("KTINJECT_PIN") in ("0", "1") else pool.pin
     print(f"# injected ({quant}) in {time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, "
-          f"{pool.threads} threads{'' if pool.pin else ', not pinned'}", flush=True)
+          f"{pool.threads} threads{'' if pinned else ', not pinned'}", flush=True)
 
-    if not args.no_decode:
+    if not args.no_decode and not quick:
         eager = ktinject_decode(model, prompt, args.tokens, graphs=False)
         _add(rows, ("ktinject eager", _fmt_rate(B / eager["s_per_token"]), _fmt_ms(eager["s_per_token"]),
                      "ktinject.generate, no graph"))

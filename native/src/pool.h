@@ -14,7 +14,6 @@ typedef struct {
     void *buf;
     size_t size;
     _Atomic uint32_t scan;   /* odd while this thread reads the watch list (watch.c) */
-    int64_t yield_at;        /* pool.c: when this thread next yields between chunks */
 } __attribute__((aligned(64))) ktki_slot;
 
 typedef struct {
@@ -27,7 +26,6 @@ struct ktk_pool {
     int64_t spin_ns;
     int delay_tid, delay_count[2];   /* test hook (KTINJECT_TEST_DELAY) */
     int64_t delay_us;
-    int64_t chunk_yield_ns;
     _Atomic int64_t watch_spin_ns;  /* idle threads spin (no futex sleep) this long after watched activity */
     _Atomic int64_t hot_until __attribute__((aligned(64)));  /* now_ns() deadline of that spinning; 0: none */
     pthread_t *threads;
