@@ -180,10 +180,12 @@ def physical_cores() -> int:
 def default_threads() -> int:
     """Threads of the default pool when nothing says otherwise: one per physical core, less one from 8 cores up.
 
-    The spare core is for the thread that drives the pool (Python, the CUDA driver, the host side of a graph
-    replay): with every core running a pinned expert thread, that thread preempts one of them, and each phase of a
-    forward waits at a barrier for the one preempted. Fewer threads than that lose memory bandwidth, which needs
-    the cores (the README's Performance section has the figures)."""
+    The spare core was for the thread that drives the pool (Python, the CUDA driver, the host side of a graph
+    replay) while each phase of a forward waited at a barrier for every thread, so for one that thread preempted.
+    The pool has no barrier now (a thread that loses its core holds up at most its chunk): on the GPU machine
+    (16 cores, int4 Qwen3-30B-A3B shapes, graph decode, 2026-11-25) 16 unpinned threads decoded 70.3 tok/s against
+    65.6 with 15, and kept 93 / 87 / 80% of it beside 1 / 2 / 4 busy processes (15: 96 / 89 / 81%). Prefill and
+    the serve engine were not timed with 16; KTINJECT_THREADS or set_default_threads picks another count."""
     n = physical_cores()
     return n - 1 if n >= 8 else n
 
@@ -211,10 +213,15 @@ def warn_if_oversubscribed(n: int, source: str) -> bool:
 
 # ---- pool ----
 class Pool:
-    """Persistent native thread pool (threads start at once, pinned to cores when ``pin``). ``threads=None``: one
-    per physical core. Close explicitly (or use as a context manager); tasks created on it are closed first."""
+    """Persistent native thread pool (threads start at once, pinned one to a core when ``pin``; env KTINJECT_PIN=0/1
+    overrides). ``threads=None``: one per physical core. Close explicitly (or use as a context manager); tasks
+    created on it are closed first.
 
-    def __init__(self, threads: int | None = None, pin: bool = True):
+    Not pinned by default: a pinned thread whose core another process takes cannot move to a freer one. GPU machine,
+    15 threads, int4 graph decode, busy processes beside it: 92 / 89 / 78% of the quiet speed with 1 / 2 / 4 of
+    them pinned, 96 / 89 / 81% unpinned, quiet 65.1 and 65.6 tok/s (2026-11-25, same session)."""
+
+    def __init__(self, threads: int | None = None, pin: bool = False):
         ffi, lib = _native()
         n = 0 if threads is None else _cint("threads", threads, 1, 4096)
         out = ffi.new("ktk_pool **")
@@ -275,7 +282,7 @@ _default_threads: int | None = None
 
 def default_pool() -> Pool:
     """The process-wide pool, created on first use: threads = set_default_threads(n), else env KTINJECT_THREADS,
-    else ``default_threads()`` (one per physical core, less one from 8 cores up)."""
+    else ``default_threads()`` (one per physical core, less one from 8 cores up); not pinned (``Pool``)."""
     global _default_pool
     if _default_pool is None:
         with _default_lock:
