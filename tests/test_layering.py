@@ -28,9 +28,6 @@ PRIVATE_USES: dict[tuple[str, str, str], str] = {
     # and the library handle that its own wrappers use
     **{("ktinject.native", "ktinject._nativelib", n): "re-export" for n in ("_check", "_cint", "_native", "_ptr",
                                                                              "_tensor")},
-    # old private names kept as aliases of public ones until these importers switch (then drop the aliases)
-    ("ktinject.bench.decode", "ktinject.bench.model", "_set_generation_defaults"): "use set_generation_defaults",
-    ("ktinject.operators.decode_attention", "ktinject.operators.norm", "_problem"): "use fuse_problem",
 }
 
 

@@ -37,7 +37,7 @@ from ktinject import compat
 from ktinject.bench.memory import measure_read_bandwidth
 
 from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and the probe build the same model)
-    _set_generation_defaults, build_model, build_tiny,
+    set_generation_defaults, build_model, build_tiny,
 )
 
 
@@ -390,7 +390,7 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     t0 = time.perf_counter()
     model = build_tiny(device) if args.tiny else build_model(args.layers, device)
     cfg = model.config
-    _set_generation_defaults(model)
+    set_generation_defaults(model)
     what = "tiny qwen3_moe" if args.tiny else "Qwen3-30B-A3B shapes"
     print(f"# {what}: {cfg.num_hidden_layers} layers, H={cfg.hidden_size}, E={cfg.num_experts} top-"
           f"{cfg.num_experts_per_tok}, I={cfg.moe_intermediate_size}, {next(model.parameters()).dtype}; "

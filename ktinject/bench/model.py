@@ -98,4 +98,3 @@ def set_generation_defaults(model) -> None:
     gc.temperature = gc.top_p = gc.top_k = None
 
 
-_set_generation_defaults = set_generation_defaults  # the old private name, still imported by bench/decode.py

@@ -3,7 +3,7 @@
     PYTHONPATH=/tmp/site:$PWD python3 tests/gpu/probe_decode.py [LAYERS]   (after run_gpu_machine.sh build)
 """
 import statistics, sys, time, torch, ktinject
-from ktinject.bench.decode import build_model, _set_generation_defaults
+from ktinject.bench.decode import build_model, set_generation_defaults
 from ktinject.generate import get_runner
 
 
@@ -29,7 +29,7 @@ def compare_pieces(m, ids, pieces=(1, 4, 1, 4), tokens=48) -> None:
 def main() -> None:
     layers = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 48
     dev = torch.device("cuda")
-    m = build_model(layers, dev); _set_generation_defaults(m)
+    m = build_model(layers, dev); set_generation_defaults(m)
     ktinject.inject(m, gpu="cuda")
     ids = torch.randint(3, 1000, (1, 32), device=dev)
     kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
