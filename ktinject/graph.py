@@ -72,8 +72,8 @@ class _Graph:
 class _Pieces:
     """A decode step captured as consecutive CUDA graphs (one memory pool), replayed in capture order.
 
-    Launching one graph of a 48-layer step (~3,000 nodes) costs the host 1.4-2.6 ms (H100 machine), and the GPU
-    starts only once the launch is done; in pieces, the GPU runs the first piece while the host launches the rest."""
+    Launching one graph of a many-layer step (thousands of nodes) takes the host a while, and the GPU starts only
+    once the launch is done; in pieces, the GPU runs the first piece while the host launches the rest."""
 
     def __init__(self, graphs: list):
         self.graphs = graphs
@@ -119,8 +119,7 @@ class GraphRunner:
     decode steps through ``ktinject.generate`` take the 2D padding mask and build the 4D mask inside the graph
     (False: HF builds it on the host every step, as before); ``graph_pieces``: the step is captured as this many
     graphs cut at decoder-layer boundaries and replayed in order, so the GPU starts while the host still launches
-    the later pieces (default 1: one graph; on the H100 machine 4 pieces measured 48.4 vs 47.4 ms/token through
-    generate, within that shared host's run-to-run noise, so no gain shown); ``defer_stop``:
+    the later pieces (default 1: one graph; more pieces showed no gain beyond run-to-run noise); ``defer_stop``:
     ``ktinject.generate`` reads the stop decision one step late so the host queues the next step while the device
     runs this one (False: HF's per-step synchronisation)."""
 

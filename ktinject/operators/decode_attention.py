@@ -16,8 +16,8 @@ token (S == 1) this forward computes what the HF module computes, with:
   scaling, mask, softmax and cast of the scores below;
 - attention over the static cache without a K/V copy: the query heads of a KV head are that head's rows, scores
   in float32 (``bmm`` with ``out_dtype`` on CUDA), masked, softmax in float32, probabilities in the value dtype
-  (what SDPA's flash kernels do; on the CPU, which has no float32-output ``bmm``, float32 copies of K and V). cuDNN's SDPA took 30 us per layer at a 1024-token cache and 86 us at 4096 on
-  the H100 machine, this 20 us at both (tests/gpu/probe_ops.py).
+  (what SDPA's flash kernels do; on the CPU, which has no float32-output ``bmm``, float32 copies of K and V);
+  cuDNN's SDPA grows with the cache length where this does not (tests/gpu/probe_ops.py measures both).
 
 Everything else runs the module's own forward: prefill (S > 1), output_attentions, training, autograd through the
 projections, hooks on or replaced q/k/v projections or norms, partial rotary, a sliding window without a mask,
