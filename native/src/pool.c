@@ -112,20 +112,24 @@ static void advance(ktk_pool *p, int tid) {
     ktki_pool_end_job(p);
 }
 
+/* A caller that runs a job inline (thread id n) helps with its chunks; where the pool's threads and it would
+ * outnumber the CPUs, pool thread n-1 sits the job out (on 2 CPUs, 2 threads and the caller all working made
+ * one-token forwards 6-7% slower than the caller and one thread; beside a busy process they were 10% faster). */
 void ktki_pool_start_job(ktk_pool *p, ktk_task *t, int watched, int tid) {
     p->job = t;
     p->job_watched = watched;
+    atomic_store_explicit(&p->sit_out, tid == p->n && p->n + 1 > p->cpus ? p->n - 1 : -1, memory_order_relaxed);
     if (watched) ktki_pool_mark_hot(p);   /* idle threads stay awake for this run's phases */
     ktki_task_begin(t);
     advance(p, tid);
 }
 
-/* Claim a chunk of the open window: 1 with [*i0, *i1) and the window's size *n, 0 if nothing is left. */
-static int claim(ktk_pool *p, int64_t *i0, int64_t *i1, int64_t *n) {
+/* Claim a chunk of the open window: 1 with [*i0, *i1) and the window's size *n, 0 if nothing is left (for tid). */
+static int claim(ktk_pool *p, int tid, int64_t *i0, int64_t *i1, int64_t *n) {
     uint64_t w = atomic_load_explicit(&p->claim, memory_order_acquire);
     for (;;) {
         const int64_t size = (int64_t)(w >> CLAIM_BITS) & CLAIM_MAX, next = (int64_t)w & CLAIM_MAX;
-        if (next >= size) return 0;
+        if (next >= size || tid == atomic_load_explicit(&p->sit_out, memory_order_relaxed)) return 0;
         int64_t c = atomic_load_explicit(&p->maxc, memory_order_relaxed);
         if (atomic_load_explicit(&p->guided, memory_order_relaxed)) {
             const int64_t g = (size - next) / (2 * (int64_t)p->n);
@@ -152,8 +156,8 @@ static void test_delay(ktk_pool *p, int tid, int holding) {
 
 int ktki_pool_run_chunk(ktk_pool *p, int tid) {
     int64_t i0, i1, n;
-    if (p->delay_tid >= 0 && ktki_pool_items_left(p)) test_delay(p, tid, 0);
-    if (!claim(p, &i0, &i1, &n)) return 0;
+    if (p->delay_tid >= 0 && ktki_pool_items_left(p, tid)) test_delay(p, tid, 0);
+    if (!claim(p, tid, &i0, &i1, &n)) return 0;
     if (p->delay_tid >= 0) test_delay(p, tid, 1);
     const int64_t base = atomic_load_explicit(&p->base, memory_order_relaxed);
     ktki_range_fn range = atomic_load_explicit(&p->range, memory_order_relaxed);
@@ -169,9 +173,10 @@ int ktki_pool_run_chunk(ktk_pool *p, int tid) {
     return 1;
 }
 
-int ktki_pool_items_left(ktk_pool *p) {
-    uint64_t w = atomic_load_explicit(&p->claim, memory_order_relaxed);
-    return (int64_t)(w & CLAIM_MAX) < ((int64_t)(w >> CLAIM_BITS) & CLAIM_MAX);
+int ktki_pool_items_left(ktk_pool *p, int tid) {
+    uint64_t w = atomic_load_explicit(&p->claim, memory_order_acquire);
+    return (int64_t)(w & CLAIM_MAX) < ((int64_t)(w >> CLAIM_BITS) & CLAIM_MAX) &&
+           tid != atomic_load_explicit(&p->sit_out, memory_order_relaxed);
 }
 
 /* ---- threads ---- */
@@ -196,7 +201,7 @@ static void idle(ktk_pool *p, int tid) {
     const int64_t t0 = ktki_now_ns();
     int64_t yield_at = t0 + YIELD_NS;
     for (uint32_t i = 1;; i++) {
-        if (atomic_load_explicit(&ev->seq, memory_order_acquire) != seen || ktki_pool_items_left(p)) return;
+        if (atomic_load_explicit(&ev->seq, memory_order_acquire) != seen || ktki_pool_items_left(p, tid)) return;
         ktki_cpu_relax();
         if (i & 31) continue;
         if (ktki_pool_go_raised(p, tid)) return;
@@ -206,7 +211,8 @@ static void idle(ktk_pool *p, int tid) {
             return;
         }
         const int64_t t = ktki_now_ns();
-        if (t < t0 + p->spin_ns) continue;
+        const int sitting_out = tid == atomic_load_explicit(&p->sit_out, memory_order_relaxed);
+        if (t < t0 + (sitting_out ? 0 : p->spin_ns)) continue;   /* sitting out: no spin beside the caller */
         if (t < atomic_load_explicit(&p->hot_until, memory_order_relaxed)) {
             if (t >= yield_at) {
                 sched_yield();
@@ -295,6 +301,8 @@ int ktki_pool_create(int nthreads, int pin, ktk_pool **out) {
         return ktki_error(KTK_ERR_NOMEM, "ktk_pool_create: out of memory");
     }
     int ncpu = ktki_cpu_order(order, 4096);
+    cpu_set_t allowed;
+    p->cpus = sched_getaffinity(0, sizeof allowed, &allowed) == 0 ? CPU_COUNT(&allowed) : nthreads + 1;
     for (int i = 0; i < nthreads; i++) {
         ktki_thread_arg *arg = malloc(sizeof *arg);
         int rc = arg ? 0 : ENOMEM;

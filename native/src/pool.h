@@ -22,7 +22,7 @@ typedef struct {
 } ktki_wlist;
 
 struct ktk_pool {
-    int n, pin;
+    int n, pin, cpus;   /* threads, pinned, CPUs this process may run on */
     int64_t spin_ns;
     int delay_tid, delay_count[2];   /* test hook (KTINJECT_TEST_DELAY) */
     int64_t delay_us;
@@ -42,6 +42,7 @@ struct ktk_pool {
     _Atomic int running __attribute__((aligned(64)));
     ktk_task *job;
     int job_watched;
+    _Atomic int sit_out;   /* the pool thread that takes no chunks of this job (pool.c), or -1 */
     _Atomic(ktk_task *) watch_running;
     _Atomic int stop;
     _Atomic int ext;   /* thread id n is in use by a caller of an inline run (watch.c) */
@@ -69,7 +70,7 @@ int64_t ktki_now_ns(void);
 /* pool.c */
 void ktki_pool_start_job(ktk_pool *p, ktk_task *t, int watched, int tid); /* running claimed by the caller */
 int ktki_pool_run_chunk(ktk_pool *p, int tid);   /* 1 if it claimed and ran a chunk of the open phase */
-int ktki_pool_items_left(ktk_pool *p);
+int ktki_pool_items_left(ktk_pool *p, int tid);   /* chunks this thread may claim are left */
 /* watch.c */
 void ktki_pool_end_job(ktk_pool *p);
 void ktki_pool_mark_hot(ktk_pool *p);

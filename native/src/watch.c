@@ -120,7 +120,7 @@ int ktki_pool_nap(ktk_pool *p, int tid, uint32_t seen) {
     if (tid != 0 || !atomic_load(&p->watch)) return 0;
     int64_t yield_at = 0;
     while (atomic_load(&p->watch) && atomic_load_explicit(&p->work.seq, memory_order_acquire) == seen &&
-           !ktki_pool_items_left(p) && !ktki_pool_go_raised(p, tid)) {
+           !ktki_pool_items_left(p, tid) && !ktki_pool_go_raised(p, tid)) {
         const int64_t t = ktki_now_ns();
         if (t - atomic_load_explicit(&p->last_watched, memory_order_relaxed) < KTKI_WATCH_SPIN_NS ||
             t < atomic_load_explicit(&p->hot_until, memory_order_relaxed)) {
@@ -219,16 +219,16 @@ int ktki_pool_run_inline(ktk_pool *p, ktk_task *t) {
     for (;;) {
         const uint32_t seen = atomic_load(&ev->seq);
         if (atomic_load_explicit(&t->state, memory_order_acquire) == KTKI_TASK_IDLE) return 1;
-        if (ktki_pool_items_left(p)) {
+        if (ktki_pool_items_left(p, p->n)) {
             ext_lock(p);
             const int ran = ktki_pool_run_chunk(p, p->n);
             atomic_store_explicit(&p->ext, 0, memory_order_release);
             if (ran) continue;
         }
         const int64_t until = ktki_now_ns() + p->spin_ns;
-        while (atomic_load(&ev->seq) == seen && !ktki_pool_items_left(p) && ktki_now_ns() < until)
+        while (atomic_load(&ev->seq) == seen && !ktki_pool_items_left(p, p->n) && ktki_now_ns() < until)
             for (int i = 0; i < 64; i++) ktki_cpu_relax();
-        if (atomic_load(&ev->seq) == seen && !ktki_pool_items_left(p)) ktki_event_wait(ev, seen, 0);
+        if (atomic_load(&ev->seq) == seen && !ktki_pool_items_left(p, p->n)) ktki_event_wait(ev, seen, 0);
     }
 }
 
