@@ -197,6 +197,11 @@ static void pin_self(int cpu) {
  * while tasks are watched, polls the go flags instead: watch.c). */
 static void idle(ktk_pool *p, int tid) {
     ktki_event *ev = &p->work;
+    const uint32_t done = atomic_load(&p->done_ev.seq);
+    if (tid == atomic_load(&p->sit_out) && atomic_load(&p->running)) {   /* until the job ends: no wake-up per phase */
+        ktki_event_wait(&p->done_ev, done, 0);
+        return;
+    }
     const uint32_t seen = atomic_load_explicit(&ev->seq, memory_order_acquire);
     const int64_t t0 = ktki_now_ns();
     int64_t yield_at = t0 + YIELD_NS;
@@ -211,8 +216,7 @@ static void idle(ktk_pool *p, int tid) {
             return;
         }
         const int64_t t = ktki_now_ns();
-        const int sitting_out = tid == atomic_load_explicit(&p->sit_out, memory_order_relaxed);
-        if (t < t0 + (sitting_out ? 0 : p->spin_ns)) continue;   /* sitting out: no spin beside the caller */
+        if (t < t0 + p->spin_ns) continue;
         if (t < atomic_load_explicit(&p->hot_until, memory_order_relaxed)) {
             if (t >= yield_at) {
                 sched_yield();
