@@ -60,6 +60,17 @@ def cache_from(kwargs) -> object | None:
     return cache
 
 
+def stray_cache(kwargs) -> str | None:
+    """When a call holds no cache under a known name but something cache-like under another (a rename this module
+    does not know yet): why the fast path cannot use it. Else None."""
+    names = [k for k, v in kwargs.items() if hasattr(v, "update") and hasattr(v, "get_seq_length")]
+    if not names:
+        return None
+    v = ".".join(map(str, transformers_version()))
+    return (f"the KV cache came as {names[0]!r}, which ktinject.compat does not expect from transformers {v} "
+            f"(it reads {cache_kwarg()!r})")
+
+
 def supported_range() -> str:
     return f"{LOWEST[0]}.{LOWEST[1]} to {NEWEST[0]}.{NEWEST[1]}"
 

@@ -273,11 +273,9 @@ class GraphRunner:
         if ids is None or ids.dim() != 2 or ids.shape[1] != 1 or not ids.is_cuda:
             return None, ("not a one-token step of input_ids on the GPU", True)
         batch = ids.shape[0]
-        if cache is None:
-            names = [k for k, v in kwargs.items() if hasattr(v, "update") and hasattr(v, "get_seq_length")]
-            if names:
-                return None, (f"the KV cache came as {names[0]!r}, which ktinject.compat does not expect from this "
-                              f"transformers (it reads {compat.cache_kwarg()!r})", False)
+        stray = compat.stray_cache(kwargs) if cache is None else None
+        if stray:
+            return None, (stray, False)
         if batch not in self.buckets:
             return None, (f"batch {batch} has no bucket (buckets {self.buckets})", True)
         if self.caches.get(batch) is not cache:

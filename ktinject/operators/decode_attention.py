@@ -158,11 +158,8 @@ def _fallback_reason(module, hidden_states, position_embeddings, attention_mask,
     if module.training or kwargs.get("output_attentions"):
         return "training or output_attentions", True
     if cache is None:
-        names = [k for k, v in kwargs.items() if hasattr(v, "update") and hasattr(v, "get_seq_length")]
-        if names:  # a cache under a name ktinject.compat does not know for this transformers
-            return (f"the KV cache came as {names[0]!r}, which ktinject.compat does not expect from transformers "
-                    f"{'.'.join(map(str, compat.transformers_version()))} (it reads {compat.cache_kwarg()!r})"), False
-        return "no KV cache (use_cache=False)", True
+        stray = compat.stray_cache(kwargs)  # a cache under a name ktinject.compat does not know
+        return (stray, False) if stray else ("no KV cache (use_cache=False)", True)
     # the module's own attribute decides where it has one (Qwen2-MoE: None on full-attention layers, whatever
     # config.sliding_window says); 0 / None: no window
     window = (module.sliding_window if hasattr(module, "sliding_window")
