@@ -322,8 +322,9 @@ def set_default_threads(n: int | None, *, source: str | None = None) -> None:
 class RawMatrix(NamedTuple):
     """One packed matrix of one expert, as ktk_experts_raw describes it: addresses (ints) inside the experts' packed
     storage, valid while the native.Experts lives. Layouts (native/src/kernels.h): bf16 data = bf16 bits
-    [Np/16][Kp/2][16][2]; int8 data = int8 [Np/16][Kp/4][16][4] with value q * scale[n]. ``scale``/``bias`` are 0
-    when absent (bf16 / no bias); ``expert``, ``expert_bytes``: the expert's whole region (all its matrices)."""
+    [Np/16][Kp/2][16][2]; int8 data = int8 [Np/16][Kp/4][16][4] with value q * scale[n]; int4 data = nibbles
+    [Np/16][Kp/8][16][4] (low nibble inputs 8r..8r+3, high 8r+4..8r+7) with scale [Np/16][Kp/G][16]. ``scale``/``bias``
+    are 0 when absent (bf16 / no bias); ``expert``, ``expert_bytes``: the expert's whole region (all its matrices)."""
 
     quant: str
     N: int
@@ -339,8 +340,8 @@ class RawMatrix(NamedTuple):
 
 
 def experts_raw(experts: Any, expert: int, which: str) -> RawMatrix:
-    """ktk_experts_raw for a ktinject.native.Experts: NativeError(KTK_ERR_DTYPE) for a quant without a raw view
-    (neither bf16 nor int8), KTK_ERR_RANGE for a bad expert or matrix."""
+    """ktk_experts_raw for a ktinject.native.Experts (every quant): NativeError(KTK_ERR_RANGE) for a bad expert or
+    matrix."""
     ffi, lib = _native()
     if which not in MATRICES:
         raise NativeError(ERR_RANGE, f"which = {which!r} is not a matrix (expected 'gate', 'up' or 'down')")

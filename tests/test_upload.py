@@ -1,7 +1,7 @@
-"""Zero-copy views of packed experts (ktk_experts_raw / ktk_experts_region) and the unpack that re-placement moves run
-on the device (ktinject.gpu_experts.upload), here with torch ops on CPU tensors: bit-identical to ktk_experts_get
-(HotExperts.host_weights) converted to the bank dtype, for bf16 and int8, shapes that are not multiples of 16 / 64,
-with and without gpt-oss biases.
+"""Zero-copy views of packed experts (ktk_experts_raw / ktk_experts_region) and the unpack that re-placement moves and
+streamed prefill run on the device (ktinject.gpu_experts.upload), here with torch ops on CPU tensors: bit-identical to
+ktk_experts_get (HotExperts.host_weights) converted to the bank dtype, for bf16, int8 and int4, one expert or n at
+once, shapes that are not multiples of 16 / 64, with and without gpt-oss biases.
 
 Legend: E experts, H hidden, I intermediate, N/K a matrix's out/in sizes, Np/Kp padded.
 """
@@ -15,7 +15,9 @@ import torch
 from ktinject import native as kn
 from ktinject._nativelib import experts_raw, experts_region
 from ktinject.gpu_experts.bank import HotExperts
-from ktinject.gpu_experts.upload import PackedRegion, StagingPool, Uploader, expert_layout, unpack_matrix
+from ktinject.gpu_experts.upload import (
+    PackedRegion, StagingPool, Uploader, expert_layout, unpack_experts, unpack_matrix,
+)
 
 SHAPES = [(3, 37, 21), (2, 64, 16), (2, 130, 70), (1, 16, 64), (2, 1, 1)]  # (E, H, I)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,7 +40,7 @@ def _up(x, m):
     return -(-x // m) * m
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("E, H, I", SHAPES)
 def test_raw_view_describes_the_packed_matrix(quant, E, H, I):
     ex = _experts(E, H, I, quant)
@@ -52,9 +54,9 @@ def test_raw_view_describes_the_packed_matrix(quant, E, H, I):
             N, K = ex.shape(which)
             assert (r.quant, r.N, r.K, r.Np, r.Kp) == (quant, N, K, _up(N, 16), _up(K, 64))
             assert r.expert == base + e * r.expert_bytes and r.expert_bytes * E == nbytes
-            assert r.data_bytes == r.Np * r.Kp * (2 if quant == "bf16" else 1)
+            assert r.data_bytes == r.Np * r.Kp * {"bf16": 2, "int8": 1, "int4": 0.5}[quant]
             assert r.expert <= r.data and r.data + r.data_bytes <= r.expert + r.expert_bytes
-            assert (r.scale != 0) == (quant == "int8") and r.bias == 0
+            assert (r.scale != 0) == (quant != "bf16") and r.bias == 0
             # the documented element formula, read straight from the mapping
             ref = ex.get(e, which)
             data = region[r.data - base:r.data - base + r.data_bytes]
@@ -62,13 +64,20 @@ def test_raw_view_describes_the_packed_matrix(quant, E, H, I):
             if quant == "bf16":
                 q = data.view(torch.bfloat16)[((n // 16) * (r.Kp // 2) + c // 2) * 32 + (n % 16) * 2 + c % 2]
                 assert float(q) == float(ref[n, c])
+            elif quant == "int4":
+                byte = int(data[((n // 16) * (r.Kp // 8) + c // 8) * 64 + (n % 16) * 4 + c % 4])
+                nib = (byte >> 4 * ((c // 4) % 2)) & 15
+                ng = r.Kp // ex.group_size
+                scales = region[r.scale - base:r.scale - base + 4 * r.Np * ng].view(torch.float32)
+                scale = scales[((n // 16) * ng + c // ex.group_size) * 16 + n % 16]
+                assert float(torch.tensor(float(nib - 16 if nib > 7 else nib)) * scale) == float(ref[n, c])
             else:
                 q = data.view(torch.int8)[((n // 16) * (r.Kp // 4) + c // 4) * 64 + (n % 16) * 4 + c % 4]
                 scale = region[r.scale - base:r.scale - base + 4 * r.Np].view(torch.float32)[n]
                 assert float(torch.tensor(float(q)) * scale) == float(ref[n, c])
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("E, H, I", SHAPES)
 def test_unpack_matrix_equals_get(quant, E, H, I):
     ex = _experts(E, H, I, quant, seed=E + H)
@@ -81,8 +90,28 @@ def test_unpack_matrix_equals_get(quant, E, H, I):
             ref = ex.get(e, which)
             for dtype in DTYPES:
                 dst = torch.full((m.N, m.K), float("nan"), dtype=dtype)
-                unpack_matrix(buf, m, quant, dst, work)
+                unpack_matrix(buf, m, quant, dst, work, layout.group)
                 assert torch.equal(dst, ref.to(dtype)), f"{quant} {which} e={e} {dtype}"
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("E, H, I", SHAPES + [(4, 128, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unpack_experts_batched(quant, E, H, I, dtype):
+    """n experts at once from a strided [n, expert_bytes] view (every other expert of the region, as a ring slot
+    holds a gathered set), into strided destinations: each the same as ktk_experts_get."""
+    ex = _experts(E, H, I, quant, seed=3)
+    layout = expert_layout(ex)
+    rows = PackedRegion(ex).tensor.view(E, layout.expert_bytes)[::2]  # experts 0, 2, ...
+    n = rows.shape[0]
+    gate_up = torch.full((n + 1, 2 * I, H), float("nan"), dtype=dtype)[1:]
+    down = torch.full((n, H, I), float("nan"), dtype=dtype)
+    work = torch.empty(n * layout.work_bytes, dtype=torch.uint8)
+    unpack_experts(rows, layout, gate_up, down, work)
+    for j, e in enumerate(range(0, E, 2)):
+        assert torch.equal(gate_up[j, :I], ex.get(e, "gate").to(dtype))
+        assert torch.equal(gate_up[j, I:], ex.get(e, "up").to(dtype))
+        assert torch.equal(down[j], ex.get(e, "down").to(dtype))
 
 
 def _hot(ex, dtype, biases=None) -> HotExperts:
@@ -92,7 +121,7 @@ def _hot(ex, dtype, biases=None) -> HotExperts:
     return HotExperts(block, ex.num_experts, dtype=dtype, dynamic=True)
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_upload_equals_host_weights(quant, bias, dtype):
@@ -160,21 +189,16 @@ def test_raw_view_errors():
     assert lib.ktk_experts_region(ex._p, base, nbytes) == kn.OK and nbytes[0] == ex.nbytes
 
 
-@pytest.mark.skipif("int4" not in kn.QUANTS, reason="no int4 quant in this build")
-def test_quant_without_device_unpack_keeps_the_host_path():
-    """int4 has no raw view: ktk_experts_raw says so, a dynamic bank keeps no packed region, and the Rebalancer's
-    auto transfer is the host path (ktk_experts_get); asking for packed is an error that says what to use."""
+def test_int4_moves_packed_too():
+    """int4 has a raw view like the others: a dynamic bank keeps its packed region, so re-placement on CUDA copies
+    packed bytes (the host path stays the choice on a CPU 'bank', or when asked for)."""
     from ktinject.gpu_experts.rebalance import Rebalancer
 
     ex = kn.Experts.from_hf(torch.randn(2, 2 * 16, 64), torch.randn(2, 64, 16), quant="int4")
-    with pytest.raises(kn.NativeError) as err:
-        experts_raw(ex, 0, "gate")
-    assert err.value.code == kn.ERR_DTYPE and "no raw view" in err.value.message
+    assert experts_raw(ex, 0, "gate").quant == "int4"
     hot = _hot(ex, torch.bfloat16)
-    assert hot.packed is None
-    hot.write_slot(0, hot.host_weights(1))
-    assert torch.equal(hot.down[0], ex.get(1, "down").to(torch.bfloat16))
+    assert hot.packed is not None and hot.packed.layout.group == ex.group_size
     block = SimpleNamespace(hot=hot, num_experts=2, counts=torch.zeros(2, dtype=torch.int64))
     assert Rebalancer([block]).kinds == ["host"]
-    with pytest.raises(ValueError, match="transfer 'packed' needs a device unpack of quant 'int4'"):
-        Rebalancer([block], transfer="packed")
+    assert Rebalancer([block], transfer="packed").kinds == ["packed"]
+    hot.close()

@@ -106,7 +106,7 @@ class Rebalancer:
         if transfer == "host" or hot.packed is None:
             if transfer in ("packed", "staged"):
                 raise ValueError(f"Rebalancer: transfer {transfer!r} needs a device unpack of quant "
-                                 f"{hot.experts.quant!r} (bf16 or int8); use 'auto' or 'host'")
+                                 f"{hot.experts.quant!r} (bf16, int8 or int4); use 'auto' or 'host'")
             return "host"
         if transfer == "auto":
             return "host" if not self.cuda else "packed" if hot.packed.pinned else "staged"

@@ -1,21 +1,24 @@
-"""Moving one routed expert from its packed native (CPU) copy into a hot-expert bank slot, with (almost) no CPU work.
+"""Moving packed routed experts from their native (CPU) copy onto the device, with (almost) no CPU work: one expert
+into a hot-expert bank slot (re-placement), or n experts at once into the dequantized scratch of streamed prefill
+(``stream``).
 
 Runtime re-placement (``rebalance``) moves experts while decode runs; the 16 native expert threads
 own the CPU then, so a move must not compute on it. The native packed storage of a layer (one mapping per
 ``native.Experts``, ``ktk_experts_region``) is page-locked once when its bank is made for re-placement
 (``PackedRegion``), and a move is, on a side stream:
 
-    H2D copy of the expert's packed region (``ktk_experts_raw``: its three matrices as stored, bf16 or int8 + scales,
-    and gpt-oss biases; in chunks) into a device staging buffer [expert_bytes]
+    H2D copy of the expert's packed region (``ktk_experts_raw``: its three matrices as stored, bf16, int8 + scales
+    or int4 + group scales, and gpt-oss biases; in chunks) into a device staging buffer [expert_bytes]
     unpack on the device (torch ops into preallocated buffers): the block layout of native/src/kernels.h
-    [Np/16][Kp/2][16][2] (bf16) or [Np/16][Kp/4][16][4] (int8) is permuted into a work buffer [Np, Kp], then its
-    [N, K] corner goes into the slot: a copy (bf16) or q * scale[n] in float32 (int8), in the bank's dtype.
+    [Np/16][Kp/2][16][2] (bf16), [Np/16][Kp/4][16][4] (int8) or nibbles [Np/16][Kp/8][16][4] (int4) is permuted
+    into a work buffer [Np, Kp], then its [N, K] corner goes into the slot: a copy (bf16) or q * scale in float32
+    (int8: per row; int4: per row and group of G inputs), rounded once to the bank's dtype.
 
-That is half (bf16) or about a quarter (int8) of the bytes of the float32 host path (``HotExperts.host_weights``,
-``ktk_experts_get`` on a CPU thread), and bit-identical to it converted to the bank dtype (both are one float32
-product per int8 weight, rounded once). If the region cannot be page-locked, ``StagingPool``: a few pinned host
-buffers that a worker thread fills with a plain memcpy of the packed bytes (no conversion), copied the same way.
-Quants without a raw view (not in ``GPU_QUANTS``) keep the host path.
+That is half (bf16), about a quarter (int8) or an eighth (int4) of the bytes of the float32 host path
+(``HotExperts.host_weights``, ``ktk_experts_get`` on a CPU thread), and bit-identical to it converted to the bank
+dtype (both are one float32 product per quantized weight, rounded once). If the region cannot be page-locked,
+``StagingPool``: a few pinned host buffers that a worker thread fills with a plain memcpy of the packed bytes (no
+conversion), copied the same way.
 
 Legend: N output rows, K input columns, Np = round_up(N, 16), Kp = round_up(K, 64), I intermediate, H hidden.
 """
@@ -35,7 +38,7 @@ from ktinject import cuda_driver, native
 
 log = logging.getLogger(__name__)
 
-GPU_QUANTS = ("bf16", "int8")  # quants with a raw view that unpack_matrix knows
+GPU_QUANTS = ("bf16", "int8", "int4")  # quants with a raw view that unpack_matrix knows
 MATRICES = ("gate", "up", "down")
 
 
@@ -51,6 +54,11 @@ class MatLayout(NamedTuple):
     scale_off: int
     bias_off: int
 
+    def work_bytes(self, quant: str) -> int:
+        """Bytes of the work buffer unpacking this matrix needs: the block layout permuted to [Np, Kp] (int4: as
+        int8, one byte per weight)."""
+        return self.Np * self.Kp if quant == "int4" else self.data_bytes
+
 
 class ExpertLayout(NamedTuple):
     """Where gate, up and down lie in every expert's packed region of one native.Experts (the same for each)."""
@@ -58,11 +66,12 @@ class ExpertLayout(NamedTuple):
     quant: str
     expert_bytes: int
     mats: tuple  # (gate, up, down) MatLayout
+    group: int = 0  # int4: inputs per scale (G); 0 for the other quants
 
     @property
     def work_bytes(self) -> int:
-        """Bytes of the work buffer unpack_matrix needs: the largest packed matrix."""
-        return max(m.data_bytes for m in self.mats)
+        """Bytes of the work buffer unpack_matrix needs for one expert: the largest matrix's."""
+        return max(m.work_bytes(self.quant) for m in self.mats)
 
 
 def expert_layout(experts) -> ExpertLayout:
@@ -78,45 +87,82 @@ def expert_layout(experts) -> ExpertLayout:
                           rel(last, last.scale), rel(last, last.bias)):
             raise RuntimeError(f"packed experts: {which} lies differently in the first and the last expert")
         mats.append(m)
-    return ExpertLayout(first.quant, first.expert_bytes, tuple(mats))
+    group = int(experts.group_size) if first.quant == "int4" else 0
+    return ExpertLayout(first.quant, first.expert_bytes, tuple(mats), group)
 
 
-def _matrix_views(buf: torch.Tensor, m: MatLayout, quant: str, work: torch.Tensor) -> tuple:
-    """Views for unpacking matrix ``m`` of the packed region ``buf`` through ``work``: (src: the packed data
-    permuted to [Np/16, 16, Kp/c, c] (c = 2 bf16, 4 int8), w4: work as the same shape, row-major [Np, Kp], corner:
-    work's [N, K], scale: [N, 1] float32 (int8) or None). Made once per buffer (views of fixed addresses)."""
-    Np, Kp, N, K = m.Np, m.Kp, m.N, m.K
-    data = buf[m.data_off:m.data_off + m.data_bytes]
+# Unpacking works on n experts at once: ``buf`` is uint8 [n, expert_bytes] (n packed regions, rows any distance
+# apart), ``dst`` [n, N, K] (any float dtype, rows of any stride), ``work`` uint8 [>= n * work_bytes]. The views are
+# made once per buffer (fixed addresses) where a caller unpacks into the same places again (Uploader).
+def _matrix_views(buf: torch.Tensor, m: MatLayout, quant: str, work: torch.Tensor, group: int = 0) -> tuple:
+    """(quant, src: packed data permuted to the row-major block order of w, w: work in that shape (row-major
+    [n, Np, Kp]), corner: w's [n, N, K], scale: float32 (int8 [n, N, 1]; int4 [n, Np/16, 16, Kp/G, 1]) or None)."""
     if quant not in GPU_QUANTS:
         raise ValueError(f"unpack: quant {quant!r} has no device unpack (expected one of {GPU_QUANTS})")
+    if buf.dim() == 1:
+        buf = buf.unsqueeze(0)
+    n, Np, Kp, N, K = buf.shape[0], m.Np, m.Kp, m.N, m.K
+    data = buf[:, m.data_off:m.data_off + m.data_bytes]  # [n, data_bytes]
+    if quant == "int4":  # byte (n, r, j) holds inputs 8r + j (low nibble) and 8r + 4 + j (high)
+        src = data.view(n, Np // 16, Kp // 8, 16, 4).permute(0, 1, 3, 2, 4)  # [n, Np/16, 16, Kp/8, 4]
+        w = work[:n * Np * Kp].view(torch.int8).view(n, Np // 16, 16, Kp // 8, 2, 4)
+        ng = Kp // group
+        scale = buf[:, m.scale_off:m.scale_off + 4 * Np * ng].view(torch.float32)
+        scale = scale.view(n, Np // 16, ng, 16).permute(0, 1, 3, 2).unsqueeze(-1)  # [n, Np/16, 16, ng, 1]
+        return quant, src, w, w.view(n, Np, Kp)[:, :N, :K], scale
     dt, c = (torch.bfloat16, 2) if quant == "bf16" else (torch.int8, 4)
-    src = data.view(dt).view(Np // 16, Kp // c, 16, c).permute(0, 2, 1, 3)
-    w = work[:m.data_bytes].view(dt)
-    scale = None if quant == "bf16" else buf[m.scale_off:m.scale_off + 4 * Np].view(torch.float32)[:N, None]
-    return src, w.view(Np // 16, 16, Kp // c, c), w.view(Np, Kp)[:N, :K], scale
+    src = data.view(dt).view(n, Np // 16, Kp // c, 16, c).permute(0, 1, 3, 2, 4)  # [n, Np/16, 16, Kp/c, c]
+    w = work[:n * m.data_bytes].view(dt).view(n, Np // 16, 16, Kp // c, c)
+    scale = None if quant == "bf16" else buf[:, m.scale_off:m.scale_off + 4 * Np].view(torch.float32)[:, :N, None]
+    return quant, src, w, w.view(n, Np, Kp)[:, :N, :K], scale
 
 
 def _unpack(views: tuple, dst: torch.Tensor) -> None:
-    src, w4, corner, scale = views
-    w4.copy_(src)  # block layout -> [Np, Kp] row-major
-    if scale is None:
+    """dst [n, N, K] = the matrices of ``views`` (float32 product q * scale rounded once to dst's dtype, as
+    ktk_experts_get + .to)."""
+    quant, src, w, corner, scale = views
+    if dst.dim() == 2:
+        dst = dst.unsqueeze(0)
+    if quant == "bf16":
+        padded = corner.shape[1] != w.shape[1] * 16 or corner.shape[2] != w.shape[3] * 2
+        if not padded and dst.dtype == torch.bfloat16:
+            dst.view(w.shape).copy_(src)  # straight into place: no work buffer pass
+            return
+        w.copy_(src)  # block layout -> [n, Np, Kp] row-major
         dst.copy_(corner)
-    else:
-        torch.mul(corner, scale, out=dst)  # float32 product, one rounding to dst's dtype (as ktk_experts_get + .to)
+        return
+    if quant == "int8":
+        w.copy_(src)
+        torch.mul(corner, scale, out=dst)
+        return
+    u = w.view(torch.uint8)
+    torch.bitwise_and(src, 15, out=u[..., 0, :])
+    torch.bitwise_right_shift(src, 4, out=u[..., 1, :])
+    w.bitwise_xor_(8).sub_(8)  # nibble 0..15 -> two's complement q in [-8, 7]
+    n, nb, _, kq = w.shape[:4]
+    ng = scale.shape[3]
+    q = w.view(n, nb, 16, ng, kq * 8 // ng)  # [n, Np/16, 16, ng, G]
+    N, K = dst.shape[1:]
+    if N == nb * 16 and K == kq * 8:
+        torch.mul(q, scale, out=dst.view(q.shape))
+    else:  # padded matrix (awkward shapes): through a temporary of the padded size
+        dst.copy_(torch.mul(q, scale).view(n, nb * 16, kq * 8)[:, :N, :K])
 
 
-def unpack_matrix(buf: torch.Tensor, m: MatLayout, quant: str, dst: torch.Tensor, work: torch.Tensor) -> None:
+def unpack_matrix(buf: torch.Tensor, m: MatLayout, quant: str, dst: torch.Tensor, work: torch.Tensor,
+                  group: int = 0) -> None:
     """dst [N, K] (any float dtype, buf's device) = the matrix ``m`` of the packed region ``buf`` (uint8
-    [expert_bytes]), exactly as ktk_experts_get returns it, converted to dst's dtype. ``work``: uint8
-    [>= m.data_bytes], scratch. Queued on the current stream; allocates nothing."""
-    _unpack(_matrix_views(buf, m, quant, work), dst)
+    [expert_bytes]), exactly as ktk_experts_get returns it, converted to dst's dtype; or n of them at once: buf
+    [n, expert_bytes], dst [n, N, K]. ``work``: uint8 [>= n * m.work_bytes(quant)], scratch; ``group``: int4's G.
+    Queued on the current stream; allocates nothing (but for int4 matrices padded to Np, Kp)."""
+    _unpack(_matrix_views(buf, m, quant, work, group), dst)
 
 
 def _bias_views(buf: torch.Tensor, layout: ExpertLayout) -> tuple:
-    """float32 [N] views of the (gate, up, down) biases in ``buf``."""
+    """float32 views of the (gate, up, down) biases in ``buf``: [N] for one region [expert_bytes], [n, N] for n."""
     if any(m.bias_off < 0 for m in layout.mats):
         raise ValueError("unpack: the bank has biases but the packed experts have none")
-    return tuple(buf[m.bias_off:m.bias_off + 4 * m.Np].view(torch.float32)[:m.N] for m in layout.mats)
+    return tuple(buf[..., m.bias_off:m.bias_off + 4 * m.Np].view(torch.float32)[..., :m.N] for m in layout.mats)
 
 
 def _slot_views(hot, slot: int) -> tuple:
@@ -133,10 +179,20 @@ def unpack_expert(buf: torch.Tensor, layout: ExpertLayout, hot, slot: int, work:
     gate_up [2I, H] (gate rows, then up rows), down [H, I], and the gpt-oss biases when the bank has them."""
     weights, biases = _slot_views(hot, slot)
     for m, dst in zip(layout.mats, weights):
-        unpack_matrix(buf, m, layout.quant, dst, work)
+        unpack_matrix(buf, m, layout.quant, dst, work, layout.group)
     if biases is not None:
         for src, dst in zip(_bias_views(buf, layout), biases):
             dst.copy_(src)
+
+
+def unpack_experts(buf: torch.Tensor, layout: ExpertLayout, gate_up: torch.Tensor, down: torch.Tensor,
+                   work: torch.Tensor) -> None:
+    """The n experts whose packed regions are the rows of ``buf`` (uint8 [n, expert_bytes]) into gate_up
+    [n, 2I, H] (gate rows, then up rows) and down [n, H, I]: three batched unpacks (a few kernels each), no loop
+    over experts. ``work``: uint8 [>= n * layout.work_bytes]. Biases stay where they are (``_bias_views``)."""
+    I = layout.mats[0].N
+    for m, dst in zip(layout.mats, (gate_up[:, :I], gate_up[:, I:], down)):
+        unpack_matrix(buf, m, layout.quant, dst, work, layout.group)
 
 
 # ---- page-locking the packed storage ------------------------------------------------------------------------------
@@ -230,7 +286,7 @@ class Uploader:
             if n > self.staging.numel() or layout.work_bytes > self.work.numel():
                 raise ValueError(f"Uploader: an expert of {n} bytes does not fit the staging buffers")
             stage = self.staging[:n]
-            mats = tuple(_matrix_views(stage, m, layout.quant, self.work) for m in layout.mats)
+            mats = tuple(_matrix_views(stage, m, layout.quant, self.work, layout.group) for m in layout.mats)
             biases = _bias_views(stage, layout) if all(m.bias_off >= 0 for m in layout.mats) else None
             chunks = [(stage[lo:lo + self.chunk], lo) for lo in range(0, n, self.chunk)]
             views = self._views[layout] = (mats, biases, chunks)

@@ -153,21 +153,23 @@ int ktk_experts_import(ktk_experts *ex, const void *src, int64_t size);
  *   bf16: data = uint16 (bf16 bits) [Np/16][Kp/2][16][2]: element (n, c) at ((n/16)*(Kp/2) + c/2)*32 + (n%16)*2 + c%2
  *   int8: data = int8 [Np/16][Kp/4][16][4]: element (n, c) at ((n/16)*(Kp/4) + c/4)*64 + (n%16)*4 + c%4,
  *         dequantized value = (float)q * scale[n] (what ktk_experts_get returns)
+ *   int4: data = nibbles [Np/16][Kp/8][16][4]: element (n, c) in byte ((n/16)*(Kp/8) + c/8)*64 + (n%16)*4 + c%4,
+ *         bits 0-3 when (c/4)%2 == 0 else bits 4-7, a two's complement q in [-8, 7]; scale = float
+ *         [Np/16][Kp/G][16] (G = the config's group_size): value = (float)q * scale[((n/16)*(Kp/G) + c/G)*16 + n%16]
  * Padding rows/columns (n >= N, c >= K) are zero. All of one expert's matrices, scales and biases lie inside
  * [expert, expert + expert_bytes), so one copy of that range carries the whole expert. */
 typedef struct {
     int32_t quant;           /* KTK_QUANT_* of data */
     int32_t N, K;            /* logical [out, in] */
-    int32_t Np, Kp;          /* padded: Np = round_up(N, 16), Kp = round_up(K, 64) */
+    int32_t Np, Kp;          /* padded: Np = round_up(N, 16), Kp = round_up(K, 64) (int4: K, max(64, G)) */
     const void *data;        /* the packed matrix */
-    int64_t data_bytes;      /* bf16: Np * Kp * 2; int8: Np * Kp */
-    const float *scale;      /* int8: [Np] per output row; NULL for bf16 */
+    int64_t data_bytes;      /* bf16: Np * Kp * 2; int8: Np * Kp; int4: Np * Kp / 2 */
+    const float *scale;      /* int8: [Np] per output row; int4: [Np/16][Kp/G][16]; NULL for bf16 */
     const float *bias;       /* has_bias: float [Np] (zero padded); NULL without bias */
     const void *expert;      /* this expert's whole packed region */
     int64_t expert_bytes;    /* its size (the same for every expert, a multiple of 64) */
 } ktk_raw;
-/* View of one matrix (KTK_MAT_*) of one expert. KTK_ERR_DTYPE for a quant without such a view (anything but bf16
- * and int8); KTK_ERR_RANGE for a bad expert or which. */
+/* View of one matrix (KTK_MAT_*) of one expert (every quant); KTK_ERR_RANGE for a bad expert or which. */
 int ktk_experts_raw(const ktk_experts *ex, int expert, int which, ktk_raw *out);
 /* The whole packed storage: one page-aligned mapping of *nbytes (== ktk_experts_nbytes) bytes at *base (e.g. to pin
  * it once with cudaHostRegister; expert e's region starts at *base + e * expert_bytes). */

@@ -214,9 +214,6 @@ int ktk_experts_raw(const ktk_experts *ex, int expert, int which, ktk_raw *out) 
     CHECK_NULL(out, fn);
     int rc = check_expert(fn, ex, expert, which);
     if (rc != KTK_OK) return rc;
-    if (ex->cfg.quant != KTK_QUANT_BF16 && ex->cfg.quant != KTK_QUANT_INT8)
-        return ktki_error(KTK_ERR_DTYPE, "%s: quant = %d has no raw view (only KTK_QUANT_BF16=0 and "
-                          "KTK_QUANT_INT8=1 are described; use ktk_experts_get)", fn, ex->cfg.quant);
     return ktki_experts_raw(ex, expert, which, out);
 }
 

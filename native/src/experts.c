@@ -151,9 +151,14 @@ int ktki_experts_raw(const ktk_experts *ex, int e, int which, ktk_raw *out) {
     out->K = m.K;
     out->Np = m.Np;
     out->Kp = m.Kp;
-    out->data = m.quant == KTK_QUANT_BF16 ? (const void *)m.data_bf16 : (const void *)m.data_i8;
-    out->data_bytes = (int64_t)m.Np * m.Kp * (m.quant == KTK_QUANT_BF16 ? 2 : 1);
-    out->scale = m.quant == KTK_QUANT_INT8 ? m.scale : NULL;
+    if (m.quant == KTK_QUANT_INT4) {
+        out->data = m.data_i4;
+        out->data_bytes = (int64_t)m.Np * m.Kp / 2;
+    } else {
+        out->data = m.quant == KTK_QUANT_BF16 ? (const void *)m.data_bf16 : (const void *)m.data_i8;
+        out->data_bytes = (int64_t)m.Np * m.Kp * (m.quant == KTK_QUANT_BF16 ? 2 : 1);
+    }
+    out->scale = m.quant == KTK_QUANT_BF16 ? NULL : m.scale;
     out->bias = ktki_expert_bias(ex, e, which);
     out->expert = ex->base + ex->expert_bytes * e;
     out->expert_bytes = ex->expert_bytes;
