@@ -181,6 +181,10 @@ class HybridMoE(nn.Module):
         self.collect_stats = True
         self.hot = None  # HotExperts: GPU-resident experts (ktinject.gpu_experts.placement.place)
         self.expert_biases = None  # gpt-oss: (gate_up_bias [E, 2I], down_bias [E, H]) f32 host copies, for hot
+        # prefill hook (ktinject.gpu_experts.stream, set by apply): called as prefill(block, x, ids, weights) for an
+        # eager forward; returns (routed, shared) when it took the forward (experts streamed to the GPU, maybe split
+        # with the CPU), None to leave it to the path below. A plain attribute: not a submodule, no state-dict keys.
+        self.prefill = None
         self._ones: dict[tuple, torch.Tensor] = {}
         self.class_name = type(block).__name__
         self._task = None  # native.Task, made on first forward
@@ -248,6 +252,10 @@ class HybridMoE(nn.Module):
         on_cuda = x.device.type == "cuda"
         if T == 0:
             return x.new_zeros((0, H)), shared_output(self, self.spec.shared, x)
+        if self.prefill is not None and not (on_cuda and stream_experts.active()):  # never inside graph capture
+            taken = self.prefill(self, x, ids, weights)
+            if taken is not None:
+                return taken
         if on_cuda and stream_experts.active():  # graph warm-up/capture: the stream itself signals the host
             runner = stream_experts.runner_for(self.native_experts, T, k, H, x.device, dtype=x.dtype,
                                                weights_dtype=weights.dtype, skip=self.skip)
