@@ -31,7 +31,7 @@ Legend: T tokens, k experts per token, S = T*k pairs, E experts, C bank slots, H
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -72,6 +72,47 @@ def grouped_mm_usable(device: torch.device, dtype: torch.dtype) -> bool:
     return ok
 
 
+class Activation(NamedTuple):
+    """The experts' gated activation: [S, 2I] (gate, up) -> [S, I] in float32. ``kind``: "silu" (silu(g) * u) or
+    "gptoss" (clamped: g * sigmoid(alpha * g) * (u + 1))."""
+
+    kind: str
+    I: int
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @classmethod
+    def of(cls, experts) -> Activation:
+        """The activation of a native.Experts."""
+        return cls(experts.activation, experts.intermediate, experts.alpha, experts.limit)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        g, u = h[:, :self.I].float(), h[:, self.I:].float()
+        if self.kind == "silu":
+            return torch.nn.functional.silu(g) * u
+        g = g.clamp(max=self.limit)
+        u = u.clamp(-self.limit, self.limit)
+        return g * torch.sigmoid(self.alpha * g) * (u + 1)
+
+
+def grouped_ffn(xs: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Activation,
+                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                group: torch.Tensor | None = None) -> torch.Tensor:
+    """y [S, H] (weights' dtype, or float32 with biases) of rows xs [S, H] sorted by expert through G experts
+    gate_up [G, 2I, H], down [G, H, I]: expert g takes rows offs[g-1]..offs[g] (offs int32 [G] end offsets; rows
+    past offs[-1] come out unwritten). Biases ([G, 2I], [G, H]) need ``group`` [S], each row's expert. Two grouped
+    GEMMs: only experts that have rows are read."""
+    fn = _grouped_fn()
+    h = fn(xs, gate_up.transpose(1, 2), offs=offs)  # [S, 2I]
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[group]
+    a = act(h).to(xs.dtype)  # [S, I]
+    y = fn(a, down.transpose(1, 2), offs=offs)  # [S, H]
+    if down_bias is not None:
+        y = y + down_bias[group]
+    return y
+
+
 class HotExperts:
     """The bank of one HybridMoE (``block``) with ``capacity`` slots on ``device`` in ``dtype``; empty at first.
 
@@ -89,8 +130,7 @@ class HotExperts:
         self.device = torch.device(device if device is not None else block.device)
         self.dtype = dtype
         self.dynamic = bool(dynamic)
-        self.activation = self.experts.activation  # "silu" or "gptoss"
-        self.alpha, self.limit = self.experts.alpha, self.experts.limit
+        self.act = Activation.of(self.experts)
         self.host_biases = getattr(block, "expert_biases", None) if self.experts.bias else None
         if self.experts.bias and self.host_biases is None:
             raise ValueError("hot experts: this block's experts have biases (gpt-oss) but the HybridMoE holds no "
@@ -209,30 +249,14 @@ class HotExperts:
             rows = self._gathered(x, slot, valid, weights.reshape(-1), k)
         return rows.view(T, k, self.H).sum(1)  # [T, H] f32
 
-    def _act(self, h: torch.Tensor) -> torch.Tensor:
-        """[S, 2I] (gate, up) -> [S, I] in float32."""
-        g, u = h[:, :self.I].float(), h[:, self.I:].float()
-        if self.activation == "silu":
-            return torch.nn.functional.silu(g) * u
-        g = g.clamp(max=self.limit)
-        u = u.clamp(-self.limit, self.limit)
-        return g * torch.sigmoid(self.alpha * g) * (u + 1)
-
     def _grouped(self, x, slot, valid, w, k) -> torch.Tensor:
         """[S, H] f32 in pair order: weighted expert outputs of resident pairs, 0 elsewhere."""
         key = torch.where(valid, slot, self.C)  # [S]: C sorts last
         key_s, perm = torch.sort(key, stable=True)
         offs = torch.searchsorted(key_s, self._bounds).to(torch.int32)  # [C] end of each slot's rows
         xs = x.to(self.dtype)[perm // k]  # [S, H]
-        fn = _grouped_fn()
-        h = fn(xs, self.gate_up.transpose(1, 2), offs=offs)  # [S, 2I]
-        idx = key_s.clamp(max=self.C - 1)
-        if self.gate_up_bias is not None:
-            h = h + self.gate_up_bias[idx]
-        a = self._act(h).to(self.dtype)  # [S, I]
-        y = fn(a, self.down.transpose(1, 2), offs=offs)  # [S, H]
-        if self.down_bias is not None:
-            y = y + self.down_bias[idx]
+        y = grouped_ffn(xs, offs, self.gate_up, self.down, self.act, self.gate_up_bias, self.down_bias,
+                        key_s.clamp(max=self.C - 1))
         ok = (key_s < self.C).unsqueeze(1)  # rows past the last offset were never written
         ys = torch.where(ok, y.float() * w[perm].float().unsqueeze(1), 0.0)  # [S, H] sorted order
         out = torch.empty_like(ys)
@@ -252,7 +276,7 @@ class HotExperts:
             h = torch.bmm(self.gate_up[i], xr[lo:hi, :, None]).squeeze(2)  # [s, 2I]
             if self.gate_up_bias is not None:
                 h = h + self.gate_up_bias[i]
-            a = self._act(h).to(self.dtype)
+            a = self.act(h).to(self.dtype)
             y = torch.bmm(self.down[i], a[:, :, None]).squeeze(2)  # [s, H]
             if self.down_bias is not None:
                 y = y + self.down_bias[i]

@@ -1,0 +1,175 @@
+"""Who computes a prefill forward's routed experts, the CPU (native kernels) or the GPU (experts streamed over PCIe):
+the ``prefill`` option and a tiny cost model with pure functions of it. ``stream.PrefillStreamer`` measures the
+costs and acts on the answers.
+
+Per layer, for the experts that are neither GPU-resident (hot) nor idle, with ``rows`` routed (token, slot) pairs:
+
+    CPU   cpu_expert_s * experts + cpu_row_s * rows          (reading each expert's weights + work per routed row)
+    GPU   experts * (expert_bytes / h2d + gpu_expert_s)      (copy over PCIe, dequantize on the device)
+          + rows * gpu_row_s + gpu_layer_s                   (grouped matmuls; launches of the layer)
+    split: both at once, each on its own experts: max(CPU part, GPU part + split_s) (split_s: the host waits for
+          the routing to know the rows per expert)
+
+The GPU takes the experts with the most rows first: per routed row it is two orders of magnitude faster than the CPU,
+while copying an expert costs about what the CPU's own read of it costs. Modes of one forward (``choose_mode``):
+
+    cpu    every layer on the CPU (nothing to gain: few tokens)
+    split  per layer, once its routing is known: the best number of experts for the GPU (``choose_split``, 0 = CPU)
+    gpu    every layer wholly on the GPU, layer L+1's copy running while layer L computes: a layer costs
+           max(copy, compute) and the copy of the first layer is not hidden
+
+Legend: T tokens, k experts per token, E experts, m experts with rows, n experts on the GPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+MODES = ("auto", "cpu", "gpu")
+#: a forward streams whole layers ahead (gpu mode) when the chance that an expert gets no row is below this
+PREFETCH_UNUSED = 0.05
+
+
+def check_mode(value: Any, where: str = "") -> str:
+    """``value`` if it is a prefill mode, else ValueError naming the option (and ``where`` it was written)."""
+    if value in MODES:
+        return value
+    at = f"{where}: " if where else ""
+    raise ValueError(f"{at}prefill: expected one of {', '.join(repr(m) for m in MODES)} (where the routed experts of "
+                     f"a prompt run: 'auto' splits them between the CPU and the GPU by a cost model, 'cpu' keeps them "
+                     f"in the native CPU kernels, 'gpu' streams them to the GPU), got {value!r}")
+
+
+def mode_from_plan(plan: Any, given: str | None = None) -> str:
+    """The prefill mode: ``given`` (a keyword of inject / from_pretrained) or the moe rules' ``prefill`` kwarg (the
+    rules must agree: it is model-wide), else "auto". ValueError naming the rule or the keyword."""
+    if given is not None:
+        return check_mode(given)
+    found: tuple[str, str] | None = None
+    for entry in plan.operator_entries():
+        value = entry.kwargs.get("prefill")
+        if value is None:
+            continue
+        where = entry.rule.where
+        check_mode(value, where)
+        if found is not None and found[0] != value:
+            raise ValueError(f"moe rules disagree on prefill: {found[0]!r} ({found[1]}) vs {value!r} ({where}); "
+                             f"prefill is model-wide: give one value")
+        found = found or (value, where)
+    return "auto" if found is None else found[0]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per unit of one MoE layer's work (see the module docstring); ``h2d``: bytes per second, page-locked
+    host to device; ``expert_bytes``: one expert's packed bytes (what crosses PCIe)."""
+
+    h2d: float
+    expert_bytes: int
+    cpu_expert_s: float
+    cpu_row_s: float
+    gpu_expert_s: float
+    gpu_row_s: float
+    gpu_layer_s: float = 1.5e-4
+    split_s: float = 1e-4
+
+    def with_(self, **changes) -> Costs:
+        return replace(self, **changes)
+
+    def copy_s(self, experts: float) -> float:
+        return experts * self.expert_bytes / self.h2d
+
+    def cpu_s(self, experts: float, rows: float) -> float:
+        return self.cpu_expert_s * experts + self.cpu_row_s * rows
+
+    def gpu_s(self, experts: float, rows: float) -> float:
+        """Copy, dequantize and compute of ``experts`` with ``rows``, one after another (no overlap)."""
+        if experts <= 0:
+            return 0.0
+        return self.copy_s(experts) + self.gpu_expert_s * experts + self.gpu_row_s * rows + self.gpu_layer_s
+
+
+def gpu_default_costs(hidden: int, intermediate: int, quant: str) -> dict[str, float]:
+    """gpu_expert_s and gpu_row_s from H100-class rates until measured: dequantizing writes 3HI bf16 weights and
+    reads the packed ones (~1.5 TB/s with torch kernels), a routed row is 6HI flops (~250 TFLOPS grouped bf16)."""
+    weights = 3 * hidden * intermediate
+    packed = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}.get(quant, 2.0)
+    return {"gpu_expert_s": weights * (2.0 + packed) / 1.5e12, "gpu_row_s": 2.0 * weights / 250e12}
+
+
+def fit_cpu(rows_per_expert: tuple[float, float], seconds: tuple[float, float], experts: int) -> tuple[float, float]:
+    """(cpu_expert_s, cpu_row_s) from two timed forwards of ``experts`` experts with the given rows each."""
+    (r1, r2), (t1, t2) = rows_per_expert, seconds
+    if r2 == r1 or experts < 1:
+        raise ValueError("fit_cpu: two different row counts and at least one expert are needed")
+    per_row = max((t2 - t1) / (experts * (r2 - r1)), 1e-10)
+    per_expert = max(t1 / experts - r1 * per_row, 0.0)
+    return per_expert, per_row
+
+
+def split_times(rows: Sequence[int] | np.ndarray, costs: Costs) -> tuple[np.ndarray, np.ndarray]:
+    """(cpu [m+1], gpu [m+1]) seconds when the n = 0..m first experts of ``rows`` (rows per expert, sorted largest
+    first, all > 0) go to the GPU and the rest stay on the CPU."""
+    r = np.asarray(rows, dtype=np.float64)
+    m = r.size
+    n = np.arange(m + 1, dtype=np.float64)
+    on_gpu = np.concatenate([[0.0], np.cumsum(r)])  # rows of the first n
+    cpu = costs.cpu_expert_s * (m - n) + costs.cpu_row_s * (on_gpu[-1] - on_gpu)
+    gpu = (costs.copy_s(1.0) + costs.gpu_expert_s) * n + costs.gpu_row_s * on_gpu
+    gpu = np.where(n > 0, gpu + costs.gpu_layer_s + costs.split_s, 0.0)
+    return cpu, gpu
+
+
+def best_split(rows: Sequence[int] | np.ndarray, costs: Costs) -> tuple[int, float]:
+    """(n, seconds): how many of ``rows``' experts (largest first) the GPU takes so that the layer ends soonest."""
+    cpu, gpu = split_times(rows, costs)
+    total = np.maximum(cpu, gpu)
+    n = int(np.argmin(total))  # the first minimum: fewer GPU experts on a tie
+    return n, float(total[n])
+
+
+def choose_split(counts: np.ndarray, eligible: np.ndarray, costs: Costs) -> list[int]:
+    """Experts (ascending ids) for the GPU in one layer: ``counts`` [E] rows per expert, ``eligible`` [E] bool (not
+    GPU-resident). Largest rows first, ties by lower id."""
+    ids = np.flatnonzero(eligible & (counts > 0))
+    order = ids[np.lexsort((ids, -counts[ids]))]
+    n, _ = best_split(counts[order], costs)
+    return sorted(int(e) for e in order[:n])
+
+
+def uniform_rows(T: int, k: int, experts: int) -> np.ndarray:
+    """Rows per used expert when T tokens pick k of ``experts`` uniformly: the expected number of used experts,
+    each with T*k / used rows (the planning guess before any routing is known)."""
+    if T <= 0 or experts <= 0:
+        return np.zeros(0)
+    used = experts * (1.0 - (1.0 - min(k, experts) / experts) ** T)
+    m = max(1, min(experts, int(round(used))))
+    return np.full(m, T * min(k, experts) / m)
+
+
+def prefetch_worthy(T: int, k: int, experts: int) -> bool:
+    """Whether nearly every expert gets rows (so a layer can be copied whole before its routing is known)."""
+    return experts > 0 and (1.0 - min(k, experts) / experts) ** T < PREFETCH_UNUSED
+
+
+def estimates(T: int, k: int, experts: int, costs: Costs) -> dict[str, float]:
+    """Seconds per layer of each mode for T tokens over ``experts`` streamable experts (uniform routing)."""
+    rows = uniform_rows(T, k, experts)
+    cpu = costs.cpu_s(rows.size, rows.sum())
+    _, split = best_split(rows, costs)
+    if prefetch_worthy(T, k, experts):
+        compute = costs.gpu_expert_s * experts + costs.gpu_row_s * T * k + costs.gpu_layer_s
+        gpu = max(costs.copy_s(experts), compute)
+    else:  # copied after routing, used experts only: nothing overlaps the copy
+        gpu = costs.gpu_s(rows.size, rows.sum()) + costs.split_s
+    return {"cpu": cpu, "split": split, "gpu": gpu}
+
+
+def choose_mode(T: int, k: int, experts: int, costs: Costs) -> str:
+    """"cpu", "split" or "gpu" for a forward of T tokens: the least estimated time, cpu on ties."""
+    est = estimates(T, k, experts, costs)
+    best = min(est.values())
+    return next(m for m in ("cpu", "split", "gpu") if est[m] <= best * (1 + 1e-9)) if math.isfinite(best) else "cpu"

@@ -1,0 +1,441 @@
+"""Prefill with the routed experts streamed to the GPU over PCIe, alone or split with the CPU (issue 19).
+
+A ``PrefillStreamer`` serves every HybridMoE of one model (``block.prefill``; ``attach`` makes it). An eager forward
+of T tokens offers each block's routed experts to it; what it does is decided once per forward (``policy``):
+
+    cpu    declined: the block runs its native CPU path (few tokens; the decision costs no host sync)
+    gpu    layer L: wait for its packed experts (copied while layer L-1 computed), start layer L+1's copy, then on
+           the compute stream: dequantize into bf16 scratch (``upload.unpack_experts``), one grouped GEMM per
+           projection over the pairs sorted by expert (``bank.grouped_ffn``), weights applied, summed per token
+    split  per layer, once the routing is on the host (the sync the CPU path makes anyway): the experts with the
+           most rows go to the GPU (copied, dequantized, computed as above) while the native kernels compute the
+           rest (their skip mask: hot experts + the GPU's); each part's output is added on the device
+
+Hot experts (GPU-resident, ``bank.HotExperts``) are computed by their bank as usual and never copied; experts with no
+rows are not copied where the routing is known first. Packed bytes cross PCIe as stored (bf16, int8 + scales, int4 +
+group scales) from the page-locked native mapping (``upload.PackedRegion``) into a ring of two slots (``ring.Ring``);
+nothing is expanded on the host. A layer larger than a slot (DeepSeek-V3 at bf16: ~22 GB) goes in parts.
+
+Memory (CUDA): the ring (2 slots) + dequantized scratch + work, sized to hold a whole layer's experts when that fits
+in ``memory_fraction`` of the free GPU memory, else the largest part that does; ``chunk_tokens`` sizes prefill chunks
+from what is left (activations of a chunk: about k * (8H + 16I) + 64H bytes a token).
+
+Accuracy: bf16 experts are computed from the stored bf16 weights, int8 / int4 from q * scale rounded once to bf16
+(the int4 values the CPU's dequantizing path uses), activations in bf16 (the CPU's int8 path quantizes them per
+token instead), float32 accumulation, the weighted sum over a token's k experts in float32.
+
+Legend: T tokens, k experts per token, S = T*k pairs, E experts, H hidden, I intermediate, B packed expert bytes,
+n experts streamed in a layer, cap experts per ring slot.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ktinject import native
+from ktinject.gpu_experts import policy
+from ktinject.gpu_experts.bank import Activation, grouped_ffn, grouped_mm_usable
+from ktinject.gpu_experts.ring import Ring
+from ktinject.gpu_experts.upload import PackedRegion, _bias_views, unpack_experts
+from ktinject.operators.families import shared_output
+from ktinject.operators.moe import HybridMoE, staging
+
+log = logging.getLogger(__name__)
+
+MIN_CHUNK, MAX_CHUNK = 512, 16384  # prefill chunk bounds (tokens)
+_CAL_ROWS = (8, 64)  # rows per expert of the two calibration forwards of the CPU cost
+
+
+def _blocks(model) -> list[HybridMoE]:
+    return [m for m in model.modules() if isinstance(m, HybridMoE)]
+
+
+def attach(model, mode: str, **kwargs) -> PrefillStreamer | None:
+    """Give ``model``'s HybridMoE blocks a PrefillStreamer for prefill ``mode`` ("auto" | "cpu" | "gpu"); None
+    (and no hook) for "cpu", for a model without such blocks, and for "auto" off CUDA (there is no GPU to use)."""
+    policy.check_mode(mode)
+    blocks = _blocks(model)
+    old = streamer_of(model)
+    if old is not None:
+        old.close()
+    if mode == "cpu" or not blocks or (mode == "auto" and blocks[0].device.type != "cuda"):
+        return None
+    return PrefillStreamer(blocks, mode, **kwargs)
+
+
+def streamer_of(model) -> PrefillStreamer | None:
+    return next((b.prefill for b in _blocks(model) if isinstance(b.prefill, PrefillStreamer)), None)
+
+
+def _resident(block) -> np.ndarray:
+    """bool [E]: experts of ``block`` in its hot bank (as of the work queued so far)."""
+    out = np.zeros(block.num_experts, dtype=bool)
+    if block.hot is not None:
+        out[[e for e in block.hot.slot_expert if e >= 0]] = True
+    return out
+
+
+class PrefillStreamer:
+    """Streamed / split prefill for ``blocks`` (a model's HybridMoE blocks in model order), ``mode`` "auto" or "gpu".
+    ``costs``: a ``policy.Costs`` used as is, or a dict of its fields replacing the measured ones.
+    ``memory_fraction``: of the free GPU memory, what the ring and scratch may take."""
+
+    def __init__(self, blocks, mode: str = "auto", memory_fraction: float = 0.4, costs=None):
+        if policy.check_mode(mode) == "cpu" or not blocks:
+            raise ValueError("PrefillStreamer: needs mode 'auto' or 'gpu' and at least one HybridMoE block")
+        self.blocks, self.mode = list(blocks), mode
+        self.device = self.blocks[0].device
+        self.cuda = self.device.type == "cuda"
+        self.memory_fraction = float(memory_fraction)
+        self.costs_override = costs
+        self._index = {id(b): i for i, b in enumerate(self.blocks)}
+        self._costs: dict[tuple, policy.Costs] = {}
+        self._decisions: dict[tuple, str] = {}
+        self._forward: tuple[int, str] | None = None  # (T, mode) of the forward in progress
+        self._last = -1
+        self._ready = False
+        self.last: dict = {}  # the last forward: T, mode, experts on the GPU per layer
+        self.h2d = float("inf")
+        for b in self.blocks:
+            b.prefill = self
+
+    # ---- set-up (first streamed forward) -----------------------------------------------------------------------
+    def _setup(self) -> None:
+        if self._ready:
+            return
+        t0 = time.perf_counter()
+        self.regions = [PackedRegion(b.native_experts, pin=self.cuda) for b in self.blocks]
+        self.pinned = all(r.pinned for r in self.regions) if self.cuda else True
+        if not self.pinned:
+            log.warning("prefill: the packed experts could not all be page-locked; copies are synchronous%s",
+                        " (auto: prefill stays on the CPU)" if self.mode == "auto" else "")
+        self.layouts = [r.layout for r in self.regions]
+        B = max(lay.expert_bytes for lay in self.layouts)
+        H = self.blocks[0].hidden_size
+        I = max(b.intermediate_size for b in self.blocks)
+        work = max(_work_bytes(lay) for lay in self.layouts)
+        bias = any(b.native_experts.bias for b in self.blocks)
+        per_expert = 2 * B + 2 * 3 * H * I + work + (4 * (2 * I + H) if bias else 0)
+        E = max(b.num_experts for b in self.blocks)
+        self.cap = E
+        if self.cuda:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            spare = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            self.cap = max(1, min(E, int(self.memory_fraction * (free + spare) // per_expert)))
+        dev, cap = self.device, self.cap
+        self.ring = Ring(dev, cap * B)
+        self.gate_up = torch.empty(cap * 2 * I * H, dtype=torch.bfloat16, device=dev)
+        self.down = torch.empty(cap * H * I, dtype=torch.bfloat16, device=dev)
+        self.work = torch.empty(max(1, cap * work), dtype=torch.uint8, device=dev)
+        self.bias = (torch.empty(cap * 2 * I, device=dev), torch.empty(cap * H, device=dev)) if bias else None
+        self.grouped = grouped_mm_usable(dev, torch.bfloat16) and H % 8 == 0 and I % 8 == 0
+        if self.cuda and self.pinned:
+            self.h2d = self.ring.measure_h2d(self.regions[0].tensor)
+        self._ready = True
+        log.info("prefill: %s streaming, %d of %d experts a slot (%.2f GiB ring + %.2f GiB scratch), H2D %.1f GB/s, "
+                 "set up in %.1f s", self.mode, cap, E, self.ring.nbytes / 2**30, self.nbytes_scratch / 2**30,
+                 self.h2d / 1e9, time.perf_counter() - t0)
+
+    @property
+    def nbytes_scratch(self) -> int:
+        ts = [self.gate_up, self.down, self.work, *(self.bias or ())]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def close(self) -> None:
+        """Unhook the blocks, unpin the packed experts, free the device buffers (nothing may be in flight)."""
+        for b in self.blocks:
+            if b.prefill is self:
+                b.prefill = None
+        if self._ready:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            for r in self.regions:
+                r.close()
+            self.ring = self.gate_up = self.down = self.work = self.bias = None
+            self._ready = False
+
+    # ---- costs and decisions ------------------------------------------------------------------------------------
+    def costs_for(self, block) -> policy.Costs:
+        """The cost model of ``block``'s shape and quant: measured once (CPU: two native forwards; H2D: one copy),
+        GPU compute from defaults; ``costs`` given to the streamer override."""
+        if isinstance(self.costs_override, policy.Costs):
+            return self.costs_override
+        ex = block.native_experts
+        key = (ex.quant, ex.num_experts, ex.hidden, ex.intermediate)
+        if key not in self._costs:
+            self._setup()
+            per_expert, per_row = _calibrate_cpu(ex)
+            self._costs[key] = policy.Costs(
+                h2d=self.h2d, expert_bytes=self.layouts[self._index[id(block)]].expert_bytes,
+                cpu_expert_s=per_expert, cpu_row_s=per_row,
+                **policy.gpu_default_costs(ex.hidden, ex.intermediate, ex.quant))
+            log.info("prefill: costs of %s: %s", key, self._costs[key])
+        costs = self._costs[key]
+        return costs.with_(**self.costs_override) if isinstance(self.costs_override, dict) else costs
+
+    def _decide(self, block, T: int, k: int) -> str:
+        E = block.num_experts
+        streamable = int(E - _resident(block).sum())
+        if self.mode == "gpu":
+            return "gpu" if policy.prefetch_worthy(T, k, streamable) else "gpu-used"
+        if T * k < max(2, E // 2) or streamable == 0:  # too few tokens for the GPU to help: no calibration even
+            return "cpu"
+        key = (T, k, streamable, id(block.native_experts))
+        if key not in self._decisions:
+            self._setup()
+            self._decisions[key] = "cpu" if not self.pinned else policy.choose_mode(T, k, streamable,
+                                                                                  self.costs_for(block))
+        return self._decisions[key]
+
+    def _mode_for(self, i: int, block, T: int, k: int) -> str:
+        """This forward's mode, decided at its first block (a block index not after the last one seen, or another
+        T, starts a forward)."""
+        if self._forward is None or i <= self._last or self._forward[0] != T:
+            mode = self._decide(block, T, k)
+            self._forward = (T, mode)
+            self.last = {"T": T, "mode": mode, "gpu_experts": []}
+            if self._ready and mode != "gpu":
+                self.ring.drop()
+        self._last = i
+        return self._forward[1]
+
+    # ---- the hook ------------------------------------------------------------------------------------------------
+    def __call__(self, block, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """(routed [T, H], shared [T, H] or None) of ``block`` for x [T, H], or None: the native path's turn."""
+        i = self._index.get(id(block))
+        if i is None or x.device != self.device or (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        mode = self._mode_for(i, block, x.shape[0], ids.shape[1])
+        if mode == "cpu":
+            return None
+        self._setup()
+        if mode == "split":
+            return self._split(i, block, x, ids, weights)
+        return self._gpu(i, block, x, ids, weights, prefetch=mode == "gpu")
+
+    def _gpu(self, i, block, x, ids, weights, prefetch: bool):
+        """Every non-resident expert on the GPU: all of the layer (copied ahead) or, before the routing is known to
+        use nearly all, the used ones (copied now)."""
+        shared = shared_output(block, block.spec.shared, x)
+        extra = None if block.hot is None else block.hot(x, ids, weights)  # f32 [T, H]
+        eligible = ~_resident(block)
+        counts = None
+        if not prefetch:
+            counts = torch.bincount(ids.reshape(-1).cpu(), minlength=block.num_experts).numpy()
+            eligible &= counts > 0
+        experts = [int(e) for e in np.flatnonzero(eligible)]
+        self.last["gpu_experts"].append(len(experts))
+        streamed = self._stream(i, block, x, ids, weights, experts, counts, prefetch) if experts else None
+        return _total(x, None, extra, streamed), shared
+
+    def _split(self, i, block, x, ids, weights):
+        """The experts with the most rows on the GPU, the rest in the native kernels, at the same time."""
+        T, H = x.shape
+        k, E = ids.shape[1], block.num_experts
+        st = staging(pin=self.cuda)
+        hdt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        h, i_, o = st.get("hidden", T, H, hdt), st.get("ids", T, k, torch.int64), st.get("out", T, H, hdt)
+        w = st.get("weights", T, k, torch.bfloat16 if weights.dtype == torch.bfloat16 else torch.float32)
+        for dst, src in ((h, x), (i_, ids), (w, weights)):
+            dst.copy_(src.detach(), non_blocking=self.cuda)  # device -> pinned host (the CPU path's copies)
+        shared = extra = streamed = None
+        if self.cuda:
+            copied = self._event()
+            copied.record()
+            shared = shared_output(block, block.spec.shared, x)  # queued: overlaps what follows
+            extra = None if block.hot is None else block.hot(x, ids, weights)
+            copied.synchronize()
+        counts = torch.bincount(i_.reshape(-1), minlength=E).numpy()
+        resident = _resident(block)
+        gpu = policy.choose_split(counts, ~resident, self.costs_for(block))
+        self.last["gpu_experts"].append(len(gpu))
+        skip = self._skip(E)
+        skip.zero_()
+        skip.numpy()[resident] = 1
+        skip.numpy()[gpu] = 1
+        task = self._task()
+        task.bind(block.native_experts, h, i_, w, skip=skip, out=o)
+        task.submit()
+        try:
+            if self.cuda:  # queued while the CPU works
+                streamed = self._stream(i, block, x, ids, weights, gpu, counts, False) if gpu else None
+            else:
+                shared = shared_output(block, block.spec.shared, x)
+        finally:
+            task.wait()  # always: the pool must be done with the buffers before anyone reuses them
+        if not self.cuda:  # a "GPU" on the CPU: after the pool, not against it
+            extra = None if block.hot is None else block.hot(x, ids, weights)
+            streamed = self._stream(i, block, x, ids, weights, gpu, counts, False) if gpu else None
+        routed = torch.empty((T, H), dtype=x.dtype, device=x.device)
+        routed.copy_(o, non_blocking=self.cuda)  # stream order protects `o` until the next layer's host sync
+        return _total(x, routed, extra, streamed), shared
+
+    # ---- the streamed experts ------------------------------------------------------------------------------------
+    def _stream(self, i, block, x, ids, weights, experts, counts, prefetch: bool) -> torch.Tensor:
+        """f32 [T, H]: sum over each token's slots routed to ``experts`` (ascending ids, none resident) of weight *
+        expert(x); ``counts`` [E] (host) rows per expert when known; ``prefetch``: start the next layer's copy."""
+        lay, region = self.layouts[i], self.regions[i].tensor
+        B, n_all, cap = lay.expert_bytes, len(experts), self.cap
+        T, k = ids.shape
+        H, I, E = block.hidden_size, block.intermediate_size, block.num_experts
+        act = Activation.of(block.native_experts)
+        pos_of = torch.full((E,), n_all, dtype=torch.int64)
+        pos_of[experts] = torch.arange(n_all)
+        key = pos_of.to(x.device, non_blocking=True)[ids.reshape(-1)]  # [S]: position in experts, n_all: not here
+        key_s, perm = torch.sort(key, stable=True)
+        ends = torch.searchsorted(key_s, torch.arange(1, n_all + 1, device=x.device))  # [n_all] end row of each
+        parts = [experts[j:j + cap] for j in range(0, n_all, cap)]
+        host_ends = ends.cpu() if not self.grouped or (counts is None and len(parts) > 1) else None  # a sync
+        if counts is not None:
+            part_ends = np.cumsum([int(counts[p].sum()) for p in parts]).tolist()
+        elif host_ends is not None:
+            part_ends = [int(host_ends[min(j + cap, n_all) - 1]) for j in range(0, n_all, cap)]
+        else:
+            part_ends = [None]  # rows unknown on the host: all S pairs, non-streamed ones masked
+        rows = part_ends[-1] if part_ends[-1] is not None else key_s.numel()
+        masked = part_ends[-1] is None and n_all < E
+        perm, key_s = perm[:rows], key_s[:rows]
+        xs = x.to(torch.bfloat16)[perm // k]  # [rows, H]
+        ws = weights.reshape(-1)[perm].float().unsqueeze(1)  # [rows, 1]
+        out = torch.zeros(T * k, H, dtype=torch.float32, device=x.device)  # pair order
+        lo = 0
+        for p, part in enumerate(parts):
+            n = len(part)
+            item = self.ring.fetch((i, p), region, B, part)
+            ahead = self._ahead(i, p, parts, prefetch)
+            if ahead is not None:
+                self.ring.prefetch(*ahead)
+            slot = self.ring.acquire(item).view(n, B)
+            gate_up = self.gate_up[:n * 2 * I * H].view(n, 2 * I, H)
+            down = self.down[:n * H * I].view(n, H, I)
+            unpack_experts(slot, lay, gate_up, down, self.work)
+            biases = self._biases(slot, lay, n, I, H) if block.native_experts.bias else (None, None)
+            self.ring.release(item)
+            hi = rows if part_ends[p] is None else part_ends[p]
+            group = key_s[lo:hi] - p * cap  # [rows of the part]: expert within the part
+            if self.grouped:
+                offs = (ends[p * cap:p * cap + n] - lo).to(torch.int32)
+                y = grouped_ffn(xs[lo:hi], offs, gate_up, down, act, *biases, group.clamp(0, n - 1))
+            else:
+                y = _looped_ffn(xs[lo:hi], host_ends[p * cap:p * cap + n] - lo, gate_up, down, act, *biases)
+            y = y.float() * ws[lo:hi]
+            if masked:
+                y = torch.where((group < n).unsqueeze(1), y, 0.0)
+            out[perm[lo:hi]] = y
+            lo = hi
+        return out.view(T, k, H).sum(1)
+
+    def _ahead(self, i: int, p: int, parts, prefetch: bool):
+        """(key, region, B, experts) of the item after (layer i, part p): the layer's next part, or with
+        ``prefetch`` the next layer's first (all its non-resident experts, from the first)."""
+        if p + 1 < len(parts):
+            return (i, p + 1), self.regions[i].tensor, self.layouts[i].expert_bytes, parts[p + 1]
+        if not prefetch or i + 1 >= len(self.blocks):
+            return None
+        nxt = self.blocks[i + 1]
+        experts = [int(e) for e in np.flatnonzero(~_resident(nxt))][:self.cap]
+        if not experts:
+            return None
+        return (i + 1, 0), self.regions[i + 1].tensor, self.layouts[i + 1].expert_bytes, experts
+
+    def _biases(self, slot, lay, n, I, H):
+        """gpt-oss biases of the n experts in ``slot`` copied to scratch (f32 [n, 2I] gate then up, [n, H]): the
+        slot is released before the matmuls that add them."""
+        gate, up, down = _bias_views(slot, lay)
+        gu, d = self.bias[0][:n * 2 * I].view(n, 2 * I), self.bias[1][:n * H].view(n, H)
+        gu[:, :I].copy_(gate)
+        gu[:, I:].copy_(up)
+        d.copy_(down)
+        return gu, d
+
+    # ---- small pieces kept across forwards ----------------------------------------------------------------------
+    def _event(self) -> torch.cuda.Event:
+        ev = self.__dict__.get("_copied")
+        if ev is None:
+            ev = self._copied = torch.cuda.Event()
+        return ev
+
+    def _skip(self, E: int) -> torch.Tensor:
+        """Pinned uint8 [E]: the split's native skip mask (hot + GPU experts), rewritten each layer."""
+        masks = self.__dict__.setdefault("_skips", {})
+        if E not in masks:
+            masks[E] = torch.zeros(E, dtype=torch.uint8, pin_memory=self.cuda)
+        return masks[E]
+
+    def _task(self) -> native.Task:
+        task = self.__dict__.get("_native_task")
+        if task is None:
+            task = self._native_task = native.Task()
+        return task
+
+    def chunk_tokens(self) -> int:
+        """Prompt tokens per prefill forward: what the free GPU memory holds after the ring and scratch, at about
+        k * (8H + 16I) + 64H bytes a token (the streamed experts' sorted rows, intermediates and outputs in float32,
+        the dense part), half of it as a margin; between MIN_CHUNK and MAX_CHUNK. MAX_CHUNK off CUDA."""
+        if not self.cuda:
+            return MAX_CHUNK
+        self._setup()
+        b = self.blocks[0]
+        k = b.top_k if isinstance(getattr(b, "top_k", None), int) else 8
+        per_token = k * (8 * b.hidden_size + 16 * b.intermediate_size) + 64 * b.hidden_size
+        free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        tokens = int(0.5 * free // per_token) // 256 * 256
+        return max(MIN_CHUNK, min(MAX_CHUNK, tokens))
+
+
+def _work_bytes(lay) -> int:
+    """Work bytes per expert that unpacking needs (0: bf16 unpadded goes straight into place)."""
+    padded = any(m.N != m.Np or m.K != m.Kp for m in lay.mats)
+    return 0 if lay.quant == "bf16" and not padded else lay.work_bytes
+
+
+def _total(x, routed, extra, streamed) -> torch.Tensor:
+    """routed (x's dtype) + extra + streamed (f32 [T, H] each, or None), in x's dtype."""
+    parts = [t for t in (extra, streamed) if t is not None]
+    if not parts:
+        return routed if routed is not None else torch.zeros_like(x)
+    acc = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    return (acc if routed is None else acc + routed).to(x.dtype)
+
+
+def _looped_ffn(xs, ends, gate_up, down, act, gate_up_bias=None, down_bias=None) -> torch.Tensor:
+    """grouped_ffn one expert at a time, for devices or shapes without a usable grouped GEMM (host end rows)."""
+    y = torch.empty(xs.shape[0], down.shape[1], dtype=torch.float32, device=xs.device)
+    lo = 0
+    for g, hi in enumerate(int(e) for e in ends):
+        if hi > lo:
+            h = (xs[lo:hi] @ gate_up[g].T).float()
+            if gate_up_bias is not None:
+                h = h + gate_up_bias[g]
+            out = (act(h).to(xs.dtype) @ down[g].T).float()
+            y[lo:hi] = out if down_bias is None else out + down_bias[g]
+        lo = hi
+    return y
+
+
+def _calibrate_cpu(ex) -> tuple[float, float]:
+    """(cpu_expert_s, cpu_row_s) of native experts ``ex``: two forwards with every expert given _CAL_ROWS rows
+    (tokens routed round-robin), each the best of two after a warm-up, on the default pool."""
+    E, H = ex.num_experts, ex.hidden
+    k = min(8, E)
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for r in _CAL_ROWS:
+        T = max(1, r * E // k)
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+        ids = (torch.arange(T * k) % E).view(T, k)
+        w = torch.full((T, k), 1.0 / k)
+        ex.forward(x, ids, w)
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            ex.forward(x, ids, w)
+            best = min(best, time.perf_counter() - t0)
+        times.append(best)
+    return policy.fit_cpu(tuple(float(r) for r in _CAL_ROWS), tuple(times), E)
