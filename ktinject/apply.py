@@ -7,7 +7,8 @@ checkpoint (``ktinject.loading``).
                      its owners at once, so tied tensors (embeddings) stay one tensor
     place_tensors    each tensor outside the operators moved once to its plan device (never the whole model first:
                      the experts would not fit on the GPU)
-    finish           what follows: attention implementation, generation settings, fast-path reports, hot experts
+    finish           what follows: attention implementation, generation settings, fast-path reports, the chain of
+                     MoE blocks for expert deferral (``ktinject.operators.deferral``), hot experts
                      (``ktinject.gpu_experts``), the CUDA-graph ``generate`` on CUDA, the mark of an injected model
 """
 from __future__ import annotations
@@ -23,7 +24,9 @@ from ktinject import compat, fastpaths, operators
 from ktinject.generate import enable as enable_graph_generate
 from ktinject.gpu_experts.placement import apply_settings
 from ktinject.gpu_experts.settings import HotExpertSettings
+from ktinject.operators import deferral
 from ktinject.operators.attention import apply_implementation, wanted_implementation
+from ktinject.operators.moe import HybridMoE
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +174,7 @@ def finish(model: nn.Module, plan, hot: HotExpertSettings | None) -> str:
     if untested:
         log.warning("inject: %s", untested)
     fastpaths.attach(model)
+    deferral.link(model, [m for m in model.modules() if isinstance(m, HybridMoE)])  # expert deferral's chain
     if hot is not None:
         apply_settings(model, hot)
     if plan.devices["gpu"].type == "cuda":

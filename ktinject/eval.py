@@ -9,7 +9,9 @@ gives its perplexity on the text and how often its next-token argmax equals the 
   int4      injected, group-wise int4 experts (W4A8)
 
 The text is tokenized once and cut into windows of ``--window`` tokens; in each window every token after the first
-is predicted from the ones before it. Beside the rows: a unigram model fit on the text itself (the best any
+is predicted from the ones before it. ``--defer 1,2`` adds, per injected configuration, rows scored token by token
+(one decode step per token, a batch of windows at a time, as generation runs) with expert deferral of 0 (the
+baseline in this mode), 1 and 2 slots per token: deferral acts in decode steps only. Beside the rows: a unigram model fit on the text itself (the best any
 unigram model can do on it, so a lower bound of its perplexity). Without ``--text`` the trained demo model's
 held-out fortunes are used, and without ``--model`` the demo model.
 Legend: W window, V vocabulary, N predicted positions.
@@ -71,6 +73,38 @@ def score(model, chunks: list[torch.Tensor], reference: list[torch.Tensor] | Non
     return s, argmaxes
 
 
+@torch.no_grad()
+def score_decode(model, chunks: list[torch.Tensor], reference: list[torch.Tensor] | None = None, device=None,
+                 batch: int = 32):
+    """``score``, token by token: each window's tokens fed one decode step at a time (a KV cache; windows of one
+    length ``batch`` at a time), so that what acts in decode steps only (expert deferral) acts."""
+    from transformers import DynamicCache
+
+    from ktinject import compat
+
+    s = Scores()
+    dev = device or next(p.device for p in model.parameters() if p.device.type != "meta")
+    tops: dict[int, torch.Tensor] = {}
+    by_len: dict[int, list[int]] = {}
+    for i, c in enumerate(chunks):
+        by_len.setdefault(len(c), []).append(i)
+    for idx in by_len.values():
+        for g in range(0, len(idx), batch):
+            rows = idx[g:g + batch]
+            ids = torch.stack([chunks[i] for i in rows]).to(dev)  # [B, W]
+            cache = DynamicCache(config=model.config)
+            steps = [model(ids[:, t:t + 1], **compat.cache_arg(cache), use_cache=True).logits[:, -1].float()
+                     for t in range(ids.shape[1] - 1)]
+            logits = torch.stack(steps, 1)  # [B, W-1, V]
+            target = ids[:, 1:]
+            s.nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum"))
+            s.n += target.numel()
+            for j, i in enumerate(rows):
+                tops[i] = logits[j].argmax(-1).cpu()
+                s.agree += int((tops[i] == (reference[i] if reference is not None else tops[i])).sum())
+    return s, [tops[i] for i in range(len(chunks))]
+
+
 def unigram_perplexity(chunks: list[torch.Tensor]) -> float:
     """Perplexity of the unigram model fit on the predicted tokens themselves (maximum likelihood)."""
     targets = torch.cat([c[1:] for c in chunks])
@@ -95,8 +129,9 @@ def load(model_dir, config: str, gpu: str, **inject_kwargs):
 
 
 def run(model_dir, text: str, configs, gpu: str = "cpu", window: int = 256, max_tokens: int | None = None,
-        **inject_kwargs) -> list[tuple[str, Scores]]:
-    """[(name, Scores)]: the float32 reference first, then each configuration."""
+        defers=(), **inject_kwargs) -> list[tuple[str, Scores]]:
+    """[(name, Scores)]: the float32 reference first, then each configuration; with ``defers`` (slots per token),
+    each injected configuration scored token by token again with expert deferral 0 and each of those."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -111,6 +146,11 @@ def run(model_dir, text: str, configs, gpu: str = "cpu", window: int = 256, max_
     for name in configs:
         model = load(model_dir, name, gpu, **inject_kwargs)
         rows.append((name, score(model, chunks, ref_top)[0]))
+        for d in sorted({0, *defers}) if defers and not name.startswith("hf") else ():
+            from ktinject.operators.deferral import set_defer
+
+            set_defer(model, d)
+            rows.append((f"{name}, decode steps, defer {d}", score_decode(model, chunks, ref_top)[0]))
         del model
     rows.append(("unigram (fit on this text)", Scores(nll=math.log(unigram_perplexity(chunks)) * ref_scores.n,
                                                        n=ref_scores.n)))
@@ -135,6 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=256, help="tokens per window (default 256)")
     p.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     p.add_argument("--gpu-experts-budget", help="hot experts on the GPU for the injected configurations, e.g. 1MiB")
+    p.add_argument("--defer", default="", help="comma-separated expert-deferral slots per token, e.g. 1,2: the "
+                   "injected configurations also scored token by token with deferral 0 and each of these")
     a = p.parse_args(argv)
     from ktinject import demo
 
@@ -148,7 +190,11 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"--configs: unknown {', '.join(bad)}; use {', '.join(CONFIGS)}")
     kw = {"gpu_experts_budget": a.gpu_experts_budget} if a.gpu_experts_budget else {}
-    rows = run(model_dir, text, configs, a.gpu, a.window, a.max_tokens, **kw)
+    try:
+        defers = [int(d) for d in a.defer.split(",") if d.strip()]
+    except ValueError:
+        p.error(f"--defer {a.defer!r}: expected comma-separated integers, e.g. 1,2")
+    rows = run(model_dir, text, configs, a.gpu, a.window, a.max_tokens, defers, **kw)
     print(f"model {model_dir}, gpu {a.gpu}, window {a.window}")
     print(table(rows))
     return 0

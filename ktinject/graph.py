@@ -18,7 +18,9 @@ Static state (addresses fixed for the life of the graphs):
   static [B,L] buffer (the rest is masked as future positions anyway): the runner builds the 4D masks from it and
   the rows' lengths inside the graph (L = max_cache_len);
 - MoE blocks: while warming up and capturing, HybridMoE goes through ``ktinject.stream_experts`` (the stream raises
-  a pinned go flag that a native pool thread watches, then waits for its done flag), one runner per (layer, B).
+  a pinned go flag that a native pool thread watches, then waits for its done flag), one runner per (layer, B); with
+  expert deferral (``ktinject.operators.deferral``) a layer's deferred task follows its immediate one on the CPU and
+  the next layer waits for it; the deferral setting is part of a graph's key.
   Just before each replay the runner wakes those pools (``Pool.wake``): their threads spin through the step, so
   no layer's go pays a futex wake-up, and sleep again ~1 ms after its last layer (KTINJECT_WATCH_SPIN_US).
 
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from ktinject import compat, fastpaths, stream_experts
+from ktinject.operators import deferral
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +307,8 @@ class GraphRunner:
                 parts.append((name, value))
             else:
                 return None, (f"argument {name!r} of type {type(value).__name__} cannot be held static", False)
-        return (batch, tuple(parts)), None
+        chain = deferral.chain_of(self.model)  # a graph holds one expert-deferral setting: a new one captures anew
+        return (batch, tuple(parts), chain.setting if chain is not None else ()), None
 
     def _capture(self, key, kwargs) -> _Graph | None:
         cache = compat.cache_from(kwargs)

@@ -21,13 +21,15 @@ from ktinject.plan import Plan, plan
 log = logging.getLogger(__name__)
 
 
-def inject(model: nn.Module, rules=None, *, quant: str | None = None, gpu_experts_budget=None,
-           placement: str | None = None, stats=None, rebalance_every: int | None = None, checkpoint=None,
-           **devices) -> Plan:
+def inject(model: nn.Module, rules=None, *, quant: str | None = None, defer: int | None = None,
+           gpu_experts_budget=None, placement: str | None = None, stats=None, rebalance_every: int | None = None,
+           checkpoint=None, **devices) -> Plan:
     """Plan and apply: swap in operators, move every other tensor to its device. Returns the Plan.
 
     ``rules``: a rule file path, parsed rules, or None for the packaged file of ``model.config.model_type``.
     ``quant``: expert quantization for every MoE operator (``bf16``, ``int8``, ``int4``); None keeps the rules' choice.
+    ``defer``: expert deferral, the d lowest-weighted of each token's k experts run one MoE block late in decode
+    steps (0 <= d < k; ``ktinject.operators.deferral``); None keeps the rules' choice (0 by default).
     ``gpu_experts_budget``, ``placement``, ``stats``, ``rebalance_every``: GPU-resident hot experts, the options of
     ``ktinject.gpu_experts.settings`` (the same for ``from_pretrained`` and the chat); None keeps the moe rules'
     kwargs of the same names.
@@ -37,7 +39,7 @@ def inject(model: nn.Module, rules=None, *, quant: str | None = None, gpu_expert
     ``devices``: device variables, e.g. ``gpu="cuda:0"`` or ``gpu="cpu"`` (CPU-only run).
     """
     apply.check_fresh(model)
-    the_plan = plan(model, rules, quant=quant, **devices)
+    the_plan = plan(model, rules, quant=quant, defer=defer, **devices)
     options = dict(gpu_experts_budget=gpu_experts_budget, placement=placement, stats=stats,
                    rebalance_every=rebalance_every)
     if checkpoint is not None:

@@ -60,7 +60,8 @@ _CPU = torch.device("cpu")
 
 def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.dtype | str | None = None,
                     cache_dir=None, progress: bool = True, gpu_experts_budget=None, placement: str | None = None,
-                    stats=None, rebalance_every: int | None = None, **devices) -> nn.Module:
+                    stats=None, rebalance_every: int | None = None, defer: int | None = None,
+                    **devices) -> nn.Module:
     """A ready model from a local checkpoint directory, loaded without ever holding it twice.
 
     ``rules``: rule file / parsed rules / None (packaged rules of ``config.model_type``); ``quant``: expert
@@ -69,7 +70,8 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     directory, True (``$KTINJECT_CACHE`` or ``<dir>/.ktinject-cache``), False (none), or None: that default
     place, but only for quantized (int8, int4) experts, where it saves time (see ``ktinject.packcache``);
     ``gpu_experts_budget``, ``placement``, ``stats``, ``rebalance_every``: hot experts, as for ``inject``
-    (``ktinject.gpu_experts.settings``); ``devices``: device variables (``gpu="cuda:0"``, ``gpu="cpu"``). The
+    (``ktinject.gpu_experts.settings``); ``defer``: expert deferral in decode steps, as for ``inject``;
+    ``devices``: device variables (``gpu="cuda:0"``, ``gpu="cpu"``). The
     plan is ``model._ktinject_plan``, load figures ``model._ktinject_load_stats``."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # heavy: on the first load only
 
@@ -86,7 +88,7 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     model.requires_grad_(False)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
-    the_plan = make_plan(model, rules, quant=quant, **devices)
+    the_plan = make_plan(model, rules, quant=quant, defer=defer, **devices)
     load_into(model, the_plan, reader, cache_dir=cache_dir, progress=progress, gpu_experts_budget=gpu_experts_budget,
               placement=placement, stats=stats, rebalance_every=rebalance_every)
     return model

@@ -300,14 +300,27 @@ class Task:
         _, lib = _native()
         _check(lib.ktk_wait(self.ptr))
 
-    def watch(self, go_addr: int, done_addr: int) -> None:
-        """Run whenever *go == 1 (a pool thread stores 0 to *go, runs, stores 1 to *done). go/done: addresses of
-        4-byte aligned uint32 words that stay valid until unwatch()/close()."""
+    def select(self, slots: str = "all", defer: int = 0) -> None:
+        """Which of each token's k slots the bound forward computes (expert deferral): "all", "top" (the k - defer
+        highest-weighted slots of each token; equal weights: the lower slot first) or "rest" (the defer others).
+        bind() resets it to "all"."""
+        _, lib = _native()
+        codes = {"all": lib.KTK_SLOTS_ALL, "top": lib.KTK_SLOTS_TOP, "rest": lib.KTK_SLOTS_REST}
+        if slots not in codes:
+            raise NativeError(ERR_SHAPE, f"select: slots {slots!r}: expected one of {', '.join(codes)}")
+        _check(lib.ktk_task_select(self.ptr, codes[slots], _cint("defer", defer, 0, 2**31 - 1)))
+
+    def watch(self, go_addr: int, done_addr: int, then_addr: int | None = None) -> None:
+        """Run whenever *go == 1 (a pool thread stores 0 to *go, runs, stores 1 to *done, then 1 to *then if
+        given: another watched task's go word, so that task runs next). go/done/then: addresses of 4-byte aligned
+        uint32 words that stay valid until unwatch()/close()."""
         ffi, lib = _native()
         go, done = (_cint(n, a, 1, 2**64 - 1, code=ERR_NULL) for n, a in (("go_addr", go_addr),
                                                                            ("done_addr", done_addr)))
-        _check(lib.ktk_task_watch(self.ptr, ffi.cast("uint32_t *", go), ffi.cast("uint32_t *", done)))
-        self._watch = (go, done)
+        then = ffi.NULL if then_addr is None else ffi.cast(
+            "uint32_t *", _cint("then_addr", then_addr, 1, 2**64 - 1, code=ERR_NULL))
+        _check(lib.ktk_task_watch_then(self.ptr, ffi.cast("uint32_t *", go), ffi.cast("uint32_t *", done), then))
+        self._watch = (go, done, then_addr)
 
     def unwatch(self) -> None:
         """Stop watching; raises the first error of a watched run since watch(), if any."""

@@ -78,15 +78,17 @@ class Plan:
         return format_plan(self)
 
 
-def plan(model: nn.Module, rules: Any = None, *, quant: str | None = None, **devices: Any) -> Plan:
+def plan(model: nn.Module, rules: Any = None, *, quant: str | None = None, defer: int | None = None,
+         **devices: Any) -> Plan:
     """Match ``rules`` (a path, packaged name, list, RuleSet; None: chosen by ``config.model_type``) against
-    ``model``. ``quant`` overrides the ``quant`` kwarg of every operator that accepts one. ``devices`` sets device
-    variables (``gpu="cpu"``)."""
+    ``model``. ``quant`` and ``defer`` override the kwarg of that name of every operator that accepts one.
+    ``devices`` sets device variables (``gpu="cpu"``)."""
     ruleset = rules_for_model(model) if rules is None else load_rules(rules)
     devs = resolve_devices(devices)
-    ops = _operators(ruleset, quant)
+    overrides = {key: v for key, v in (("quant", quant), ("defer", defer)) if v is not None}
+    ops = _operators(ruleset, overrides)
     rule_devices = [_rule_device(rule, devs) for rule in ruleset.rules]
-    walk = _Walk(ruleset, ops, rule_devices, devs["gpu"], quant)
+    walk = _Walk(ruleset, ops, rule_devices, devs["gpu"], overrides)
     walk.run(model)
     unmatched = tuple(r for i, r in enumerate(ruleset.rules) if i not in walk.matched)
     for rule in unmatched:
@@ -163,7 +165,7 @@ def _rule_device(rule: Rule, devs: Mapping[str, torch.device]) -> torch.device:
 # ---------------------------------------------------------------------------------------------- operators
 
 
-def _operators(ruleset: RuleSet, quant: str | None) -> dict[str, type]:
+def _operators(ruleset: RuleSet, overrides: Mapping[str, Any]) -> dict[str, type]:
     """Look up every operator the rules name (matched or not) and check each rule's kwargs against it."""
     ops: dict[str, type] = {}
     for rule in ruleset.rules:
@@ -181,9 +183,10 @@ def _operators(ruleset: RuleSet, quant: str | None) -> dict[str, type]:
             allowed = ", ".join(sorted(op.kwargs_allowed)) or "none"
             raise RuleError(f"{rule.where}: key 'kwargs': operator {rule.replace!r} does not take {', '.join(bad)}; "
                             f"it takes: {allowed}")
-    if quant is not None and not any("quant" in op.kwargs_allowed for op in ops.values()):
-        log.warning("quant=%r ignored: no operator in the rules (%s) takes a 'quant' argument", quant,
-                    ", ".join(sorted(ops)) or "none")
+    for key, value in overrides.items():
+        if not any(key in op.kwargs_allowed for op in ops.values()):
+            log.warning("%s=%r ignored: no operator in the rules (%s) takes a %r argument", key, value,
+                        ", ".join(sorted(ops)) or "none", key)
     return ops
 
 
@@ -191,8 +194,9 @@ class _Walk:
     """Mutable state of one walk over a model (see the module docstring for the semantics)."""
 
     def __init__(self, ruleset: RuleSet, ops: Mapping[str, type], rule_devices: list[torch.device],
-                 gpu: torch.device, quant: str | None):
-        self.ruleset, self.ops, self.rule_devices, self.gpu, self.quant = ruleset, ops, rule_devices, gpu, quant
+                 gpu: torch.device, overrides: Mapping[str, Any]):
+        self.ruleset, self.ops, self.rule_devices, self.gpu = ruleset, ops, rule_devices, gpu
+        self.overrides = overrides  # kwargs set for every operator that takes them (plan's quant, defer)
         self.matched: set[int] = set()
         self.tensor_devices: dict[str, torch.device] = {}
         self.unclaimed: Counter[str] = Counter()
@@ -249,8 +253,7 @@ class _Walk:
     def _operator_entry(self, name: str, module: nn.Module, rule: Rule, device: torch.device) -> None:
         op = self.ops[rule.replace]
         kwargs = dict(rule.kwargs)
-        if self.quant is not None and "quant" in op.kwargs_allowed:
-            kwargs["quant"] = self.quant
+        kwargs.update((key, v) for key, v in self.overrides.items() if key in op.kwargs_allowed)
         kwargs = MappingProxyType(kwargs)
         cls_name = type(module).__name__
         try:

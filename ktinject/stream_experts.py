@@ -12,6 +12,17 @@ cannot record that. Here the stream itself does the handshake (DESIGN.md §2):
 or, with ``mode="hostfn"`` (the slower fallback, kept for comparison): host-callback nodes calling the native
 ``ktk_submit_fn`` / ``ktk_wait_fn`` instead of the two flag operations.
 
+Expert deferral (``defer=d``, ``ktinject.operators.deferral``): the layer's task computes each token's k - d
+highest-weighted slots and a second task, bound to the same staging, the d others. The first task's end raises the
+second's go itself (``ktk_task_watch_then``), so the CPU goes straight on to the deferred experts while the stream
+goes on to the next layer; that layer collects them with ``finish_deferred()``:
+
+    start:  copies; go = 1                          ----> immediate slots; done = 1; go_d = 1 -> deferred slots ...
+    finish:  wait done == 1; done = 0; copy out         (meanwhile: the next layer's attention on the GPU)
+    (next layer) finish_deferred: wait done_d == 1; done_d = 0; copy out_d   <----------------------- done_d = 1
+
+(hostfn: both tasks are submitted at ``start``; the pool runs a pool's tasks in submission order.)
+
 Everything a captured graph touches (staging buffers, the go/done words, the task and its binding, the device
 output) is allocated once per (layer, T) and keeps its address until ``close()``. ``finish()`` returns the same
 device tensor every time: it is valid until this runner's next ``start``.
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 
 import torch
@@ -56,13 +68,17 @@ class StreamExperts:
     """One layer's routed experts for a fixed token count T, signalled from the CUDA stream.
 
     ``experts``: native.Experts; ``skip``: uint8 [E] host tensor read by native at run time (or None);
-    ``mode``: "memops" (stream memory operations), "hostfn" (host-callback nodes) or None (best available)."""
+    ``mode``: "memops" (stream memory operations), "hostfn" (host-callback nodes) or None (best available);
+    ``defer``: d > 0 splits each token's slots into k - d immediate and d deferred ones (``finish_deferred``)."""
 
     def __init__(self, experts, T: int, k: int, hidden: int, device, *, dtype=torch.bfloat16,
-                 weights_dtype=torch.float32, skip: torch.Tensor | None = None, mode: str | None = None, pool=None):
+                 weights_dtype=torch.float32, skip: torch.Tensor | None = None, mode: str | None = None, pool=None,
+                 defer: int = 0):
         from ktinject import native
 
-        self.T, self.k, self.hidden = int(T), int(k), int(hidden)
+        self.T, self.k, self.hidden, self.defer = int(T), int(k), int(hidden), int(defer)
+        if not 0 <= self.defer < self.k:
+            raise ValueError(f"StreamExperts defer={defer}: expected 0 <= defer < k = {self.k}")
         self.device = torch.device(device)
         self.dtype = dtype  # device dtype of hidden and output
         self.mode = mode or cuda_driver.default_sync_mode()
@@ -77,17 +93,34 @@ class StreamExperts:
         self.o = torch.zeros((self.T, self.hidden), dtype=hdt, **pin)  # [T, H]
         self.out = torch.zeros((self.T, self.hidden), dtype=dtype, device=self.device)  # [T, H] static, on device
         self.skip = skip
-        # go at word 0, done at word 16: separate 64-byte lines (the GPU writes one while the CPU polls the other)
-        self.flags = torch.zeros(32, dtype=torch.int32, **pin)
+        # go at word 0, done at 16 (deferred task: go_d at 32, done_d at 48): separate 64-byte lines (the GPU
+        # writes one while the CPU polls another)
+        self.flags = torch.zeros(64, dtype=torch.int32, **pin)
         self.go_addr = self.flags.data_ptr()
         self.done_addr = self.go_addr + 16 * 4
         self.task = native.Task(pool)
         self.task.bind(experts, self.h, self.ids, self.w, skip=skip, out=self.o)
+        self.dtask = None
+        if self.defer:
+            self.task.select("top", self.defer)
+            self.o_d = torch.zeros_like(self.o)  # [T, H] deferred slots' sum
+            self.out_d = torch.zeros_like(self.out)  # [T, H] static, on device
+            self.dtask = native.Task(self.task.pool)
+            self.dtask.bind(experts, self.h, self.ids, self.w, skip=skip, out=self.o_d)
+            self.dtask.select("rest", self.defer)
         self._watched = False
         if self.mode == "memops":
             self.go_dptr = cuda_driver.host_device_pointer(self.go_addr)
             self.done_dptr = cuda_driver.host_device_pointer(self.done_addr)
-            self.task.watch(self.go_addr, self.done_addr)
+            if self.dtask is not None:
+                go_d, done_d = self.go_addr + 32 * 4, self.go_addr + 48 * 4
+                self.done_d_dptr = cuda_driver.host_device_pointer(done_d)
+                # immediate before deferred in the watch list: a pool's round-robin scan of go flags starts after
+                # the task it took last, so each of the two finds the next one's go first
+                self.task.watch(self.go_addr, self.done_addr, then_addr=go_d)
+                self.dtask.watch(go_d, done_d)
+            else:
+                self.task.watch(self.go_addr, self.done_addr)
             self._watched = True
         else:
             self.submit_fn, self.wait_fn = native.host_fn_addresses()
@@ -105,20 +138,50 @@ class StreamExperts:
             cuda_driver.stream_write_value32(stream, self.go_dptr, 1)
         else:
             cuda_driver.launch_host_func(stream, self.submit_fn, self.task.address)
+            if self.dtask is not None:  # runs after the immediate task (a pool runs its tasks in order)
+                cuda_driver.launch_host_func(stream, self.submit_fn, self.dtask.address)
 
     def finish(self) -> torch.Tensor:
         """Queue on the current stream: wait for the task, copy its output to the device. Returns [T,H] (static)."""
+        return self._collect(getattr(self, "done_dptr", None), self.task, self.o, self.out)
+
+    def finish_deferred(self) -> torch.Tensor:
+        """Queue on the current stream (after this runner's ``finish``, typically at the next layer): wait for the
+        deferred slots' task, copy its output to the device. Returns [T,H] (static; valid until the next start)."""
+        if self.dtask is None:
+            raise RuntimeError("finish_deferred: this StreamExperts defers nothing (defer=0)")
+        return self._collect(getattr(self, "done_d_dptr", None), self.dtask, self.o_d, self.out_d)
+
+    def _collect(self, done_dptr, task, o: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Wait for ``task`` (its done word at ``done_dptr``, then reset), copy its host output ``o`` to ``out``."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if self.mode == "memops":
-            cuda_driver.stream_wait_value32(stream, self.done_dptr, 1, cuda_driver.CU_STREAM_WAIT_VALUE_EQ)
-            cuda_driver.stream_write_value32(stream, self.done_dptr, 0)
+            cuda_driver.stream_wait_value32(stream, done_dptr, 1, cuda_driver.CU_STREAM_WAIT_VALUE_EQ)
+            cuda_driver.stream_write_value32(stream, done_dptr, 0)
         else:
-            cuda_driver.launch_host_func(stream, self.wait_fn, self.task.address)
-        if self.o.dtype == self.dtype:
-            self.out.copy_(self.o, non_blocking=True)
+            cuda_driver.launch_host_func(stream, self.wait_fn, task.address)
+        if o.dtype == self.dtype:
+            out.copy_(o, non_blocking=True)
         else:  # e.g. f16 models: native writes f32
-            self.out.copy_(self.o.to(self.device, non_blocking=True))
-        return self.out
+            out.copy_(o.to(self.device, non_blocking=True))
+        return out
+
+    def drain_deferred(self, timeout: float = 30.0) -> None:
+        """Host side, outside capture, for a step cut short after ``finish`` (its ``finish_deferred`` never ran):
+        let the device and the deferred task finish, then clear done_d, so that the next step does not take it for
+        its own."""
+        if self.dtask is None:
+            return
+        torch.cuda.synchronize(self.device)  # the stream got past finish: the immediate task is done, go_d raised
+        if self.mode != "memops":
+            self.dtask.wait()
+            return
+        deadline = time.monotonic() + timeout
+        while int(self.flags[48]) != 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"StreamExperts: the deferred task did not finish within {timeout} s")
+            time.sleep(1e-4)
+        self.flags[48] = 0
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """start + finish with nothing in between (tests, microbenchmarks)."""
@@ -133,8 +196,12 @@ class StreamExperts:
         """Stop watching and free the task (no captured graph that uses this runner may be replayed afterwards)."""
         if self._watched:
             self._watched = False
-            self.task.unwatch()
+            self.task.unwatch()  # first: its end raises the deferred task's go
+            if self.dtask is not None:
+                self.dtask.unwatch()
         self.task.close()
+        if self.dtask is not None:
+            self.dtask.close()
 
     def __del__(self):
         try:
@@ -143,7 +210,7 @@ class StreamExperts:
             pass
 
 
-# (experts object) -> {(T, k, H, device, dtype, weights dtype, mode): StreamExperts}; weak on the experts so a
+# (experts object) -> {(T, k, H, device, dtype, weights dtype, mode, defer): StreamExperts}; weak on the experts so a
 # dropped model frees its runners.
 _runners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _runners_strong: dict[int, tuple[object, dict]] = {}  # fallback for objects that take no weak references
@@ -157,17 +224,18 @@ def _table(experts) -> dict:
 
 
 def runner_for(experts, T: int, k: int, hidden: int, device, *, dtype=torch.bfloat16, weights_dtype=torch.float32,
-               skip: torch.Tensor | None = None, mode: str | None = None) -> StreamExperts:
-    """The cached StreamExperts of ``experts`` for T tokens (made on first use: call outside graph capture)."""
+               skip: torch.Tensor | None = None, mode: str | None = None, defer: int = 0) -> StreamExperts:
+    """The cached StreamExperts of ``experts`` for T tokens (and ``defer`` deferred slots per token; made on first
+    use: call outside graph capture)."""
     mode = mode or cuda_driver.default_sync_mode()
-    key = (int(T), int(k), int(hidden), str(torch.device(device)), dtype, weights_dtype, mode)
+    key = (int(T), int(k), int(hidden), str(torch.device(device)), dtype, weights_dtype, mode, int(defer))
     table = _table(experts)
     r = table.get(key)
     if r is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"StreamExperts for T={T} was not made before graph capture (warm up first)")
         r = table[key] = StreamExperts(experts, T, k, hidden, device, dtype=dtype, weights_dtype=weights_dtype,
-                                       skip=skip, mode=mode)
+                                       skip=skip, mode=mode, defer=defer)
     return r
 
 

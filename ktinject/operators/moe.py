@@ -12,9 +12,11 @@ attribute names, so state-dict keys and router-logit recorders still work), hand
 
 Rule keyword arguments: ``quant``: ``bf16`` (default), ``int8`` (W8A8: int8 weights with per-output-channel
 scales, activations quantized per token on the fly) or ``int4`` (W4A8: int4 weights with a scale per group of 64
-inputs, ~4.5 bits a weight; int8 activations; dequantized to bf16 for AMX when an expert has many rows). The
-hot-expert options (``HOT_KWARGS``) are accepted too: model-wide, applied once every block is built
-(``ktinject.gpu_experts``).
+inputs, ~4.5 bits a weight; int8 activations; dequantized to bf16 for AMX when an expert has many rows);
+``defer``: d (default 0) of each token's k experts, the lowest-weighted, deferred in decode steps to the next MoE
+block, which adds their output to its own while the CPU has computed them during that block's attention
+(``ktinject.operators.deferral``: semantics and why). The hot-expert options (``HOT_KWARGS``) are accepted too:
+model-wide, applied once every block is built (``ktinject.gpu_experts``).
 
 Each forward also counts the routed (token, slot) pairs per expert into ``counts`` [E] on the device (statistics),
 and GPU-resident experts (``hot``, a ``ktinject.gpu_experts.bank.HotExperts``, set by placement) run on the device
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 from ktinject import fastpaths, native, stream_experts
-from ktinject.operators import fused, register
+from ktinject.operators import deferral, fused, register
 from ktinject.operators.base import Operator, OperatorError, tensor_bytes
 from ktinject.operators.families import (
     QUANTS, SHARED_ATTRS, BlockSpec, ExpertStream, experts_nbytes, free_experts, gpt_oss_biases, inspect_block,
@@ -189,6 +191,12 @@ class HybridMoE(nn.Module):
         self.class_name = type(block).__name__
         self._task = None  # native.Task, made on first forward
         self._copied = None  # torch.cuda.Event: host copies done (CUDA only)
+        # expert deferral (ktinject.operators.deferral): slots deferred per token in decode steps, the chain of the
+        # model's MoE blocks (set by deferral.link at injection; None: this block defers nothing) and its place
+        router = getattr(block, spec.router)
+        self.top_k = router.top_k if isinstance(getattr(router, "top_k", None), int) else None  # k, where known
+        self.defer = 0
+        self.defer_chain, self.chain_pos, self.defer_tasks = None, 0, None
         for attr in (spec.router, *SHARED_ATTRS[spec.shared]):  # same names as HF: state-dict keys unchanged
             setattr(self, attr, getattr(block, attr).to(self.device))
         # The router runs in float32 for every family (HF does so for DeepSeek/GLM only): with bf16 logits, near-
@@ -240,10 +248,30 @@ class HybridMoE(nn.Module):
         weights, ids = self.routing(x)  # [T, k], [T, k]
         if self.collect_stats and ids.numel():
             self._count(ids)
-        routed, shared = self._experts(x, ids, weights)
+        pending = None if self.defer_chain is None else self.defer_chain.take(self)  # the previous block's
+        d = self._defer_now(S, x.shape[0], ids.shape[1])
+        if d:
+            on_cuda = x.device.type == "cuda"
+            self._mirror_skip(on_cuda)
+            routed, extra, shared, prev = deferral.experts_deferred(self, x, ids, weights, d, pending,
+                                                                     staging(pin=on_cuda))
+            routed = _combine(routed, extra)
+        else:
+            routed, shared = self._experts(x, ids, weights)
+            prev = None if pending is None else pending.collect()
         out = routed if shared is None else routed + shared
+        if prev is not None:  # the previous MoE block's deferred experts
+            out = out + prev
         out = out.view(B, S, H)
         return (out, weights) if self.spec.returns_scores else out
+
+    def _defer_now(self, S: int, T: int, k: int) -> int:
+        """Slots per token this forward defers: ``defer`` in a decode step (one token per row) of a chained block
+        that is not the model's last MoE block, else 0."""
+        chain = self.defer_chain
+        if not self.defer or S != 1 or T == 0 or chain is None or chain.is_last(self):
+            return 0
+        return deferral.check_defer(self.defer, k, repr(self.class_name))
 
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """(routed [T, H] on x's device, shared [T, H] or None), the two computed concurrently."""
@@ -318,6 +346,9 @@ def _combine(routed: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
 #: only accepts them; ``ktinject.apply`` validates them (naming the rule) and places the experts once every block
 #: is built, so this module never depends on the GPU-expert code
 HOT_KWARGS = frozenset({"gpu_experts_budget", "placement", "stats", "rebalance_every"})
+#: the model-wide prefill option ("auto" | "cpu" | "gpu": where a prompt's routed experts run, ``ktinject.gpu_experts.
+#: policy``): accepted here, validated (naming the rule) and acted on by ``ktinject.apply`` (``gpu_experts.stream``)
+PREFILL_KWARGS = frozenset({"prefill"})
 
 
 @register("moe")
@@ -327,12 +358,13 @@ class MoEOperator(Operator):
     Two ways in, one way out: ``build`` packs the experts of a loaded block, the streaming loader fills native
     experts from the checkpoint itself (``expert_stream`` says what to fill); both end in ``build_packed``."""
 
-    kwargs_allowed = frozenset({"quant"}) | HOT_KWARGS
+    kwargs_allowed = frozenset({"quant", "defer"}) | HOT_KWARGS | PREFILL_KWARGS
 
     @classmethod
     def check(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> None:
         spec = inspect_block(module, name)
         _quant(kwargs, name)
+        _defer(kwargs, module, spec, name)
         if not spec.known:
             log.warning("moe: %s (%s) is not a verified block class; driving it as one with router %r, shared "
                         "experts %s, %s experts layout", name, type(module).__name__, spec.router, spec.shared,
@@ -358,7 +390,7 @@ class MoEOperator(Operator):
         experts = pack_experts(module, spec, quant, name)
         biases = gpt_oss_biases(module.experts) if spec.has_bias else None
         free_experts(module)
-        return _hybrid(module, name, spec, quant, device, experts, biases)
+        return _hybrid(module, name, spec, quant, device, experts, biases, _defer(kwargs, module, spec, name))
 
     @classmethod
     def build_packed(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any], device: torch.device, experts,
@@ -366,16 +398,25 @@ class MoEOperator(Operator):
         """The HybridMoE around ``experts`` (a filled native.Experts of ``expert_stream``'s spec); ``biases``:
         gpt-oss's (gate_up [E, 2I], down [E, H]) float32 host copies. The block's experts module (still on the meta
         device when streamed) is left behind."""
-        return _hybrid(module, name, inspect_block(module, name), _quant(kwargs, name), device, experts, biases)
+        spec = inspect_block(module, name)
+        return _hybrid(module, name, spec, _quant(kwargs, name), device, experts, biases,
+                       _defer(kwargs, module, spec, name))
+
+
+def _defer(kwargs: Mapping[str, Any], module: nn.Module, spec: BlockSpec, name: str) -> int:
+    """The ``defer`` kwarg (slots per token deferred to the next MoE block in decode steps), checked against k."""
+    k = getattr(getattr(module, spec.router, None), "top_k", None)
+    return deferral.check_defer(kwargs.get("defer", 0), k if isinstance(k, int) else None, repr(name))
 
 
 def _hybrid(module: nn.Module, name: str, spec: BlockSpec, quant: str, device: torch.device, experts,
-            biases) -> HybridMoE:
+            biases, defer: int = 0) -> HybridMoE:
     """The one place a HybridMoE is made, whichever way its experts were packed."""
     if spec.has_bias and biases is None:  # GPU-resident gpt-oss experts need them; the native copy cannot give them
         raise OperatorError(f"moe: {name!r} has gpt-oss experts (with biases) but no expert_biases were given")
     hybrid = HybridMoE(module, spec, experts, device, quant)
     hybrid.expert_biases = biases
+    hybrid.defer = defer
     hybrid.train(module.training)
     log.debug("moe: %s -> %s", name, hybrid.extra_repr())
     return hybrid

@@ -207,7 +207,22 @@ int ktk_forward(ktk_pool *pool, ktk_experts *ex, int T, int k,
  * waits for *done == 1 and then resets it to 0. *done is raised even when the run fails; the first failure is kept
  * and returned by ktk_task_unwatch (or ktk_wait). A watched task cannot be submitted or re-bound. */
 int ktk_task_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done);
-int ktk_task_unwatch(ktk_task *task);   /* returns when the pool no longer touches go/done */
+/* The same, and after each run's *done = 1 the pool stores 1 to *then (unless NULL): the go word of another watched
+ * task, which then runs next with no stream operation in between (expert deferral: a layer's deferred experts start
+ * on the CPU as soon as its immediate ones are done, while the GPU goes on to the next layer). */
+int ktk_task_watch_then(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done, volatile uint32_t *then);
+int ktk_task_unwatch(ktk_task *task);   /* returns when the pool no longer touches go/done/then */
+
+/* ---- expert deferral: which of each token's k slots a task computes ----
+ * A token's slots are ranked by routing weight, largest first (equal weights: the lower slot first). With d deferred
+ * slots (1 <= d < k) the k - d highest-ranked are the token's immediate experts and the d others its deferred ones;
+ * two tasks bound to the same buffers, one of each part, split every token's k slots exactly. ktk_task_bind resets
+ * the selection to KTK_SLOTS_ALL. KTK_ERR_STATE while the task is queued, running or watched; KTK_ERR_SHAPE for an
+ * unknown part or d outside 1..k-1. */
+#define KTK_SLOTS_ALL 0    /* every slot */
+#define KTK_SLOTS_TOP 1    /* the k - d highest-ranked slots of each token */
+#define KTK_SLOTS_REST 2   /* the d lowest-ranked slots of each token */
+int ktk_task_select(ktk_task *task, int slots, int d);
 
 #ifdef __cplusplus
 }

@@ -303,13 +303,25 @@ int ktk_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidde
 }
 
 int ktk_task_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done) {
+    return ktk_task_watch_then(task, go, done, NULL);
+}
+
+int ktk_task_watch_then(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done, volatile uint32_t *then) {
     CHECK_NULL(task, "ktk_task_watch");
     CHECK_NULL(go, "ktk_task_watch");
     CHECK_NULL(done, "ktk_task_watch");
-    if (((uintptr_t)go & 3) || ((uintptr_t)done & 3))
-        return ktki_error(KTK_ERR_SHAPE, "ktk_task_watch: go and done must be 4-byte aligned (got %p, %p)",
-                          (void *)go, (void *)done);
-    return ktki_watch(task, go, done);
+    if (((uintptr_t)go & 3) || ((uintptr_t)done & 3) || ((uintptr_t)then & 3))
+        return ktki_error(KTK_ERR_SHAPE, "ktk_task_watch: go, done and then must be 4-byte aligned (got %p, %p, %p)",
+                          (void *)go, (void *)done, (void *)then);
+    if (then && (then == go || then == done))
+        return ktki_error(KTK_ERR_SHAPE, "ktk_task_watch_then: then must be another task's go word, not this task's "
+                          "go or done");
+    return ktki_watch(task, go, done, then);
+}
+
+int ktk_task_select(ktk_task *task, int slots, int d) {
+    CHECK_NULL(task, "ktk_task_select");
+    return ktki_task_select(task, slots, d);
 }
 
 int ktk_task_unwatch(ktk_task *task) {

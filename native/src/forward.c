@@ -3,7 +3,8 @@
  *
  * A forward is a job of the pool (pool.c): serial steps and parallel phases, each phase's items claimed in chunks by
  * whichever threads come; the thread that finishes a phase's last chunk starts the next (ktki_forward_step):
- *   route (serial): validate ids, count rows per expert (skipping masked experts), rows sorted by (expert, token)
+ *   route (serial): validate ids, count rows per expert (skipping masked experts and, for expert deferral, the
+ *                   slots of the other part), rows sorted by (expert, token)
  *   gather:   x [R, Kp(H)] activations of every row (bf16 zero-padded, or int8 per row + scale + sum; acts.c)
  *   gate/up:  items (expert, <= RT rows, <= CWMAX blocks of 16 outputs of I): h = act(g + bg, u + bu)
  *             -> h [R, Kp(I)] bf16, or float [R, I] quantized per row in a following phase for int8 / int4
@@ -40,6 +41,23 @@ static float routing_weight(const ktk_task *t, int64_t i) {
     return ktk_bf16_to_f32(((const uint16_t *)t->weights)[i]);
 }
 
+/* Whether the task computes slot i (= token * k + j) of its ids: every slot, or for expert deferral
+ * (ktk_task_select) the k - d highest-ranked slots of the token or the d others. A slot's rank is the number of the
+ * token's slots with a larger weight, or an equal weight and a lower slot: the two parts split each token's k slots
+ * exactly, whatever the weights. */
+static int slot_selected(const ktk_task *t, int k, int64_t i) {
+    if (t->slots == KTK_SLOTS_ALL) return 1;
+    const int64_t row = i - i % k;
+    const int j = (int)(i - row);
+    const float w = routing_weight(t, i);
+    int rank = 0;
+    for (int m = 0; m < k; m++) {
+        const float v = routing_weight(t, row + m);
+        rank += v > w || (v == w && m < j);
+    }
+    return (rank < k - t->slots_d) == (t->slots == KTK_SLOTS_TOP);
+}
+
 static int route(fctx *c) {
     const ktk_task *t = c->t;
     const int64_t n = (int64_t)c->T * c->k;
@@ -51,7 +69,7 @@ static int route(fctx *c) {
             return ktki_error(KTK_ERR_RANGE, "expert id out of range: ids[%lld][%lld] (token %lld, slot %lld) = %lld, "
                               "expected 0 <= id < E = %d", (long long)(i / c->k), (long long)(i % c->k),
                               (long long)(i / c->k), (long long)(i % c->k), (long long)id, c->E);
-        if (!t->skip || !t->skip[id]) cnt[id]++;
+        if ((!t->skip || !t->skip[id]) && slot_selected(t, c->k, i)) cnt[id]++;
     }
     c->A = c->R = c->maxrows = 0;
     for (int e = 0; e < c->E; e++) {
@@ -70,7 +88,7 @@ static int route(fctx *c) {
     c->off[c->A] = c->R;
     for (int64_t i = 0; i < n; i++) {   /* token-major: rows of each expert come out sorted by token */
         int64_t id = t->ids[i];
-        if (t->skip && t->skip[id]) continue;
+        if ((t->skip && t->skip[id]) || !slot_selected(t, c->k, i)) continue;
         int32_t r = c->start[id]++;
         c->tok[r] = (int32_t)(i / c->k);
         c->wt[r] = routing_weight(t, i);

@@ -129,6 +129,7 @@ struct ktk_task {
     const void *weights;
     const uint8_t *skip;
     void *out;
+    int slots, slots_d;        /* which slots of each token run: KTK_SLOTS_* and d (ktk_task_select) */
     /* state */
     _Atomic int state;         /* IDLE is stored last when a run ends (then the pool's done event is signalled) */
     int result;                /* of the latest run */
@@ -137,6 +138,7 @@ struct ktk_task {
     char sticky_msg[KTKI_MSG_LEN];
     /* watch */
     volatile uint32_t *go, *done;
+    volatile uint32_t *then;   /* raised (1) after *done at the end of each watched run, or NULL */
     int watched;
     int steps;                 /* steps of the current run so far */
     ktk_task *next;            /* pool queue link */
@@ -147,7 +149,8 @@ int ktki_task_bind(ktk_task *t, ktk_experts *ex, int T, int k, const void *hidde
                    int out_dtype);
 int ktki_submit(ktk_task *task);
 int ktki_wait(ktk_task *task);
-int ktki_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done);
+int ktki_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done, volatile uint32_t *then);
+int ktki_task_select(ktk_task *task, int slots, int d);
 int ktki_unwatch(ktk_task *task);
 void ktki_task_finish(ktk_task *task);                /* wait + unwatch (before destroy) */
 int ktki_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,

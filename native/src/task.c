@@ -1,4 +1,5 @@
-/* Tasks: one forward's arguments at a fixed address; submit/wait, the void(*)(void*) forms and watching.
+/* Tasks: one forward's arguments at a fixed address; submit/wait, the void(*)(void*) forms, watching and (expert
+ * deferral) which slots of each token a task computes.
  *
  * A run (begin, steps, end: on whichever pool threads) ends with the task's state stored IDLE (its last touch of the
  * task) and the pool's done event signalled, so a waiter may free the task as soon as it sees IDLE. Errors: `result`
@@ -42,7 +43,24 @@ int ktki_task_bind(ktk_task *t, ktk_experts *ex, int T, int k, const void *hidde
     t->skip = skip;
     t->out = out;
     t->out_dtype = out_dtype;
+    t->slots = KTK_SLOTS_ALL;   /* a new binding runs every slot until ktk_task_select says otherwise */
+    t->slots_d = 0;
     t->bound = 1;
+    return KTK_OK;
+}
+
+int ktki_task_select(ktk_task *t, int slots, int d) {
+    if (busy(t)) return ktki_error(KTK_ERR_STATE, "ktk_task_select: task is queued or running (ktk_wait first)");
+    if (t->watched) return ktki_error(KTK_ERR_STATE, "ktk_task_select: task is watched (ktk_task_unwatch first)");
+    if (!t->bound) return ktki_error(KTK_ERR_STATE, "ktk_task_select: task has no bound forward (bind first)");
+    if (slots != KTK_SLOTS_ALL && slots != KTK_SLOTS_TOP && slots != KTK_SLOTS_REST)
+        return ktki_error(KTK_ERR_SHAPE, "ktk_task_select: slots = %d (expected KTK_SLOTS_ALL %d, KTK_SLOTS_TOP %d "
+                          "or KTK_SLOTS_REST %d)", slots, KTK_SLOTS_ALL, KTK_SLOTS_TOP, KTK_SLOTS_REST);
+    if (slots != KTK_SLOTS_ALL && (d < 1 || d >= t->k))
+        return ktki_error(KTK_ERR_SHAPE, "ktk_task_select: d = %d deferred slots of k = %d (expected 1 <= d < k)", d,
+                          t->k);
+    t->slots = slots;
+    t->slots_d = slots == KTK_SLOTS_ALL ? 0 : d;
     return KTK_OK;
 }
 
@@ -111,12 +129,13 @@ void ktki_task_end(ktk_task *t, int watched) {
     atomic_store_explicit(&t->state, KTKI_TASK_IDLE, memory_order_release);
 }
 
-int ktki_watch(ktk_task *t, volatile uint32_t *go, volatile uint32_t *done) {
+int ktki_watch(ktk_task *t, volatile uint32_t *go, volatile uint32_t *done, volatile uint32_t *then) {
     if (!t->bound) return ktki_error(KTK_ERR_STATE, "ktk_task_watch: task has no bound forward (bind first)");
     if (t->watched) return ktki_error(KTK_ERR_STATE, "ktk_task_watch: task is already watched");
     wait_idle(t);   /* a submitted run finishes first */
     t->go = go;
     t->done = done;
+    t->then = then;
     t->watched = 1;
     int rc = ktki_pool_watch(t->pool, t);
     if (rc != KTK_OK) t->watched = 0;
@@ -127,7 +146,7 @@ int ktki_unwatch(ktk_task *t) {
     if (!t->watched) return ktki_error(KTK_ERR_STATE, "ktk_task_unwatch: task is not watched");
     ktki_pool_unwatch(t->pool, t);
     t->watched = 0;
-    t->go = t->done = NULL;
+    t->go = t->done = t->then = NULL;
     if (t->sticky != KTK_OK) {
         int code = t->sticky;
         t->sticky = KTK_OK;

@@ -4,6 +4,9 @@
  * robin; go is reset to 0 once running is held); a synchronous ktk_forward on an idle pool runs its first steps on
  * its caller (ktki_pool_run_inline), which then helps with the chunks of its phases.
  * While tasks are watched (a CUDA graph drives the pool, one task per layer, GPU work in between):
+ * - a watched task may chain another (ktk_task_watch_then: expert deferral): its run's end raises the other's go
+ *   right after its own done, so the layer's deferred experts follow its immediate ones with no stream operation
+ *   between; at most one go is raised at that moment (the GPU waits on this done before it raises the next);
  * - idle threads keep spinning and polling the go flags while a watched run started or ended within the watch spin
  *   window (KTINJECT_WATCH_SPIN_US, default 1000 us; ktk_pool_set_watch_spin_us), so a raised go flag is taken and
  *   its phases started within a microsecond or two instead of futex wake-ups (~25 us) at every layer; the window
@@ -41,11 +44,14 @@ static int try_running(ktk_pool *p) {
 void ktki_pool_end_job(ktk_pool *p) {
     ktk_task *t = p->job;
     if (p->job_watched) {
+        volatile uint32_t *then = t->then;
         ktki_task_end(t, 1);
+        if (then) __atomic_store_n(then, 1u, __ATOMIC_RELEASE);   /* after done: the GPU's wait is not delayed */
         ktki_pool_mark_hot(p);   /* ... idle threads stay awake for the next layer's go */
         atomic_store_explicit(&p->last_watched, ktki_now_ns(), memory_order_relaxed);
         atomic_store(&p->watch_running, NULL);
         atomic_store_explicit(&p->running, 0, memory_order_release);
+        if (then) ktki_event_signal(&p->work);   /* the chained task: this thread or any other takes it at once */
     } else {
         atomic_store_explicit(&p->running, 0, memory_order_release);
         ktki_task_end(t, 0);   /* t may be gone from here on */
