@@ -10,7 +10,7 @@ import torch
 
 from ktinject.serve.metrics import Metrics
 from ktinject.serve.sampling import SamplingParams, sample
-from ktinject.serve.scheduler import QueueFull, Scheduler
+from ktinject.serve.scheduler import MIN_SHARED, QueueFull, Scheduler
 from ktinject.serve.text import TextStream
 
 
@@ -65,30 +65,67 @@ def test_chunked_prefill_spends_the_budget_oldest_first_and_leaves_one_half_done
     assert _prefill_all(s, budget=4, chunk=4) == [[("long", 0, 0, 4)]]
     assert s.prefilling is long and long.prefilled == 4 and not s.running
     assert _prefill_all(s, budget=4, chunk=4) == [[("long", 0, 4, 8)]]
-    # the end of "long" and all of "short" share a forward (2 rows x 2 tokens <= 4); "other" (5) would not fit
-    assert _prefill_all(s, budget=5, chunk=4) == [[("long", 0, 8, 10), ("short", 1, 0, 2)], [("other", 2, 0, 1)]]
-    assert [q.name for q in s.running] == ["long", "short"] and s.prefilling is other and other.row == 2
+    # the end of "long" (2 tokens) and "short" (2) are each too short to share a padded forward; "other"'s first
+    # chunk (4) does not fit the 1 token left: it waits for the next step instead of being cut
+    assert _prefill_all(s, budget=5, chunk=4) == [[("long", 0, 8, 10)], [("short", 1, 0, 2)]]
+    assert [q.name for q in s.running] == ["long", "short"] and s.prefilling is None and s.waiting[0] is other
+    assert _prefill_all(s, budget=4, chunk=4) == [[("other", 2, 0, 4)]]
+    assert _prefill_all(s, budget=4, chunk=4) == [[("other", 2, 4, 5)]] and s.running[-1] is other
+
+
+def test_a_prompt_is_cut_at_the_same_places_whatever_else_the_steps_hold(seed=0):
+    """The chunks of a prompt are [0, c), [c, 2c), ... of its own tokens, alone or among other requests and
+    whatever budget earlier requests left in a step (so its forwards, and its tokens, do not depend on them);
+    only chunks of at least MIN_SHARED tokens share a forward."""
+    rng = random.Random(seed)
+    for trial in range(50):
+        chunk = rng.randint(1, 12)
+        s = Scheduler(max_batch=rng.randint(1, 6), max_queue=100)
+        seqs = [Seq(f"s{i}", rng.randint(1, 40)) for i in range(rng.randint(1, 12))]
+        cuts = {q.name: [] for q in seqs}
+        pending = list(seqs)
+        for step in range(500):
+            while pending and rng.random() < 0.5:
+                s.submit(pending.pop(0))
+            budget = chunk
+            while jobs := s.next_prefill(budget, chunk):
+                assert sum(j.end - j.start for j in jobs) <= budget
+                assert len(jobs) == 1 or all(j.end - j.start >= MIN_SHARED for j in jobs)
+                for j in jobs:
+                    cuts[j.seq.name].append((j.start, j.end))
+                budget -= sum(j.end - j.start for j in jobs)
+                s.prefilled(jobs)
+                s.check()
+            if s.running and rng.random() < 0.3:
+                s.release_many(rng.sample(s.running, rng.randint(1, len(s.running))))
+            if not pending and s.idle():
+                break
+        for q in seqs:
+            grid = [(a, min(a + chunk, q.prompt_len)) for a in range(0, q.prompt_len, chunk)]
+            assert cuts[q.name] == grid, (chunk, q.prompt_len, cuts[q.name])
 
 
 def test_short_prompts_share_a_forward_within_the_chunk_and_the_cache():
     s = Scheduler(max_batch=8, max_queue=8)
-    seqs = [Seq(n, k) for n, k in (("a", 3), ("b", 5), ("c", 2), ("d", 9), ("e", 4))]
+    seqs = [Seq(n, k) for n, k in (("a", 5), ("b", 4), ("c", 4), ("d", 9), ("e", 2), ("f", 4))]
     for q in seqs:
         s.submit(q)
-    # padded: 2 x 5 = 10, 3 x 5 = 15 <= 16; d would make 4 x 9 = 36; then d alone; e (4) joins it: 2 x 9 = 18 > 16
-    assert _prefill_all(s, chunk=16) == [[("a", 0, 0, 3), ("b", 1, 0, 5), ("c", 2, 0, 2)], [("d", 3, 0, 9)],
-                                         [("e", 4, 0, 4)]]
+    # padded: 2 x 5 = 10, 3 x 5 = 15 <= 16; d would make 4 x 9 = 36; then d alone (e is shorter than MIN_SHARED);
+    # e alone; f alone (the last)
+    assert _prefill_all(s, chunk=16) == [[("a", 0, 0, 5), ("b", 1, 0, 4), ("c", 2, 0, 4)], [("d", 3, 0, 9)],
+                                         [("e", 4, 0, 2)], [("f", 5, 0, 4)]]
     t = Scheduler(max_batch=8, max_queue=8)
-    for q in (Seq("x", 6), Seq("y", 3), Seq("z", 8)):
+    for q in (Seq("x", 14), Seq("y", 5), Seq("z", 4)):
         t.submit(q)
-    assert _prefill_all(t, budget=4, chunk=100) == [[("x", 0, 0, 4)]]
-    # x's last 2 tokens start at 4: padded to z's 8 they would end at 12 > the cache of 10, so z waits
-    assert _prefill_all(t, chunk=100, max_len=10) == [[("x", 0, 4, 6), ("y", 1, 0, 3)], [("z", 2, 0, 8)]]
+    assert _prefill_all(t, budget=10, chunk=10) == [[("x", 0, 0, 10)]]
+    # x's last 4 tokens start at 10: padded to y's 5 they would end at 15 > the cache of 14, so y waits; z joins y
+    assert _prefill_all(t, budget=10, chunk=10, max_len=14) == [[("x", 0, 10, 14)], [("y", 1, 0, 5)]]
+    assert _prefill_all(t, budget=10, chunk=10, max_len=14) == [[("z", 2, 0, 4)]]
 
 
 def test_a_failed_prefill_forward_gives_its_rows_back():
     s = Scheduler(max_batch=4, max_queue=4)
-    for q in (Seq("a", 2), Seq("b", 2)):
+    for q in (Seq("a", 4), Seq("b", 4)):
         s.submit(q)
     jobs = s.next_prefill(100, 100)
     assert s.free_rows == 2 and not s.idle()
@@ -102,7 +139,7 @@ def test_release_moves_the_last_row_into_the_hole_and_the_half_prefilled_one_beh
     late = Seq("late", 9)
     for q in (*seqs, late):
         s.submit(q)
-    _prefill_all(s, budget=2 * 4 + 3)
+    _prefill_all(s, budget=2 * 4 + 3, chunk=3)
     assert [q.row for q in seqs] == [0, 1, 2, 3] and s.prefilling is late and late.row == 4
     assert s.release(seqs[1]) == [(3, 1), (4, 3)]  # r3 fills row 1, the half-prefilled request moves to row 3
     s.check()

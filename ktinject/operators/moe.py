@@ -125,9 +125,21 @@ def fast_routing(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torc
     if (x.dim() == 2 and x.shape[0] <= 64 and x.stride(-1) == 1 and W.dtype == torch.float32 and W.is_contiguous()
             and W.shape[0] <= 1024 and router.top_k <= 16 and fused.available(x)):
         return fused.router_topk(x, W, router.top_k)
-    logits = torch.nn.functional.linear(x.float(), router.weight)  # [T, E]
+    logits = row_logits(x, router.weight)  # [T, E]
     top, ids = torch.topk(logits, router.top_k, dim=-1, sorted=False)
     return torch.softmax(top, dim=-1), ids
+
+
+def row_logits(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """float32 x [T, H] @ W [E, H]^T -> [T, E], on the CPU each row as a product of its own (a batch of T one-row
+    products): torch's float32 GEMM there (MKL) rounds 1-3 rows otherwise than 4 or more, so with one linear a token's
+    logits, and at a near-tie its experts, would depend on how many tokens share its forward (the batch of a serving
+    step, the size of a prefill chunk). Every row here takes the one-row path, alone or among others. On CUDA: one
+    linear (cuBLAS picks kernels by size anyway)."""
+    xf = x.float()
+    if xf.device.type != "cpu":
+        return torch.nn.functional.linear(xf, W)
+    return torch.bmm(xf.unsqueeze(1), W.t().unsqueeze(0).expand(xf.shape[0], -1, -1)).squeeze(1)
 
 
 def _idle_capture_hook(fn) -> bool:

@@ -7,13 +7,20 @@ Each step of the loop:
    requests decode, so a long prompt delays the running streams by one chunk per step, never by its whole length;
    short prompts that arrive together share one forward (right-padded to the longest; each row's cache length is
    set back to its own end), so the routed experts are read once for all of them, not once per prompt; a request
-   whose last chunk went in samples its first token from that chunk's logits and is running;
+   whose last chunk went in samples its first token from that chunk's logits and is running. A prompt is cut at the
+   same places whatever else runs (``scheduler.py``), so its forwards are the ones it gets alone;
 3. decodes one token for every running request as one forward of the batch bucket b >= n (rows 0..n-1: the
    running requests, each at its own position and cache length; rows n..b-1: padding, whose cache lengths are put
    back after the step), through the model's ``GraphRunner``: on CUDA the step replays the graph captured for b;
    then samples each row with its own parameters (``sampling.py``) and hands each request its new text.
 Rows and admission: ``scheduler.py`` (running requests stay in rows 0..n-1; a finished row is refilled by moving
 the last one into it, so the bucket always fits the running batch). Text and stop strings: ``text.py``.
+
+Batch invariance (greedy tokens alone = among others): on the CPU a row's logits are bit-identical in any batch
+(tests/test_batch_invariance.py: the router's logits row by row, the native experts per row, torch's bf16 GEMMs
+and SDPA at the demo model's shapes, chunks cut at fixed places). Not covered: GPU kernels picked by batch size
+(cuBLAS), torch's CPU bf16 GEMM at larger shapes (oneDNN rounds one row otherwise than two or more at H = 2048), and
+expert kernels that change arithmetic with an expert's rows (int4 dequantized to bf16 from 32 rows on AMX).
 
 Requests come from any thread (``submit``); each gets its ``Output`` events through the ``sink`` callable it
 passed, called on the engine thread (keep it short: the API puts the event on its asyncio queue). A request that

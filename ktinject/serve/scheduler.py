@@ -9,6 +9,13 @@ Rows (slots of ``ktinject.kv_cache``, ``max_batch`` of them, allocated once) are
   either continues or starts one long prompt, or takes several whole short ones, so at most one is left half done);
 - the other rows are free.
 
+A request's prompt is cut into chunks at multiples of ``chunk`` from its start, whatever else the step holds: a chunk
+that does not fit what is left of a step's budget waits for the next step instead of being cut. So the forwards a
+prompt goes through (how many tokens each, hence which kernels: a one-token chunk runs the decode-step attention,
+torch's CPU GEMMs round 1-3 rows otherwise than more) are the same alone and among other requests, and so are its
+tokens. For the same reason only chunks of at least ``MIN_SHARED`` tokens share a padded forward (a shorter prompt
+alone would run those other kernels).
+
 A running request that finishes or is cancelled frees its row at once: the last running row moves into the hole
 (``copy_row``) and the half-prefilled request, if any, moves down one row behind it, so the layout above holds
 again before the next step; the moves come back as (src, dst) pairs for the engine to apply to the cache, in
@@ -21,6 +28,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+
+#: the fewest tokens of a chunk that shares a padded prefill forward with others (see the module docstring)
+MIN_SHARED = 4
 
 
 class QueueFull(Exception):
@@ -96,31 +107,35 @@ class Scheduler:
 
     def next_prefill(self, budget: int, chunk: int, max_len: int | None = None) -> list[PrefillJob]:
         """The prompt chunks of the next prefill forward, in rows n, n+1, ... (n running rows); [] when nothing
-        waits, no row is free or ``budget`` (prompt tokens left in this step) is spent. The first job continues the
-        half-prefilled request, else starts the oldest waiting one, with up to min(budget, chunk) tokens; more
-        waiting requests join while their whole prompts fit, padded to the longest chunk: (jobs) x (longest) <=
-        ``chunk`` tokens and, with ``max_len`` (cache length), every row's padded end within it. Many short prompts
-        thus share one forward, which reads the expert weights once for all of them. Only the first job can be
-        partial. Call ``prefilled(jobs)`` once the forward ran, or ``prefill_failed(jobs)``."""
+        waits, no row is free or the next chunk does not fit ``budget`` (prompt tokens left in this step). The first
+        job continues the half-prefilled request, else starts the oldest waiting one: its next chunk, up to the next
+        multiple of ``chunk`` of its prompt (never cut by the budget: see the module docstring); more waiting
+        requests join while their whole prompts fit, padded to the longest chunk: (jobs) x (longest) <= ``chunk``
+        tokens, every chunk at least ``MIN_SHARED`` tokens and, with ``max_len`` (cache length), every row's padded
+        end within it. Many short prompts thus share one forward, which reads the expert weights once for all of
+        them. Only the first job can be partial. Call ``prefilled(jobs)`` once the forward ran, or
+        ``prefill_failed(jobs)``."""
         assert not self._group, "prefilled() or prefill_failed() of the previous jobs first"
         n = len(self.running)
         if budget <= 0 or n >= self.max_batch:
             return []
-        jobs: list[PrefillJob] = []
         seq = self.prefilling
+        if seq is None and not self.waiting:
+            return []
+        done = 0 if seq is None else seq.prefilled
+        take = min((seq or self.waiting[0]).prompt_len - done, chunk - done % chunk)  # to the next chunk boundary
+        if take > budget:
+            return []
         if seq is None:
-            if not self.waiting:
-                return []
             seq = self.waiting.popleft()
             seq.row, seq.prefilled = n, 0
-        take = min(seq.prompt_len - seq.prefilled, budget, chunk)
-        jobs.append(PrefillJob(seq, seq.row, seq.prefilled, seq.prefilled + take))
+        jobs = [PrefillJob(seq, seq.row, seq.prefilled, seq.prefilled + take)]
         self.prefilling = None  # in the group now; prefilled() puts a partial one back
         width, budget = take, budget - take
-        while jobs[0].last and self.waiting and n + len(jobs) < self.max_batch:
+        while jobs[0].last and take >= MIN_SHARED and self.waiting and n + len(jobs) < self.max_batch:
             nxt = self.waiting[0]
             wide = max(width, nxt.prompt_len)
-            fits = (len(jobs) + 1) * wide <= chunk and nxt.prompt_len <= budget
+            fits = (len(jobs) + 1) * wide <= chunk and MIN_SHARED <= nxt.prompt_len <= budget
             if max_len is not None:
                 fits = fits and all(j.start + wide <= max_len for j in jobs) and wide <= max_len
             if not fits:
