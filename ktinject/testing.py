@@ -203,3 +203,44 @@ def tiny_prompts(n: int, length: int, seed: int = 0, vocab: int = _VOCAB) -> tor
     """Random token ids [n, length] avoiding the special ids 0-2 (pad, bos, eos)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n, length), generator=gen)
+
+
+# ---- one layer of native experts and its float64 reference (streamed prefill tests, CPU and GPU) ------------------
+def random_experts(E: int, H: int, I: int, quant: str, gptoss: bool = False, seed: int = 0):
+    """(native.Experts of random weights scaled to keep outputs O(1), biases or None): gpt-oss experts (clamped
+    activation) carry biases, returned as HybridMoE keeps them: (gate_up [E, 2I] gate then up, down [E, H])."""
+    from ktinject import native
+
+    g = torch.Generator().manual_seed(seed)
+    if not gptoss:
+        return native.Experts.from_hf(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5,
+                                      torch.randn(E, H, I, generator=g) / I ** 0.5, quant=quant), None
+    gub, db = torch.randn(E, 2 * I, generator=g) * 0.1, torch.randn(E, H, generator=g) * 0.1
+    ex = native.Experts.from_gpt_oss(torch.randn(E, H, 2 * I, generator=g) / H ** 0.5, gub,
+                                     torch.randn(E, I, H, generator=g) / I ** 0.5, db, quant=quant)
+    return ex, (torch.cat([gub[:, 0::2], gub[:, 1::2]], dim=1), db)
+
+
+def experts_reference(ex, biases, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float64 [T, H]: sum over each token's k experts of weight * expert(x), the experts as stored (weights from
+    ``ktk_experts_get``: bf16-rounded or dequantized), exact arithmetic otherwise. x [T, H], ids / weights [T, k]."""
+    T, H = x.shape
+    I = ex.intermediate
+    out = torch.zeros(T, H, dtype=torch.float64)
+    x64, ids, weights = x.double().cpu(), ids.cpu(), weights.cpu()
+    for e in ids.unique().tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        g = x64[t] @ ex.get(e, "gate").double().T
+        u = x64[t] @ ex.get(e, "up").double().T
+        if biases is not None:
+            g, u = g + biases[0][e, :I].double(), u + biases[0][e, I:].double()
+        if ex.activation == "silu":
+            a = torch.nn.functional.silu(g) * u
+        else:
+            g, u = g.clamp(max=ex.limit), u.clamp(-ex.limit, ex.limit)
+            a = g * torch.sigmoid(ex.alpha * g) * (u + 1)
+        y = a @ ex.get(e, "down").double().T
+        if biases is not None:
+            y = y + biases[1][e].double()
+        out.index_add_(0, t, y * weights[t, j].double().unsqueeze(1))
+    return out

@@ -98,3 +98,17 @@ def set_generation_defaults(model) -> None:
     gc.temperature = gc.top_p = gc.top_k = None
 
 
+
+
+def bench_model(tiny: bool, layers: int, threads: int | None = None) -> tuple[nn.Module, torch.device]:
+    """(model, device) of a bench run: the native pool's and torch's threads set (when given), the tiny test model or
+    the bench model with ``layers`` layers, on the GPU where there is one, greedy generation defaults."""
+    from ktinject import native
+
+    if threads:
+        native.set_default_threads(threads)
+        torch.set_num_threads(threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_tiny(device) if tiny else build_model(layers, device)
+    set_generation_defaults(model)
+    return model, device

@@ -113,6 +113,23 @@ def grouped_ffn(xs: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, dow
     return y
 
 
+def looped_ffn(xs: torch.Tensor, ends, gate_up: torch.Tensor, down: torch.Tensor, act: Activation,
+               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """grouped_ffn one expert at a time (float32 [S, H]; ``ends``: end rows on the host), for devices or shapes
+    without a usable grouped GEMM (a fallback: a Python loop over the experts)."""
+    y = torch.empty(xs.shape[0], down.shape[1], dtype=torch.float32, device=xs.device)
+    lo = 0
+    for g, hi in enumerate(int(e) for e in ends):
+        if hi > lo:
+            h = (xs[lo:hi] @ gate_up[g].T).float()
+            if gate_up_bias is not None:
+                h = h + gate_up_bias[g]
+            out = (act(h).to(xs.dtype) @ down[g].T).float()
+            y[lo:hi] = out if down_bias is None else out + down_bias[g]
+        lo = hi
+    return y
+
+
 class HotExperts:
     """The bank of one HybridMoE (``block``) with ``capacity`` slots on ``device`` in ``dtype``; empty at first.
 

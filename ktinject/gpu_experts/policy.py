@@ -7,8 +7,10 @@ Per layer, for the experts that are neither GPU-resident (hot) nor idle, with ``
     CPU   cpu_expert_s * experts + cpu_row_s * rows          (reading each expert's weights + work per routed row)
     GPU   experts * (expert_bytes / h2d + gpu_expert_s)      (copy over PCIe, dequantize on the device)
           + rows * gpu_row_s + gpu_layer_s                   (grouped matmuls; launches of the layer)
-    split: both at once, each on its own experts: max(CPU part, GPU part + split_s) (split_s: the host waits for
-          the routing to know the rows per expert)
+    split: both at once, each on its own experts: max(CPU part, GPU part + split_s, cpu_expert_s * experts)
+          (split_s: the host waits for the routing to know the rows per expert; the last term: the copies read the
+          same host memory the CPU's experts are read from, so the memory-bound part of the CPU's work does not
+          shrink when the GPU takes experts: a split pays where the CPU is compute-bound, i.e. many rows)
 
 The GPU takes the experts with the most rows first: per routed row it is two orders of magnitude faster than the CPU,
 while copying an expert costs about what the CPU's own read of it costs. Modes of one forward (``choose_mode``):
@@ -29,6 +31,9 @@ from typing import Any, Sequence
 import numpy as np
 
 MODES = ("auto", "cpu", "gpu")
+#: another mode than cpu (and a split with GPU experts) is taken only when it is estimated this much faster: what the
+#: model leaves out (launches, host work, the first layer's copy) must not turn a small estimated gain into a loss
+MARGIN = 0.1
 #: a forward streams whole layers ahead (gpu mode) when the chance that an expert gets no row is below this
 PREFETCH_UNUSED = 0.05
 
@@ -119,15 +124,19 @@ def split_times(rows: Sequence[int] | np.ndarray, costs: Costs) -> tuple[np.ndar
     on_gpu = np.concatenate([[0.0], np.cumsum(r)])  # rows of the first n
     cpu = costs.cpu_expert_s * (m - n) + costs.cpu_row_s * (on_gpu[-1] - on_gpu)
     gpu = (costs.copy_s(1.0) + costs.gpu_expert_s) * n + costs.gpu_row_s * on_gpu
-    gpu = np.where(n > 0, gpu + costs.gpu_layer_s + costs.split_s, 0.0)
+    # with GPU experts, the host memory is read for all m experts (by the CPU or by the copies): a floor
+    gpu = np.where(n > 0, np.maximum(gpu + costs.gpu_layer_s + costs.split_s, costs.cpu_expert_s * m), 0.0)
     return cpu, gpu
 
 
 def best_split(rows: Sequence[int] | np.ndarray, costs: Costs) -> tuple[int, float]:
-    """(n, seconds): how many of ``rows``' experts (largest first) the GPU takes so that the layer ends soonest."""
+    """(n, seconds): how many of ``rows``' experts (largest first) the GPU takes so that the layer ends soonest;
+    0 unless that is at least MARGIN faster than the CPU alone."""
     cpu, gpu = split_times(rows, costs)
     total = np.maximum(cpu, gpu)
     n = int(np.argmin(total))  # the first minimum: fewer GPU experts on a tie
+    if total[n] > (1.0 - MARGIN) * total[0]:
+        n = 0
     return n, float(total[n])
 
 
@@ -169,7 +178,10 @@ def estimates(T: int, k: int, experts: int, costs: Costs) -> dict[str, float]:
 
 
 def choose_mode(T: int, k: int, experts: int, costs: Costs) -> str:
-    """"cpu", "split" or "gpu" for a forward of T tokens: the least estimated time, cpu on ties."""
+    """"cpu", "split" or "gpu" for a forward of T tokens: the least estimated time; cpu unless the best other mode
+    is at least MARGIN faster (split: ``best_split`` already holds it to that), split on a tie with gpu."""
     est = estimates(T, k, experts, costs)
-    best = min(est.values())
-    return next(m for m in ("cpu", "split", "gpu") if est[m] <= best * (1 + 1e-9)) if math.isfinite(best) else "cpu"
+    if not all(math.isfinite(v) for v in est.values()):
+        return "cpu"
+    other = "split" if est["split"] <= est["gpu"] else "gpu"
+    return other if est[other] <= (1.0 - MARGIN) * est["cpu"] else "cpu"

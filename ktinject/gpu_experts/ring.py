@@ -43,6 +43,32 @@ def runs(experts: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+class timed:
+    """``span = timed(trace, what)`` ... ``span.close()``: timing events recorded on the current stream around the
+    work queued between, appended to ``trace`` as (what, start, end); nothing when ``trace`` is None."""
+
+    def __init__(self, trace: list | None, what):
+        self.trace, self.what = trace, what
+        if trace is not None:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def close(self) -> None:
+        if self.trace is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.trace.append((self.what, self.start, end))
+
+
+def intervals(trace: list) -> list[tuple]:
+    """(what, start ms, end ms) of each traced span, from the first span's start (synchronizes)."""
+    if not trace:
+        return []
+    torch.cuda.synchronize()
+    t0 = trace[0][1]
+    return [(what, t0.elapsed_time(a), t0.elapsed_time(b)) for what, a, b in trace]
+
+
 class Ring:
     """Two slots of ``slot_bytes`` on ``device``; on CUDA a copy stream and done/free events per slot."""
 
@@ -55,6 +81,7 @@ class Ring:
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self.pending: Item | None = None
         self.copied = 0  # bytes copied in (statistics)
+        self.trace: list | None = None  # a list: (key, start, end) timing events of each copy are appended (CUDA)
         self._next = 0
 
     @property
@@ -77,8 +104,10 @@ class Ring:
         if self.cuda:
             self.stream.wait_event(self.free[s])  # the slot's last reader is done with it
             with torch.cuda.stream(self.stream):
+                span = timed(self.trace, ("copy", key))
                 for first, count, pos in runs(experts):
                     dst[pos * B:(pos + count) * B].copy_(region[first * B:(first + count) * B], non_blocking=True)
+                span.close()
                 self.done[s].record(self.stream)
         else:
             for first, count, pos in runs(experts):

@@ -37,9 +37,9 @@ import torch
 
 from ktinject import native
 from ktinject.gpu_experts import policy
-from ktinject.gpu_experts.bank import Activation, grouped_ffn, grouped_mm_usable
-from ktinject.gpu_experts.ring import Ring
-from ktinject.gpu_experts.upload import PackedRegion, _bias_views, unpack_experts
+from ktinject.gpu_experts.bank import Activation, grouped_ffn, grouped_mm_usable, looped_ffn
+from ktinject.gpu_experts.ring import Ring, timed
+from ktinject.gpu_experts.upload import PackedRegion, bias_views, unpack_experts
 from ktinject.operators.families import shared_output
 from ktinject.operators.moe import HybridMoE, staging
 
@@ -49,7 +49,7 @@ MIN_CHUNK, MAX_CHUNK = 512, 16384  # prefill chunk bounds (tokens)
 _CAL_ROWS = (8, 64)  # rows per expert of the two calibration forwards of the CPU cost
 
 
-def _blocks(model) -> list[HybridMoE]:
+def blocks_of(model) -> list[HybridMoE]:
     return [m for m in model.modules() if isinstance(m, HybridMoE)]
 
 
@@ -57,7 +57,7 @@ def attach(model, mode: str, **kwargs) -> PrefillStreamer | None:
     """Give ``model``'s HybridMoE blocks a PrefillStreamer for prefill ``mode`` ("auto" | "cpu" | "gpu"); None
     (and no hook) for "cpu", for a model without such blocks, and for "auto" off CUDA (there is no GPU to use)."""
     policy.check_mode(mode)
-    blocks = _blocks(model)
+    blocks = blocks_of(model)
     old = streamer_of(model)
     if old is not None:
         old.close()
@@ -67,7 +67,7 @@ def attach(model, mode: str, **kwargs) -> PrefillStreamer | None:
 
 
 def streamer_of(model) -> PrefillStreamer | None:
-    return next((b.prefill for b in _blocks(model) if isinstance(b.prefill, PrefillStreamer)), None)
+    return next((b.prefill for b in blocks_of(model) if isinstance(b.prefill, PrefillStreamer)), None)
 
 
 def _resident(block) -> np.ndarray:
@@ -81,16 +81,21 @@ def _resident(block) -> np.ndarray:
 class PrefillStreamer:
     """Streamed / split prefill for ``blocks`` (a model's HybridMoE blocks in model order), ``mode`` "auto" or "gpu".
     ``costs``: a ``policy.Costs`` used as is, or a dict of its fields replacing the measured ones.
-    ``memory_fraction``: of the free GPU memory, what the ring and scratch may take."""
+    ``memory_fraction``: of the free GPU memory, what the ring and scratch may take; ``slot_experts``: at most this
+    many experts a ring slot (layers in parts; default: what the memory allows, at most a layer)."""
 
-    def __init__(self, blocks, mode: str = "auto", memory_fraction: float = 0.4, costs=None):
+    def __init__(self, blocks, mode: str = "auto", memory_fraction: float = 0.4, costs=None,
+                 slot_experts: int | None = None):
         if policy.check_mode(mode) == "cpu" or not blocks:
             raise ValueError("PrefillStreamer: needs mode 'auto' or 'gpu' and at least one HybridMoE block")
+        if slot_experts is not None and (isinstance(slot_experts, bool) or int(slot_experts) < 1):
+            raise ValueError(f"PrefillStreamer: slot_experts must be a positive number of experts, got {slot_experts!r}")
         self.blocks, self.mode = list(blocks), mode
         self.device = self.blocks[0].device
         self.cuda = self.device.type == "cuda"
         self.memory_fraction = float(memory_fraction)
         self.costs_override = costs
+        self.slot_experts = None if slot_experts is None else int(slot_experts)
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._costs: dict[tuple, policy.Costs] = {}
         self._decisions: dict[tuple, str] = {}
@@ -103,7 +108,9 @@ class PrefillStreamer:
             b.prefill = self
 
     # ---- set-up (first streamed forward) -----------------------------------------------------------------------
-    def _setup(self) -> None:
+    def setup(self) -> None:
+        """The one-time set-up (idempotent): page-lock the packed experts, allocate the ring and the scratch (what
+        ``memory_fraction`` allows), measure the H2D bandwidth."""
         if self._ready:
             return
         t0 = time.perf_counter()
@@ -125,6 +132,8 @@ class PrefillStreamer:
             free, _ = torch.cuda.mem_get_info(self.device)
             spare = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             self.cap = max(1, min(E, int(self.memory_fraction * (free + spare) // per_expert)))
+        if self.slot_experts is not None:
+            self.cap = min(self.cap, self.slot_experts)
         dev, cap = self.device, self.cap
         self.ring = Ring(dev, cap * B)
         self.gate_up = torch.empty(cap * 2 * I * H, dtype=torch.bfloat16, device=dev)
@@ -166,7 +175,7 @@ class PrefillStreamer:
         ex = block.native_experts
         key = (ex.quant, ex.num_experts, ex.hidden, ex.intermediate)
         if key not in self._costs:
-            self._setup()
+            self.setup()
             per_expert, per_row = _calibrate_cpu(ex)
             self._costs[key] = policy.Costs(
                 h2d=self.h2d, expert_bytes=self.layouts[self._index[id(block)]].expert_bytes,
@@ -185,7 +194,7 @@ class PrefillStreamer:
             return "cpu"
         key = (T, k, streamable, id(block.native_experts))
         if key not in self._decisions:
-            self._setup()
+            self.setup()
             self._decisions[key] = "cpu" if not self.pinned else policy.choose_mode(T, k, streamable,
                                                                                   self.costs_for(block))
         return self._decisions[key]
@@ -213,7 +222,7 @@ class PrefillStreamer:
         mode = self._mode_for(i, block, x.shape[0], ids.shape[1])
         if mode == "cpu":
             return None
-        self._setup()
+        self.setup()
         if mode == "split":
             return self._split(i, block, x, ids, weights)
         return self._gpu(i, block, x, ids, weights, prefetch=mode == "gpu")
@@ -311,6 +320,7 @@ class PrefillStreamer:
             if ahead is not None:
                 self.ring.prefetch(*ahead)
             slot = self.ring.acquire(item).view(n, B)
+            span = timed(self.ring.trace if self.cuda else None, ("compute", (i, p)))  # from the copy's end
             gate_up = self.gate_up[:n * 2 * I * H].view(n, 2 * I, H)
             down = self.down[:n * H * I].view(n, H, I)
             unpack_experts(slot, lay, gate_up, down, self.work)
@@ -322,11 +332,12 @@ class PrefillStreamer:
                 offs = (ends[p * cap:p * cap + n] - lo).to(torch.int32)
                 y = grouped_ffn(xs[lo:hi], offs, gate_up, down, act, *biases, group.clamp(0, n - 1))
             else:
-                y = _looped_ffn(xs[lo:hi], host_ends[p * cap:p * cap + n] - lo, gate_up, down, act, *biases)
+                y = looped_ffn(xs[lo:hi], host_ends[p * cap:p * cap + n] - lo, gate_up, down, act, *biases)
             y = y.float() * ws[lo:hi]
             if masked:
                 y = torch.where((group < n).unsqueeze(1), y, 0.0)
             out[perm[lo:hi]] = y
+            span.close()
             lo = hi
         return out.view(T, k, H).sum(1)
 
@@ -346,7 +357,7 @@ class PrefillStreamer:
     def _biases(self, slot, lay, n, I, H):
         """gpt-oss biases of the n experts in ``slot`` copied to scratch (f32 [n, 2I] gate then up, [n, H]): the
         slot is released before the matmuls that add them."""
-        gate, up, down = _bias_views(slot, lay)
+        gate, up, down = bias_views(slot, lay)
         gu, d = self.bias[0][:n * 2 * I].view(n, 2 * I), self.bias[1][:n * H].view(n, H)
         gu[:, :I].copy_(gate)
         gu[:, I:].copy_(up)
@@ -379,7 +390,7 @@ class PrefillStreamer:
         the dense part), half of it as a margin; between MIN_CHUNK and MAX_CHUNK. MAX_CHUNK off CUDA."""
         if not self.cuda:
             return MAX_CHUNK
-        self._setup()
+        self.setup()
         b = self.blocks[0]
         k = b.top_k if isinstance(getattr(b, "top_k", None), int) else 8
         per_token = k * (8 * b.hidden_size + 16 * b.intermediate_size) + 64 * b.hidden_size
@@ -402,21 +413,6 @@ def _total(x, routed, extra, streamed) -> torch.Tensor:
         return routed if routed is not None else torch.zeros_like(x)
     acc = parts[0] if len(parts) == 1 else parts[0] + parts[1]
     return (acc if routed is None else acc + routed).to(x.dtype)
-
-
-def _looped_ffn(xs, ends, gate_up, down, act, gate_up_bias=None, down_bias=None) -> torch.Tensor:
-    """grouped_ffn one expert at a time, for devices or shapes without a usable grouped GEMM (host end rows)."""
-    y = torch.empty(xs.shape[0], down.shape[1], dtype=torch.float32, device=xs.device)
-    lo = 0
-    for g, hi in enumerate(int(e) for e in ends):
-        if hi > lo:
-            h = (xs[lo:hi] @ gate_up[g].T).float()
-            if gate_up_bias is not None:
-                h = h + gate_up_bias[g]
-            out = (act(h).to(xs.dtype) @ down[g].T).float()
-            y[lo:hi] = out if down_bias is None else out + down_bias[g]
-        lo = hi
-    return y
 
 
 def _calibrate_cpu(ex) -> tuple[float, float]:

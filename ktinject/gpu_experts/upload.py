@@ -96,7 +96,8 @@ def expert_layout(experts) -> ExpertLayout:
 # made once per buffer (fixed addresses) where a caller unpacks into the same places again (Uploader).
 def _matrix_views(buf: torch.Tensor, m: MatLayout, quant: str, work: torch.Tensor, group: int = 0) -> tuple:
     """(quant, src: packed data permuted to the row-major block order of w, w: work in that shape (row-major
-    [n, Np, Kp]), corner: w's [n, N, K], scale: float32 (int8 [n, N, 1]; int4 [n, Np/16, 16, Kp/G, 1]) or None)."""
+    [n, Np, Kp]; None where not needed: bf16 without padding goes straight into place), corner: w's [n, N, K],
+    scale: float32 (int8 [n, N, 1]; int4 [n, Np/16, 16, Kp/G, 1]) or None)."""
     if quant not in GPU_QUANTS:
         raise ValueError(f"unpack: quant {quant!r} has no device unpack (expected one of {GPU_QUANTS})")
     if buf.dim() == 1:
@@ -105,6 +106,8 @@ def _matrix_views(buf: torch.Tensor, m: MatLayout, quant: str, work: torch.Tenso
     data = buf[:, m.data_off:m.data_off + m.data_bytes]  # [n, data_bytes]
     if quant == "int4":  # byte (n, r, j) holds inputs 8r + j (low nibble) and 8r + 4 + j (high)
         src = data.view(n, Np // 16, Kp // 8, 16, 4).permute(0, 1, 3, 2, 4)  # [n, Np/16, 16, Kp/8, 4]
+        if work.numel() < n * Np * Kp:
+            raise ValueError(f"unpack: a work buffer of {work.numel()} bytes for {n} int4 matrices [{Np}, {Kp}]")
         w = work[:n * Np * Kp].view(torch.int8).view(n, Np // 16, 16, Kp // 8, 2, 4)
         ng = Kp // group
         scale = buf[:, m.scale_off:m.scale_off + 4 * Np * ng].view(torch.float32)
@@ -112,6 +115,10 @@ def _matrix_views(buf: torch.Tensor, m: MatLayout, quant: str, work: torch.Tenso
         return quant, src, w, w.view(n, Np, Kp)[:, :N, :K], scale
     dt, c = (torch.bfloat16, 2) if quant == "bf16" else (torch.int8, 4)
     src = data.view(dt).view(n, Np // 16, Kp // c, 16, c).permute(0, 1, 3, 2, 4)  # [n, Np/16, 16, Kp/c, c]
+    if quant == "bf16" and N == Np and K == Kp:
+        return quant, src, None, None, None
+    if work.numel() < n * m.data_bytes:
+        raise ValueError(f"unpack: a work buffer of {work.numel()} bytes for {n} matrices of {m.data_bytes} bytes")
     w = work[:n * m.data_bytes].view(dt).view(n, Np // 16, 16, Kp // c, c)
     scale = None if quant == "bf16" else buf[:, m.scale_off:m.scale_off + 4 * Np].view(torch.float32)[:, :N, None]
     return quant, src, w, w.view(n, Np, Kp)[:, :N, :K], scale
@@ -124,9 +131,8 @@ def _unpack(views: tuple, dst: torch.Tensor) -> None:
     if dst.dim() == 2:
         dst = dst.unsqueeze(0)
     if quant == "bf16":
-        padded = corner.shape[1] != w.shape[1] * 16 or corner.shape[2] != w.shape[3] * 2
-        if not padded and dst.dtype == torch.bfloat16:
-            dst.view(w.shape).copy_(src)  # straight into place: no work buffer pass
+        if w is None:  # unpadded: straight into place, no pass through the work buffer
+            dst.view(src.shape).copy_(src)
             return
         w.copy_(src)  # block layout -> [n, Np, Kp] row-major
         dst.copy_(corner)
@@ -158,7 +164,7 @@ def unpack_matrix(buf: torch.Tensor, m: MatLayout, quant: str, dst: torch.Tensor
     _unpack(_matrix_views(buf, m, quant, work, group), dst)
 
 
-def _bias_views(buf: torch.Tensor, layout: ExpertLayout) -> tuple:
+def bias_views(buf: torch.Tensor, layout: ExpertLayout) -> tuple:
     """float32 views of the (gate, up, down) biases in ``buf``: [N] for one region [expert_bytes], [n, N] for n."""
     if any(m.bias_off < 0 for m in layout.mats):
         raise ValueError("unpack: the bank has biases but the packed experts have none")
@@ -181,7 +187,7 @@ def unpack_expert(buf: torch.Tensor, layout: ExpertLayout, hot, slot: int, work:
     for m, dst in zip(layout.mats, weights):
         unpack_matrix(buf, m, layout.quant, dst, work, layout.group)
     if biases is not None:
-        for src, dst in zip(_bias_views(buf, layout), biases):
+        for src, dst in zip(bias_views(buf, layout), biases):
             dst.copy_(src)
 
 
@@ -189,7 +195,7 @@ def unpack_experts(buf: torch.Tensor, layout: ExpertLayout, gate_up: torch.Tenso
                    work: torch.Tensor) -> None:
     """The n experts whose packed regions are the rows of ``buf`` (uint8 [n, expert_bytes]) into gate_up
     [n, 2I, H] (gate rows, then up rows) and down [n, H, I]: three batched unpacks (a few kernels each), no loop
-    over experts. ``work``: uint8 [>= n * layout.work_bytes]. Biases stay where they are (``_bias_views``)."""
+    over experts. ``work``: uint8 [>= n * layout.work_bytes]. Biases stay where they are (``bias_views``)."""
     I = layout.mats[0].N
     for m, dst in zip(layout.mats, (gate_up[:, :I], gate_up[:, I:], down)):
         unpack_matrix(buf, m, layout.quant, dst, work, layout.group)
@@ -287,7 +293,7 @@ class Uploader:
                 raise ValueError(f"Uploader: an expert of {n} bytes does not fit the staging buffers")
             stage = self.staging[:n]
             mats = tuple(_matrix_views(stage, m, layout.quant, self.work, layout.group) for m in layout.mats)
-            biases = _bias_views(stage, layout) if all(m.bias_off >= 0 for m in layout.mats) else None
+            biases = bias_views(stage, layout) if all(m.bias_off >= 0 for m in layout.mats) else None
             chunks = [(stage[lo:lo + self.chunk], lo) for lo in range(0, n, self.chunk)]
             views = self._views[layout] = (mats, biases, chunks)
         mats, biases, chunks = views

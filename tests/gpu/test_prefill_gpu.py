@@ -1,0 +1,136 @@
+"""Streamed prefill on a GPU (ktinject.gpu_experts.stream; skipped without CUDA).
+
+- one MoE layer, every quant, awkward shapes (H, I not multiples of 64; not of 8: the one-expert-at-a-time path),
+  experts with 0 / 1 / many rows, whole and in parts: against the float64 reference with the same stored weights,
+  within the bound of tests/test_prefill_stream.py;
+- tiny qwen3_moe, deepseek_v3 and gpt_oss models: prefill "gpu" and "auto" (with a split forced, and as auto picks)
+  give the "cpu" path's prompt logits (close) and greedy tokens (within a logit margin at near-ties);
+- the copies overlap the compute: on the traced events, layer L+1's copy starts before layer L's compute ends;
+- GPU memory does not grow across 20 prompts.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import ktinject
+from ktinject.gpu_experts import policy, stream
+from ktinject.gpu_experts.ring import intervals
+from ktinject.testing import build_tiny_model, experts_reference, random_experts, tiny_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+STREAM_TOL = 1.5e-2  # max |out - ref| / max |ref| (tests/test_prefill_stream.py)
+NATIVE_TOL = {"bf16": 1.5e-2, "int8": 4e-2, "int4": 4e-2}
+MARGIN = 0.15
+DEV = torch.device("cuda")
+
+
+def _block(ex, biases=None):
+    return SimpleNamespace(spec=SimpleNamespace(shared=None), native_experts=ex, num_experts=ex.num_experts,
+                           hidden_size=ex.hidden, intermediate_size=ex.intermediate, device=DEV, hot=None,
+                           prefill=None, top_k=None, expert_biases=biases)
+
+
+def _err(got, ref):
+    return float((got.double().cpu() - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("gptoss", [False, True], ids=["silu", "gptoss"])
+@pytest.mark.parametrize("E, H, I, k, T", [(16, 256, 128, 4, 300), (8, 96, 48, 2, 37), (6, 40, 24, 3, 17),
+                                           (8, 64, 32, 2, 1)])
+def test_layer_against_reference(quant, gptoss, E, H, I, k, T):
+    ex, biases = random_experts(E, H, I, quant, gptoss, seed=H + I)
+    block = _block(ex, biases)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    # expert 0 in half of the tokens (many rows), the last expert in none
+    ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(E - 2, generator=g)[:k - 1]])
+                       if t < T // 2 else torch.randperm(E - 1, generator=g)[:k] for t in range(T)])
+    w = torch.softmax(torch.randn(T, k, generator=g), -1)
+    ref = experts_reference(ex, biases, x, ids, w)
+    xd, idd, wd = x.to(DEV), ids.to(DEV), w.to(DEV)
+    for slot_experts in (None, 3):
+        s = stream.PrefillStreamer([block], "gpu", slot_experts=slot_experts)
+        routed, _ = s(block, xd, idd, wd)
+        assert routed.device == DEV and _err(routed, ref) < STREAM_TOL, slot_experts
+        s.close()
+
+
+FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+def test_gpu_and_auto_equal_cpu(family, quant, monkeypatch):
+    model = build_tiny_model(family, dtype=torch.bfloat16)
+    ktinject.inject(model, gpu="cuda", quant=quant, prefill="cpu")
+    ids = tiny_prompts(2, 40, seed=1).to(DEV)
+    P = ids.shape[1]
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        runs = {}
+        for mode in ("gpu", "auto", "split"):
+            s = stream.attach(model, "auto" if mode == "split" else mode)
+            if mode == "split":  # every layer split, half of its used experts each way
+                monkeypatch.setattr(s, "_decide", lambda *a: "split")
+                monkeypatch.setattr(policy, "choose_split", lambda counts, eligible, costs: [
+                    int(e) for e in (torch.from_numpy(eligible & (counts > 0)).nonzero().flatten()[::2])])
+            logits = model(ids).logits.float()
+            runs[mode] = (logits, ktinject.generate(model, ids, **kw), dict(s.last))
+            monkeypatch.undo()
+        stream.attach(model, "cpu")
+        scale = ref.abs().max().item()
+        for mode, (logits, seq, last) in runs.items():
+            assert (logits - ref).abs().max().item() < (NATIVE_TOL[quant] + STREAM_TOL) * scale, (mode, last)
+            forced = model(seq).logits[:, P - 1:-1].float()  # the cpu path, teacher-forced on this run's tokens
+            chosen = forced.gather(-1, seq[:, P:, None]).squeeze(-1)
+            assert (forced.max(-1).values - chosen).max().item() < MARGIN, (mode, last)
+    assert runs["split"][2]["mode"] == "split" and runs["gpu"][2]["mode"] in ("gpu", "gpu-used")
+
+
+def test_copies_overlap_compute():
+    """Six layers of 64 bf16 experts (H 1024, I 512: 200 MB a layer) through gpu mode: on the traced events, each
+    layer's copy (from the second on) starts before the previous layer's compute ends."""
+    E, H, I, k, T, L = 64, 1024, 512, 8, 2048, 6
+    blocks = []
+    for layer in range(L):
+        ex, _ = random_experts(E, H, I, "bf16", seed=layer)
+        blocks.append(_block(ex))
+    s = stream.PrefillStreamer(blocks, "gpu")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)
+    w = torch.full((T, k), 1.0 / k, device=DEV)
+    for b in blocks:  # warm-up forward (set-up, allocator)
+        s(b, x, ids, w)
+    s.ring.trace = []
+    for b in blocks:
+        s(b, x, ids, w)
+    spans = {what: (a, b) for what, a, b in intervals(s.ring.trace)}
+    assert s.last["mode"] == "gpu"
+    for layer in range(1, L):
+        copy_start = spans["copy", (layer, 0)][0]
+        compute_end = spans["compute", (layer - 1, 0)][1]
+        assert copy_start < compute_end, (layer, spans)
+    copy_ms = sum(b - a for (what, _), (a, b) in spans.items() if what == "copy")
+    wall = max(b for _, b in spans.values())
+    print(f"copies {copy_ms:.1f} ms of {wall:.1f} ms wall ({L} layers, {s.h2d / 1e9:.1f} GB/s)")
+    s.close()
+
+
+def test_no_memory_growth_across_prompts():
+    model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    ktinject.inject(model, gpu="cuda", prefill="gpu")
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    sizes = []
+    for i in range(20):
+        ids = tiny_prompts(1, 24 + 7 * (i % 3), seed=i).to(DEV)
+        ktinject.generate(model, ids, **kw)
+        torch.cuda.synchronize()
+        sizes.append(torch.cuda.memory_allocated())
+    assert max(sizes[2:]) <= sizes[2] + (1 << 20), sizes

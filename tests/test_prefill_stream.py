@@ -1,0 +1,248 @@
+"""Streamed prefill (ktinject.gpu_experts.stream) on CPU tensors: the same ring, dequant and grouped math as on the GPU,
+with plain copies instead of a copy stream.
+
+- one MoE layer's streamed experts against a float64 reference with the same stored weights (``ktk_experts_get``), for
+  both activations (SiLU; gpt-oss with biases, clamp), every quant, awkward shapes (H, I not multiples of 16 or 64,
+  one token, experts with no rows, all tokens on the same experts, T not a multiple of 16, k = E), whole layers and
+  layers in parts; the native CPU path against the same reference beside it (the bounds of both are stated below);
+- a split sends 0 / some / all experts to the "GPU" and gives the same output within those bounds;
+- a model: each MoE layer's experts are copied once per forward (the next layer's copy is the one fetched ahead),
+  hot experts are never copied, and prefill="gpu" gives the logits and greedy tokens of prefill="cpu";
+- the cost model and split policy as pure functions; bad ``prefill=`` values.
+
+Bounds (max |out - ref| / max |ref| over a layer's output): the streamed path, bf16 activations and intermediates with
+float32 accumulation: 1.5e-2 for every quant (the int8 / int4 weights are the reference's, dequantized exactly);
+the native path: bf16 1.5e-2, int8 / int4 (activations quantized to int8 per token) 4e-2.
+
+Legend: T tokens, k experts per token, E experts, H hidden, I intermediate.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import ktinject
+from ktinject.gpu_experts import placement, policy, stream
+from ktinject.testing import build_tiny_model, experts_reference, random_experts, tiny_prompts
+
+STREAM_TOL = 1.5e-2
+MARGIN = 0.15  # logits (std ~2), as tests/gpu/test_graph_gpu.py
+NATIVE_TOL = {"bf16": 1.5e-2, "int8": 4e-2, "int4": 4e-2}
+QUANTS = ("bf16", "int8", "int4")
+
+
+def _block(ex, biases=None):
+    """What the streamer reads of a HybridMoE, for one bare native.Experts."""
+    return SimpleNamespace(spec=SimpleNamespace(shared=None), native_experts=ex, num_experts=ex.num_experts,
+                           hidden_size=ex.hidden, intermediate_size=ex.intermediate, device=torch.device("cpu"),
+                           hot=None, prefill=None, top_k=None, expert_biases=biases)
+
+
+def _routing(kind, T, k, E, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "same":  # every token on experts 0..k-1: those get every row, the others none
+        ids = torch.arange(k).repeat(T, 1)
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, k, generator=g), dim=-1)
+    return ids, w
+
+
+def _err(got, ref):
+    return float((got.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+
+
+SHAPES = [(8, 64, 32, 2, 37), (6, 40, 24, 3, 17), (5, 130, 70, 2, 19), (4, 64, 64, 4, 16), (8, 64, 32, 2, 1)]
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("gptoss", [False, True], ids=["silu", "gptoss"])
+@pytest.mark.parametrize("E, H, I, k, T", SHAPES)
+@pytest.mark.parametrize("routing", ["random", "same"])
+def test_streamed_layer_matches_reference(quant, gptoss, E, H, I, k, T, routing):
+    ex, biases = random_experts(E, H, I, quant, gptoss, seed=E * H + I)
+    block = _block(ex, biases)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
+    ids, w = _routing(routing, T, k, E, seed=T)
+    ref = experts_reference(ex, biases, x, ids, w)
+    streamer = stream.PrefillStreamer([block], "gpu")
+    routed, shared = streamer(block, x, ids, w)
+    assert shared is None and routed.dtype == x.dtype and routed.shape == (T, H)
+    assert _err(routed, ref) < STREAM_TOL
+    assert _err(ex(x, ids, w), ref) < NATIVE_TOL[quant]  # the native path, for the record
+    used = int((torch.bincount(ids.reshape(-1), minlength=E) > 0).sum())
+    mode = streamer.last["mode"]
+    assert mode == ("gpu" if policy.prefetch_worthy(T, k, E) else "gpu-used")
+    copied = (E if mode == "gpu" else used) * streamer.layouts[0].expert_bytes
+    assert streamer.ring.copied == copied  # idle experts are not copied once the routing is known
+    parts = stream.PrefillStreamer([block], "gpu", slot_experts=3)  # the layer in parts of 3 experts
+    got = parts(block, x, ids, w)[0]
+    torch.testing.assert_close(got, routed, rtol=0, atol=0)
+    assert parts.ring.copied == copied
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_split_fractions_agree(quant, monkeypatch):
+    """Split mode with none, some and all of the used experts on the "GPU": one result within the bounds."""
+    E, H, I, k, T = 8, 64, 32, 2, 41
+    ex, _ = random_experts(E, H, I, quant, False, seed=5)
+    block = _block(ex)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ids, w = _routing("random", T, k, E, seed=2)
+    ref = experts_reference(ex, None, x, ids, w)
+    streamer = stream.PrefillStreamer([block], "auto", costs=policy.Costs(1e9, 1, 1e-6, 1e-6, 1e-6, 1e-9))
+    monkeypatch.setattr(streamer, "_decide", lambda *a: "split")
+    outs = {}
+    for name, take in (("none", lambda used: []), ("some", lambda used: used[::3]), ("all", lambda used: used)):
+        monkeypatch.setattr(policy, "choose_split", lambda counts, eligible, costs, take=take:
+                            take([int(e) for e in np.flatnonzero(eligible & (counts > 0))]))
+        outs[name] = streamer(block, x, ids, w)[0]
+        assert streamer.last["mode"] == "split"
+    assert streamer.last["gpu_experts"][-1] == int((torch.bincount(ids.reshape(-1)) > 0).sum())
+    torch.testing.assert_close(outs["none"], ex(x, ids, w), rtol=0, atol=0)  # the native path exactly
+    for name, out in outs.items():
+        assert _err(out, ref) < NATIVE_TOL[quant], name
+    scale = ref.abs().max().item()
+    for a, b in (("none", "some"), ("some", "all"), ("none", "all")):
+        assert (outs[a] - outs[b]).abs().max().item() < (NATIVE_TOL[quant] + STREAM_TOL) * scale
+
+
+def _tiny(family, quant="bf16", prefill="cpu", **kw):
+    model = build_tiny_model(family, dtype=torch.float32)
+    ktinject.inject(model, gpu="cpu", quant=quant, prefill=prefill, **kw)
+    return model
+
+
+def test_each_layer_copied_once_per_forward():
+    """gpu mode on a model: the copy of the next layer's experts is started by the layer before and taken by it,
+    so a forward copies every MoE layer's experts exactly once (3 layers, the first dense: 2 MoE layers)."""
+    model = _tiny("qwen3_moe", prefill="gpu")
+    s = stream.streamer_of(model)
+    ids = tiny_prompts(2, 20)
+    with torch.no_grad():
+        model(ids)
+        assert s.last["mode"] == "gpu" and s.last["gpu_experts"] == [8, 8]
+        layer = sum(b.num_experts for b in s.blocks) * s.layouts[0].expert_bytes
+        assert s.ring.copied == layer and s.ring.pending is None
+        model(ids)
+        assert s.ring.copied == 2 * layer
+
+
+def test_hot_experts_are_not_copied():
+    model = _tiny("qwen3_moe", prefill="cpu")
+    ids = tiny_prompts(2, 20)
+    with torch.no_grad():
+        ref = model(ids).logits
+        placement.place(model, 2 * 4 * (3 * 64 * 32 * 2), "uniform", dtype=torch.bfloat16)  # ~3 a layer, 2 layers
+        hot = [len(b.hot.residents()) for b in stream.blocks_of(model)]
+        assert all(0 < h < 8 for h in hot)
+        s = stream.attach(model, "gpu")
+        got = model(ids).logits
+    assert s.last["gpu_experts"] == [8 - h for h in hot]
+    assert s.ring.copied == (16 - sum(hot)) * s.layouts[0].expert_bytes
+    assert _err(got, ref.double()) < STREAM_TOL
+
+
+@pytest.mark.parametrize("family, quant", [("qwen3_moe", "bf16"), ("qwen3_moe", "int8"), ("qwen3_moe", "int4"),
+                                           ("deepseek_v3", "bf16"), ("gpt_oss", "bf16"), ("mixtral", "int8"),
+                                           ("qwen2_moe", "bf16")])
+@pytest.mark.parametrize("mode", ["gpu", "split"])
+def test_model_gpu_prefill_equals_cpu(family, quant, mode, monkeypatch):
+    """prefill='gpu' (and every layer split, every other used expert on the "GPU") against prefill='cpu' on the same
+    injected model (shared experts, grouped routing, gpt-oss sinks and biases): prompt logits close; every greedy
+    token of the run is the cpu path's choice too, or within MARGIN of it in the cpu path's logits (teacher-forced):
+    a near-tie, where rounding may pick either."""
+    model = _tiny(family, quant=quant, prefill="cpu")
+    ids = tiny_prompts(2, 24, seed=3)
+    P = ids.shape[1]
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        ref_logits = model(ids).logits
+        s = stream.attach(model, "gpu")
+        if mode == "split":
+            monkeypatch.setattr(s, "_decide", lambda *a: "split")
+            monkeypatch.setattr(policy, "choose_split", lambda counts, eligible, costs:
+                                [int(e) for e in np.flatnonzero(eligible & (counts > 0))[::2]])
+        got_logits = model(ids).logits
+        got = ktinject.generate(model, ids, **kw)
+        assert s.last["mode"] in (("split",) if mode == "split" else ("gpu", "gpu-used")) and s.ring.copied > 0
+        stream.attach(model, "cpu")
+        forced = model(got).logits[:, P - 1:-1].float()  # the cpu path's logits at each generated step
+    assert _err(got_logits, ref_logits.double()) < NATIVE_TOL[quant]
+    chosen = forced.gather(-1, got[:, P:, None]).squeeze(-1)
+    assert (forced.max(-1).values - chosen).max().item() < MARGIN
+
+
+# ---- policy --------------------------------------------------------------------------------------------------------
+COSTS = policy.Costs(h2d=50e9, expert_bytes=9_437_184, cpu_expert_s=1e-4, cpu_row_s=4e-6, gpu_expert_s=2e-5,
+                     gpu_row_s=1e-7)  # Qwen3-30B-A3B-like, bf16
+
+
+@pytest.mark.parametrize("T, want", [(1, "cpu"), (4, "cpu"), (512, "split"), (8192, "gpu")])
+def test_choose_mode(T, want):
+    assert policy.choose_mode(T, 8, 128, COSTS) == want
+
+
+def test_split_times_and_best_split():
+    c = COSTS.with_(gpu_layer_s=0.0, split_s=0.0)
+    cpu, gpu = policy.split_times([10, 5, 1], c)
+    assert cpu[0] == pytest.approx(3 * 1e-4 + 16 * 4e-6) and gpu[0] == 0.0
+    assert gpu[3] == pytest.approx(3 * (9_437_184 / 50e9 + 2e-5) + 16 * 1e-7) and cpu[3] == 0.0
+    n, t = policy.best_split([10, 5, 1], c)
+    assert t == pytest.approx(min(max(a, b) for a, b in zip(cpu, gpu))) and 0 <= n <= 3
+    assert policy.best_split([], c) == (0, 0.0)
+    slow_gpu = c.with_(h2d=1e3)  # copying is hopeless: the CPU keeps everything
+    assert policy.best_split([100, 100], slow_gpu)[0] == 0
+
+
+def test_choose_split_takes_the_busiest_eligible_experts():
+    counts = np.array([0, 50, 3, 50, 7, 900])
+    eligible = np.array([True, True, True, True, True, False])  # expert 5 is hot
+    costs = COSTS.with_(cpu_row_s=1e-3)  # rows are dear on the CPU: the GPU takes the two busiest
+    got = policy.choose_split(counts, eligible, costs)
+    assert 5 not in got and 0 not in got
+    assert got[:2] == [1, 3] or set(got) >= {1, 3}
+    assert policy.choose_split(counts, np.zeros(6, dtype=bool), costs) == []
+
+
+def test_estimates_and_helpers():
+    rows = policy.uniform_rows(512, 8, 128)
+    assert rows.size == 128 and rows.sum() == pytest.approx(4096)
+    assert policy.uniform_rows(1, 8, 128).size == 8
+    assert not policy.prefetch_worthy(16, 8, 128) and policy.prefetch_worthy(64, 8, 128)
+    est = policy.estimates(8192, 8, 128, COSTS)
+    assert est["gpu"] < est["split"] < est["cpu"]
+    assert policy.fit_cpu((8, 64), (8 * 128 * 1e-5 + 128 * 1e-4, 64 * 128 * 1e-5 + 128 * 1e-4), 128) == \
+        pytest.approx((1e-4, 1e-5))
+    with pytest.raises(ValueError):
+        policy.fit_cpu((8, 8), (1.0, 2.0), 4)
+
+
+def test_bad_prefill_values(tmp_path):
+    with pytest.raises(ValueError, match=r"prefill: expected one of 'auto', 'cpu', 'gpu'.*got 'fast'"):
+        _tiny("qwen3_moe", prefill="fast")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("- match: {class: Qwen3MoeSparseMoeBlock}\n  replace: moe\n  device: gpu\n"
+                     "  kwargs: {prefill: GPU}\n- include: common.yaml\n")
+    with pytest.raises(ValueError, match=r"rules.yaml.*prefill: expected one of .*got 'GPU'"):
+        ktinject.inject(build_tiny_model("qwen3_moe"), str(rules), gpu="cpu")
+    model = build_tiny_model("qwen3_moe")
+    ktinject.inject(model, str(rules), gpu="cpu", prefill="gpu")  # the keyword wins over the rules
+    assert stream.streamer_of(model).mode == "gpu"
+    with pytest.raises(ValueError, match="slot_experts"):
+        stream.PrefillStreamer([object()], "gpu", slot_experts=0)
+    with pytest.raises(ValueError, match="mode 'auto' or 'gpu'"):
+        stream.PrefillStreamer([object()], "cpu")
+
+
+def test_attach_modes():
+    model = _tiny("qwen3_moe", prefill="cpu")
+    assert stream.streamer_of(model) is None
+    assert stream.attach(model, "auto") is None  # no GPU to stream to
+    s = stream.attach(model, "gpu")
+    assert stream.streamer_of(model) is s and s.chunk_tokens() == stream.MAX_CHUNK
+    stream.attach(model, "cpu")
+    assert stream.streamer_of(model) is None and all(b.prefill is None for b in stream.blocks_of(model))
