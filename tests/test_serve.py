@@ -176,6 +176,41 @@ def test_long_prompt_is_prefilled_between_decode_steps(served):
     assert stream.done and len(stream.out_ids) == 60
 
 
+def test_new_prompts_delay_a_running_stream_by_at_most_one_chunk_per_step(served, monkeypatch):
+    """The issue's claim, measured in the engine: between two consecutive tokens of a running stream, the prefill
+    forwards of newly arrived requests (a long prompt and short ones arriving with it) hold at most CHUNK prompt
+    tokens in all."""
+    eng = served.engine
+    events = []  # on the engine thread, in order: ("prefill", tokens) or ("token", None)
+    forward = eng._forward_prefill
+
+    def prefill(jobs):
+        events.append(("prefill", sum(j.end - j.start for j in jobs)))
+        return forward(jobs)
+
+    monkeypatch.setattr(eng, "_forward_prefill", prefill)
+    started = threading.Event()
+    stream = eng.submit(eng.encode(served.prompt(3)), greedy(50, ignore_eos=True),
+                        lambda out: (events.append(("token", None)), started.set()))
+    assert started.wait(30)
+    prompts = [eng.encode(served.prompt(n)) for n in (120, 5, 30, 9, 70)]
+    with eng._cond:  # all arrive before one step
+        news = [eng.submit(p, greedy(2)) for p in prompts]
+    served.wait_idle(60)
+    assert stream.done and all(r.done for r in news)
+    first = next(i for i, e in enumerate(events) if e[0] == "token")
+    last = max(i for i, e in enumerate(events) if e[0] == "token")
+    between, gaps = 0, []
+    for kind, tokens in events[first:last + 1]:
+        if kind == "token":
+            gaps.append(between)
+            between = 0
+        else:
+            between += tokens
+    assert sum(gaps) == sum(map(len, prompts)), "the new prompts were not all prefilled while the stream ran"
+    assert max(gaps) <= CHUNK, f"prompt tokens between two tokens of the stream: {max(gaps)} > {CHUNK}"
+
+
 def test_seeded_sampling_repeats_alone_and_in_a_batch(served):
     eng = served.engine
     p = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=1234)
