@@ -1,6 +1,7 @@
 """Which of ktinject's fast paths a model runs, and why one fell back to Hugging Face's code.
 
-The paths: ``decode_attention`` (one-token attention steps, operators/decode_attention.py), ``graph_decode`` (the
+The paths: ``decode_attention`` (one-token attention steps, operators/decode_attention.py), ``decode_layer`` (the
+decoder layer's residual adds fused with the norms after them, operators/decode_layer.py), ``graph_decode`` (the
 decode step replayed as one CUDA graph, graph.py) and ``fast_router`` (router + top-k in fewer kernels,
 operators/moe.py). Each injected model carries one ``FastPaths`` report (``attach``), which the paths update on
 every eager call (inside a captured graph nothing runs Python, and nothing needs counting).
@@ -14,6 +15,7 @@ a fast path never turns itself off in silence. ``ktinject.info(model)`` and the 
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
 
 log = logging.getLogger("ktinject")
@@ -22,6 +24,8 @@ log = logging.getLogger("ktinject")
 COST = {
     "decode_attention": "Hugging Face's attention forward runs instead: several more GPU kernels per layer and "
                         "decode step, and no CUDA graph can hold its Python-side cache bookkeeping",
+    "decode_layer": "Hugging Face's decoder-layer forward runs instead: residual adds and norms as separate "
+                    "kernels, a few more GPU kernels per layer and decode step",
     "graph_decode": "decode steps run eagerly: Python and one kernel launch per operation in every layer, "
                     "typically several times slower per token on a GPU",
     "fast_router": "Hugging Face's router runs instead: a few more small GPU kernels per MoE layer",
@@ -89,6 +93,35 @@ def attach(model) -> FastPaths:
     for module in model.modules():
         module.__dict__[ATTR] = report
     return report
+
+
+def layout_problem(module, supported, parts: dict) -> str | None:
+    """Why ``module`` is not of a class in ``supported`` with a submodule of the given torch.nn type under each name
+    of ``parts`` (name -> type), or None."""
+    cname = type(module).__name__
+    if cname not in supported:
+        return f"class {cname} is not one of {', '.join(sorted(supported))}"
+    for name, kind in parts.items():
+        if not isinstance(getattr(module, name, None), kind):
+            return f"{name} is not an nn.{kind.__name__}"
+    return None
+
+
+def swap_forward(module, fn, key: str) -> None:
+    """Make ``fn`` (called as ``fn(module, ...)``) the forward of this one ``module``; its own forward is kept under
+    ``key`` for what ``fn`` does not take (once: a second call keeps the first)."""
+    if key not in module.__dict__:
+        module.__dict__[key] = module.forward
+        module.forward = types.MethodType(fn, module)
+
+
+def restore_forward(module, key: str, *extra: str) -> None:
+    """Undo ``swap_forward`` (and drop the ``extra`` attributes the fast path kept on the module)."""
+    if key in module.__dict__:
+        del module.__dict__["forward"]
+        del module.__dict__[key]
+        for name in extra:
+            module.__dict__.pop(name, None)
 
 
 def report_for(module) -> FastPaths:

@@ -194,6 +194,20 @@ def is_kv_cache(obj) -> bool:
     return _CLASSES is not None and isinstance(obj, _CLASSES[1])
 
 
+def decode_slots(cache, layer_idx: int, B: int, like: torch.Tensor):
+    """(K [B, H, L, D], V [B, H, L, D], lengths [B] int64) of rows 0..B-1 of a KVCache layer, for a kernel that
+    writes a decode step's k/v at each row's length and advances the lengths itself (operators/fused_attn.py);
+    None (use ``cache.update``) for other caches, a layer not allocated yet, or K/V not of ``like``'s dtype and
+    device."""
+    if not is_kv_cache(cache) or not 0 <= layer_idx < len(cache.layers):
+        return None
+    layer = cache.layers[layer_idx]
+    if not layer.is_initialized or layer.keys.dtype != like.dtype or layer.keys.device != like.device or (
+            layer.values.dtype != like.dtype or B > layer.keys.shape[0]):
+        return None
+    return layer.keys[:B], layer.values[:B], layer.row_lengths[:B]
+
+
 # ---- masks ---------------------------------------------------------------------------------------------------
 def mask_layout(config) -> tuple[bool, int | None, int | None]:
     """(the model takes a dict of masks per layer type, its full layers' window, its sliding layers' window).

@@ -29,14 +29,13 @@ Legend: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim, L cache
 from __future__ import annotations
 
 import logging
-import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ktinject import compat, fastpaths
-from ktinject.operators import fused
+from ktinject import compat, fastpaths, kv_cache
+from ktinject.operators import fused, fused_attn, fused_dense
 from ktinject.operators.norm import FusedRMSNorm, fuse_problem
 
 log = logging.getLogger(__name__)
@@ -49,12 +48,10 @@ _STATE = "_ktinject_decode_state"
 
 def problem(module: nn.Module) -> str | None:
     """Why ``module`` cannot take the decode forward, or None."""
-    cname = type(module).__name__
-    if cname not in SUPPORTED:
-        return f"class {cname} is not one of {', '.join(sorted(SUPPORTED))}"
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if not isinstance(getattr(module, name, None), nn.Linear):
-            return f"{name} is not an nn.Linear"
+    why = fastpaths.layout_problem(module, SUPPORTED, dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"),
+                                                                    nn.Linear))
+    if why:
+        return why
     if not all(isinstance(getattr(module, n, None), (int, float)) for n in ("head_dim", "scaling", "layer_idx")):
         return "no numeric head_dim, scaling and layer_idx"
     D = module.head_dim
@@ -89,9 +86,7 @@ def install(module: nn.Module) -> bool:
     if why is not None:
         log.debug("decode attention: %s keeps its forward: %s", type(module).__name__, why)
         return False
-    if _HF_FORWARD not in module.__dict__:
-        module.__dict__[_HF_FORWARD] = module.forward
-        module.forward = types.MethodType(decode_forward, module)
+    fastpaths.swap_forward(module, decode_forward, _HF_FORWARD)
     return True
 
 
@@ -226,53 +221,101 @@ def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
 
     The KV cache arrives under the name of the installed transformers (``ktinject.compat``); ``kwargs`` go to
     HF's forward as they came, so a fallback passes the cache under the caller's name."""
+    return _step(self, hidden_states, None, position_embeddings, attention_mask, kwargs), None
+
+
+def forward_with_residual(module: nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor,
+                          position_embeddings=None, attention_mask=None, **kwargs) -> torch.Tensor:
+    """``residual + module(hidden_states, ...)[0]`` for the decoder layer's decode forward (operators/
+    decode_layer.py): on the decode path the residual add is o_proj's epilogue. A module without the decode
+    forward, or with hooks (which this call would bypass), is called as a module."""
+    if not installed(module) or _hooked(module):
+        out = module(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        return residual + out[0]
+    return _step(module, hidden_states, residual, position_embeddings, attention_mask, kwargs)
+
+
+def _hooked(module: nn.Module) -> bool:
+    glob = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or glob._global_forward_hooks
+                or glob._global_forward_pre_hooks)
+
+
+def _step(self, hidden_states, residual, position_embeddings, attention_mask, kwargs) -> torch.Tensor:
+    """The attention output [B, 1, Hq D] projected by o_proj (plus ``residual`` when given)."""
     hf = self.__dict__[_HF_FORWARD]
+
+    def by_hf():
+        out = hf(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)[0]
+        return out if residual is None else residual + out
+
     if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:  # prefill: HF's forward, not a fallback
-        return hf(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        return by_hf()
     norms = _qk_norms(self)
     cache = compat.cache_from(kwargs)
     why = _fallback_reason(self, hidden_states, position_embeddings, attention_mask, cache, kwargs, norms)
     report = fastpaths.report_for(self)
     if why is not None:
         report.fell_back("decode_attention", f"{type(self).__name__} layer {self.layer_idx}: {why[0]}", why[1])
-        return hf(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        return by_hf()
     report.ran("decode_attention")
     st = _state(self)
     B, D, hq, hk = hidden_states.shape[0], self.head_dim, st["hq"], st["hk"]
-    qkv = F.linear(hidden_states, st["w"], st["b"]).view(B, hq + 2 * hk, D)  # [B, Hq + 2 Hkv, D]
+    qkv = fused_dense.linear(hidden_states.reshape(B, -1), st["w"], st["b"]).view(B, hq + 2 * hk, D)
     cos, sin = position_embeddings  # [B, 1, D]
-    if fused.available(qkv, D) and _fusable(norms, cos, sin, B, D):  # qk_norm_rope's work in one Triton kernel
-        qk = fused.qk_norm_rope(qkv, hq, hk, norms, cos, sin)
+    if fused.available(qkv, D) and _fusable(norms, cos, sin, B, D) and (
+            attention_mask is None or attention_mask.stride(-1) == 1):  # Triton: rotary, cache write, attention
+        slots = kv_cache.decode_slots(cache, self.layer_idx, B, qkv)  # (K, V, lengths), or None: cache.update
+        if slots is not None:
+            q = fused_attn.qk_norm_rope(qkv, hq, hk, norms, cos, sin, cache=slots)  # k, v written into the cache
+            keys, values, lengths = slots
+        else:
+            qk = fused_attn.qk_norm_rope(qkv, hq, hk, norms, cos, sin)
+            keys, values = cache.update(qk[:, hq:].unsqueeze(2), qkv[:, hq + hk:].unsqueeze(2), self.layer_idx)
+            q, lengths = qk[:, :hq], None
+        mask = None if attention_mask is None else attention_mask[..., : keys.shape[2]]
+        out = fused_attn.attention(q, keys, values, self.scaling, mask, lengths)  # [B, Hq D]
     else:
-        qk = qk_norm_rope(qkv, hq, hk, norms, cos, sin, st["sign"])  # [B, Hq + Hkv, D]
-    k_new = qk[:, hq:].unsqueeze(2)  # [B, Hkv, 1, D]
-    v_new = qkv[:, hq + hk:].unsqueeze(2)
-    keys, values = cache.update(k_new, v_new, self.layer_idx)  # [B, Hkv, L, D]
-    L = keys.shape[2]
+        out = _attend_torch(self, qkv, hq, hk, norms, cos, sin, st["sign"], cache, attention_mask)
+    return _o_proj(self, out, residual).view(B, 1, -1)
+
+
+def _attend_torch(self, qkv, hq, hk, norms, cos, sin, sign, cache, attention_mask) -> torch.Tensor:
+    """Rotary, cache update and attention in torch ops (CPU, no Triton): [B, Hq D]."""
+    B, _, D = qkv.shape
+    qk = qk_norm_rope(qkv, hq, hk, norms, cos, sin, sign)  # [B, Hq + Hkv, D]
+    keys, values = cache.update(qk[:, hq:].unsqueeze(2), qkv[:, hq + hk:].unsqueeze(2), self.layer_idx)
+    L = keys.shape[2]  # [B, Hkv, L, D]
     if attention_mask is not None:
         attention_mask = attention_mask[..., :L]  # as HF's sdpa: a mask may be longer than the keys
     G = hq // hk
     q = qk[:, :hq].reshape(B * hk, G, D)
     s = _scores(q, keys.reshape(B * hk, L, D)).view(B, hk, G, L)  # float32
     v = values.reshape(B * hk, L, D)
-    in_v_dtype = _BMM_OUT_DTYPE.get(q.device.type, False) or values.dtype == torch.float32
-    if in_v_dtype and fused.available(s) and (attention_mask is None or attention_mask.stride(-1) == 1):
-        p = fused.masked_softmax(s, self.scaling, attention_mask, values.dtype)  # the four steps below in one
-        return self.o_proj(torch.bmm(p.view(B * hk, G, L), v).view(B, 1, hq * D)), None
     s.mul_(self.scaling)
     if attention_mask is not None:
         s = torch.where(attention_mask, s, float("-inf")) if attention_mask.dtype == torch.bool else s + attention_mask
     p = torch.softmax(s, dim=-1)
-    if in_v_dtype:  # probabilities in V's dtype, as flash kernels do
+    if _BMM_OUT_DTYPE.get(q.device.type, False) or values.dtype == torch.float32:  # p in V's dtype, as flash
         out = torch.bmm(p.to(values.dtype).view(B * hk, G, L), v)  # [B Hkv, G, D]
     else:  # no float32-output bmm here (the CPU): float32 throughout, as the CPU's SDPA kernels
         out = torch.bmm(p.view(B * hk, G, L), v.float()).to(values.dtype)
-    return self.o_proj(out.view(B, 1, hq * D)), None
+    return out.view(B, hq * D)
+
+
+def _o_proj(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """o_proj(out) (+ residual) [B, H]: a plain Linear by fused_dense.linear (the add as its epilogue where the
+    kernel runs), anything else as a module."""
+    o = self.o_proj
+    B = out.shape[0]
+    res = None if residual is None else residual.reshape(B, -1)
+    if type(o) is nn.Linear and _plain(o) and o.weight.dtype == out.dtype and not (
+            torch.is_grad_enabled() and o.weight.requires_grad):
+        return fused_dense.linear(out, o.weight, o.bias, res)
+    y = o(out)
+    return y if res is None else res + y
 
 
 def uninstall(module: nn.Module) -> None:
     """Give ``module`` back its own forward (no-op where the decode forward is not installed)."""
-    if _HF_FORWARD in module.__dict__:
-        del module.__dict__["forward"]
-        del module.__dict__[_HF_FORWARD]
-        module.__dict__.pop(_STATE, None)
+    fastpaths.restore_forward(module, _HF_FORWARD, _STATE)

@@ -1,29 +1,32 @@
-"""Triton kernels for the decode step on CUDA: chains of small kernels as one or two each.
+"""Triton kernels for the decode step on CUDA: chains of small kernels as one each; where the kernels run.
 
 A decode step on the GPU is a chain of small dependent kernels, each costing its launch gap; with the routed
-experts on the CPU that chain is on the step's critical path (the GPU time of each chain before and after is in the
-README's Performance section, timed inside CUDA graphs by tests/gpu/probe_fused.py):
+experts on the CPU that chain is on the step's critical path. The kernels live by topic: ``fused_attn.py`` (q/k
+norm + rotary + KV-cache write, attention over the static cache), ``fused_dense.py`` (residual add + RMSNorm,
+GEMV with the residual add), and here the router of the MoE operator:
 
-- ``qk_norm_rope``: q/k RMSNorm and rotary embedding, seven torch kernels (stacked norm weights, unweighted norm,
-  weight multiplication, x * cos, roll, sign * sin, addcmul) as one kernel. One program per (batch, head) row
-  of q and k, with the roundings of the torch ops (to the input dtype after the norm, after the weight, after
-  x * cos, once at the end):
-      y   = round(round(x * rsqrt(mean(x^2) + eps)) * w)      (w: q_norm's weight for q rows, k_norm's for k rows)
-      out = round(round(y * cos) + roll(y, D/2) * sign * sin)  (sign = -1 for the first half of D, +1 after)
-- ``masked_softmax``: float32 scores -> scale, mask (bool: keep where true; float: added) -> softmax over the keys
-  -> probabilities in the value dtype, four torch kernels (mul_, where / add, softmax, cast) as one.
-  One program per score row, the keys in blocks of 1024: a pass for the running max and sum (online softmax), a
-  pass that writes.
-- ``router_topk`` (the MoE operator's fast routing): logits (blocks of 2 experts, 64 programs for 128) and top-k
-  + the softmax of the k, two kernels instead of five.
+- ``router_topk``: for each token, the router logits (programs of 2 experts each: the 128 x 2048 float32 weight
+  of Qwen3-30B-A3B read by 64 programs), and in the program that finishes a token's logits last (an atomic
+  counter per token) the top k by k rounds of argmax and the softmax of the k; optionally in the same kernel the
+  routed-pair statistics (``counts[id] += 1``) and the copies the CPU experts need (hidden row, ids, weights)
+  written straight into pinned host buffers (device-accessible under unified addressing): one kernel instead of
+  logits, top-k, index_add and three device-to-host copies. The host buffers are read by the CPU after the
+  stream's ``go`` write (``ktinject.stream_experts``), which carries a system-wide fence for all earlier work of
+  the stream (cuStreamWriteValue32 without CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER), so the kernel's host writes
+  are visible before the flag is.
 
-``available(t, head_dim)`` says where they run (see there); elsewhere the torch ops run. Triton is imported at the
-first call (the first routing, prefill included), not at import. exp and rsqrt are Triton's fast versions (relative
-error ~1e-6: below bf16's rounding, at float32's last bits).
-Legend: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim, L keys (the static cache length).
+"Last program" pattern (here and in fused_attn): each program stores its part, ``tl.debug_barrier()`` (all its
+threads' stores issued), then one acq_rel atomic increment of a counter; the program that sees count - 1 reads the
+parts (``.cg``: not from L1) and finishes, then resets the counter to 0 for the next launch. Counters live in
+per-device workspaces (``workspace``).
+
+``available(t, head_dim)`` says where the kernels run; elsewhere torch ops run. Triton is imported at the first
+call, not at import. With ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (tests/test_fused_kernels.py).
+Legend: T tokens, E experts, H hidden, k experts per token.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -34,143 +37,68 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
-def _kernels():
-    """(qk_norm_rope, masked_softmax, router_logits, topk_softmax) jitted, or None when Triton is missing or
-    broken here (the torch ops run instead)."""
+def triton_language():
+    """(triton, triton.language), or None when Triton is missing or broken here (torch ops run instead)."""
     try:
-        return _define()
-    except Exception as e:  # ImportError, a Triton build that fails to load, sources missing for the JIT
+        import triton
+        import triton.language as tl
+
+        return triton, tl
+    except Exception as e:  # ImportError, a Triton build that fails to load
         log.info("fused: Triton unavailable (%s); the decode step uses torch ops", e)
         return None
 
 
-def _define():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def qk_norm_rope_k(qkv, out, wq, wk, cos, sin, s_qkv_b, s_qkv_h, s_out_b, s_out_h, s_cs_b, eps,
-                       HQ: tl.constexpr, HQK: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
-        pid = tl.program_id(0)
-        b = pid // HQK
-        h = pid % HQK
-        offs = tl.arange(0, D)
-        rot = (offs + D // 2) % D  # roll(y, D/2)[i] = y[(i + D/2) % D]
-        dt = qkv.dtype.element_ty
-        row = qkv + b * s_qkv_b + h * s_qkv_h
-        x = tl.load(row + offs).to(tl.float32)
-        xr = tl.load(row + rot).to(tl.float32)
-        if NORM:
-            r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-            is_q = h < HQ
-            w = tl.where(is_q, tl.load(wq + offs), tl.load(wk + offs)).to(tl.float32)
-            wr = tl.where(is_q, tl.load(wq + rot), tl.load(wk + rot)).to(tl.float32)
-            x = ((x * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
-            xr = ((xr * r).to(dt).to(tl.float32) * wr).to(dt).to(tl.float32)
-        c = tl.load(cos + b * s_cs_b + offs).to(tl.float32)
-        s = tl.load(sin + b * s_cs_b + offs).to(tl.float32)
-        s = tl.where(offs < D // 2, -s, s)
-        y = (x * c).to(dt).to(tl.float32) + xr * s
-        tl.store(out + b * s_out_b + h * s_out_h + offs, y.to(dt))
-
-    @triton.jit
-    def masked_scores(src, mrow, offs, inside, scale, MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
-        """scores * scale at offs, masked (-inf, or the float mask added); -inf outside the row."""
-        x = tl.load(src + offs, mask=inside, other=float("-inf")) * scale
-        if MASK:
-            if MASK_BOOL:
-                x = tl.where(tl.load(mrow + offs, mask=inside, other=0) != 0, x, float("-inf"))
-            else:
-                x = x + tl.load(mrow + offs, mask=inside, other=0.0).to(tl.float32)
-        return x
-
-    @triton.jit(do_not_specialize=["L", "ROWS_PER_B", "s_mask_b"])  # one compile for every cache length
-    def masked_softmax_k(scores, mask, out, L, ROWS_PER_B, s_mask_b, scale,
-                         MASK: tl.constexpr, MASK_BOOL: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        b = row // ROWS_PER_B
-        src = scores + row.to(tl.int64) * L
-        dst = out + row.to(tl.int64) * L
-        mrow = mask + b.to(tl.int64) * s_mask_b
-        m_run = tl.full([BLOCK], float("-inf"), tl.float32)
-        s_run = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, L, BLOCK):  # per lane: running max and sum of exp over its keys
-            offs = start + tl.arange(0, BLOCK)
-            inside = offs < L
-            x = masked_scores(src, mrow, offs, inside, scale, MASK, MASK_BOOL)
-            m_new = tl.maximum(m_run, x)
-            alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m_run - m_new))
-            s_run = s_run * alpha + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
-            m_run = m_new
-        m = tl.max(m_run, axis=0)
-        total = tl.sum(tl.where(m_run == float("-inf"), 0.0, s_run * tl.exp(m_run - m)), axis=0)
-        for start in range(0, L, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            inside = offs < L
-            x = masked_scores(src, mrow, offs, inside, scale, MASK, MASK_BOOL)
-            p = tl.exp(x - m) / total
-            tl.store(dst + offs, p.to(out.dtype.element_ty), mask=inside)
-
-    @triton.jit
-    def router_logits_k(x, w, out, H, E, s_x, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-        acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            xv = tl.load(x + t * s_x + h, mask=h < H, other=0.0).to(tl.float32)
-            wv = tl.load(w + e[:, None] * H + h[None, :], mask=(e[:, None] < E) & (h[None, :] < H), other=0.0)
-            acc += wv.to(tl.float32) * xv[None, :]
-        tl.store(out + t * E + e, tl.sum(acc, axis=1), mask=e < E)
-
-    @triton.jit
-    def topk_softmax_k(logits, w_out, i_out, E, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        slot = tl.arange(0, KP)
-        l = tl.load(logits + t * E + offs, mask=offs < E, other=float("-inf"))
-        top = tl.max(l, axis=0)
-        p = tl.zeros([KP], tl.float32)
-        ids = tl.zeros([KP], tl.int64)
-        for i in tl.static_range(K):  # the k largest, one at a time (ties: the lowest index first)
-            m = tl.max(l, axis=0)
-            j = tl.argmax(l, axis=0)
-            p = tl.where(slot == i, tl.exp(m - top), p)
-            ids = tl.where(slot == i, j.to(tl.int64), ids)
-            l = tl.where(offs == j, float("-inf"), l)
-        p = p / tl.sum(p, axis=0)
-        tl.store(w_out + t * K + slot, p, mask=slot < K)
-        tl.store(i_out + t * K + slot, ids, mask=slot < K)
-
-    return qk_norm_rope_k, masked_softmax_k, router_logits_k, topk_softmax_k
+def interpreting() -> bool:
+    """Triton's interpreter runs the kernels (on CPU tensors): set TRITON_INTERPRET=1 before the first kernel."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the k largest of x [T, H] @ weight [E, H] (float32, contiguous): (weights [T, k] float32, ids
-    [T, k] int64), the ids in descending logit order. Two kernels (logits in blocks of 2 experts; then top-k by k
-    rounds of argmax, softmax of the k) instead of float32 cast, GEMV (two kernels), top-k and softmax."""
-    T, H = x.shape
-    E = weight.shape[0]
-    logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
-    w = torch.empty((T, k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((T, k), dtype=torch.int64, device=x.device)
-    if T == 0:
-        return w, ids
-    kern = _kernels()
-    with torch.cuda.device(x.device):  # Triton launches on the current device's current stream
-        kern[2][(T, -(-E // 2))](x, weight, logits, H, E, x.stride(0), BLOCK_E=2, BLOCK_H=512)
-        kern[3][(T,)](logits, w, ids, E, K=k, KP=max(2, 1 << (k - 1).bit_length()),
-                      BLOCK=max(16, 1 << (E - 1).bit_length()))
-    return w, ids
+def on_device(t: torch.Tensor):
+    """The context a launch for ``t`` runs in: Triton launches on the current CUDA device's current stream."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def define(build):
+    """``build(triton, tl)``'s kernels, once per ``build`` (callers cache), or None without Triton."""
+    tt = triton_language()
+    if tt is None:
+        return None
+    try:
+        return build(*tt)
+    except Exception as e:  # sources missing for the JIT, an unsupported Triton release
+        log.info("fused: Triton kernels unavailable (%s); the decode step uses torch ops", e)
+        return None
+
+
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown workspaces: graphs captured with them still write there
+
+
+def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
+    """A buffer of at least ``numel`` elements kept for the process, one per (name, dtype, device), made or grown
+    only outside graph capture (graphs keep the addresses they saw, so an outgrown buffer is kept too). ``zero``:
+    zeroed when made (the counters of the last-program pattern, which every launch leaves at zero). One per
+    device, not per stream: ktinject's decode steps on a device run one after another."""
+    key = (name, dtype, str(device))
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"fused: workspace {name!r} made during graph capture (run the step once first)")
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = (torch.zeros if zero else torch.empty)(max(numel, 1), dtype=dtype, device=device)
+        _WORKSPACES[key] = buf
+    return buf
 
 
 def available(t: torch.Tensor, head_dim: int | None = None) -> bool:
     """Whether the kernels can run for ``t``: on a CUDA device of compute capability >= 8.0 (bf16), Triton
     importable, no autograd to record (the kernels have no backward), KTINJECT_FUSED not 0 (read per call; a
-    captured graph keeps what was chosen at capture); qk_norm_rope also needs a power-of-two ``head_dim`` >= 16."""
+    captured graph keeps what was chosen at capture); with ``head_dim``: an even one (rotary halves)."""
     if not t.is_cuda or os.environ.get("KTINJECT_FUSED", "1") == "0" or (torch.is_grad_enabled() and t.requires_grad):
         return False
-    if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
+    if head_dim is not None and (head_dim < 2 or head_dim % 2):
         return False
     return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()) and (
         _kernels() is not None)
@@ -181,37 +109,91 @@ def _capable(device: int) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def qk_norm_rope(qkv: torch.Tensor, hq: int, hk: int, norms, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """q and k of ``qkv`` [B, Hq + 2 Hkv, D] (last dim contiguous) normed (``norms`` = (q_norm, k_norm, eps) or
-    None) and rotated by ``cos``/``sin`` [B, 1, D] or [1, 1, D]: a new [B, Hq + Hkv, D] tensor of qkv's dtype."""
-    B, _, D = qkv.shape
-    out = torch.empty((B, hq + hk, D), dtype=qkv.dtype, device=qkv.device)
-    cos = cos.to(qkv.dtype).reshape(-1, D).contiguous()  # [B or 1, D] (HF: batch 1 without position ids)
-    sin = sin.to(qkv.dtype).reshape(-1, D).contiguous()
-    if norms:
-        wq, wk, eps = norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[2])
-    else:
-        wq = wk = cos  # not read
-        eps = 0.0
-    with torch.cuda.device(qkv.device):
-        _kernels()[0][(B * (hq + hk),)](qkv, out, wq, wk, cos, sin, qkv.stride(0), qkv.stride(1), out.stride(0),
-                                        out.stride(1), 0 if cos.shape[0] == 1 else cos.stride(0), eps, HQ=hq,
-                                        HQK=hq + hk, D=D, NORM=bool(norms))
-    return out
+def pow2(n: int, floor: int = 1) -> int:
+    """The smallest power of two >= max(n, floor)."""
+    return max(floor, 1 << (max(int(n), 1) - 1).bit_length())
 
 
-def masked_softmax(scores: torch.Tensor, scale: float, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """softmax(scores * scale, masked) over the last dim, as ``dtype``. scores: float32 [B, ..., L] contiguous;
-    mask: None, or [B, 1, 1, L] (last dim contiguous) bool (keep where true) or float (added)."""
-    B, L = scores.shape[0], scores.shape[-1]
-    rows = scores.numel() // L
-    out = torch.empty(scores.shape, dtype=dtype, device=scores.device)
-    if mask is None:
-        m, s_mask_b, is_bool = scores, 0, True  # not read
-    else:
-        m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-        s_mask_b, is_bool = (m.stride(0) if m.shape[0] > 1 else 0), mask.dtype == torch.bool
-    with torch.cuda.device(scores.device):  # BLOCK fixed: one compile whatever the cache length
-        _kernels()[1][(rows,)](scores, m, out, L, rows // B, s_mask_b, float(scale), MASK=mask is not None,
-                               MASK_BOOL=is_bool, BLOCK=1024)
-    return out
+def dot_precision(dtype: torch.dtype) -> str:
+    """The kernels' tl.dot ``input_precision`` for operands of ``dtype``: no TF32 for float32 models."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _build(triton, tl):
+    @triton.jit
+    def router_k(x, w, logits, w_out, i_out, cnt, counts, h_host, w_host, i_host, H, E, NPE, s_x,
+                 K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_H: tl.constexpr, COUNT: tl.constexpr, STAGE: tl.constexpr):
+        t = tl.program_id(0)
+        pe = tl.program_id(1)
+        xrow = x + t.to(tl.int64) * s_x
+        e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
+        acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            xv = tl.load(xrow + h, mask=h < H, other=0.0)
+            if STAGE:
+                if pe == 0:  # the hidden row for the CPU experts, in the host buffer's dtype
+                    tl.store(h_host + t.to(tl.int64) * H + h, xv.to(h_host.dtype.element_ty), mask=h < H)
+            wv = tl.load(w + e[:, None] * H + h[None, :], mask=(e[:, None] < E) & (h[None, :] < H), other=0.0)
+            acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
+        tl.store(logits + t * E + e, tl.sum(acc, axis=1), mask=e < E)
+        tl.debug_barrier()  # every thread's logits stored before the counter says so
+        if tl.atomic_add(cnt + t, 1, sem="acq_rel", scope="gpu") == NPE - 1:  # the token's last program
+            offs = tl.arange(0, BLOCK)
+            slot = tl.arange(0, KP)
+            lg = tl.load(logits + t * E + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg")
+            top = tl.max(lg, axis=0)
+            p = tl.zeros([KP], tl.float32)
+            ids = tl.zeros([KP], tl.int64)
+            for i in tl.static_range(K):  # the k largest, one at a time (ties: the lowest index first)
+                m = tl.max(lg, axis=0)
+                j = tl.argmax(lg, axis=0)
+                p = tl.where(slot == i, tl.exp(m - top), p)
+                ids = tl.where(slot == i, j.to(tl.int64), ids)
+                lg = tl.where(offs == j, float("-inf"), lg)
+            p = p / tl.sum(p, axis=0)
+            tl.store(w_out + t * K + slot, p, mask=slot < K)
+            tl.store(i_out + t * K + slot, ids, mask=slot < K)
+            if STAGE:
+                tl.store(w_host + t * K + slot, p.to(w_host.dtype.element_ty), mask=slot < K)
+                tl.store(i_host + t * K + slot, ids, mask=slot < K)
+            if COUNT:
+                tl.atomic_add(counts + ids, tl.full([KP], 1, tl.int64), mask=slot < K)
+            tl.atomic_xchg(cnt + t, 0)
+
+    return router_k
+
+
+@functools.cache
+def _kernels():
+    return define(_build)
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, counts: torch.Tensor | None = None,
+                stage: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the k largest of x [T, H] @ weight [E, H] (float32, contiguous): (weights [T, k] float32, ids
+    [T, k] int64), the ids in descending logit order, in one kernel. ``counts``: int64 [E] on x's device, += 1 per
+    routed pair; ``stage``: (hidden [T, H], ids [T, k] int64, weights [T, k]) pinned host buffers (contiguous)
+    that get copies of x, ids and weights, in their dtypes."""
+    T, H = x.shape
+    E = weight.shape[0]
+    w = torch.empty((T, k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, k), dtype=torch.int64, device=x.device)
+    if T == 0:
+        return w, ids
+    if x.stride(-1) != 1 or not weight.is_contiguous():
+        raise ValueError("router_topk: x needs a contiguous last dim and the router weight must be contiguous")
+    if stage is not None and not (stage[0].shape == (T, H) and all(s.is_contiguous() for s in stage)
+                                  and stage[1].shape == stage[2].shape == (T, k)):
+        raise ValueError(f"router_topk: staging buffers must be contiguous [{T}, {H}], [{T}, {k}], [{T}, {k}]")
+    block_e = 2
+    npe = -(-E // block_e)
+    logits = workspace("router_logits", T * E, torch.float32, x.device)
+    cnt = workspace("router_counters", T, torch.int32, x.device, zero=True)
+    h_host, i_host, w_host = stage if stage is not None else (x, ids, w)  # not written without STAGE
+    with on_device(x):
+        _kernels()[(T, npe)](x, weight, logits, w, ids, cnt, ids if counts is None else counts, h_host, w_host,
+                             i_host, H, E, npe, x.stride(0), K=k, KP=pow2(k, 2), BLOCK=pow2(E, 16),
+                             BLOCK_E=block_e, BLOCK_H=512, COUNT=counts is not None, STAGE=stage is not None)
+    return w, ids

@@ -41,6 +41,9 @@ class FusedRMSNorm(nn.Module):
         self._shape = (int(weight.shape[0]),)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        pre = take_prenormed(hidden_states, self)  # computed with the residual add that made hidden_states
+        if pre is not None:
+            return pre
         if hidden_states.dtype == self.weight.dtype:
             return torch.rms_norm(hidden_states, self._shape, self.weight, self.variance_epsilon)
         dtype = hidden_states.dtype
@@ -64,6 +67,42 @@ def fuse_problem(module: nn.Module) -> str | None:
     if not isinstance(getattr(module, "variance_epsilon", None), (int, float)):
         return "it has no numeric variance_epsilon"
     return None
+
+
+def rounds_twice(module: nn.Module) -> bool:
+    """Whether ``module`` (a FusedRMSNorm or a ``KNOWN`` class) rounds the normalized value to the input dtype
+    before the weight (HF's classes but GptOssRMSNorm), rather than once at the end."""
+    return not isinstance(module, FusedRMSNorm) and type(module).__name__ != "GptOssRMSNorm"
+
+
+# The decoder layer's decode forward (operators/decode_layer.py) ends with the residual add; the kernel that adds
+# can normalize the sum for the next norm too. The sum carries that result, and the norm takes it instead of
+# normalizing again when it is still valid: the same norm module, weight and eps, neither tensor changed since.
+_PRENORMED = "_ktinject_prenormed"
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter: no way to see a change, so no reuse
+        return None
+
+
+def attach_prenormed(x: torch.Tensor, norm: nn.Module, y: torch.Tensor) -> None:
+    """Record on ``x`` that ``norm(x)`` is ``y`` (see above); nothing where versions are not tracked."""
+    vx, vw = _version(x), _version(norm.weight)
+    if vx is not None and vw is not None:
+        x.__dict__[_PRENORMED] = (norm, norm.weight, vw, float(norm.variance_epsilon), vx, y)
+
+
+def take_prenormed(x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
+    """``norm(x)`` as ``attach_prenormed`` recorded it, or None when there is none or it no longer holds."""
+    pre = x.__dict__.get(_PRENORMED)
+    if pre is None:
+        return None
+    m, w, vw, eps, vx, y = pre
+    ok = m is norm and w is norm.weight and vw == _version(w) and eps == norm.variance_epsilon and vx == _version(x)
+    return y if ok else None
 
 
 def fuse(module: nn.Module) -> FusedRMSNorm:

@@ -1,16 +1,21 @@
-"""Pieces of the decode step at Qwen3-30B-A3B shapes, each timed inside a CUDA graph of 48 copies
-(tests/gpu/probe_ops.timed; GPU time only, no CPU pool involved, so a loaded host does not move it):
-- q/k norm + rotary (B 1, 32 q heads, 4 KV heads, D 128, bf16): torch ops (decode_attention.qk_norm_rope) against
-  the Triton kernel (fused.qk_norm_rope);
-- scores -> probabilities (4 KV heads x 8 query heads, a 1024-key static cache, bool mask): torch ops (mul_,
-  where, softmax, cast to bf16) against fused.masked_softmax;
-- the router (E 128, H 2048, top 8, float32): HF's Qwen3MoeTopKRouter forward against moe.fast_routing (Triton's
-  fused.router_topk, and its torch ops with KTINJECT_FUSED=0).
+"""Pieces of the decode step at Qwen3-30B-A3B shapes (B 1, H 2048, 32 q heads, 4 KV heads, D 128, bf16, a
+1024-slot cache), the torch ops against the Triton kernels that replace them (operators/fused*.py), each timed
+inside a CUDA graph of 48 copies (probe_ops.timed: GPU time only, no CPU pool involved; gaps between the kernels
+of one piece included, as in the decode graph):
+
+- q/k norm + rotary + the cache write: torch ops (decode_attention.qk_norm_rope, the cache's two scatters and
+  the lengths add) against fused_attn.qk_norm_rope with the cache;
+- attention over the cache: bmm scores, scale, mask, softmax, cast, bmm (today's torch path) against
+  fused_attn.attention (with the lengths: only the keys held are read) at 97 and 1000 keys held;
+- residual add + RMSNorm: torch add and torch.rms_norm against fused_dense.add_rms_norm;
+- projections: cuBLAS (F.linear, + the residual add for o_proj) against every Triton GEMV config, over 48
+  different weights (one per copy, as the 48 layers: no copy finds its weights in L2);
+- the router: HF's Qwen3MoeTopKRouter against fused.router_topk (one kernel) with counts and host staging.
 
     PYTHONPATH=$PWD:$PWD/tests/gpu python tests/gpu/probe_fused.py"""
 from __future__ import annotations
 
-import os
+import itertools
 
 import torch
 from probe_ops import timed
@@ -18,54 +23,125 @@ from probe_ops import timed
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from ktinject.operators import decode_attention as DA, fused
-from ktinject.operators.moe import fast_routing
+from ktinject.operators import decode_attention as DA, fused, fused_attn, fused_dense
+
+BF, DEV = torch.bfloat16, "cuda"
+
+
+def _row(what: str, t_torch: float, t_fused: float) -> None:
+    print(f"{what}: torch {t_torch:.1f} us, Triton {t_fused:.1f} us per layer "
+          f"({(t_torch - t_fused) * 48 / 1000:+.2f} ms per token of 48 layers)", flush=True)
+
+
+def rope_and_cache(hq=32, hk=4, D=128, L=1024) -> None:
+    qkv = torch.randn(1, hq + 2 * hk, D, device=DEV, dtype=BF)
+    qn, kn = torch.nn.Module(), torch.nn.Module()
+    qn.weight = torch.nn.Parameter(torch.ones(D, device=DEV, dtype=BF))
+    kn.weight = torch.nn.Parameter(torch.ones(D, device=DEV, dtype=BF))
+    norms = (qn, kn, 1e-6)
+    cos, sin = torch.randn(1, 1, D, device=DEV, dtype=BF), torch.randn(1, 1, D, device=DEV, dtype=BF)
+    sign = torch.cat([torch.full((D // 2,), -1.0), torch.ones(D // 2)]).to(DEV, BF)
+    K, V = torch.zeros(1, hk, L, D, device=DEV, dtype=BF), torch.zeros(1, hk, L, D, device=DEV, dtype=BF)
+    lens = torch.tensor([97], device=DEV)
+    idx = torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=DEV)
+
+    def torch_ops():
+        qk = DA.qk_norm_rope(qkv, hq, hk, norms, cos, sin, sign)
+        i = (lens.view(1, 1, 1, 1) + idx).expand(1, hk, 1, D)
+        K.scatter_(2, i, qk[:, hq:].unsqueeze(2))
+        V.scatter_(2, i, qkv[:, hq + hk:].unsqueeze(2))
+        lens.add_(0)
+        return qk
+
+    with torch.no_grad():
+        _row("q/k norm + rotary + cache write", timed(torch_ops),
+             timed(lambda: fused_attn.qk_norm_rope(qkv, hq, hk, norms, cos, sin, cache=(K, V, lens))))
+
+
+def attention(hq=32, hk=4, D=128, L=1024) -> None:
+    q = torch.randn(1, hq, D, device=DEV, dtype=BF)
+    K, V = torch.randn(1, hk, L, D, device=DEV, dtype=BF), torch.randn(1, hk, L, D, device=DEV, dtype=BF)
+    for held in (97, 1000):
+        keep = torch.arange(L, device=DEV).view(1, 1, 1, L) <= held
+        lens = torch.tensor([held], device=DEV)
+        G = hq // hk
+
+        def torch_ops():
+            s = torch.bmm(q.view(hk, G, D), K.view(hk, L, D).transpose(1, 2), out_dtype=torch.float32).view(1, hk, G, L)
+            s.mul_(D ** -0.5)
+            p = torch.softmax(torch.where(keep, s, float("-inf")), -1).to(BF)
+            return torch.bmm(p.view(hk, G, L), V.view(hk, L, D))
+
+        def kernel():
+            lens.fill_(held)  # (one fill per copy: the kernel advances the lengths)
+            return fused_attn.attention(q, K, V, D ** -0.5, keep, lens)
+
+        with torch.no_grad():
+            t_fill = timed(lambda: lens.fill_(held))
+            _row(f"attention, {held + 1} of {L} keys", timed(torch_ops), timed(kernel) - t_fill)
+
+
+def norms(H=2048) -> None:
+    x, r = torch.randn(1, 1, H, device=DEV, dtype=BF), torch.randn(1, 1, H, device=DEV, dtype=BF)
+    w = torch.ones(H, device=DEV, dtype=BF)
+    with torch.no_grad():
+        _row("residual add + RMSNorm", timed(lambda: torch.rms_norm(r + x, (H,), w, 1e-6)),
+             timed(lambda: fused_dense.add_rms_norm(x, r, w, 1e-6)))
+        _row("RMSNorm alone", timed(lambda: torch.rms_norm(x, (H,), w, 1e-6)),
+             timed(lambda: fused_dense.add_rms_norm(x, None, w, 1e-6)))
+
+
+def projections() -> None:
+    for what, B, N, K, res in (("o_proj + residual", 1, 2048, 4096, True), ("qkv", 1, 5120, 2048, False),
+                               ("o_proj + residual, batch 4", 4, 2048, 4096, True)):
+        ws = [torch.randn(N, K, device=DEV, dtype=BF) / K ** 0.5 for _ in range(48)]
+        x = torch.randn(B, K, device=DEV, dtype=BF)
+        r = torch.randn(B, N, device=DEV, dtype=BF) if res else None
+
+        def run(cfg):
+            it = itertools.cycle(ws)
+            if cfg is None:
+                return timed(lambda: fused_dense.linear_torch(x, next(it), None, r))
+            return timed(lambda: fused_dense.linear_triton(x, next(it), None, r, cfg))
+
+        with torch.no_grad():
+            t_cublas = run(None)
+            res_t = {cfg: run(cfg) for cfg in (fused_dense.CONFIGS_1 if B == 1 else fused_dense.CONFIGS_N)}
+        best = min(res_t, key=res_t.get)
+        print(f"{what} [{B}, {K}] x [{N}, {K}]: cuBLAS {t_cublas:.1f} us; Triton " + ", ".join(
+            f"{c}: {t:.1f}" for c, t in res_t.items()) + f" us; best {best} "
+              f"({(t_cublas - res_t[best]) * 48 / 1000:+.2f} ms per token of 48 layers)", flush=True)
+        del ws
+
+
+def router(E=128, H=2048, k=8) -> None:
+    cfg = Qwen3MoeConfig(hidden_size=H, num_experts=E, num_experts_per_tok=k, norm_topk_prob=True)
+    m = Qwen3MoeTopKRouter(cfg).to(DEV).float()
+    torch.nn.init.normal_(m.weight, std=0.02)
+    x = torch.randn(1, H, device=DEV, dtype=BF)
+    counts = torch.zeros(E, dtype=torch.int64, device=DEV)
+    stage = (torch.zeros(1, H, dtype=BF, pin_memory=True), torch.zeros(1, k, dtype=torch.int64, pin_memory=True),
+             torch.zeros(1, k, pin_memory=True))
+    ones = torch.ones(k, dtype=torch.int64, device=DEV)
+
+    def hf():  # + the statistics and the three copies it replaces
+        _, w, ids = m(x.float())
+        counts.index_add_(0, ids.view(-1), ones)
+        stage[0].copy_(x, non_blocking=True), stage[1].copy_(ids, non_blocking=True)
+        stage[2].copy_(w, non_blocking=True)
+
+    with torch.no_grad():
+        _row("router + counts + host staging", timed(hf),
+             timed(lambda: fused.router_topk(x, m.weight, k, counts=counts, stage=stage)))
 
 
 def main() -> None:
-    B, hq, hk, D = 1, 32, 4, 128
-    dt, dev = torch.bfloat16, "cuda"
-    qkv = torch.randn(B, hq + 2 * hk, D, device=dev, dtype=dt)
-    qn, kn = torch.nn.Module(), torch.nn.Module()
-    qn.weight = torch.nn.Parameter(torch.ones(D, device=dev, dtype=dt))
-    kn.weight = torch.nn.Parameter(torch.ones(D, device=dev, dtype=dt))
-    norms = (qn, kn, 1e-6)
-    cos, sin = torch.randn(B, 1, D, device=dev, dtype=dt), torch.randn(B, 1, D, device=dev, dtype=dt)
-    sign = torch.cat([torch.full((D // 2,), -1.0), torch.ones(D // 2)]).to(dev, dt)
-    with torch.no_grad():
-        t_torch = timed(lambda: DA.qk_norm_rope(qkv, hq, hk, norms, cos, sin, sign))
-        t_fused = timed(lambda: fused.qk_norm_rope(qkv, hq, hk, norms, cos, sin))
-    print(f"q/k norm + rotary per layer: torch ops {t_torch:.1f} us, Triton kernel {t_fused:.1f} us "
-          f"({(t_torch - t_fused) * 48 / 1000:.2f} ms per token of 48 layers)")
-    sc = torch.randn(B, hk, hq // hk, 1024, device=dev)
-    keep = torch.rand(B, 1, 1, 1024, device=dev) < 0.5
-
-    def torch_softmax():
-        t = sc.clone().mul_(D ** -0.5)  # (the clone stands for the scores bmm's fresh output)
-        return torch.softmax(torch.where(keep, t, float("-inf")), dim=-1).to(dt)
-
-    with torch.no_grad():
-        t_clone = timed(lambda: sc.clone())
-        t_sm = timed(torch_softmax) - t_clone
-        t_fsm = timed(lambda: fused.masked_softmax(sc, D ** -0.5, keep, dt))
-    print(f"scores -> probabilities per layer: torch ops {t_sm:.1f} us, Triton kernel {t_fsm:.1f} us "
-          f"({(t_sm - t_fsm) * 48 / 1000:.2f} ms per token of 48 layers)")
-    cfg = Qwen3MoeConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
-    router = Qwen3MoeTopKRouter(cfg).to(dev).float()
-    torch.nn.init.normal_(router.weight, std=0.02)
-    x = torch.randn(B, 2048, device=dev, dtype=dt)
-    with torch.no_grad():
-        t_hf = timed(lambda: router(x.float()))
-        t_fast = timed(lambda: fast_routing(router, x))
-        saved = os.environ.get("KTINJECT_FUSED")
-        os.environ["KTINJECT_FUSED"] = "0"
-        t_torch_fast = timed(lambda: fast_routing(router, x))
-        if saved is None:
-            os.environ.pop("KTINJECT_FUSED")
-        else:
-            os.environ["KTINJECT_FUSED"] = saved
-    print(f"router per layer: HF {t_hf:.1f} us, fast routing {t_fast:.1f} us (in torch ops {t_torch_fast:.1f} us) "
-          f"({(t_hf - t_fast) * 48 / 1000:.2f} ms per token of 48 layers)")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    rope_and_cache()
+    attention()
+    norms()
+    projections()
+    router()
 
 
 if __name__ == "__main__":

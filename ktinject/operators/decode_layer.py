@@ -1,0 +1,153 @@
+"""A decode-step forward for the MoE decoder layers: residual adds fused with the norms that follow them.
+
+HF's decoder layer runs input norm, attention, residual add, post-attention norm, MLP, residual add: with the
+routed experts on the CPU every GPU kernel of that chain is on the decode step's critical path. For one query
+token per row this forward computes the same (same roundings: sums rounded to the model dtype, each norm as its
+module) with fewer kernels on CUDA with Triton (``fused_dense``):
+
+- attention's residual add is o_proj's epilogue (``decode_attention.forward_with_residual``);
+- the post-attention norm is one kernel;
+- the closing residual add and the *next* layer's input norm are one kernel (``add_rms_norm``): the sum carries
+  the normalized result (``norm.attach_prenormed``), which the next layer, or the model's final FusedRMSNorm,
+  takes instead of normalizing again while it is valid (same norm and weight, neither tensor changed since);
+  the first layer normalizes its input itself.
+
+Without CUDA or Triton the same steps run as torch ops and module calls, which is what HF's forward computes.
+Each piece keeps HF's behaviour where it cannot be fused: a norm with hooks or of another class is called as a
+module, an attention module without the decode forward or with hooks too, and the MLP is always called as a
+module (the MoE operator's own decode path). Prefill (more than one token per row), training and positional
+arguments beyond hidden_states run HF's forward. Installed for the classes in ``SUPPORTED`` by ``install_all``
+(from ``ktinject.apply``, after the operators are built), which links each layer to the norm after it.
+Legend: B batch, H hidden.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from ktinject import fastpaths
+from ktinject.operators import decode_attention, fused
+from ktinject.operators.fused_dense import add_rms_norm
+from ktinject.operators.norm import FusedRMSNorm, attach_prenormed, fuse_problem, rounds_twice, take_prenormed
+
+log = logging.getLogger(__name__)
+
+#: decoder-layer classes whose HF forward is exactly the chain above (checked in tests against the HF classes);
+#: the value: their MLP returns (hidden, router scores) rather than hidden
+SUPPORTED = {"Qwen3MoeDecoderLayer": False, "Qwen2MoeDecoderLayer": False, "MixtralDecoderLayer": False,
+             "OlmoeDecoderLayer": False, "DeepseekV2DecoderLayer": False, "DeepseekV3DecoderLayer": False,
+             "Glm4MoeDecoderLayer": False, "GptOssDecoderLayer": True}
+_HF_FORWARD = "_ktinject_layer_hf_forward"
+_NEXT = "_ktinject_next_norm"  # (module, attribute): where the norm after this layer is found at call time
+
+
+def problem(layer: nn.Module) -> str | None:
+    """Why ``layer`` cannot take the decode forward, or None."""
+    parts = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+    return fastpaths.layout_problem(layer, SUPPORTED, dict.fromkeys(parts, nn.Module))
+
+
+def install(layer: nn.Module, next_norm: tuple[nn.Module, str] | None = None) -> bool:
+    """Give ``layer`` the decode forward; ``next_norm``: (module, attribute name) of the norm that follows the
+    layer (the next layer's input norm, the model's final norm). False when the class is not supported."""
+    why = problem(layer)
+    if why is not None:
+        log.debug("decode layer: %s keeps its forward: %s", type(layer).__name__, why)
+        return False
+    fastpaths.swap_forward(layer, decode_forward, _HF_FORWARD)
+    layer.__dict__[_NEXT] = next_norm
+    return True
+
+
+def installed(layer: nn.Module) -> bool:
+    return _HF_FORWARD in layer.__dict__
+
+
+def uninstall(layer: nn.Module) -> None:
+    fastpaths.restore_forward(layer, _HF_FORWARD, _NEXT)
+
+
+def install_all(model: nn.Module) -> int:
+    """Install the decode forward on every supported decoder layer of ``model``, each linked to the norm after it
+    (the next layer's input norm where that layer takes it too; the final norm where it is a FusedRMSNorm, whose
+    forward takes it). Returns how many layers took it."""
+    from ktinject.graph import decoder_layers
+
+    layers = decoder_layers(model)
+    final = None  # the final norm: ``norm`` of the module holding the layers, where it takes a prenormed input
+    for m in model.modules():
+        held = getattr(m, "layers", None)
+        if isinstance(held, nn.ModuleList) and layers and len(held) and held[0] is layers[0]:
+            final = (m, "norm") if isinstance(getattr(m, "norm", None), FusedRMSNorm) else None
+            break
+    n = 0
+    for i, layer in enumerate(layers):
+        if i + 1 < len(layers):
+            takes = problem(layers[i + 1]) is None or isinstance(layers[i + 1].input_layernorm, FusedRMSNorm)
+            link = (layers[i + 1], "input_layernorm") if takes else None
+        else:
+            link = final
+        n += install(layer, link)
+    return n
+
+
+def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
+    """A norm ``add_rms_norm`` computes as the module would: plain (no hooks, no own forward), a FusedRMSNorm or a
+    known HF RMSNorm of x's dtype (HF's classes return float32 for other weight dtypes), no autograd to record."""
+    if norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__:
+        return False
+    if not isinstance(norm, FusedRMSNorm) and (fuse_problem(norm) is not None or (
+            rounds_twice(norm) and norm.weight.dtype != x.dtype)):
+        return False
+    return norm.weight.shape == (x.shape[-1],) and not (torch.is_grad_enabled() and norm.weight.requires_grad)
+
+
+def _norm(norm: nn.Module, x: torch.Tensor, fast: bool) -> torch.Tensor:
+    """norm(x): taken from the residual add that made x, by the kernel, or by the module."""
+    pre = take_prenormed(x, norm)
+    if pre is not None:
+        return pre
+    if fast and _fusable_norm(norm, x):
+        return add_rms_norm(x, None, norm.weight, norm.variance_epsilon, rounds_twice(norm))[1]
+    return norm(x)
+
+
+def _add_and_next_norm(self, m: torch.Tensor, h: torch.Tensor, fast: bool) -> torch.Tensor:
+    """h + m, and where the norm after this layer is known and fusable that norm of the sum, recorded on the sum
+    for the norm to take: one kernel where Triton runs, else the add and the norm module (HF's ops, in HF's
+    order: the same numbers as its forward)."""
+    link = self.__dict__.get(_NEXT)
+    nxt = getattr(link[0], link[1], None) if link else None
+    if nxt is None or not _fusable_norm(nxt, h) or m.shape != h.shape or m.dtype != h.dtype:
+        return h + m
+    if fast:
+        s, y = add_rms_norm(m, h, nxt.weight, nxt.variance_epsilon, rounds_twice(nxt))
+    else:
+        s = h + m
+        y = nxt(s)
+    attach_prenormed(s, nxt, y)
+    return s
+
+
+def decode_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+    """The layer's forward for one query token per row (see the module docstring); anything else: HF's forward."""
+    hf = self.__dict__[_HF_FORWARD]
+    if args or hidden_states.dim() != 3 or hidden_states.shape[1] != 1:  # prefill: HF's forward, not a fallback
+        return hf(hidden_states, *args, **kwargs)
+    report = fastpaths.report_for(self)
+    if self.training:
+        report.fell_back("decode_layer", f"{type(self).__name__}: training", True)
+        return hf(hidden_states, **kwargs)
+    report.ran("decode_layer")
+    fast = fused.available(hidden_states)
+    normed = _norm(self.input_layernorm, hidden_states, fast)
+    attn_kwargs = dict(kwargs)
+    pos_emb, mask = attn_kwargs.pop("position_embeddings", None), attn_kwargs.pop("attention_mask", None)
+    h = decode_attention.forward_with_residual(self.self_attn, normed, hidden_states, position_embeddings=pos_emb,
+                                               attention_mask=mask, **attn_kwargs)
+    m = self.mlp(_norm(self.post_attention_layernorm, h, fast))
+    if SUPPORTED[type(self).__name__]:  # gpt-oss: (hidden, router scores)
+        m = m[0]
+    return _add_and_next_norm(self, m, h, fast)

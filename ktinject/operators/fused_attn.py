@@ -1,0 +1,239 @@
+"""Triton kernels of the decode-step attention (operators/decode_attention.py), each with its torch reference.
+
+- ``qk_norm_rope``: q/k RMSNorm and rotary embedding, seven torch kernels (stacked norm weights, unweighted norm,
+  weight multiplication, x * cos, roll, sign * sin, addcmul) as one kernel, one program per (batch, head) row of q
+  and k, with the roundings of the torch ops (to the input dtype after the norm, after the weight, after x * cos,
+  once at the end):
+      y   = round(round(x * rsqrt(mean(x^2) + eps)) * w)      (w: q_norm's weight for q rows, k_norm's for k rows)
+      out = round(round(y * cos) + roll(y, D/2) * sign * sin)  (sign = -1 for the first half of D, +1 after)
+  With ``cache`` (a ktinject KVCache layer's K/V [B, Hkv, L, D] and lengths [B]) the k rows and the v rows of qkv
+  go straight into the cache at each row's length instead of out (the cache's two scatter kernels); out holds q.
+- ``attention``: one query token per row against the static cache, in one kernel: grid (B x Hkv, P splits of the
+  keys); each program takes the G query heads of its KV head as the rows of a [G, D] x [D, keys] product (tensor
+  cores, G padded to 16), runs an online softmax over its share of the keys (scale, mask: bool keep-where-true or
+  float added, as the module's torch path), and stores its partial result; the row's last program (fused.py's
+  last-program pattern) combines the P partials. With ``lengths`` only keys 0..lengths[b] are read (the others are
+  masked anyway) and the split is over those, so a short sequence in a long cache costs what it holds; the last
+  program of a batch row then advances lengths[b] by one (what KVLayer.update's add_ did), after every program of
+  that row has read it. Probabilities enter the value product in the value dtype (as flash kernels and the torch
+  path do), unnormalized (flash-decoding); accumulation is float32.
+Legend: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim, L keys (the static cache length), P splits.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ktinject.operators import fused
+from ktinject.operators.fused import on_device, pow2
+
+
+def _build(triton, tl):
+    @triton.jit
+    def rope_k(qkv, out, wq, wk, cos, sin, kc, vc, lens, s_qkv_b, s_qkv_h, s_out_b, s_out_h, s_cs_b,
+               s_kc_b, s_kc_h, s_kc_l, s_vc_b, s_vc_h, s_vc_l, L, eps, HQ: tl.constexpr, HK: tl.constexpr,
+               D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, KV: tl.constexpr):
+        pid = tl.program_id(0)
+        b = (pid // (HQ + HK)).to(tl.int64)
+        h = pid % (HQ + HK)
+        offs = tl.arange(0, BD)
+        inside = offs < D
+        rot = (offs + D // 2) % D  # roll(y, D/2)[i] = y[(i + D/2) % D]
+        dt = qkv.dtype.element_ty
+        row = qkv + b * s_qkv_b + h * s_qkv_h
+        x = tl.load(row + offs, mask=inside, other=0.0).to(tl.float32)
+        xr = tl.load(row + rot, mask=inside, other=0.0).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            is_q = h < HQ
+            w = tl.where(is_q, tl.load(wq + offs, mask=inside, other=0.0), tl.load(wk + offs, mask=inside, other=0.0))
+            wr = tl.where(is_q, tl.load(wq + rot, mask=inside, other=0.0), tl.load(wk + rot, mask=inside, other=0.0))
+            x = ((x * r).to(dt).to(tl.float32) * w.to(tl.float32)).to(dt).to(tl.float32)
+            xr = ((xr * r).to(dt).to(tl.float32) * wr.to(tl.float32)).to(dt).to(tl.float32)
+        c = tl.load(cos + b * s_cs_b + offs, mask=inside, other=0.0).to(tl.float32)
+        s = tl.load(sin + b * s_cs_b + offs, mask=inside, other=0.0).to(tl.float32)
+        s = tl.where(offs < D // 2, -s, s)
+        y = ((x * c).to(dt).to(tl.float32) + xr * s).to(dt)
+        if KV:  # k rows -> the cache at the row's length, with the v row of the same head; q rows -> out
+            # blocks, not scalars: Triton's interpreter mistypes a bool scalar broadcast against a block
+            is_k = tl.full([BD], h, tl.int32) >= HQ
+            pos = tl.load(lens + b + 0 * offs)
+            ok = inside & is_k & (pos < L)
+            kh = h - HQ
+            tl.store(kc + b * s_kc_b + kh * s_kc_h + pos * s_kc_l + offs, y.to(kc.dtype.element_ty), mask=ok)
+            v = tl.load(qkv + b * s_qkv_b + (HQ + HK + kh) * s_qkv_h + offs, mask=ok, other=0.0)
+            tl.store(vc + b * s_vc_b + kh * s_vc_h + pos * s_vc_l + offs, v.to(vc.dtype.element_ty), mask=ok)
+            tl.store(out + b * s_out_b + h * s_out_h + offs, y, mask=inside & ~is_k)
+        else:
+            tl.store(out + b * s_out_b + h * s_out_h + offs, y, mask=inside)
+
+    @triton.jit(do_not_specialize=["L", "s_m_b"])  # one compile for every cache length
+    def attn_k(q, kc, vc, lens, mask, out, part, ml, cnt, L, P, NR, scale, s_q_b, s_q_h, s_k_b, s_k_h, s_k_l,
+               s_v_b, s_v_h, s_v_l, s_m_b, s_o_b, HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, LENS: tl.constexpr,
+               MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PREC: tl.constexpr):
+        r = tl.program_id(0)  # b * Hkv + KV head
+        sp = tl.program_id(1)
+        b = r // HK
+        hk = r % HK
+        n = L
+        if LENS:  # keys 0 .. lengths[b] (the new token's own key at lengths[b])
+            n = tl.minimum(tl.load(lens + b).to(tl.int32) + 1, L)
+        chunk = tl.cdiv(tl.cdiv(n, P), BN) * BN
+        start = sp * chunk
+        end = tl.minimum(start + chunk, n)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, BD)
+        gd = (g < G)[:, None] & (d < D)[None, :]
+        qv = tl.load(q + b.to(tl.int64) * s_q_b + (hk * G + g)[:, None] * s_q_h + d[None, :], mask=gd, other=0.0)
+        kbase = kc + b.to(tl.int64) * s_k_b + hk.to(tl.int64) * s_k_h
+        vbase = vc + b.to(tl.int64) * s_v_b + hk.to(tl.int64) * s_v_h
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, BD], tl.float32)
+        for j0 in range(start, end, BN):
+            j = j0 + tl.arange(0, BN)
+            jm = j < end
+            k = tl.load(kbase + j[None, :].to(tl.int64) * s_k_l + d[:, None], mask=jm[None, :] & (d < D)[:, None],
+                        other=0.0)  # [BD, BN]
+            sc = tl.dot(qv, k, input_precision=PREC) * scale  # [GP, BN] float32
+            if MASK:
+                mv = tl.load(mask + b.to(tl.int64) * s_m_b + j, mask=jm, other=0)
+                if MASK_BOOL:
+                    sc = tl.where((mv != 0)[None, :], sc, float("-inf"))
+                else:
+                    sc = sc + mv.to(tl.float32)[None, :]
+            sc = tl.where(jm[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: nothing to rescale
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(sc - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vbase + j[:, None].to(tl.int64) * s_v_l + d[None, :], mask=jm[:, None] & (d < D)[None, :],
+                        other=0.0)  # [BN, BD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        slot = r * P + sp
+        tl.store(part + slot.to(tl.int64) * (GP * BD) + g[:, None] * BD + d[None, :], acc)
+        tl.store(ml + slot * (2 * GP) + g, m_i)
+        tl.store(ml + slot * (2 * GP) + GP + g, l_i)
+        tl.debug_barrier()  # every thread's partials stored before the counter says so
+        if tl.atomic_add(cnt + r, 1, sem="acq_rel", scope="gpu") == P - 1:  # the last program of this (b, KV head)
+            nact = tl.cdiv(n, chunk)  # splits that saw keys (the others hold nothing)
+            mx = tl.full([GP], float("-inf"), tl.float32)
+            for s0 in range(0, nact, SB):
+                si = s0 + tl.arange(0, SB)
+                mm = tl.load(ml + (r * P + si)[:, None] * (2 * GP) + g[None, :], mask=(si < nact)[:, None],
+                             other=float("-inf"), cache_modifier=".cg")
+                mx = tl.maximum(mx, tl.max(mm, axis=0))
+            mx = tl.where(mx == float("-inf"), 0.0, mx)
+            tot = tl.zeros([GP], tl.float32)
+            o = tl.zeros([GP, BD], tl.float32)
+            for s0 in range(0, nact, SB):
+                si = s0 + tl.arange(0, SB)
+                sm = si < nact
+                row = (r * P + si)[:, None] * (2 * GP) + g[None, :]
+                wgt = tl.exp(tl.load(ml + row, mask=sm[:, None], other=float("-inf"), cache_modifier=".cg")
+                             - mx[None, :])  # [SB, GP]
+                tot += tl.sum(wgt * tl.load(ml + row + GP, mask=sm[:, None], other=0.0, cache_modifier=".cg"), 0)
+                pa = tl.load(part + (r * P + si).to(tl.int64)[:, None, None] * (GP * BD) + g[None, :, None] * BD
+                             + d[None, None, :], mask=sm[:, None, None], other=0.0, cache_modifier=".cg")
+                o += tl.sum(pa * wgt[:, :, None], axis=0)
+            o = o / tl.where(tot > 0, tot, 1.0)[:, None]
+            tl.store(out + b.to(tl.int64) * s_o_b + (hk * G + g)[:, None] * D + d[None, :],
+                     o.to(out.dtype.element_ty), mask=gd)
+            tl.atomic_xchg(cnt + r, 0)
+            if LENS:  # every program of batch row b has read lengths[b] once all its KV heads are combined
+                if tl.atomic_add(cnt + NR + b, 1, sem="acq_rel", scope="gpu") == HK - 1:
+                    tl.store(lens + b, tl.load(lens + b) + 1)
+                    tl.atomic_xchg(cnt + NR + b, 0)
+
+    return rope_k, attn_k
+
+
+@functools.cache
+def _kernels():
+    return fused.define(_build)
+
+
+def qk_norm_rope(qkv: torch.Tensor, hq: int, hk: int, norms, cos: torch.Tensor, sin: torch.Tensor,
+                 cache: tuple | None = None) -> torch.Tensor:
+    """q and k of ``qkv`` [B, Hq + 2 Hkv, D] (last dim contiguous, D even) normed (``norms`` = (q_norm, k_norm,
+    eps) or None) and rotated by ``cos``/``sin`` [B, 1, D] or [1, 1, D]: a new [B, Hq + Hkv, D] tensor of qkv's
+    dtype; with ``cache`` = (K [B, Hkv, L, D], V [B, Hkv, L, D], lengths [B] int64), k and v are written into K
+    and V at position lengths[b] (nothing where that is >= L) and the result is q alone, [B, Hq, D]."""
+    B, _, D = qkv.shape
+    out = torch.empty((B, hq if cache else hq + hk, D), dtype=qkv.dtype, device=qkv.device)
+    cos = cos.to(qkv.dtype).reshape(-1, D).contiguous()  # [B or 1, D] (HF: batch 1 without position ids)
+    sin = sin.to(qkv.dtype).reshape(-1, D).contiguous()
+    if norms:
+        wq, wk, eps = norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[2])
+    else:
+        wq = wk = cos  # not read
+        eps = 0.0
+    kc, vc, lens = cache if cache else (out, out, out)  # not read without a cache
+    if cache and not (kc.stride(-1) == vc.stride(-1) == 1 and kc.shape[-1] == vc.shape[-1] == D):
+        raise ValueError("qk_norm_rope: cache K/V need head dim D with a contiguous last dim")
+    L = kc.shape[2] if cache else 0
+    with on_device(qkv):
+        _kernels()[0][(B * (hq + hk),)](
+            qkv, out, wq, wk, cos, sin, kc, vc, lens, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
+            0 if cos.shape[0] == 1 else cos.stride(0), *(kc.stride()[:3] if cache else (0, 0, 0)),
+            *(vc.stride()[:3] if cache else (0, 0, 0)), L, eps, HQ=hq, HK=hk, D=D, BD=pow2(D, 16),
+            NORM=bool(norms), KV=bool(cache))
+    return out
+
+
+def splits(rows: int, L: int, device: torch.device, block: int = 64) -> int:
+    """Programs per (batch row, KV head): about two per SM over all rows, at most one per ``block`` keys, <= 64."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(-(-L // block), -(-2 * sms // rows), 64))
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+              mask: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v for one query per row: q [B, Hq, D], keys/values [B, Hkv, L, D] (last dims
+    contiguous); mask None or [B or 1, 1, 1, >= L] bool (keep where true) or float (added), last dim contiguous;
+    ``lengths`` [B] int64: keys held before this token (keys > lengths[b] are not read; lengths += 1 afterwards).
+    Returns [B, Hq * D] in the values' dtype."""
+    B, hq, D = q.shape
+    hk, L = keys.shape[1], keys.shape[2]
+    G = hq // hk
+    if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1 or values.shape[-1] != D:
+        raise ValueError("attention: q, keys and values need one head dim with contiguous last dims")
+    out = torch.empty((B, hq * D), dtype=values.dtype, device=q.device)
+    GP, BD, BN = pow2(G, 16), pow2(D, 16), 64
+    P = splits(B * hk, L, q.device, BN)
+    part = fused.workspace("attn_part", B * hk * P * GP * BD, torch.float32, q.device)
+    ml = fused.workspace("attn_ml", B * hk * P * 2 * GP, torch.float32, q.device)
+    cnt = fused.workspace("attn_counters", B * hk + B, torch.int32, q.device, zero=True)
+    if mask is None:
+        m, s_m_b, is_bool = q, 0, True  # not read
+    else:
+        m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        s_m_b, is_bool = (m.stride(0) if m.shape[0] > 1 else 0), mask.dtype == torch.bool
+    with on_device(q):
+        _kernels()[1][(B * hk, P)](
+            q, keys, values, q if lengths is None else lengths, m, out, part, ml, cnt, L, P, B * hk, float(scale),
+            q.stride(0), q.stride(1), *keys.stride()[:3], *values.stride()[:3], s_m_b, out.stride(0), HK=hk, G=G,
+            GP=GP, D=D, BD=BD, BN=BN, SB=4, LENS=lengths is not None, MASK=mask is not None, MASK_BOOL=is_bool,
+            PREC=fused.dot_precision(q.dtype))
+    return out
+
+
+def attention_reference(q, keys, values, scale, mask=None, lengths=None) -> torch.Tensor:
+    """``attention`` in float64 torch ops (the test oracle; advances ``lengths`` as the kernel does)."""
+    B, hq, D = q.shape
+    hk, L = keys.shape[1], keys.shape[2]
+    k = keys.double().repeat_interleave(hq // hk, 1)  # [B, Hq, L, D]
+    v = values.double().repeat_interleave(hq // hk, 1)
+    s = torch.einsum("bhd,bhld->bhl", q.double(), k) * scale
+    if mask is not None:
+        mk = mask[:, 0, 0, :L]  # [B or 1, L]
+        s = s.masked_fill(~mk[:, None], float("-inf")) if mk.dtype == torch.bool else s + mk.double()[:, None]
+    if lengths is not None:
+        past = torch.arange(L, device=q.device)[None, :] > lengths[:, None]  # [B, L]
+        s = s.masked_fill(past[:, None], float("-inf"))
+        lengths.add_(1)
+    return torch.einsum("bhl,bhld->bhd", torch.softmax(s, -1), v).reshape(B, hq * D)

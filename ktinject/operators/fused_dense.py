@@ -1,0 +1,205 @@
+"""Triton kernels for the dense parts of a decode step around attention, each with its torch reference.
+
+- ``add_rms_norm``: the decoder layer's ``residual + x`` and the RMSNorm of the sum in one kernel (one program
+  per row), returning both (the sum is the next residual). Roundings as the modules: the sum rounded to the
+  input dtype (torch's add), then ``round(x * rsqrt(mean(x^2) + eps) * w)`` (FusedRMSNorm's torch.rms_norm and
+  GptOssRMSNorm: one rounding) or ``round(w * round(x * rsqrt(...)))`` (the other HF RMSNorm classes). Without a
+  residual it is the norm alone; without a weight the sum alone.
+- ``linear``: y = x @ W^T (+ bias) (+ residual) for a few rows (decode), W [N, K] streamed once by N / BN
+  programs: for one row a multiply-add over [BN, BK] tiles summed at the end, for more rows a tensor-core
+  product with the rows padded to 16. cuBLAS picks split-K for such shapes (o_proj of Qwen3-30B-A3B: 2048 x
+  4096, a GEMV and a reduction kernel, 10 us, before the residual add's own kernel); here the residual add is the
+  epilogue (HF rounds the projection, then the sum: so does this). Which of cuBLAS and the Triton configs runs a
+  shape is measured on the device on first use (``choose``), L2 flushed before each timed run as in a decode
+  step, where the weights were evicted by the layers before: the kernel only where it beats cuBLAS.
+Legend: B rows (batch), H hidden, N outputs, K inputs.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from ktinject.operators import fused
+from ktinject.operators.fused import on_device, pow2
+
+log = logging.getLogger(__name__)
+
+
+def _build(triton, tl):
+    @triton.jit
+    def add_norm_k(x, res, w, s_out, n_out, H, eps, s_x, s_r, s_s, s_n, RES: tl.constexpr, NORM: tl.constexpr,
+                   ROUND2: tl.constexpr, BH: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BH)
+        inside = offs < H
+        dt = x.dtype.element_ty
+        v = tl.load(x + row * s_x + offs, mask=inside, other=0.0).to(tl.float32)
+        if RES:
+            v = (v + tl.load(res + row * s_r + offs, mask=inside, other=0.0).to(tl.float32)).to(dt)
+            tl.store(s_out + row * s_s + offs, v, mask=inside)
+            v = v.to(tl.float32)
+        if NORM:
+            r = tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
+            wv = tl.load(w + offs, mask=inside, other=0.0).to(tl.float32)
+            if ROUND2:
+                y = ((v * r).to(dt).to(tl.float32) * wv).to(dt)
+            else:
+                y = (v * r * wv).to(dt)
+            tl.store(n_out + row * s_n + offs, y, mask=inside)
+
+    @triton.jit
+    def linear_k(x, w, bias, res, out, N, K, s_x, s_w, s_r, s_o, B: tl.constexpr, BB: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, BIAS: tl.constexpr, RES: tl.constexpr, PREC: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nm = n < N
+        wrow = w + n[:, None].to(tl.int64) * s_w
+        rows = tl.arange(0, BB)
+        dt = out.dtype.element_ty
+        if B == 1:
+            acc2 = tl.zeros([BN, BK], tl.float32)
+            for k0 in range(0, K, BK):
+                k = k0 + tl.arange(0, BK)
+                wv = tl.load(wrow + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
+                xv = tl.load(x + k, mask=k < K, other=0.0)
+                acc2 += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
+            acc = tl.sum(acc2, axis=1)[None, :] + tl.zeros([BB, BN], tl.float32)  # [BB, BN], row 0 real
+        else:
+            acc = tl.zeros([BB, BN], tl.float32)
+            for k0 in range(0, K, BK):
+                k = k0 + tl.arange(0, BK)
+                wv = tl.load(wrow + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)  # [BN, BK]
+                xv = tl.load(x + rows[:, None] * s_x + k[None, :], mask=(rows < B)[:, None] & (k < K)[None, :],
+                             other=0.0)  # [BB, BK]
+                acc += tl.dot(xv, tl.trans(wv), input_precision=PREC)
+        if BIAS:
+            acc += tl.load(bias + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(dt)  # the projection, rounded as F.linear's output
+        om = (rows < B)[:, None] & nm[None, :]
+        if RES:
+            y = (y.to(tl.float32) + tl.load(res + rows[:, None] * s_r + n[None, :], mask=om, other=0.0)
+                 .to(tl.float32)).to(dt)
+        tl.store(out + rows[:, None] * s_o + n[None, :], y, mask=om)
+
+    return add_norm_k, linear_k
+
+
+@functools.cache
+def _kernels():
+    return fused.define(_build)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                 round_twice: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(residual + x, RMSNorm of it) for x [..., H] (last dims contiguous): (x itself when ``residual`` is None,
+    None when ``weight`` is None). ``round_twice``: the HF RMSNorm classes' rounding (see the module docstring)."""
+    H = x.shape[-1]
+    x2 = x.reshape(-1, H)
+    R = x2.shape[0]
+    s = x2 if residual is None else torch.empty_like(x2)
+    y = None if weight is None else torch.empty_like(x2)
+    r2 = x2 if residual is None else residual.reshape(-1, H)
+    if x2.stride(-1) != 1 or r2.stride(-1) != 1:
+        raise ValueError("add_rms_norm: x and residual need a contiguous last dim")
+    if R:
+        with on_device(x):
+            _kernels()[0][(R,)](x2, r2, x2 if weight is None else weight, s, x2 if y is None else y, H, float(eps),
+                                x2.stride(0), r2.stride(0), s.stride(0), H, RES=residual is not None,
+                                NORM=weight is not None, ROUND2=bool(round_twice), BH=pow2(H, 16),
+                                num_warps=4 if H <= 2048 else 8)
+    return x if residual is None else s.view(x.shape), None if y is None else y.view(x.shape)
+
+
+#: candidate (BN, BK, warps) for one row and for a few rows
+CONFIGS_1 = ((16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 1024, 8), (64, 128, 4))
+CONFIGS_N = ((32, 128, 4), (64, 128, 4), (16, 256, 4))
+_CHOICE: dict[tuple, tuple | None] = {}  # shape key -> config, or None for cuBLAS
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                  config: tuple) -> torch.Tensor:
+    """x [B, K] @ weight [N, K]^T (+ bias [N]) (+ residual [B, N]) by the kernel with ``config`` (BN, BK, warps)."""
+    B, K = x.shape
+    N = weight.shape[0]
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        raise ValueError("linear: x, weight and residual need contiguous last dims")
+    out = torch.empty((B, N), dtype=x.dtype, device=x.device)
+    BN, BK, warps = config
+    r = residual if residual is not None else out
+    with on_device(x):
+        _kernels()[1][(-(-N // BN),)](x, weight, weight if bias is None else bias, r, out, N, K, x.stride(0),
+                                      weight.stride(0), r.stride(0), out.stride(0), B=B,
+                                      BB=1 if B == 1 else pow2(B, 16), BN=BN, BK=BK, BIAS=bias is not None,
+                                      RES=residual is not None, PREC=fused.dot_precision(x.dtype), num_warps=warps)
+    return out
+
+
+def linear_torch(x, weight, bias, residual):
+    """The reference: F.linear (cuBLAS on CUDA), then the residual add, as HF's modules do."""
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """(residual +) x [B, K] @ weight^T (+ bias) by whichever of cuBLAS and the kernel ``choose`` measured faster
+    for this shape on this device (cuBLAS off CUDA, before the measurement and with KTINJECT_GEMV=torch;
+    KTINJECT_GEMV=triton skips the measurement)."""
+    config = choose(x, weight, bias, residual) if fused.available(x) else None
+    return linear_torch(x, weight, bias, residual) if config is None else linear_triton(x, weight, bias, residual,
+                                                                                        config)
+
+
+def choose(x, weight, bias, residual) -> tuple | None:
+    """The kernel config for this shape, or None for cuBLAS: measured once per shape and device outside graph
+    capture (during capture, before any measurement: cuBLAS)."""
+    B, K = x.shape
+    mode = os.environ.get("KTINJECT_GEMV", "auto")
+    configs = CONFIGS_1 if B == 1 else CONFIGS_N
+    if mode == "torch" or B > 16:
+        return None
+    if mode == "triton":
+        return configs[0]
+    key = (B, weight.shape[0], K, x.dtype, bias is not None, residual is not None, str(x.device))
+    if key not in _CHOICE:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        _CHOICE[key] = _measure(x, weight, bias, residual, configs)
+    return _CHOICE[key]
+
+
+def _measure(x, weight, bias, residual, configs, reps: int = 15) -> tuple | None:
+    """Median GPU time of cuBLAS and of each config, each run after a 256 MiB write that evicts L2 (and keeps the
+    GPU busy while the run is queued, so launch time does not count); the fastest, None for cuBLAS."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=x.device)
+    cands = [None, *configs]
+    times: dict = {c: [] for c in cands}
+    want = linear_torch(x, weight, bias, residual).float()
+    for c in configs:  # compile each, and drop one that fails or disagrees with cuBLAS
+        try:
+            got = linear_triton(x, weight, bias, residual, c).float()
+        except Exception as e:  # noqa: BLE001 - a config this GPU cannot compile (resources): skip it, not the decode
+            log.info("fused_dense: linear config %s unavailable here: %s", c, e)
+            cands.remove(c)
+            continue
+        if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+            log.warning("fused_dense: linear config %s disagrees with cuBLAS; not used", c)
+            cands.remove(c)
+    for _ in range(reps):
+        for c in cands:
+            flush.zero_()
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            linear_torch(x, weight, bias, residual) if c is None else linear_triton(x, weight, bias, residual, c)
+            t1.record()
+            times[c].append((t0, t1))
+    torch.cuda.synchronize(x.device)
+    med = {c: statistics.median(a.elapsed_time(b) for a, b in ev) for c, ev in times.items() if c in cands}
+    best = min(med, key=med.get)
+    log.info("fused_dense: linear %s x %s: cuBLAS %.1f us, best kernel %s %.1f us; using %s", tuple(x.shape),
+             tuple(weight.shape), med[None] * 1e3, best, med[best] * 1e3, "cuBLAS" if best is None else best)
+    return best

@@ -1,0 +1,146 @@
+"""The decoder layers' decode forward (operators/decode_layer.py) against the unmodified HF layers.
+
+On the CPU (no Triton) it runs HF's own ops in HF's order, with the next layer's input norm computed by the
+residual add that precedes it and handed over on the sum (``norm.attach_prenormed``): logits must be bitwise
+HF's for every tiny family, through static and dynamic caches, in float32 and bf16. Hooks, in-place changes of a
+layer's output, inference mode and training keep HF's results. On CUDA (GPU machine) the kernels run: bf16 logits
+no further from the float32 model's than HF bf16's are."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ktinject
+from ktinject.operators import decode_attention as DA, decode_layer as DL, norm as N
+from ktinject.testing import FAMILIES, build_tiny_model, tiny_prompts
+
+from test_decode_attention import _attention_modules, _left_padded, _logits
+
+
+def _pair(family, dtype=torch.float32, device="cpu", attention=True):
+    ref = build_tiny_model(family, dtype=dtype).to(device)
+    fast = copy.deepcopy(ref)
+    if attention:
+        for m in (ref, fast):  # the attention decode forward in both: this compares the layer forward alone
+            for a in _attention_modules(m):
+                DA.install(a)
+    assert DL.install_all(fast) == fast.config.num_hidden_layers
+    return ref, fast
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """How often a norm took the prenormed result handed over by the layer before (layers and final norm)."""
+    hits = {"n": 0}
+    orig = N.take_prenormed
+
+    def counted(x, norm):
+        y = orig(x, norm)
+        hits["n"] += y is not None
+        return y
+    monkeypatch.setattr(N, "take_prenormed", counted)
+    monkeypatch.setattr(DL, "take_prenormed", counted)
+    return hits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitwise_hf_on_cpu(family, dtype, taken):
+    ref, fast = _pair(family, dtype)
+    ids, mask, keep = _left_padded()
+    for kind in ("static", "dynamic"):
+        assert torch.equal(_logits(fast, ids, mask, kind)[keep], _logits(ref, ids, mask, kind)[keep])
+    layers = fast.config.num_hidden_layers
+    assert taken["n"] == 2 * 5 * (layers - 1)  # every decode step, every layer but the first; HF final norm
+    st = fastpaths_of(fast)
+    assert st is None or st["decode_layer"]["fast_calls"] == 2 * 5 * layers
+
+
+def fastpaths_of(model):
+    report = model.__dict__.get("_ktinject_fast_paths")
+    return None if report is None else report.as_dict()
+
+
+def test_injected_model_final_norm_takes_it(taken):
+    """After inject the norms are FusedRMSNorm: the last layer hands the final norm its result too; the report
+    shows the path; uninstall gives HF's forward back."""
+    ref = build_tiny_model("qwen3_moe")
+    inj = copy.deepcopy(ref)
+    ktinject.inject(inj, gpu="cpu")
+    layers = [m for m in inj.modules() if DL.installed(m)]
+    assert len(layers) == inj.config.num_hidden_layers
+    ids = tiny_prompts(1, 6, seed=4)
+    out = inj.generate(ids, max_new_tokens=4, do_sample=False)
+    assert taken["n"] == 3 * inj.config.num_hidden_layers  # decode steps x (layers - 1 + the final norm)
+    paths = ktinject.info(inj)["fast_paths"]
+    assert paths["decode_layer"]["active"] is True and paths["decode_layer"]["fast_calls"] == 3 * len(layers)
+    for m in layers:
+        DL.uninstall(m)
+    assert not any(DL.installed(m) for m in inj.modules())
+    assert torch.equal(inj.generate(ids, max_new_tokens=4, do_sample=False), out)
+
+
+def test_hooks_inplace_changes_and_inference_mode(taken):
+    """A hook on a norm runs (the norm is called as a module); a hook that changes a layer's output in place
+    invalidates the handed-over norm; inference tensors keep no versions, so nothing is handed over."""
+    ref, fast = _pair("qwen2_moe")
+    ids, mask, keep = _left_padded()
+    calls = []
+    for m in (ref, fast):
+        layers = m.model.layers
+        layers[1].post_attention_layernorm.register_forward_hook(lambda mod, a, out: calls.append(1) or out * 1.5)
+        layers[0].register_forward_hook(lambda mod, a, out: out.mul_(0.75))
+    want = _logits(ref, ids, mask)
+    n_ref = len(calls)
+    got = _logits(fast, ids, mask)
+    assert torch.equal(got[keep], want[keep]) and len(calls) == 2 * n_ref
+    assert taken["n"] == 5 * (fast.config.num_hidden_layers - 2)  # not after layer 0: its output was changed
+    taken["n"] = 0
+    with torch.inference_mode():
+        assert torch.equal(_logits(fast, ids, mask)[keep], _logits(ref, ids, mask)[keep])
+    assert taken["n"] == 0
+
+
+def test_without_decode_attention_and_in_training():
+    ref, fast = _pair("mixtral", attention=False)  # HF attention modules: called as modules
+    ids, mask, keep = _left_padded()
+    assert torch.equal(_logits(fast, ids, mask)[keep], _logits(ref, ids, mask)[keep])
+    fast.train()
+    x = torch.randn(1, 1, fast.config.hidden_size)
+    layer, ref_layer = fast.model.layers[0], ref.model.layers[0]
+    ref_layer.train()
+    cos_sin = fast.model.rotary_emb(x, torch.zeros(1, 1, dtype=torch.long))
+    torch.manual_seed(0)
+    a = layer(x, position_embeddings=cos_sin, attention_mask=None)
+    torch.manual_seed(0)
+    b = ref_layer(x, position_embeddings=cos_sin, attention_mask=None)
+    assert torch.equal(a, b)
+    assert fastpaths_of(fast) is None or fastpaths_of(fast)["decode_layer"]["fallback_calls"] >= 1
+
+
+def test_problems_are_named():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    assert "Qwen3MoeRMSNorm" in DL.problem(Qwen3MoeRMSNorm(8)) and "Qwen3MoeDecoderLayer" in DL.problem(
+        Qwen3MoeRMSNorm(8))
+    assert DL.problem(build_tiny_model("deepseek_v3").model.layers[0]) is None
+
+
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=_CUDA) for f in ("qwen3_moe", "qwen2_moe", "gpt_oss")])
+def test_bf16_no_worse_than_hf_on_cuda(family):
+    """The Triton path (fused adds and norms, GEMVs, attention kernel): bf16 logits, fed the float32 model's greedy
+    tokens, within HF bf16's error of the float32 model (median over positions)."""
+    ref16, fast16 = _pair(family, torch.bfloat16, "cuda")
+    truth = copy.deepcopy(ref16).float()
+    ids, mask, keep = _left_padded(seed=5)
+    t = _logits(truth, ids, mask)
+    forced = t[:, -6:-1].argmax(-1)
+    err_hf = (_logits(ref16, ids, mask, forced=forced) - t)[keep].abs()
+    err_fast = (_logits(fast16, ids, mask, forced=forced) - t)[keep].abs()
+    med_fast, med_hf = float(err_fast.mean(-1).median()), float(err_hf.mean(-1).median())
+    assert med_fast <= 1.2 * med_hf + 1e-3, (med_fast, med_hf)

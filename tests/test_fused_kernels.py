@@ -1,0 +1,245 @@
+"""The Triton kernels of the decode step (operators/fused*.py) against float64 torch and the torch ops they replace.
+
+They run on CUDA (the GPU machine: ``pytest -m gpu``) or, with ``TRITON_INTERPRET=1``, in Triton's interpreter on
+CPU tensors (no GPU needed; programs run one after another, so the last-program combine is checked for its
+arithmetic there and for its ordering on the GPU). Skipped where neither is possible (CI without Triton). Shapes are
+awkward on purpose: head dims 16/20/24, lengths not multiples of the 64-key blocks, one key, rows at different
+lengths, batch 3, grouped and plain multi-head attention, masks longer than the keys.
+
+The interpreter (checked with Triton 3.6 and 3.9) rounds float32 -> bf16 by truncation and multiplies bf16 dot
+operands as integers; ``dev`` patches both to what the GPU does (round to nearest even; bf16 products in float32).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktinject.operators import decode_attention as DA
+from ktinject.operators import fused, fused_attn as FA, fused_dense as FD
+
+pytestmark = pytest.mark.gpu
+BF = torch.bfloat16
+
+
+def _patch_interpreter(monkeypatch) -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as I
+
+    def as_f32(h):
+        return torch.from_numpy(np.ascontiguousarray(h.data).view(np.int16)).view(BF).float().numpy()
+
+    cast = I.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(BF).view(torch.int16).numpy().view(np.uint16)
+            return I.TensorHandle(bits, tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    dot = I.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16:
+            a, b = I.TensorHandle(as_f32(a), tl.float32), I.TensorHandle(as_f32(b), tl.float32)
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(I.InterpreterBuilder, "cast_impl", cast_impl)
+    monkeypatch.setattr(I.InterpreterBuilder, "create_dot", create_dot)
+
+
+@pytest.fixture
+def dev(monkeypatch):
+    if fused.triton_language() is None:
+        pytest.skip("Triton is not installed")
+    if fused.interpreting():
+        _patch_interpreter(monkeypatch)
+        return "cpu"
+    if not torch.cuda.is_available() or not fused.available(torch.empty(1, device="cuda")):
+        pytest.skip("needs CUDA with Triton, or TRITON_INTERPRET=1")
+    return "cuda"
+
+
+def _close_bf16(got, want, equal_share=0.99):
+    """bf16 results of the same roundings: none off by more than one ulp of its row's largest, nearly all equal."""
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= want.float().abs().amax(-1, keepdim=True) * 2.0 ** -7).all(), float(diff.max())
+    assert (diff == 0).float().mean() >= equal_share
+
+
+def _norm_module(D, dtype, dev, g):
+    m = torch.nn.Module()
+    m.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(D, generator=g)).to(dev, dtype))
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+@pytest.mark.parametrize("with_norms", [True, False])
+def test_qk_norm_rope_and_cache_write(dev, dtype, with_norms):
+    """The kernel against decode_attention's torch ops; with a cache, k and v land at each row's length (none for a
+    row whose length is the cache's end) and q alone comes back."""
+    g = torch.Generator().manual_seed(0)
+    for B, hq, hk, D, cs_batch in ((1, 8, 2, 16, 1), (3, 6, 2, 24, 3), (3, 4, 4, 20, 1)):
+        qkv = (torch.randn(B, hq + 2 * hk, D, generator=g) * 3).to(dev, dtype)
+        norms = (_norm_module(D, dtype, dev, g), _norm_module(D, dtype, dev, g), 1e-6) if with_norms else None
+        ang = torch.rand(cs_batch, 1, D // 2, generator=g) * 100
+        cos = torch.cat([ang.cos(), ang.cos()], -1).to(dev, dtype)
+        sin = torch.cat([ang.sin(), ang.sin()], -1).to(dev, dtype)
+        sign = torch.cat([torch.full((D // 2,), -1.0), torch.ones(D // 2)]).to(dev, dtype)
+        want = DA.qk_norm_rope(qkv, hq, hk, norms, cos, sin, sign)  # [B, Hq + Hkv, D]
+        got = FA.qk_norm_rope(qkv, hq, hk, norms, cos, sin)
+        check = (lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)) if dtype == torch.float32 \
+            else _close_bf16
+        assert got.shape == want.shape and got.dtype == dtype
+        check(got, want)
+        L = 37
+        K = torch.zeros(B, hk, L, D, dtype=dtype, device=dev)
+        V = torch.zeros_like(K)
+        lens = torch.tensor([5, L, 0][:B], device=dev)  # row 1 (when there) is full: nothing written
+        q = FA.qk_norm_rope(qkv, hq, hk, norms, cos, sin, cache=(K, V, lens))
+        assert q.shape == (B, hq, D) and torch.equal(q, got[:, :hq]) and lens.tolist() == [5, L, 0][:B]
+        for b in range(B):
+            n = int(lens[b])
+            written = torch.zeros(L, dtype=torch.bool)
+            if n < L:
+                written[n] = True
+                assert torch.equal(K[b, :, n], got[b, hq:]) and torch.equal(V[b, :, n], qkv[b, hq + hk:])
+            assert not K[b][:, ~written].any() and not V[b][:, ~written].any()
+
+
+def _attention_case(g, B, hq, hk, D, L, dtype, dev, mask_kind, lens):
+    q = torch.randn(B, hq, D, generator=g).to(dev, dtype)
+    k = torch.randn(B, hk, L, D, generator=g).to(dev, dtype)
+    v = torch.randn(B, hk, L, D, generator=g).to(dev, dtype)
+    keep = torch.rand(B, 1, 1, L + 5, generator=g) < 0.7
+    keep[..., 0] = True
+    keep = keep.to(dev)
+    mask = {"none": None, "bool": keep, "float": torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)}[mask_kind]
+    if mask is not None:
+        mask = mask[..., :L]  # as decode_forward cuts a longer mask: stride(0) > L
+    lengths = None if lens is None else torch.tensor(lens, device=dev)
+    return q, k, v, mask, lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+def test_attention_matches_float64(dev, dtype, mask_kind):
+    """One kernel (splits + last-program combine) against float64 attention; lengths bound the keys read and come
+    back advanced by one; the counters are back at zero."""
+    g = torch.Generator().manual_seed(1)
+    cases = [(1, 8, 2, 16, 40, [5]), (3, 6, 2, 24, 130, [0, 77, 129]), (2, 4, 4, 20, 70, None),
+             (1, 2, 1, 16, 1, [0]), (2, 8, 2, 16, 300, [299, 130])]
+    if dev == "cuda":  # the model's shapes, many splits per row, long rows (slow in the interpreter)
+        cases += [(1, 32, 4, 128, 1024, [97]), (8, 32, 4, 128, 4096, [4095, 0, 1, 63, 64, 65, 2000, 3333]),
+                  (3, 32, 4, 128, 32768, [30000, 5, 12000])]
+    for B, hq, hk, D, L, lens in cases:
+        q, k, v, mask, lengths = _attention_case(g, B, hq, hk, D, L, dtype, dev, mask_kind, lens)
+        ref_len = None if lengths is None else lengths.clone()
+        want = FA.attention_reference(q, k, v, D ** -0.5, mask, ref_len)
+        got = FA.attention(q, k, v, D ** -0.5, mask, lengths)
+        assert got.shape == (B, hq * D) and got.dtype == dtype
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+        torch.testing.assert_close(got.double(), want, **tol, msg=lambda m: f"{(B, hq, hk, D, L, lens)}: {m}")
+        if lengths is not None:
+            assert torch.equal(lengths, ref_len)
+        assert not fused.workspace("attn_counters", 1, torch.int32, torch.device(dev)).any()
+
+
+def test_attention_replays_in_a_cuda_graph(dev):
+    """Captured once, replayed at growing lengths: each replay reads one key more and advances the lengths."""
+    if dev != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    g = torch.Generator().manual_seed(2)
+    q, k, v, mask, lengths = _attention_case(g, 2, 32, 4, 128, 512, BF, dev, "bool", [10, 200])
+    start = lengths.clone()
+    FA.attention(q, k, v, 0.1, mask, lengths)  # makes the workspaces (outside capture)
+    lengths.copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = FA.attention(q, k, v, 0.1, mask, lengths)
+    lengths.copy_(start)
+    for i in range(3):
+        ref_len = lengths.clone()
+        want = FA.attention_reference(q, k, v, 0.1, mask, ref_len)
+        graph.replay()
+        torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=1e-2)
+        assert torch.equal(lengths, start + i + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_add_rms_norm_matches_the_modules(dev, dtype):
+    """residual + x and its norm against HF's RMSNorm classes (two roundings), GptOssRMSNorm and FusedRMSNorm (one)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    from ktinject.operators.norm import FusedRMSNorm, fuse
+
+    g = torch.Generator().manual_seed(3)
+    for H, R in ((40, 1), (100, 3), (2048, 2)):
+        x, r = (torch.randn(R, 1, H, generator=g).to(dev, dtype) * 4 for _ in range(2))
+        for cls in (Qwen3MoeRMSNorm, GptOssRMSNorm, FusedRMSNorm):
+            m = (Qwen3MoeRMSNorm if cls is FusedRMSNorm else cls)(H, eps=1e-6)
+            torch.nn.init.normal_(m.weight, 1.0, 0.1)
+            m = fuse(m) if cls is FusedRMSNorm else m
+            m = m.to(dev, dtype)
+            s, y = FD.add_rms_norm(x, r, m.weight, 1e-6, round_twice=cls is Qwen3MoeRMSNorm)
+            with torch.no_grad():
+                want_s = r + x
+                want_y = m(want_s)
+            assert torch.equal(s, want_s)
+            if dtype == torch.float32:
+                torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+            else:
+                _close_bf16(y, want_y, 0.98)
+        s, y = FD.add_rms_norm(x, None, m.weight, 1e-6)  # the norm alone
+        assert s is x and torch.equal(y, FD.add_rms_norm(x.clone(), torch.zeros_like(x), m.weight, 1e-6)[1])
+        assert torch.equal(FD.add_rms_norm(x, r, None, 0.0)[0], r + x)  # the sum alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_linear_matches_float64_and_cublas(dev, dtype):
+    """y = x W^T (+ bias) (+ residual), every candidate config, one row and several, sizes off the tiles."""
+    g = torch.Generator().manual_seed(4)
+    shapes = [(1, 40, 70, False, True), (3, 33, 100, True, True), (2, 16, 64, False, False), (1, 7, 9, True, False)]
+    if dev == "cuda":
+        shapes += [(1, 2048, 4096, False, True), (1, 5120, 2048, False, False), (4, 2048, 4096, False, True)]
+    for B, N, K, bias, res in shapes:
+        x = torch.randn(B, K, generator=g).to(dev, dtype)
+        W = (torch.randn(N, K, generator=g) / K ** 0.5).to(dev, dtype)
+        b = torch.randn(N, generator=g).to(dev, dtype) if bias else None
+        r = torch.randn(B, N, generator=g).to(dev, dtype) if res else None
+        want = FD.linear_torch(*(None if t is None else t.double() for t in (x, W, b, r)))
+        cublas = FD.linear_torch(x, W, b, r)
+        err_torch = (cublas.double() - want).abs().max()
+        for cfg in (FD.CONFIGS_1 if B == 1 else FD.CONFIGS_N) if dev == "cuda" else ((16, 32, 4), (32, 16, 4)):
+            got = FD.linear_triton(x, W, b, r, cfg)
+            assert got.shape == (B, N) and got.dtype == dtype
+            err = (got.double() - want).abs().max()
+            assert err <= 2 * err_torch + (1e-5 if dtype == torch.float32 else 2 ** -8 * want.abs().max()), (cfg, err)
+    assert torch.equal(FD.linear(x.cpu(), W.cpu(), None if b is None else b.cpu(), None if r is None else r.cpu()),
+                       FD.linear_torch(x.cpu(), W.cpu(), None if b is None else b.cpu(), None if r is None else r.cpu()))
+
+
+def test_router_topk_counts_and_staging(dev):
+    """Top-k of the float32 logits, softmax of the k, counts of routed pairs and the host copies, in one kernel."""
+    g = torch.Generator().manual_seed(5)
+    cases = [(1, 16, 64, 4), (5, 60, 100, 3), (3, 9, 40, 1)]
+    if dev == "cuda":
+        cases += [(1, 128, 2048, 8), (64, 256, 7168, 8), (4, 1024, 512, 16)]
+    for T, E, H, k in cases:
+        x = torch.randn(T, H + 3, generator=g).to(dev, BF)[:, :H]  # rows H + 3 apart
+        W = (torch.randn(E, H, generator=g) * 0.02).to(dev)
+        counts = torch.zeros(E, dtype=torch.int64, device=dev)
+        pin = dev == "cuda"
+        stage = (torch.zeros(T, H, dtype=BF, pin_memory=pin), torch.zeros(T, k, dtype=torch.int64, pin_memory=pin),
+                 torch.zeros(T, k, dtype=torch.float32, pin_memory=pin))
+        w, ids = fused.router_topk(x, W, k, counts=counts, stage=stage)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        top, want_ids = torch.topk(torch.nn.functional.linear(x.float(), W), k, dim=-1)
+        assert torch.equal(ids, want_ids)  # descending logit order
+        torch.testing.assert_close(w, torch.softmax(top, dim=-1), rtol=1e-5, atol=1e-6)
+        assert torch.equal(counts.cpu(), torch.bincount(want_ids.flatten().cpu(), minlength=E))
+        assert torch.equal(stage[0], x.cpu()) and torch.equal(stage[1], ids.cpu()) and torch.equal(stage[2], w.cpu())
+        w2, ids2 = fused.router_topk(x, W, k)  # neither counts nor staging
+        assert torch.equal(ids2, ids) and torch.equal(w2, w)
