@@ -25,6 +25,7 @@ from ktinject.generate import enable as enable_graph_generate
 from ktinject.gpu_experts.placement import apply_settings
 from ktinject.gpu_experts.settings import HotExpertSettings
 from ktinject.operators import deferral
+from ktinject.operators import decode_layer
 from ktinject.operators.attention import apply_implementation, wanted_implementation
 from ktinject.operators.moe import HybridMoE
 
@@ -173,6 +174,7 @@ def finish(model: nn.Module, plan, hot: HotExpertSettings | None) -> str:
     untested = compat.untested_release()
     if untested:
         log.warning("inject: %s", untested)
+    decode_layer.install_all(model)  # one-token steps: residual adds fused with the norms after them
     fastpaths.attach(model)
     deferral.link(model, [m for m in model.modules() if isinstance(m, HybridMoE)])  # expert deferral's chain
     if hot is not None:
