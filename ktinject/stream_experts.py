@@ -109,6 +109,7 @@ class StreamExperts:
             self.dtask.bind(experts, self.h, self.ids, self.w, skip=skip, out=self.o_d)
             self.dtask.select("rest", self.defer)
         self._watched = False
+        self.staged_ids = None  # the ids tensor of a routing whose kernel wrote h, ids and w itself (see start)
         if self.mode == "memops":
             self.go_dptr = cuda_driver.host_device_pointer(self.go_addr)
             self.done_dptr = cuda_driver.host_device_pointer(self.done_addr)
@@ -126,14 +127,18 @@ class StreamExperts:
             self.submit_fn, self.wait_fn = native.host_fn_addresses()
 
     def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        """Queue on the current stream: copy x [T,H], ids [T,k], weights [T,k] to the host, then start the task."""
+        """Queue on the current stream: copy x [T,H], ids [T,k], weights [T,k] to the host, then start the task.
+        No copies when ``ids`` is ``staged_ids``: the routing kernel that made them wrote all three into h, ids
+        and w already (operators/fused.py, router_topk's stage; HybridMoE.routing sets it)."""
         if x.shape != (self.T, self.hidden) or ids.shape != (self.T, self.k):
             raise ValueError(f"StreamExperts(T={self.T}, k={self.k}, H={self.hidden}) got hidden "
                              f"{tuple(x.shape)} and ids {tuple(ids.shape)}")
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.h.copy_(x.detach(), non_blocking=True)
-        self.ids.copy_(ids, non_blocking=True)
-        self.w.copy_(weights.detach(), non_blocking=True)
+        staged, self.staged_ids = self.staged_ids is ids, None
+        if not staged:
+            self.h.copy_(x.detach(), non_blocking=True)
+            self.ids.copy_(ids, non_blocking=True)
+            self.w.copy_(weights.detach(), non_blocking=True)
         if self.mode == "memops":  # the default write fences the copies before it
             cuda_driver.stream_write_value32(stream, self.go_dptr, 1)
         else:

@@ -121,13 +121,18 @@ def fast_routing(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torc
     """(weights [T, k] float32, ids [T, k] int64) of a softmax_topk_router for x [T, H], in float32: on CUDA with
     Triton, for decode-sized T, ``fused.router_topk`` (two kernels; ids in descending logit order), else torch ops
     (ids unsorted). (router_topk's logits kernel is a GEMV: for many tokens cuBLAS is the better choice.)"""
-    W = router.weight
-    if (x.dim() == 2 and x.shape[0] <= 64 and x.stride(-1) == 1 and W.dtype == torch.float32 and W.is_contiguous()
-            and W.shape[0] <= 1024 and router.top_k <= 16 and fused.available(x)):
-        return fused.router_topk(x, W, router.top_k)
+    if fused_router_fits(router, x):
+        return fused.router_topk(x, router.weight, router.top_k)
     logits = row_logits(x, router.weight)  # [T, E]
     top, ids = torch.topk(logits, router.top_k, dim=-1, sorted=False)
     return torch.softmax(top, dim=-1), ids
+
+
+def fused_router_fits(router: nn.Module, x: torch.Tensor) -> bool:
+    """fused.router_topk takes this router and x [T, H]: CUDA with Triton, decode-sized T, float32 weights."""
+    W = router.weight
+    return (x.dim() == 2 and x.shape[0] <= 64 and x.stride(-1) == 1 and W.dtype == torch.float32 and W.is_contiguous()
+            and W.shape[0] <= 1024 and router.top_k <= 16 and fused.available(x))
 
 
 def row_logits(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
@@ -217,10 +222,12 @@ class HybridMoE(nn.Module):
         # (E x H weights: negligible memory and time). Weights come back float32 for every family.
         self._modules[spec.router].float()
 
-    def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def routing(self, x: torch.Tensor, runner=None) -> tuple[torch.Tensor, torch.Tensor]:
         """HF's router, in float32, on x [T, H]: (weights [T, k] float32, ids [T, k] int64). For the softmax ->
         top-k -> renormalize routers, the same weights by ``fast_routing`` (ids in its order), unless the router is
-        hooked, replaced or recorded by autograd (HF's own forward, bitwise, for hooks and training)."""
+        hooked, replaced or recorded by autograd (HF's own forward, bitwise, for hooks and training). ``runner``:
+        the StreamExperts this decode step will start: where the one-kernel router runs, it also counts the routed
+        pairs and writes x, ids and weights into the runner's pinned buffers (``runner.staged_ids``: no copies)."""
         router = self._modules[self.spec.router]  # "gate" or "router" (gpt-oss); checked per call: may be replaced
         report = fastpaths.report_for(self)
         if not softmax_topk_router(router):
@@ -231,6 +238,12 @@ class HybridMoE(nn.Module):
             report.fell_back("fast_router", "autograd through the router", True)
         else:
             report.ran("fast_router")
+            if runner is not None and fused_router_fits(router, x):
+                w, ids = fused.router_topk(x, router.weight, router.top_k,
+                                           counts=self.counts if self.collect_stats else None,
+                                           stage=(runner.h, runner.ids, runner.w))
+                runner.staged_ids = ids
+                return w, ids
             return fast_routing(router, x)
         _, weights, ids = router(x.float())  # float32
         return weights, ids
@@ -257,9 +270,10 @@ class HybridMoE(nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, H)  # [T, H]
-        weights, ids = self.routing(x)  # [T, k], [T, k]
-        if self.collect_stats and ids.numel():
-            self._count(ids)
+        runner = self._decode_runner(x, S)
+        weights, ids = self.routing(x, runner)  # [T, k], [T, k]
+        if self.collect_stats and ids.numel() and (runner is None or runner.staged_ids is not ids):
+            self._count(ids)  # (else counted by the routing kernel)
         pending = None if self.defer_chain is None else self.defer_chain.take(self)  # the previous block's
         d = self._defer_now(S, x.shape[0], ids.shape[1])
         if d:
@@ -276,6 +290,16 @@ class HybridMoE(nn.Module):
             out = out + prev
         out = out.view(B, S, H)
         return (out, weights) if self.spec.returns_scores else out
+
+    def _decode_runner(self, x: torch.Tensor, S: int):
+        """The StreamExperts this forward's experts will start (graph warm-up and capture: ``_experts`` and
+        ``deferral.experts_deferred`` ask runner_for for the same key), or None."""
+        T, H = x.shape
+        if x.device.type != "cuda" or not stream_experts.active() or not T or not self.top_k:
+            return None
+        d = self._defer_now(S, T, self.top_k)
+        return stream_experts.runner_for(self.native_experts, T, self.top_k, H, x.device, dtype=x.dtype,
+                                         weights_dtype=torch.float32, skip=self.skip, defer=d)
 
     def _defer_now(self, S: int, T: int, k: int) -> int:
         """Slots per token this forward defers: ``defer`` in a decode step (one token per row) of a chained block
