@@ -8,8 +8,9 @@ depend on: the checkpoint files (name, size, mtime), the rules' content, the per
 native library's version and this file format, so any change misses (and the stale entry for the same checkpoint
 is removed when the new one is written). A cache directory is written under a temporary name and renamed into
 place when complete (atomic): a crash leaves no half cache behind. The root is ``cache_dir`` if given, else
-``$KTINJECT_CACHE``, else ``<checkpoint>/.ktinject-cache`` when the checkpoint directory is writable; ``False`` or
-``KTINJECT_CACHE=off`` disables it. By default (``cache_dir=None``, no ``$KTINJECT_CACHE``) it is used only for
+``$KTINJECT_CACHE``, else ``<checkpoint>/.ktinject-cache`` when the checkpoint directory is writable (for the
+built-in demo model, which lies inside the package: ``$XDG_CACHE_HOME/ktinject/packed``, by default under
+``~/.cache``); ``False`` or ``KTINJECT_CACHE=off`` disables it. By default (``cache_dir=None``, no ``$KTINJECT_CACHE``) it is used only for
 quantized packings (int8, int4): a bf16 cache holds as many bytes as the checkpoint's experts, so reading it is no
 faster than streaming them, and writing it costs a second copy (the README's Loading figures).
 """
@@ -77,6 +78,16 @@ def write_tensor(path: Path, name: str, data: torch.Tensor, metadata: dict[str, 
 # ---------------------------------------------------------------------------------------------- cache
 
 
+def _inside_package(path: Path) -> bool:
+    """Whether ``path`` lies inside the installed ktinject package (the shipped demo model)."""
+    package = Path(__file__).resolve().parent
+    try:
+        Path(path).resolve().relative_to(package)
+    except ValueError:
+        return False
+    return True
+
+
 def cache_root(cache_dir: Any, checkpoint_dir: Path, worth_it: bool) -> Path | None:
     """Where the cache lives, or None when it is off (see the module docstring). ``cache_dir``: False (off), a
     path (on, there), True (on, default place) or None: on at the default place when ``worth_it`` (the packing
@@ -93,6 +104,10 @@ def cache_root(cache_dir: Any, checkpoint_dir: Path, worth_it: bool) -> Path | N
             return None
     else:
         return Path(cache_dir).expanduser()
+    if _inside_package(checkpoint_dir):
+        # the built-in demo model: never write into the installed package (read-only in site-packages, and a
+        # checkout would show it as untracked files); the user's cache directory instead
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "ktinject" / "packed"
     if os.access(checkpoint_dir, os.W_OK):
         return checkpoint_dir / ".ktinject-cache"
     log.info("packed-expert cache off: %s is not writable (pass cache_dir=... or set KTINJECT_CACHE)",

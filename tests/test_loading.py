@@ -380,3 +380,15 @@ def test_peak_rss_is_resident_plus_one_layer(tmp_path_factory, tmp_path):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     grown = r["peak"] - r["base"]
     assert grown <= r["resident"] + layer + (24 << 20), (grown, r, layer)
+
+
+def test_cache_root_never_inside_the_package(tmp_path, monkeypatch):
+    """The built-in demo model lies inside the installed package: its packed cache goes to the user's cache
+    directory, not next to it (site-packages may be read-only; a checkout would grow untracked files)."""
+    from ktinject import demo, packcache
+    monkeypatch.delenv("KTINJECT_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = packcache.cache_root(None, Path(demo.demo_model_dir()), worth_it=True)
+    assert root == tmp_path / "xdg" / "ktinject" / "packed"
+    assert packcache.cache_root(None, tmp_path, worth_it=True) == tmp_path / ".ktinject-cache"
+    assert packcache.cache_root(False, Path(demo.demo_model_dir()), worth_it=True) is None
