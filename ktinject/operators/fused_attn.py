@@ -95,9 +95,9 @@ def _build(triton, tl):
         for j0 in range(start, end, BN):
             j = j0 + tl.arange(0, BN)
             jm = j < end
-            k = tl.load(kbase + j[None, :].to(tl.int64) * s_k_l + d[:, None], mask=jm[None, :] & (d < D)[:, None],
-                        other=0.0)  # [BD, BN]
-            sc = tl.dot(qv, k, input_precision=PREC) * scale  # [GP, BN] float32
+            kv_mask = jm[:, None] & (d < D)[None, :]
+            k = tl.load(kbase + j[:, None].to(tl.int64) * s_k_l + d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+            sc = tl.dot(qv, tl.trans(k), input_precision=PREC) * scale  # [GP, BN] float32
             if MASK:
                 mv = tl.load(mask + b.to(tl.int64) * s_m_b + j, mask=jm, other=0)
                 if MASK_BOOL:
@@ -110,8 +110,7 @@ def _build(triton, tl):
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(sc - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vbase + j[:, None].to(tl.int64) * s_v_l + d[None, :], mask=jm[:, None] & (d < D)[None, :],
-                        other=0.0)  # [BN, BD]
+            v = tl.load(vbase + j[:, None].to(tl.int64) * s_v_l + d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         slot = r * P + sp
@@ -185,6 +184,12 @@ def qk_norm_rope(qkv: torch.Tensor, hq: int, hk: int, norms, cos: torch.Tensor, 
     return out
 
 
+def key_block(dtype) -> int:
+    """Keys per step of the attention kernel: 64 (bf16, fp16), 16 for float32 (its products run without tensor
+    cores, in registers: 32 already spills with 4 warps). ``dtype``: a torch dtype or Triton's name ("fp32")."""
+    return 16 if dtype in (torch.float32, "fp32") else 64
+
+
 def splits(rows: int, L: int, device: torch.device, block: int = 64) -> int:
     """Programs per (batch row, KV head): about two per SM over all rows, at most one per ``block`` keys, <= 64."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -203,7 +208,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1 or values.shape[-1] != D:
         raise ValueError("attention: q, keys and values need one head dim with contiguous last dims")
     out = torch.empty((B, hq * D), dtype=values.dtype, device=q.device)
-    GP, BD, BN = pow2(G, 16), pow2(D, 16), 64
+    GP, BD, BN = pow2(G, 16), pow2(D, 16), key_block(q.dtype)
     P = splits(B * hk, L, q.device, BN)
     part = fused.workspace("attn_part", B * hk * P * GP * BD, torch.float32, q.device)
     ml = fused.workspace("attn_ml", B * hk * P * 2 * GP, torch.float32, q.device)

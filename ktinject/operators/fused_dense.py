@@ -115,9 +115,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 #: candidate (BN, BK, warps) for one row and for a few rows
-CONFIGS_1 = ((16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 1024, 8), (64, 128, 4))
+CONFIGS_1 = ((16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 1024, 8), (32, 512, 8))
 CONFIGS_N = ((32, 128, 4), (64, 128, 4), (16, 256, 4))
 _CHOICE: dict[tuple, tuple | None] = {}  # shape key -> config, or None for cuBLAS
+MEASURE_FROM = 1 << 20  # weights smaller than this stay with cuBLAS unmeasured (launch-bound either way)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
@@ -147,8 +148,9 @@ def linear_torch(x, weight, bias, residual):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """(residual +) x [B, K] @ weight^T (+ bias) by whichever of cuBLAS and the kernel ``choose`` measured faster
-    for this shape on this device (cuBLAS off CUDA, before the measurement and with KTINJECT_GEMV=torch;
-    KTINJECT_GEMV=triton skips the measurement)."""
+    for this shape on this device (cuBLAS off CUDA, for weights under ``MEASURE_FROM`` elements, during capture
+    before any measurement and with KTINJECT_GEMV=torch; KTINJECT_GEMV=triton: the kernel's first config, no
+    measurement)."""
     config = choose(x, weight, bias, residual) if fused.available(x) else None
     return linear_torch(x, weight, bias, residual) if config is None else linear_triton(x, weight, bias, residual,
                                                                                         config)
@@ -160,7 +162,7 @@ def choose(x, weight, bias, residual) -> tuple | None:
     B, K = x.shape
     mode = os.environ.get("KTINJECT_GEMV", "auto")
     configs = CONFIGS_1 if B == 1 else CONFIGS_N
-    if mode == "torch" or B > 16:
+    if mode == "torch" or B > 16 or (mode != "triton" and weight.numel() < MEASURE_FROM):
         return None
     if mode == "triton":
         return configs[0]
@@ -175,7 +177,11 @@ def choose(x, weight, bias, residual) -> tuple | None:
 def _measure(x, weight, bias, residual, configs, reps: int = 15) -> tuple | None:
     """Median GPU time of cuBLAS and of each config, each run after a 256 MiB write that evicts L2 (and keeps the
     GPU busy while the run is queued, so launch time does not count); the fastest, None for cuBLAS."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=x.device)
+    try:
+        flush = torch.empty(256 << 20, dtype=torch.uint8, device=x.device)
+    except torch.cuda.OutOfMemoryError:
+        log.info("fused_dense: no room to measure the linear kernels (256 MiB); cuBLAS runs")
+        return None
     cands = [None, *configs]
     times: dict = {c: [] for c in cands}
     want = linear_torch(x, weight, bias, residual).float()

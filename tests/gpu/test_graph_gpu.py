@@ -19,7 +19,9 @@ from gpu_helpers import greedy_margins, pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
+# qwen2_moe: q/k/v biases and a gated shared expert through the fused attention; gpt_oss: sliding-window masks and
+# an MLP returning (hidden, scores) through the decoder-layer decode forward, with HF's attention (sinks)
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe", "gpt_oss")
 N = 32
 MARGIN = 0.15  # logits (std ~2): bf16 rounding differences between native and torch experts stay well below
 
