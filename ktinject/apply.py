@@ -22,6 +22,7 @@ from torch import nn
 
 from ktinject import compat, fastpaths, operators
 from ktinject.generate import enable as enable_graph_generate
+from ktinject.gpu_experts import stream as prefill_stream
 from ktinject.gpu_experts.placement import apply_settings
 from ktinject.gpu_experts.settings import HotExpertSettings
 from ktinject.operators import deferral
@@ -165,10 +166,11 @@ def _attention(model: nn.Module, plan) -> str | None:
     return apply_implementation(model, wanted_implementation(kwargs))
 
 
-def finish(model: nn.Module, plan, hot: HotExpertSettings | None) -> str:
+def finish(model: nn.Module, plan, hot: HotExpertSettings | None, prefill: str = "auto") -> str:
     """What follows building and placement, for inject and the streaming loader alike: attention implementation,
-    generation settings, hot experts (``hot``: from ``HotExpertSettings.from_plan``), on CUDA the graph-replaying
-    generate(), and the mark of an injected model. Returns the attention implementation in use."""
+    generation settings, hot experts (``hot``: from ``HotExpertSettings.from_plan``), the prefill streamer
+    (``prefill``: from ``gpu_experts.policy.mode_from_plan``), on CUDA the graph-replaying generate(), and the mark
+    of an injected model. Returns the attention implementation in use."""
     attn = _attention(model, plan)
     _generation_ready(model)
     untested = compat.untested_release()
@@ -179,6 +181,7 @@ def finish(model: nn.Module, plan, hot: HotExpertSettings | None) -> str:
     deferral.link(model, [m for m in model.modules() if isinstance(m, HybridMoE)])  # expert deferral's chain
     if hot is not None:
         apply_settings(model, hot)
+    prefill_stream.attach(model, prefill)  # after the hot experts: they are never streamed
     if plan.devices["gpu"].type == "cuda":
         enable_graph_generate(model)  # model.generate(...) replays each decode step as one CUDA graph
     model._ktinject_plan = plan

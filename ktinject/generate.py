@@ -37,6 +37,7 @@ import torch
 
 from ktinject import compat
 from ktinject._callmod import callable_module
+from ktinject.gpu_experts.stream import streamer_of
 from ktinject.graph import GraphRunner
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,22 @@ def get_runner(model, **runner_kwargs) -> GraphRunner:
         runner = GraphRunner(model, **runner_kwargs)
         model.__dict__[_RUNNER_ATTR] = runner
     return runner
+
+
+#: prompt tokens per prefill forward where nothing says otherwise (the CPU path gains little from longer chunks)
+DEFAULT_PREFILL_CHUNK = 2048
+
+
+def prefill_chunk(model) -> int | None:
+    """Prompt tokens per prefill forward of ``model``'s generate: its runner's ``prefill_chunk``; for "auto", what
+    the free GPU memory allows where the prompts' routed experts are streamed to the GPU (every chunk streams all of
+    them once: the longer the chunk, the fewer passes; ``gpu_experts.stream.PrefillStreamer.chunk_tokens``), else
+    DEFAULT_PREFILL_CHUNK."""
+    chunk = get_runner(model).prefill_chunk
+    if chunk != "auto":
+        return chunk
+    streamer = streamer_of(model)
+    return streamer.chunk_tokens() if streamer is not None else DEFAULT_PREFILL_CHUNK
 
 
 def invalidate_graphs(model) -> None:
@@ -249,8 +266,9 @@ def generate(model, input_ids=None, attention_mask=None, **kwargs):
 
     cache = runner.cache_for(rows, _needed_len(gc, prompt_len))
     kwargs[compat.cache_kwarg()] = cache
-    if runner.prefill_chunk and prompt_len > runner.prefill_chunk and gc.prefill_chunk_size is None:
-        kwargs["prefill_chunk_size"] = runner.prefill_chunk
+    chunk = prefill_chunk(model)
+    if chunk and prompt_len > chunk and gc.prefill_chunk_size is None:
+        kwargs["prefill_chunk_size"] = chunk
     defer = cache if runner.defer_stop and runner.graphs_enabled() and not gc.return_dict_in_generate else None
     with _hooked(model, runner, defer):
         out = _hf_generate(model, input_ids, attention_mask=attention_mask, **kwargs)

@@ -114,7 +114,8 @@ class GraphRunner:
 
     ``buckets``: batch sizes that get a graph; ``max_cache_len``: tokens per cache (None: sized by the first
     generate, a power of two >= 1024 on CUDA, >= 256 on the CPU; it grows, dropping caches and graphs, when a
-    generate needs more); ``prefill_chunk``: prompt tokens per eager prefill forward (bounds activation memory);
+    generate needs more); ``prefill_chunk``: prompt tokens per eager prefill forward (bounds activation memory;
+    "auto": from the free GPU memory where prompts' experts are streamed to it, ``ktinject.generate.prefill_chunk``);
     ``use_graphs``: None = on CUDA, False = eager only (same static caches, for comparison); ``pad_batches``:
     pad a batch size without a bucket up to the next bucket (None: when graphs are on); ``host_wait``: how the
     host thread waits for the GPU once graphs are used ("block" sleeps, leaving every core to the native expert
@@ -127,15 +128,15 @@ class GraphRunner:
     runs this one (False: HF's per-step synchronisation)."""
 
     def __init__(self, model, buckets=(1, 2, 4, 8), max_cache_len: int | None = None,
-                 prefill_chunk: int | None = 2048, use_graphs: bool | None = None, pad_batches: bool | None = None,
-                 host_wait: str | None = "block", warmup: int = 2, own_masks: bool = True, graph_pieces: int = 1,
-                 defer_stop: bool = True):
+                 prefill_chunk: int | str | None = "auto", use_graphs: bool | None = None,
+                 pad_batches: bool | None = None, host_wait: str | None = "block", warmup: int = 2,
+                 own_masks: bool = True, graph_pieces: int = 1, defer_stop: bool = True):
         self.model = model
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets!r}")
         self.max_cache_len = int(max_cache_len) if max_cache_len else 0
-        self.prefill_chunk = int(prefill_chunk) if prefill_chunk else None
+        self.prefill_chunk = "auto" if prefill_chunk == "auto" else int(prefill_chunk) if prefill_chunk else None
         self.use_graphs = use_graphs
         self.pad_batches = pad_batches
         self.host_wait = host_wait

@@ -14,6 +14,7 @@ from torch import nn
 from ktinject import apply
 from ktinject._callmod import callable_module
 from ktinject.apply import InjectError, place_tensors  # noqa: F401  (public names of inject since round 1)
+from ktinject.gpu_experts.policy import mode_from_plan
 from ktinject.gpu_experts.settings import HotExpertSettings
 from ktinject.loading import load_into
 from ktinject.plan import Plan, plan
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def inject(model: nn.Module, rules=None, *, quant: str | None = None, defer: int | None = None,
            gpu_experts_budget=None, placement: str | None = None, stats=None, rebalance_every: int | None = None,
-           checkpoint=None, **devices) -> Plan:
+           checkpoint=None, prefill: str | None = None, **devices) -> Plan:
     """Plan and apply: swap in operators, move every other tensor to its device. Returns the Plan.
 
     ``rules``: a rule file path, parsed rules, or None for the packaged file of ``model.config.model_type``.
@@ -33,6 +34,9 @@ def inject(model: nn.Module, rules=None, *, quant: str | None = None, defer: int
     ``gpu_experts_budget``, ``placement``, ``stats``, ``rebalance_every``: GPU-resident hot experts, the options of
     ``ktinject.gpu_experts.settings`` (the same for ``from_pretrained`` and the chat); None keeps the moe rules'
     kwargs of the same names.
+    ``prefill``: where a prompt's routed experts run: ``"auto"`` (default: split between the CPU and the GPU by a
+    cost model, experts streamed to the GPU over PCIe), ``"cpu"`` (native kernels only) or ``"gpu"`` (all streamed;
+    ``ktinject.gpu_experts.stream``); None keeps the moe rules' ``prefill`` kwarg.
     ``checkpoint``: for a model built on the meta device (``from_config`` under ``torch.device("meta")`` or
     ``from_pretrained(..., device_map="meta")``): a checkpoint whose weights are streamed straight into the
     operators and devices (ktinject.loading).
@@ -43,11 +47,12 @@ def inject(model: nn.Module, rules=None, *, quant: str | None = None, defer: int
     options = dict(gpu_experts_budget=gpu_experts_budget, placement=placement, stats=stats,
                    rebalance_every=rebalance_every)
     if checkpoint is not None:
-        return load_into(model, the_plan, checkpoint, **options)
+        return load_into(model, the_plan, checkpoint, prefill=prefill, **options)
     hot = HotExpertSettings.from_plan(the_plan, **options)  # bad options fail before anything is built
+    prefill = mode_from_plan(the_plan, prefill)
     counts = apply.build_operators(model, the_plan)
     nbytes = apply.place_tensors(model, the_plan.tensor_devices)
-    attn = apply.finish(model, the_plan, hot)
+    attn = apply.finish(model, the_plan, hot, prefill)
     ops = ", ".join(f"{n} x {op}" for op, n in sorted(counts.items())) or "no operators"
     log.info("inject: %s: %s; moved %.1f MiB of other tensors; attention %s", type(model).__name__, ops,
              nbytes / 2**20, attn)

@@ -46,6 +46,7 @@ from ktinject import apply, native, operators, packcache
 from ktinject.formats import open_checkpoint
 from ktinject.formats.base import BufferPool, LoadError, Reader, ReadJob
 from ktinject.formats.hf_keys import Piece, check_expert_piece, expert_matrices, map_checkpoint
+from ktinject.gpu_experts.policy import mode_from_plan
 from ktinject.gpu_experts.settings import HotExpertSettings
 from ktinject.operators.families import empty_biases, set_bias
 from ktinject.packcache import PackCache
@@ -61,7 +62,7 @@ _CPU = torch.device("cpu")
 def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.dtype | str | None = None,
                     cache_dir=None, progress: bool = True, gpu_experts_budget=None, placement: str | None = None,
                     stats=None, rebalance_every: int | None = None, defer: int | None = None,
-                    **devices) -> nn.Module:
+                    prefill: str | None = None, **devices) -> nn.Module:
     """A ready model from a local checkpoint directory, loaded without ever holding it twice.
 
     ``rules``: rule file / parsed rules / None (packaged rules of ``config.model_type``); ``quant``: expert
@@ -71,6 +72,7 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     place, but only for quantized (int8, int4) experts, where it saves time (see ``ktinject.packcache``);
     ``gpu_experts_budget``, ``placement``, ``stats``, ``rebalance_every``: hot experts, as for ``inject``
     (``ktinject.gpu_experts.settings``); ``defer``: expert deferral in decode steps, as for ``inject``;
+    ``prefill``: where prompts' routed experts run (``auto``, ``cpu``, ``gpu``), as for ``inject``;
     ``devices``: device variables (``gpu="cuda:0"``, ``gpu="cpu"``). The
     plan is ``model._ktinject_plan``, load figures ``model._ktinject_load_stats``."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # heavy: on the first load only
@@ -90,18 +92,20 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
         model.generation_config = GenerationConfig.from_pretrained(path)
     the_plan = make_plan(model, rules, quant=quant, defer=defer, **devices)
     load_into(model, the_plan, reader, cache_dir=cache_dir, progress=progress, gpu_experts_budget=gpu_experts_budget,
-              placement=placement, stats=stats, rebalance_every=rebalance_every)
+              placement=placement, stats=stats, rebalance_every=rebalance_every, prefill=prefill)
     return model
 
 
-def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: bool = True, **hot_options):
+def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: bool = True,
+              prefill: str | None = None, **hot_options):
     """Fill a meta-device ``model`` from ``checkpoint`` (a directory, one .safetensors file, or an open
     ``formats.Reader``) following ``plan`` (made from this model): operators built and tensors on their devices,
-    as ``inject`` leaves a loaded model. ``hot_options``: the hot-expert options of ``inject``. Returns the plan
+    as ``inject`` leaves a loaded model. ``prefill``, ``hot_options``: the options of ``inject``. Returns the plan
     (also set as ``model._ktinject_plan``)."""
     if getattr(model, "_ktinject_plan", None) is not None:
         raise LoadError(f"{type(model).__name__} was already injected; load into a fresh meta-device model")
     hot = HotExpertSettings.from_plan(plan, **hot_options)  # bad options fail before a byte is read
+    prefill = mode_from_plan(plan, prefill)
     reader = open_checkpoint(checkpoint)
     if getattr(model, "config", None) is not None:
         reader.check_config(model.config)
@@ -112,7 +116,7 @@ def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: b
             raise
         notes = "; ".join(unmatched_note(rule, model) for rule in plan.unmatched_rules)
         raise LoadError(f"{notes}\nbecause of that, loading failed: {e}") from e
-    apply.finish(model, plan, hot)
+    apply.finish(model, plan, hot, prefill)
     return plan
 
 

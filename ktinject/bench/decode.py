@@ -1,4 +1,4 @@
-"""Decode and prefill benchmarks: ``python -m ktinject.bench decode|prefill [--layers N] [--tokens N] ...``.
+"""Decode benchmarks: ``python -m ktinject.bench decode [--layers N] [--tokens N] ...`` (prefill: ``bench.prefill``).
 
 Builds a random-weight model with Qwen3-30B-A3B dimensions (48 layers, hidden 2048, 32 heads / 4 KV heads of 128,
 128 experts top-8 of intermediate 768, vocab 151936; bf16, ~61 GB) directly in memory: built on the meta device,
@@ -11,13 +11,14 @@ on the GPU. Nothing is written to disk. Then, in one run, with the limit and the
   graph     the same, each decode step replayed as one CUDA graph (ktinject.generate)
   split     per token: CPU expert time (native, synchronous), GPU time (graph replay with every routed expert
             muted), waiting (graph step - GPU time), coordination (stream handshakes alone, per layer x layers)
-  prefill   ktinject (eager, chunked) and hf at the prompt lengths asked for
 
 ``--quant bf16,int8,int4`` runs the flow once per expert quantization (one model build each; hf rows with the first).
 ``--noise 1,2,4`` adds the interference mode: decode (graph; eager without CUDA) and CPU experts alone timed quiet and
 with N background processes copying 1 GiB buffers (ktinject.bench.noise), ``--noise-runs`` rounds of every level in
 turn, with what the scheduler did to the pool's threads meanwhile; then per level the median, its share of the quiet
 speed and the spread of the runs.
+``--defer 0,1,2,3`` times expert deferral instead: graph decode per setting against the bound (CPU + GPU) /
+max(CPU, GPU) of this run (``ktinject.bench.defer``).
 ``--tiny`` runs the same flow on the tiny qwen3_moe test model (CPU-only machines too: GPU rows say n/a).
 Legend: B batch, P prompt tokens, N new tokens, L layers.
 """
@@ -127,9 +128,10 @@ def _decode_graph(runner, batch: int):
     return next((g for k, g in runner.graphs.items() if k[0] == batch and g is not None), None)
 
 
-def graph_replay(runner, batch: int, prompt_len: int, iters: int) -> float | None:
-    """Seconds per bare replay of the decode graph of ``batch`` (no HF loop), or None without one."""
-    entry = _decode_graph(runner, batch)
+def graph_replay(runner, batch: int, prompt_len: int, iters: int, entry=None) -> float | None:
+    """Seconds per bare replay of the decode graph of ``batch`` (no HF loop; or of ``entry``, one of the runner's
+    graphs), or None without one."""
+    entry = entry or _decode_graph(runner, batch)
     if entry is None:
         return None
     cache = runner.caches[batch]
@@ -223,14 +225,14 @@ def cpu_expert_time(model, batch: int, passes: int = 5) -> list[float]:
     return times
 
 
-def muted_replay(model, runner, batch, prompt_len, iters) -> float | None:
+def muted_replay(model, runner, batch, prompt_len, iters, entry=None) -> float | None:
     """Graph replay time with every routed expert skipped (GPU work + handshakes, no CPU expert work)."""
     blocks = hybrid_blocks(model)
     saved = [b.skip.clone() for b in blocks]
     for b in blocks:
         b.skip.fill_(1)
     try:
-        return graph_replay(runner, batch, prompt_len, iters)
+        return graph_replay(runner, batch, prompt_len, iters, entry)
     finally:
         for b, s in zip(blocks, saved):
             b.skip.copy_(s)
@@ -280,36 +282,16 @@ def _compare_rows(model, prompt, new_tokens: int, rows: list) -> None:
     get_runner(model, use_graphs=True, prefill_chunk=2048)  # back to the defaults (graphs captured again on use)
 
 
-def ktinject_prefill(model, length: int, chunk: int, vocab: int, device) -> float:
-    from ktinject.generate import get_runner
-
-    get_runner(model, use_graphs=False, prefill_chunk=chunk)
-    ids = torch.randint(3, vocab, (1, length), device=device)
-    _gen_time(model, ids[:, : min(length, 16)], 1)  # warm-up
-    return _gen_time(model, ids, 1)
-
-
-def hf_prefill(model, length: int, vocab: int, device) -> float:
-    ids = torch.randint(3, vocab, (1, length), device=device)
-    t, _ = hf_decode(model, ids, 0)
-    return t
-
-
 # ---- the run -------------------------------------------------------------------------------------------------
-def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m ktinject.bench {prog}", description=__doc__.split("\n")[0])
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ktinject.bench decode", description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=48, help="decoder layers (48 = the real model)")
     p.add_argument("--tokens", type=int, default=64, help="decode tokens timed (ktinject)")
     p.add_argument("--hf-tokens", type=int, default=8, help="decode tokens timed (hf baseline; 0 skips it)")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (native pool and torch); default: cores")
-    p.add_argument("--prefill", default="128,1024,8192" if prog == "prefill" else "",
-                   help="comma-separated prompt lengths for the prefill rows ('' skips)")
-    p.add_argument("--hf-prefill", default="128", help="prompt lengths for hf prefill rows ('' skips)")
-    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens per forward)")
     p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
-    p.add_argument("--no-decode", action="store_true", help="prefill rows only")
     p.add_argument("--profile", action="store_true", help="print the kernels of a muted decode-graph replay")
     p.add_argument("--quant", default="bf16",
                    help="comma-separated expert quantizations (bf16, int8, int4): the whole run once per quant, "
@@ -320,6 +302,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--noise-runs", type=int, default=3, help="rounds of the quiet and noisy turns (--noise)")
     p.add_argument("--noise-only", action="store_true",
                    help="with --noise: only its rows after the injection (no roofline, eager, split, coordination)")
+    p.add_argument("--defer", default="",
+                   help="comma-separated expert-deferral settings (slots per token, e.g. 0,1,2,3): graph decode per "
+                        "setting against the bound (CPU + GPU) / max(CPU, GPU), instead of the other rows "
+                        "(ktinject.bench.defer)")
+    p.add_argument("--defer-rounds", type=int, default=3, help="rounds in which every --defer setting is timed")
     p.add_argument("--compare", action="store_true",
                    help="also time the graph decode with one speed-up undone at a time: HF's sdpa attention, 4D "
                         "masks built by HF every step, the pool's watch spin off")
@@ -398,11 +385,9 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     B, P = args.batch, args.prompt
     prompt = torch.randint(3, cfg.vocab_size, (B, P), device=device)
-    prefill_lengths = [int(x) for x in args.prefill.split(",") if x.strip()]
-    hf_prefill_lengths = [int(x) for x in args.hf_prefill.split(",") if x.strip()] if prefill_lengths else []
 
-    quick = bool(args.noise and args.noise_only)  # the interference rows alone
-    if not args.no_decode and not quick:
+    quick = bool(args.noise and args.noise_only) or bool(args.defer)  # the interference or deferral rows alone
+    if not quick:
         mem = measure_read_bandwidth(4.0, args.threads)  # ~ the 3.6 GB of experts a Qwen3-30B token reads
         print(f"# {mem.summary()}", flush=True)
         bw = mem.best_gbs * 1e9
@@ -413,16 +398,13 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
 
     if not args.tiny:
         _wrap_cpu_experts(model, True)
-    if args.hf_tokens and not args.no_decode and first and not quick:
+    if args.hf_tokens and first and not quick:
         try:
             _, s = hf_decode(model, prompt, args.hf_tokens)
             _add(rows, ("hf: HF modules, experts by torch on the CPU", _fmt_rate(B / s), _fmt_ms(s),
                          f"median of {args.hf_tokens} steps"))
         except Exception as e:  # noqa: BLE001 - a baseline failing must not hide the rest
             _add(rows, ("hf: HF modules, experts by torch on the CPU", "failed", "", f"{type(e).__name__}: {e}"))
-    for n in hf_prefill_lengths if first else []:
-        s = hf_prefill(model, n, cfg.vocab_size, device)
-        _add(rows, (f"hf prefill {n} tokens", _fmt_rate(n / s), "", f"{s:.2f} s"))
     _wrap_cpu_experts(model, False)
 
     t0 = time.perf_counter()
@@ -431,8 +413,13 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     pinned = os.environ.get("KTINJECT_PIN") == "1" if os.environ.get("KTINJECT_PIN") in ("0", "1") else pool.pin
     print(f"# injected ({quant}) in {time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, "
           f"{pool.threads} threads{'' if pinned else ', not pinned'}", flush=True)
+    if args.defer:
+        from ktinject.bench import defer
 
-    if not args.no_decode and not quick:
+        defer.rows(model, prompt, args, lambda row: _add(rows, row))
+        return rows
+
+    if not quick:
         eager = ktinject_decode(model, prompt, args.tokens, graphs=False)
         _add(rows, ("ktinject eager", _fmt_rate(B / eager["s_per_token"]), _fmt_ms(eager["s_per_token"]),
                      "ktinject.generate, no graph"))
@@ -516,11 +503,8 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
             cuda_driver.set_host_wait_mode("block")
             one.close()
 
-    if args.noise and not args.no_decode:
+    if args.noise:
         _noise_rows(model, prompt, args, rows, graphs=device.type == "cuda")
-    for n in prefill_lengths:
-        s = ktinject_prefill(model, n, args.chunk, cfg.vocab_size, device)
-        _add(rows, (f"ktinject prefill {n} tokens", _fmt_rate(n / s), "", f"{s:.2f} s, chunks of {args.chunk}"))
     return rows
 
 
@@ -535,10 +519,8 @@ def print_table(rows, args) -> None:
           f"{', noise ' + args.noise if args.noise else ''})", flush=True)
 
 
-def main(argv=None, prog: str = "decode") -> int:
-    args = _parser(prog).parse_args(argv)
-    if prog == "prefill":
-        args.no_decode = True
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quants = [q.strip() for q in args.quant.split(",") if q.strip()]
     bad = [q for q in quants if q not in ("bf16", "int8", "int4")]
@@ -553,10 +535,6 @@ def main(argv=None, prog: str = "decode") -> int:
             torch.cuda.empty_cache()
     print_table(rows, args)
     return 0
-
-
-def main_prefill(argv=None) -> int:
-    return main(argv, prog="prefill")
 
 
 if __name__ == "__main__":

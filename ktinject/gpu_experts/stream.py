@@ -89,7 +89,8 @@ class PrefillStreamer:
         if policy.check_mode(mode) == "cpu" or not blocks:
             raise ValueError("PrefillStreamer: needs mode 'auto' or 'gpu' and at least one HybridMoE block")
         if slot_experts is not None and (isinstance(slot_experts, bool) or int(slot_experts) < 1):
-            raise ValueError(f"PrefillStreamer: slot_experts must be a positive number of experts, got {slot_experts!r}")
+            raise ValueError(f"PrefillStreamer: slot_experts must be a positive number of experts, "
+                             f"got {slot_experts!r}")
         self.blocks, self.mode = list(blocks), mode
         self.device = self.blocks[0].device
         self.cuda = self.device.type == "cuda"
@@ -293,9 +294,7 @@ class PrefillStreamer:
         T, k = ids.shape
         H, I, E = block.hidden_size, block.intermediate_size, block.num_experts
         act = Activation.of(block.native_experts)
-        pos_of = torch.full((E,), n_all, dtype=torch.int64)
-        pos_of[experts] = torch.arange(n_all)
-        key = pos_of.to(x.device, non_blocking=True)[ids.reshape(-1)]  # [S]: position in experts, n_all: not here
+        key = self._positions(i, E, experts)[ids.reshape(-1)]  # [S]: position in experts, n_all: not streamed
         key_s, perm = torch.sort(key, stable=True)
         ends = torch.searchsorted(key_s, torch.arange(1, n_all + 1, device=x.device))  # [n_all] end row of each
         parts = [experts[j:j + cap] for j in range(0, n_all, cap)]
@@ -320,12 +319,14 @@ class PrefillStreamer:
             if ahead is not None:
                 self.ring.prefetch(*ahead)
             slot = self.ring.acquire(item).view(n, B)
-            span = timed(self.ring.trace if self.cuda else None, ("compute", (i, p)))  # from the copy's end
+            trace = self.ring.trace if self.cuda else None
+            span, deq = timed(trace, ("compute", (i, p))), timed(trace, ("dequant", (i, p)))  # from the copy's end
             gate_up = self.gate_up[:n * 2 * I * H].view(n, 2 * I, H)
             down = self.down[:n * H * I].view(n, H, I)
             unpack_experts(slot, lay, gate_up, down, self.work)
             biases = self._biases(slot, lay, n, I, H) if block.native_experts.bias else (None, None)
             self.ring.release(item)
+            deq.close()
             hi = rows if part_ends[p] is None else part_ends[p]
             group = key_s[lo:hi] - p * cap  # [rows of the part]: expert within the part
             if self.grouped:
@@ -365,6 +366,21 @@ class PrefillStreamer:
         return gu, d
 
     # ---- small pieces kept across forwards ----------------------------------------------------------------------
+    def _positions(self, i: int, E: int, experts: list[int]) -> torch.Tensor:
+        """int64 [E] on the device: each expert's position in ``experts``, len(experts) for the others. Kept per
+        layer while its experts stay the same (gpu mode: every forward); else copied from pinned memory (a copy
+        from pageable memory would first wait for the stream)."""
+        key = tuple(experts)
+        cache = self.__dict__.setdefault("_pos_cache", {})
+        hit = cache.get(i)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        host = torch.full((E,), len(experts), dtype=torch.int64, pin_memory=self.cuda)
+        host[experts] = torch.arange(len(experts))
+        pos = host.to(self.device, non_blocking=True)  # the caching host allocator keeps `host` until it is read
+        cache[i] = (key, pos)
+        return pos
+
     def _event(self) -> torch.cuda.Event:
         ev = self.__dict__.get("_copied")
         if ev is None:

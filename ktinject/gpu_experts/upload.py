@@ -141,10 +141,11 @@ def _unpack(views: tuple, dst: torch.Tensor) -> None:
         w.copy_(src)
         torch.mul(corner, scale, out=dst)
         return
-    u = w.view(torch.uint8)
-    torch.bitwise_and(src, 15, out=u[..., 0, :])
-    torch.bitwise_right_shift(src, 4, out=u[..., 1, :])
-    w.bitwise_xor_(8).sub_(8)  # nibble 0..15 -> two's complement q in [-8, 7]
+    s8 = src.view(torch.int8)  # arithmetic shifts of the signed bytes give the nibbles sign-extended: q in [-8, 7]
+    lo = w[..., 0, :]
+    torch.bitwise_left_shift(s8, 4, out=lo)  # low nibble to the top (wraps)...
+    lo.bitwise_right_shift_(4)  # ...and back, sign-extended
+    torch.bitwise_right_shift(s8, 4, out=w[..., 1, :])  # high nibble, sign-extended
     n, nb, _, kq = w.shape[:4]
     ng = scale.shape[3]
     q = w.view(n, nb, 16, ng, kq * 8 // ng)  # [n, Np/16, 16, ng, G]

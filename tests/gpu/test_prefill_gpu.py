@@ -18,6 +18,7 @@ import torch
 import ktinject
 from ktinject.gpu_experts import policy, stream
 from ktinject.gpu_experts.ring import intervals
+from ktinject.gpu_experts.upload import PackedRegion, expert_layout, unpack_experts
 from ktinject.testing import build_tiny_model, experts_reference, random_experts, tiny_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -58,6 +59,22 @@ def test_layer_against_reference(quant, gptoss, E, H, I, k, T):
         routed, _ = s(block, xd, idd, wd)
         assert routed.device == DEV and _err(routed, ref) < STREAM_TOL, slot_experts
         s.close()
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("E, H, I", [(4, 2048, 768), (3, 130, 70)])
+def test_unpack_on_the_device_is_exact(quant, E, H, I):
+    """The torch-op dequantization on the GPU gives ktk_experts_get's values converted to bf16, bit for bit."""
+    ex, _ = random_experts(E, H, I, quant, seed=1)
+    lay = expert_layout(ex)
+    buf = PackedRegion(ex).tensor.view(E, lay.expert_bytes).to(DEV)
+    gate_up = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=DEV)
+    down = torch.empty(E, H, I, dtype=torch.bfloat16, device=DEV)
+    unpack_experts(buf, lay, gate_up, down, torch.empty(E * lay.work_bytes, dtype=torch.uint8, device=DEV))
+    for e in range(E):
+        assert torch.equal(gate_up[e, :I].cpu(), ex.get(e, "gate").to(torch.bfloat16))
+        assert torch.equal(gate_up[e, I:].cpu(), ex.get(e, "up").to(torch.bfloat16))
+        assert torch.equal(down[e].cpu(), ex.get(e, "down").to(torch.bfloat16))
 
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
@@ -112,7 +129,7 @@ def test_copies_overlap_compute():
     for b in blocks:
         s(b, x, ids, w)
     spans = {what: (a, b) for what, a, b in intervals(s.ring.trace)}
-    assert s.last["mode"] == "gpu"
+    assert s.last["mode"] == "gpu" and s.grouped  # bf16 grouped GEMM on Hopper
     for layer in range(1, L):
         copy_start = spans["copy", (layer, 0)][0]
         compute_end = spans["compute", (layer - 1, 0)][1]
