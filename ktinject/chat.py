@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
     p.add_argument("--quant", choices=["bf16", "int8", "int4"], default="bf16",
                    help="expert weight format (default bf16)")
+    p.add_argument("--defer", metavar="D", type=_non_negative, default=0,
+                   help="expert deferral: the D lowest-weighted of each token's experts run one MoE layer late in "
+                        "decode steps (default 0: off)")
     p.add_argument("--threads", type=_positive,
                    help="CPU threads for experts (default: one per physical core, less one from 8 cores up)")
     p.add_argument("--gpu-experts-budget", metavar="SIZE",
@@ -63,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -368,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         try:
             model, tokenizer, plan = load_model(model_dir, rules, quant=args.quant, progress=sys.stderr.isatty(),
-                                               gpu=gpu, **hot)
+                                               gpu=gpu, defer=args.defer, **hot)
         except Exception as e:  # bad rules, unsupported model, unreadable checkpoint: user errors, one line
             if args.verbose:
                 raise

@@ -331,3 +331,20 @@ def test_eval_defer_rows_on_the_demo_model():
     assert d1.perplexity < d0.perplexity * 1.05  # ... and costs little (4096 tokens: -0.14%; defer 2: +3%)
     with pytest.raises(SystemExit):
         kt_eval.main(["--defer", "one"])
+
+
+def test_from_pretrained_and_chat_take_defer():
+    from transformers import AutoModelForCausalLM
+
+    from ktinject import chat, demo
+
+    path = demo.demo_model_dir()
+    streamed = ktinject.from_pretrained(path, gpu="cpu", defer=1, cache_dir=False, progress=False)
+    assert deferral.chain_of(streamed).setting == (1, 1, 1, 1)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    ktinject.inject(loaded, gpu="cpu", defer=1)
+    prompt, feed = tiny_prompts(2, 5, seed=8, vocab=2048), tiny_prompts(2, 4, seed=9, vocab=2048)
+    assert torch.equal(decode_logits(streamed, prompt, feed), decode_logits(loaded, prompt, feed))
+    assert chat.parse_args(["--defer", "2"]).defer == 2 and chat.parse_args([]).defer == 0
+    with pytest.raises(SystemExit):
+        chat.parse_args(["--defer", "-1"])

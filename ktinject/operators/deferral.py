@@ -122,12 +122,13 @@ class StreamPending:
 
     def __init__(self, runner):
         self.runner = runner
+        self.captured = torch.cuda.is_current_stream_capturing()  # recorded, never run: nothing to drain
 
     def collect(self) -> torch.Tensor:
         return self.runner.finish_deferred()
 
     def discard(self) -> None:
-        if not torch.cuda.is_current_stream_capturing():  # while capturing nothing ran: nothing to drain
+        if not self.captured and not torch.cuda.is_current_stream_capturing():
             self.runner.drain_deferred()
 
 

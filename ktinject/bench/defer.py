@@ -1,0 +1,112 @@
+"""Expert deferral in decode (``python -m ktinject.bench decode --defer 0,1,2,3``): tok/s per d and the bound.
+
+Without deferral a decode step runs each layer's CPU experts and the GPU's dense work mostly one after the other;
+with d deferred slots per token, a layer's deferred experts overlap the next layer's attention
+(``ktinject.operators.deferral``). A perfect overlap would give the bound (CPU + GPU) / max(CPU, GPU) of the speed
+without deferral, with CPU = the native experts alone (``cpu_expert_time``: whole passes over the layers, one
+synchronous forward per layer, cache-cold) and GPU = the graph replay with every routed expert muted (dense work and
+handshakes, ``muted_replay``), both measured in this run. Per d one graph is captured (the runner keeps one per
+setting); then rounds in which every d is timed in turn, through ``ktinject.generate`` and as bare replays, with a
+CPU pass per round, so the host's drift spreads over all of them; the rows give medians. Speed-up: against d = 0
+of the same rounds; share of the bound: speed-up / bound. Without CUDA (``--tiny`` on a CPU) the eager decode is
+timed and the GPU columns say n/a.
+Legend: B batch, P prompt tokens, d deferred slots per token.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+import ktinject
+from ktinject.bench import decode as bd
+from ktinject.operators import deferral
+
+
+def parse(text: str, k: int) -> list[int]:
+    """``--defer`` as sorted distinct ints, 0 first (the baseline); SystemExit naming the flag if one is bad."""
+    try:
+        ds = sorted({0, *(int(x) for x in text.split(",") if x.strip())})
+    except ValueError:
+        raise SystemExit(f"--defer {text!r}: expected comma-separated integers, e.g. 0,1,2,3") from None
+    bad = [d for d in ds if not 0 <= d < k]
+    if bad:
+        raise SystemExit(f"--defer {text!r}: {bad} out of range: 0 <= d < k = {k} (experts per token)")
+    return ds
+
+
+def _entry(runner, batch: int, setting: tuple):
+    """The runner's captured graph of ``batch`` rows for the deferral ``setting``, or None."""
+    return next((g for key, g in runner.graphs.items() if key[0] == batch and key[2] == setting and g is not None),
+                None)
+
+
+def _ms(s: float | None) -> str:
+    return "n/a" if s is None else f"{s * 1e3:.2f}"
+
+
+def seconds_per_token(model, prompt: torch.Tensor, tokens: int) -> float:
+    """Decode seconds per step through ``ktinject.generate`` with the model's runner as it is (no new runner): a
+    generate of ``tokens`` + 1 new tokens less the faster of two of one (prefill and first token)."""
+    def run(n: int) -> float:
+        if prompt.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ktinject.generate(model, prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        if prompt.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    first = min(run(1) for _ in range(2))
+    return (run(tokens + 1) - first) / tokens
+
+
+def rows(model, prompt: torch.Tensor, args, add) -> None:
+    """The deferral rows of one injected model (``args.defer``, ``args.tokens``, ``args.defer_rounds``), each given
+    to ``add((what, tok/s, ms/token, note))``."""
+    from ktinject.generate import get_runner
+
+    B, P = prompt.shape
+    ds = parse(args.defer, model.config.num_experts_per_tok)
+    chain = deferral.chain_of(model)
+    graphs = prompt.is_cuda
+    runner = get_runner(model, use_graphs=graphs, prefill_chunk=2048)  # one runner: a graph per setting
+    entries = {}
+    for d in ds:
+        deferral.set_defer(model, d)
+        seconds_per_token(model, prompt, 2)  # warm-up and capture
+        entries[d] = _entry(runner, B, chain.setting) if graphs else None
+        if graphs and entries[d] is None:
+            add((f"defer {d}", "failed", "", f"no graph captured: {runner.stats.capture_failures[-1:]}"))
+            return
+    gen: dict[int, list[float]] = {d: [] for d in ds}
+    bare: dict[int, list[float]] = {d: [] for d in ds}
+    cpu: list[float] = []
+    for _ in range(max(1, args.defer_rounds)):
+        cpu += bd.cpu_expert_time(model, B, passes=2)
+        for d in ds:
+            deferral.set_defer(model, d)
+            gen[d].append(seconds_per_token(model, prompt, args.tokens))
+            if graphs:
+                bare[d].append(bd.graph_replay(runner, B, P, args.tokens, entry=entries[d]))
+    deferral.set_defer(model, 0)
+    cpu_s = statistics.median(cpu)
+    muted = {d: bd.muted_replay(model, runner, B, P, args.tokens, entry=entries[d]) for d in ds} if graphs else {}
+    gpu_s = muted.get(0)
+    bound = None if gpu_s is None else (cpu_s + gpu_s) / max(cpu_s, gpu_s)
+    add(("defer: CPU experts alone", "", _ms(cpu_s), f"median of {len(cpu)} passes, "
+         f"{len(cpu) // max(1, args.defer_rounds)} per round (no deferral: the whole work)"))
+    add(("defer: GPU + handshakes (experts muted, d=0)", "", _ms(gpu_s), "graph replay, every routed expert skipped"))
+    add(("defer: bound (CPU + GPU) / max(CPU, GPU)", "", "", "n/a" if bound is None else f"{bound:.3f}x"))
+    base = statistics.median(gen[0])
+    for d in ds:
+        s = statistics.median(gen[d])
+        up = base / s
+        note = [f"{up:.3f}x of d=0"]
+        if bound is not None:
+            note.append(f"{100 * up / bound:.0f}% of the bound")
+        if graphs:
+            note.append(f"bare replay {_ms(statistics.median(bare[d]))} ms, muted {_ms(muted[d])} ms")
+        note.append("runs " + ", ".join(f"{B / t:.1f}" for t in gen[d]) + " tok/s")
+        add((f"defer {d}: {'graph' if graphs else 'eager'} decode", f"{B / s:,.1f}", _ms(s), "; ".join(note)))
