@@ -246,3 +246,18 @@ def test_attach_modes():
     assert stream.streamer_of(model) is s and s.chunk_tokens() == stream.MAX_CHUNK
     stream.attach(model, "cpu")
     assert stream.streamer_of(model) is None and all(b.prefill is None for b in stream.blocks_of(model))
+
+
+def test_auto_decides_per_forward():
+    """auto: forwards of fewer than AUTO_MIN_TOKENS tokens stay on the CPU path without any set-up; longer ones take
+    the cost model's mode (here costs under which the CPU is slow per row: a split, then everything on the GPU)."""
+    model = _tiny("qwen3_moe", prefill="cpu")
+    short, long = tiny_prompts(1, 40), tiny_prompts(2, 64, seed=1)
+    with torch.no_grad():
+        ref = model(long).logits
+        s = stream.PrefillStreamer(stream.blocks_of(model), "auto", costs=COSTS.with_(cpu_row_s=1e-4))
+        model(short)
+        assert s.last["mode"] == "cpu" and not s._ready
+        got = model(long).logits
+        assert s.last["mode"] in ("split", "gpu") and s._ready
+    assert _err(got, ref.double()) < NATIVE_TOL["bf16"]

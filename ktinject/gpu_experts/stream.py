@@ -46,6 +46,9 @@ from ktinject.operators.moe import HybridMoE, staging
 log = logging.getLogger(__name__)
 
 MIN_CHUNK, MAX_CHUNK = 512, 16384  # prefill chunk bounds (tokens)
+#: auto leaves forwards of fewer tokens to the CPU without asking the cost model: decode steps (batches of rows) keep
+#: the path their captured graphs take, and below this the GPU's share would not pay for its launches anyway
+AUTO_MIN_TOKENS = 64
 _CAL_ROWS = (8, 64)  # rows per expert of the two calibration forwards of the CPU cost
 
 
@@ -191,7 +194,7 @@ class PrefillStreamer:
         streamable = int(E - _resident(block).sum())
         if self.mode == "gpu":
             return "gpu" if policy.prefetch_worthy(T, k, streamable) else "gpu-used"
-        if T * k < max(2, E // 2) or streamable == 0:  # too few tokens for the GPU to help: no calibration even
+        if T < AUTO_MIN_TOKENS or T * k < E // 2 or streamable == 0:  # nothing to gain: no set-up, no calibration
             return "cpu"
         key = (T, k, streamable, id(block.native_experts))
         if key not in self._decisions:
