@@ -198,7 +198,8 @@ def test_add_rms_norm_matches_the_modules(dev, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
 def test_linear_matches_float64_and_cublas(dev, dtype):
-    """y = x W^T (+ bias) (+ residual), every candidate config, one row and several, sizes off the tiles."""
+    """y = x W^T (+ bias) (+ residual) (and its RMSNorm by the last program), every candidate config, one row and
+    several, sizes off the tiles."""
     g = torch.Generator().manual_seed(4)
     shapes = [(1, 40, 70, False, True), (3, 33, 100, True, True), (2, 16, 64, False, False), (1, 7, 9, True, False)]
     if dev == "cuda":
@@ -213,16 +214,25 @@ def test_linear_matches_float64_and_cublas(dev, dtype):
         err_torch = (cublas.double() - want).abs().max()
         configs = FD.CONFIGS_1 if B == 1 else FD.CONFIGS_N
         for cfg in configs if N * K >= FD.MEASURE_FROM else configs[:2] if dev == "cuda" else ((16, 32, 4), (32, 16, 4)):
-            got = FD.linear_triton(x, W, b, r, cfg)
-            assert got.shape == (B, N) and got.dtype == dtype
+            got, none = FD.linear_triton(x, W, b, r, cfg)
+            assert got.shape == (B, N) and got.dtype == dtype and none is None
             err = (got.double() - want).abs().max()
             assert err <= 2 * err_torch + (1e-5 if dtype == torch.float32 else 2 ** -8 * want.abs().max()), (cfg, err)
+            norm = ((1 + 0.1 * torch.randn(N, generator=g)).to(dev, dtype), 1e-6, cfg[0] == 16)
+            again, normed = FD.linear_triton(x, W, b, r, cfg, norm)  # + the norm by the last program
+            assert torch.equal(again, got)
+            want_n = FD.add_rms_norm(got, None, *norm)[1]
+            if dtype == torch.float32:
+                torch.testing.assert_close(normed, want_n, rtol=1e-5, atol=1e-5)
+            else:
+                _close_bf16(normed, want_n, 0.98)
         if dev == "cuda" and N * K >= FD.MEASURE_FROM:  # measured once: cuBLAS or the fastest config
-            got = FD.linear(x, W, b, r)
-            assert torch.equal(got, cublas if FD.choose(x, W, b, r) is None else
-                               FD.linear_triton(x, W, b, r, FD.choose(x, W, b, r)))
-    assert torch.equal(FD.linear(x.cpu(), W.cpu(), None if b is None else b.cpu(), None if r is None else r.cpu()),
-                       FD.linear_torch(x.cpu(), W.cpu(), None if b is None else b.cpu(), None if r is None else r.cpu()))
+            got, _ = FD.linear(x, W, b, r)
+            cfg = FD.choose(x, W, b, r)
+            assert torch.equal(got, cublas if cfg is None else FD.linear_triton(x, W, b, r, cfg)[0])
+    cpu = [None if t is None else t.cpu() for t in (x, W, b, r)]
+    assert FD.linear(*cpu, norm=(W.cpu()[0], 1e-6, False))[1] is None  # no kernel on the CPU: the caller's norm
+    assert torch.equal(FD.linear(*cpu)[0], FD.linear_torch(*cpu))
 
 
 def test_router_topk_counts_and_staging(dev):
@@ -290,7 +300,8 @@ def test_kernels_compile_for_sm90():
         check(add_norm, t, dict(RES=True, NORM=True, ROUND2=True, BH=2048))
         for B, BB, configs in ((1, 1, FD.CONFIGS_1), (4, 16, FD.CONFIGS_N)):
             for BN, BK, warps in configs:  # (float32 products run in registers: spills there cost speed only)
-                check(lin, t, dict(B=B, BB=BB, BN=BN, BK=BK, BIAS=True, RES=True, PREC=prec), warps, dt == "bf16")
+                check(lin, {**t, "nw": f"*{dt}", "n_out": f"*{dt}"}, dict(B=B, BB=BB, BN=BN, BK=BK, BIAS=True, RES=True,
+                      NORM=True, ROUND2=False, BH=2048, PREC=prec), warps, dt == "bf16")
     check(fused._kernels(), dict(x="*bf16", w="*fp32", logits="*fp32", w_out="*fp32", i_out="*i64", cnt="*i32",
                                  counts="*i64", h_host="*bf16", w_host="*fp32", i_host="*i64"),
           dict(K=8, KP=8, BLOCK=128, BLOCK_E=2, BLOCK_H=512, COUNT=True, STAGE=True))

@@ -12,12 +12,16 @@ token (S == 1) this forward computes what the HF module computes, with:
   weights (HF: weight * normalized.to(dtype), the same order);
 - rotary embedding of q and k together in three kernels: ``rotate_half(x) * sin == roll(x, D/2) * (sign * sin)``
   with sign = (-1 for the first half, +1 for the second), so ``x * cos + roll(x) * (sign * sin)`` (an addcmul);
-  on CUDA with Triton, the norms and the rotary embedding are one kernel instead (``fused.py``), and so are the
-  scaling, mask, softmax and cast of the scores below;
 - attention over the static cache without a K/V copy: the query heads of a KV head are that head's rows, scores
   in float32 (``bmm`` with ``out_dtype`` on CUDA), masked, softmax in float32, probabilities in the value dtype
-  (what SDPA's flash kernels do; on the CPU, which has no float32-output ``bmm``, float32 copies of K and V);
-  cuDNN's SDPA grows with the cache length where this does not (tests/gpu/probe_ops.py measures both).
+  (what SDPA's flash kernels do; on the CPU, which has no float32-output ``bmm``, float32 copies of K and V).
+
+On CUDA with Triton (``fused.available``) the same steps are three kernels (``fused_attn.py``): q/k norms and
+rotary in one, which also writes k and v into a ktinject KVCache at each row's length (other caches: their
+``update``); attention over the cache in one (splits over the keys a row holds, combined by the last program,
+which also advances the row lengths); and the projections go through ``fused_dense.linear`` (cuBLAS or a Triton
+GEMV, whichever measured faster for the shape; o_proj's GEMV takes the decoder layer's residual add and
+post-attention norm as its epilogue, see ``forward_with_residual``).
 
 Everything else runs the module's own forward: prefill (S > 1), output_attentions, training, autograd through the
 projections, hooks on or replaced q/k/v projections or norms, partial rotary, a sliding window without a mask,
@@ -221,18 +225,20 @@ def decode_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
 
     The KV cache arrives under the name of the installed transformers (``ktinject.compat``); ``kwargs`` go to
     HF's forward as they came, so a fallback passes the cache under the caller's name."""
-    return _step(self, hidden_states, None, position_embeddings, attention_mask, kwargs), None
+    return _step(self, hidden_states, None, position_embeddings, attention_mask, kwargs)[0], None
 
 
 def forward_with_residual(module: nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor,
-                          position_embeddings=None, attention_mask=None, **kwargs) -> torch.Tensor:
-    """``residual + module(hidden_states, ...)[0]`` for the decoder layer's decode forward (operators/
-    decode_layer.py): on the decode path the residual add is o_proj's epilogue. A module without the decode
-    forward, or with hooks (which this call would bypass), is called as a module."""
+                          position_embeddings=None, attention_mask=None, norm: tuple | None = None,
+                          **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(``residual + module(hidden_states, ...)[0]``, its RMSNorm or None) for the decoder layer's decode forward
+    (operators/decode_layer.py): on the decode path the residual add is o_proj's epilogue, and with ``norm`` =
+    (weight, eps, round_twice) the kernel normalizes the sum too where it runs (else None: the caller's norm).
+    A module without the decode forward, or with hooks (which this call would bypass), is called as a module."""
     if not installed(module) or _hooked(module):
         out = module(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
-        return residual + out[0]
-    return _step(module, hidden_states, residual, position_embeddings, attention_mask, kwargs)
+        return residual + out[0], None
+    return _step(module, hidden_states, residual, position_embeddings, attention_mask, kwargs, norm)
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -241,13 +247,13 @@ def _hooked(module: nn.Module) -> bool:
                 or glob._global_forward_pre_hooks)
 
 
-def _step(self, hidden_states, residual, position_embeddings, attention_mask, kwargs) -> torch.Tensor:
-    """The attention output [B, 1, Hq D] projected by o_proj (plus ``residual`` when given)."""
+def _step(self, hidden_states, residual, position_embeddings, attention_mask, kwargs, norm=None):
+    """(the attention output projected by o_proj, plus ``residual`` when given, [B, 1, H]; its norm or None)."""
     hf = self.__dict__[_HF_FORWARD]
 
     def by_hf():
         out = hf(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)[0]
-        return out if residual is None else residual + out
+        return (out if residual is None else residual + out), None
 
     if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:  # prefill: HF's forward, not a fallback
         return by_hf()
@@ -261,7 +267,7 @@ def _step(self, hidden_states, residual, position_embeddings, attention_mask, kw
     report.ran("decode_attention")
     st = _state(self)
     B, D, hq, hk = hidden_states.shape[0], self.head_dim, st["hq"], st["hk"]
-    qkv = fused_dense.linear(hidden_states.reshape(B, -1), st["w"], st["b"]).view(B, hq + 2 * hk, D)
+    qkv = fused_dense.linear(hidden_states.reshape(B, -1), st["w"], st["b"])[0].view(B, hq + 2 * hk, D)
     cos, sin = position_embeddings  # [B, 1, D]
     if fused.available(qkv, D) and _fusable(norms, cos, sin, B, D) and (
             attention_mask is None or attention_mask.stride(-1) == 1):  # Triton: rotary, cache write, attention
@@ -277,7 +283,8 @@ def _step(self, hidden_states, residual, position_embeddings, attention_mask, kw
         out = fused_attn.attention(q, keys, values, self.scaling, mask, lengths)  # [B, Hq D]
     else:
         out = _attend_torch(self, qkv, hq, hk, norms, cos, sin, st["sign"], cache, attention_mask)
-    return _o_proj(self, out, residual).view(B, 1, -1)
+    y, normed = _o_proj(self, out, residual, norm)
+    return y.view(B, 1, -1), None if normed is None else normed.view(B, 1, -1)
 
 
 def _attend_torch(self, qkv, hq, hk, norms, cos, sin, sign, cache, attention_mask) -> torch.Tensor:
@@ -303,17 +310,17 @@ def _attend_torch(self, qkv, hq, hk, norms, cos, sin, sign, cache, attention_mas
     return out.view(B, hq * D)
 
 
-def _o_proj(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """o_proj(out) (+ residual) [B, H]: a plain Linear by fused_dense.linear (the add as its epilogue where the
-    kernel runs), anything else as a module."""
+def _o_proj(self, out: torch.Tensor, residual: torch.Tensor | None, norm: tuple | None):
+    """(o_proj(out) (+ residual) [B, H], its norm or None): a plain Linear by fused_dense.linear (the add and the
+    norm in the kernel where it runs), anything else as a module."""
     o = self.o_proj
     B = out.shape[0]
     res = None if residual is None else residual.reshape(B, -1)
     if type(o) is nn.Linear and _plain(o) and o.weight.dtype == out.dtype and not (
             torch.is_grad_enabled() and o.weight.requires_grad):
-        return fused_dense.linear(out, o.weight, o.bias, res)
+        return fused_dense.linear(out, o.weight, o.bias, res, norm)
     y = o(out)
-    return y if res is None else res + y
+    return (y if res is None else res + y), None
 
 
 def uninstall(module: nn.Module) -> None:

@@ -5,8 +5,9 @@ routed experts on the CPU every GPU kernel of that chain is on the decode step's
 token per row this forward computes the same (same roundings: sums rounded to the model dtype, each norm as its
 module) with fewer kernels on CUDA with Triton (``fused_dense``):
 
-- attention's residual add is o_proj's epilogue (``decode_attention.forward_with_residual``);
-- the post-attention norm is one kernel;
+- attention's residual add is o_proj's epilogue (``decode_attention.forward_with_residual``), and so is the
+  post-attention norm where o_proj runs as the Triton GEMV (its last program normalizes the rows), else that norm
+  is one kernel;
 - the closing residual add and the *next* layer's input norm are one kernel (``add_rms_norm``): the sum carries
   the normalized result (``norm.attach_prenormed``), which the next layer, or the model's final FusedRMSNorm,
   takes instead of normalizing again while it is valid (same norm and weight, neither tensor changed since);
@@ -145,9 +146,15 @@ def decode_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     normed = _norm(self.input_layernorm, hidden_states, fast)
     attn_kwargs = dict(kwargs)
     pos_emb, mask = attn_kwargs.pop("position_embeddings", None), attn_kwargs.pop("attention_mask", None)
-    h = decode_attention.forward_with_residual(self.self_attn, normed, hidden_states, position_embeddings=pos_emb,
-                                               attention_mask=mask, **attn_kwargs)
-    m = self.mlp(_norm(self.post_attention_layernorm, h, fast))
+    post = self.post_attention_layernorm
+    fuse_post = (post.weight, post.variance_epsilon, rounds_twice(post)) if fast and _fusable_norm(
+        post, hidden_states) else None  # o_proj's kernel may normalize its output too
+    h, normed2 = decode_attention.forward_with_residual(self.self_attn, normed, hidden_states,
+                                                        position_embeddings=pos_emb, attention_mask=mask,
+                                                        norm=fuse_post, **attn_kwargs)
+    if normed2 is not None:
+        attach_prenormed(h, post, normed2)
+    m = self.mlp(_norm(post, h, fast))
     if SUPPORTED[type(self).__name__]:  # gpt-oss: (hidden, router scores)
         m = m[0]
     return _add_and_next_norm(self, m, h, fast)

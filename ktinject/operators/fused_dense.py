@@ -53,8 +53,9 @@ def _build(triton, tl):
             tl.store(n_out + row * s_n + offs, y, mask=inside)
 
     @triton.jit
-    def linear_k(x, w, bias, res, out, N, K, s_x, s_w, s_r, s_o, B: tl.constexpr, BB: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, BIAS: tl.constexpr, RES: tl.constexpr, PREC: tl.constexpr):
+    def linear_k(x, w, bias, res, out, nw, n_out, cnt, N, K, s_x, s_w, s_r, s_o, s_n, eps, NPROG, B: tl.constexpr,
+                 BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BIAS: tl.constexpr, RES: tl.constexpr,
+                 NORM: tl.constexpr, ROUND2: tl.constexpr, BH: tl.constexpr, PREC: tl.constexpr):
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nm = n < N
         wrow = w + n[:, None].to(tl.int64) * s_w
@@ -84,6 +85,21 @@ def _build(triton, tl):
             y = (y.to(tl.float32) + tl.load(res + rows[:, None] * s_r + n[None, :], mask=om, other=0.0)
                  .to(tl.float32)).to(dt)
         tl.store(out + rows[:, None] * s_o + n[None, :], y, mask=om)
+        if NORM:  # the program that finishes last normalizes the rows (fused.py's last-program pattern)
+            tl.debug_barrier()
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
+                offs = tl.arange(0, BH)
+                inside = offs < N
+                wv = tl.load(nw + offs, mask=inside, other=0.0).to(tl.float32)
+                for b in tl.static_range(B):
+                    v = tl.load(out + b * s_o + offs, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    r = tl.rsqrt(tl.sum(v * v, axis=0) / N + eps)
+                    if ROUND2:
+                        yn = ((v * r).to(dt).to(tl.float32) * wv).to(dt)
+                    else:
+                        yn = (v * r * wv).to(dt)
+                    tl.store(n_out + b * s_n + offs, yn, mask=inside)
+                tl.atomic_xchg(cnt, 0)
 
     return add_norm_k, linear_k
 
@@ -122,21 +138,29 @@ MEASURE_FROM = 1 << 20  # weights smaller than this stay with cuBLAS unmeasured 
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-                  config: tuple) -> torch.Tensor:
-    """x [B, K] @ weight [N, K]^T (+ bias [N]) (+ residual [B, N]) by the kernel with ``config`` (BN, BK, warps)."""
+                  config: tuple, norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x [B, K] @ weight [N, K]^T (+ bias [N]) (+ residual [B, N]), its RMSNorm or None) by the kernel with
+    ``config`` (BN, BK, warps); ``norm``: (weight [N], eps, round_twice) as ``add_rms_norm``, computed by the
+    program that finishes last."""
     B, K = x.shape
     N = weight.shape[0]
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError("linear: x, weight and residual need contiguous last dims")
     out = torch.empty((B, N), dtype=x.dtype, device=x.device)
+    normed = None if norm is None else torch.empty_like(out)
     BN, BK, warps = config
     r = residual if residual is not None else out
+    nw, eps, round2 = norm if norm is not None else (out, 0.0, False)
+    cnt = fused.workspace("linear_counter", 1, torch.int32, x.device, zero=True) if norm is not None else out
+    nprog = -(-N // BN)
     with on_device(x):
-        _kernels()[1][(-(-N // BN),)](x, weight, weight if bias is None else bias, r, out, N, K, x.stride(0),
-                                      weight.stride(0), r.stride(0), out.stride(0), B=B,
-                                      BB=1 if B == 1 else pow2(B, 16), BN=BN, BK=BK, BIAS=bias is not None,
-                                      RES=residual is not None, PREC=fused.dot_precision(x.dtype), num_warps=warps)
-    return out
+        _kernels()[1][(nprog,)](x, weight, weight if bias is None else bias, r, out, nw, out if normed is None else
+                                normed, cnt, N, K, x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
+                                out.stride(0), float(eps), nprog, B=B, BB=1 if B == 1 else pow2(B, 16), BN=BN, BK=BK,
+                                BIAS=bias is not None, RES=residual is not None, NORM=norm is not None,
+                                ROUND2=bool(round2), BH=pow2(N, 16), PREC=fused.dot_precision(x.dtype),
+                                num_warps=warps)
+    return out, normed
 
 
 def linear_torch(x, weight, bias, residual):
@@ -146,17 +170,19 @@ def linear_torch(x, weight, bias, residual):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """(residual +) x [B, K] @ weight^T (+ bias) by whichever of cuBLAS and the kernel ``choose`` measured faster
-    for this shape on this device (cuBLAS off CUDA, for weights under ``MEASURE_FROM`` elements, during capture
-    before any measurement and with KTINJECT_GEMV=torch; KTINJECT_GEMV=triton: the kernel's first config, no
-    measurement)."""
-    config = choose(x, weight, bias, residual) if fused.available(x) else None
-    return linear_torch(x, weight, bias, residual) if config is None else linear_triton(x, weight, bias, residual,
-                                                                                        config)
+           residual: torch.Tensor | None = None, norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """((residual +) x [B, K] @ weight^T (+ bias), the RMSNorm of that or None) by whichever of cuBLAS and the
+    kernel ``choose`` measured faster for this shape on this device (cuBLAS off CUDA, for weights under
+    ``MEASURE_FROM`` elements, during capture before any measurement and with KTINJECT_GEMV=torch;
+    KTINJECT_GEMV=triton: the kernel's first config, no measurement). ``norm``: (weight, eps, round_twice): the
+    kernel normalizes the result too (its last program); with cuBLAS the norm comes back None (the caller's)."""
+    config = choose(x, weight, bias, residual, norm) if fused.available(x) else None
+    if config is None:
+        return linear_torch(x, weight, bias, residual), None
+    return linear_triton(x, weight, bias, residual, config, norm)
 
 
-def choose(x, weight, bias, residual) -> tuple | None:
+def choose(x, weight, bias, residual, norm=None) -> tuple | None:
     """The kernel config for this shape, or None for cuBLAS: measured once per shape and device outside graph
     capture (during capture, before any measurement: cuBLAS)."""
     B, K = x.shape
@@ -166,28 +192,38 @@ def choose(x, weight, bias, residual) -> tuple | None:
         return None
     if mode == "triton":
         return configs[0]
-    key = (B, weight.shape[0], K, x.dtype, bias is not None, residual is not None, str(x.device))
+    key = (B, weight.shape[0], K, x.dtype, bias is not None, residual is not None, norm is not None, str(x.device))
     if key not in _CHOICE:
         if torch.cuda.is_current_stream_capturing():
             return None
-        _CHOICE[key] = _measure(x, weight, bias, residual, configs)
+        _CHOICE[key] = _measure(x, weight, bias, residual, norm, configs)
     return _CHOICE[key]
 
 
-def _measure(x, weight, bias, residual, configs, reps: int = 15) -> tuple | None:
-    """Median GPU time of cuBLAS and of each config, each run after a 256 MiB write that evicts L2 (and keeps the
-    GPU busy while the run is queued, so launch time does not count); the fastest, None for cuBLAS."""
+def _measure(x, weight, bias, residual, norm, configs, reps: int = 15) -> tuple | None:
+    """Median GPU time of cuBLAS (with the norm kernel after it where ``norm`` is asked for) and of each config,
+    each run after a 256 MiB write that evicts L2 (and keeps the GPU busy while the run is queued, so launch time
+    does not count); the fastest, None for cuBLAS."""
     try:
         flush = torch.empty(256 << 20, dtype=torch.uint8, device=x.device)
     except torch.cuda.OutOfMemoryError:
         log.info("fused_dense: no room to measure the linear kernels (256 MiB); cuBLAS runs")
         return None
+
+    def run(c):
+        if c is not None:
+            return linear_triton(x, weight, bias, residual, c, norm)[0]
+        y = linear_torch(x, weight, bias, residual)
+        if norm is not None:
+            add_rms_norm(y, None, *norm)
+        return y
+
     cands = [None, *configs]
     times: dict = {c: [] for c in cands}
-    want = linear_torch(x, weight, bias, residual).float()
+    want = run(None).float()
     for c in configs:  # compile each, and drop one that fails or disagrees with cuBLAS
         try:
-            got = linear_triton(x, weight, bias, residual, c).float()
+            got = run(c).float()
         except Exception as e:  # noqa: BLE001 - a config this GPU cannot compile (resources): skip it, not the decode
             log.info("fused_dense: linear config %s unavailable here: %s", c, e)
             cands.remove(c)
@@ -200,12 +236,13 @@ def _measure(x, weight, bias, residual, configs, reps: int = 15) -> tuple | None
             flush.zero_()
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0.record()
-            linear_torch(x, weight, bias, residual) if c is None else linear_triton(x, weight, bias, residual, c)
+            run(c)
             t1.record()
             times[c].append((t0, t1))
     torch.cuda.synchronize(x.device)
-    med = {c: statistics.median(a.elapsed_time(b) for a, b in ev) for c, ev in times.items() if c in cands}
+    med = {c: statistics.median(a.elapsed_time(b) for a, b in ev) for c, ev in times.items()}
     best = min(med, key=med.get)
-    log.info("fused_dense: linear %s x %s: cuBLAS %.1f us, best kernel %s %.1f us; using %s", tuple(x.shape),
-             tuple(weight.shape), med[None] * 1e3, best, med[best] * 1e3, "cuBLAS" if best is None else best)
+    log.info("fused_dense: linear %s x %s%s: cuBLAS %.1f us, best kernel %s %.1f us; using %s", tuple(x.shape),
+             tuple(weight.shape), " + norm" if norm else "", med[None] * 1e3, best, med[best] * 1e3,
+             "cuBLAS" if best is None else best)
     return best

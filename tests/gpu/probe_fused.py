@@ -8,8 +8,9 @@ of one piece included, as in the decode graph):
 - attention over the cache: bmm scores, scale, mask, softmax, cast, bmm (today's torch path) against
   fused_attn.attention (with the lengths: only the keys held are read) at 97 and 1000 keys held;
 - residual add + RMSNorm: torch add and torch.rms_norm against fused_dense.add_rms_norm;
-- projections: cuBLAS (F.linear, + the residual add for o_proj) against every Triton GEMV config, over 48
-  different weights (one per copy, as the 48 layers: no copy finds its weights in L2);
+- projections: cuBLAS (F.linear, + the residual add and torch.rms_norm for o_proj) against every Triton GEMV config
+  (o_proj: residual and norm fused), over 48 different weights (one per copy, as the 48 layers: no copy finds its
+  weights in L2);
 - the router: HF's Qwen3MoeTopKRouter against fused.router_topk (one kernel) with counts and host staging.
 
     PYTHONPATH=$PWD:$PWD/tests/gpu python tests/gpu/probe_fused.py"""
@@ -92,23 +93,28 @@ def norms(H=2048) -> None:
 
 
 def projections() -> None:
-    for what, B, N, K, res in (("o_proj + residual", 1, 2048, 4096, True), ("qkv", 1, 5120, 2048, False),
-                               ("o_proj + residual, batch 4", 4, 2048, 4096, True)):
+    for what, B, N, K, res in (("o_proj + residual + norm", 1, 2048, 4096, True), ("qkv", 1, 5120, 2048, False),
+                               ("o_proj + residual + norm, batch 4", 4, 2048, 4096, True)):
         ws = [torch.randn(N, K, device=DEV, dtype=BF) / K ** 0.5 for _ in range(48)]
         x = torch.randn(B, K, device=DEV, dtype=BF)
         r = torch.randn(B, N, device=DEV, dtype=BF) if res else None
+        norm = (torch.ones(N, device=DEV, dtype=BF), 1e-6, False) if res else None
 
         def run(cfg):
             it = itertools.cycle(ws)
-            if cfg is None:
-                return timed(lambda: fused_dense.linear_torch(x, next(it), None, r))
-            return timed(lambda: fused_dense.linear_triton(x, next(it), None, r, cfg))
+            if cfg is not None:
+                return timed(lambda: fused_dense.linear_triton(x, next(it), None, r, cfg, norm))
+
+            def cublas():
+                y = fused_dense.linear_torch(x, next(it), None, r)
+                return y if norm is None else torch.rms_norm(y, (N,), norm[0], norm[1])
+            return timed(cublas)
 
         with torch.no_grad():
             t_cublas = run(None)
             res_t = {cfg: run(cfg) for cfg in (fused_dense.CONFIGS_1 if B == 1 else fused_dense.CONFIGS_N)}
         best = min(res_t, key=res_t.get)
-        print(f"{what} [{B}, {K}] x [{N}, {K}]: cuBLAS {t_cublas:.1f} us; Triton " + ", ".join(
+        print(f"{what} [{B}, {K}] x [{N}, {K}]: cuBLAS (+ torch add, rms_norm) {t_cublas:.1f} us; Triton " + ", ".join(
             f"{c}: {t:.1f}" for c, t in res_t.items()) + f" us; best {best} "
               f"({(t_cublas - res_t[best]) * 48 / 1000:+.2f} ms per token of 48 layers)", flush=True)
         del ws
