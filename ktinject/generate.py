@@ -37,7 +37,7 @@ import torch
 
 from ktinject import compat
 from ktinject._callmod import callable_module
-from ktinject.gpu_experts.stream import streamer_of
+from ktinject.gpu_experts.stream import MIN_CHUNK, streamer_of
 from ktinject.graph import GraphRunner
 
 log = logging.getLogger(__name__)
@@ -63,14 +63,16 @@ def get_runner(model, **runner_kwargs) -> GraphRunner:
 DEFAULT_PREFILL_CHUNK = 2048
 
 
-def prefill_chunk(model) -> int | None:
+def prefill_chunk(model, prompt_len: int | None = None) -> int | None:
     """Prompt tokens per prefill forward of ``model``'s generate: its runner's ``prefill_chunk``; for "auto", what
     the free GPU memory allows where the prompts' routed experts are streamed to the GPU (every chunk streams all of
     them once: the longer the chunk, the fewer passes; ``gpu_experts.stream.PrefillStreamer.chunk_tokens``), else
-    DEFAULT_PREFILL_CHUNK."""
+    DEFAULT_PREFILL_CHUNK. A ``prompt_len`` that no chunk size would cut is answered without asking."""
     chunk = get_runner(model).prefill_chunk
     if chunk != "auto":
         return chunk
+    if prompt_len is not None and prompt_len <= min(MIN_CHUNK, DEFAULT_PREFILL_CHUNK):
+        return None
     streamer = streamer_of(model)
     return streamer.chunk_tokens() if streamer is not None else DEFAULT_PREFILL_CHUNK
 
@@ -266,7 +268,7 @@ def generate(model, input_ids=None, attention_mask=None, **kwargs):
 
     cache = runner.cache_for(rows, _needed_len(gc, prompt_len))
     kwargs[compat.cache_kwarg()] = cache
-    chunk = prefill_chunk(model)
+    chunk = prefill_chunk(model, prompt_len)
     if chunk and prompt_len > chunk and gc.prefill_chunk_size is None:
         kwargs["prefill_chunk_size"] = chunk
     defer = cache if runner.defer_stop and runner.graphs_enabled() and not gc.return_dict_in_generate else None

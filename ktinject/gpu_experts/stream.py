@@ -39,7 +39,7 @@ from ktinject import native
 from ktinject.gpu_experts import policy
 from ktinject.gpu_experts.bank import Activation, grouped_ffn, grouped_mm_usable, looped_ffn
 from ktinject.gpu_experts.ring import Ring, timed
-from ktinject.gpu_experts.upload import PackedRegion, bias_views, unpack_experts
+from ktinject.gpu_experts.upload import PackedRegion, bias_views, expert_layout, unpack_experts
 from ktinject.operators.families import shared_output
 from ktinject.operators.moe import HybridMoE, staging
 
@@ -95,8 +95,10 @@ class PrefillStreamer:
             raise ValueError(f"PrefillStreamer: slot_experts must be a positive number of experts, "
                              f"got {slot_experts!r}")
         self.blocks, self.mode = list(blocks), mode
-        self.device = self.blocks[0].device
+        self.device = torch.device(self.blocks[0].device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # "cuda" as the plan names it: the device it means now
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.memory_fraction = float(memory_fraction)
         self.costs_override = costs
         self.slot_experts = None if slot_experts is None else int(slot_experts)
@@ -124,21 +126,12 @@ class PrefillStreamer:
             log.warning("prefill: the packed experts could not all be page-locked; copies are synchronous%s",
                         " (auto: prefill stays on the CPU)" if self.mode == "auto" else "")
         self.layouts = [r.layout for r in self.regions]
-        B = max(lay.expert_bytes for lay in self.layouts)
+        cap, B, work, bias = self._plan()
         H = self.blocks[0].hidden_size
         I = max(b.intermediate_size for b in self.blocks)
-        work = max(_work_bytes(lay) for lay in self.layouts)
-        bias = any(b.native_experts.bias for b in self.blocks)
-        per_expert = 2 * B + 2 * 3 * H * I + work + (4 * (2 * I + H) if bias else 0)
         E = max(b.num_experts for b in self.blocks)
-        self.cap = E
-        if self.cuda:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            spare = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            self.cap = max(1, min(E, int(self.memory_fraction * (free + spare) // per_expert)))
-        if self.slot_experts is not None:
-            self.cap = min(self.cap, self.slot_experts)
-        dev, cap = self.device, self.cap
+        self.cap = cap
+        dev = self.device
         self.ring = Ring(dev, cap * B)
         self.gate_up = torch.empty(cap * 2 * I * H, dtype=torch.bfloat16, device=dev)
         self.down = torch.empty(cap * H * I, dtype=torch.bfloat16, device=dev)
@@ -151,6 +144,23 @@ class PrefillStreamer:
         log.info("prefill: %s streaming, %d of %d experts a slot (%.2f GiB ring + %.2f GiB scratch), H2D %.1f GB/s, "
                  "set up in %.1f s", self.mode, cap, E, self.ring.nbytes / 2**30, self.nbytes_scratch / 2**30,
                  self.h2d / 1e9, time.perf_counter() - t0)
+
+    def _plan(self) -> tuple[int, int, int, bool]:
+        """(experts a slot, B, work bytes per expert, biases?): a whole layer when ring + scratch fit in
+        ``memory_fraction`` of the free GPU memory, else as many experts as do (at most ``slot_experts``)."""
+        layouts = self.__dict__.get("layouts") or [expert_layout(b.native_experts) for b in self.blocks]
+        B = max(lay.expert_bytes for lay in layouts)
+        H = self.blocks[0].hidden_size
+        I = max(b.intermediate_size for b in self.blocks)
+        work = max(_work_bytes(lay) for lay in layouts)
+        bias = any(b.native_experts.bias for b in self.blocks)
+        per_expert = 2 * B + 2 * 3 * H * I + work + (4 * (2 * I + H) if bias else 0)
+        cap = max(b.num_experts for b in self.blocks)
+        if self.cuda:
+            cap = max(1, min(cap, int(self.memory_fraction * _free_gpu_bytes(self.device) // per_expert)))
+        if self.slot_experts is not None:
+            cap = min(cap, self.slot_experts)
+        return cap, B, work, bias
 
     @property
     def nbytes_scratch(self) -> int:
@@ -219,7 +229,7 @@ class PrefillStreamer:
     def __call__(self, block, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """(routed [T, H], shared [T, H] or None) of ``block`` for x [T, H], or None: the native path's turn."""
         i = self._index.get(id(block))
-        if i is None or x.device != self.device or (torch.is_grad_enabled() and x.requires_grad):
+        if i is None or x.device.type != self.device.type or (torch.is_grad_enabled() and x.requires_grad):
             return None
         if self.cuda and torch.cuda.is_current_stream_capturing():
             return None
@@ -409,14 +419,21 @@ class PrefillStreamer:
         the dense part), half of it as a margin; between MIN_CHUNK and MAX_CHUNK. MAX_CHUNK off CUDA."""
         if not self.cuda:
             return MAX_CHUNK
-        self.setup()
         b = self.blocks[0]
         k = b.top_k if isinstance(getattr(b, "top_k", None), int) else 8
         per_token = k * (8 * b.hidden_size + 16 * b.intermediate_size) + 64 * b.hidden_size
-        free, _ = torch.cuda.mem_get_info(self.device)
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        tokens = int(0.5 * free // per_token) // 256 * 256
+        free = _free_gpu_bytes(self.device)
+        if not self._ready:  # what the set-up will take (without doing it: a short prompt never needs it)
+            cap, B, work, bias = self._plan()
+            free -= cap * (2 * B + 2 * 3 * b.hidden_size * b.intermediate_size + work)
+        tokens = int(0.5 * max(free, 0) // per_token) // 256 * 256
         return max(MIN_CHUNK, min(MAX_CHUNK, tokens))
+
+
+def _free_gpu_bytes(device) -> int:
+    """Free memory of the device plus what torch's caching allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _work_bytes(lay) -> int:
