@@ -3,7 +3,7 @@
 # Through the device tool, from the repository root:  bash tests/gpu/run_gpu_machine.sh STAGE...   (carry: .whl)
 # Stages (in the order given): build info harness native gpu (CUDA- and AMX-marked tests) families (on AMX)
 #                              families-cuda (tests/test_families.py with gpu="cuda") bench-kernels bench-decode bench-prefill
-#                              bench-load bench-hot all
+#                              bench-load bench-hot defer (expert-deferral GPU tests) bench-defer all
 # Each stage's log goes to $OUT/<stage>.log; a summary line per stage is printed last.
 set -uo pipefail
 OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
@@ -35,6 +35,12 @@ for s in "$@"; do
     bench-prefill) stage bench-prefill python3 -m ktinject.bench prefill ;;
     bench-load) stage bench-load python3 -m ktinject.bench load ;;
     bench-hot) stage bench-hot python3 -m ktinject.bench hot ;;
+    defer) stage defer python3 -m pytest -q -rs -s tests/gpu/test_deferral_gpu.py ;;
+    bench-defer)  # expert deferral, one model build per quant, each cut off after BENCH_S seconds
+      for q in ${QUANTS:-int4 bf16}; do
+        stage "bench-defer-$q" timeout "${BENCH_S:-130}" python3 -m ktinject.bench decode --quant "$q" \
+          --defer "${DEFER:-0,1,2,3}" --tokens "${TOKENS:-32}" --defer-rounds "${ROUNDS:-3}"
+      done ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -33,12 +33,11 @@ def _model(family: str, **kw):
 
 
 def _prompts(batch: int, seed: int = 1, length: int = 9):
+    """(ids [batch, length] on CUDA, attention mask): the rows after the first left-padded by 3 tokens."""
     ids = tiny_prompts(batch, length, seed=seed).cuda()
-    mask = torch.ones_like(ids)
-    if batch > 1:  # left padding on the second row
-        ids[1, :3] = 0
-        mask[1, :3] = 0
-    return ids, mask
+    pad = torch.zeros_like(ids, dtype=torch.bool)
+    pad[1:, :3] = True
+    return ids.masked_fill(pad, 0), (~pad).long()
 
 
 def _generate(m, ids, mask, graphs: bool):
@@ -46,6 +45,17 @@ def _generate(m, ids, mask, graphs: bool):
     out = ktinject.generate(m, ids, attention_mask=mask, max_new_tokens=N, min_new_tokens=N, do_sample=False,
                             pad_token_id=0, eos_token_id=None)
     return out, runner
+
+
+def _graph_equals_eager(m, batch: int, seed: int) -> torch.Tensor:
+    """Greedy tokens of the decode graph, checked equal to the eager decode's; one capture, every step replayed."""
+    ids, mask = _prompts(batch, seed=seed)
+    eager, _ = _generate(m, ids, mask, graphs=False)
+    graph, runner = _generate(m, ids, mask, graphs=True)
+    assert not runner.stats.capture_failures, runner.stats.capture_failures
+    assert runner.stats.captures == 1 and runner.stats.replays == N - 1 and runner.stats.eager_decode == 0
+    assert torch.equal(graph, eager)
+    return graph
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -58,12 +68,8 @@ def model(request):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_graph_equals_eager_with_deferral(model, batch):
     family, m = model
+    graph = _graph_equals_eager(m, batch, seed=batch)
     ids, mask = _prompts(batch, seed=batch)
-    eager, _ = _generate(m, ids, mask, graphs=False)
-    graph, runner = _generate(m, ids, mask, graphs=True)
-    assert not runner.stats.capture_failures, runner.stats.capture_failures
-    assert runner.stats.captures == 1 and runner.stats.replays == N - 1 and runner.stats.eager_decode == 0
-    assert torch.equal(graph, eager)
     deferral.set_defer(m, 0)
     try:
         plain, _ = _generate(m, ids, mask, graphs=True)
@@ -99,11 +105,7 @@ def test_int4_and_hot_experts_with_deferral():
     assert all(b.hot is not None and b.hot.residents() for b in blocks)
     try:
         for batch in (1, 2):
-            ids, mask = _prompts(batch, seed=7 + batch)
-            eager, _ = _generate(m, ids, mask, graphs=False)
-            graph, runner = _generate(m, ids, mask, graphs=True)
-            assert not runner.stats.capture_failures, runner.stats.capture_failures
-            assert torch.equal(graph, eager)
+            _graph_equals_eager(m, batch, seed=7 + batch)
     finally:
         get_runner(m).close()
 
@@ -112,10 +114,6 @@ def test_host_callback_fallback_with_deferral(monkeypatch):
     monkeypatch.setenv("KTINJECT_STREAM_SYNC", "hostfn")
     m = _model("qwen3_moe")
     try:
-        ids, mask = _prompts(2, seed=11)
-        eager, _ = _generate(m, ids, mask, graphs=False)
-        graph, runner = _generate(m, ids, mask, graphs=True)
-        assert not runner.stats.capture_failures, runner.stats.capture_failures
-        assert torch.equal(graph, eager)
+        _graph_equals_eager(m, 2, seed=11)
     finally:
         get_runner(m).close()
