@@ -74,7 +74,7 @@ def prefill_chunk(model, prompt_len: int | None = None) -> int | None:
     if prompt_len is not None and prompt_len <= min(MIN_CHUNK, DEFAULT_PREFILL_CHUNK):
         return None
     streamer = streamer_of(model)
-    return streamer.chunk_tokens() if streamer is not None else DEFAULT_PREFILL_CHUNK
+    return streamer.chunk_tokens() if streamer is not None and streamer.mode != "cpu" else DEFAULT_PREFILL_CHUNK
 
 
 def invalidate_graphs(model) -> None:

@@ -234,8 +234,10 @@ def test_bad_prefill_values(tmp_path):
     assert stream.streamer_of(model).mode == "gpu"
     with pytest.raises(ValueError, match="slot_experts"):
         stream.PrefillStreamer([object()], "gpu", slot_experts=0)
-    with pytest.raises(ValueError, match="mode 'auto' or 'gpu'"):
-        stream.PrefillStreamer([object()], "cpu")
+    with pytest.raises(ValueError, match="at least one HybridMoE"):
+        stream.PrefillStreamer([], "gpu")
+    with pytest.raises(ValueError, match="prefill: expected"):
+        stream.PrefillStreamer([object()], "fast")
 
 
 def test_attach_modes():
@@ -244,6 +246,13 @@ def test_attach_modes():
     assert stream.attach(model, "auto") is None  # no GPU to stream to
     s = stream.attach(model, "gpu")
     assert stream.streamer_of(model) is s and s.chunk_tokens() == stream.MAX_CHUNK
+    with torch.no_grad():
+        model(tiny_prompts(1, 30))
+        assert s.last["mode"] == "gpu" and s._ready
+        s.switch("cpu")  # declines, keeps its set-up
+        model(tiny_prompts(1, 30))
+        assert s.last["mode"] == "cpu" and s._ready
+        assert stream.attach(model, "gpu") is s and s.mode == "gpu"  # the same streamer, switched
     stream.attach(model, "cpu")
     assert stream.streamer_of(model) is None and all(b.prefill is None for b in stream.blocks_of(model))
 

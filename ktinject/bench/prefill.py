@@ -111,7 +111,8 @@ def run(args, quant: str) -> list[tuple[str, str, str]]:
     rates: dict[tuple[str, int], float] = {}
     lengths = _csv(args.prefill, int)
     for mode in _csv(args.mode):
-        streamer = stream.attach(model, mode)
+        streamer = None if mode == "cpu" or (mode == "auto" and not probe.cuda) else probe  # as attach(model, mode)
+        probe.switch(mode if streamer is not None else "cpu")  # one streamer for all: experts page-locked once
         get_runner(model, use_graphs=False, prefill_chunk=args.chunk or "auto")
         time_prefill(model, min(lengths), device)  # warm-up: page-locking, calibration, allocator
         for n in lengths:
@@ -119,7 +120,7 @@ def run(args, quant: str) -> list[tuple[str, str, str]]:
             rate = rates[mode, n] = n / s
             limit = n * h2d / expert_bytes
             full = "" if args.layers == 48 or args.tiny else f" (48 layers: {rate * L / 48:,.0f})"
-            chunk = prefill_chunk(model)
+            chunk = prefill_chunk(model, n) or "none (one forward)"
             note = (f"{s:.3f} s{full}; limit {limit:,.0f} tok/s, {100 * rate / limit:.0f}% of it; "
                     f"chunk {chunk}; {_chose(streamer) if mode == 'auto' else mode}")
             rows.append((f"{quant} {mode} prefill {n}", f"{rate:,.0f}", note))

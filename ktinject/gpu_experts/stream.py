@@ -62,11 +62,13 @@ def attach(model, mode: str, **kwargs) -> PrefillStreamer | None:
     policy.check_mode(mode)
     blocks = blocks_of(model)
     old = streamer_of(model)
+    wanted = not (mode == "cpu" or not blocks or (mode == "auto" and blocks[0].device.type != "cuda"))
+    if old is not None and wanted and not kwargs and old.blocks == blocks:
+        old.switch(mode)  # keeps what its set-up did (page-locked experts, ring, measured costs)
+        return old
     if old is not None:
         old.close()
-    if mode == "cpu" or not blocks or (mode == "auto" and blocks[0].device.type != "cuda"):
-        return None
-    return PrefillStreamer(blocks, mode, **kwargs)
+    return PrefillStreamer(blocks, mode, **kwargs) if wanted else None
 
 
 def streamer_of(model) -> PrefillStreamer | None:
@@ -82,15 +84,17 @@ def _resident(block) -> np.ndarray:
 
 
 class PrefillStreamer:
-    """Streamed / split prefill for ``blocks`` (a model's HybridMoE blocks in model order), ``mode`` "auto" or "gpu".
+    """Streamed / split prefill for ``blocks`` (a model's HybridMoE blocks in model order), ``mode`` "auto" or "gpu"
+    ("cpu": every forward declined; ``switch`` changes it).
     ``costs``: a ``policy.Costs`` used as is, or a dict of its fields replacing the measured ones.
     ``memory_fraction``: of the free GPU memory, what the ring and scratch may take; ``slot_experts``: at most this
     many experts a ring slot (layers in parts; default: what the memory allows, at most a layer)."""
 
     def __init__(self, blocks, mode: str = "auto", memory_fraction: float = 0.4, costs=None,
                  slot_experts: int | None = None):
-        if policy.check_mode(mode) == "cpu" or not blocks:
-            raise ValueError("PrefillStreamer: needs mode 'auto' or 'gpu' and at least one HybridMoE block")
+        policy.check_mode(mode)
+        if not blocks:
+            raise ValueError("PrefillStreamer: needs at least one HybridMoE block")
         if slot_experts is not None and (isinstance(slot_experts, bool) or int(slot_experts) < 1):
             raise ValueError(f"PrefillStreamer: slot_experts must be a positive number of experts, "
                              f"got {slot_experts!r}")
@@ -199,7 +203,18 @@ class PrefillStreamer:
         costs = self._costs[key]
         return costs.with_(**self.costs_override) if isinstance(self.costs_override, dict) else costs
 
+    def switch(self, mode: str) -> None:
+        """Another mode from the next forward on ("cpu": decline every forward), keeping the set-up and the
+        measured costs."""
+        self.mode = policy.check_mode(mode)
+        self._decisions.clear()
+        self._forward = None
+        if self._ready:
+            self.ring.drop()
+
     def _decide(self, block, T: int, k: int) -> str:
+        if self.mode == "cpu":
+            return "cpu"
         E = block.num_experts
         streamable = int(E - _resident(block).sum())
         if self.mode == "gpu":
