@@ -192,8 +192,14 @@ def key_block(dtype) -> int:
 
 def splits(rows: int, L: int, device: torch.device, block: int = 64) -> int:
     """Programs per (batch row, KV head): about two per SM over all rows, at most one per ``block`` keys, <= 64."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = _sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" \
+        else 8
     return max(1, min(-(-L // block), -(-2 * sms // rows), 64))
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
