@@ -270,3 +270,22 @@ def test_auto_decides_per_forward():
         got = model(long).logits
         assert s.last["mode"] in ("split", "gpu") and s._ready
     assert _err(got, ref.double()) < NATIVE_TOL["bf16"]
+
+
+def test_costs_are_measured_once():
+    """Without costs given, auto measures them at its first long forward (CPU: two native forwards; off CUDA the
+    GPU's numbers are defaults) and keeps them."""
+    from ktinject.gpu_experts import costs as measure
+
+    model = _tiny("qwen3_moe", prefill="cpu")
+    s = stream.PrefillStreamer(stream.blocks_of(model), "auto")
+    b = s.blocks[0]
+    c = s.costs_for(b)
+    assert c.cpu_expert_s >= 0 and c.cpu_row_s > 0 and c.expert_bytes == s.layouts[0].expert_bytes
+    assert c.gpu_row_s == policy.gpu_default_costs(64, 32, "bf16")["gpu_row_s"]
+    assert s.costs_for(b) is c
+    per_expert, per_row = measure.cpu_costs(b.native_experts)
+    assert per_row > 0
+    s.setup()
+    got = measure.gpu_costs(s, 0, b)  # the same measurement on the CPU device's buffers
+    assert got["gpu_expert_s"] > 0 and got["gpu_row_s"] > 0

@@ -7,6 +7,7 @@
     rebalance.py  re-placement while decoding (``Rebalancer``)
     upload.py     moving packed experts from native memory onto the device (a bank slot; streamed prefill)
     policy.py     prefill: the cost model of CPU / GPU / split and its choices (pure)
+    costs.py      prefill: measuring the cost model's numbers on the machine
     ring.py       prefill: two device slots of packed experts filled on a copy stream
     stream.py     prefill with routed experts streamed to the GPU (``PrefillStreamer``), alone or split with the CPU
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ktinject import native
-from ktinject.gpu_experts import policy
+from ktinject.gpu_experts import costs as measure, policy
 from ktinject.gpu_experts.bank import Activation, grouped_ffn, grouped_mm_usable, looped_ffn
 from ktinject.gpu_experts.ring import Ring, timed
 from ktinject.gpu_experts.upload import PackedRegion, bias_views, expert_layout, unpack_experts
@@ -49,7 +49,6 @@ MIN_CHUNK, MAX_CHUNK = 512, 16384  # prefill chunk bounds (tokens)
 #: auto leaves forwards of fewer tokens to the CPU without asking the cost model: decode steps (batches of rows) keep
 #: the path their captured graphs take, and below this the GPU's share would not pay for its launches anyway
 AUTO_MIN_TOKENS = 64
-_CAL_ROWS = (8, 64)  # rows per expert of the two calibration forwards of the CPU cost
 
 
 def blocks_of(model) -> list[HybridMoE]:
@@ -186,19 +185,22 @@ class PrefillStreamer:
 
     # ---- costs and decisions ------------------------------------------------------------------------------------
     def costs_for(self, block) -> policy.Costs:
-        """The cost model of ``block``'s shape and quant: measured once (CPU: two native forwards; H2D: one copy),
-        GPU compute from defaults; ``costs`` given to the streamer override."""
+        """The cost model of ``block``'s shape and quant, measured once (``gpu_experts.costs``; off CUDA the GPU's
+        numbers are defaults); ``costs`` given to the streamer override."""
         if isinstance(self.costs_override, policy.Costs):
             return self.costs_override
         ex = block.native_experts
         key = (ex.quant, ex.num_experts, ex.hidden, ex.intermediate)
         if key not in self._costs:
             self.setup()
-            per_expert, per_row = _calibrate_cpu(ex)
-            self._costs[key] = policy.Costs(
-                h2d=self.h2d, expert_bytes=self.layouts[self._index[id(block)]].expert_bytes,
-                cpu_expert_s=per_expert, cpu_row_s=per_row,
-                **policy.gpu_default_costs(ex.hidden, ex.intermediate, ex.quant))
+            i = self._index[id(block)]
+            per_expert, per_row = measure.cpu_costs(ex)
+            gpu = policy.gpu_default_costs(ex.hidden, ex.intermediate, ex.quant)
+            if self.cuda and self.pinned:
+                self.ring.drop()
+                gpu = measure.gpu_costs(self, i, block)
+            self._costs[key] = policy.Costs(h2d=self.h2d, expert_bytes=self.layouts[i].expert_bytes,
+                                            cpu_expert_s=per_expert, cpu_row_s=per_row, **gpu)
             log.info("prefill: costs of %s: %s", key, self._costs[key])
         costs = self._costs[key]
         return costs.with_(**self.costs_override) if isinstance(self.costs_override, dict) else costs
@@ -464,25 +466,3 @@ def _total(x, routed, extra, streamed) -> torch.Tensor:
         return routed if routed is not None else torch.zeros_like(x)
     acc = parts[0] if len(parts) == 1 else parts[0] + parts[1]
     return (acc if routed is None else acc + routed).to(x.dtype)
-
-
-def _calibrate_cpu(ex) -> tuple[float, float]:
-    """(cpu_expert_s, cpu_row_s) of native experts ``ex``: two forwards with every expert given _CAL_ROWS rows
-    (tokens routed round-robin), each the best of two after a warm-up, on the default pool."""
-    E, H = ex.num_experts, ex.hidden
-    k = min(8, E)
-    gen = torch.Generator().manual_seed(0)
-    times = []
-    for r in _CAL_ROWS:
-        T = max(1, r * E // k)
-        x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
-        ids = (torch.arange(T * k) % E).view(T, k)
-        w = torch.full((T, k), 1.0 / k)
-        ex.forward(x, ids, w)
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            ex.forward(x, ids, w)
-            best = min(best, time.perf_counter() - t0)
-        times.append(best)
-    return policy.fit_cpu(tuple(float(r) for r in _CAL_ROWS), tuple(times), E)
