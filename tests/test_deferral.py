@@ -348,3 +348,18 @@ def test_from_pretrained_and_chat_take_defer():
     assert chat.parse_args(["--defer", "2"]).defer == 2 and chat.parse_args([]).defer == 0
     with pytest.raises(SystemExit):
         chat.parse_args(["--defer", "-1"])
+
+
+def test_bench_decode_defer_rows_on_the_tiny_model(capsys):
+    """The code path of ``python -m ktinject.bench decode --defer`` (on a CPU: eager decode, GPU columns n/a)."""
+    from ktinject.bench import decode as bench_decode, defer as bench_defer
+
+    assert bench_decode.main(["--tiny", "--defer", "1", "--tokens", "2", "--defer-rounds", "1", "--hf-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    for row in ("defer: CPU experts alone", "defer: bound (CPU + GPU) / max(CPU, GPU)", "defer 0: eager decode",
+                "defer 1: eager decode"):
+        assert f"| {row}" in out, row
+    assert bench_defer.parse("3,1", 4) == [0, 1, 3]
+    for bad in ("4", "x"):
+        with pytest.raises(SystemExit, match="--defer"):
+            bench_defer.parse(bad, 4)

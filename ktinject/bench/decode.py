@@ -416,7 +416,8 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     if args.defer:
         from ktinject.bench import defer
 
-        defer.rows(model, prompt, args, lambda row: _add(rows, row))
+        defer.rows(model, prompt, args, lambda row: _add(rows, row),
+                   defer.Timers(cpu_expert_time, graph_replay, muted_replay))
         return rows
 
     if not quick:

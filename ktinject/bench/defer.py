@@ -16,12 +16,22 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 import ktinject
-from ktinject.bench import decode as bd
 from ktinject.operators import deferral
+
+
+@dataclass(frozen=True)
+class Timers:
+    """The measurements of ``bench.decode`` that these rows reuse, handed over by it (it imports this module)."""
+
+    cpu_expert_time: Callable  # (model, batch, passes) -> [seconds per pass]
+    graph_replay: Callable  # (runner, batch, prompt_len, iters, entry) -> seconds per replay
+    muted_replay: Callable  # (model, runner, batch, prompt_len, iters, entry) -> seconds per replay, experts muted
 
 
 def parse(text: str, k: int) -> list[int]:
@@ -62,7 +72,7 @@ def seconds_per_token(model, prompt: torch.Tensor, tokens: int) -> float:
     return (run(tokens + 1) - first) / tokens
 
 
-def rows(model, prompt: torch.Tensor, args, add) -> None:
+def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
     """The deferral rows of one injected model (``args.defer``, ``args.tokens``, ``args.defer_rounds``), each given
     to ``add((what, tok/s, ms/token, note))``."""
     from ktinject.generate import get_runner
@@ -84,15 +94,15 @@ def rows(model, prompt: torch.Tensor, args, add) -> None:
     bare: dict[int, list[float]] = {d: [] for d in ds}
     cpu: list[float] = []
     for _ in range(max(1, args.defer_rounds)):
-        cpu += bd.cpu_expert_time(model, B, passes=2)
+        cpu += timers.cpu_expert_time(model, B, passes=2)
         for d in ds:
             deferral.set_defer(model, d)
             gen[d].append(seconds_per_token(model, prompt, args.tokens))
             if graphs:
-                bare[d].append(bd.graph_replay(runner, B, P, args.tokens, entry=entries[d]))
+                bare[d].append(timers.graph_replay(runner, B, P, args.tokens, entry=entries[d]))
     deferral.set_defer(model, 0)
     cpu_s = statistics.median(cpu)
-    muted = {d: bd.muted_replay(model, runner, B, P, args.tokens, entry=entries[d]) for d in ds} if graphs else {}
+    muted = {d: timers.muted_replay(model, runner, B, P, args.tokens, entry=entries[d]) for d in ds} if graphs else {}
     gpu_s = muted.get(0)
     bound = None if gpu_s is None else (cpu_s + gpu_s) / max(cpu_s, gpu_s)
     add(("defer: CPU experts alone", "", _ms(cpu_s), f"median of {len(cpu)} passes, "
