@@ -21,40 +21,22 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ktinject.gpu_experts.settings import DEFAULT_REBALANCE_EVERY, STRATEGIES, HotExpertSettings
+from ktinject import cli
+from ktinject.cli import CliError, load_model, positive
+
+__all__ = ["Chat", "CliError", "build_parser", "load_model", "main", "parse_args"]  # CliError, load_model: re-exported
 
 PROG = "ktinject.chat"
 HELP = ("commands: /clear (forget the conversation), /stats (session totals, fast paths), /exit (or Ctrl-D); "
         "Ctrl-C stops a reply")
 
 
-class CliError(Exception):
-    """A user error: printed as one line on stderr, exit code 2."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The chat's options; README.md's "Chat" table lists each of them (tests/test_readme.py checks it)."""
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description="Chat with a MoE model through ktinject.")
-    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
-    p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
-    p.add_argument("--quant", choices=["bf16", "int8", "int4"], default="bf16",
-                   help="expert weight format (default bf16)")
-    p.add_argument("--defer", metavar="D", type=_non_negative, default=0,
-                   help="expert deferral: the D lowest-weighted of each token's experts run one MoE layer late in "
-                        "decode steps (default 0: off)")
-    p.add_argument("--threads", type=_positive,
-                   help="CPU threads for experts (default: one per physical core, less one from 8 cores up)")
-    p.add_argument("--gpu-experts-budget", metavar="SIZE",
-                   help="GPU bytes for hot routed experts, e.g. 12GiB (default: none, or the rules' kwarg)")
-    p.add_argument("--placement", choices=STRATEGIES,
-                   help="how hot experts are chosen (default: frequency with --expert-stats, else dynamic)")
-    p.add_argument("--expert-stats", metavar="FILE", help="expert statistics from python -m ktinject.calibrate")
-    p.add_argument("--rebalance-every", metavar="N", type=_positive,
-                   help=f"dynamic placement: tokens between re-rankings (default {DEFAULT_REBALANCE_EVERY})")
-    p.add_argument("--gpu", help='device for the dense part (default "cuda" if available, else "cpu")')
-    p.add_argument("--max-new-tokens", type=_positive, default=512, help="reply length limit (default 512)")
+    cli.add_model_options(p)
+    p.add_argument("--max-new-tokens", type=positive, default=512, help="reply length limit (default 512)")
     p.add_argument("--temperature", type=_temperature,
                    help="sampling temperature >= 0; 0 = greedy (default: the model's)")
     p.add_argument("--top-p", type=_top_p, help="nucleus sampling threshold in (0, 1] (default: the model's)")
@@ -66,20 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _finite(text: str) -> float:
@@ -104,18 +72,6 @@ def _top_p(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 = no nucleus cut), got {text}")
     return value
-
-
-def load_model(model_dir, rules=None, quant="bf16", progress=True, **options):
-    """Load a checkpoint through ktinject; returns (model, tokenizer, plan). ``options``: from_pretrained's keywords
-    (device variables, hot-expert options)."""
-    from transformers import AutoTokenizer
-
-    from ktinject.loading import from_pretrained
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = from_pretrained(model_dir, rules, quant=quant, progress=progress, **options)
-    return model.eval(), tokenizer, model._ktinject_plan
 
 
 @dataclass
@@ -279,63 +235,12 @@ def _make_streamer(tokenizer, out):
     return Streamer()
 
 
-def _resolve(args: argparse.Namespace) -> tuple[Path, str | None]:
-    """Check paths before loading anything heavy; returns (model dir, rules path or None)."""
-    if args.model is None:
-        from ktinject.demo import demo_model_dir
-
-        model = demo_model_dir()
-        print(f"Using the ktinject demo model at {model}: a tiny MoE trained on fortune cookies, so expect fortunes.")
-    else:
-        model = Path(args.model).expanduser()
-        if not model.is_dir():
-            raise CliError(f"model directory not found: {args.model}")
-        if not (model / "config.json").is_file():
-            raise CliError(f"not a Hugging Face model directory (no config.json): {args.model}")
-    rules = None
-    if args.rules is not None:
-        from ktinject.rules import packaged_files
-
-        rules_path = Path(args.rules).expanduser()
-        if rules_path.is_file():
-            rules = str(rules_path)
-        elif args.rules in packaged_files() or f"{args.rules}.yaml" in packaged_files():
-            rules = args.rules  # a packaged rule file, by name ("qwen3_moe")
-        else:
-            raise CliError(f"rules file not found: {args.rules}")
-    return model, rules
-
-
 def _setup(args: argparse.Namespace) -> str:
     """Logging, threads and the GPU device; returns the device name."""
-    import torch
-    from transformers.utils import logging as hf_logging
-
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     if not args.verbose:
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    gpu = args.gpu or ("cuda" if torch.cuda.is_available() else "cpu")
-    if gpu.startswith("cuda") and not torch.cuda.is_available():
-        raise CliError(f"--gpu {gpu}: CUDA is not available on this machine (use --gpu cpu)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-        from ktinject import native
-
-        native.set_default_threads(args.threads, source=f"--threads {args.threads}")  # warns above the cores
-    return gpu
-
-
-def _hot_options(args: argparse.Namespace) -> dict:
-    """from_pretrained's hot-expert options from --gpu-experts-budget / --placement / --expert-stats /
-    --rebalance-every, checked before anything loads (the same check inject and from_pretrained make)."""
-    options = dict(gpu_experts_budget=args.gpu_experts_budget, placement=args.placement, stats=args.expert_stats,
-                   rebalance_every=args.rebalance_every)
-    try:
-        HotExpertSettings.make(**options)
-    except ValueError as e:
-        raise CliError(f"hot experts: {e}") from e
-    return options
+        cli.quiet_transformers()
+    return cli.device(args)
 
 
 def _loop(chat: Chat) -> None:
@@ -370,37 +275,22 @@ def _loop(chat: Chat) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        model_dir, rules = _resolve(args)
-        hot = _hot_options(args)
-        gpu = _setup(args)
-        t0 = time.perf_counter()
-        try:
-            model, tokenizer, plan = load_model(model_dir, rules, quant=args.quant, progress=sys.stderr.isatty(),
-                                               gpu=gpu, defer=args.defer, **hot)
-        except Exception as e:  # bad rules, unsupported model, unreadable checkpoint: user errors, one line
-            if args.verbose:
-                raise
-            raise CliError(f"cannot load {model_dir}: {type(e).__name__}: {e} (-v shows the traceback)") from e
-        if args.verbose and plan is not None:
-            print(plan)
-        placed = model.__dict__.get("_ktinject_placement")
-        if placed is not None:
-            print(placed)
-        print(f"Loaded {model_dir.name} in {time.perf_counter() - t0:.2f} s (gpu={gpu}, quant={args.quant}).")
-        chat = Chat(model, tokenizer, args)
-        if args.prompt is not None:
-            chat.reply(args.prompt)
-        else:
-            _loop(chat)
-    except CliError as e:
-        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    return cli.run(PROG, _main, parse_args(argv))
+
+
+def _main(args: argparse.Namespace) -> int:
+    model_dir, model, tokenizer, gpu, seconds = cli.load(
+        args, "Using the ktinject demo model at {path}: a tiny MoE trained on fortune cookies, so expect fortunes.",
+        _setup)
+    placed = model.__dict__.get("_ktinject_placement")
+    if placed is not None:
+        print(placed)
+    print(f"Loaded {model_dir.name} in {seconds:.2f} s (gpu={gpu}, quant={args.quant}).")
+    chat = Chat(model, tokenizer, args)
+    if args.prompt is not None:
+        chat.reply(args.prompt)
+    else:
+        _loop(chat)
     return 0
 
 

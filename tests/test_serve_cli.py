@@ -91,6 +91,18 @@ def test_port_in_use_fails_before_loading(demo_env):
     assert "Loaded" not in r.stdout and time.monotonic() - t0 < 60
 
 
+def test_model_errors_are_one_line_as_in_the_chat(demo_env, tmp_path):
+    """The options shared with the chat (ktinject/cli.py) are checked as the chat checks them, before loading."""
+    for args, needle in ((["--model", str(tmp_path / "nope")], "model directory not found"),
+                         (["--model", str(tmp_path)], "no config.json"),
+                         (["--rules", str(tmp_path / "nope.yaml")], "rules file not found"),
+                         (["--defer", "-1"], "argument --defer: must be at least 0")):
+        r = subprocess.run([sys.executable, "-m", "ktinject.serve", "--gpu", "cpu", "--port", "0", *args],
+                           env=demo_env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and needle in lines[-1] and "Traceback" not in r.stderr, (args, r.stderr)
+
+
 def section(title: str) -> str:
     text = README.read_text()
     head = f"\n## {title}\n"

@@ -14,11 +14,10 @@ import os
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
-from ktinject.chat import CliError
-from ktinject.gpu_experts.settings import DEFAULT_REBALANCE_EVERY, STRATEGIES, HotExpertSettings
+from ktinject import cli
+from ktinject.cli import CliError, positive
 
 PROG = "ktinject.serve"
 log = logging.getLogger("ktinject.serve")
@@ -28,101 +27,34 @@ def build_parser() -> argparse.ArgumentParser:
     """The server's options; README.md's "Serving" table lists each of them (tests/test_serve_cli.py checks it)."""
     p = argparse.ArgumentParser(prog=f"python -m {PROG}",
                                 description="Serve a MoE model through ktinject with an OpenAI-compatible API.")
-    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (default: $KTINJECT_API_KEY if set, else no key)")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model id clients send (default: the model directory's name)")
-    p.add_argument("--max-batch", type=_positive, default=8,
+    p.add_argument("--max-batch", type=positive, default=8,
                    help="requests decoding together = KV-cache rows (default 8); graphs for 1, 2, 4, ... up to it")
-    p.add_argument("--max-context", type=_positive,
+    p.add_argument("--max-context", type=positive,
                    help="tokens per request, prompt + completion (default: 4096, or less if the model has less)")
     p.add_argument("--max-queue", type=int, default=128,
                    help="requests waiting for a row before new ones get 429 (default 128)")
-    p.add_argument("--prefill-chunk", type=_positive, default=512,
+    p.add_argument("--prefill-chunk", type=positive, default=512,
                    help="prompt tokens prefilled per step while other requests decode (default 512)")
-    p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
-    p.add_argument("--quant", choices=["bf16", "int8", "int4"], default="bf16",
-                   help="expert weight format (default bf16)")
-    p.add_argument("--threads", type=_positive,
-                   help="CPU threads for experts (default: one per physical core, less one from 8 cores up)")
-    p.add_argument("--gpu-experts-budget", metavar="SIZE",
-                   help="GPU bytes for hot routed experts, e.g. 12GiB (default: none, or the rules' kwarg)")
-    p.add_argument("--placement", choices=STRATEGIES,
-                   help="how hot experts are chosen (default: frequency with --expert-stats, else dynamic)")
-    p.add_argument("--expert-stats", metavar="FILE", help="expert statistics from python -m ktinject.calibrate")
-    p.add_argument("--rebalance-every", metavar="N", type=_positive,
-                   help=f"dynamic placement: tokens between re-rankings (default {DEFAULT_REBALANCE_EVERY})")
-    p.add_argument("--gpu", help='device for the dense part (default "cuda" if available, else "cpu")')
+    cli.add_model_options(p)
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs (for comparison)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs, the injection plan and tracebacks")
     return p
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _resolve(args: argparse.Namespace) -> tuple[Path, str | None]:
-    """Check the paths before loading anything heavy; (model dir, rules path or packaged name or None)."""
-    if args.model is None:
-        from ktinject.demo import demo_model_dir
-
-        model = demo_model_dir()
-        print(f"Serving the ktinject demo model at {model} (a tiny model, for trying the server out).")
-    else:
-        model = Path(args.model).expanduser()
-        if not (model / "config.json").is_file():
-            what = "not found" if not model.is_dir() else "not a Hugging Face model directory (no config.json)"
-            raise CliError(f"--model {args.model}: {what}")
-    if args.rules is None:
-        return model, None
-    from ktinject.rules import packaged_files
-
-    path = Path(args.rules).expanduser()
-    if path.is_file():
-        return model, str(path)
-    if args.rules in packaged_files() or f"{args.rules}.yaml" in packaged_files():
-        return model, args.rules
-    raise CliError(f"rules file not found: {args.rules}")
-
-
-def _hot_options(args: argparse.Namespace) -> dict:
-    """from_pretrained's hot-expert options, checked before anything loads (as inject and the chat check them)."""
-    options = dict(gpu_experts_budget=args.gpu_experts_budget, placement=args.placement, stats=args.expert_stats,
-                   rebalance_every=args.rebalance_every)
-    try:
-        HotExpertSettings.make(**options)
-    except ValueError as e:
-        raise CliError(f"hot experts: {e}") from e
-    return options
-
-
 def _setup(args: argparse.Namespace) -> str:
     """Logs (ktinject.serve at INFO: a line per request; -v: DEBUG everywhere), threads, the GPU device."""
-    import torch
-    from transformers.utils import logging as hf_logging
-
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("ktinject.serve").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if not args.verbose:
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    gpu = args.gpu or ("cuda" if torch.cuda.is_available() else "cpu")
-    if gpu.startswith("cuda") and not torch.cuda.is_available():
-        raise CliError(f"--gpu {gpu}: CUDA is not available on this machine (use --gpu cpu)")
-    if args.threads:
-        from ktinject import native
-
-        torch.set_num_threads(args.threads)
-        native.set_default_threads(args.threads, source=f"--threads {args.threads}")
-    return gpu
+        cli.quiet_transformers()
+    return cli.device(args)
 
 
 def _check_extra() -> None:
@@ -181,7 +113,6 @@ def serve(args: argparse.Namespace) -> int:
     _check_extra()
     import uvicorn
 
-    from ktinject.chat import load_model
     from ktinject.serve.api import create_app
     from ktinject.serve.engine import Engine, EngineConfig
 
@@ -189,26 +120,15 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise CliError(f"--max-queue must be >= 0, got {args.max_queue}")
     sock = _bind(args.host, args.port)
-    model_dir, rules = _resolve(args)
-    hot = _hot_options(args)
-    gpu = _setup(args)
-    t0 = time.perf_counter()
-    try:
-        model, tokenizer, plan = load_model(model_dir, rules, quant=args.quant, progress=sys.stderr.isatty(),
-                                            gpu=gpu, **hot)
-    except Exception as e:  # bad rules, unsupported model, unreadable checkpoint: user errors, one line
-        if args.verbose:
-            raise
-        raise CliError(f"cannot load {model_dir}: {type(e).__name__}: {e} (-v shows the traceback)") from e
-    if args.verbose and plan is not None:
-        print(plan)
+    model_dir, model, tokenizer, gpu, seconds = cli.load(
+        args, "Serving the ktinject demo model at {path} (a tiny model, for trying the server out).", _setup)
     name = args.served_model_name or ("ktinject-demo" if args.model is None else Path(model_dir).name)
     aliases = (name,) + tuple(a for a in (args.model, str(model_dir)) if a and a != name)
     config = EngineConfig(max_batch=args.max_batch, max_context=_max_context(args, model), max_queue=args.max_queue,
                           prefill_chunk=args.prefill_chunk, graphs=False if args.no_graphs else None)
     engine = Engine(model, tokenizer, config, name=name).start()
     graphs = "on" if engine.runner.graphs_enabled() else "off"
-    print(f"Loaded {Path(model_dir).name} in {time.perf_counter() - t0:.1f} s (gpu={gpu}, quant={args.quant}); "
+    print(f"Loaded {Path(model_dir).name} in {seconds:.1f} s (gpu={gpu}, quant={args.quant}); "
           f"KV cache {config.max_batch} x {config.max_context} tokens = {_kv_bytes(engine) / 2**30:.2f} GiB, "
           f"CUDA graphs {graphs} for batches {', '.join(map(str, config.buckets))}.", flush=True)
     url = _url(sock)
@@ -231,16 +151,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return serve(args)
-    except CliError as e:
-        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    return cli.run(PROG, serve, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,168 @@
+"""What the command-line programs share (``python -m ktinject.chat``, ``python -m ktinject.serve``): the options that
+load a model, their checks before anything heavy loads, and the one-line error.
+
+``add_model_options(parser)`` adds --model, --rules, --quant, --defer, --threads, --gpu-experts-budget, --placement,
+--expert-stats, --rebalance-every and --gpu; ``resolve(args, demo_line)`` checks the model directory and the rules
+(the demo model, and ``demo_line`` printed, without --model); ``hot_options(args)`` checks the hot-expert options
+with the code inject and from_pretrained use; ``device(args)`` picks the GPU device (a missing CUDA is an error, not
+a slow surprise) and sets the threads; ``load(args, demo_line, setup)`` does all of it and loads through ktinject,
+a failure being one line (with -v the traceback). A user error is a ``CliError``: ``run(prog, main)`` prints it as ``PROG: error: ...`` on stderr and
+gives exit code 2.
+
+torch and transformers are imported inside the functions that need them, so --help and these checks answer at once.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ktinject.gpu_experts.settings import DEFAULT_REBALANCE_EVERY, STRATEGIES, HotExpertSettings
+
+
+class CliError(Exception):
+    """A user error: printed as one line on stderr, exit code 2."""
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The options that say which model to load and how (README's tables list them for each program)."""
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
+    p.add_argument("--quant", choices=["bf16", "int8", "int4"], default="bf16",
+                   help="expert weight format (default bf16)")
+    p.add_argument("--defer", metavar="D", type=non_negative, default=0,
+                   help="expert deferral: the D lowest-weighted of each token's experts run one MoE layer late in "
+                        "decode steps (default 0: off)")
+    p.add_argument("--threads", type=positive,
+                   help="CPU threads for experts (default: one per physical core, less one from 8 cores up)")
+    p.add_argument("--gpu-experts-budget", metavar="SIZE",
+                   help="GPU bytes for hot routed experts, e.g. 12GiB (default: none, or the rules' kwarg)")
+    p.add_argument("--placement", choices=STRATEGIES,
+                   help="how hot experts are chosen (default: frequency with --expert-stats, else dynamic)")
+    p.add_argument("--expert-stats", metavar="FILE", help="expert statistics from python -m ktinject.calibrate")
+    p.add_argument("--rebalance-every", metavar="N", type=positive,
+                   help=f"dynamic placement: tokens between re-rankings (default {DEFAULT_REBALANCE_EVERY})")
+    p.add_argument("--gpu", help='device for the dense part (default "cuda" if available, else "cpu")')
+
+
+def resolve(args: argparse.Namespace, demo_line: str) -> tuple[Path, str | None]:
+    """(model directory, rules: a file path, a packaged name or None), checked before anything heavy loads. Without
+    --model: the demo model, after printing ``demo_line`` (``{path}`` is its directory)."""
+    if args.model is None:
+        from ktinject.demo import demo_model_dir
+
+        model = demo_model_dir()
+        print(demo_line.format(path=model))
+    else:
+        model = Path(args.model).expanduser()
+        if not model.is_dir():
+            raise CliError(f"model directory not found: {args.model}")
+        if not (model / "config.json").is_file():
+            raise CliError(f"not a Hugging Face model directory (no config.json): {args.model}")
+    if args.rules is None:
+        return model, None
+    from ktinject.rules import packaged_files
+
+    path = Path(args.rules).expanduser()
+    if path.is_file():
+        return model, str(path)
+    if args.rules in packaged_files() or f"{args.rules}.yaml" in packaged_files():
+        return model, args.rules  # a packaged rule file, by name ("qwen3_moe")
+    raise CliError(f"rules file not found: {args.rules}")
+
+
+def hot_options(args: argparse.Namespace) -> dict:
+    """from_pretrained's hot-expert options from --gpu-experts-budget / --placement / --expert-stats /
+    --rebalance-every, checked before anything loads (the same check inject and from_pretrained make)."""
+    options = dict(gpu_experts_budget=args.gpu_experts_budget, placement=args.placement, stats=args.expert_stats,
+                   rebalance_every=args.rebalance_every)
+    try:
+        HotExpertSettings.make(**options)
+    except ValueError as e:
+        raise CliError(f"hot experts: {e}") from e
+    return options
+
+
+def quiet_transformers() -> None:
+    """transformers' own logs and progress bars off (the programs print what matters)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def device(args: argparse.Namespace) -> str:
+    """The device of the dense part (--gpu, else CUDA where there is one); --threads set for torch and the experts."""
+    import torch
+
+    gpu = args.gpu or ("cuda" if torch.cuda.is_available() else "cpu")
+    if gpu.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError(f"--gpu {gpu}: CUDA is not available on this machine (use --gpu cpu)")
+    if args.threads:
+        from ktinject import native
+
+        torch.set_num_threads(args.threads)
+        native.set_default_threads(args.threads, source=f"--threads {args.threads}")  # warns above the cores
+    return gpu
+
+
+def load_model(model_dir, rules=None, quant="bf16", progress=True, **options):
+    """Load a checkpoint through ktinject; returns (model, tokenizer, plan). ``options``: from_pretrained's keywords
+    (device variables, hot-expert options)."""
+    from transformers import AutoTokenizer
+
+    from ktinject.loading import from_pretrained
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = from_pretrained(model_dir, rules, quant=quant, progress=progress, **options)
+    return model.eval(), tokenizer, model._ktinject_plan
+
+
+def load(args: argparse.Namespace, demo_line: str, setup) -> tuple[Path, object, object, str, float]:
+    """The model of ``args``: paths and hot-expert options checked (``resolve``, ``hot_options``), then
+    ``setup(args)`` (the program's logging; returns the device, see ``device``), then ``load_model``; the plan printed
+    with -v. (model directory, model, tokenizer, device, seconds the load took). A load failure (bad rules,
+    unsupported model, unreadable checkpoint) is a one-line CliError, unless -v (the traceback then)."""
+    model_dir, rules = resolve(args, demo_line)
+    hot = hot_options(args)
+    gpu = setup(args)
+    t0 = time.perf_counter()
+    try:
+        model, tokenizer, plan = load_model(model_dir, rules, quant=args.quant, progress=sys.stderr.isatty(),
+                                            gpu=gpu, defer=args.defer, **hot)
+    except Exception as e:  # noqa: BLE001 - user errors, one line
+        if args.verbose:
+            raise
+        raise CliError(f"cannot load {model_dir}: {type(e).__name__}: {e} (-v shows the traceback)") from e
+    if args.verbose and plan is not None:
+        print(plan)
+    return model_dir, model, tokenizer, gpu, time.perf_counter() - t0
+
+
+def run(prog: str, main, *args) -> int:
+    """``main(*args)``'s exit code, with a CliError printed as one line ``PROG: error: ...`` (exit code 2) and Ctrl-C
+    exiting 130."""
+    try:
+        return main(*args)
+    except CliError as e:
+        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
