@@ -1,8 +1,8 @@
 """What the command-line programs share (``python -m ktinject.chat``, ``python -m ktinject.serve``): the options that
 load a model, their checks before anything heavy loads, and the one-line error.
 
-``add_model_options(parser)`` adds --model, --rules, --quant, --defer, --threads, --gpu-experts-budget, --placement,
---expert-stats, --rebalance-every and --gpu; ``resolve(args, demo_line)`` checks the model directory and the rules
+``add_model_options(parser)`` adds --model, --rules, --quant, --defer, --prefill, --threads, --gpu-experts-budget,
+--placement, --expert-stats, --rebalance-every and --gpu; ``resolve(args, demo_line)`` checks the model directory and the rules
 (the demo model, and ``demo_line`` printed, without --model); ``hot_options(args)`` checks the hot-expert options
 with the code inject and from_pretrained use; ``device(args)`` picks the GPU device (a missing CUDA is an error, not
 a slow surprise) and sets the threads; ``load(args, demo_line, setup)`` does all of it and loads through ktinject,
@@ -48,6 +48,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--defer", metavar="D", type=non_negative, default=0,
                    help="expert deferral: the D lowest-weighted of each token's experts run one MoE layer late in "
                         "decode steps (default 0: off)")
+    p.add_argument("--prefill", choices=["auto", "cpu", "gpu"], default="auto",
+                   help="where a prompt's routed experts run: auto (default: split between the CPU and the GPU, "
+                        "experts streamed over PCIe), cpu, or gpu")
     p.add_argument("--threads", type=positive,
                    help="CPU threads for experts (default: one per physical core, less one from 8 cores up)")
     p.add_argument("--gpu-experts-budget", metavar="SIZE",
@@ -144,7 +147,7 @@ def load(args: argparse.Namespace, demo_line: str, setup) -> tuple[Path, object,
     t0 = time.perf_counter()
     try:
         model, tokenizer, plan = load_model(model_dir, rules, quant=args.quant, progress=sys.stderr.isatty(),
-                                            gpu=gpu, defer=args.defer, **hot)
+                                            gpu=gpu, defer=args.defer, prefill=args.prefill, **hot)
     except Exception as e:  # noqa: BLE001 - user errors, one line
         if args.verbose:
             raise
