@@ -364,7 +364,7 @@ class PrefillStreamer:
                 y = grouped_ffn(xs[lo:hi], offs, gate_up, down, act, *biases, group.clamp(0, n - 1))
             else:
                 y = looped_ffn(xs[lo:hi], host_ends[p * cap:p * cap + n] - lo, gate_up, down, act, *biases)
-            y = y.float() * ws[lo:hi]
+            y = y.float().mul_(ws[lo:hi])
             if masked:
                 y = torch.where((group < n).unsqueeze(1), y, 0.0)
             out[perm[lo:hi]] = y
@@ -454,9 +454,9 @@ def _free_gpu_bytes(device) -> int:
 
 
 def _work_bytes(lay) -> int:
-    """Work bytes per expert that unpacking needs (0: bf16 unpadded goes straight into place)."""
+    """Work bytes per expert that unpacking needs (0: bf16 and int8 unpadded go straight into place)."""
     padded = any(m.N != m.Np or m.K != m.Kp for m in lay.mats)
-    return 0 if lay.quant == "bf16" and not padded else lay.work_bytes
+    return 0 if lay.quant in ("bf16", "int8") and not padded else lay.work_bytes
 
 
 def _total(x, routed, extra, streamed) -> torch.Tensor:

@@ -96,8 +96,9 @@ def expert_layout(experts) -> ExpertLayout:
 # made once per buffer (fixed addresses) where a caller unpacks into the same places again (Uploader).
 def _matrix_views(buf: torch.Tensor, m: MatLayout, quant: str, work: torch.Tensor, group: int = 0) -> tuple:
     """(quant, src: packed data permuted to the row-major block order of w, w: work in that shape (row-major
-    [n, Np, Kp]; None where not needed: bf16 without padding goes straight into place), corner: w's [n, N, K],
-    scale: float32 (int8 [n, N, 1]; int4 [n, Np/16, 16, Kp/G, 1]) or None)."""
+    [n, Np, Kp]; None where not needed: bf16 and int8 without padding go straight into place), corner: w's
+    [n, N, K], scale: float32 (int8 [n, N, 1], or [n, Np/16, 16, 1, 1] straight; int4 [n, Np/16, 16, Kp/G, 1])
+    or None)."""
     if quant not in GPU_QUANTS:
         raise ValueError(f"unpack: quant {quant!r} has no device unpack (expected one of {GPU_QUANTS})")
     if buf.dim() == 1:
@@ -115,8 +116,11 @@ def _matrix_views(buf: torch.Tensor, m: MatLayout, quant: str, work: torch.Tenso
         return quant, src, w, w.view(n, Np, Kp)[:, :N, :K], scale
     dt, c = (torch.bfloat16, 2) if quant == "bf16" else (torch.int8, 4)
     src = data.view(dt).view(n, Np // 16, Kp // c, 16, c).permute(0, 1, 3, 2, 4)  # [n, Np/16, 16, Kp/c, c]
-    if quant == "bf16" and N == Np and K == Kp:
-        return quant, src, None, None, None
+    if N == Np and K == Kp:  # unpadded: straight into place in one pass, no work buffer
+        if quant == "bf16":
+            return quant, src, None, None, None
+        scale = buf[:, m.scale_off:m.scale_off + 4 * Np].view(torch.float32).view(n, Np // 16, 16, 1, 1)
+        return quant, src, None, None, scale
     if work.numel() < n * m.data_bytes:
         raise ValueError(f"unpack: a work buffer of {work.numel()} bytes for {n} matrices of {m.data_bytes} bytes")
     w = work[:n * m.data_bytes].view(dt).view(n, Np // 16, 16, Kp // c, c)
@@ -138,6 +142,9 @@ def _unpack(views: tuple, dst: torch.Tensor) -> None:
         dst.copy_(corner)
         return
     if quant == "int8":
+        if w is None:
+            torch.mul(src, scale, out=dst.view(src.shape))
+            return
         w.copy_(src)
         torch.mul(corner, scale, out=dst)
         return
