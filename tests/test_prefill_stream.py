@@ -77,11 +77,12 @@ def test_streamed_layer_matches_reference(quant, gptoss, E, H, I, k, T, routing)
     mode = streamer.last["mode"]
     assert mode == ("gpu" if policy.prefetch_worthy(T, k, E) else "gpu-used")
     copied = (E if mode == "gpu" else used) * streamer.layouts[0].expert_bytes
-    assert streamer.ring.copied == copied  # idle experts are not copied once the routing is known
+    ahead = lambda s: 0 if s.ring.pending is None else s.ring.pending.nbytes  # noqa: E731 (the next forward's)
+    assert streamer.ring.copied - ahead(streamer) == copied  # idle experts are not copied once the routing is known
     parts = stream.PrefillStreamer([block], "gpu", slot_experts=3)  # the layer in parts of 3 experts
     got = parts(block, x, ids, w)[0]
     torch.testing.assert_close(got, routed, rtol=0, atol=0)
-    assert parts.ring.copied == copied
+    assert parts.ring.copied - ahead(parts) == copied
 
 
 @pytest.mark.parametrize("quant", QUANTS)
@@ -117,18 +118,22 @@ def _tiny(family, quant="bf16", prefill="cpu", **kw):
 
 
 def test_each_layer_copied_once_per_forward():
-    """gpu mode on a model: the copy of the next layer's experts is started by the layer before and taken by it,
-    so a forward copies every MoE layer's experts exactly once (3 layers, the first dense: 2 MoE layers)."""
+    """gpu mode on a model: the copy of the next layer's experts is started by the layer before and taken by it (the
+    last layer starts the first one's, for the next forward), so a forward copies every MoE layer's experts once
+    (3 layers, the first dense: 2 MoE layers)."""
     model = _tiny("qwen3_moe", prefill="gpu")
     s = stream.streamer_of(model)
     ids = tiny_prompts(2, 20)
     with torch.no_grad():
         model(ids)
         assert s.last["mode"] == "gpu" and s.last["gpu_experts"] == [8, 8]
-        layer = sum(b.num_experts for b in s.blocks) * s.layouts[0].expert_bytes
-        assert s.ring.copied == layer and s.ring.pending is None
+        layer = 8 * s.layouts[0].expert_bytes
+        assert s.ring.copied == 3 * layer and s.ring.pending.key == (0, 0)  # + the next forward's first layer
         model(ids)
-        assert s.ring.copied == 2 * layer
+        assert s.ring.copied == 5 * layer and s.ring.pending.key == (0, 0)
+        s.switch("cpu")  # a forward that streams nothing drops what was fetched ahead
+        model(ids)
+        assert s.ring.pending is None and s.ring.copied == 5 * layer
 
 
 def test_hot_experts_are_not_copied():
@@ -142,7 +147,8 @@ def test_hot_experts_are_not_copied():
         s = stream.attach(model, "gpu")
         got = model(ids).logits
     assert s.last["gpu_experts"] == [8 - h for h in hot]
-    assert s.ring.copied == (16 - sum(hot)) * s.layouts[0].expert_bytes
+    ahead = (8 - hot[0]) * s.layouts[0].expert_bytes  # the first layer's, fetched for the next forward
+    assert s.ring.copied == (16 - sum(hot)) * s.layouts[0].expert_bytes + ahead
     assert _err(got, ref.double()) < STREAM_TOL
 
 

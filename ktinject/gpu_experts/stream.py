@@ -374,16 +374,18 @@ class PrefillStreamer:
 
     def _ahead(self, i: int, p: int, parts, prefetch: bool):
         """(key, region, B, experts) of the item after (layer i, part p): the layer's next part, or with
-        ``prefetch`` the next layer's first (all its non-resident experts, from the first)."""
+        ``prefetch`` the next layer's first (all its non-resident experts, from the first). After the last layer:
+        the first layer's, for the next forward (the next chunk of a long prompt, or the next prompt): the copy
+        engine is idle then, and a forward that wants other experts drops it."""
         if p + 1 < len(parts):
             return (i, p + 1), self.regions[i].tensor, self.layouts[i].expert_bytes, parts[p + 1]
-        if not prefetch or i + 1 >= len(self.blocks):
+        if not prefetch:
             return None
-        nxt = self.blocks[i + 1]
-        experts = [int(e) for e in np.flatnonzero(~_resident(nxt))][:self.cap]
+        j = (i + 1) % len(self.blocks)
+        experts = [int(e) for e in np.flatnonzero(~_resident(self.blocks[j]))][:self.cap]
         if not experts:
             return None
-        return (i + 1, 0), self.regions[i + 1].tensor, self.layouts[i + 1].expert_bytes, experts
+        return (j, 0), self.regions[j].tensor, self.layouts[j].expert_bytes, experts
 
     def _biases(self, slot, lay, n, I, H):
         """gpt-oss biases of the n experts in ``slot`` copied to scratch (f32 [n, 2I] gate then up, [n, H]): the
