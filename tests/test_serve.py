@@ -182,13 +182,13 @@ def test_new_prompts_delay_a_running_stream_by_at_most_one_chunk_per_step(served
     tokens in all."""
     eng = served.engine
     events = []  # on the engine thread, in order: ("prefill", tokens) or ("token", None)
-    forward = eng._forward_prefill
+    forward = eng.steps.prefill
 
     def prefill(jobs):
         events.append(("prefill", sum(j.end - j.start for j in jobs)))
         return forward(jobs)
 
-    monkeypatch.setattr(eng, "_forward_prefill", prefill)
+    monkeypatch.setattr(eng.steps, "prefill", prefill)
     started = threading.Event()
     stream = eng.submit(eng.encode(served.prompt(3)), greedy(50, ignore_eos=True),
                         lambda out: (events.append(("token", None)), started.set()))

@@ -1,7 +1,9 @@
 """Serving: aggregate decode tok/s and time to first token at 1/4/8/16 concurrent streams, vs the roofline.
 
-Builds the random-weight Qwen3-30B-A3B-shaped model of the decode bench in memory (``--tiny``: the tiny qwen3_moe
-test model, on any machine), injects it once per ``--quant``, then drives ``ktinject.serve.engine.Engine`` (the
+Builds the random-weight Qwen3-30B-A3B-shaped model of the decode bench in memory, ``--layers`` of its 48 layers
+(default 16, so that bf16 and int4 together run in about 3 minutes on the GPU machine; every tok/s and roofline is
+then for those layers: a whole model's are about layers/48 of them, as the output says) (``--tiny``: the tiny
+qwen3_moe test model, on any machine), injects it once per ``--quant``, then drives ``ktinject.serve.engine.Engine`` (the
 server's engine, without HTTP: the figures are the engine's, not the network's) with N client threads per row
 of the table, each sending ``--rounds`` requests back to back (closed loop): prompts of mixed lengths
 (``--prompts``, each stream starting at a different one), ``--tokens`` new tokens each, greedy, EOS ignored.
@@ -10,9 +12,11 @@ Per quant and stream count:
   aggregate   completion tokens of all requests / wall time from the first request to the last token
   decode      tokens of decode steps / time in decode steps (prefill chunks excluded); mean batch of those steps
   TTFT        time to first token, p50 and p99 over the requests (queueing and chunked prefill included)
-  roofline    decode limit of that batch: the bytes of the distinct experts one step reads (expected distinct
-              experts of B uniformly routed tokens x the stored bytes of one expert x layers) / the CPU read
-              bandwidth measured in the run, x B tokens per step
+  roofline    decode limit of the steps that ran: per step of b rows, the bytes of the distinct experts it reads
+              (expected distinct experts of b uniformly routed tokens x the stored bytes of one expert x layers) /
+              the CPU read bandwidth measured in the run; roofline tok/s = rows of all steps / the sum of those
+              times (the mean batch of the steps is below N while streams join, prefill or finish); GB/step is that
+              of a step of N rows
   batch 1     ``ktinject.generate`` (HF's loop, graph replay) at batch 1, prompt 32, the reference figure
 Legend: B batch (streams decoding together), N streams, L layers.
 """
@@ -20,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
 import threading
 import time
 
 import torch
+
+WHOLE = 48  # layers of Qwen3-30B-A3B
 
 
 def _ints(text: str) -> list[int]:
@@ -40,7 +45,8 @@ def _ints(text: str) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ktinject.bench serve", description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=48, help="decoder layers (48 = the real model)")
+    p.add_argument("--layers", type=int, default=16,
+                   help="decoder layers of the 48 (default 16: both quants in ~3 minutes; 48 = the whole model)")
     p.add_argument("--quant", default="bf16,int4", help="comma-separated expert formats, one model build each")
     p.add_argument("--streams", type=_ints, default=[1, 4, 8, 16], help="concurrent streams per row (1,4,8,16)")
     p.add_argument("--prompts", type=_ints, default=[32, 128, 512, 1024],
@@ -64,8 +70,12 @@ def _build(args, quant: str, device: torch.device):
     set_generation_defaults(model)
     ktinject.inject(model, gpu=str(device), quant=quant)
     cfg = model.config
-    print(f"# {'tiny qwen3_moe' if args.tiny else 'Qwen3-30B-A3B shapes'}, {quant} experts: "
-          f"{cfg.num_hidden_layers} layers, E={cfg.num_experts} top-{cfg.num_experts_per_tok}; built and injected in "
+    what = "tiny qwen3_moe" if args.tiny else (
+        f"Qwen3-30B-A3B shapes, {cfg.num_hidden_layers} of its {WHOLE} layers"
+        + ("" if cfg.num_hidden_layers == WHOLE else
+           f" (every tok/s and roofline below is for these {cfg.num_hidden_layers} layers; a whole model's: about "
+           f"x{cfg.num_hidden_layers / WHOLE:.2f})"))
+    print(f"# {what}, {quant} experts: E={cfg.num_experts} top-{cfg.num_experts_per_tok}; built and injected in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     return model
 
@@ -84,7 +94,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run_streams(engine, streams: int, args, vocab: int, seed: int = 0) -> dict:
-    """``streams`` closed-loop clients of ``args.rounds`` requests each; the row's figures."""
+    """``streams`` closed-loop clients of ``args.rounds`` requests each; the row's figures, with ``step_rows``: the
+    rows of every decode step that ran (for the roofline of those steps)."""
     from ktinject.serve.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
@@ -95,6 +106,12 @@ def run_streams(engine, streams: int, args, vocab: int, seed: int = 0) -> dict:
     results, errors = [], []
     m = engine.metrics
     steps0, rows0, secs0 = m.decode_steps, m.decode_rows, m.decode_seconds
+    step_rows: list[int] = []
+    record = m.decode_step
+
+    def decode_step(rows, seconds):  # the engine thread's record of each step, noted here too
+        step_rows.append(rows)
+        record(rows, seconds)
 
     def client(prompts):
         for p in prompts:
@@ -102,12 +119,16 @@ def run_streams(engine, streams: int, args, vocab: int, seed: int = 0) -> dict:
             (errors if r.error else results).append(r)
 
     threads = [threading.Thread(target=client, args=(j,)) for j in jobs]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    m.decode_step = decode_step
+    try:
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    finally:
+        del m.decode_step
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed: {errors[0].error}")
     steps, rows, secs = m.decode_steps - steps0, m.decode_rows - rows0, m.decode_seconds - secs0
@@ -115,8 +136,19 @@ def run_streams(engine, streams: int, args, vocab: int, seed: int = 0) -> dict:
     return {"streams": streams, "requests": len(results), "tokens": sum(r.completion_tokens for r in results),
             "wall": wall, "aggregate": sum(r.completion_tokens for r in results) / wall,
             "decode": rows / secs if secs else float("nan"), "batch": rows / steps if steps else 0.0,
-            "step_ms": 1e3 * secs / steps if steps else float("nan"),
+            "step_ms": 1e3 * secs / steps if steps else float("nan"), "step_rows": step_rows,
             "ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99)}
+
+
+def roofline(cfg, quant: str, bandwidth: float, step_rows: list[int]) -> float:
+    """tok/s of ``step_rows`` decode steps if each took only the read of its distinct experts at ``bandwidth``
+    (bytes/s): rows / sum of (bytes of the step of b rows / bandwidth)."""
+    from ktinject.bench.decode import expert_bytes_per_token
+
+    if not step_rows:
+        return float("nan")
+    seconds = sum(expert_bytes_per_token(cfg, b, quant) * b / bandwidth for b in step_rows)
+    return sum(step_rows) / seconds
 
 
 def run(args, quant: str) -> list[dict]:
@@ -148,8 +180,9 @@ def run(args, quant: str) -> list[dict]:
         run_streams(engine, 1, argparse.Namespace(**{**vars(args), "rounds": 1, "tokens": 4}), cfg.vocab_size)
         for n in args.streams:
             row = run_streams(engine, n, args, cfg.vocab_size, seed=n)
-            per_tok = expert_bytes_per_token(cfg, n, quant)  # bytes of distinct experts per step / n
-            row.update(quant=quant, roofline=bw / per_tok, batch1=one, step_gb=per_tok * n / 1e9)
+            per_tok = expert_bytes_per_token(cfg, n, quant)  # bytes of distinct experts per step of n / n
+            row.update(quant=quant, roofline=roofline(cfg, quant, bw, row.pop("step_rows")), batch1=one,
+                       step_gb=per_tok * n / 1e9)
             rows.append(row)
             print("# " + _line(row), flush=True)
         stats = engine.runner.stats
@@ -177,7 +210,7 @@ def main(argv=None) -> int:
     quants = [q.strip() for q in args.quant.split(",") if q.strip()]
     if not quants or any(q not in ("bf16", "int8", "int4") for q in quants):
         raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of bf16, int8, int4")
-    rows = []
+    rows, t0 = [], time.perf_counter()
     for q in quants:
         rows += run(args, q)
         gc.collect()
@@ -187,10 +220,13 @@ def main(argv=None) -> int:
     print("|" + "---|" * HEAD.count(" | ") + "---|")
     for r in rows:
         print(_line(r))
+    layers = "tiny model" if args.tiny else f"{args.layers} of {WHOLE} layers" + (
+        "" if args.layers == WHOLE else f" (tok/s and rooflines of those layers; a whole model's: x{args.layers / WHOLE:.2f})")
     print(f"\n({args.rounds} requests per stream back to back, prompts {','.join(map(str, args.prompts))} tokens "
           f"cycled, {args.tokens} new tokens each, greedy, prefill chunk {args.prefill_chunk}, threads "
-          f"{args.threads or 'default'}, layers {'tiny' if args.tiny else args.layers}; roofline: expected distinct "
-          f"experts of B uniformly routed tokens; TTFT includes queueing and chunked prefill)", flush=True)
+          f"{args.threads or 'default'}, {layers}; roofline: the decode steps that ran, each reading the expected "
+          f"distinct experts of its rows routed uniformly, at the bandwidth measured in the run; GB/step: a step of "
+          f"N rows; TTFT includes queueing and chunked prefill; {time.perf_counter() - t0:.0f} s in all)", flush=True)
     return 0
 
 

@@ -14,7 +14,8 @@ Each step of the loop:
    back after the step), through the model's ``GraphRunner``: on CUDA the step replays the graph captured for b;
    then samples each row with its own parameters (``sampling.py``) and hands each request its new text.
 Rows and admission: ``scheduler.py`` (running requests stay in rows 0..n-1; a finished row is refilled by moving
-the last one into it, so the bucket always fits the running batch). Text and stop strings: ``text.py``.
+the last one into it, so the bucket always fits the running batch). The forwards themselves (cache, graphs,
+padding): ``steps.py``. Text and stop strings: ``text.py``.
 
 Batch invariance (greedy tokens alone = among others): on the CPU a row's logits are bit-identical in any batch
 (tests/test_batch_invariance.py: the router's logits row by row, the native experts per row, torch's bf16 GEMMs
@@ -34,7 +35,6 @@ import logging
 import threading
 import time
 import uuid
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -44,7 +44,8 @@ from ktinject.serve.request import (
     EngineConfig, EngineUnavailable, Output, Request, RequestError, Result,
 )
 from ktinject.serve.sampling import SamplingParams, sample
-from ktinject.serve.scheduler import PrefillJob, QueueFull, Scheduler
+from ktinject.serve.scheduler import QueueFull, Scheduler
+from ktinject.serve.steps import ModelSteps, pad_id
 from ktinject.serve.text import TextStream
 
 log = logging.getLogger("ktinject.serve")
@@ -70,7 +71,7 @@ class Engine:
             raise ValueError(f"max_context {self.config.max_context} exceeds the model's max_position_embeddings "
                              f"{limit}")
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.pad_id = _pad_id(model, tokenizer)
+        self.steps = ModelSteps(model, self.config, pad_id(model, tokenizer))
         self.metrics = Metrics()
         self.sched = Scheduler(self.config.max_batch, self.config.max_queue)
         self._cond = threading.Condition()
@@ -81,12 +82,21 @@ class Engine:
         self._ready = threading.Event()
         self.failure: BaseException | None = None  # what stopped the engine thread, if anything did
         self._ids = itertools.count()
-        self.runner = self.kv = None
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        return self.steps.device
+
+    @property
+    def runner(self):
+        """The model's GraphRunner (None before start)."""
+        return self.steps.runner
+
+    @property
+    def kv(self):
+        """The KV cache: ``max_batch`` rows x ``max_context`` tokens (None before start)."""
+        return self.steps.kv
 
     def start(self, timeout: float | None = None) -> "Engine":
         """Start the engine thread; returns once the cache is allocated and the graphs captured."""
@@ -246,29 +256,10 @@ class Engine:
             self._close()
 
     def _setup(self) -> None:
-        """The runner, its cache (max_batch rows x max_context, fixed addresses) and, on CUDA, every bucket's graph."""
-        from ktinject.generate import get_runner
-
-        cfg = self.config
+        """The model side (cache, graphs, warm-up) on the engine thread."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.runner = get_runner(self.model, buckets=cfg.buckets, max_cache_len=cfg.max_context,
-                                 use_graphs=cfg.graphs)
-        for b in reversed(cfg.buckets):
-            self.runner.cache_for(b, cfg.max_context)
-        self.kv = self.runner.kv
-        self._rebalancer = _rebalancer(self.model)
-        if cfg.warmup:
-            t0 = time.perf_counter()
-            k = min(8, cfg.max_context)
-            probe = SimpleNamespace(prompt=[self.pad_id] * k, prompt_len=k)
-            self._forward_prefill([PrefillJob(probe, 0, 0, k)])  # allocates K/V of every row
-            for b in cfg.buckets if self.runner.graphs_enabled() else cfg.buckets[-1:]:
-                self._forward_decode([self.pad_id] * b, b)
-            self.kv.reset_rows(list(range(self.kv.slots)))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            log.info("warm-up in %.1f s (%s)", time.perf_counter() - t0, self.runner.describe())
+        self.steps.setup()
 
     def _next_step(self) -> bool:
         with self._cond:
@@ -296,7 +287,7 @@ class Engine:
                 fresh = [j.row for j in jobs if j.fresh]
                 if fresh:
                     self.kv.reset_rows(fresh)
-                logits = self._forward_prefill(jobs)  # [k, V]: the jobs that end their prompts
+                logits = self.steps.prefill(jobs)  # [k, V]: the jobs that end their prompts
                 done = [j.seq for j in jobs if j.last]
                 firsts = sample(logits, [r.params for r in done], [r.rng for r in done]) if done else []
             except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
@@ -322,52 +313,15 @@ class Engine:
         b = next(x for x in self.config.buckets if x >= n)
         t0 = time.perf_counter()
         try:
-            logits = self._forward_decode([r.out_ids[-1] for r in running], b)  # [n, V]
+            logits = self.steps.decode([r.out_ids[-1] for r in running], b)  # [n, V]
             tokens = sample(logits, [r.params for r in running], [r.rng for r in running])
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             log.exception("a decode step of %d requests failed", n)
             self._finish_many([(r, "error", f"decode step failed: {type(e).__name__}: {e}") for r in running])
             return
         self.metrics.decode_step(n, time.perf_counter() - t0)
-        if self._rebalancer is not None:
-            self._rebalancer.step()
+        self.steps.after_decode()
         self._take_tokens(running, tokens)
-
-    # ---- model calls ---------------------------------------------------------------------------------------
-    def _forward_prefill(self, jobs) -> torch.Tensor:
-        """One forward of the jobs' prompt chunks in their rows (consecutive), each after what its row holds,
-        right-padded to the longest; the logits [k, V] after the last prompt token of the k jobs that end a prompt.
-        A padded row's extra tokens come after its own, so its tokens never see them, and its cache length is set
-        back to its own end afterwards."""
-        from ktinject import kv_cache
-
-        r0, B = jobs[0].row, len(jobs)
-        sizes = [j.end - j.start for j in jobs]
-        S = max(sizes)
-        ids = torch.full((B, S), self.pad_id, dtype=torch.long)  # [B, S]
-        for i, j in enumerate(jobs):
-            ids[i, :sizes[i]] = torch.tensor(j.seq.prompt[j.start:j.end])
-        ends = sorted({n - 1 for n, j in zip(sizes, jobs) if j.last})
-        keep = 1 if B == 1 else torch.tensor(ends, device=self.device)
-        out = kv_cache.forward(self.model, self.kv.rows(r0, r0 + B), ids.to(self.device), logits_to_keep=keep)
-        if min(sizes) < S:
-            self.kv.lengths[:, r0:r0 + B] = torch.tensor([j.end for j in jobs], device=self.device)
-        if B == 1:
-            return out.logits[:, -1]  # [1, V]
-        return torch.stack([out.logits[i, ends.index(n - 1)] for i, (n, j) in enumerate(zip(sizes, jobs)) if j.last])
-
-    def _forward_decode(self, tokens: list[int], b: int) -> torch.Tensor:
-        """One token for rows 0..n-1 (n = len(tokens)) in the bucket ``b``; logits [n, V]."""
-        from ktinject import compat
-
-        n = len(tokens)
-        cache = self.runner.rows(b)
-        ids = torch.tensor(tokens + [self.pad_id] * (b - n), dtype=torch.long).view(b, 1).to(self.device)
-        pos = cache.row_lengths[:b, None].clone()  # [b, 1]: every row at its own position
-        out = self.runner(input_ids=ids, position_ids=pos, use_cache=True, **compat.cache_arg(cache))
-        if b > n:
-            self.kv.lengths[:, n:b] -= 1  # padding rows: their dummy token is forgotten
-        return out.logits[:n, -1]
 
     # ---- tokens and endings --------------------------------------------------------------------------------
     def _take_tokens(self, reqs: list[Request], tokens: list[int]) -> None:
@@ -469,21 +423,3 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
-
-
-def _pad_id(model, tokenizer) -> int:
-    for v in (getattr(tokenizer, "pad_token_id", None), getattr(model.generation_config, "pad_token_id", None)
-              if getattr(model, "generation_config", None) is not None else None):
-        if isinstance(v, int):
-            return v
-    return 0
-
-
-def _rebalancer(model):
-    """The dynamic hot-expert placement's Rebalancer (stepped once per decode step), or None."""
-    try:
-        from ktinject.gpu_experts import placement
-    except ImportError:
-        return None
-    get = getattr(placement, "rebalancer", None)
-    return get(model) if get is not None else None

@@ -4,6 +4,8 @@
 # Stages (in the order given): build info harness native gpu (CUDA- and AMX-marked tests) families (on AMX)
 #                              families-cuda (tests/test_families.py with gpu="cuda") bench-kernels bench-decode bench-prefill
 #                              bench-load bench-hot defer (expert-deferral GPU tests) bench-defer all
+#                              serve (serving GPU tests + batch invariance) bench-serve soak soak-bg soak-log
+#                              (the serve stages: tests/gpu/serve_stage.sh says what each does)
 # Each stage's log goes to $OUT/<stage>.log; a summary line per stage is printed last.
 set -uo pipefail
 OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
@@ -41,6 +43,22 @@ for s in "$@"; do
         stage "bench-defer-$q" timeout "${BENCH_S:-130}" python3 -m ktinject.bench decode --quant "$q" \
           --defer "${DEFER:-0,1,2,3}" --tokens "${TOKENS:-32}" --defer-rounds "${ROUNDS:-3}"
       done ;;
+    serve) stage serve python3 -m pytest -q -rs tests/gpu/test_serve_gpu.py tests/test_batch_invariance.py \
+             tests/test_serve_units.py ;;
+    bench-serve) stage bench-serve python3 -m ktinject.bench serve ;;
+    # shellcheck disable=SC2086  # SOAK_ARGS: several options
+    soak) stage soak python3 tests/gpu/soak_serve.py --minutes "${SOAK_MIN:-5}" --disconnects "${SOAK_DISCONNECTS:-100}" \
+            ${SOAK_ARGS:-} ;;
+    soak-bg)  # detached (a device command lasts at most 10 minutes); soak-log in a later command collects it
+      # shellcheck disable=SC2086
+      nohup python3 tests/gpu/soak_serve.py --minutes "${SOAK_MIN:-10}" --disconnects "${SOAK_DISCONNECTS:-100}" \
+        ${SOAK_ARGS:-} > /tmp/ktinject-soak.log 2>&1 < /dev/null &
+      echo "soak started (pid $!) for ${SOAK_MIN:-10} minutes: /tmp/ktinject-soak.log; the soak-log stage collects it"
+      summary+=("soak-bg started pid $!") ;;
+    soak-log)
+      cp /tmp/ktinject-soak.log "$OUT/soak.log" 2>/dev/null || echo "no /tmp/ktinject-soak.log (machine released?)"
+      tail -n 40 "$OUT/soak.log" 2>/dev/null
+      summary+=("soak-log: $(grep -E '^# soak (PASSED|FAILED)' "$OUT/soak.log" 2>/dev/null || echo 'not finished')") ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
