@@ -222,7 +222,7 @@ class GraphRunner:
         cache = compat.cache_from(kwargs)
         mask = kwargs.get("attention_mask")
         ids = kwargs.get("input_ids")
-        if kv_cache.is_kv_cache(cache) and ids is not None and (mask is None or mask.dim() == 2):
+        if kv_cache.is_kv_cache(cache) and ids is not None and (mask is None or (torch.is_tensor(mask) and mask.dim() == 2)):
             B, S = ids.shape
             kwargs = dict(kwargs)
             kwargs["attention_mask"] = kv_cache.attention_masks(

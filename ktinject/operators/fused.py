@@ -80,6 +80,9 @@ def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device, z
     only outside graph capture (graphs keep the addresses they saw, so an outgrown buffer is kept too). ``zero``:
     zeroed when made (the counters of the last-program pattern, which every launch leaves at zero). One per
     device, not per stream: ktinject's decode steps on a device run one after another."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one buffer, not two
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (name, dtype, str(device))
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < numel:
