@@ -103,7 +103,8 @@ class StreamExperts:
         self.dtask = None
         if self.defer:
             self.task.select("top", self.defer)
-            self.o_d = torch.zeros_like(self.o)  # [T, H] deferred slots' sum
+            # [T, H] deferred slots' sum; pinned like o (zeros_like would not pin it: no H2D copy in a capture)
+            self.o_d = torch.zeros((self.T, self.hidden), dtype=hdt, **pin)
             self.out_d = torch.zeros_like(self.out)  # [T, H] static, on device
             self.dtask = native.Task(self.task.pool)
             self.dtask.bind(experts, self.h, self.ids, self.w, skip=skip, out=self.o_d)
