@@ -101,7 +101,10 @@ def test_in_graph_masks_pool_wake_and_attention(models_f32):
     try:
         four_d = ktinject.generate(inj, ids, attention_mask=mask, max_new_tokens=N, min_new_tokens=N,
                                    do_sample=False, pad_token_id=0, eos_token_id=None)
-        assert get_runner(inj).stats.replays == N - 1
+        # HF's own masks for configs with layer_types are a dict per layer type, which the runner does not hold
+        # static (those steps run eagerly, reported by fastpaths): the tokens must still match
+        dict_masks = getattr(inj.config, "layer_types", None) is not None
+        assert get_runner(inj).stats.replays == (0 if dict_masks else N - 1)
     finally:
         get_runner(inj, use_graphs=True)
     assert torch.equal(graph, four_d)
