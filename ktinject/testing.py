@@ -244,3 +244,102 @@ def experts_reference(ex, biases, x: torch.Tensor, ids: torch.Tensor, weights: t
             y = y + biases[1][e].double()
         out.index_add_(0, t, y * weights[t, j].double().unsqueeze(1))
     return out
+
+
+# ---- a model's streamed prefill against its cpu path, routing flips told apart (CPU and GPU prefill tests) ---------
+# In a bf16 model, outputs that differ by rounding (the streamed and the native experts: ~0.5% of a layer's max) may
+# flip a later layer's top-k at a near-tie; that token's logits (and, through attention, its sequence's later ones)
+# then differ by whole units however right both paths are (tiny gpt_oss: 2 of 80 tokens, 60% of the max logit). So
+# the model-level check compares each MoE call's streamed output with the float64 reference on the call's own
+# inputs, and the logits only at tokens whose routing was the same in both runs.
+class MoeTrace:
+    """``with MoeTrace(model) as tr: model(ids)``: every HybridMoE call of the forwards, in order, as tr.calls
+    entries (block, x [T, H], ids [T, k], weights [T, k], routed [T, H] from the block's prefill hook or None: the
+    native path ran), cloned on the device (no host sync, so the streamed work is ordered as without the trace)."""
+
+    def __init__(self, model):
+        from ktinject.gpu_experts.stream import blocks_of
+
+        self.blocks = blocks_of(model)
+        self.calls: list[tuple] = []
+
+    def _hook(self, hook):
+        def call(block, x, ids, weights):
+            out = None if hook is None else hook(block, x, ids, weights)
+            routed = None if out is None else out[0].detach().clone()
+            self.calls.append((block, x.detach().clone(), ids.clone(), weights.detach().clone(), routed))
+            return out
+        return call
+
+    def __enter__(self):
+        self.saved = [b.prefill for b in self.blocks]
+        for b, hook in zip(self.blocks, self.saved):
+            b.prefill = self._hook(hook)
+        return self
+
+    def __exit__(self, *exc):
+        for b, hook in zip(self.blocks, self.saved):
+            b.prefill = hook
+
+
+def streamed_call_errors(trace: MoeTrace) -> list[tuple[float, float]]:
+    """(streamed, native) error of each traced call that the hook computed: max |out - ref| / max |ref| against
+    ``experts_reference`` on the call's own inputs (hot experts included: they hold the same stored weights)."""
+    out = []
+    for block, x, ids, w, routed in trace.calls:
+        if routed is None:
+            continue
+        ex = block.native_experts
+        ref = experts_reference(ex, block.expert_biases if ex.bias else None, x, ids, w)
+        scale = ref.abs().max().clamp(min=1e-12)
+        native = ex(x.cpu(), ids.cpu(), w.cpu())
+        out.append((float((routed.double().cpu() - ref).abs().max() / scale),
+                    float((native.double() - ref).abs().max() / scale)))
+    return out
+
+
+def routing_flips(a: MoeTrace, b: MoeTrace, shape: tuple[int, int]) -> torch.Tensor:
+    """bool [B, S] (``shape``: the forward's batch, sequence): tokens whose logits a routing difference between the
+    two traced forwards may have changed: a token routed to other experts by some block, and the later tokens of its
+    sequence unless that block is the model's last MoE block (no attention reads it afterwards)."""
+    Bn, S = shape
+    out = torch.zeros(Bn, S, dtype=torch.bool)
+    if len(a.calls) != len(b.calls):
+        raise ValueError(f"routing_flips: {len(a.calls)} and {len(b.calls)} MoE calls: not the same forward")
+    last = a.blocks[-1] if a.blocks else None
+    for ca, cb in zip(a.calls, b.calls):
+        differs = (ca[2].sort(-1).values != cb[2].sort(-1).values).any(-1).cpu().view(Bn, S)
+        for i, s in differs.nonzero().tolist():
+            if ca[0] is last:
+                out[i, s] = True
+            else:
+                out[i, s:] = True
+    return out
+
+
+def token_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """float [B, S]: max |got - ref| over each token's logits / max |ref| over all of them."""
+    got, ref = got.float().cpu(), ref.float().cpu()
+    return (got - ref).abs().amax(-1) / ref.abs().max().clamp(min=1e-12)
+
+
+def streamed_vs_cpu(model, ids: torch.Tensor, attach) -> dict:
+    """One forward of ``model`` (injected, prefill "cpu") on ``ids`` [B, S] through its cpu path, then one with the
+    streamer ``attach(model)`` sets up (detached afterwards). Returns cpu / streamed logits, ``calls`` (streamed,
+    native) errors per streamed MoE call (``streamed_call_errors``), ``flips`` bool [B, S] (``routing_flips``),
+    ``tokens`` float [B, S] (``token_errors`` of streamed against cpu) and the streamer's ``last``."""
+    from ktinject.gpu_experts import stream
+
+    stream.attach(model, "cpu")
+    with torch.no_grad():
+        with MoeTrace(model) as cpu_trace:
+            cpu = model(ids).logits
+        s = attach(model)
+        try:
+            with MoeTrace(model) as trace:
+                got = model(ids).logits
+            last = dict(s.last)
+        finally:
+            stream.attach(model, "cpu")
+    return dict(cpu=cpu, streamed=got, calls=streamed_call_errors(trace), last=last,
+                flips=routing_flips(cpu_trace, trace, tuple(ids.shape)), tokens=token_errors(got, cpu))

@@ -26,7 +26,8 @@ import torch
 
 import ktinject
 from ktinject.gpu_experts import placement, policy, stream
-from ktinject.testing import build_tiny_model, experts_reference, random_experts, tiny_prompts
+from ktinject.testing import (FAMILIES, build_tiny_model, experts_reference, random_experts, streamed_vs_cpu,
+                               tiny_prompts, token_errors)
 
 STREAM_TOL = 1.5e-2
 MARGIN = 0.15  # logits (std ~2), as tests/gpu/test_graph_gpu.py
@@ -180,6 +181,33 @@ def test_model_gpu_prefill_equals_cpu(family, quant, mode, monkeypatch):
     assert _err(got_logits, ref_logits.double()) < NATIVE_TOL[quant]
     chosen = forced.gather(-1, got[:, P:, None]).squeeze(-1)
     assert (forced.max(-1).values - chosen).max().item() < MARGIN
+
+
+BF16_CASES = [(f, "bf16") for f in FAMILIES] + [(f, q) for f in ("qwen3_moe", "deepseek_v3", "gpt_oss")
+                                                  for q in ("int8", "int4")]
+
+
+@pytest.mark.parametrize("family, quant", BF16_CASES)
+def test_bf16_model_streamed_equals_cpu(family, quant):
+    """A bf16 model (every family) in gpu mode against its cpu path, as tests/gpu/test_prefill_gpu.py checks it:
+    every streamed MoE call within STREAM_TOL of the float64 reference on its own inputs; the prompt logits within
+    NATIVE_TOL + STREAM_TOL of the cpu path's at every token whose routing was the same in both runs (a near-tie
+    flipped by rounding moves a token's logits by units: ``ktinject.testing.routing_flips``), such tokens rare; the
+    median token error against the float32 model no worse than the cpu path's own (bf16 noise, measured)."""
+    ids = tiny_prompts(2, 40, seed=1)
+    with torch.no_grad():
+        f32 = build_tiny_model(family)(ids).logits
+    model = build_tiny_model(family, dtype=torch.bfloat16)
+    ktinject.inject(model, gpu="cpu", quant=quant, prefill="cpu")
+    r = streamed_vs_cpu(model, ids, lambda m: stream.attach(m, "gpu"))
+    assert r["last"]["mode"] == "gpu" and len(r["calls"]) == len(stream.blocks_of(model))
+    for streamed, native in r["calls"]:
+        assert streamed < STREAM_TOL and native < NATIVE_TOL[quant]
+    flips = r["flips"]
+    assert flips.sum() <= flips.numel() // 8, flips.nonzero().tolist()
+    assert r["tokens"][~flips].max() < NATIVE_TOL[quant] + STREAM_TOL
+    noise = token_errors(r["cpu"], f32).median()
+    assert token_errors(r["streamed"], f32).median() <= 1.5 * noise + 2e-3
 
 
 # ---- policy --------------------------------------------------------------------------------------------------------
