@@ -203,7 +203,14 @@ def unpack_experts(buf: torch.Tensor, layout: ExpertLayout, gate_up: torch.Tenso
                    work: torch.Tensor) -> None:
     """The n experts whose packed regions are the rows of ``buf`` (uint8 [n, expert_bytes]) into gate_up
     [n, 2I, H] (gate rows, then up rows) and down [n, H, I]: three batched unpacks (a few kernels each), no loop
-    over experts. ``work``: uint8 [>= n * layout.work_bytes]. Biases stay where they are (``bias_views``)."""
+    over experts. ``work``: uint8 [>= n * layout.work_bytes]. Biases stay where they are (``bias_views``).
+    On CUDA with Triton (KTINJECT_FUSED not 0): one pass by gpu_experts.dequant's kernel instead (bit-identical,
+    ``work`` unused)."""
+    from ktinject.gpu_experts import dequant  # Triton only at the first CUDA call
+
+    if dequant.usable(buf, gate_up, down):
+        dequant.unpack_experts(buf, layout, gate_up, down)
+        return
     I = layout.mats[0].N
     for m, dst in zip(layout.mats, (gate_up[:, :I], gate_up[:, I:], down)):
         unpack_matrix(buf, m, layout.quant, dst, work, layout.group)
