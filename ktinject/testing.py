@@ -338,7 +338,7 @@ def streamed_vs_cpu(model, ids: torch.Tensor, attach) -> dict:
         try:
             with MoeTrace(model) as trace:
                 got = model(ids).logits
-            last = dict(s.last)
+            last = dict(s.last) if s is not None else {"mode": "cpu"}  # attach gave no streamer
         finally:
             stream.attach(model, "cpu")
     return dict(cpu=cpu, streamed=got, calls=streamed_call_errors(trace), last=last,

@@ -19,7 +19,8 @@ import ktinject
 from ktinject.gpu_experts import policy, stream
 from ktinject.gpu_experts.ring import intervals
 from ktinject.gpu_experts.upload import PackedRegion, expert_layout, unpack_experts
-from ktinject.testing import build_tiny_model, experts_reference, random_experts, tiny_prompts
+from ktinject.testing import (build_tiny_model, experts_reference, random_experts, streamed_vs_cpu, tiny_prompts,
+                               token_errors)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -84,31 +85,52 @@ FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
 def test_gpu_and_auto_equal_cpu(family, quant, monkeypatch):
+    """As tests/test_prefill_stream.py::test_bf16_model_streamed_equals_cpu, on the GPU, for gpu, auto and a forced
+    split: each streamed MoE call within STREAM_TOL of the float64 reference on its own inputs; the logits within
+    NATIVE_TOL + STREAM_TOL of the cpu path's where the routing matched (a bf16 near-tie flipped by rounding moves a
+    token by units: tiny gpt_oss, 2 of 80 tokens, 60% of the max logit, on the CPU too); the median token error
+    against the float32 model at most 1.5x the cpu path's own + 2e-3; the first greedy token within MARGIN."""
+    with torch.no_grad():
+        f32 = build_tiny_model(family).to(DEV)(tiny_prompts(2, 40, seed=1).to(DEV)).logits
     model = build_tiny_model(family, dtype=torch.bfloat16)
     ktinject.inject(model, gpu="cuda", quant=quant, prefill="cpu")
     ids = tiny_prompts(2, 40, seed=1).to(DEV)
     P = ids.shape[1]
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
-        ref = model(ids).logits.float()
-        runs = {}
-        for mode in ("gpu", "auto", "split"):
-            s = stream.attach(model, "auto" if mode == "split" else mode)
+
+    def attach(mode):
+        def setup(m):
+            s = stream.attach(m, "auto" if mode == "split" else mode)
             if mode == "split":  # every layer split, half of its used experts each way
                 monkeypatch.setattr(s, "_decide", lambda *a: "split")
                 monkeypatch.setattr(policy, "choose_split", lambda counts, eligible, costs: [
                     int(e) for e in (torch.from_numpy(eligible & (counts > 0)).nonzero().flatten()[::2])])
-            logits = model(ids).logits.float()
-            runs[mode] = (logits, ktinject.generate(model, ids, **kw), dict(s.last))
+            return s
+        return setup
+
+    for mode in ("gpu", "auto", "split"):
+        r = streamed_vs_cpu(model, ids, attach(mode))
+        with torch.no_grad():
+            attach(mode)(model)
+            seq = ktinject.generate(model, ids, **kw)
             monkeypatch.undo()
-        stream.attach(model, "cpu")
-        scale = ref.abs().max().item()
-        for mode, (logits, seq, last) in runs.items():
-            assert (logits - ref).abs().max().item() < (NATIVE_TOL[quant] + STREAM_TOL) * scale, (mode, last)
+            stream.attach(model, "cpu")
             forced = model(seq).logits[:, P - 1:-1].float()  # the cpu path, teacher-forced on this run's tokens
-            chosen = forced.gather(-1, seq[:, P:, None]).squeeze(-1)
-            assert (forced.max(-1).values - chosen).max().item() < MARGIN, (mode, last)
-    assert runs["split"][2]["mode"] == "split" and runs["gpu"][2]["mode"] in ("gpu", "gpu-used")
+        flips, last = r["flips"], r["last"]
+        print(f"{family} {quant} {mode}: calls {[(round(a, 4), round(b, 4)) for a, b in r['calls']]}, "
+              f"flipped tokens {int(flips.sum())}, max err elsewhere {float(r['tokens'][~flips].max()):.4f}")
+        assert mode != "split" or last["mode"] == "split"
+        assert mode != "gpu" or last["mode"] in ("gpu", "gpu-used")
+        for streamed, native in r["calls"]:
+            assert streamed < STREAM_TOL and native < NATIVE_TOL[quant], (mode, last, r["calls"])
+        assert flips.sum() <= flips.numel() // 8, (mode, flips.nonzero().tolist())
+        assert r["tokens"][~flips].max() < NATIVE_TOL[quant] + STREAM_TOL, (mode, last)
+        noise = token_errors(r["cpu"], f32).median()
+        assert token_errors(r["streamed"], f32).median() <= 1.5 * noise + 2e-3, (mode, last)
+        # the first greedy token (the prompt's forward; later ones diverge after any flip in a decode step)
+        chosen = forced[:, 0].gather(-1, seq[:, P, None]).squeeze(-1)
+        gap = (forced[:, 0].max(-1).values - chosen).cpu()
+        assert (gap[~flips[:, -1]] < MARGIN).all(), (mode, last, gap)
 
 
 def test_copies_overlap_compute():
