@@ -288,6 +288,7 @@ def test_prometheus_text_has_the_gauges_counters_and_histogram():
 
 def test_request_checks_name_the_field():
     from ktinject.serve.engine import RequestError
+    pytest.importorskip("pydantic", reason="the request schemas need the serve extra (pip install -e \".[serve]\")")
     from ktinject.serve.protocol import ChatRequest, CompletionRequest, stop_strings
 
     def param(fn):
