@@ -121,8 +121,11 @@ def test_gpu_and_auto_equal_cpu(family, quant, monkeypatch):
               f"flipped tokens {int(flips.sum())}, max err elsewhere {float(r['tokens'][~flips].max()):.4f}")
         assert mode != "split" or last["mode"] == "split"
         assert mode != "gpu" or last["mode"] in ("gpu", "gpu-used")
+        # a split call's output is partly the native kernels' (int8 activations for int8/int4: up to ~2% of its
+        # max, measured), so it is held to the native bound; a pure gpu call to the streamed one
+        call_tol = NATIVE_TOL[quant] if mode == "split" else STREAM_TOL
         for streamed, native in r["calls"]:
-            assert streamed < STREAM_TOL and native < NATIVE_TOL[quant], (mode, last, r["calls"])
+            assert streamed < call_tol and native < NATIVE_TOL[quant], (mode, last, r["calls"])
         assert flips.sum() <= flips.numel() // 8, (mode, flips.nonzero().tolist())
         assert r["tokens"][~flips].max() < NATIVE_TOL[quant] + STREAM_TOL, (mode, last)
         noise = token_errors(r["cpu"], f32).median()
