@@ -137,6 +137,29 @@ def test_each_layer_copied_once_per_forward():
         assert s.ring.pending is None and s.ring.copied == 5 * layer
 
 
+def test_ahead_mode_copies_its_set_during_the_layer_before(monkeypatch):
+    """ahead mode on a model: each layer's fixed GPU set (n = 3 of 8) is the copy fetched ahead by the layer before
+    (the last layer fetches the first one's for the next forward), the next forward's sets are the experts with the
+    most rows seen, and the logits match the cpu path within the native bound."""
+    model = _tiny("qwen3_moe", prefill="cpu")
+    ids = tiny_prompts(2, 20)
+    with torch.no_grad():
+        ref = model(ids).logits
+        s = stream.attach(model, "gpu")
+        monkeypatch.setattr(s, "_decide", lambda *a: "ahead")
+        monkeypatch.setattr(s, "_ahead_n", lambda *a: 3)
+        got = model(ids).logits
+        assert s.last["mode"] == "ahead" and s.last["gpu_experts"] == [3, 3]
+        B = s.layouts[0].expert_bytes
+        assert s.ring.copied == 3 * 3 * B and s.ring.pending.key == (0, 0)  # 2 layers + the next forward's first
+        seen = s._seen[0]
+        want = sorted(np.lexsort((np.arange(8), -seen))[:3].tolist())
+        assert list(s.ring.pending.experts) == want
+        model(ids)
+        assert s.ring.copied == 5 * 3 * B  # the first layer's copy fetched ahead was taken
+    assert _err(got, ref.double()) < NATIVE_TOL["bf16"]
+
+
 def test_hot_experts_are_not_copied():
     model = _tiny("qwen3_moe", prefill="cpu")
     ids = tiny_prompts(2, 20)
@@ -156,7 +179,7 @@ def test_hot_experts_are_not_copied():
 @pytest.mark.parametrize("family, quant", [("qwen3_moe", "bf16"), ("qwen3_moe", "int8"), ("qwen3_moe", "int4"),
                                            ("deepseek_v3", "bf16"), ("gpt_oss", "bf16"), ("mixtral", "int8"),
                                            ("qwen2_moe", "bf16")])
-@pytest.mark.parametrize("mode", ["gpu", "split"])
+@pytest.mark.parametrize("mode", ["gpu", "split", "ahead"])
 def test_model_gpu_prefill_equals_cpu(family, quant, mode, monkeypatch):
     """prefill='gpu' (and every layer split, every other used expert on the "GPU") against prefill='cpu' on the same
     injected model (shared experts, grouped routing, gpt-oss sinks and biases): prompt logits close; every greedy
@@ -169,13 +192,16 @@ def test_model_gpu_prefill_equals_cpu(family, quant, mode, monkeypatch):
     with torch.no_grad():
         ref_logits = model(ids).logits
         s = stream.attach(model, "gpu")
+        if mode == "ahead":  # every layer: 3 experts fixed before the routing on the "GPU"
+            monkeypatch.setattr(s, "_decide", lambda *a: "ahead")
+            monkeypatch.setattr(s, "_ahead_n", lambda *a: 3)
         if mode == "split":
             monkeypatch.setattr(s, "_decide", lambda *a: "split")
             monkeypatch.setattr(policy, "choose_split", lambda counts, eligible, costs:
                                 [int(e) for e in np.flatnonzero(eligible & (counts > 0))[::2]])
         got_logits = model(ids).logits
         got = ktinject.generate(model, ids, **kw)
-        assert s.last["mode"] in (("split",) if mode == "split" else ("gpu", "gpu-used")) and s.ring.copied > 0
+        assert s.last["mode"] in ((mode,) if mode != "gpu" else ("gpu", "gpu-used")) and s.ring.copied > 0
         stream.attach(model, "cpu")
         forced = model(got).logits[:, P - 1:-1].float()  # the cpu path's logits at each generated step
     assert _err(got_logits, ref_logits.double()) < NATIVE_TOL[quant]
@@ -215,9 +241,44 @@ COSTS = policy.Costs(h2d=50e9, expert_bytes=9_437_184, cpu_expert_s=1e-4, cpu_ro
                      gpu_row_s=1e-7)  # Qwen3-30B-A3B-like, bf16
 
 
-@pytest.mark.parametrize("T, want", [(1, "cpu"), (4, "cpu"), (512, "split"), (8192, "gpu")])
-def test_choose_mode(T, want):
-    assert policy.choose_mode(T, 8, 128, COSTS) == want
+INT4 = policy.Costs(h2d=55e9, expert_bytes=2_660_000, cpu_expert_s=5e-5, cpu_row_s=1.8e-6, gpu_expert_s=5e-6,
+                    gpu_row_s=3e-8)  # Qwen3-30B-A3B int4, the H100 run's figures (copy 6.2 ms a layer)
+
+
+@pytest.mark.parametrize("costs, T, cap, want", [
+    (COSTS, 1, None, "cpu"), (COSTS, 4, None, "cpu"),  # few rows: nothing to gain
+    (COSTS, 512, None, "ahead"), (COSTS, 2048, None, "ahead"),  # both devices, the GPU's copy hidden
+    (COSTS, 512, 8, "split"),  # a slot of 8 experts: ahead's GPU share too small to beat a split
+    (COSTS, 8192, None, "gpu"),  # ahead within SHARED_MARGIN of gpu mode: gpu
+    (INT4, 512, None, "ahead"), (INT4, 2048, None, "ahead"),
+    (INT4, 512, 8, "gpu"),  # the split after routing is slower than streaming the whole layer (H100, 11-26)
+    (INT4.with_(cpu_row_s=8e-6, cpu_expert_s=1e-4), 16, None, "gpu"),  # slow CPU, sparse routing: no ahead
+    (INT4.with_(cpu_row_s=8e-6, cpu_expert_s=1e-4), 2048, None, "gpu"),  # ahead only 4% faster than gpu
+])
+def test_choose_mode(costs, T, cap, want):
+    assert policy.choose_mode(T, 8, 128, costs, cap) == want
+
+
+def test_ahead_split():
+    n, t = policy.ahead_split(512, 8, 128, INT4)
+    times = policy.ahead_times(512, 8, 128, INT4)
+    assert times.size == 129 and t == pytest.approx(times.min()) and t == pytest.approx(times[n])
+    per = 512 * 8 / 128
+    cpu_rest = INT4.dense_s + (INT4.cpu_expert_s + INT4.cpu_row_s * per) * (128 - n)
+    assert t == pytest.approx(max(cpu_rest, INT4.copy_s(n)))  # balanced: the CPU's part against the copy
+    assert abs(cpu_rest - INT4.copy_s(n)) < INT4.copy_s(1) + INT4.cpu_expert_s + INT4.cpu_row_s * per
+    assert policy.ahead_split(512, 8, 128, INT4, cap=40)[0] == 40  # at most a slot
+    assert policy.ahead_split(512, 8, 128, INT4.with_(h2d=1e6))[0] == 0  # copying hopeless
+    assert policy.ahead_split(0, 8, 128, INT4) == (0, 0.0)
+
+
+def test_ahead_experts():
+    eligible = np.array([True, True, False, True, True, True])
+    seen = np.array([5.0, 1.0, 99.0, 5.0, 0.0, 7.0])
+    assert policy.ahead_experts(seen, eligible, 3) == [0, 3, 5]  # most rows seen, ties by lower id, 2 resident
+    assert policy.ahead_experts(None, eligible, 2) == [0, 1]  # nothing seen yet: the lowest ids
+    assert policy.ahead_experts(seen, eligible, 9) == [0, 1, 3, 4, 5]
+    assert policy.ahead_experts(seen, eligible, 0) == [] and policy.ahead_experts(seen, np.ones(6, dtype=bool), 1) == [2]
 
 
 def test_split_times_and_best_split():
@@ -248,7 +309,9 @@ def test_estimates_and_helpers():
     assert policy.uniform_rows(1, 8, 128).size == 8
     assert not policy.prefetch_worthy(16, 8, 128) and policy.prefetch_worthy(64, 8, 128)
     est = policy.estimates(8192, 8, 128, COSTS)
-    assert est["gpu"] < est["split"] < est["cpu"]
+    assert est["gpu"] < est["split"] < est["cpu"] and est["ahead"] < est["split"]
+    sparse = policy.estimates(16, 8, 128, COSTS)  # most experts idle: no fixed set ahead
+    assert sparse["ahead"] == sparse["cpu"]
     assert policy.fit_cpu((8, 64), (8 * 128 * 1e-5 + 128 * 1e-4, 64 * 128 * 1e-5 + 128 * 1e-4), 128) == \
         pytest.approx((1e-4, 1e-5))
     with pytest.raises(ValueError):

@@ -79,7 +79,7 @@ def _chose(streamer) -> str:
         return "nothing streamed"
     n = last.get("gpu_experts") or []
     E = streamer.blocks[0].num_experts
-    if last["mode"] in ("split", "gpu", "gpu-used") and n:
+    if last["mode"] in ("split", "ahead", "gpu", "gpu-used") and n:
         return f"{last['mode']}: {statistics.median(n):g} of {E} experts a layer on the GPU"
     return last["mode"]
 

@@ -16,9 +16,16 @@ The GPU takes the experts with the most rows first: per routed row it is two ord
 while copying an expert costs about what the CPU's own read of it costs. Modes of one forward (``choose_mode``):
 
     cpu    every layer on the CPU (nothing to gain: few tokens)
-    split  per layer, once its routing is known: the best number of experts for the GPU (``choose_split``, 0 = CPU)
+    split  per layer, once its routing is known: the best number of experts for the GPU (``choose_split``, 0 = CPU);
+           its copy waits for the routing (a host sync), so nothing hides it and the GPU's dense work is not hidden
+    ahead  n experts a layer chosen before the routing (``ahead_split`` sizes n, ``ahead_experts`` picks them from
+           the rows they got before): copied while layer L-1 computes, like gpu mode, the CPU takes the rest (its
+           skip mask); a layer costs max(dense + CPU part, dense + GPU compute, copy of n)
     gpu    every layer wholly on the GPU, layer L+1's copy running while layer L computes: a layer costs
-           max(copy, compute) and the copy of the first layer is not hidden
+           max(copy, dense + compute) and the copy of the first layer is not hidden
+
+``dense_s`` (the layer's attention and router on the GPU) is not measured: a guess for ~512-token forwards; it only
+tells the modes that serialize it (cpu, split, ahead) from gpu mode, which hides it under the copy.
 
 Legend: T tokens, k experts per token, E experts, m experts with rows, n experts on the GPU.
 """
@@ -36,6 +43,10 @@ MODES = ("auto", "cpu", "gpu")
 MARGIN = 0.1
 #: a forward streams whole layers ahead (gpu mode) when the chance that an expert gets no row is below this
 PREFETCH_UNUSED = 0.05
+#: a mode that shares a layer with the CPU (split, ahead) replaces gpu mode only when estimated this much faster: its
+#: copies contend with the CPU's reads of host memory, which the model does not price (measured on the H100: a split
+#: estimated faster than gpu mode lost 6-8% to it at int4, 512 and 2048 tokens)
+SHARED_MARGIN = 0.1
 
 
 def check_mode(value: Any, where: str = "") -> str:
@@ -80,6 +91,7 @@ class Costs:
     gpu_row_s: float
     gpu_layer_s: float = 1.5e-4
     split_s: float = 1e-4
+    dense_s: float = 3e-4
 
     def with_(self, **changes) -> Costs:
         return replace(self, **changes)
@@ -164,24 +176,68 @@ def prefetch_worthy(T: int, k: int, experts: int) -> bool:
     return experts > 0 and (1.0 - min(k, experts) / experts) ** T < PREFETCH_UNUSED
 
 
-def estimates(T: int, k: int, experts: int, costs: Costs) -> dict[str, float]:
-    """Seconds per layer of each mode for T tokens over ``experts`` streamable experts (uniform routing)."""
+def ahead_times(T: int, k: int, experts: int, costs: Costs, cap: int | None = None) -> np.ndarray:
+    """Seconds of a layer [n+1] when n = 0..min(experts, cap) experts, fixed before the routing, are copied during
+    the layer before and computed on the GPU, the CPU computing the rest (ahead mode; uniform routing: each expert
+    T*k/experts rows, used with the chance ``uniform_rows`` gives)."""
+    if T <= 0 or experts <= 0:
+        return np.zeros(1)
+    top = experts if cap is None else max(0, min(experts, int(cap)))
+    n = np.arange(top + 1, dtype=np.float64)
+    per = T * min(k, experts) / experts  # rows an expert
+    used = uniform_rows(T, k, experts).size / experts  # chance an expert has rows
+    cpu = costs.cpu_expert_s * used * (experts - n) + costs.cpu_row_s * per * (experts - n)
+    gpu = np.where(n > 0, costs.gpu_expert_s * n + costs.gpu_row_s * per * n + costs.gpu_layer_s, 0.0)
+    copy = costs.copy_s(1.0) * n  # during the layer before: hidden unless it is the longest
+    # no memory floor as in split_times (host memory reads far faster than PCIe): the copies' contention with the
+    # CPU is left to SHARED_MARGIN
+    return np.maximum.reduce([costs.dense_s + cpu, costs.dense_s + gpu, copy])
+
+
+def ahead_split(T: int, k: int, experts: int, costs: Costs, cap: int | None = None) -> tuple[int, float]:
+    """(n, seconds): experts a layer for the GPU in ahead mode (the least time, fewer on a tie; 0 unless at least
+    MARGIN faster than the CPU alone)."""
+    total = ahead_times(T, k, experts, costs, cap)
+    n = int(np.argmin(total))
+    if total[n] > (1.0 - MARGIN) * total[0]:
+        n = 0
+    return n, float(total[n])
+
+
+def ahead_experts(seen: np.ndarray | None, eligible: np.ndarray, n: int) -> list[int]:
+    """The n experts (ascending ids) of a layer for the GPU before its routing is known: of the ``eligible`` [E]
+    (not resident), those with the most rows ``seen`` [E] in earlier forwards (None: none yet), ties by lower id."""
+    ids = np.flatnonzero(eligible)
+    if n <= 0 or ids.size == 0:
+        return []
+    rows = np.zeros(eligible.shape[0]) if seen is None else np.asarray(seen, dtype=np.float64)
+    order = ids[np.lexsort((ids, -rows[ids]))]
+    return sorted(int(e) for e in order[:n])
+
+
+def estimates(T: int, k: int, experts: int, costs: Costs, cap: int | None = None) -> dict[str, float]:
+    """Seconds per layer of each mode for T tokens over ``experts`` streamable experts (uniform routing); ``cap``:
+    at most this many experts in one copy (a ring slot), for ahead mode."""
     rows = uniform_rows(T, k, experts)
-    cpu = costs.cpu_s(rows.size, rows.sum())
+    cpu = costs.dense_s + costs.cpu_s(rows.size, rows.sum())
     _, split = best_split(rows, costs)
     if prefetch_worthy(T, k, experts):
         compute = costs.gpu_expert_s * experts + costs.gpu_row_s * T * k + costs.gpu_layer_s
-        gpu = max(costs.copy_s(experts), compute)
+        gpu = max(costs.copy_s(experts), costs.dense_s + compute)
     else:  # copied after routing, used experts only: nothing overlaps the copy
-        gpu = costs.gpu_s(rows.size, rows.sum()) + costs.split_s
-    return {"cpu": cpu, "split": split, "gpu": gpu}
+        gpu = costs.dense_s + costs.gpu_s(rows.size, rows.sum()) + costs.split_s
+    # ahead only where nearly every expert gets rows: a fixed set copied for few tokens would mostly go unused
+    ahead = ahead_split(T, k, experts, costs, cap)[1] if prefetch_worthy(T, k, experts) else cpu
+    return {"cpu": cpu, "split": costs.dense_s + split, "ahead": ahead, "gpu": gpu}
 
 
-def choose_mode(T: int, k: int, experts: int, costs: Costs) -> str:
-    """"cpu", "split" or "gpu" for a forward of T tokens: the least estimated time; cpu unless the best other mode
-    is at least MARGIN faster (split: ``best_split`` already holds it to that), split on a tie with gpu."""
-    est = estimates(T, k, experts, costs)
+def choose_mode(T: int, k: int, experts: int, costs: Costs, cap: int | None = None) -> str:
+    """"cpu", "split", "ahead" or "gpu" for a forward of T tokens: the least estimated time; cpu unless the best
+    other mode is at least MARGIN faster, a mode shared with the CPU over gpu only when SHARED_MARGIN faster; ahead
+    on a tie with split (its copies overlap)."""
+    est = estimates(T, k, experts, costs, cap)
     if not all(math.isfinite(v) for v in est.values()):
         return "cpu"
-    other = "split" if est["split"] <= est["gpu"] else "gpu"
+    shared = "ahead" if est["ahead"] <= est["split"] else "split"
+    other = shared if est[shared] <= (1.0 - SHARED_MARGIN) * est["gpu"] else "gpu"
     return other if est[other] <= (1.0 - MARGIN) * est["cpu"] else "cpu"

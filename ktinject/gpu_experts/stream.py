@@ -10,6 +10,9 @@ of T tokens offers each block's routed experts to it; what it does is decided on
     split  per layer, once the routing is on the host (the sync the CPU path makes anyway): the experts with the
            most rows go to the GPU (copied, dequantized, computed as above) while the native kernels compute the
            rest (their skip mask: hot experts + the GPU's); each part's output is added on the device
+    ahead  as split, but the GPU's n experts a layer are fixed before the routing (those with the most rows in
+           earlier forwards, ``policy.ahead_experts``; n from ``policy.ahead_split``), so their copy runs while the
+           layer before computes (as in gpu mode) and their compute is queued before the host waits for the routing
 
 Hot experts (GPU-resident, ``bank.HotExperts``) are computed by their bank as usual and never copied; experts with no
 rows are not copied where the routing is known first. Packed bytes cross PCIe as stored (bf16, int8 + scales, int4 +
@@ -111,6 +114,9 @@ class PrefillStreamer:
         self._forward: tuple[int, str] | None = None  # (T, mode) of the forward in progress
         self._last = -1
         self._ready = False
+        self._n_ahead = 0  # ahead mode: GPU experts a layer in this forward
+        self._seen: dict[int, np.ndarray] = {}  # layer -> rows per expert in earlier split / ahead forwards (decayed)
+        self._sets: dict[int, tuple[int, list[int]]] = {}  # layer -> (n, its GPU experts) until the layer uses them
         self.last: dict = {}  # the last forward: T, mode, experts on the GPU per layer
         self.h2d = float("inf")
         for b in self.blocks:
@@ -227,8 +233,27 @@ class PrefillStreamer:
         if key not in self._decisions:
             self.setup()
             self._decisions[key] = "cpu" if not self.pinned else policy.choose_mode(T, k, streamable,
-                                                                                  self.costs_for(block))
+                                                                                  self.costs_for(block), self.cap)
         return self._decisions[key]
+
+    def _ahead_n(self, block, T: int, k: int) -> int:
+        """Ahead mode: experts a layer for the GPU in a forward of T tokens (the cost model's, at most a slot)."""
+        self.setup()
+        streamable = int(block.num_experts - _resident(block).sum())
+        key = ("ahead", T, k, streamable, id(block.native_experts))
+        if key not in self._decisions:
+            self._decisions[key] = policy.ahead_split(T, k, streamable, self.costs_for(block), self.cap)[0]
+        return self._decisions[key]
+
+    def _set(self, j: int) -> list[int]:
+        """Layer j's GPU experts in ahead mode (ascending ids, none resident): kept from when it was first asked for
+        (the copy fetched ahead holds them) until the layer uses them."""
+        eligible = ~_resident(self.blocks[j])
+        n = min(self._n_ahead, self.cap)
+        kept = self._sets.get(j)
+        if kept is None or kept[0] != n:
+            kept = self._sets[j] = (n, policy.ahead_experts(self._seen.get(j), eligible, n))
+        return [e for e in kept[1] if eligible[e]]  # an expert made resident since is the hot bank's
 
     def _mode_for(self, i: int, block, T: int, k: int) -> str:
         """This forward's mode, decided at its first block (a block index not after the last one seen, or another
@@ -237,7 +262,9 @@ class PrefillStreamer:
             mode = self._decide(block, T, k)
             self._forward = (T, mode)
             self.last = {"T": T, "mode": mode, "gpu_experts": []}
-            if self._ready and mode != "gpu":
+            if mode == "ahead":
+                self._n_ahead = self._ahead_n(block, T, k)
+            if self._ready and mode not in ("gpu", "ahead"):  # those may take the first layer's copy fetched ahead
                 self.ring.drop()
         self._last = i
         return self._forward[1]
@@ -254,8 +281,8 @@ class PrefillStreamer:
         if mode == "cpu":
             return None
         self.setup()
-        if mode == "split":
-            return self._split(i, block, x, ids, weights)
+        if mode in ("split", "ahead"):
+            return self._split(i, block, x, ids, weights, ahead=mode == "ahead")
         return self._gpu(i, block, x, ids, weights, prefetch=mode == "gpu")
 
     def _gpu(self, i, block, x, ids, weights, prefetch: bool):
@@ -273,8 +300,10 @@ class PrefillStreamer:
         streamed = self._stream(i, block, x, ids, weights, experts, counts, prefetch) if experts else None
         return _total(x, None, extra, streamed), shared
 
-    def _split(self, i, block, x, ids, weights):
-        """The experts with the most rows on the GPU, the rest in the native kernels, at the same time."""
+    def _split(self, i, block, x, ids, weights, ahead: bool = False):
+        """The experts with the most rows on the GPU, the rest in the native kernels, at the same time. ``ahead``:
+        the GPU's experts are the layer's fixed set (``_set``), fetched during the layer before; their compute is
+        queued before the host waits for the routing and starts the next layer's copy."""
         T, H = x.shape
         k, E = ids.shape[1], block.num_experts
         st = staging(pin=self.cuda)
@@ -284,15 +313,24 @@ class PrefillStreamer:
         for dst, src in ((h, x), (i_, ids), (w, weights)):
             dst.copy_(src.detach(), non_blocking=self.cuda)  # device -> pinned host (the CPU path's copies)
         shared = extra = streamed = None
+        resident = _resident(block)
+        gpu = None
+        if ahead:
+            gpu = self._set(i)
+            del self._sets[i]  # the next ask (the next forward's prefetch) picks from the rows seen by then
         if self.cuda:
             copied = self._event()
             copied.record()
             shared = shared_output(block, block.spec.shared, x)  # queued: overlaps what follows
             extra = None if block.hot is None else block.hot(x, ids, weights)
+            if ahead and gpu:  # rows unknown on the host: every pair, the others masked (no sync)
+                streamed = self._stream(i, block, x, ids, weights, gpu, None, True)
             copied.synchronize()
         counts = torch.bincount(i_.reshape(-1), minlength=E).numpy()
-        resident = _resident(block)
-        gpu = policy.choose_split(counts, ~resident, self.costs_for(block))
+        old = self._seen.get(i)
+        self._seen[i] = counts.astype(np.float64) + (0.0 if old is None else 0.5 * old)
+        if not ahead:
+            gpu = policy.choose_split(counts, ~resident, self.costs_for(block))
         self.last["gpu_experts"].append(len(gpu))
         skip = self._skip(E)
         skip.zero_()
@@ -302,15 +340,16 @@ class PrefillStreamer:
         task.bind(block.native_experts, h, i_, w, skip=skip, out=o)
         task.submit()
         try:
-            if self.cuda:  # queued while the CPU works
+            if self.cuda and not ahead:  # queued while the CPU works
                 streamed = self._stream(i, block, x, ids, weights, gpu, counts, False) if gpu else None
-            else:
+            elif not self.cuda:
                 shared = shared_output(block, block.spec.shared, x)
         finally:
             task.wait()  # always: the pool must be done with the buffers before anyone reuses them
         if not self.cuda:  # a "GPU" on the CPU: after the pool, not against it
             extra = None if block.hot is None else block.hot(x, ids, weights)
-            streamed = self._stream(i, block, x, ids, weights, gpu, counts, False) if gpu else None
+            if gpu:
+                streamed = self._stream(i, block, x, ids, weights, gpu, None if ahead else counts, ahead)
         routed = torch.empty((T, H), dtype=x.dtype, device=x.device)
         routed.copy_(o, non_blocking=self.cuda)  # stream order protects `o` until the next layer's host sync
         return _total(x, routed, extra, streamed), shared
@@ -374,7 +413,7 @@ class PrefillStreamer:
 
     def _ahead(self, i: int, p: int, parts, prefetch: bool):
         """(key, region, B, experts) of the item after (layer i, part p): the layer's next part, or with
-        ``prefetch`` the next layer's first (all its non-resident experts, from the first). After the last layer:
+        ``prefetch`` the next layer's first (all its non-resident experts, from the first; ahead mode: its set). After the last layer:
         the first layer's, for the next forward (the next chunk of a long prompt, or the next prompt): the copy
         engine is idle then, and a forward that wants other experts drops it."""
         if p + 1 < len(parts):
@@ -382,7 +421,10 @@ class PrefillStreamer:
         if not prefetch:
             return None
         j = (i + 1) % len(self.blocks)
-        experts = [int(e) for e in np.flatnonzero(~_resident(self.blocks[j]))][:self.cap]
+        if self._forward is not None and self._forward[1] == "ahead":
+            experts = self._set(j)
+        else:
+            experts = [int(e) for e in np.flatnonzero(~_resident(self.blocks[j]))][:self.cap]
         if not experts:
             return None
         return (j, 0), self.regions[j].tensor, self.layouts[j].expert_bytes, experts
