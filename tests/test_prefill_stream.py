@@ -278,7 +278,8 @@ def test_ahead_experts():
     assert policy.ahead_experts(seen, eligible, 3) == [0, 3, 5]  # most rows seen, ties by lower id, 2 resident
     assert policy.ahead_experts(None, eligible, 2) == [0, 1]  # nothing seen yet: the lowest ids
     assert policy.ahead_experts(seen, eligible, 9) == [0, 1, 3, 4, 5]
-    assert policy.ahead_experts(seen, eligible, 0) == [] and policy.ahead_experts(seen, np.ones(6, dtype=bool), 1) == [2]
+    assert policy.ahead_experts(seen, eligible, 0) == []
+    assert policy.ahead_experts(seen, np.ones(6, dtype=bool), 1) == [2]
 
 
 def test_split_times_and_best_split():

@@ -413,9 +413,9 @@ class PrefillStreamer:
 
     def _ahead(self, i: int, p: int, parts, prefetch: bool):
         """(key, region, B, experts) of the item after (layer i, part p): the layer's next part, or with
-        ``prefetch`` the next layer's first (all its non-resident experts, from the first; ahead mode: its set). After the last layer:
-        the first layer's, for the next forward (the next chunk of a long prompt, or the next prompt): the copy
-        engine is idle then, and a forward that wants other experts drops it."""
+        ``prefetch`` the next layer's first (all its non-resident experts, from the first; ahead mode: its set).
+        After the last layer: the first layer's, for the next forward (the next chunk of a long prompt, or the next
+        prompt): the copy engine is idle then, and a forward that wants other experts drops it."""
         if p + 1 < len(parts):
             return (i, p + 1), self.regions[i].tensor, self.layouts[i].expert_bytes, parts[p + 1]
         if not prefetch:
