@@ -47,6 +47,11 @@ PREFETCH_UNUSED = 0.05
 #: copies contend with the CPU's reads of host memory, which the model does not price (measured on the H100: a split
 #: estimated faster than gpu mode lost 6-8% to it at int4, 512 and 2048 tokens)
 SHARED_MARGIN = 0.1
+#: whether auto may choose ahead mode. Off: on the H100 (2026-11-25, 12 Qwen3-30B-A3B layers) ahead lost to both the
+#: after-routing split and pure gpu (int4 2048 tokens: ahead 14,973 tok/s, gpu 25,203; bf16 512: ahead 2,740, split
+#: 3,199; int8 2048: ahead 11,766, gpu 14,487): its copies and the CPU's expert reads share host memory bandwidth,
+#: which the model does not price. Kept selectable (tests, experiments) until that contention is measured.
+AHEAD = False
 
 
 def check_mode(value: Any, where: str = "") -> str:
@@ -238,6 +243,6 @@ def choose_mode(T: int, k: int, experts: int, costs: Costs, cap: int | None = No
     est = estimates(T, k, experts, costs, cap)
     if not all(math.isfinite(v) for v in est.values()):
         return "cpu"
-    shared = "ahead" if est["ahead"] <= est["split"] else "split"
+    shared = "ahead" if AHEAD and est["ahead"] <= est["split"] else "split"
     other = shared if est[shared] <= (1.0 - SHARED_MARGIN) * est["gpu"] else "gpu"
     return other if est[other] <= (1.0 - MARGIN) * est["cpu"] else "cpu"
