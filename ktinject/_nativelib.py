@@ -16,6 +16,7 @@ KTK_ERR_DTYPE, wrong shape or non-contiguous -> KTK_ERR_SHAPE, index out of rang
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import os
@@ -230,6 +231,7 @@ class Pool:
         self.threads: int = lib.ktk_pool_threads(self._p)
         self.pin = bool(pin)
         self._tasks: weakref.WeakSet = weakref.WeakSet()
+        _track(self)
 
     @property
     def ptr(self):
@@ -273,6 +275,30 @@ class Pool:
 
     def __repr__(self) -> str:
         return f"Pool(threads={self.threads}, pin={self.pin}{', closed' if self._p is None else ''})"
+
+
+# Pools alive, closed (with their tasks) by an atexit hook registered with the first one: at interpreter exit the
+# host memory that watched tasks poll (go/done words, pinned staging) is freed in any order, while the pools'
+# threads still poll and write it (heap corruption after the GPU soak; ASan: use-after-free in the watch scan).
+# atexit runs before any module or object is torn down, and after torch's own hooks were registered (LIFO: first).
+_live_pools: weakref.WeakSet = weakref.WeakSet()
+_exit_hook = False
+
+
+def _track(pool: Pool) -> None:
+    global _exit_hook
+    with _load_lock:
+        _live_pools.add(pool)
+        if not _exit_hook:
+            atexit.register(close_all_pools)
+            _exit_hook = True
+
+
+def close_all_pools() -> None:
+    """Close every pool and its tasks (unwatch, wait, free). Runs at interpreter exit; a pool used afterwards
+    raises NativeError(KTK_ERR_STATE)."""
+    for pool in list(_live_pools):
+        pool.close()
 
 
 _default_lock = threading.Lock()

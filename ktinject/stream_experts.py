@@ -202,9 +202,10 @@ class StreamExperts:
         """Stop watching and free the task (no captured graph that uses this runner may be replayed afterwards)."""
         if self._watched:
             self._watched = False
-            self.task.unwatch()  # first: its end raises the deferred task's go
-            if self.dtask is not None:
-                self.dtask.unwatch()
+            # a closed task (its pool closed, e.g. native's exit hook) is unwatched already
+            for t in (self.task, self.dtask):  # the immediate one first: its end raises the deferred task's go
+                if t is not None and t._p is not None:
+                    t.unwatch()
         self.task.close()
         if self.dtask is not None:
             self.dtask.close()

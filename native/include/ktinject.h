@@ -110,7 +110,9 @@ int64_t ktk_pool_watch_spin_us(const ktk_pool *pool);   /* -KTK_ERR_NULL for NUL
 /* While tasks are watched: open the watch spin window now and wake sleeping threads (they spin, ready for a go
  * flag). Call shortly before a CUDA graph that raises go flags is replayed. A no-op when nothing is watched. */
 int ktk_pool_wake(ktk_pool *pool);
-void ktk_pool_destroy(ktk_pool *pool); /* waits for running work; NULL is a no-op */
+/* Runs queued work, stops the threads (tasks still watched stop being watched); NULL is a no-op. Its tasks may be
+ * destroyed before or after it (the memory is freed with the last); other calls on them fail with KTK_ERR_STATE. */
+void ktk_pool_destroy(ktk_pool *pool);
 
 /* ---- experts of one MoE layer ---- */
 typedef struct ktk_experts ktk_experts;
@@ -195,7 +197,7 @@ int ktk_wait(ktk_task *task);
 void ktk_submit_fn(void *task);     /* void(*)(void*) forms for cuLaunchHostFunc; errors kept for ktk_wait */
 void ktk_wait_fn(void *task);
 /* Convenience: bind + submit + wait on a temporary task (runs inline on the caller, with the pool's other threads,
- * when the pool is idle). Tasks run one after another on a pool; destroy tasks before their pool. */
+ * when the pool is idle). Tasks run one after another on a pool. */
 int ktk_forward(ktk_pool *pool, ktk_experts *ex, int T, int k,
                 const void *hidden, int hidden_dtype, const int64_t *ids,
                 const void *weights, int weights_dtype, const uint8_t *skip,

@@ -231,17 +231,21 @@ int ktk_task_create(ktk_pool *pool, ktk_task **out) {
     CHECK_NULL(out, "ktk_task_create");
     *out = NULL;
     CHECK_NULL(pool, "ktk_task_create");
+    if (ktki_pool_stopped(pool)) return ktki_error(KTK_ERR_STATE, "ktk_task_create: the pool is destroyed");
     ktk_task *t = aligned_alloc(64, (sizeof(ktk_task) + 63) & ~(size_t)63);
     if (!t) return ktki_error(KTK_ERR_NOMEM, "ktk_task_create: out of memory");
     ktki_task_init(t, pool);
+    ktki_pool_retain(pool);   /* the pool's memory outlives its tasks (ktk_pool_destroy may come first) */
     *out = t;
     return KTK_OK;
 }
 
 void ktk_task_destroy(ktk_task *task) {
     if (!task) return;
+    ktk_pool *pool = task->pool;
     ktki_task_finish(task);
     free(task);
+    ktki_pool_release(pool);
 }
 
 static int check_forward(const char *fn, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,

@@ -57,7 +57,10 @@ typedef struct {
     int maxc, guided;
 } ktki_phase;
 int ktki_pool_create(int nthreads, int pin, ktk_pool **out);
-void ktki_pool_destroy(ktk_pool *pool);
+void ktki_pool_destroy(ktk_pool *pool);   /* stops the threads; memory freed once no task holds it */
+void ktki_pool_retain(ktk_pool *pool);    /* a task made on it (ktk_task_create) */
+void ktki_pool_release(ktk_pool *pool);   /* that task destroyed, or the pool (last one frees it) */
+int ktki_pool_stopped(const ktk_pool *pool);
 int ktki_pool_threads(const ktk_pool *pool);
 void ktki_pool_set_watch_spin_us(ktk_pool *pool, int64_t us); /* us checked by the caller */
 int64_t ktki_pool_watch_spin_us(const ktk_pool *pool);

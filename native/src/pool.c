@@ -291,6 +291,7 @@ int ktki_pool_create(int nthreads, int pin, ktk_pool **out) {
     ktk_pool *p = calloc(1, sizeof *p);
     if (!p) return ktki_error(KTK_ERR_NOMEM, "ktk_pool_create: out of memory");
     p->n = nthreads;
+    atomic_store(&p->refs, 1);
     const char *pin_env = getenv("KTINJECT_PIN");   /* 0 / 1 overrides the caller's choice (A/B measurements) */
     p->pin = pin_env && (pin_env[0] == '0' || pin_env[0] == '1') && !pin_env[1] ? pin_env[0] == '1' : pin != 0;
     read_env(p);
@@ -329,10 +330,27 @@ int ktki_pool_create(int nthreads, int pin, ktk_pool **out) {
     return KTK_OK;
 }
 
+/* The threads stop (after queued work); tasks still watched are dropped from the watch list, and the memory stays
+ * until the last task made on the pool is destroyed too (ktki_pool_release): Python's garbage collector frees a
+ * pool and its tasks in any order (a Task's attributes drop its pool before its native task), and a task destroyed
+ * after its pool used to unwatch itself from the freed pool (heap corruption at interpreter exit). */
 void ktki_pool_destroy(ktk_pool *p) {
     stop_and_join(p);
-    free_pool(p);
+    pthread_mutex_lock(&p->mu);
+    p->dead = 1;
+    free(atomic_load(&p->watch));   /* no thread scans it any more */
+    atomic_store(&p->watch, NULL);
+    pthread_mutex_unlock(&p->mu);
+    ktki_pool_release(p);
 }
+
+void ktki_pool_retain(ktk_pool *p) { atomic_fetch_add(&p->refs, 1); }
+
+void ktki_pool_release(ktk_pool *p) {
+    if (atomic_fetch_sub(&p->refs, 1) == 1) free_pool(p);
+}
+
+int ktki_pool_stopped(const ktk_pool *p) { return atomic_load(&p->stop) != 0; }
 
 int ktki_pool_threads(const ktk_pool *p) { return p->n; }
 int64_t ktki_pool_spin_ns(const ktk_pool *p) { return p->spin_ns; }

@@ -45,6 +45,8 @@ struct ktk_pool {
     _Atomic int sit_out;   /* the pool thread that takes no chunks of this job (pool.c), or -1 */
     _Atomic(ktk_task *) watch_running;
     _Atomic int stop;
+    _Atomic int refs;   /* the owner (ktk_pool_destroy) + one per ktk_task_create: memory freed at 0 */
+    int dead;           /* under mu: destroyed (threads joined, watch list freed); tasks left must not use it */
     _Atomic int ext;   /* thread id n is in use by a caller of an inline run (watch.c) */
     ktki_event work __attribute__((aligned(64)));  /* bumped on a new phase, task, watch and stop */
     ktki_event done_ev;                             /* bumped after a job ends */

@@ -67,6 +67,7 @@ int ktki_task_select(ktk_task *t, int slots, int d) {
 int ktki_submit(ktk_task *t) {
     if (!t->bound) return ktki_error(KTK_ERR_STATE, "ktk_submit: task has no bound forward (ktk_task_bind first)");
     if (t->watched) return ktki_error(KTK_ERR_STATE, "ktk_submit: task is watched; it runs when *go is raised");
+    if (ktki_pool_stopped(t->pool)) return ktki_error(KTK_ERR_STATE, "ktk_submit: the task's pool is destroyed");
     int expected = KTKI_TASK_IDLE;
     if (!atomic_compare_exchange_strong(&t->state, &expected, KTKI_TASK_QUEUED))
         return ktki_error(KTK_ERR_STATE, "ktk_submit: task is already queued or running (ktk_wait first)");

@@ -170,6 +170,10 @@ static int set_watch(ktk_pool *p, ktk_task *add, ktk_task *remove) {
 
 int ktki_pool_watch(ktk_pool *p, ktk_task *t) {
     pthread_mutex_lock(&p->mu);
+    if (p->dead || atomic_load(&p->stop)) {
+        pthread_mutex_unlock(&p->mu);
+        return ktki_error(KTK_ERR_STATE, "ktk_task_watch: the task's pool is destroyed");
+    }
     int rc = set_watch(p, t, NULL);
     if (rc == KTK_OK) ktki_pool_mark_hot(p);   /* a graph that signals it is about to run */
     pthread_mutex_unlock(&p->mu);
@@ -179,6 +183,10 @@ int ktki_pool_watch(ktk_pool *p, ktk_task *t) {
 
 void ktki_pool_unwatch(ktk_pool *p, ktk_task *t) {
     pthread_mutex_lock(&p->mu);
+    if (p->dead) {   /* destroyed: its threads are joined and its watch list is gone */
+        pthread_mutex_unlock(&p->mu);
+        return;
+    }
     while (set_watch(p, NULL, t) != KTK_OK) sched_yield();   /* out of memory: try again */
     if (!atomic_load(&p->watch)) atomic_store(&p->hot_until, 0);   /* nothing watched: threads may sleep at once */
     pthread_mutex_unlock(&p->mu);
