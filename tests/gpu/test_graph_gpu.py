@@ -108,8 +108,12 @@ def test_in_graph_masks_pool_wake_and_attention(models_f32):
     finally:
         get_runner(inj, use_graphs=True)
     assert torch.equal(graph, four_d)
-    assert inj.config._attn_implementation == KTINJECT_SDPA
     _assert_hf_greedy(ref, graph, mask, ids.shape[1])
+    if type(inj).__name__.startswith("GptOss"):
+        # gpt-oss's attention sinks: HF runs it eagerly (no SDPA kernel takes sinks), and so does the injected model
+        assert inj.config._attn_implementation == "eager"
+        return
+    assert inj.config._attn_implementation == KTINJECT_SDPA
     inj.set_attn_implementation("sdpa")
     try:
         hf_sdpa, _ = _generate(inj, ids, mask, graphs=True)
