@@ -16,18 +16,6 @@ REPO = Path(__file__).resolve().parents[1]
 SPEED = re.compile(r"\[prefill (\d+) tokens, [\d.]+ tok/s \| decode (\d+) tokens, ([\d.]+|n/a) tok/s\]")
 
 
-@pytest.fixture(scope="session")
-def demo_env(tmp_path_factory):
-    """Environment for subprocesses: offline, this checkout importable, the demo model built once per session."""
-    from ktinject.demo import demo_model_dir
-
-    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"  # shared with test_examples.py
-    demo_model_dir(cache)
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, KTINJECT_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                PYTHONPATH=path, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-
-
 def chat(env, *args, stdin: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ktinject.chat", *args], input=stdin, env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)

@@ -1,7 +1,6 @@
 """The examples run to completion on the CPU: the script in a subprocess, the notebook in a Jupyter kernel."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,21 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 
 
-@pytest.fixture(scope="session")
-def demo_env(tmp_path_factory):
-    """Offline, this checkout importable, the demo model built once per session (same cache as test_chat.py)."""
-    from ktinject.demo import demo_model_dir
-
-    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"
-    demo_model_dir(cache)
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return {"KTINJECT_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": path,
-            "TOKENIZERS_PARALLELISM": "false"}
-
-
 def test_inject_and_generate_script(demo_env):
     r = subprocess.run([sys.executable, str(EXAMPLES / "inject_and_generate.py"), "--gpu", "cpu",
-                        "--max-new-tokens", "8"], env={**os.environ, **demo_env}, cwd=REPO, capture_output=True,
+                        "--max-new-tokens", "8"], env=demo_env, cwd=REPO, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Qwen3MoeSparseMoeBlock" in r.stdout and "moe" in r.stdout  # the plan was printed

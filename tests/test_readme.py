@@ -2,13 +2,10 @@
 options with their choices and defaults."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -20,18 +17,6 @@ def section(title: str) -> str:
     head = f"\n## {title}\n"
     assert head in text, f"README.md has no '## {title}' section"
     return text.split(head, 1)[1].split("\n## ", 1)[0]
-
-
-@pytest.fixture(scope="session")
-def demo_env(tmp_path_factory):
-    """Offline, this checkout importable, the demo model built once per session (same cache as test_chat.py)."""
-    from ktinject.demo import demo_model_dir
-
-    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"
-    demo_model_dir(cache)
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, KTINJECT_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
 
 
 def test_python_api_block_runs_as_written(demo_env, tmp_path):

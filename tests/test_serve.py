@@ -73,7 +73,7 @@ def served(tmp_path_factory):
     # torch's OpenMP workers spin-wait for each other (10-50x slower steps whenever another thread takes a core)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"  # shared with test_chat.py and test_examples.py
+    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"  # shared with the demo_env fixture (conftest.py)
     model, tokenizer, _ = load_model(demo_model_dir(cache), progress=False, gpu="cpu")
     config = EngineConfig(max_batch=8, max_context=512, max_queue=4, prefill_chunk=CHUNK)
     engine = Engine(model, tokenizer, config, name=NAME).start()

@@ -2,7 +2,6 @@
 argument errors, the README's Serving section against the parser, and ``python -m ktinject.bench serve --tiny``."""
 from __future__ import annotations
 
-import os
 import queue
 import re
 import signal
@@ -21,18 +20,6 @@ httpx = pytest.importorskip("httpx")
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-
-
-@pytest.fixture(scope="session")
-def demo_env(tmp_path_factory):
-    """Offline, this checkout importable, the demo model built once per session (same cache as test_chat.py)."""
-    from ktinject.demo import demo_model_dir
-
-    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"
-    demo_model_dir(cache)
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, KTINJECT_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                PYTHONPATH=path, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
 
 
 def _read_until(proc, pattern: str, timeout: float) -> re.Match:
