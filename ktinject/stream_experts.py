@@ -59,8 +59,9 @@ def stream_mode(enabled: bool = True):
         _state.active = prev
 
 
-def _host_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What native reads/writes for a device tensor of ``dtype``: bf16 stays bf16, anything else is float32."""
+def host_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What native reads/writes for a device tensor of ``dtype`` (activations, outputs, routing weights): bf16 stays
+    bf16, anything else is float32."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
@@ -84,8 +85,7 @@ class StreamExperts:
         self.mode = mode or cuda_driver.default_sync_mode()
         if self.mode not in ("memops", "hostfn"):
             raise ValueError(f"StreamExperts mode {self.mode!r}: expected 'memops' or 'hostfn'")
-        hdt = _host_dtype(dtype)
-        wdt = torch.bfloat16 if weights_dtype == torch.bfloat16 else torch.float32
+        hdt, wdt = host_dtype(dtype), host_dtype(weights_dtype)
         pin = dict(pin_memory=True)
         self.h = torch.zeros((self.T, self.hidden), dtype=hdt, **pin)  # [T, H]
         self.ids = torch.zeros((self.T, self.k), dtype=torch.int64, **pin)  # [T, k]

@@ -184,14 +184,9 @@ def experts_deferred(block, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
     # eager: buffers of this block's parity, so that the next block's copies never touch what this block's deferred
     # task still reads (the block after that comes only once it has been collected)
     p = block.chain_pos % 2
-    hdt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    h = st.get(f"defer{p}.hidden", T, H, hdt)
-    i = st.get(f"defer{p}.ids", T, k, torch.int64)
-    w = st.get(f"defer{p}.weights", T, k, torch.bfloat16 if weights.dtype == torch.bfloat16 else torch.float32)
+    h, i, w = st.inputs(f"defer{p}.", x, ids, weights, non_blocking=on_cuda)  # device -> pinned host, async on CUDA
+    hdt = stream_experts.host_dtype(x.dtype)
     o, od = st.get("defer.out", T, H, hdt), st.get(f"defer{p}.out", T, H, hdt)
-    h.copy_(x.detach(), non_blocking=on_cuda)  # device -> pinned host, async on CUDA
-    i.copy_(ids, non_blocking=on_cuda)
-    w.copy_(weights.detach(), non_blocking=on_cuda)
     shared = extra = None
     if on_cuda:
         copied = torch.cuda.Event()

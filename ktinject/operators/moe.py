@@ -70,6 +70,20 @@ class Staging:
             self._bufs[key] = buf
         return buf[:need].view(rows, cols)
 
+    def inputs(self, prefix: str, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               non_blocking: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A native forward's inputs: x [T, H], ids [T, k] and weights [T, k] copied into the buffers ``prefix`` +
+        hidden / ids / weights, in the dtypes native reads (``stream_experts.host_dtype``); asynchronous (device ->
+        pinned host) when ``non_blocking``. Returns the three host views."""
+        (T, H), k = x.shape, ids.shape[1]
+        h = self.get(prefix + "hidden", T, H, stream_experts.host_dtype(x.dtype))
+        i = self.get(prefix + "ids", T, k, torch.int64)
+        w = self.get(prefix + "weights", T, k, stream_experts.host_dtype(weights.dtype))
+        h.copy_(x.detach(), non_blocking=non_blocking)
+        i.copy_(ids, non_blocking=non_blocking)
+        w.copy_(weights.detach(), non_blocking=non_blocking)
+        return h, i, w
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
@@ -173,11 +187,6 @@ def _hooked(module: nn.Module) -> bool:
         return True
     return any(getattr(glob, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
                                                       "_global_backward_hooks", "_global_backward_pre_hooks"))
-
-
-def _host_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype native reads/writes for a device tensor of ``dtype`` (bf16 stays bf16; anything else as f32)."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 class HybridMoE(nn.Module):
@@ -329,14 +338,8 @@ class HybridMoE(nn.Module):
             extra = None if self.hot is None else self.hot(x, ids, weights)  # GPU-resident experts, meanwhile
             return _combine(runner.finish(), extra), shared  # runner output: static [T, H]
         st = staging(pin=on_cuda)
-        hdt = _host_dtype(x.dtype)
-        h = st.get("hidden", T, H, hdt)
-        i = st.get("ids", T, k, torch.int64)
-        w = st.get("weights", T, k, torch.float32 if weights.dtype != torch.bfloat16 else torch.bfloat16)
-        o = st.get("out", T, H, hdt)
-        h.copy_(x.detach(), non_blocking=on_cuda)  # device -> pinned host, async on CUDA
-        i.copy_(ids, non_blocking=on_cuda)
-        w.copy_(weights.detach(), non_blocking=on_cuda)
+        h, i, w = st.inputs("", x, ids, weights, non_blocking=on_cuda)  # device -> pinned host, async on CUDA
+        o = st.get("out", T, H, stream_experts.host_dtype(x.dtype))
         self._mirror_skip(on_cuda)
         shared = extra = None
         if on_cuda:
