@@ -302,8 +302,9 @@ class PrefillStreamer:
 
     def _split(self, i, block, x, ids, weights, ahead: bool = False):
         """The experts with the most rows on the GPU, the rest in the native kernels, at the same time. ``ahead``:
-        the GPU's experts are the layer's fixed set (``_set``), fetched during the layer before; their compute is
-        queued before the host waits for the routing and starts the next layer's copy."""
+        the GPU's experts are the layer's fixed set (``_set``), fetched during the layer before; the next layer's
+        copy starts before the host waits for the routing. The GPU's work is queued after the CPU's task is
+        submitted, so that its launches (and any host sync in them) overlap the CPU's work, not precede it."""
         T, H = x.shape
         k, E = ids.shape[1], block.num_experts
         st = staging(pin=self.cuda)
@@ -314,17 +315,16 @@ class PrefillStreamer:
             dst.copy_(src.detach(), non_blocking=self.cuda)  # device -> pinned host (the CPU path's copies)
         shared = extra = streamed = None
         resident = _resident(block)
-        gpu = None
+        gpu = first = None
         if ahead:
             gpu = self._set(i)
             del self._sets[i]  # the next ask (the next forward's prefetch) picks from the rows seen by then
+            first = self._take(i, gpu) if gpu else None  # and the next layer's copy starts now
         if self.cuda:
             copied = self._event()
             copied.record()
             shared = shared_output(block, block.spec.shared, x)  # queued: overlaps what follows
             extra = None if block.hot is None else block.hot(x, ids, weights)
-            if ahead and gpu:  # rows unknown on the host: every pair, the others masked (no sync)
-                streamed = self._stream(i, block, x, ids, weights, gpu, None, True)
             copied.synchronize()
         counts = torch.bincount(i_.reshape(-1), minlength=E).numpy()
         old = self._seen.get(i)
@@ -340,24 +340,35 @@ class PrefillStreamer:
         task.bind(block.native_experts, h, i_, w, skip=skip, out=o)
         task.submit()
         try:
-            if self.cuda and not ahead:  # queued while the CPU works
-                streamed = self._stream(i, block, x, ids, weights, gpu, counts, False) if gpu else None
-            elif not self.cuda:
+            if self.cuda:  # queued while the CPU works
+                streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first) if gpu else None
+            else:
                 shared = shared_output(block, block.spec.shared, x)
         finally:
             task.wait()  # always: the pool must be done with the buffers before anyone reuses them
         if not self.cuda:  # a "GPU" on the CPU: after the pool, not against it
             extra = None if block.hot is None else block.hot(x, ids, weights)
             if gpu:
-                streamed = self._stream(i, block, x, ids, weights, gpu, None if ahead else counts, ahead)
+                streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first)
         routed = torch.empty((T, H), dtype=x.dtype, device=x.device)
         routed.copy_(o, non_blocking=self.cuda)  # stream order protects `o` until the next layer's host sync
         return _total(x, routed, extra, streamed), shared
 
     # ---- the streamed experts ------------------------------------------------------------------------------------
-    def _stream(self, i, block, x, ids, weights, experts, counts, prefetch: bool) -> torch.Tensor:
+    def _take(self, i: int, experts: list[int]):
+        """The ring item of layer i's first part of ``experts`` (the copy fetched ahead when it holds them), the copy
+        of the item after it started (``_ahead``, prefetching)."""
+        item = self.ring.fetch((i, 0), self.regions[i].tensor, self.layouts[i].expert_bytes, experts[:self.cap])
+        parts = [experts[j:j + self.cap] for j in range(0, len(experts), self.cap)]
+        after = self._ahead(i, 0, parts, True)
+        if after is not None:
+            self.ring.prefetch(*after)
+        return item
+
+    def _stream(self, i, block, x, ids, weights, experts, counts, prefetch: bool, first=None) -> torch.Tensor:
         """f32 [T, H]: sum over each token's slots routed to ``experts`` (ascending ids, none resident) of weight *
-        expert(x); ``counts`` [E] (host) rows per expert when known; ``prefetch``: start the next layer's copy."""
+        expert(x); ``counts`` [E] (host) rows per expert when known; ``prefetch``: start the next layer's copy;
+        ``first``: the first part's item, already taken (``_take``: the next copy started then)."""
         lay, region = self.layouts[i], self.regions[i].tensor
         B, n_all, cap = lay.expert_bytes, len(experts), self.cap
         T, k = ids.shape
@@ -383,10 +394,13 @@ class PrefillStreamer:
         lo = 0
         for p, part in enumerate(parts):
             n = len(part)
-            item = self.ring.fetch((i, p), region, B, part)
-            ahead = self._ahead(i, p, parts, prefetch)
-            if ahead is not None:
-                self.ring.prefetch(*ahead)
+            if p == 0 and first is not None:
+                item = first
+            else:
+                item = self.ring.fetch((i, p), region, B, part)
+                ahead = self._ahead(i, p, parts, prefetch)
+                if ahead is not None:
+                    self.ring.prefetch(*ahead)
             slot = self.ring.acquire(item).view(n, B)
             trace = self.ring.trace if self.cuda else None
             span, deq = timed(trace, ("compute", (i, p))), timed(trace, ("dequant", (i, p)))  # from the copy's end

@@ -48,6 +48,9 @@ def main():
     ap.add_argument("--n", default="16,32,48,64,80,96,112")
     ap.add_argument("--modes", default="split,ahead")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--timeline", default="", help="mode:n,... timelines of one forward each (e.g. ahead:72,split:56)")
+    ap.add_argument("--sync-debug", action="store_true", help="with --timeline: one more forward each under "
+                    "torch.cuda.set_sync_debug_mode('warn'), the host syncs' places printed")
     ap.add_argument("--tiny", action="store_true", help="the tiny test model (a smoke test of this script on a CPU)")
     a = ap.parse_args()
     ns = [int(v) for v in a.n.split(",")]
@@ -115,6 +118,23 @@ def main():
                 layer_t[c]["cpu"] += log["cpu"]
                 layer_t[c]["gpu"] += [e0.elapsed_time(e1) / 1e3 for e0, e1 in log["gpu"]]
         policy.choose_split = orig_split
+        for spec in filter(None, a.timeline.split(",")):
+            mode, n = spec.split(":")
+            s.switch("auto")
+            for attr in ("_stream", "_native_task"):
+                s.__dict__.pop(attr, None)
+            forced["n"] = int(n)
+            s._decide = lambda block, T, k, m=mode: m
+            s._ahead_n = lambda block, T, k, n=int(n): n
+            policy.choose_split = top_n
+            time_prefill(model, a.tokens, device)
+            if cuda:
+                timeline(model, s, device, a.tokens, mode, int(n))
+                if a.sync_debug:
+                    sync_places(model, device, a.tokens, mode, int(n))
+            policy.choose_split = orig_split
+            for attr in ("_decide", "_ahead_n"):
+                s.__dict__.pop(attr, None)
         scale = a.layers / 48
         for c in configs:
             mode, n = c
@@ -136,6 +156,125 @@ def main():
         del model, s
         if cuda:
             torch.cuda.empty_cache()
+
+
+
+def timeline(model, s, device, tokens: int, mode: str, n: int, layers=(3, 4, 5, 6)) -> None:
+    """One forward of ``mode`` with n GPU experts a layer, its timeline printed: per layer, host times (entry of
+    _split, routing sync returned, CPU task submitted / waited) and device times (each copy's span, the streamed
+    compute's span) in ms from the forward's start (device times mapped to the host clock by a synchronized event)."""
+    from ktinject.gpu_experts import ring as ring_mod
+
+    marks: list[tuple[str, int, object]] = []  # (what, layer, host seconds or (start, end) events)
+    cur = {"L": -1}
+    orig_split, orig_stream, orig_issue, orig_event = s._split, s._stream, s.ring._issue, s._event
+
+    def split(i, *a, **kw):
+        cur["L"] = i
+        marks.append(("enter", i, time.perf_counter()))
+        return orig_split(i, *a, **kw)
+
+    def stream_(*a, **kw):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        out = orig_stream(*a, **kw)
+        e1.record()
+        marks.append(("gpu", cur["L"], (e0, e1)))
+        return out
+
+    def issue(key, *a, **kw):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(s.ring.stream)
+        item = orig_issue(key, *a, **kw)
+        e1.record(s.ring.stream)
+        marks.append(("copy", key[0] if isinstance(key[0], int) else -1, (e0, e1)))
+        return item
+
+    class Ev:
+        def __init__(self, ev):
+            self.ev = ev
+
+        def record(self, *a):
+            self.ev.record(*a)
+
+        def synchronize(self):
+            self.ev.synchronize()
+            marks.append(("synced", cur["L"], time.perf_counter()))
+
+    class Tk:
+        def __init__(self, t):
+            self.t = t
+
+        def bind(self, *a, **kw):
+            return self.t.bind(*a, **kw)
+
+        def submit(self):
+            marks.append(("submit", cur["L"], time.perf_counter()))
+            self.t.submit()
+
+        def wait(self):
+            self.t.wait()
+            marks.append(("waited", cur["L"], time.perf_counter()))
+
+    raw = s._task()
+    s._split, s._stream, s.ring._issue = split, stream_, issue
+    s._event = lambda ev=orig_event(): Ev(ev)
+    s._native_task = Tk(raw)
+    try:
+        torch.cuda.synchronize()
+        ref = torch.cuda.Event(enable_timing=True)
+        ref.record()
+        ref.synchronize()
+        t_ref = time.perf_counter()
+        time_prefill(model, tokens, device)
+        torch.cuda.synchronize()
+    finally:
+        for attr in ("_split", "_stream", "_event"):
+            s.__dict__.pop(attr, None)
+        s.__dict__.pop("_issue", None)
+        s.ring.__dict__.pop("_issue", None)
+        s._native_task = raw
+    rows = {}
+    for what, L, v in marks:
+        if isinstance(v, tuple):
+            a, b = (t_ref * 1e3 + ref.elapsed_time(e) for e in v)
+            rows.setdefault(L, []).append(f"{what} {a - t_ref * 1e3:.2f}-{b - t_ref * 1e3:.2f}")
+        else:
+            rows.setdefault(L, []).append(f"{what} {1e3 * (v - t_ref):.2f}")
+    print(f"# timeline {mode} n={n} (ms from the forward's start; copy L = the copy of layer L's experts):")
+    for L in layers:
+        print(f"#   layer {L}: " + "; ".join(rows.get(L, [])), flush=True)
+
+
+
+def sync_places(model, device, tokens: int, mode: str, n: int) -> None:
+    """One forward under torch.cuda.set_sync_debug_mode("warn"): each distinct place (our files' frames) that
+    synchronized the host with the device, with its count."""
+    import traceback
+    import warnings
+
+    places: dict[str, int] = {}
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        stack = [f"{f.filename.split('/ktinject/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+                 if "/ktinject/" in f.filename and "probe_split" not in f.filename][-4:]
+        key = str(message)[:60] + " @ " + " <- ".join(reversed(stack))
+        places[key] = places.get(key, 0) + 1
+
+    old = warnings.showwarning
+    warnings.showwarning = show
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            time_prefill(model, tokens, device)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = old
+    print(f"# host syncs in one {mode} n={n} forward ({sum(places.values())}):")
+    for k, v in sorted(places.items(), key=lambda kv: -kv[1]):
+        print(f"#   {v} x {k}", flush=True)
 
 
 if __name__ == "__main__":
