@@ -264,10 +264,25 @@ def test_choose_mode(costs, T, cap, want, monkeypatch):
     (COSTS, 4, "cpu"), (COSTS, 512, "split"), (COSTS, 2048, "split"), (COSTS, 8192, "gpu"),
     (INT4, 4, "cpu"), (INT4, 512, "gpu"), (INT4, 2048, "gpu"), (INT4, 8192, "gpu"),
 ])
-def test_choose_mode_by_default_never_ahead(costs, T, want):
-    """By default (policy.AHEAD off: ahead lost to split and gpu on the H100) auto picks cpu, split or gpu: at int4
-    the after-routing split is not SHARED_MARGIN faster than streaming whole layers (measured: it lost 6-8%)."""
+def test_choose_mode_without_ahead(costs, T, want, monkeypatch):
+    """With ahead mode off auto picks cpu, split or gpu: at int4 the after-routing split is not SHARED_MARGIN faster
+    than streaming whole layers (measured: it lost 6-8%)."""
+    monkeypatch.setattr(policy, "AHEAD", False)
     assert policy.choose_mode(T, 8, 128, costs) == want
+
+
+def test_layer_s_moves_work_to_the_copies():
+    """A layer's serial time outside the experts (layer_s) lengthens the CPU's side of ahead mode but not the copies
+    (they run during it): the balance gives the GPU more experts, and cpu mode looks slower by the same amount."""
+    slow = INT4.with_(layer_s=2e-3)
+    assert policy.ahead_split(512, 8, 128, slow)[0] > policy.ahead_split(512, 8, 128, INT4)[0]
+    fast, slow_est = policy.estimates(512, 8, 128, INT4), policy.estimates(512, 8, 128, slow)
+    assert slow_est["cpu"] - fast["cpu"] == pytest.approx(2e-3 - INT4.layer_s)
+    assert slow_est["gpu"] == pytest.approx(fast["gpu"])  # hidden under the copy in gpu mode
+    scaled = INT4.scaled(2.0, 1e-3)
+    assert (scaled.cpu_expert_s, scaled.cpu_row_s, scaled.layer_s) == (2 * INT4.cpu_expert_s, 2 * INT4.cpu_row_s,
+                                                                       1e-3)
+    assert INT4.scaled().layer_s == INT4.layer_s and INT4.scaled(1.0).cpu_s(3, 10) == INT4.cpu_s(3, 10)
 
 
 def test_ahead_split():
@@ -275,7 +290,7 @@ def test_ahead_split():
     times = policy.ahead_times(512, 8, 128, INT4)
     assert times.size == 129 and t == pytest.approx(times.min()) and t == pytest.approx(times[n])
     per = 512 * 8 / 128
-    cpu_rest = INT4.dense_s + (INT4.cpu_expert_s + INT4.cpu_row_s * per) * (128 - n)
+    cpu_rest = INT4.layer_s + (INT4.cpu_expert_s + INT4.cpu_row_s * per) * (128 - n)
     assert t == pytest.approx(max(cpu_rest, INT4.copy_s(n)))  # balanced: the CPU's part against the copy
     assert abs(cpu_rest - INT4.copy_s(n)) < INT4.copy_s(1) + INT4.cpu_expert_s + INT4.cpu_row_s * per
     assert policy.ahead_split(512, 8, 128, INT4, cap=40)[0] == 40  # at most a slot
@@ -392,9 +407,37 @@ def test_costs_are_measured_once():
     c = s.costs_for(b)
     assert c.cpu_expert_s >= 0 and c.cpu_row_s > 0 and c.expert_bytes == s.layouts[0].expert_bytes
     assert c.gpu_row_s == policy.gpu_default_costs(64, 32, "bf16")["gpu_row_s"]
-    assert s.costs_for(b) is c
+    assert s.costs_for(b) == c and len(s._costs) == 1
     per_expert, per_row = measure.cpu_costs(b.native_experts)
     assert per_row > 0
     s.setup()
     got = measure.gpu_costs(s, 0, b)  # the same measurement on the CPU device's buffers
     assert got["gpu_expert_s"] > 0 and got["gpu_row_s"] > 0
+
+
+def test_split_forwards_measure_layer_s_and_the_cpu(monkeypatch):
+    """A split forward's host clock feeds the model: layer_s of its T (from the second layer on: the time from one
+    layer's CPU task done to the next one's submit) and the CPU's correction (its tasks' times against the model's);
+    costs_for(block, T) uses them, and the next forward decides again."""
+    model = _tiny("qwen3_moe", prefill="cpu")
+    ids = tiny_prompts(1, 40, seed=5)
+    s = stream.attach(model, "gpu")
+    s.switch("auto")
+    b = s.blocks[0]
+    base = s.costs_for(b)
+    monkeypatch.setattr(s, "_decide", lambda *a: "split")
+    monkeypatch.setattr(policy, "choose_split", lambda counts, eligible, costs: [int(np.argmax(counts))])
+    s._decisions[("marker",)] = "cpu"
+    with torch.no_grad():
+        model(ids)
+    T = ids.shape[1]
+    assert set(s._layer_s) == {T} and 0 < s._layer_s[T] < 5.0
+    scale = s._cpu_scale[s._costs_key(b)]
+    assert 0.25 <= scale <= 4.0
+    c = s.costs_for(b, T)
+    assert c.layer_s == s._layer_s[T] and c.cpu_expert_s == pytest.approx(base.cpu_expert_s * scale)
+    assert s.costs_for(b).layer_s == base.layer_s  # no T: nothing measured for it
+    with torch.no_grad():
+        model(ids)
+    assert ("marker",) not in s._decisions  # re-decided with what the last forward measured
+    stream.attach(model, "cpu")

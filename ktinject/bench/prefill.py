@@ -4,9 +4,11 @@
                                      [--layers N] [--threads N] [--reps N] [--chunk N] [--tiny]
 
 Builds the bench model (Qwen3-30B-A3B shapes, ``ktinject.bench.model``) once per quant, injects it, and for each
-mode (the model's prefill streamer attached anew: ``ktinject.gpu_experts.stream.attach``) times a prefill of each
-length through ``ktinject.generate`` (one new token; chunks as generate picks them: from free GPU memory), after a
-warm-up prefill that pays the one-time set-up (page-locking the experts, the cost model's measurements). Beside each
+mode (the model's prefill streamer switched: ``ktinject.gpu_experts.stream.attach``) times prefills of each length
+through ``ktinject.generate`` (one new token; chunks as generate picks them: from free GPU memory), after a warm-up
+prefill per mode that pays the one-time set-up (page-locking the experts, the cost model's measurements). The modes
+take turns (``--reps`` rounds, the median shown and every run listed), each timed prefill after an untimed one of
+the same mode and length, as a user's second prompt finds it (the first layer's copy fetched ahead). Beside each
 figure:
 
   limit   the streaming limit: tokens / (packed bytes of all routed experts / H2D bandwidth), the bandwidth measured
@@ -40,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", default="512,2048,8192", help="comma-separated prompt lengths")
     p.add_argument("--mode", default="cpu,gpu,auto", help="comma-separated prefill modes: cpu, gpu, auto")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (native pool and torch); default: cores")
-    p.add_argument("--reps", type=int, default=1, help="timed prefills per row (the fastest is shown)")
+    p.add_argument("--reps", type=int, default=3, help="timed prefills per row, modes interleaved (the median is "
+                   "shown, every run listed)")
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk in tokens (default: from GPU memory)")
     p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
     return p
@@ -79,9 +82,14 @@ def _chose(streamer) -> str:
         return "nothing streamed"
     n = last.get("gpu_experts") or []
     E = streamer.blocks[0].num_experts
+    measured = ""
+    T = last.get("T")
+    if T in streamer._layer_s:
+        scale = ", ".join(f"{v:.2f}" for v in streamer._cpu_scale.values())
+        measured = f" (measured: {1e3 * streamer._layer_s[T]:.2f} ms a layer outside the experts, CPU costs x{scale})"
     if last["mode"] in ("split", "ahead", "gpu", "gpu-used") and n:
-        return f"{last['mode']}: {statistics.median(n):g} of {E} experts a layer on the GPU"
-    return last["mode"]
+        return f"{last['mode']}: {statistics.median(n):g} of {E} experts a layer on the GPU{measured}"
+    return last["mode"] + measured
 
 
 def run(args, quant: str) -> list[tuple[str, str, str]]:
@@ -109,24 +117,41 @@ def run(args, quant: str) -> list[tuple[str, str, str]]:
           flush=True)
     rows: list[tuple[str, str, str]] = []
     rates: dict[tuple[str, int], float] = {}
-    lengths = _csv(args.prefill, int)
-    for mode in _csv(args.mode):
+    lengths, modes = _csv(args.prefill, int), _csv(args.mode)
+    get_runner(model, use_graphs=False, prefill_chunk=args.chunk or "auto")
+
+    def use(mode):  # one streamer for all: experts page-locked once, auto's measurements kept
         streamer = None if mode == "cpu" or (mode == "auto" and not probe.cuda) else probe  # as attach(model, mode)
-        probe.switch(mode if streamer is not None else "cpu")  # one streamer for all: experts page-locked once
-        get_runner(model, use_graphs=False, prefill_chunk=args.chunk or "auto")
-        time_prefill(model, min(lengths), device)  # warm-up: page-locking, calibration, allocator
-        for n in lengths:
-            s = time_prefill(model, n, device, args.reps)
+        probe.switch(mode if streamer is not None else "cpu")
+        return streamer
+
+    for mode in modes:
+        use(mode)
+        time_prefill(model, min(lengths), device)  # warm-up: page-locking, calibration, allocator, auto's measures
+    for n in lengths:
+        runs: dict[str, list[float]] = {m: [] for m in modes}
+        chose = ""
+        for _ in range(max(1, args.reps)):
+            for mode in modes:  # interleaved: the host's speed drifts alike for every mode
+                streamer = use(mode)
+                time_prefill(model, n, device)  # untimed: as for a user's second prompt (what gpu and ahead fetch
+                runs[mode].append(time_prefill(model, n, device))  # ahead for the next forward is kept)
+                if mode == "auto":
+                    chose = _chose(streamer)
+        for mode in modes:
+            s = statistics.median(runs[mode])
             rate = rates[mode, n] = n / s
             limit = n * h2d / expert_bytes
             full = "" if args.layers == 48 or args.tiny else f" (48 layers: {rate * L / 48:,.0f})"
             chunk = prefill_chunk(model, n) or "none (one forward)"
-            note = (f"{s:.3f} s{full}; limit {limit:,.0f} tok/s, {100 * rate / limit:.0f}% of it; "
-                    f"chunk {chunk}; {_chose(streamer) if mode == 'auto' else mode}")
+            each = ", ".join(f"{n / t:,.0f}" for t in runs[mode])
+            note = (f"median {s:.3f} s{full}; runs {each} tok/s; limit {limit:,.0f} tok/s, {100 * rate / limit:.0f}% "
+                    f"of it; chunk {chunk}; {chose if mode == 'auto' else mode}")
             rows.append((f"{quant} {mode} prefill {n}", f"{rate:,.0f}", note))
             print(f"# {rows[-1][0]} | {rows[-1][1]} tok/s | {note}", flush=True)
-        if mode == "gpu" and streamer is not None and streamer.cuda:
-            rows.append(_breakdown(model, streamer, quant, max(lengths), device))
+    if "gpu" in modes and probe.cuda:
+        use("gpu")
+        rows.append(_breakdown(model, probe, quant, max(lengths), device))
     rows += _targets(quant, rates, lengths, h2d, expert_bytes)
     stream.attach(model, "cpu")
     return rows

@@ -20,12 +20,16 @@ while copying an expert costs about what the CPU's own read of it costs. Modes o
            its copy waits for the routing (a host sync), so nothing hides it and the GPU's dense work is not hidden
     ahead  n experts a layer chosen before the routing (``ahead_split`` sizes n, ``ahead_experts`` picks them from
            the rows they got before): copied while layer L-1 computes, like gpu mode, the CPU takes the rest (its
-           skip mask); a layer costs max(dense + CPU part, dense + GPU compute, copy of n)
+           skip mask); a layer costs max(layer_s + CPU part, layer_s + GPU compute, copy of n)
     gpu    every layer wholly on the GPU, layer L+1's copy running while layer L computes: a layer costs
-           max(copy, dense + compute) and the copy of the first layer is not hidden
+           max(copy, layer_s, dense_s + compute) and the copy of the first layer is not hidden
 
-``dense_s`` (the layer's attention and router on the GPU) is not measured: a guess for ~512-token forwards; it only
-tells the modes that serialize it (cpu, split, ahead) from gpu mode, which hides it under the copy.
+``layer_s``: what a layer spends outside its routed experts when the host waits for each layer's routing (cpu,
+split, ahead): the host's launches of the attention and the router, the GPU's dense work, the routing's copy to the
+host; on the H100 with Qwen3-30B-A3B layers about 2-3 ms at 512 tokens, most of it the host's. The streamer measures
+it in split and ahead forwards (the host time from one layer's CPU task done to the next one's submit) and corrects
+the CPU's costs by what its tasks took there (``Costs.scaled``). gpu mode hides it: its host never waits, so a layer
+costs max(copy, layer_s, dense_s + compute), ``dense_s`` (the GPU's share of it) a guess.
 
 Legend: T tokens, k experts per token, E experts, m experts with rows, n experts on the GPU.
 """
@@ -47,11 +51,9 @@ PREFETCH_UNUSED = 0.05
 #: copies contend with the CPU's reads of host memory, which the model does not price (measured on the H100: a split
 #: estimated faster than gpu mode lost 6-8% to it at int4, 512 and 2048 tokens)
 SHARED_MARGIN = 0.1
-#: whether auto may choose ahead mode. Off: on the H100 (2026-11-25, 12 Qwen3-30B-A3B layers) ahead lost to both the
-#: after-routing split and pure gpu (int4 2048 tokens: ahead 14,973 tok/s, gpu 25,203; bf16 512: ahead 2,740, split
-#: 3,199; int8 2048: ahead 11,766, gpu 14,487): its copies and the CPU's expert reads share host memory bandwidth,
-#: which the model does not price. Kept selectable (tests, experiments) until that contention is measured.
-AHEAD = False
+#: whether auto may choose ahead mode (tests turn it off to see the others). It was off while ahead queued its GPU work
+#: before the routing sync, where a host sync inside held the CPU's task back (ahead lost to split and gpu then)
+AHEAD = True
 
 
 def check_mode(value: Any, where: str = "") -> str:
@@ -97,9 +99,15 @@ class Costs:
     gpu_layer_s: float = 1.5e-4
     split_s: float = 1e-4
     dense_s: float = 3e-4
+    layer_s: float = 3e-4
 
     def with_(self, **changes) -> Costs:
         return replace(self, **changes)
+
+    def scaled(self, cpu: float = 1.0, layer_s: float | None = None) -> Costs:
+        """These costs with the CPU's times times ``cpu`` and, when given, a measured ``layer_s``."""
+        return replace(self, cpu_expert_s=self.cpu_expert_s * cpu, cpu_row_s=self.cpu_row_s * cpu,
+                       layer_s=self.layer_s if layer_s is None else layer_s)
 
     def copy_s(self, experts: float) -> float:
         return experts * self.expert_bytes / self.h2d
@@ -195,8 +203,8 @@ def ahead_times(T: int, k: int, experts: int, costs: Costs, cap: int | None = No
     gpu = np.where(n > 0, costs.gpu_expert_s * n + costs.gpu_row_s * per * n + costs.gpu_layer_s, 0.0)
     copy = costs.copy_s(1.0) * n  # during the layer before: hidden unless it is the longest
     # no memory floor as in split_times (host memory reads far faster than PCIe): the copies' contention with the
-    # CPU is left to SHARED_MARGIN
-    return np.maximum.reduce([costs.dense_s + cpu, costs.dense_s + gpu, copy])
+    # CPU is in the CPU's costs the streamer measures during such forwards (Costs.scaled)
+    return np.maximum.reduce([costs.layer_s + cpu, costs.layer_s + gpu, copy])
 
 
 def ahead_split(T: int, k: int, experts: int, costs: Costs, cap: int | None = None) -> tuple[int, float]:
@@ -224,16 +232,16 @@ def estimates(T: int, k: int, experts: int, costs: Costs, cap: int | None = None
     """Seconds per layer of each mode for T tokens over ``experts`` streamable experts (uniform routing); ``cap``:
     at most this many experts in one copy (a ring slot), for ahead mode."""
     rows = uniform_rows(T, k, experts)
-    cpu = costs.dense_s + costs.cpu_s(rows.size, rows.sum())
+    cpu = costs.layer_s + costs.cpu_s(rows.size, rows.sum())
     _, split = best_split(rows, costs)
     if prefetch_worthy(T, k, experts):
         compute = costs.gpu_expert_s * experts + costs.gpu_row_s * T * k + costs.gpu_layer_s
-        gpu = max(costs.copy_s(experts), costs.dense_s + compute)
+        gpu = max(costs.copy_s(experts), costs.layer_s, costs.dense_s + compute)
     else:  # copied after routing, used experts only: nothing overlaps the copy
-        gpu = costs.dense_s + costs.gpu_s(rows.size, rows.sum()) + costs.split_s
+        gpu = costs.layer_s + costs.gpu_s(rows.size, rows.sum()) + costs.split_s
     # ahead only where nearly every expert gets rows: a fixed set copied for few tokens would mostly go unused
     ahead = ahead_split(T, k, experts, costs, cap)[1] if prefetch_worthy(T, k, experts) else cpu
-    return {"cpu": cpu, "split": costs.dense_s + split, "ahead": ahead, "gpu": gpu}
+    return {"cpu": cpu, "split": costs.layer_s + split, "ahead": ahead, "gpu": gpu}
 
 
 def choose_mode(T: int, k: int, experts: int, costs: Costs, cap: int | None = None) -> str:

@@ -52,6 +52,7 @@ MIN_CHUNK, MAX_CHUNK = 512, 16384  # prefill chunk bounds (tokens)
 #: auto leaves forwards of fewer tokens to the CPU without asking the cost model: decode steps (batches of rows) keep
 #: the path their captured graphs take, and below this the GPU's share would not pay for its launches anyway
 AUTO_MIN_TOKENS = 64
+EMA = 0.2  # weight of a new measurement in the running averages of layer_s and the CPU's cost correction
 
 
 def blocks_of(model) -> list[HybridMoE]:
@@ -111,6 +112,10 @@ class PrefillStreamer:
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._costs: dict[tuple, policy.Costs] = {}
         self._decisions: dict[tuple, str] = {}
+        self._layer_s: dict[int, float] = {}  # T -> measured layer_s (running average)
+        self._cpu_scale: dict[tuple, float] = {}  # costs key -> CPU task time measured / modelled (running average)
+        self._prev_done: tuple[int, float] | None = None  # (layer, host time its CPU task was done) this forward
+        self._observed = False  # measurements since the decisions were made
         self._forward: tuple[int, str] | None = None  # (T, mode) of the forward in progress
         self._last = -1
         self._ready = False
@@ -190,13 +195,14 @@ class PrefillStreamer:
             self._ready = False
 
     # ---- costs and decisions ------------------------------------------------------------------------------------
-    def costs_for(self, block) -> policy.Costs:
+    def costs_for(self, block, T: int | None = None) -> policy.Costs:
         """The cost model of ``block``'s shape and quant, measured once (``gpu_experts.costs``; off CUDA the GPU's
-        numbers are defaults); ``costs`` given to the streamer override."""
+        numbers are defaults), corrected by what split and ahead forwards measured (the CPU's tasks beside the
+        copies, ``layer_s`` of T-token forwards: ``_observe``); ``costs`` given to the streamer override."""
         if isinstance(self.costs_override, policy.Costs):
             return self.costs_override
         ex = block.native_experts
-        key = (ex.quant, ex.num_experts, ex.hidden, ex.intermediate)
+        key = self._costs_key(block)
         if key not in self._costs:
             self.setup()
             i = self._index[id(block)]
@@ -208,8 +214,32 @@ class PrefillStreamer:
             self._costs[key] = policy.Costs(h2d=self.h2d, expert_bytes=self.layouts[i].expert_bytes,
                                             cpu_expert_s=per_expert, cpu_row_s=per_row, **gpu)
             log.info("prefill: costs of %s: %s", key, self._costs[key])
-        costs = self._costs[key]
+        costs = self._costs[key].scaled(self._cpu_scale.get(key, 1.0), self._layer_s.get(T))
         return costs.with_(**self.costs_override) if isinstance(self.costs_override, dict) else costs
+
+    @staticmethod
+    def _costs_key(block) -> tuple:
+        ex = block.native_experts
+        return ex.quant, ex.num_experts, ex.hidden, ex.intermediate
+
+    def _observe(self, i: int, block, T: int, cpu_counts: np.ndarray, submitted: float, done: float) -> None:
+        """What a split / ahead layer's host clock showed: ``layer_s`` of T-token forwards (the previous layer's task
+        done -> this one's submitted: the dense part, the routing and its copy to the host, the launches) and the
+        CPU's task time against the model's for its ``cpu_counts`` (rows per expert it computed); running averages,
+        the decisions re-made from the next forward on."""
+        prev, self._prev_done = self._prev_done, (i, done)
+        if prev is not None and prev[0] == i - 1:
+            gap = submitted - prev[1]
+            old = self._layer_s.get(T)
+            self._layer_s[T] = gap if old is None else (1 - EMA) * old + EMA * gap
+        key = self._costs_key(block)
+        base = self._costs.get(key)
+        used = cpu_counts[cpu_counts > 0]
+        if base is not None and used.size:
+            ratio = min(4.0, max(0.25, (done - submitted) / base.cpu_s(used.size, float(used.sum()))))
+            old = self._cpu_scale.get(key)
+            self._cpu_scale[key] = ratio if old is None else (1 - EMA) * old + EMA * ratio
+        self._observed = True
 
     def switch(self, mode: str) -> None:
         """Another mode from the next forward on ("cpu": decline every forward), keeping the set-up and the
@@ -233,7 +263,7 @@ class PrefillStreamer:
         if key not in self._decisions:
             self.setup()
             self._decisions[key] = "cpu" if not self.pinned else policy.choose_mode(T, k, streamable,
-                                                                                  self.costs_for(block), self.cap)
+                                                                                  self.costs_for(block, T), self.cap)
         return self._decisions[key]
 
     def _ahead_n(self, block, T: int, k: int) -> int:
@@ -242,7 +272,7 @@ class PrefillStreamer:
         streamable = int(block.num_experts - _resident(block).sum())
         key = ("ahead", T, k, streamable, id(block.native_experts))
         if key not in self._decisions:
-            self._decisions[key] = policy.ahead_split(T, k, streamable, self.costs_for(block), self.cap)[0]
+            self._decisions[key] = policy.ahead_split(T, k, streamable, self.costs_for(block, T), self.cap)[0]
         return self._decisions[key]
 
     def _set(self, j: int) -> list[int]:
@@ -259,6 +289,10 @@ class PrefillStreamer:
         """This forward's mode, decided at its first block (a block index not after the last one seen, or another
         T, starts a forward)."""
         if self._forward is None or i <= self._last or self._forward[0] != T:
+            if self._observed:  # the costs moved: decide again
+                self._decisions.clear()
+                self._observed = False
+            self._prev_done = None
             mode = self._decide(block, T, k)
             self._forward = (T, mode)
             self.last = {"T": T, "mode": mode, "gpu_experts": []}
@@ -330,7 +364,7 @@ class PrefillStreamer:
         old = self._seen.get(i)
         self._seen[i] = counts.astype(np.float64) + (0.0 if old is None else 0.5 * old)
         if not ahead:
-            gpu = policy.choose_split(counts, ~resident, self.costs_for(block))
+            gpu = policy.choose_split(counts, ~resident, self.costs_for(block, T))
         self.last["gpu_experts"].append(len(gpu))
         skip = self._skip(E)
         skip.zero_()
@@ -338,6 +372,7 @@ class PrefillStreamer:
         skip.numpy()[gpu] = 1
         task = self._task()
         task.bind(block.native_experts, h, i_, w, skip=skip, out=o)
+        submitted = time.perf_counter()
         task.submit()
         try:
             if self.cuda:  # queued while the CPU works
@@ -346,6 +381,7 @@ class PrefillStreamer:
                 shared = shared_output(block, block.spec.shared, x)
         finally:
             task.wait()  # always: the pool must be done with the buffers before anyone reuses them
+        self._observe(i, block, T, np.where(skip.numpy() == 0, counts, 0), submitted, time.perf_counter())
         if not self.cuda:  # a "GPU" on the CPU: after the pool, not against it
             extra = None if block.hot is None else block.hot(x, ids, weights)
             if gpu:
