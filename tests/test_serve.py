@@ -184,9 +184,9 @@ def test_new_prompts_delay_a_running_stream_by_at_most_one_chunk_per_step(served
     events = []  # on the engine thread, in order: ("prefill", tokens) or ("token", None)
     forward = eng.steps.prefill
 
-    def prefill(jobs):
+    def prefill(jobs, *args):
         events.append(("prefill", sum(j.end - j.start for j in jobs)))
-        return forward(jobs)
+        return forward(jobs, *args)
 
     monkeypatch.setattr(eng.steps, "prefill", prefill)
     started = threading.Event()

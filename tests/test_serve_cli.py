@@ -153,8 +153,11 @@ def test_bench_serve_tiny(monkeypatch, capsys):
 
     monkeypatch.setattr(memory, "measure_read_bandwidth", lambda *a, **k: Fake())
     assert serve.main(["--tiny", "--quant", "bf16", "--streams", "1,3", "--prompts", "5,17", "--tokens", "4",
-                       "--rounds", "1"]) == 0
+                       "--rounds", "1", "--overlap", "on,off"]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| bf16 |")]
-    assert [r.split(" | ")[1] for r in rows] == ["1", "3"], out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| bf16 |")]
+    assert [r[1:3] for r in rows] == [["1", "on"], ["1", "off"], ["3", "on"], ["3", "off"]], out
+    head = next(line for line in out.splitlines() if line.startswith("| quant |")).split(" | ")
+    step, engine = (float(r[head.index("step ms")]) for r in rows), (float(r[head.index("engine ms")]) for r in rows)
+    assert all(0 < e < s for s, e in zip(step, engine)), out  # the engine's share of a step: some, not all of it
     assert "TTFT p99" in out and "roofline" in out

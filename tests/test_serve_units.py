@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ktinject.serve.metrics import Metrics
-from ktinject.serve.sampling import SamplingParams, sample
+from ktinject.serve.sampling import Sampler, SamplingParams, sample
 from ktinject.serve.scheduler import MIN_SHARED, QueueFull, Scheduler
 from ktinject.serve.text import TextStream
 
@@ -220,6 +220,27 @@ def test_top_k_1_and_tiny_top_p_are_greedy_and_the_distribution_is_followed():
     p = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.8)  # probs .09 .64 .24 .03: tokens 1, 2 kept
     counts = torch.bincount(torch.tensor([sample(logits, [p], [rng])[0] for _ in range(2000)]), minlength=4)
     assert counts[0] == 0 and counts[3] == 0 and 0.68 < counts[1] / 2000 < 0.78  # .64 / (.64 + .24)
+
+
+def test_sampler_writes_each_row_into_its_slot_as_alone_step_after_step():
+    """The engine's Sampler: tokens into a view of the rows' next tokens (other rows untouched), a seeded row draws
+    what it draws alone whatever the rows beside it, and its staging buffers (two, used in turn) keep no stale
+    parameters from the step before."""
+    g = torch.Generator().manual_seed(1)
+    params = [SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=1, temperature=0.7, seed=3),
+              SamplingParams(max_tokens=1, temperature=1.3, top_p=0.8, top_k=9, seed=4),
+              SamplingParams(max_tokens=1, temperature=0)]
+    sampler = Sampler(6, torch.device("cpu"))
+    together = [p.rng() for p in params]
+    alone = [p.rng() for p in params]
+    next_tokens = torch.full((6,), -1, dtype=torch.long)
+    for step in range(4):
+        logits = torch.randn(4, 300, generator=g).to(torch.bfloat16)
+        rows = [0, 1, 2, 3] if step % 2 == 0 else [1, 3]  # the sampled rows change from step to step
+        sampler(logits[rows], [params[i] for i in rows], [together[i] for i in rows], next_tokens[1:1 + len(rows)])
+        want = [sample(logits[i:i + 1], [params[i]], [alone[i]])[0] for i in rows]
+        assert next_tokens[1:1 + len(rows)].tolist() == want, step
+        assert next_tokens[0] == -1 and next_tokens[5] == -1
 
 
 def test_sampling_params_name_the_bad_field():

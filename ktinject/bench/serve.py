@@ -11,6 +11,11 @@ of the table, each sending ``--rounds`` requests back to back (closed loop): pro
 Per quant and stream count:
   aggregate   completion tokens of all requests / wall time from the first request to the last token
   decode      tokens of decode steps / time in decode steps (prefill chunks excluded); mean batch of those steps
+  step ms     time per decode step; engine ms: what of it is not the forward (the forward timed on the device:
+              CUDA events around the graph replay; on the CPU its wall time): sampling, the tokens' copy to the
+              host, bookkeeping and the host's launch delays that the device waits for, i.e. the engine's overhead
+  overlap     on: the engine queues each decode step before it reads the step before's tokens (its default); off:
+              one step at a time (``--overlap on,off`` runs both on the same engine, for comparison)
   TTFT        time to first token, p50 and p99 over the requests (queueing and chunked prefill included)
   roofline    decode limit of the steps that ran: per step of b rows, the bytes of the distinct experts it reads
               (expected distinct experts of b uniformly routed tokens x the stored bytes of one expert x layers) /
@@ -58,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth-gb", type=float, default=4.0, help="buffer of the CPU read-bandwidth probe (GB)")
     p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
     p.add_argument("--no-graphs", action="store_true", help="decode steps eagerly (for comparison)")
+    p.add_argument("--overlap", default="on",
+                   help="comma-separated: on (queue each decode step ahead, the default), off (one at a time)")
     return p
 
 
@@ -107,11 +114,13 @@ def run_streams(engine, streams: int, args, vocab: int, seed: int = 0) -> dict:
     m = engine.metrics
     steps0, rows0, secs0 = m.decode_steps, m.decode_rows, m.decode_seconds
     step_rows: list[int] = []
+    forward = [0.0]
     record = m.decode_step
 
-    def decode_step(rows, seconds):  # the engine thread's record of each step, noted here too
+    def decode_step(rows, seconds, fwd=0.0):  # the engine thread's record of each step, noted here too
         step_rows.append(rows)
-        record(rows, seconds)
+        forward[0] += fwd
+        record(rows, seconds, fwd)
 
     def client(prompts):
         for p in prompts:
@@ -137,6 +146,7 @@ def run_streams(engine, streams: int, args, vocab: int, seed: int = 0) -> dict:
             "wall": wall, "aggregate": sum(r.completion_tokens for r in results) / wall,
             "decode": rows / secs if secs else float("nan"), "batch": rows / steps if steps else 0.0,
             "step_ms": 1e3 * secs / steps if steps else float("nan"), "step_rows": step_rows,
+            "engine_ms": 1e3 * (secs - forward[0]) / steps if steps else float("nan"),
             "ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99)}
 
 
@@ -179,12 +189,14 @@ def run(args, quant: str) -> list[dict]:
     try:
         run_streams(engine, 1, argparse.Namespace(**{**vars(args), "rounds": 1, "tokens": 4}), cfg.vocab_size)
         for n in args.streams:
-            row = run_streams(engine, n, args, cfg.vocab_size, seed=n)
-            per_tok = expert_bytes_per_token(cfg, n, quant)  # bytes of distinct experts per step of n / n
-            row.update(quant=quant, roofline=roofline(cfg, quant, bw, row.pop("step_rows")), batch1=one,
-                       step_gb=per_tok * n / 1e9)
-            rows.append(row)
-            print("# " + _line(row), flush=True)
+            for overlap in args.overlaps:
+                engine.config.overlap = overlap == "on"  # read by the engine thread at each step; it is idle now
+                row = run_streams(engine, n, args, cfg.vocab_size, seed=n)
+                per_tok = expert_bytes_per_token(cfg, n, quant)  # bytes of distinct experts per step of n / n
+                row.update(quant=quant, overlap=overlap, roofline=roofline(cfg, quant, bw, row.pop("step_rows")),
+                           batch1=one, step_gb=per_tok * n / 1e9)
+                rows.append(row)
+                print("# " + _line(row), flush=True)
         stats = engine.runner.stats
         print(f"# graph replays {stats.replays}, eager decode steps {stats.eager_decode}"
               + (f", capture failures: {stats.capture_failures}" if stats.capture_failures else ""), flush=True)
@@ -194,13 +206,14 @@ def run(args, quant: str) -> list[dict]:
     return rows
 
 
-HEAD = ("| quant | streams | aggregate tok/s | decode tok/s | mean batch | step ms | TTFT p50 ms | TTFT p99 ms | "
-        "roofline tok/s (GB/step) | decode / roofline | decode / batch 1 |")
+HEAD = ("| quant | streams | overlap | aggregate tok/s | decode tok/s | mean batch | step ms | engine ms | TTFT p50 ms | "
+        "TTFT p99 ms | roofline tok/s (GB/step) | decode / roofline | decode / batch 1 |")
 
 
 def _line(r: dict) -> str:
-    return (f"| {r['quant']} | {r['streams']} | {r['aggregate']:.1f} | {r['decode']:.1f} | {r['batch']:.1f} | "
-            f"{r['step_ms']:.1f} | {1e3 * r['ttft_p50']:.0f} | {1e3 * r['ttft_p99']:.0f} | "
+    return (f"| {r['quant']} | {r['streams']} | {r['overlap']} | {r['aggregate']:.1f} | {r['decode']:.1f} | "
+            f"{r['batch']:.1f} | {r['step_ms']:.2f} | {r['engine_ms']:.2f} | {1e3 * r['ttft_p50']:.0f} | "
+            f"{1e3 * r['ttft_p99']:.0f} | "
             f"{r['roofline']:.1f} ({r['step_gb']:.2f}) | {100 * r['decode'] / r['roofline']:.0f}% | "
             f"{r['decode'] / r['batch1']:.2f}x |")
 
@@ -210,6 +223,9 @@ def main(argv=None) -> int:
     quants = [q.strip() for q in args.quant.split(",") if q.strip()]
     if not quants or any(q not in ("bf16", "int8", "int4") for q in quants):
         raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of bf16, int8, int4")
+    args.overlaps = [o.strip() for o in args.overlap.split(",") if o.strip()]
+    if not args.overlaps or any(o not in ("on", "off") for o in args.overlaps):
+        raise SystemExit(f"--overlap {args.overlap!r}: expected on, off or on,off")
     rows, t0 = [], time.perf_counter()
     for q in quants:
         rows += run(args, q)
@@ -226,7 +242,8 @@ def main(argv=None) -> int:
           f"cycled, {args.tokens} new tokens each, greedy, prefill chunk {args.prefill_chunk}, threads "
           f"{args.threads or 'default'}, {layers}; roofline: the decode steps that ran, each reading the expected "
           f"distinct experts of its rows routed uniformly, at the bandwidth measured in the run; GB/step: a step of "
-          f"N rows; TTFT includes queueing and chunked prefill; {time.perf_counter() - t0:.0f} s in all)", flush=True)
+          f"N rows; engine ms: step ms less the forward's time on the device, the engine's overhead per step; TTFT "
+          f"includes queueing and chunked prefill; {time.perf_counter() - t0:.0f} s in all)", flush=True)
     return 0
 
 

@@ -12,7 +12,15 @@ Each step of the loop:
 3. decodes one token for every running request as one forward of the batch bucket b >= n (rows 0..n-1: the
    running requests, each at its own position and cache length; rows n..b-1: padding, whose cache lengths are put
    back after the step), through the model's ``GraphRunner``: on CUDA the step replays the graph captured for b;
-   then samples each row with its own parameters (``sampling.py``) and hands each request its new text.
+   each row is sampled with its own parameters on the device (``sampling.py``) into the row's next input token;
+4. reads the tokens of the step before (one copy to the host per step) and hands each request its new text.
+Steps are queued ahead (``overlap``, on by default): a decode step takes its input tokens from the device, so the
+host queues step t+1 before it waits for step t's tokens, and their text, stop checks, events and the next step's
+bookkeeping run while the device computes step t+1: the device does not wait for the host between decode steps
+while the host's share of a step is shorter than the step (a prefill still waits: its first tokens go out at once).
+The price: a request learns that it ended (end-of-sequence, stop string, cancel) one step late, so its row decodes
+one step more, whose token is dropped; a request at max_tokens gives its row back before its last token arrives,
+without that step. ``EngineConfig(overlap=False)``: each step's tokens are read before the next is queued.
 Rows and admission: ``scheduler.py`` (running requests stay in rows 0..n-1; a finished row is refilled by moving
 the last one into it, so the bucket always fits the running batch). The forwards themselves (cache, graphs,
 padding): ``steps.py``. Text and stop strings: ``text.py``.
@@ -43,9 +51,9 @@ from ktinject.serve.metrics import Metrics
 from ktinject.serve.request import (
     EngineConfig, EngineUnavailable, Output, Request, RequestError, Result,
 )
-from ktinject.serve.sampling import SamplingParams, sample
+from ktinject.serve.sampling import Sampler, SamplingParams
 from ktinject.serve.scheduler import QueueFull, Scheduler
-from ktinject.serve.steps import ModelSteps, pad_id
+from ktinject.serve.steps import ModelSteps, eos_ids, pad_id
 from ktinject.serve.text import TextStream
 
 log = logging.getLogger("ktinject.serve")
@@ -70,7 +78,7 @@ class Engine:
         if limit and self.config.max_context > limit:
             raise ValueError(f"max_context {self.config.max_context} exceeds the model's max_position_embeddings "
                              f"{limit}")
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.steps = ModelSteps(model, self.config, pad_id(model, tokenizer))
         self.metrics = Metrics()
         self.sched = Scheduler(self.config.max_batch, self.config.max_queue)
@@ -82,6 +90,10 @@ class Engine:
         self._ready = threading.Event()
         self.failure: BaseException | None = None  # what stopped the engine thread, if anything did
         self._ids = itertools.count()
+        self.sampler: Sampler | None = None  # made on the engine thread (pinned memory on CUDA)
+        self._inflight = None  # the decode step queued and not yet read: (its requests, steps.Decoded)
+        self._ending: set[Request] = set()  # requests whose rows went back and whose last token is in flight
+        self._decode_clock = 0.0  # decode time of the loop not yet given to a collected step
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     @property
@@ -139,20 +151,7 @@ class Engine:
 
     def check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str = "prompt") -> int:
         """The request's max_tokens (None: what the context leaves); RequestError when it does not fit."""
-        ctx = self.config.max_context
-        if prompt_len < 1:
-            raise RequestError("the prompt is empty (0 tokens)", param=prompt_param)
-        if max_tokens is None:
-            if prompt_len >= ctx:
-                raise RequestError(f"the prompt has {prompt_len} tokens, which leaves no room for a completion in "
-                                   f"the context of {ctx} tokens (--max-context)", param=prompt_param,
-                                   code="context_length_exceeded")
-            return ctx - prompt_len
-        if prompt_len + max_tokens > ctx:
-            raise RequestError(f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
-                               f"{prompt_len + max_tokens} tokens, more than the context of {ctx} tokens "
-                               f"(--max-context)", param="max_tokens", code="context_length_exceeded")
-        return max_tokens
+        return self.config.check_length(prompt_len, max_tokens, prompt_param)
 
     def submit(self, prompt_ids, params: SamplingParams, sink: Callable[[Output], None] | None = None,
                request_id: str | None = None) -> Request:
@@ -212,7 +211,7 @@ class Engine:
         """{running, waiting, free_rows}: running counts every request holding a row (prefilling or decoding)."""
         with self._cond:
             s = self.sched
-            return {"running": s.held_rows, "waiting": len(s.waiting), "free_rows": s.free_rows}
+            return {"running": s.held_rows + len(self._ending), "waiting": len(s.waiting), "free_rows": s.free_rows}
 
     # ---- tokenizer (any thread) ----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -260,17 +259,33 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.steps.setup()
+        self.sampler = Sampler(self.kv.slots, self.device)
 
     def _next_step(self) -> bool:
         with self._cond:
-            while not self._stopping and not self._cancels and self.sched.idle():
+            while not (self._stopping or self._cancels or self._inflight or not self.sched.idle()):
                 self._cond.wait()
             if self._stopping:
                 return False
             cancels, self._cancels = self._cancels, []
+        t0 = time.perf_counter()
         self._finish_many([(r, "cancelled", None) for r in cancels if not r.done])
+        prefill = time.perf_counter()
         self._prefill_phase()
-        self._decode_phase()
+        prefill = time.perf_counter() - prefill
+        launched = self._launch()
+        ready = [s for s in (self._inflight, launched) if s is not None]  # oldest first
+        self._inflight = ready.pop() if launched is not None and self.config.overlap else None
+        for step in ready:
+            got = self._collect(step)
+            # decode time: the loop's time but the prefill forwards', given to the step collected
+            t1 = time.perf_counter()
+            self._decode_clock += t1 - t0 - prefill
+            t0, prefill = t1, 0.0
+            if got is not None:
+                self.metrics.decode_step(got[0], self._decode_clock, got[1])
+                self._decode_clock = 0.0
+        self._decode_clock = 0.0 if self._inflight is None else self._decode_clock + time.perf_counter() - t0 - prefill
         return True
 
     def _prefill_phase(self) -> None:
@@ -283,18 +298,15 @@ class Engine:
                 return
             reqs = [j.seq for j in jobs]
             t0 = time.perf_counter()
+            ends = [j.seq for j in jobs if j.last]
             try:
-                fresh = [j.row for j in jobs if j.fresh]
-                if fresh:
-                    self.kv.reset_rows(fresh)
-                logits = self.steps.prefill(jobs)  # [k, V]: the jobs that end their prompts
-                done = [j.seq for j in jobs if j.last]
-                firsts = sample(logits, [r.params for r in done], [r.rng for r in done]) if done else []
+                firsts = self.steps.prefill(jobs, lambda logits, out: self.sampler(
+                    logits, [r.params for r in ends], [r.rng for r in ends], out))
             except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
                 log.exception("prefill of %s failed", ", ".join(r.id for r in reqs))
                 with self._cond:
                     self.sched.prefill_failed(jobs)
-                self.kv.reset_rows([j.row for j in jobs])
+                self.steps.reset_rows([j.row for j in jobs])
                 self._finish_many([(r, "error", f"prefill failed: {type(e).__name__}: {e}") for r in reqs])
                 continue
             tokens = sum(j.end - j.start for j in jobs)
@@ -305,23 +317,45 @@ class Engine:
             if done:
                 self._take_tokens(done, firsts)
 
-    def _decode_phase(self) -> None:
+    def _launch(self):
+        """Queue one decode step of every running request: (its requests, ``Decoded``), or None. A request whose
+        step in flight brings its last token (max_tokens) gives its row back first: it ends when that token
+        arrives."""
+        ending = [r for r in self.sched.running if len(r.out_ids) + r.pending >= r.params.max_tokens]
+        if ending:
+            self._release(ending, done=False)
         running = list(self.sched.running)  # only this thread changes it
         n = len(running)
         if n == 0:
-            return
+            return None
         b = next(x for x in self.config.buckets if x >= n)
-        t0 = time.perf_counter()
+        params, rngs = [r.params for r in running], [r.rng for r in running]
         try:
-            logits = self.steps.decode([r.out_ids[-1] for r in running], b)  # [n, V]
-            tokens = sample(logits, [r.params for r in running], [r.rng for r in running])
+            decoded = self.steps.decode(n, b, lambda logits, out: self.sampler(logits, params, rngs, out))
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             log.exception("a decode step of %d requests failed", n)
             self._finish_many([(r, "error", f"decode step failed: {type(e).__name__}: {e}") for r in running])
-            return
-        self.metrics.decode_step(n, time.perf_counter() - t0)
+            return None
+        for r in running:
+            r.pending += 1
         self.steps.after_decode()
-        self._take_tokens(running, tokens)
+        return running, decoded
+
+    def _collect(self, step) -> tuple[int, float] | None:
+        """The tokens of a step queued by ``_launch`` to its requests still going; (their count, the forward's
+        seconds), or None when the step failed."""
+        reqs, decoded = step
+        for r in reqs:
+            r.pending -= 1
+        try:
+            tokens = decoded.tokens()  # the one wait of a step: for its tokens, while the next step runs
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            log.exception("a decode step of %d requests failed", len(reqs))
+            self._finish_many([(r, "error", f"decode step failed: {type(e).__name__}: {e}") for r in reqs])
+            return None
+        live = [(r, t) for r, t in zip(reqs, tokens) if not r.done]  # a request may have ended since the launch
+        self._take_tokens([r for r, _ in live], [t for _, t in live])
+        return len(live), decoded.forward_seconds
 
     # ---- tokens and endings --------------------------------------------------------------------------------
     def _take_tokens(self, reqs: list[Request], tokens: list[int]) -> None:
@@ -334,7 +368,6 @@ class Engine:
                     req.t_first = now
                     self.metrics.first_token(now - req.t_arrival)
                 req.out_ids.append(tok)
-                self.metrics.token()
                 try:
                     finish, text = self._text(req, tok)
                 except Exception as e:  # noqa: BLE001 - a token the tokenizer cannot decode fails its request only
@@ -345,6 +378,7 @@ class Engine:
                     self._send(req, Output(req.id, text, [tok]))
                 else:
                     ended.append((req, finish, None, text, [tok]))
+        self.metrics.token(len(reqs))
         if ended:
             self._finish_many(ended)
 
@@ -364,24 +398,37 @@ class Engine:
         items = [it for it in items if not it[0].done]
         if not items:
             return
-        with self._cond:
-            for it in items:
-                it[0].done = True
-            moves, freed = self.sched.release_many([it[0] for it in items])
-        try:
-            for src, dst in moves:
-                self.kv.copy_row(src, dst)
-            if freed:
-                self.kv.reset_rows(freed)
-        except Exception:  # noqa: BLE001 - a broken cache breaks every row: stop the engine
-            log.exception("moving KV-cache rows failed")
-            raise
+        self._release([it[0] for it in items], done=True)
         for it in items:
             req, reason, error = it[:3]
             text, toks = (it[3], it[4]) if len(it) > 3 else ("", [])
             self.metrics.finish(reason)
             self._send(req, Output(req.id, text, toks, reason, req.prompt_len, len(req.out_ids), error))
-            self._log_end(req, reason, error)
+            log.info("%s", req.summary(reason, error))
+
+    def _release(self, reqs: list[Request], done: bool) -> None:
+        """Give the rows of ``reqs`` back and compact the layout (queued on the device after the step in flight);
+        ``done``: they have ended, else they end when the token in flight arrives (``_ending`` until then)."""
+        with self._cond:
+            for r in reqs:
+                if done:
+                    r.done = True
+                    self._ending.discard(r)
+                else:
+                    self._ending.add(r)
+            s = self.sched
+            # what each held row holds at most (positions to copy when it moves): prompt + decode steps queued
+            held = {r.row: r.prompt_len + len(r.out_ids) + r.pending for r in s.running}
+            if s.prefilling is not None:
+                held[s.prefilling.row] = s.prefilling.prefilled
+            moves, freed = s.release_many(reqs)
+        try:
+            for src, dst in moves:
+                self.steps.move_row(src, dst, held[src])
+            self.steps.reset_rows(freed)
+        except Exception:  # noqa: BLE001 - a broken cache breaks every row: stop the engine
+            log.exception("moving KV-cache rows failed")
+            raise
 
     def _send(self, req: Request, out: Output) -> None:
         try:
@@ -391,19 +438,11 @@ class Engine:
             if out.finish_reason is None:
                 self.cancel(req)
 
-    def _log_end(self, req: Request, reason: str, error: str | None) -> None:
-        now = time.perf_counter()
-        n = len(req.out_ids)
-        ttft = "n/a" if req.t_first is None else f"{req.t_first - req.t_arrival:.3f} s"
-        rate = f"{(n - 1) / (now - req.t_first):.1f} tok/s" if req.t_first and n > 1 and now > req.t_first else "n/a"
-        log.info("%s: %s after %d prompt + %d completion tokens, first token %s, decode %s%s", req.id, reason,
-                 req.prompt_len, n, ttft, rate, f" ({error})" if error else "")
-
     def _close(self) -> None:
         """The thread ends: every request still held is told so."""
         with self._cond:
             self._stopping = True
-            held = list(self.sched.waiting) + list(self.sched.running) + \
+            held = list(self.sched.waiting) + list(self.sched.running) + list(self._ending) + \
                 ([self.sched.prefilling] if self.sched.prefilling else [])
         why = "the engine stopped" if self.failure is None else f"the engine failed: {self.failure}"
         for req in held:
@@ -411,15 +450,3 @@ class Engine:
                 req.done = True
                 self._send(req, Output(req.id, "", [], "cancelled" if self.failure is None else "error",
                                        req.prompt_len, len(req.out_ids), why))
-
-
-def _eos_ids(model, tokenizer) -> frozenset[int]:
-    ids = set()
-    gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
-    for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
-        if e is not None:
-            ids.add(int(e))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return frozenset(ids)

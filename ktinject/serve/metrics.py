@@ -23,6 +23,7 @@ class Metrics:
         self.decode_steps = 0
         self.decode_rows = 0  # rows of running requests over all decode steps (mean batch = rows / steps)
         self.decode_seconds = 0.0
+        self.decode_forward_seconds = 0.0  # of decode_seconds, the forwards' (on the device); the rest: the engine
         self.prefill_seconds = 0.0
         self.prefill_forwards = 0  # a forward prefills chunks of one or several requests
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
@@ -38,12 +39,14 @@ class Metrics:
             self.prefill_seconds += seconds
             self.prefill_forwards += 1
 
-    def decode_step(self, rows: int, seconds: float) -> None:
+    def decode_step(self, rows: int, seconds: float, forward: float = 0.0) -> None:
+        """A decode step of ``rows`` requests took ``seconds`` of the loop, ``forward`` of them in the forward."""
         now = time.monotonic()
         with self._lock:
             self.decode_steps += 1
             self.decode_rows += rows
             self.decode_seconds += seconds
+            self.decode_forward_seconds += forward
             self._steps.append((now, rows, seconds))
             self._trim(now)
 
@@ -103,6 +106,9 @@ class Metrics:
             metric("decode_rows_total", "counter", "Request rows over all decode steps (/ steps = mean batch).",
                    [("", self.decode_rows)])
             metric("decode_seconds_total", "counter", "Time in decode steps.", [("", self.decode_seconds)])
+            metric("decode_forward_seconds_total", "counter",
+                   "Time of the decode steps' forwards (the rest of decode_seconds is the engine's own).",
+                   [("", self.decode_forward_seconds)])
             metric("prefill_seconds_total", "counter", "Time in prefill forwards.", [("", self.prefill_seconds)])
             metric("prefill_forwards_total", "counter", "Prefill forwards (each of one or several requests' chunks).",
                    [("", self.prefill_forwards)])

@@ -33,7 +33,8 @@ class EngineConfig:
     """``max_batch``: KV-cache rows = requests decoding together; ``max_context``: tokens per row (prompt +
     completion); ``max_queue``: requests waiting for a row before new ones get QueueFull; ``prefill_chunk``:
     prompt tokens per step while others decode; ``graphs``: CUDA graphs (None: on CUDA); ``warmup``: capture every
-    bucket's graph and allocate the cache before serving."""
+    bucket's graph and allocate the cache before serving; ``overlap``: queue each decode step before reading the
+    tokens of the one before (engine.py), False: one step at a time."""
 
     max_batch: int = 8
     max_context: int = 4096
@@ -41,6 +42,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     graphs: bool | None = None
     warmup: bool = True
+    overlap: bool = True
 
     def __post_init__(self):
         for name in ("max_batch", "max_context", "prefill_chunk"):
@@ -52,6 +54,23 @@ class EngineConfig:
     @property
     def buckets(self) -> tuple[int, ...]:
         return tuple(sorted({b for b in BUCKETS if b < self.max_batch} | {self.max_batch}))
+
+    def check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str = "prompt") -> int:
+        """The request's max_tokens (None: what the context leaves); RequestError when it does not fit."""
+        ctx = self.max_context
+        if prompt_len < 1:
+            raise RequestError("the prompt is empty (0 tokens)", param=prompt_param)
+        if max_tokens is None:
+            if prompt_len >= ctx:
+                raise RequestError(f"the prompt has {prompt_len} tokens, which leaves no room for a completion in "
+                                   f"the context of {ctx} tokens (--max-context)", param=prompt_param,
+                                   code="context_length_exceeded")
+            return ctx - prompt_len
+        if prompt_len + max_tokens > ctx:
+            raise RequestError(f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
+                               f"{prompt_len + max_tokens} tokens, more than the context of {ctx} tokens "
+                               f"(--max-context)", param="max_tokens", code="context_length_exceeded")
+        return max_tokens
 
 
 @dataclass
@@ -99,6 +118,7 @@ class Request:
     prefilled: int = 0
     cancelled: bool = False
     done: bool = False
+    pending: int = 0  # decode steps queued for it whose token has not been read yet (0 or 1)
 
     @property
     def prompt_len(self) -> int:
@@ -106,3 +126,12 @@ class Request:
 
     def cancel(self) -> None:
         self.engine.cancel(self)
+
+    def summary(self, reason: str, error: str | None = None) -> str:
+        """One line for the log when the request ends."""
+        now = time.perf_counter()
+        n = len(self.out_ids)
+        ttft = "n/a" if self.t_first is None else f"{self.t_first - self.t_arrival:.3f} s"
+        rate = f"{(n - 1) / (now - self.t_first):.1f} tok/s" if self.t_first and n > 1 and now > self.t_first else "n/a"
+        return (f"{self.id}: {reason} after {self.prompt_len} prompt + {n} completion tokens, first token {ttft}, "
+                f"decode {rate}{f' ({error})' if error else ''}")

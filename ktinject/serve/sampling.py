@@ -7,8 +7,10 @@ uniform number u per row picks the token by inverse CDF over what is kept. u com
 not depend on which other requests share its step, nor on the device: a seeded request samples the same tokens
 alone or in a batch wherever its logits come out bit-identical (bf16 on the CPU; on a GPU another batch size may
 pick other GEMM kernels and move the last bits, enough to flip a token at a top_p edge).
-All rows are computed together (one sort for the whole batch, only when some row samples).
-Legend: n rows, V vocabulary.
+All rows are computed together on the logits' device (one sort for the sampled rows, only when some row samples),
+and ``Sampler`` does it without a host synchronisation: the engine queues the next decode step before it reads this
+one's tokens (see engine.py).
+Legend: n rows, m sampled rows, V vocabulary.
 """
 from __future__ import annotations
 
@@ -57,23 +59,57 @@ class SamplingParams:
         return random.Random(self.seed if self.seed is not None else random.SystemRandom().getrandbits(64))
 
 
+class Sampler:
+    """Samples the rows of a step on the logits' device without waiting for it: ``sampler(logits, params, rngs,
+    out)`` writes one token per row into ``out`` (int64, on the device) and returns at once. Greedy rows take the
+    argmax; when some rows sample, their indices and parameters (temperature, top_p, top_k and the row's u, drawn
+    here from its request's stream) go to the device in one copy from pinned memory, so a step costs one upload
+    and no synchronisation (the engine reads the tokens back later, in one copy of the whole step).
+    ``rows``: the most rows a call gets."""
+
+    _COLUMNS = 5  # row index, temperature, top_p, top_k, u: float64 holds each exactly (top_k, rows: < 2**53)
+
+    def __init__(self, rows: int, device: torch.device):
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        # two staging buffers: one may still be read by the device's copy of the step before when we fill the other
+        self._stage = [torch.zeros((rows, self._COLUMNS), dtype=torch.float64, pin_memory=cuda) for _ in range(2)]
+        self._uploaded = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._next = 0
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random],
+                 out: torch.Tensor) -> None:
+        """logits [n, V], one SamplingParams and random stream per row -> out [n] (int64, logits' device)."""
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        logits = logits.float()  # torch's CPU argmax of bf16 is ~4x slower than the cast and the float argmax
+        torch.argmax(logits, dim=-1, out=out)
+        if not sampled:
+            return
+        V = logits.shape[1]
+        k = self._next
+        self._next ^= 1
+        if self._uploaded[k] is not None:
+            self._uploaded[k].synchronize()  # the last upload from this buffer has run (two steps ago: at once)
+        stage = self._stage[k][:len(sampled)]  # [m, 5]
+        stage.numpy()[:] = [(i, params[i].temperature, params[i].top_p, params[i].top_k or V, rngs[i].random())
+                            for i in sampled]
+        dev = stage.to(self.device, non_blocking=True)
+        if self._uploaded[k] is not None:
+            self._uploaded[k].record()
+        rows = dev[:, 0].long()
+        picked = _sample_rows(logits.index_select(0, rows), dev[:, 1].float(), dev[:, 2].float(),
+                              dev[:, 3].long(), dev[:, 4])  # [m]
+        out.index_copy_(0, rows, picked)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]) -> list[int]:
-    """One token per row of ``logits`` [n, V] (any float dtype, any device): a list of n ints."""
+    """One token per row of ``logits`` [n, V] (any float dtype, any device): a list of n ints (waits for them)."""
     n = logits.shape[0]
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1)  # [n]
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if not sampled:
-        return greedy.tolist()
-    dev = logits.device
-    rows = torch.tensor(sampled, device=dev)
-    temps = torch.tensor([params[i].temperature for i in sampled], device=dev)
-    top_p = torch.tensor([params[i].top_p for i in sampled], device=dev)
-    top_k = torch.tensor([params[i].top_k or logits.shape[1] for i in sampled], device=dev)
-    u = torch.tensor([rngs[i].random() for i in sampled], dtype=torch.float64, device=dev)
-    picked = _sample_rows(logits[rows], temps, top_p, top_k, u)  # [m]
-    out = greedy.index_copy(0, rows, picked)
-    return out.tolist() if n else []
+    if n == 0:
+        return []
+    out = torch.empty(n, dtype=torch.long, device=logits.device)
+    Sampler(n, logits.device)(logits, params, rngs, out)
+    return out.tolist()
 
 
 def _sample_rows(logits, temps, top_p, top_k, u):

@@ -5,9 +5,16 @@ forward of the running rows. No requests, no threads: ``engine.py`` decides what
 - ``setup()`` (on the engine thread): the model's ``GraphRunner`` with the engine's batch buckets, its KV cache
   (``max_batch`` rows x ``max_context`` tokens, allocated once: fixed addresses for the graphs), and, with
   ``warmup``, K/V of every row allocated and every bucket's decode graph captured before the first request;
-- ``prefill(jobs)``: one forward of the jobs' prompt chunks in consecutive rows, right-padded to the longest;
-- ``decode(tokens, b)``: one token for rows 0..n-1 in the bucket b >= n (on CUDA a graph replay); rows n..b-1 are
-  padding whose cache lengths are put back;
+- ``next_tokens`` [max_batch] (int64, on the device): each row's next input token, written by the sampling of the
+  step before (or of its prompt's last chunk) on the device, so a decode step never waits for the host to hand it
+  its tokens; rows without a decoding request hold ``pad_id`` (the padding rows of a bucket);
+- ``prefill(jobs, sample)``: one forward of the jobs' prompt chunks in consecutive rows, right-padded to the
+  longest, and the first tokens of the prompts it ends (into their rows' ``next_tokens`` and to the host);
+- ``decode(n, b, sample)``: queues one token for rows 0..n-1 in the bucket b >= n (on CUDA a graph replay; rows
+  n..b-1 are padding whose cache lengths are put back), its sampling into ``next_tokens`` and one copy of the n new
+  tokens to pinned host memory, and returns at once: a ``Decoded`` whose ``tokens()`` waits for them;
+- ``move_row`` / ``reset_rows``: the scheduler's row moves and freed rows, queued on the device without waiting
+  (the step in flight still reads the old layout; stream order puts them after it);
 - ``after_decode()``: the dynamic hot-expert placement's step, where there is one.
 Legend: B rows of a prefill forward, S its longest chunk, n running rows, b bucket, V vocabulary.
 """
@@ -29,8 +36,10 @@ class ModelSteps:
 
     def __init__(self, model, config, pad_id: int):
         self.model, self.config, self.pad_id = model, config, pad_id
-        self.runner = self.kv = None
+        self.runner = self.kv = self.next_tokens = None
         self._rebalancer = None
+        self._host: list[_HostSlot] = []  # two: a step in flight and the one whose tokens the host reads
+        self._slot = 0
 
     @property
     def device(self) -> torch.device:
@@ -46,6 +55,12 @@ class ModelSteps:
         for b in reversed(cfg.buckets):
             self.runner.cache_for(b, cfg.max_context)
         self.kv = self.runner.kv
+        self.next_tokens = torch.full((self.kv.slots,), self.pad_id, dtype=torch.long, device=self.device)
+        cuda = self.device.type == "cuda"
+        # the host waits for a step's tokens as it waits for the GPU elsewhere: sleeping where the runner
+        # leaves the cores to the native expert threads ("block"), else spinning
+        blocking = cuda and self.runner.host_wait == "block"
+        self._host = [_HostSlot(self.kv.slots, cuda, blocking) for _ in range(2)]
         self._rebalancer = _rebalancer(self.model)
         if cfg.warmup:
             t0 = time.perf_counter()
@@ -53,20 +68,23 @@ class ModelSteps:
             probe = SimpleNamespace(prompt=[self.pad_id] * k, prompt_len=k)
             self.prefill([PrefillJob(probe, 0, 0, k)])  # allocates K/V of every row
             for b in cfg.buckets if self.runner.graphs_enabled() else cfg.buckets[-1:]:
-                self.decode([self.pad_id] * b, b)
-            self.kv.reset_rows(list(range(self.kv.slots)))
-            if self.device.type == "cuda":
+                self._forward(b, b)
+            self.reset_rows(range(self.kv.slots))
+            if cuda:
                 torch.cuda.synchronize(self.device)
             log.info("warm-up in %.1f s (%s)", time.perf_counter() - t0, self.runner.describe())
 
-    def prefill(self, jobs: list[PrefillJob]) -> torch.Tensor:
-        """One forward of the jobs' prompt chunks in their rows (consecutive), each after what its row holds,
-        right-padded to the longest; the logits [k, V] after the last prompt token of the k jobs that end a prompt.
+    def prefill(self, jobs: list[PrefillJob], sample=None) -> list[int]:
+        """One forward of the jobs' prompt chunks in their rows (consecutive; a job that starts its prompt resets its
+        row first), each after what its row holds, right-padded to the longest. ``sample(logits [k, V], out [k])``
+        (the logits after the last prompt token of the k jobs that end their prompts) writes their first tokens
+        into those rows' ``next_tokens``; returns them (waits: a request's first token is sent at once).
         A padded row's extra tokens come after its own, so its tokens never see them, and its cache length is set
         back to its own end afterwards."""
         from ktinject import kv_cache
 
         r0, B = jobs[0].row, len(jobs)
+        self.reset_rows([j.row for j in jobs if j.fresh])
         sizes = [j.end - j.start for j in jobs]
         S = max(sizes)
         ids = torch.full((B, S), self.pad_id, dtype=torch.long)  # [B, S]
@@ -77,26 +95,136 @@ class ModelSteps:
         out = kv_cache.forward(self.model, self.kv.rows(r0, r0 + B), ids.to(self.device), logits_to_keep=keep)
         if min(sizes) < S:
             self.kv.lengths[:, r0:r0 + B] = torch.tensor([j.end for j in jobs], device=self.device)
+        done = [i for i, j in enumerate(jobs) if j.last]  # a suffix of the jobs: only the first may be partial
+        if sample is None or not done:
+            return []
         if B == 1:
-            return out.logits[:, -1]  # [1, V]
-        return torch.stack([out.logits[i, ends.index(n - 1)] for i, (n, j) in enumerate(zip(sizes, jobs)) if j.last])
+            logits = out.logits[:, -1]  # [1, V]
+        else:
+            logits = torch.stack([out.logits[i, ends.index(sizes[i] - 1)] for i in done])  # [k, V]
+        first = self.next_tokens[r0 + done[0]:r0 + B]
+        sample(logits, first)
+        return first.tolist()
 
-    def decode(self, tokens: list[int], b: int) -> torch.Tensor:
-        """One token for rows 0..n-1 (n = len(tokens)) in the bucket ``b``; logits [n, V]."""
+    def decode(self, n: int, b: int, sample) -> "Decoded":
+        """Queue one decode step of rows 0..n-1 in the bucket ``b`` from their ``next_tokens``; ``sample(logits [n, V],
+        out [n])`` writes the new tokens into ``next_tokens[:n]`` (on the device, without waiting); their copy to the
+        host is queued too. Returns without waiting for any of it (on CUDA; on the CPU the step has run)."""
+        slot = self._host[self._slot]
+        self._slot ^= 1
+        slot.claim()
+        try:
+            logits = self._forward(n, b, slot)
+            out = self.next_tokens[:n]
+            sample(logits, out)
+            slot.copy(out)
+        except BaseException:
+            slot.busy = False
+            raise
+        return Decoded(slot, n)
+
+    def _forward(self, n: int, b: int, slot: "_HostSlot | None" = None) -> torch.Tensor:
+        """The forward of a decode step (``slot``: where its duration is noted); logits [n, V]."""
         from ktinject import compat
 
-        n = len(tokens)
         cache = self.runner.rows(b)
-        ids = torch.tensor(tokens + [self.pad_id] * (b - n), dtype=torch.long).view(b, 1).to(self.device)
-        pos = cache.row_lengths[:b, None].clone()  # [b, 1]: every row at its own position
+        ids = self.next_tokens[:b].view(b, 1)  # a graph copies it into its static input; eager reads it first
+        pos = cache.row_lengths[:b, None].clone()  # [b, 1]: every row at its own position (the forward moves them)
+        if slot is not None:
+            slot.start()
         out = self.runner(input_ids=ids, position_ids=pos, use_cache=True, **compat.cache_arg(cache))
+        if slot is not None:
+            slot.stop()
         if b > n:
             self.kv.lengths[:, n:b] -= 1  # padding rows: their dummy token is forgotten
         return out.logits[:n, -1]
 
+    def set_first_tokens(self, row: int, tokens: torch.Tensor) -> list[int]:
+        """Prompts that just ended in rows ``row``.. (consecutive): their first tokens [k] (device) become those rows'
+        next tokens; returns them on the host (waits: a new request's first token is sent at once)."""
+        self.next_tokens[row:row + tokens.shape[0]].copy_(tokens)
+        return tokens.tolist()
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Row ``dst`` becomes row ``src`` (K/V of its first ``length`` positions, an upper bound of what it holds;
+        lengths; next token), queued after the step in flight."""
+        self.kv.copy_row(src, dst, min(int(length), self.kv.max_len))
+        self.next_tokens[dst:dst + 1].copy_(self.next_tokens[src:src + 1])
+
+    def reset_rows(self, rows) -> None:
+        """Forget ``rows`` (consecutive): no tokens held, padding as next token; slices, so no host sync."""
+        rows = list(rows)
+        if not rows:
+            return
+        a, b = rows[0], rows[-1] + 1
+        if rows != list(range(a, b)):
+            raise ValueError(f"reset_rows takes consecutive rows, got {rows}")
+        self.kv.lengths[:, a:b] = 0
+        self.next_tokens[a:b] = self.pad_id
+
     def after_decode(self) -> None:
         if self._rebalancer is not None:
             self._rebalancer.step()
+
+
+class _HostSlot:
+    """Pinned host memory for one decode step's tokens, the event that says they arrived, and the step's forward
+    timing (CUDA events; on the CPU the forward's wall time). ``claim`` before reuse: the previous step that used
+    the slot must have been read."""
+
+    def __init__(self, rows: int, cuda: bool, blocking: bool):
+        self.cuda = cuda
+        self.tokens = torch.zeros(rows, dtype=torch.long, pin_memory=cuda)
+        self.arrived = torch.cuda.Event(blocking=blocking) if cuda else None
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        self.busy = False
+        self.t0 = self.seconds = 0.0
+
+    def claim(self) -> None:
+        if self.busy:
+            raise RuntimeError("a decode step's tokens were not read before its host slot was reused")
+        self.busy = True
+
+    def start(self) -> None:
+        if self.cuda:
+            self.events[0].record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.events[1].record()
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+    def copy(self, out: torch.Tensor) -> None:
+        n = out.shape[0]
+        if self.cuda:
+            self.tokens[:n].copy_(out, non_blocking=True)
+            self.arrived.record()
+        else:
+            self.tokens[:n].copy_(out)
+
+
+class Decoded:
+    """A decode step queued by ``ModelSteps.decode``: ``tokens()`` waits for its n new tokens (a list of ints) and
+    frees the host slot; ``forward_seconds`` (after ``tokens()``): the forward's time on the device."""
+
+    def __init__(self, slot: _HostSlot, n: int):
+        self._slot, self.n = slot, n
+        self.forward_seconds = 0.0
+
+    def tokens(self) -> list[int]:
+        slot = self._slot
+        try:
+            if slot.cuda:
+                slot.arrived.synchronize()
+                self.forward_seconds = slot.events[0].elapsed_time(slot.events[1]) / 1e3
+            else:
+                self.forward_seconds = slot.seconds
+            return slot.tokens[:self.n].tolist()
+        finally:
+            slot.busy = False
 
 
 def pad_id(model, tokenizer) -> int:
@@ -106,6 +234,19 @@ def pad_id(model, tokenizer) -> int:
         if isinstance(v, int):
             return v
     return 0
+
+
+def eos_ids(model, tokenizer) -> frozenset[int]:
+    """The tokens that end a sequence: the generation config's end-of-sequence ids and the tokenizer's."""
+    ids = set()
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        if e is not None:
+            ids.add(int(e))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
 
 
 def _rebalancer(model):

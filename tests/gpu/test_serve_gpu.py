@@ -113,3 +113,27 @@ def test_cancelled_requests_free_their_rows_and_the_rest_goes_on(engine):
     assert all(d.done for d in doomed)
     c = engine.counts()
     assert c["running"] == 0 and c["free_rows"] == 8
+
+
+def test_decode_steps_are_queued_without_waiting_for_the_device(engine, monkeypatch):
+    """What lets the engine queue step t+1 before it reads step t's tokens: a decode step (inputs from the rows'
+    next tokens, graph replay, greedy and sampled rows, the tokens' copy to the host) makes no synchronising call;
+    torch's sync debug mode turns one into an error (the step's requests would fail)."""
+    from ktinject.serve.sampling import SamplingParams
+
+    decode = engine.steps.decode
+
+    def strict(n, b, sample):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return decode(n, b, sample)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(engine.steps, "decode", strict)
+    prompts = _prompts(engine)[:5]
+    params = [SamplingParams(max_tokens=8, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    got = _together(engine, prompts, params)
+    assert all(g.error is None and g.completion_tokens == 8 for g in got), [g.error for g in got]
+    assert engine.config.overlap and engine.metrics.decode_forward_seconds > 0
