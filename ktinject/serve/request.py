@@ -34,7 +34,7 @@ class EngineConfig:
     completion); ``max_queue``: requests waiting for a row before new ones get QueueFull; ``prefill_chunk``:
     prompt tokens per step while others decode; ``graphs``: CUDA graphs (None: on CUDA); ``warmup``: capture every
     bucket's graph and allocate the cache before serving; ``overlap``: queue each decode step before reading the
-    tokens of the one before (engine.py), False: one step at a time."""
+    tokens of the one before (loop.py), False: one step at a time."""
 
     max_batch: int = 8
     max_context: int = 4096

@@ -9,7 +9,7 @@ alone or in a batch wherever its logits come out bit-identical (bf16 on the CPU;
 pick other GEMM kernels and move the last bits, enough to flip a token at a top_p edge).
 All rows are computed together on the logits' device (one sort for the sampled rows, only when some row samples),
 and ``Sampler`` does it without a host synchronisation: the engine queues the next decode step before it reads this
-one's tokens (see engine.py).
+one's tokens (see loop.py).
 Legend: n rows, m sampled rows, V vocabulary.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The model side of the serving engine's steps: the KV cache's rows, a prefill forward of prompt chunks, a decode
-forward of the running rows. No requests, no threads: ``engine.py`` decides what runs (``scheduler.py`` which rows),
+forward of the running rows. No requests, no threads: ``loop.py`` decides what runs (``scheduler.py`` which rows),
 ``ModelSteps`` runs it on the model.
 
 - ``setup()`` (on the engine thread): the model's ``GraphRunner`` with the engine's batch buckets, its KV cache
