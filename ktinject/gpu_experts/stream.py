@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ktinject import native
-from ktinject.gpu_experts import costs as measure, policy
+from ktinject.gpu_experts import costs as measure, hostio, policy
 from ktinject.gpu_experts.bank import Activation, grouped_ffn, grouped_mm_usable, looped_ffn
 from ktinject.gpu_experts.ring import Ring, timed
 from ktinject.gpu_experts.upload import PackedRegion, bias_views, expert_layout, unpack_experts
@@ -53,6 +53,7 @@ MIN_CHUNK, MAX_CHUNK = 512, 16384  # prefill chunk bounds (tokens)
 #: the path their captured graphs take, and below this the GPU's share would not pay for its launches anyway
 AUTO_MIN_TOKENS = 64
 EMA = 0.2  # weight of a new measurement in the running averages of layer_s and the CPU's cost correction
+WAITED_S = 1e-4  # a CPU task's time is measured only where the host waited at least this long for it
 
 
 def blocks_of(model) -> list[HybridMoE]:
@@ -114,7 +115,7 @@ class PrefillStreamer:
         self._decisions: dict[tuple, str] = {}
         self._layer_s: dict[int, float] = {}  # T -> measured layer_s (running average)
         self._cpu_scale: dict[tuple, float] = {}  # costs key -> CPU task time measured / modelled (running average)
-        self._prev_done: tuple[int, float] | None = None  # (layer, host time its CPU task was done) this forward
+        self._prev_done: tuple | None = None  # (layer, host time its CPU task was done, GPU idle then) this forward
         self._observed = False  # measurements since the decisions were made
         self._forward: tuple[int, str] | None = None  # (T, mode) of the forward in progress
         self._last = -1
@@ -222,24 +223,29 @@ class PrefillStreamer:
         ex = block.native_experts
         return ex.quant, ex.num_experts, ex.hidden, ex.intermediate
 
-    def _observe(self, i: int, block, T: int, cpu_counts: np.ndarray, submitted: float, done: float) -> None:
-        """What a split / ahead layer's host clock showed: ``layer_s`` of T-token forwards (the previous layer's task
-        done -> this one's submitted: the dense part, the routing and its copy to the host, the launches) and the
-        CPU's task time against the model's for its ``cpu_counts`` (rows per expert it computed); running averages,
-        the decisions re-made from the next forward on."""
-        prev, self._prev_done = self._prev_done, (i, done)
-        if prev is not None and prev[0] == i - 1:
+    def _observe(self, i: int, block, T: int, cpu_counts: np.ndarray, submitted: float, launched: float,
+                 waited: float, idle: bool) -> None:
+        """What a split / ahead layer's host clock showed (its CPU task submitted, the GPU's work launched, the task
+        waited for; ``idle``: the GPU had finished this layer's streamed work by then): ``layer_s`` of T-token
+        forwards (the previous layer's task done -> this one's submitted: the dense part, the routing and its copy
+        to the host, the launches; only after a layer whose GPU work was done, else the host waited for it too) and
+        the CPU's task time against the model's for its ``cpu_counts`` (rows per expert it computed; only where the
+        host did wait for the task, else it ended unseen); running averages, the decisions re-made from the next
+        forward on."""
+        prev, self._prev_done = self._prev_done, (i, waited, idle)
+        if prev is not None and prev[0] == i - 1 and prev[2]:
             gap = submitted - prev[1]
             old = self._layer_s.get(T)
             self._layer_s[T] = gap if old is None else (1 - EMA) * old + EMA * gap
+            self._observed = True
         key = self._costs_key(block)
         base = self._costs.get(key)
         used = cpu_counts[cpu_counts > 0]
-        if base is not None and used.size:
-            ratio = min(4.0, max(0.25, (done - submitted) / base.cpu_s(used.size, float(used.sum()))))
+        if base is not None and used.size and waited - launched > WAITED_S:
+            ratio = min(4.0, max(0.25, (waited - submitted) / base.cpu_s(used.size, float(used.sum()))))
             old = self._cpu_scale.get(key)
             self._cpu_scale[key] = ratio if old is None else (1 - EMA) * old + EMA * ratio
-        self._observed = True
+            self._observed = True
 
     def switch(self, mode: str) -> None:
         """Another mode from the next forward on ("cpu": decline every forward), keeping the set-up and the
@@ -345,8 +351,12 @@ class PrefillStreamer:
         hdt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         h, i_, o = st.get("hidden", T, H, hdt), st.get("ids", T, k, torch.int64), st.get("out", T, H, hdt)
         w = st.get("weights", T, k, torch.bfloat16 if weights.dtype == torch.bfloat16 else torch.float32)
+        io = self.cuda and hostio.usable(x.device, h, i_, w, o)  # kernels, not copies: hostio says why
         for dst, src in ((h, x), (i_, ids), (w, weights)):
-            dst.copy_(src.detach(), non_blocking=self.cuda)  # device -> pinned host (the CPU path's copies)
+            if io:
+                hostio.to_host(src.detach().contiguous(), dst)
+            else:
+                dst.copy_(src.detach(), non_blocking=self.cuda)  # device -> pinned host (the CPU path's copies)
         shared = extra = streamed = None
         resident = _resident(block)
         gpu = first = None
@@ -372,20 +382,29 @@ class PrefillStreamer:
         skip.numpy()[gpu] = 1
         task = self._task()
         task.bind(block.native_experts, h, i_, w, skip=skip, out=o)
-        submitted = time.perf_counter()
+        submitted = launched = time.perf_counter()
         task.submit()
         try:
             if self.cuda:  # queued while the CPU works
                 streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first) if gpu else None
             else:
                 shared = shared_output(block, block.spec.shared, x)
+            launched = time.perf_counter()
         finally:
             task.wait()  # always: the pool must be done with the buffers before anyone reuses them
-        self._observe(i, block, T, np.where(skip.numpy() == 0, counts, 0), submitted, time.perf_counter())
+        waited = time.perf_counter()
+        idle = True  # the GPU done with this layer's streamed work when the CPU was
+        if self.cuda:
+            done = self._event("_streamed")
+            done.record()
+            idle = done.query()
+        self._observe(i, block, T, np.where(skip.numpy() == 0, counts, 0), submitted, launched, waited, idle)
         if not self.cuda:  # a "GPU" on the CPU: after the pool, not against it
             extra = None if block.hot is None else block.hot(x, ids, weights)
             if gpu:
                 streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first)
+        if io:  # `o` read in place; stream order protects it until the next layer's host sync
+            return hostio.combine(o, streamed, extra, x.dtype, x.device), shared
         routed = torch.empty((T, H), dtype=x.dtype, device=x.device)
         routed.copy_(o, non_blocking=self.cuda)  # stream order protects `o` until the next layer's host sync
         return _total(x, routed, extra, streamed), shared
@@ -499,10 +518,10 @@ class PrefillStreamer:
         cache[i] = (key, pos)
         return pos
 
-    def _event(self) -> torch.cuda.Event:
-        ev = self.__dict__.get("_copied")
+    def _event(self, name: str = "_copied") -> torch.cuda.Event:
+        ev = self.__dict__.get(name)
         if ev is None:
-            ev = self._copied = torch.cuda.Event()
+            ev = self.__dict__[name] = torch.cuda.Event()
         return ev
 
     def _skip(self, E: int) -> torch.Tensor:

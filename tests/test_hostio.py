@@ -1,0 +1,61 @@
+"""The kernels that move a split prefill layer's activations between the device and pinned host memory
+(ktinject.gpu_experts.hostio) against the copies and the sum they replace (stream._total): bit for bit, odd sizes
+(not multiples of the 2048-element block), one element, bf16 / float32 / float16 outputs, with either or both device
+parts. On CUDA (pinned buffers) or with TRITON_INTERPRET=1 on CPU tensors (tests/test_fused_kernels.py's fixture).
+Legend: T tokens, H hidden."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktinject.gpu_experts import hostio
+from ktinject.gpu_experts.stream import _total
+from test_fused_kernels import dev  # noqa: F401
+
+SHAPES = [(3, 700), (1, 1), (5, 2048), (2, 4099)]  # (T, H)
+
+
+def _host(t: torch.Tensor, dev: str) -> torch.Tensor:
+    return t.pin_memory() if dev == "cuda" else t.clone()
+
+
+@pytest.mark.parametrize("T, H", SHAPES)
+@pytest.mark.parametrize("src_dtype, dst_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                  (torch.float32, torch.float32), (torch.int64, torch.int64)])
+def test_to_host_equals_copy(dev, T, H, src_dtype, dst_dtype):
+    g = torch.Generator().manual_seed(T * H)
+    src = (torch.randint(-9, 2**40, (T, H), generator=g) if src_dtype == torch.int64
+           else torch.randn(T, H, generator=g)).to(src_dtype).to(dev)
+    dst = _host(torch.full((T, H), 7, dtype=dst_dtype), dev)
+    hostio.to_host(src, dst)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dst, src.cpu().to(dst_dtype))
+
+
+@pytest.mark.parametrize("T, H", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("parts", ["streamed", "extra", "both", "none"])
+def test_combine_equals_copy_then_total(dev, T, H, dtype, parts):
+    """o (the host dtype of x: bf16 for bf16, else float32) read in place plus the float32 parts: the bits of
+    routed = o copied into x's dtype on the device, then stream._total."""
+    g = torch.Generator().manual_seed(T + H)
+    host_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    o = _host((torch.randn(T, H, generator=g) * 3).to(host_dtype), dev)
+    streamed = torch.randn(T, H, generator=g).to(dev) if parts in ("streamed", "both") else None
+    extra = torch.randn(T, H, generator=g).to(dev) if parts in ("extra", "both") else None
+    x = torch.empty(T, H, dtype=dtype, device=dev)
+    routed = torch.empty(T, H, dtype=dtype, device=dev)
+    routed.copy_(o)
+    want = _total(x, routed, extra, streamed)
+    got = hostio.combine(o, streamed, extra, dtype, torch.device(dev))
+    assert got.dtype == dtype and got.device.type == want.device.type and torch.equal(got, want)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="one shape"):
+        hostio.to_host(torch.zeros(2, 3), torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="float32"):
+        hostio.combine(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bfloat16), None, torch.float32,
+                       torch.device("cpu"))
+    assert not hostio.usable(torch.device("cpu"), torch.zeros(2))  # not a CUDA device
