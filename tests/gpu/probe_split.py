@@ -218,7 +218,8 @@ def timeline(model, s, device, tokens: int, mode: str, n: int, layers=(3, 4, 5, 
 
     raw = s._task()
     s._split, s._stream, s.ring._issue = split, stream_, issue
-    s._event = lambda ev=orig_event(): Ev(ev)
+    copied = Ev(orig_event())
+    s._event = lambda name="_copied": copied if name == "_copied" else orig_event(name)
     s._native_task = Tk(raw)
     try:
         torch.cuda.synchronize()
