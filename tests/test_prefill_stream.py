@@ -442,3 +442,24 @@ def test_split_forwards_measure_layer_s_and_the_cpu(monkeypatch):
         model(ids)
     assert ("marker",) not in s._decisions  # re-decided with what the last forward measured
     stream.attach(model, "cpu")
+
+
+def test_ahead_balance_steers_n_to_where_copy_and_cpu_meet():
+    """balance.AheadBalance: n unchanged until a copy and a CPU task were measured; then (layer_s + p m) / (c + p),
+    at most STEP a layer, within [1, min(cap, m)]; kept per T for the next forward."""
+    from ktinject.gpu_experts.balance import STEP, AheadBalance
+
+    b = AheadBalance()
+    assert b.start(512, 40) == 40 and b.steer(512, 40, 128, 0.0, 128) == 40  # nothing measured
+    b.copied(512, 40 * 1e-4, 40)  # 0.1 ms an expert copied
+    assert b.steer(512, 40, 128, 0.0, 128) == 40
+    b.computed(512, 88 * 1e-4, 88)  # 0.1 ms an expert on the CPU
+    assert b.steer(512, 60, 128, 0.0, 128) == 64  # equal rates, no host part: half
+    assert b.steer(512, 40, 128, 0.0, 128) == 40 + STEP  # at most STEP a layer
+    assert b.steer(512, 64, 128, 2e-3, 128) == 64 + STEP  # the host's 2 ms on the CPU's side: the GPU takes 10 more
+    assert b.steer(512, 74, 128, 2e-3, 128) == 74 and b.start(512, 1) == 74  # kept for the next forward of 512
+    assert b.steer(512, 74, 128, 2e-3, 70) == 70 and b.steer(512, 2, 3, 1.0, 128) == 3  # cap, m
+    assert b.start(2048, 17) == 17  # another length: the model's n
+    b.copied(512, 0.0, 0)
+    b.computed(512, 1.0, 0)  # empty samples ignored
+    assert b.copy_s[512] == pytest.approx(1e-4) and b.cpu_s[512] == pytest.approx(1e-4)

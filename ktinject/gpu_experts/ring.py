@@ -82,6 +82,7 @@ class Ring:
         self.pending: Item | None = None
         self.copied = 0  # bytes copied in (statistics)
         self.trace: list | None = None  # a list: (key, start, end) timing events of each copy are appended (CUDA)
+        self.spans: dict | None = None  # a dict: key -> (start, end, experts) timing events of each copy (CUDA)
         self._next = 0
 
     @property
@@ -105,9 +106,15 @@ class Ring:
             self.stream.wait_event(self.free[s])  # the slot's last reader is done with it
             with torch.cuda.stream(self.stream):
                 span = timed(self.trace, ("copy", key))
+                ends = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.spans is not None else None
+                if ends:
+                    ends[0].record(self.stream)
                 for first, count, pos in runs(experts):
                     dst[pos * B:(pos + count) * B].copy_(region[first * B:(first + count) * B], non_blocking=True)
                 span.close()
+                if ends:
+                    ends[1].record(self.stream)
+                    self.spans[key] = (ends[0], ends[1], n)
                 self.done[s].record(self.stream)
         else:
             for first, count, pos in runs(experts):

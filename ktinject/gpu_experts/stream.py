@@ -40,6 +40,7 @@ import torch
 
 from ktinject import native
 from ktinject.gpu_experts import costs as measure, hostio, policy
+from ktinject.gpu_experts.balance import AheadBalance
 from ktinject.gpu_experts.bank import Activation, grouped_ffn, grouped_mm_usable, looped_ffn
 from ktinject.gpu_experts.ring import Ring, timed
 from ktinject.gpu_experts.upload import PackedRegion, bias_views, expert_layout, unpack_experts
@@ -120,7 +121,8 @@ class PrefillStreamer:
         self._forward: tuple[int, str] | None = None  # (T, mode) of the forward in progress
         self._last = -1
         self._ready = False
-        self._n_ahead = 0  # ahead mode: GPU experts a layer in this forward
+        self._n_ahead = 0  # ahead mode: GPU experts a layer in this forward (steered by ``balance``)
+        self.balance = AheadBalance()
         self._seen: dict[int, np.ndarray] = {}  # layer -> rows per expert in earlier split / ahead forwards (decayed)
         self._sets: dict[int, tuple[int, list[int]]] = {}  # layer -> (n, its GPU experts) until the layer uses them
         self.last: dict = {}  # the last forward: T, mode, experts on the GPU per layer
@@ -218,6 +220,19 @@ class PrefillStreamer:
         costs = self._costs[key].scaled(self._cpu_scale.get(key, 1.0), self._layer_s.get(T))
         return costs.with_(**self.costs_override) if isinstance(self.costs_override, dict) else costs
 
+    def _steer(self, block, T: int, cpu_experts: int, cpu_seconds: float | None) -> None:
+        """Ahead mode: the copies that have ended and this layer's CPU task (when the host saw it end) into the
+        balance; the layers not yet fetched take the n it steers to."""
+        for key, (start, end, n) in list(self.ring.spans.items()):
+            if end.query():
+                self.balance.copied(T, start.elapsed_time(end) / 1e3, n)
+                del self.ring.spans[key]
+        if cpu_seconds is not None:
+            self.balance.computed(T, cpu_seconds, cpu_experts)
+        streamable = int(block.num_experts - _resident(block).sum())
+        layer_s = self._layer_s.get(T, policy.Costs.layer_s)
+        self._n_ahead = self.balance.steer(T, self._n_ahead, streamable, layer_s, self.cap)
+
     @staticmethod
     def _costs_key(block) -> tuple:
         ex = block.native_experts
@@ -303,7 +318,9 @@ class PrefillStreamer:
             self._forward = (T, mode)
             self.last = {"T": T, "mode": mode, "gpu_experts": []}
             if mode == "ahead":
-                self._n_ahead = self._ahead_n(block, T, k)
+                self._n_ahead = self.balance.start(T, self._ahead_n(block, T, k))
+            if self._ready:
+                self.ring.spans = {} if mode == "ahead" and self.cuda else None  # copy times for the balance
             if self._ready and mode not in ("gpu", "ahead"):  # those may take the first layer's copy fetched ahead
                 self.ring.drop()
         self._last = i
@@ -398,7 +415,11 @@ class PrefillStreamer:
             done = self._event("_streamed")
             done.record()
             idle = done.query()
-        self._observe(i, block, T, np.where(skip.numpy() == 0, counts, 0), submitted, launched, waited, idle)
+        cpu_counts = np.where(skip.numpy() == 0, counts, 0)
+        self._observe(i, block, T, cpu_counts, submitted, launched, waited, idle)
+        if ahead and self.ring.spans is not None:
+            self._steer(block, T, int((cpu_counts > 0).sum()), waited - submitted if waited - launched > WAITED_S
+                        else None)
         if not self.cuda:  # a "GPU" on the CPU: after the pool, not against it
             extra = None if block.hot is None else block.hot(x, ids, weights)
             if gpu:

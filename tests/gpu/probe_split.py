@@ -22,6 +22,15 @@ from ktinject import native
 from ktinject.bench.model import bench_model
 from ktinject.bench.prefill import time_prefill
 from ktinject.gpu_experts import policy, stream
+from ktinject.gpu_experts.balance import AheadBalance
+
+
+class _Fixed(AheadBalance):
+    def start(self, T, model_n):
+        return model_n
+
+    def steer(self, T, n, m, layer_s, cap):
+        return n
 
 
 class _TimedTask:
@@ -88,6 +97,7 @@ def main():
             return sorted(int(e) for e in order[:forced["n"]])
 
         raw_task = native.Task()
+        steered = s.balance
         configs = [("cpu", None), ("gpu", None), ("auto", None)]
         configs += [(m, n) for m in a.modes.split(",") for n in ns]
         results = {c: [] for c in configs}
@@ -99,6 +109,7 @@ def main():
                 s.switch("auto" if mode in ("split", "ahead") else mode)
                 for attr in ("_decide", "_ahead_n", "_stream", "_native_task"):
                     s.__dict__.pop(attr, None)
+                s.balance = steered if mode == "auto" else _Fixed()  # forced n: not steered away
                 policy.choose_split = orig_split
                 if mode in ("split", "ahead"):
                     forced["n"] = n
@@ -121,6 +132,7 @@ def main():
         for spec in filter(None, a.timeline.split(",")):
             mode, n = spec.split(":")
             s.switch("auto")
+            s.balance = _Fixed()
             for attr in ("_stream", "_native_task"):
                 s.__dict__.pop(attr, None)
             forced["n"] = int(n)
