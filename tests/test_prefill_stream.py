@@ -427,17 +427,18 @@ def test_split_forwards_measure_layer_s_and_the_cpu(monkeypatch):
     base = s.costs_for(b)
     monkeypatch.setattr(s, "_decide", lambda *a: "split")
     monkeypatch.setattr(policy, "choose_split", lambda counts, eligible, costs: [int(np.argmax(counts))])
-    monkeypatch.setattr(stream, "WAITED_S", 0.0)  # the tiny model's tasks may end within 0.1 ms
+    monkeypatch.setattr(stream, "WAITED_S", 0.0)  # the tiny model's tasks may end within 0.1 ms (T: 2 layers)
     s._decisions[("marker",)] = "cpu"
     with torch.no_grad():
         model(ids)
     T = ids.shape[1]
-    assert set(s._layer_s) == {T} and 0 < s._layer_s[T] < 5.0
-    scale = s._cpu_scale[s._costs_key(b)]
-    assert 0.25 <= scale <= 4.0
+    m = s.measured
+    assert set(m.layer) == {T} and 0 < m.layer_s(T) < 5.0
+    scale = m.cpu_scale(s._costs_key(b))
+    assert 0 < scale and len(m.cpu[s._costs_key(b)]) == 2  # a sample a layer
     c = s.costs_for(b, T)
-    assert c.layer_s == s._layer_s[T] and c.cpu_expert_s == pytest.approx(base.cpu_expert_s * scale)
-    assert s.costs_for(b).layer_s == base.layer_s  # no T: nothing measured for it
+    assert c.layer_s == m.layer_s(T) and c.cpu_expert_s == pytest.approx(base.cpu_expert_s * scale)
+    assert s.costs_for(b, 4 * T).layer_s == m.layer_s(T)  # another length: the nearest measured stands in
     with torch.no_grad():
         model(ids)
     assert ("marker",) not in s._decisions  # re-decided with what the last forward measured
@@ -462,4 +463,26 @@ def test_ahead_balance_steers_n_to_where_copy_and_cpu_meet():
     assert b.start(2048, 17) == 17  # another length: the model's n
     b.copied(512, 0.0, 0)
     b.computed(512, 1.0, 0)  # empty samples ignored
-    assert b.copy_s[512] == pytest.approx(1e-4) and b.cpu_s[512] == pytest.approx(1e-4)
+    assert b.copy_s.median(512) == pytest.approx(1e-4) and b.cpu_s.median(512) == pytest.approx(1e-4)
+
+
+def test_measured_medians_shrug_off_one_slow_layer():
+    """balance.Measured: medians of the last samples (a kernel compiled inside one layer's gap must not make auto
+    think every layer is slow), the nearest measured length standing in for another, defaults where nothing is."""
+    from ktinject.gpu_experts.balance import WINDOW, Measured
+
+    m = Measured()
+    assert m.layer_s(512) is None and m.cpu_scale("k") == 1.0 and m.h2d_shared() is None
+    for v in (2e-3, 1.5, 2.2e-3, 1.9e-3):  # 1.5 s: a JIT compile
+        m.layer.add(512, v)
+    assert m.layer_s(512) == pytest.approx(2.1e-3)
+    m.layer.add(8192, 9e-3)
+    assert m.layer_s(1024) == pytest.approx(2.1e-3) and m.layer_s(4096) == 9e-3 and m.layer_s(64) == m.layer_s(512)
+    for _ in range(WINDOW):
+        m.layer.add(512, 3e-3)
+    assert m.layer_s(512) == 3e-3  # only the last WINDOW count
+    m.cpu.add("k", 1.4)
+    m.copy.add(0, 44e9)
+    assert m.cpu_scale("k") == 1.4 and m.h2d_shared() == 44e9
+    slow = INT4.with_(h2d_shared=INT4.h2d / 2)  # copies at half speed beside the CPU: ahead gives the GPU less
+    assert policy.ahead_split(512, 8, 128, slow)[0] < policy.ahead_split(512, 8, 128, INT4)[0]

@@ -84,9 +84,12 @@ def _chose(streamer) -> str:
     E = streamer.blocks[0].num_experts
     measured = ""
     T = last.get("T")
-    if T in streamer._layer_s:
-        scale = ", ".join(f"{v:.2f}" for v in streamer._cpu_scale.values())
-        measured = f" (measured: {1e3 * streamer._layer_s[T]:.2f} ms a layer outside the experts, CPU costs x{scale})"
+    m = streamer.measured
+    if m.layer_s(T) is not None:
+        scale = ", ".join(f"{m.cpu_scale(k):.2f}" for k in m.cpu)
+        shared = m.h2d_shared()
+        measured = (f" (measured: {1e3 * m.layer_s(T):.2f} ms a layer outside the experts, CPU costs x{scale}"
+                    + (f", copies beside the CPU {shared / 1e9:.1f} GB/s" if shared else "") + ")")
     if last["mode"] in ("split", "ahead", "gpu", "gpu-used") and n:
         return f"{last['mode']}: {statistics.median(n):g} of {E} experts a layer on the GPU{measured}"
     return last["mode"] + measured

@@ -1,10 +1,18 @@
-"""Ahead mode's GPU share steered by what its layers show (streamed prefill, issue 19).
+"""What split and ahead layers show, fed back into the prefill policy (streamed prefill, issue 19).
 
-The cost model (``policy.ahead_split``) sizes n, the experts a layer the GPU takes, from rates measured alone: the
-H2D bandwidth of one copy, the CPU's time per expert of a forward with nothing beside it. In ahead mode both run at
-once and slow each other (on the H100, int8 at 512 tokens: the copies at ~44 GB/s instead of 55, the CPU's tasks up
-to 1.7x the model's), so the model's n may leave either side waiting. Here each ahead layer's copy (CUDA events)
-and CPU task (host clock) give per-expert rates under that load, and the next layers' n balances them:
+The cost model (``policy``) starts from rates measured alone: one copy's H2D bandwidth, the CPU's time per expert
+of a forward with nothing beside it, a guess of a layer's time outside its experts (``layer_s``). When the CPU
+and the copies run at once they slow each other (on the H100, int8 at 512 tokens: copies at ~44 GB/s instead of
+55, the CPU's tasks up to 1.7x the model's), and ``layer_s`` is ~2-3 ms, not 0.3. ``Measured`` keeps the samples
+the streamer takes in split and ahead layers (medians of the last WINDOW: one slow layer, e.g. a kernel compiled in
+it, does not steer the next decisions):
+
+    layer_s(T)        host time from one layer's CPU task done to the next one's submit (T tokens; the nearest
+                      measured T stands in for one not measured yet)
+    cpu_scale(key)    the CPU's task time / the model's, beside the copies
+    h2d_shared()      bytes per second of ahead mode's copies, beside the CPU's work
+
+``AheadBalance`` steers ahead mode's n from one layer to the next with the per-expert rates of the same samples:
 
     copy of n experts           = c * n                       (runs during everything else of the layer before)
     layer_s + CPU's other m - n  = layer_s + p * (m - n)      (the host's part and the CPU's experts, serial)
@@ -14,36 +22,69 @@ kept per prompt length T for the next forwards. Legend: m streamable experts a l
 """
 from __future__ import annotations
 
-EMA = 0.3  # weight of a layer's rates in the running averages
+import math
+import statistics
+from collections import deque
+
+WINDOW = 15  # samples kept per quantity: their median is the estimate
 STEP = 8  # at most this change of n from one layer to the next
+
+
+class _Samples(dict):
+    """key -> the last WINDOW samples; ``median(key)`` or None."""
+
+    def add(self, key, value: float) -> None:
+        self.setdefault(key, deque(maxlen=WINDOW)).append(float(value))
+
+    def median(self, key) -> float | None:
+        got = self.get(key)
+        return statistics.median(got) if got else None
+
+
+class Measured:
+    def __init__(self):
+        self.layer = _Samples()  # T -> seconds
+        self.cpu = _Samples()  # costs key -> measured / modelled
+        self.copy = _Samples()  # 0 -> bytes per second (ahead mode's copies)
+
+    def layer_s(self, T: int) -> float | None:
+        """The median at T, else at the measured T nearest (by ratio), else None."""
+        if T in self.layer:
+            return self.layer.median(T)
+        if not self.layer:
+            return None
+        near = min(self.layer, key=lambda t: abs(math.log(max(t, 1) / max(T, 1))))
+        return self.layer.median(near)
+
+    def cpu_scale(self, key) -> float:
+        return self.cpu.median(key) or 1.0
+
+    def h2d_shared(self) -> float | None:
+        return self.copy.median(0)
 
 
 class AheadBalance:
     def __init__(self):
         self.n: dict[int, int] = {}  # T -> n steered to
-        self.copy_s: dict[int, float] = {}  # T -> seconds per expert copied, under the layer's load
-        self.cpu_s: dict[int, float] = {}  # T -> seconds per expert on the CPU, beside the copies
+        self.copy_s = _Samples()  # T -> seconds per expert copied, under the layer's load
+        self.cpu_s = _Samples()  # T -> seconds per expert on the CPU, beside the copies
 
     def start(self, T: int, model_n: int) -> int:
         """n for a forward of T tokens: where earlier forwards steered to, else the cost model's."""
         return self.n.get(T, model_n)
 
-    @staticmethod
-    def _avg(d: dict, T: int, v: float) -> None:
-        d[T] = v if T not in d else (1 - EMA) * d[T] + EMA * v
-
     def copied(self, T: int, seconds: float, experts: int) -> None:
         if experts > 0 and seconds > 0:
-            self._avg(self.copy_s, T, seconds / experts)
+            self.copy_s.add(T, seconds / experts)
 
     def computed(self, T: int, seconds: float, experts: int) -> None:
         if experts > 0 and seconds > 0:
-            self._avg(self.cpu_s, T, seconds / experts)
+            self.cpu_s.add(T, seconds / experts)
 
     def steer(self, T: int, n: int, m: int, layer_s: float, cap: int) -> int:
         """The next layers' n from n (this layer's) for m streamable experts; n unchanged until both rates are
         measured."""
-        c, p = self.copy_s.get(T), self.cpu_s.get(T)
+        c, p = self.copy_s.median(T), self.cpu_s.median(T)
         if c is None or p is None or m <= 0:
             return n
         want = (layer_s + p * m) / (c + p)

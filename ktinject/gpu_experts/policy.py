@@ -100,6 +100,7 @@ class Costs:
     split_s: float = 1e-4
     dense_s: float = 3e-4
     layer_s: float = 3e-4
+    h2d_shared: float | None = None  # bytes/s of copies beside the CPU's work (ahead mode), when measured; else h2d
 
     def with_(self, **changes) -> Costs:
         return replace(self, **changes)
@@ -201,7 +202,7 @@ def ahead_times(T: int, k: int, experts: int, costs: Costs, cap: int | None = No
     used = uniform_rows(T, k, experts).size / experts  # chance an expert has rows
     cpu = costs.cpu_expert_s * used * (experts - n) + costs.cpu_row_s * per * (experts - n)
     gpu = np.where(n > 0, costs.gpu_expert_s * n + costs.gpu_row_s * per * n + costs.gpu_layer_s, 0.0)
-    copy = costs.copy_s(1.0) * n  # during the layer before: hidden unless it is the longest
+    copy = n * costs.expert_bytes / (costs.h2d_shared or costs.h2d)  # during the layer before: hidden unless longest
     # no memory floor as in split_times (host memory reads far faster than PCIe): the copies' contention with the
     # CPU is in the CPU's costs the streamer measures during such forwards (Costs.scaled)
     return np.maximum.reduce([costs.layer_s + cpu, costs.layer_s + gpu, copy])

@@ -40,7 +40,7 @@ import torch
 
 from ktinject import native
 from ktinject.gpu_experts import costs as measure, hostio, policy
-from ktinject.gpu_experts.balance import AheadBalance
+from ktinject.gpu_experts.balance import AheadBalance, Measured
 from ktinject.gpu_experts.bank import Activation, grouped_ffn, grouped_mm_usable, looped_ffn
 from ktinject.gpu_experts.ring import Ring, timed
 from ktinject.gpu_experts.upload import PackedRegion, bias_views, expert_layout, unpack_experts
@@ -53,7 +53,6 @@ MIN_CHUNK, MAX_CHUNK = 512, 16384  # prefill chunk bounds (tokens)
 #: auto leaves forwards of fewer tokens to the CPU without asking the cost model: decode steps (batches of rows) keep
 #: the path their captured graphs take, and below this the GPU's share would not pay for its launches anyway
 AUTO_MIN_TOKENS = 64
-EMA = 0.2  # weight of a new measurement in the running averages of layer_s and the CPU's cost correction
 WAITED_S = 1e-4  # a CPU task's time is measured only where the host waited at least this long for it
 
 
@@ -114,8 +113,7 @@ class PrefillStreamer:
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._costs: dict[tuple, policy.Costs] = {}
         self._decisions: dict[tuple, str] = {}
-        self._layer_s: dict[int, float] = {}  # T -> measured layer_s (running average)
-        self._cpu_scale: dict[tuple, float] = {}  # costs key -> CPU task time measured / modelled (running average)
+        self.measured = Measured()  # what split and ahead layers showed (balance.py)
         self._prev_done: tuple | None = None  # (layer, host time its CPU task was done, GPU idle then) this forward
         self._observed = False  # measurements since the decisions were made
         self._forward: tuple[int, str] | None = None  # (T, mode) of the forward in progress
@@ -217,7 +215,10 @@ class PrefillStreamer:
             self._costs[key] = policy.Costs(h2d=self.h2d, expert_bytes=self.layouts[i].expert_bytes,
                                             cpu_expert_s=per_expert, cpu_row_s=per_row, **gpu)
             log.info("prefill: costs of %s: %s", key, self._costs[key])
-        costs = self._costs[key].scaled(self._cpu_scale.get(key, 1.0), self._layer_s.get(T))
+        costs = self._costs[key].scaled(self.measured.cpu_scale(key), self.measured.layer_s(T))
+        shared = self.measured.h2d_shared()
+        if shared is not None:
+            costs = costs.with_(h2d_shared=shared)
         return costs.with_(**self.costs_override) if isinstance(self.costs_override, dict) else costs
 
     def _steer(self, block, T: int, cpu_experts: int, cpu_seconds: float | None) -> None:
@@ -225,12 +226,15 @@ class PrefillStreamer:
         balance; the layers not yet fetched take the n it steers to."""
         for key, (start, end, n) in list(self.ring.spans.items()):
             if end.query():
-                self.balance.copied(T, start.elapsed_time(end) / 1e3, n)
+                seconds = start.elapsed_time(end) / 1e3
+                self.balance.copied(T, seconds, n)
+                if seconds > 0:
+                    self.measured.copy.add(0, n * self.layouts[0].expert_bytes / seconds)
                 del self.ring.spans[key]
         if cpu_seconds is not None:
             self.balance.computed(T, cpu_seconds, cpu_experts)
         streamable = int(block.num_experts - _resident(block).sum())
-        layer_s = self._layer_s.get(T, policy.Costs.layer_s)
+        layer_s = self.measured.layer_s(T) or policy.Costs.layer_s
         self._n_ahead = self.balance.steer(T, self._n_ahead, streamable, layer_s, self.cap)
 
     @staticmethod
@@ -249,17 +253,13 @@ class PrefillStreamer:
         forward on."""
         prev, self._prev_done = self._prev_done, (i, waited, idle)
         if prev is not None and prev[0] == i - 1 and prev[2]:
-            gap = submitted - prev[1]
-            old = self._layer_s.get(T)
-            self._layer_s[T] = gap if old is None else (1 - EMA) * old + EMA * gap
+            self.measured.layer.add(T, submitted - prev[1])
             self._observed = True
         key = self._costs_key(block)
         base = self._costs.get(key)
         used = cpu_counts[cpu_counts > 0]
         if base is not None and used.size and waited - launched > WAITED_S:
-            ratio = min(4.0, max(0.25, (waited - submitted) / base.cpu_s(used.size, float(used.sum()))))
-            old = self._cpu_scale.get(key)
-            self._cpu_scale[key] = ratio if old is None else (1 - EMA) * old + EMA * ratio
+            self.measured.cpu.add(key, (waited - submitted) / base.cpu_s(used.size, float(used.sum())))
             self._observed = True
 
     def switch(self, mode: str) -> None:
