@@ -416,10 +416,11 @@ def test_costs_are_measured_once():
 
 
 def test_split_forwards_measure_layer_s_and_the_cpu(monkeypatch):
-    """A split forward's host clock feeds the model: layer_s of its T (from the second layer on: the time from one
+    """A split forward's host clock feeds the model: layer_s of its T (from the third layer on: the time from one
     layer's CPU task done to the next one's submit) and the CPU's correction (its tasks' times against the model's);
     costs_for(block, T) uses them, and the next forward decides again."""
-    model = _tiny("qwen3_moe", prefill="cpu")
+    model = build_tiny_model("qwen3_moe", dtype=torch.float32, num_hidden_layers=4)
+    ktinject.inject(model, gpu="cpu", prefill="cpu")
     ids = tiny_prompts(1, 40, seed=5)
     s = stream.attach(model, "gpu")
     s.switch("auto")
@@ -435,7 +436,8 @@ def test_split_forwards_measure_layer_s_and_the_cpu(monkeypatch):
     m = s.measured
     assert set(m.layer) == {T} and 0 < m.layer_s(T) < 5.0
     scale = m.cpu_scale(s._costs_key(b))
-    assert 0 < scale and len(m.cpu[s._costs_key(b)]) == 2  # a sample a layer
+    assert 0 < scale and 3 <= len(m.cpu[s._costs_key(b)]) <= 4  # a sample a layer (one may be an outlier)
+    assert 1 <= len(m.layer[T]) <= 2  # from the third layer on (the first ones allocate, compile)
     c = s.costs_for(b, T)
     assert c.layer_s == m.layer_s(T) and c.cpu_expert_s == pytest.approx(base.cpu_expert_s * scale)
     assert s.costs_for(b, 4 * T).layer_s == m.layer_s(T)  # another length: the nearest measured stands in
@@ -476,6 +478,8 @@ def test_measured_medians_shrug_off_one_slow_layer():
     for v in (2e-3, 1.5, 2.2e-3, 1.9e-3):  # 1.5 s: a JIT compile
         m.layer.add(512, v)
     assert m.layer_s(512) == pytest.approx(2.1e-3)
+    m.layer.add(512, 0.5)  # over OUTLIER x the median of those kept: dropped
+    assert len(m.layer[512]) == 4 and m.layer_s(512) == pytest.approx(2.1e-3)
     m.layer.add(8192, 9e-3)
     assert m.layer_s(1024) == pytest.approx(2.1e-3) and m.layer_s(4096) == 9e-3 and m.layer_s(64) == m.layer_s(512)
     for _ in range(WINDOW):

@@ -28,13 +28,19 @@ from collections import deque
 
 WINDOW = 15  # samples kept per quantity: their median is the estimate
 STEP = 8  # at most this change of n from one layer to the next
+OUTLIER = 10.0  # a sample this many times the median of the kept ones is dropped
 
 
 class _Samples(dict):
-    """key -> the last WINDOW samples; ``median(key)`` or None."""
+    """key -> the last WINDOW samples; ``median(key)`` or None. A sample over OUTLIER x the median of three or more
+    is dropped: the H100 run of 5c3ae5e (bench prefill, bf16) kept a median of 415 ms "a layer outside the experts"
+    from its first forwards, where 2.6-8 ms is what a layer shows (that stuck auto at cpu)."""
 
     def add(self, key, value: float) -> None:
-        self.setdefault(key, deque(maxlen=WINDOW)).append(float(value))
+        got = self.setdefault(key, deque(maxlen=WINDOW))
+        if len(got) >= 3 and value > OUTLIER * statistics.median(got):
+            return
+        got.append(float(value))
 
     def median(self, key) -> float | None:
         got = self.get(key)

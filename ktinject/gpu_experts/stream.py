@@ -252,7 +252,7 @@ class PrefillStreamer:
         host did wait for the task, else it ended unseen); running averages, the decisions re-made from the next
         forward on."""
         prev, self._prev_done = self._prev_done, (i, waited, idle)
-        if prev is not None and prev[0] == i - 1 and prev[2]:
+        if prev is not None and prev[0] == i - 1 and prev[2] and i >= 2:  # the first layers allocate, compile
             self.measured.layer.add(T, submitted - prev[1])
             self._observed = True
         key = self._costs_key(block)
