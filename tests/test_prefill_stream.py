@@ -490,3 +490,21 @@ def test_measured_medians_shrug_off_one_slow_layer():
     assert m.cpu_scale("k") == 1.4 and m.h2d_shared() == 44e9
     slow = INT4.with_(h2d_shared=INT4.h2d / 2)  # copies at half speed beside the CPU: ahead gives the GPU less
     assert policy.ahead_split(512, 8, 128, slow)[0] < policy.ahead_split(512, 8, 128, INT4)[0]
+
+
+def test_ahead_estimate_from_measured_rates():
+    """AheadBalance.estimate: ahead's layer time at the balanced n from the measured per-expert rates (the nearest
+    measured T for another), which auto's choice uses in place of the model's once ahead has run."""
+    from ktinject.gpu_experts.balance import AheadBalance
+
+    b = AheadBalance()
+    assert b.estimate(512, 128, 2e-3, 128) is None
+    b.copied(512, 50e-6 * 64, 64)  # 50 us an expert copied
+    b.computed(512, 100e-6 * 64, 64)  # 100 us an expert on the CPU
+    n = (2e-3 + 100e-6 * 128) / 150e-6
+    assert b.estimate(512, 128, 2e-3, 128) == pytest.approx(50e-6 * n)
+    assert b.estimate(2048, 128, 2e-3, 128) == b.estimate(512, 128, 2e-3, 128)  # nearest measured T
+    assert b.estimate(512, 128, 2e-3, 40) == pytest.approx(2e-3 + 100e-6 * 88)  # a slot of 40: the CPU's side
+    costs = INT4.with_(layer_s=2e-3)
+    assert policy.choose_mode(512, 8, 128, costs, None, ahead_s=1.0) == "gpu"  # measured ahead too slow
+    assert policy.choose_mode(512, 8, 128, costs, None, ahead_s=1e-3) == "ahead"

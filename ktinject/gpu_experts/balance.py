@@ -87,6 +87,25 @@ class AheadBalance:
         if experts > 0 and seconds > 0:
             self.cpu_s.add(T, seconds / experts)
 
+    def _rates(self, T: int) -> tuple[float, float] | None:
+        """(c, p) measured at T, else at the nearest T measured (by ratio), else None."""
+        if T not in self.copy_s or T not in self.cpu_s:
+            both = [t for t in self.copy_s if t in self.cpu_s]
+            if not both:
+                return None
+            T = min(both, key=lambda t: abs(math.log(max(t, 1) / max(T, 1))))
+        return self.copy_s.median(T), self.cpu_s.median(T)
+
+    def estimate(self, T: int, m: int, layer_s: float, cap: int) -> float | None:
+        """Seconds of an ahead layer of T tokens at the balanced n, from the rates measured (None before any):
+        max(c n, layer_s + p (m - n)) with n as ``steer`` aims."""
+        rates = self._rates(T)
+        if rates is None or m <= 0:
+            return None
+        c, p = rates
+        n = max(1.0, min((layer_s + p * m) / (c + p), float(cap), float(m)))
+        return max(c * n, layer_s + p * (m - n))
+
     def steer(self, T: int, n: int, m: int, layer_s: float, cap: int) -> int:
         """The next layers' n from n (this layer's) for m streamable experts; n unchanged until both rates are
         measured."""

@@ -229,9 +229,11 @@ def ahead_experts(seen: np.ndarray | None, eligible: np.ndarray, n: int) -> list
     return sorted(int(e) for e in order[:n])
 
 
-def estimates(T: int, k: int, experts: int, costs: Costs, cap: int | None = None) -> dict[str, float]:
+def estimates(T: int, k: int, experts: int, costs: Costs, cap: int | None = None,
+              ahead_s: float | None = None) -> dict[str, float]:
     """Seconds per layer of each mode for T tokens over ``experts`` streamable experts (uniform routing); ``cap``:
-    at most this many experts in one copy (a ring slot), for ahead mode."""
+    at most this many experts in one copy (a ring slot), for ahead mode; ``ahead_s``: ahead mode's time as measured
+    (``balance.AheadBalance.estimate``), instead of the model's."""
     rows = uniform_rows(T, k, experts)
     cpu = costs.layer_s + costs.cpu_s(rows.size, rows.sum())
     _, split = best_split(rows, costs)
@@ -241,15 +243,18 @@ def estimates(T: int, k: int, experts: int, costs: Costs, cap: int | None = None
     else:  # copied after routing, used experts only: nothing overlaps the copy
         gpu = costs.layer_s + costs.gpu_s(rows.size, rows.sum()) + costs.split_s
     # ahead only where nearly every expert gets rows: a fixed set copied for few tokens would mostly go unused
-    ahead = ahead_split(T, k, experts, costs, cap)[1] if prefetch_worthy(T, k, experts) else cpu
+    ahead = cpu
+    if prefetch_worthy(T, k, experts):
+        ahead = ahead_split(T, k, experts, costs, cap)[1] if ahead_s is None else ahead_s
     return {"cpu": cpu, "split": costs.layer_s + split, "ahead": ahead, "gpu": gpu}
 
 
-def choose_mode(T: int, k: int, experts: int, costs: Costs, cap: int | None = None) -> str:
+def choose_mode(T: int, k: int, experts: int, costs: Costs, cap: int | None = None,
+                ahead_s: float | None = None) -> str:
     """"cpu", "split", "ahead" or "gpu" for a forward of T tokens: the least estimated time; cpu unless the best
     other mode is at least MARGIN faster, a mode shared with the CPU over gpu only when SHARED_MARGIN faster; ahead
-    on a tie with split (its copies overlap)."""
-    est = estimates(T, k, experts, costs, cap)
+    on a tie with split (its copies overlap). ``ahead_s``: as for ``estimates``."""
+    est = estimates(T, k, experts, costs, cap, ahead_s)
     if not all(math.isfinite(v) for v in est.values()):
         return "cpu"
     shared = "ahead" if AHEAD and est["ahead"] <= est["split"] else "split"

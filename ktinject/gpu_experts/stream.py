@@ -283,8 +283,10 @@ class PrefillStreamer:
         key = (T, k, streamable, id(block.native_experts))
         if key not in self._decisions:
             self.setup()
-            self._decisions[key] = "cpu" if not self.pinned else policy.choose_mode(T, k, streamable,
-                                                                                  self.costs_for(block, T), self.cap)
+            costs = self.costs_for(block, T)
+            ahead_s = self.balance.estimate(T, streamable, costs.layer_s, self.cap)  # measured, once ahead ran
+            self._decisions[key] = "cpu" if not self.pinned else policy.choose_mode(T, k, streamable, costs,
+                                                                                  self.cap, ahead_s)
         return self._decisions[key]
 
     def _ahead_n(self, block, T: int, k: int) -> int:
