@@ -242,18 +242,21 @@ class PrefillStreamer:
         ex = block.native_experts
         return ex.quant, ex.num_experts, ex.hidden, ex.intermediate
 
-    def _observe(self, i: int, block, T: int, cpu_counts: np.ndarray, submitted: float, launched: float,
-                 waited: float, idle: bool) -> None:
-        """What a split / ahead layer's host clock showed (its CPU task submitted, the GPU's work launched, the task
-        waited for; ``idle``: the GPU had finished this layer's streamed work by then): ``layer_s`` of T-token
-        forwards (the previous layer's task done -> this one's submitted: the dense part, the routing and its copy
-        to the host, the launches; only after a layer whose GPU work was done, else the host waited for it too) and
-        the CPU's task time against the model's for its ``cpu_counts`` (rows per expert it computed; only where the
-        host did wait for the task, else it ended unseen); running averages, the decisions re-made from the next
-        forward on."""
+    def _observe(self, i: int, block, T: int, cpu_counts: np.ndarray, times: tuple, idle: bool) -> None:
+        """What a split / ahead layer's host clock showed, ``times``: (the layer entered, its routing synced, its
+        CPU task submitted, the GPU's work launched, the task waited for); ``idle``: the GPU had finished this
+        layer's streamed work by then. ``layer_s`` of T-token forwards: the host's time from the previous layer's
+        task done to this layer's entry (the dense part's launches: no sync between), plus the routing sync's wait
+        and this layer's own set-up where the previous layer left the GPU idle (else the sync waited for the
+        previous layer's expert copies, which the balance counts as the copies' time); from the third layer on (the
+        first ones allocate, compile). The CPU's task time against the model's for its ``cpu_counts`` (rows per
+        expert it computed), only where the host did wait for the task (else it ended unseen). Medians of the
+        last samples (``balance.Measured``); the decisions are re-made from the next forward on."""
+        entered, synced, submitted, launched, waited = times
         prev, self._prev_done = self._prev_done, (i, waited, idle)
-        if prev is not None and prev[0] == i - 1 and prev[2] and i >= 2:  # the first layers allocate, compile
-            self.measured.layer.add(T, submitted - prev[1])
+        if prev is not None and prev[0] == i - 1 and i >= 2:
+            tail = submitted - entered if prev[2] else submitted - synced
+            self.measured.layer.add(T, entered - prev[1] + tail)
             self._observed = True
         key = self._costs_key(block)
         base = self._costs.get(key)
@@ -364,6 +367,7 @@ class PrefillStreamer:
         the GPU's experts are the layer's fixed set (``_set``), fetched during the layer before. The GPU's work (and
         the next layer's copy) is queued after the CPU's task is submitted, so that its launches (and any host sync
         in them) overlap the CPU's work, not precede it."""
+        entered = time.perf_counter()
         T, H = x.shape
         k, E = ids.shape[1], block.num_experts
         st = staging(pin=self.cuda)
@@ -389,6 +393,7 @@ class PrefillStreamer:
             shared = shared_output(block, block.spec.shared, x)  # queued: overlaps what follows
             extra = None if block.hot is None else block.hot(x, ids, weights)
             copied.synchronize()
+        synced = time.perf_counter()
         counts = torch.bincount(i_.reshape(-1), minlength=E).numpy()
         old = self._seen.get(i)
         self._seen[i] = counts.astype(np.float64) + (0.0 if old is None else 0.5 * old)
@@ -418,7 +423,7 @@ class PrefillStreamer:
             done.record()
             idle = done.query()
         cpu_counts = np.where(skip.numpy() == 0, counts, 0)
-        self._observe(i, block, T, cpu_counts, submitted, launched, waited, idle)
+        self._observe(i, block, T, cpu_counts, (entered, synced, submitted, launched, waited), idle)
         if ahead and self.ring.spans is not None:
             self._steer(block, T, int((cpu_counts > 0).sum()), waited - submitted if waited - launched > WAITED_S
                         else None)
