@@ -508,3 +508,41 @@ def test_ahead_estimate_from_measured_rates():
     costs = INT4.with_(layer_s=2e-3)
     assert policy.choose_mode(512, 8, 128, costs, None, ahead_s=1.0) == "gpu"  # measured ahead too slow
     assert policy.choose_mode(512, 8, 128, costs, None, ahead_s=1e-3) == "ahead"
+
+
+def test_trials_check_a_shared_mode_against_gpu_mode():
+    """balance.Trials: a split / ahead choice runs as proposed until measured, then gpu mode once for that length's
+    bucket, then whichever measured faster a layer; gpu and cpu choices are taken as they are."""
+    from ktinject.gpu_experts.balance import Trials
+
+    t = Trials()
+    assert t.pick(512, "gpu", "gpu") == "gpu" and t.pick(512, "cpu", "gpu") == "cpu"
+    assert t.pick(512, "ahead", "gpu") == "ahead"  # nothing measured yet
+    t.add(512, "ahead", 8e-3)
+    assert t.pick(600, "ahead", "gpu") == "gpu"  # same bucket (512..1023): try the alternative once
+    t.add(700, "gpu", 9e-3)
+    assert t.pick(512, "ahead", "gpu") == "ahead"  # ahead measured faster
+    for _ in range(3):
+        t.add(512, "gpu", 6e-3)
+    assert t.pick(1000, "ahead", "gpu") == "gpu"  # the median moved: gpu faster
+    assert t.pick(2048, "ahead", "gpu") == "ahead" and Trials.bucket(2047) == 1024 and Trials.bucket(1) == 1
+
+
+def test_auto_times_its_forwards_into_trials(monkeypatch):
+    """A streamer in auto mode records each forward's time a layer under its mode (host clock off CUDA) when the
+    next forward starts, and _decide's split choice is followed by one gpu-mode forward of the same bucket."""
+    model = _tiny("qwen3_moe", prefill="cpu")
+    ids = tiny_prompts(1, stream.AUTO_MIN_TOKENS + 16, seed=5)
+    s = stream.attach(model, "gpu")
+    s.switch("auto")
+    with torch.no_grad():
+        monkeypatch.setattr(policy, "choose_mode", lambda *a, **kw: "split")
+        model(ids)
+        assert s.last["mode"] == "split"
+        model(ids)
+        assert s.last["mode"] in ("gpu", "gpu-used")  # the alternative, tried once
+        alternative = s.last["mode"]
+        model(ids)  # by now both were timed: the faster of the two
+        assert {m for (_, m) in s.trials.seconds} == {"split", alternative}
+        assert s.last["mode"] in ("split", alternative)
+    stream.attach(model, "cpu")

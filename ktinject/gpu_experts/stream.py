@@ -40,7 +40,7 @@ import torch
 
 from ktinject import native
 from ktinject.gpu_experts import costs as measure, hostio, policy
-from ktinject.gpu_experts.balance import AheadBalance, Measured
+from ktinject.gpu_experts.balance import AheadBalance, Measured, Trials
 from ktinject.gpu_experts.bank import Activation, grouped_ffn, grouped_mm_usable, looped_ffn
 from ktinject.gpu_experts.ring import Ring, timed
 from ktinject.gpu_experts.upload import PackedRegion, bias_views, expert_layout, unpack_experts
@@ -121,6 +121,8 @@ class PrefillStreamer:
         self._ready = False
         self._n_ahead = 0  # ahead mode: GPU experts a layer in this forward (steered by ``balance``)
         self.balance = AheadBalance()
+        self.trials = Trials()  # auto's shared modes checked against gpu mode, by measured time a layer
+        self._span = None  # (start, end, T, mode) of the forward in progress: its time (CUDA events or host clock)
         self._seen: dict[int, np.ndarray] = {}  # layer -> rows per expert in earlier split / ahead forwards (decayed)
         self._sets: dict[int, tuple[int, list[int]]] = {}  # layer -> (n, its GPU experts) until the layer uses them
         self.last: dict = {}  # the last forward: T, mode, experts on the GPU per layer
@@ -290,7 +292,8 @@ class PrefillStreamer:
             ahead_s = self.balance.estimate(T, streamable, costs.layer_s, self.cap)  # measured, once ahead ran
             self._decisions[key] = "cpu" if not self.pinned else policy.choose_mode(T, k, streamable, costs,
                                                                                   self.cap, ahead_s)
-        return self._decisions[key]
+        alternative = "gpu" if policy.prefetch_worthy(T, k, streamable) else "gpu-used"
+        return self.trials.pick(T, self._decisions[key], alternative)  # a shared mode checked against gpu mode
 
     def _ahead_n(self, block, T: int, k: int) -> int:
         """Ahead mode: experts a layer for the GPU in a forward of T tokens (the cost model's, at most a slot)."""
@@ -319,7 +322,10 @@ class PrefillStreamer:
                 self._decisions.clear()
                 self._observed = False
             self._prev_done = None
+            self._end_span()
             mode = self._decide(block, T, k)
+            if mode != "cpu":
+                self._span = [self._clock(), None, T, mode]
             self._forward = (T, mode)
             self.last = {"T": T, "mode": mode, "gpu_experts": []}
             if mode == "ahead":
@@ -344,8 +350,36 @@ class PrefillStreamer:
             return None
         self.setup()
         if mode in ("split", "ahead"):
-            return self._split(i, block, x, ids, weights, ahead=mode == "ahead")
-        return self._gpu(i, block, x, ids, weights, prefetch=mode == "gpu")
+            out = self._split(i, block, x, ids, weights, ahead=mode == "ahead")
+        else:
+            out = self._gpu(i, block, x, ids, weights, prefetch=mode == "gpu")
+        if i == len(self.blocks) - 1 and self._span is not None:
+            self._span[1] = self._clock()
+        return out
+
+    # ---- a forward's time, for auto's trials ---------------------------------------------------------------------
+    def _clock(self):
+        """A point in the device's time: a recorded CUDA event, or the host clock off CUDA."""
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _end_span(self) -> None:
+        """The last forward's time a layer into the trials, when it ran to its last block (and, on CUDA, the
+        device has passed it)."""
+        span, self._span = self._span, None
+        if span is None or span[1] is None:
+            return
+        start, end, T, mode = span
+        if self.cuda:
+            if not end.query():
+                return
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            seconds = end - start
+        self.trials.add(T, mode, seconds / len(self.blocks))
 
     def _gpu(self, i, block, x, ids, weights, prefetch: bool):
         """Every non-resident expert on the GPU: all of the layer (copied ahead) or, before the routing is known to
