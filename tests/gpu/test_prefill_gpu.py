@@ -123,7 +123,9 @@ def test_gpu_and_auto_equal_cpu(family, quant, monkeypatch):
         assert mode != "gpu" or last["mode"] in ("gpu", "gpu-used")
         # a split call's output is partly the native kernels' (int8 activations for int8/int4: up to ~2% of its
         # max, measured), so it is held to the native bound; a pure gpu call to the streamed one
-        call_tol = NATIVE_TOL[quant] if last["mode"] in ("split", "ahead") else STREAM_TOL  # auto may pick either
+        # auto may pick either, and another mode from one forward to the next (balance.Trials tries gpu mode after
+        # a shared one): its calls held to the native bound
+        call_tol = NATIVE_TOL[quant] if mode == "auto" or last["mode"] in ("split", "ahead") else STREAM_TOL
         for streamed, native in r["calls"]:
             assert streamed < call_tol and native < NATIVE_TOL[quant], (mode, last, r["calls"])
         assert flips.sum() <= flips.numel() // 8, (mode, flips.nonzero().tolist())
