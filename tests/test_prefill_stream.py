@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import ktinject
-from ktinject.gpu_experts import placement, policy, stream
+from ktinject.gpu_experts import balance, placement, policy, stream
 from ktinject.testing import (FAMILIES, build_tiny_model, experts_reference, random_experts, streamed_vs_cpu,
                                tiny_prompts, token_errors)
 
@@ -428,12 +428,13 @@ def test_split_forwards_measure_layer_s_and_the_cpu(monkeypatch):
     base = s.costs_for(b)
     monkeypatch.setattr(s, "_decide", lambda *a: "split")
     monkeypatch.setattr(policy, "choose_split", lambda counts, eligible, costs: [int(np.argmax(counts))])
-    monkeypatch.setattr(stream, "WAITED_S", 0.0)  # the tiny model's tasks may end within 0.1 ms (T: 2 layers)
+    monkeypatch.setattr(stream, "WAITED_S", 0.0)  # the tiny model's tasks may end within 0.1 ms
+    monkeypatch.setattr(balance, "WAITED_S", 0.0)
     s._decisions[("marker",)] = "cpu"
     with torch.no_grad():
         model(ids)
     T = ids.shape[1]
-    m = s.measured
+    m = s.feedback.measured
     assert set(m.layer) == {T} and 0 < m.layer_s(T) < 5.0
     scale = m.cpu_scale(s._costs_key(b))
     assert 0 < scale and 3 <= len(m.cpu[s._costs_key(b)]) <= 4  # a sample a layer (one may be an outlier)
@@ -511,38 +512,44 @@ def test_ahead_estimate_from_measured_rates():
 
 
 def test_trials_check_a_shared_mode_against_gpu_mode():
-    """balance.Trials: a split / ahead choice runs as proposed until measured, then gpu mode once for that length's
-    bucket, then whichever measured faster a layer; gpu and cpu choices are taken as they are."""
-    from ktinject.gpu_experts.balance import Trials
+    """balance.Trials: a split / ahead choice runs as proposed for TRIALS forwards of its length's bucket, then gpu
+    mode for TRIALS, then whichever ran a layer fastest; gpu and cpu choices are taken as they are."""
+    from ktinject.gpu_experts.balance import TRIALS, Trials
 
+    assert TRIALS == 2
     t = Trials()
     assert t.pick(512, "gpu", "gpu") == "gpu" and t.pick(512, "cpu", "gpu") == "cpu"
     assert t.pick(512, "ahead", "gpu") == "ahead"  # nothing measured yet
-    t.add(512, "ahead", 8e-3)
-    assert t.pick(600, "ahead", "gpu") == "gpu"  # same bucket (512..1023): try the alternative once
-    t.add(700, "gpu", 9e-3)
-    assert t.pick(512, "ahead", "gpu") == "ahead"  # ahead measured faster
-    for _ in range(3):
-        t.add(512, "gpu", 6e-3)
-    assert t.pick(1000, "ahead", "gpu") == "gpu"  # the median moved: gpu faster
+    t.add(512, "ahead", 30e-3)  # a first forward: one-time costs
+    assert t.pick(600, "ahead", "gpu") == "ahead"
+    t.add(700, "ahead", 8e-3)
+    assert t.pick(600, "ahead", "gpu") == "gpu"  # same bucket (512..1023): the alternative's turn
+    t.add(512, "gpu", 9e-3)
+    assert t.pick(512, "ahead", "gpu") == "gpu"
+    t.add(512, "gpu", 9.5e-3)
+    assert t.pick(512, "ahead", "gpu") == "ahead"  # ahead's best (8 ms) beats gpu's (9)
+    t.add(512, "gpu", 6e-3)
+    assert t.pick(1000, "ahead", "gpu") == "gpu"  # now gpu's best is
     assert t.pick(2048, "ahead", "gpu") == "ahead" and Trials.bucket(2047) == 1024 and Trials.bucket(1) == 1
 
 
 def test_auto_times_its_forwards_into_trials(monkeypatch):
     """A streamer in auto mode records each forward's time a layer under its mode (host clock off CUDA) when the
-    next forward starts, and _decide's split choice is followed by one gpu-mode forward of the same bucket."""
+    next forward starts; _decide's split choice runs twice, then gpu mode twice, then the faster."""
     model = _tiny("qwen3_moe", prefill="cpu")
     ids = tiny_prompts(1, stream.AUTO_MIN_TOKENS + 16, seed=5)
     s = stream.attach(model, "gpu")
     s.switch("auto")
     with torch.no_grad():
         monkeypatch.setattr(policy, "choose_mode", lambda *a, **kw: "split")
-        model(ids)
-        assert s.last["mode"] == "split"
-        model(ids)
-        assert s.last["mode"] in ("gpu", "gpu-used")  # the alternative, tried once
+        for _ in range(2):
+            model(ids)
+            assert s.last["mode"] == "split"
+        for _ in range(2):
+            model(ids)
+            assert s.last["mode"] in ("gpu", "gpu-used")  # the alternative's turn
         alternative = s.last["mode"]
         model(ids)  # by now both were timed: the faster of the two
-        assert {m for (_, m) in s.trials.seconds} == {"split", alternative}
+        assert {m for (_, m) in s.feedback.trials.seconds} == {"split", alternative}
         assert s.last["mode"] in ("split", alternative)
     stream.attach(model, "cpu")

@@ -84,7 +84,7 @@ def _chose(streamer) -> str:
     E = streamer.blocks[0].num_experts
     measured = ""
     T = last.get("T")
-    m = streamer.measured
+    m = streamer.feedback.measured
     if m.layer_s(T) is not None:
         scale = ", ".join(f"{m.cpu_scale(k):.2f}" for k in m.cpu)
         shared = m.h2d_shared()

@@ -24,11 +24,18 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 
+import numpy as np
+import torch
+
 WINDOW = 15  # samples kept per quantity: their median is the estimate
+WAITED_S = 1e-4  # a CPU task's time is measured only where the host waited at least this long for it
+DEFAULT_LAYER_S = 3e-4  # policy.Costs.layer_s's default, until measured
 STEP = 8  # at most this change of n from one layer to the next
 OUTLIER = 10.0  # a sample this many times the median of the kept ones is dropped
+TRIALS = 2  # forwards of each mode auto's trials time before they compare
 
 
 class _Samples(dict):
@@ -120,11 +127,12 @@ class AheadBalance:
 
 class Trials:
     """Where the model chose a mode that shares a layer with the CPU (split, ahead), auto checks it against streaming
-    whole layers: the next forward of a like length (the same power-of-two bucket) runs the alternative (gpu mode),
-    and from then on the faster of the two by their measured time a layer (medians) is taken. On the H100
-    (2026-11-25, 12 Qwen3-30B-A3B layers) the model's ahead lost 8-18% to gpu mode at int4 512 and bf16 / int8 2048
-    tokens, where its estimate said 10%+ faster: auto's promise, never below the faster pure path, needs the
-    measurement."""
+    whole layers: once the proposed mode has run TRIALS forwards of a like length (the same power-of-two bucket), the
+    next TRIALS run the alternative (gpu mode), and from then on the faster of the two by their best time a layer is
+    taken (the best: a forward's one-time costs, the first layer's copy not fetched ahead or a kernel compiled, and
+    the host's noise only ever slow one down). On the H100 (2026-11-25, 12 Qwen3-30B-A3B layers) the model's ahead
+    lost 8-18% to gpu mode at int4 512 and bf16 / int8 2048 tokens where its estimate said 10%+ faster: auto's
+    promise, never below the faster pure path, needs the measurement."""
 
     def __init__(self):
         self.seconds = _Samples()  # (bucket, mode) -> seconds a layer
@@ -138,15 +146,98 @@ class Trials:
             self.seconds.add((self.bucket(T), mode), seconds_per_layer)
 
     def pick(self, T: int, proposed: str, alternative: str) -> str:
-        """The mode for a forward of T tokens: ``proposed`` (the model's) unless it is split or ahead and
-        ``alternative`` (the pure GPU mode) is untried for T's bucket after the proposed one ran, or measured
-        faster."""
+        """The mode for a forward of T tokens: ``proposed`` (the model's) unless it is split or ahead and, after
+        TRIALS forwards of it in T's bucket, ``alternative`` (the pure GPU mode) has run fewer than TRIALS or was
+        measured faster."""
         if proposed not in ("split", "ahead"):
             return proposed
         b = self.bucket(T)
-        mine, other = self.seconds.median((b, proposed)), self.seconds.median((b, alternative))
-        if mine is None:
+        mine, other = self.seconds.get((b, proposed), ()), self.seconds.get((b, alternative), ())
+        if len(mine) < TRIALS:
             return proposed
-        if other is None:
-            return alternative  # explore once
-        return proposed if mine <= other else alternative
+        if len(other) < TRIALS:
+            return alternative  # explore
+        return proposed if min(mine) <= min(other) else alternative
+
+
+class Feedback:
+    """A streamer's measurements and what they steer: ``measured``, ``balance`` and ``trials`` above, fed by
+    ``observe`` (each split / ahead layer's host clock), ``steer`` (ahead layers: copy and CPU times) and the
+    forward spans (``start_forward`` / ``last_block``: a forward's time on the device, for the trials). ``cuda``:
+    spans are CUDA events, else the host clock."""
+
+    def __init__(self, cuda: bool, layers: int):
+        self.cuda, self.layers = cuda, max(1, layers)
+        self.measured, self.balance, self.trials = Measured(), AheadBalance(), Trials()
+        self.observed = False  # samples since the decisions were made
+        self._prev_done: tuple | None = None  # (layer, host time its CPU task was done, GPU idle then)
+        self._span: list | None = None  # [start, end, T, mode] of the forward in progress
+
+    # ---- forwards ------------------------------------------------------------------------------------------------
+    def _clock(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def start_forward(self) -> bool:
+        """A forward begins: the last one's time a layer into the trials (when it ran to its last block and the
+        device has passed it); True when the decisions should be made again (new samples)."""
+        self._prev_done = None
+        span, self._span = self._span, None
+        if span is not None and span[1] is not None:
+            start, end, T, mode = span
+            if not self.cuda:
+                self.trials.add(T, mode, (end - start) / self.layers)
+            elif end.query():
+                self.trials.add(T, mode, start.elapsed_time(end) / 1e3 / self.layers)
+        again, self.observed = self.observed, False
+        return again
+
+    def forward_mode(self, T: int, mode: str) -> None:
+        """The forward that began runs ``mode``: its time is taken (not for cpu, which the streamer leaves)."""
+        if mode != "cpu":
+            self._span = [self._clock(), None, T, mode]
+
+    def last_block(self) -> None:
+        if self._span is not None:
+            self._span[1] = self._clock()
+
+    # ---- layers --------------------------------------------------------------------------------------------------
+    def observe(self, i: int, T: int, key, base, cpu_counts: np.ndarray, times: tuple, idle: bool) -> None:
+        """What a split / ahead layer's host clock showed, ``times``: (the layer entered, its routing synced, its
+        CPU task submitted, the GPU's work launched, the task waited for); ``idle``: the GPU had finished this
+        layer's streamed work by then. ``layer_s`` of T-token forwards: the host's time from the previous layer's
+        task done to this layer's entry (the dense part's launches: no sync between), plus the routing sync's wait
+        and this layer's own set-up where the previous layer left the GPU idle (else the sync waited for the
+        previous layer's expert copies, which the balance counts as the copies' time); from the third layer on (the
+        first ones allocate, compile). The CPU's task time against ``base`` (the costs measured alone, key ``key``)
+        for its ``cpu_counts`` (rows per expert it computed), only where the host did wait for the task (else it
+        ended unseen)."""
+        entered, synced, submitted, launched, waited = times
+        prev, self._prev_done = self._prev_done, (i, waited, idle)
+        if prev is not None and prev[0] == i - 1 and i >= 2:
+            tail = submitted - entered if prev[2] else submitted - synced
+            self.measured.layer.add(T, entered - prev[1] + tail)
+            self.observed = True
+        used = cpu_counts[cpu_counts > 0]
+        if base is not None and used.size and waited - launched > WAITED_S:
+            self.measured.cpu.add(key, (waited - submitted) / base.cpu_s(used.size, float(used.sum())))
+            self.observed = True
+
+    def steer(self, T: int, spans: dict, expert_bytes: int, cpu_experts: int, cpu_seconds: float | None, n: int,
+              m: int, cap: int) -> int:
+        """Ahead mode, after a layer: the copies of ``spans`` (ring.spans: key -> (start, end, experts)) that have
+        ended and the layer's CPU task (``cpu_seconds`` when the host saw it end) into the balance; returns the n
+        the next layers take (from n, for m streamable experts, at most cap)."""
+        for key, (start, end, count) in list(spans.items()):
+            if end.query():
+                seconds = start.elapsed_time(end) / 1e3
+                self.balance.copied(T, seconds, count)
+                if seconds > 0:
+                    self.measured.copy.add(0, count * expert_bytes / seconds)
+                del spans[key]
+        if cpu_seconds is not None:
+            self.balance.computed(T, cpu_seconds, cpu_experts)
+        return self.balance.steer(T, n, m, self.measured.layer_s(T) or DEFAULT_LAYER_S, cap)

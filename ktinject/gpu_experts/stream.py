@@ -40,7 +40,7 @@ import torch
 
 from ktinject import native
 from ktinject.gpu_experts import costs as measure, hostio, policy
-from ktinject.gpu_experts.balance import AheadBalance, Measured, Trials
+from ktinject.gpu_experts.balance import WAITED_S, Feedback
 from ktinject.gpu_experts.bank import Activation, grouped_ffn, grouped_mm_usable, looped_ffn
 from ktinject.gpu_experts.ring import Ring, timed
 from ktinject.gpu_experts.upload import PackedRegion, bias_views, expert_layout, unpack_experts
@@ -53,7 +53,6 @@ MIN_CHUNK, MAX_CHUNK = 512, 16384  # prefill chunk bounds (tokens)
 #: auto leaves forwards of fewer tokens to the CPU without asking the cost model: decode steps (batches of rows) keep
 #: the path their captured graphs take, and below this the GPU's share would not pay for its launches anyway
 AUTO_MIN_TOKENS = 64
-WAITED_S = 1e-4  # a CPU task's time is measured only where the host waited at least this long for it
 
 
 def blocks_of(model) -> list[HybridMoE]:
@@ -113,16 +112,11 @@ class PrefillStreamer:
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._costs: dict[tuple, policy.Costs] = {}
         self._decisions: dict[tuple, str] = {}
-        self.measured = Measured()  # what split and ahead layers showed (balance.py)
-        self._prev_done: tuple | None = None  # (layer, host time its CPU task was done, GPU idle then) this forward
-        self._observed = False  # measurements since the decisions were made
         self._forward: tuple[int, str] | None = None  # (T, mode) of the forward in progress
         self._last = -1
         self._ready = False
         self._n_ahead = 0  # ahead mode: GPU experts a layer in this forward (steered by ``balance``)
-        self.balance = AheadBalance()
-        self.trials = Trials()  # auto's shared modes checked against gpu mode, by measured time a layer
-        self._span = None  # (start, end, T, mode) of the forward in progress: its time (CUDA events or host clock)
+        self.feedback = Feedback(self.cuda, len(self.blocks))  # what split / ahead layers show (balance.py)
         self._seen: dict[int, np.ndarray] = {}  # layer -> rows per expert in earlier split / ahead forwards (decayed)
         self._sets: dict[int, tuple[int, list[int]]] = {}  # layer -> (n, its GPU experts) until the layer uses them
         self.last: dict = {}  # the last forward: T, mode, experts on the GPU per layer
@@ -217,55 +211,17 @@ class PrefillStreamer:
             self._costs[key] = policy.Costs(h2d=self.h2d, expert_bytes=self.layouts[i].expert_bytes,
                                             cpu_expert_s=per_expert, cpu_row_s=per_row, **gpu)
             log.info("prefill: costs of %s: %s", key, self._costs[key])
-        costs = self._costs[key].scaled(self.measured.cpu_scale(key), self.measured.layer_s(T))
-        shared = self.measured.h2d_shared()
+        m = self.feedback.measured
+        costs = self._costs[key].scaled(m.cpu_scale(key), m.layer_s(T))
+        shared = m.h2d_shared()
         if shared is not None:
             costs = costs.with_(h2d_shared=shared)
         return costs.with_(**self.costs_override) if isinstance(self.costs_override, dict) else costs
-
-    def _steer(self, block, T: int, cpu_experts: int, cpu_seconds: float | None) -> None:
-        """Ahead mode: the copies that have ended and this layer's CPU task (when the host saw it end) into the
-        balance; the layers not yet fetched take the n it steers to."""
-        for key, (start, end, n) in list(self.ring.spans.items()):
-            if end.query():
-                seconds = start.elapsed_time(end) / 1e3
-                self.balance.copied(T, seconds, n)
-                if seconds > 0:
-                    self.measured.copy.add(0, n * self.layouts[0].expert_bytes / seconds)
-                del self.ring.spans[key]
-        if cpu_seconds is not None:
-            self.balance.computed(T, cpu_seconds, cpu_experts)
-        streamable = int(block.num_experts - _resident(block).sum())
-        layer_s = self.measured.layer_s(T) or policy.Costs.layer_s
-        self._n_ahead = self.balance.steer(T, self._n_ahead, streamable, layer_s, self.cap)
 
     @staticmethod
     def _costs_key(block) -> tuple:
         ex = block.native_experts
         return ex.quant, ex.num_experts, ex.hidden, ex.intermediate
-
-    def _observe(self, i: int, block, T: int, cpu_counts: np.ndarray, times: tuple, idle: bool) -> None:
-        """What a split / ahead layer's host clock showed, ``times``: (the layer entered, its routing synced, its
-        CPU task submitted, the GPU's work launched, the task waited for); ``idle``: the GPU had finished this
-        layer's streamed work by then. ``layer_s`` of T-token forwards: the host's time from the previous layer's
-        task done to this layer's entry (the dense part's launches: no sync between), plus the routing sync's wait
-        and this layer's own set-up where the previous layer left the GPU idle (else the sync waited for the
-        previous layer's expert copies, which the balance counts as the copies' time); from the third layer on (the
-        first ones allocate, compile). The CPU's task time against the model's for its ``cpu_counts`` (rows per
-        expert it computed), only where the host did wait for the task (else it ended unseen). Medians of the
-        last samples (``balance.Measured``); the decisions are re-made from the next forward on."""
-        entered, synced, submitted, launched, waited = times
-        prev, self._prev_done = self._prev_done, (i, waited, idle)
-        if prev is not None and prev[0] == i - 1 and i >= 2:
-            tail = submitted - entered if prev[2] else submitted - synced
-            self.measured.layer.add(T, entered - prev[1] + tail)
-            self._observed = True
-        key = self._costs_key(block)
-        base = self._costs.get(key)
-        used = cpu_counts[cpu_counts > 0]
-        if base is not None and used.size and waited - launched > WAITED_S:
-            self.measured.cpu.add(key, (waited - submitted) / base.cpu_s(used.size, float(used.sum())))
-            self._observed = True
 
     def switch(self, mode: str) -> None:
         """Another mode from the next forward on ("cpu": decline every forward), keeping the set-up and the
@@ -289,11 +245,11 @@ class PrefillStreamer:
         if key not in self._decisions:
             self.setup()
             costs = self.costs_for(block, T)
-            ahead_s = self.balance.estimate(T, streamable, costs.layer_s, self.cap)  # measured, once ahead ran
+            ahead_s = self.feedback.balance.estimate(T, streamable, costs.layer_s, self.cap)  # once ahead ran
             self._decisions[key] = "cpu" if not self.pinned else policy.choose_mode(T, k, streamable, costs,
                                                                                   self.cap, ahead_s)
         alternative = "gpu" if policy.prefetch_worthy(T, k, streamable) else "gpu-used"
-        return self.trials.pick(T, self._decisions[key], alternative)  # a shared mode checked against gpu mode
+        return self.feedback.trials.pick(T, self._decisions[key], alternative)  # a shared mode checked by gpu mode
 
     def _ahead_n(self, block, T: int, k: int) -> int:
         """Ahead mode: experts a layer for the GPU in a forward of T tokens (the cost model's, at most a slot)."""
@@ -318,18 +274,14 @@ class PrefillStreamer:
         """This forward's mode, decided at its first block (a block index not after the last one seen, or another
         T, starts a forward)."""
         if self._forward is None or i <= self._last or self._forward[0] != T:
-            if self._observed:  # the costs moved: decide again
+            if self.feedback.start_forward():  # the costs moved: decide again
                 self._decisions.clear()
-                self._observed = False
-            self._prev_done = None
-            self._end_span()
             mode = self._decide(block, T, k)
-            if mode != "cpu":
-                self._span = [self._clock(), None, T, mode]
+            self.feedback.forward_mode(T, mode)
             self._forward = (T, mode)
             self.last = {"T": T, "mode": mode, "gpu_experts": []}
             if mode == "ahead":
-                self._n_ahead = self.balance.start(T, self._ahead_n(block, T, k))
+                self._n_ahead = self.feedback.balance.start(T, self._ahead_n(block, T, k))
             if self._ready:
                 self.ring.spans = {} if mode == "ahead" and self.cuda else None  # copy times for the balance
             if self._ready and mode not in ("gpu", "ahead"):  # those may take the first layer's copy fetched ahead
@@ -353,33 +305,9 @@ class PrefillStreamer:
             out = self._split(i, block, x, ids, weights, ahead=mode == "ahead")
         else:
             out = self._gpu(i, block, x, ids, weights, prefetch=mode == "gpu")
-        if i == len(self.blocks) - 1 and self._span is not None:
-            self._span[1] = self._clock()
+        if i == len(self.blocks) - 1:
+            self.feedback.last_block()
         return out
-
-    # ---- a forward's time, for auto's trials ---------------------------------------------------------------------
-    def _clock(self):
-        """A point in the device's time: a recorded CUDA event, or the host clock off CUDA."""
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
-    def _end_span(self) -> None:
-        """The last forward's time a layer into the trials, when it ran to its last block (and, on CUDA, the
-        device has passed it)."""
-        span, self._span = self._span, None
-        if span is None or span[1] is None:
-            return
-        start, end, T, mode = span
-        if self.cuda:
-            if not end.query():
-                return
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            seconds = end - start
-        self.trials.add(T, mode, seconds / len(self.blocks))
 
     def _gpu(self, i, block, x, ids, weights, prefetch: bool):
         """Every non-resident expert on the GPU: all of the layer (copied ahead) or, before the routing is known to
@@ -457,10 +385,14 @@ class PrefillStreamer:
             done.record()
             idle = done.query()
         cpu_counts = np.where(skip.numpy() == 0, counts, 0)
-        self._observe(i, block, T, cpu_counts, (entered, synced, submitted, launched, waited), idle)
+        key = self._costs_key(block)
+        self.feedback.observe(i, T, key, self._costs.get(key), cpu_counts, (entered, synced, submitted, launched,
+                                                                             waited), idle)
         if ahead and self.ring.spans is not None:
-            self._steer(block, T, int((cpu_counts > 0).sum()), waited - submitted if waited - launched > WAITED_S
-                        else None)
+            cpu_s = waited - submitted if waited - launched > WAITED_S else None
+            self._n_ahead = self.feedback.steer(T, self.ring.spans, self.layouts[i].expert_bytes,
+                                                int((cpu_counts > 0).sum()), cpu_s, self._n_ahead,
+                                                int(E - resident.sum()), self.cap)
         if not self.cuda:  # a "GPU" on the CPU: after the pool, not against it
             extra = None if block.hot is None else block.hot(x, ids, weights)
             if gpu:

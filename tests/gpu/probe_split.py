@@ -97,7 +97,7 @@ def main():
             return sorted(int(e) for e in order[:forced["n"]])
 
         raw_task = native.Task()
-        steered = s.balance
+        steered = s.feedback.balance
         configs = [("cpu", None), ("gpu", None), ("auto", None)]
         configs += [(m, n) for m in a.modes.split(",") for n in ns]
         results = {c: [] for c in configs}
@@ -109,7 +109,7 @@ def main():
                 s.switch("auto" if mode in ("split", "ahead") else mode)
                 for attr in ("_decide", "_ahead_n", "_stream", "_native_task"):
                     s.__dict__.pop(attr, None)
-                s.balance = steered if mode == "auto" else _Fixed()  # forced n: not steered away
+                s.feedback.balance = steered if mode == "auto" else _Fixed()  # forced n: not steered away
                 policy.choose_split = orig_split
                 if mode in ("split", "ahead"):
                     forced["n"] = n
@@ -132,7 +132,7 @@ def main():
         for spec in filter(None, a.timeline.split(",")):
             mode, n = spec.split(":")
             s.switch("auto")
-            s.balance = _Fixed()
+            s.feedback.balance = _Fixed()
             for attr in ("_stream", "_native_task"):
                 s.__dict__.pop(attr, None)
             forced["n"] = int(n)
