@@ -8,8 +8,9 @@ mode (the model's prefill streamer switched: ``ktinject.gpu_experts.stream.attac
 through ``ktinject.generate`` (one new token; chunks as generate picks them: from free GPU memory), after a warm-up
 prefill per mode that pays the one-time set-up (page-locking the experts, the cost model's measurements). The modes
 take turns (``--reps`` rounds, the median shown and every run listed), each timed prefill after an untimed one of
-the same mode and length, as a user's second prompt finds it (the first layer's copy fetched ahead). Beside each
-figure:
+the same mode and length, as a user's second prompt finds it (the first layer's copy fetched ahead). Before the
+rounds of a length, auto runs the forwards its trials need to settle (a split or ahead choice checked against gpu
+mode, ``balance.Trials``), printed apart: a user's first prompts of a new length pay them. Beside each figure:
 
   limit   the streaming limit: tokens / (packed bytes of all routed experts / H2D bandwidth), the bandwidth measured
           in this run (one 256 MiB copy from the page-locked experts to the GPU). With --layers below 48 both the
@@ -33,6 +34,7 @@ import time
 import torch
 
 from ktinject.bench.model import bench_model
+from ktinject.gpu_experts.balance import TRIALS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -134,6 +136,11 @@ def run(args, quant: str) -> list[tuple[str, str, str]]:
     for n in lengths:
         runs: dict[str, list[float]] = {m: [] for m in modes}
         chose = ""
+        if "auto" in modes and probe.cuda:  # auto's trials (balance.Trials) run their forwards of a new length
+            use("auto")
+            settle = [time_prefill(model, n, device) for _ in range(2 * TRIALS)]  # before the timed rounds
+            print(f"# {quant} auto prefill {n}, settling (untimed in the table): "
+                  + ", ".join(f"{n / t:,.0f}" for t in settle) + f" tok/s; then {_chose(probe)}", flush=True)
         for _ in range(max(1, args.reps)):
             for mode in modes:  # interleaved: the host's speed drifts alike for every mode
                 streamer = use(mode)
