@@ -12,7 +12,7 @@ import torch
 
 from ktinject import native as kn
 from ktinject.bench import crossover, kernels, memory
-from ktinject.bench.decode import fresh_ids
+from ktinject.bench.timing import fresh_ids
 
 
 @pytest.mark.parametrize("rows,experts,k", [(1, 8, 4), (3, 8, 8), (5, 16, 4)])

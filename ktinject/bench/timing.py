@@ -1,0 +1,253 @@
+"""The decode benchmark's measurements (``python -m ktinject.bench decode`` runs them and prints the table; bench
+serve and bench defer reuse some): Hugging Face's own decode, ktinject's generate, bare graph replays, the CPU experts
+alone, the graph with every routed expert muted, the paired overhead, a profile of one replay, and the rows that
+compare fast paths on and off. Legend: B batch, P prompt tokens, N new tokens, L layers.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from ktinject import compat
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def expert_bytes_per_token(cfg, batch: int = 1, quant: str = "bf16") -> float:
+    """Bytes of routed expert weights one decode step reads, in the stored format of ``quant`` (distinct experts:
+    batch=1 -> k per layer)."""
+    from ktinject.native import Experts
+
+    L, E, k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    distinct = E * (1 - (1 - k / E) ** batch)  # expected distinct experts of B random tokens
+    return L * distinct * Experts.packed_nbytes(1, H, I, quant) / batch
+
+
+def hf_decode(model, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
+    """(prefill seconds, seconds per decode step) with HF's modules and a DynamicCache."""
+    from transformers import DynamicCache
+
+    dev = prompt.device
+    cache = DynamicCache(config=model.config)
+    _sync(dev)
+    t0 = time.perf_counter()
+    out = model(prompt, **compat.cache_arg(cache), use_cache=True)
+    tok = out.logits[:, -1:].argmax(-1)
+    _sync(dev)
+    t_prefill = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = model(tok, **compat.cache_arg(cache), use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return t_prefill, statistics.median(times) if times else float("nan")
+
+
+class _TorchCPUExperts(nn.Module):
+    """HF experts module kept on the CPU: inputs go there, the result comes back (accelerate-free baseline)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = self.inner(hidden.cpu(), top_k_index.cpu(), top_k_weights.cpu())
+        return out.to(hidden.device)
+
+
+def wrap_cpu_experts(model, wrap: bool) -> None:
+    for mod in model.modules():
+        ex = getattr(mod, "experts", None)
+        if wrap and isinstance(ex, nn.Module) and not isinstance(ex, _TorchCPUExperts):
+            mod.experts = _TorchCPUExperts(ex)
+        elif not wrap and isinstance(ex, _TorchCPUExperts):
+            mod.experts = ex.inner
+
+
+def gen_time(model, ids, new_tokens: int) -> float:
+    import ktinject
+
+    _sync(ids.device)
+    t0 = time.perf_counter()
+    ktinject.generate(model, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    _sync(ids.device)
+    return time.perf_counter() - t0
+
+
+def ktinject_decode(model, prompt, new_tokens: int, graphs: bool, **runner_kwargs) -> dict:
+    """Seconds per decode token through ktinject.generate (prefill subtracted), graphs on or off."""
+    from ktinject.generate import get_runner
+
+    runner = get_runner(model, use_graphs=graphs, prefill_chunk=2048, **runner_kwargs)
+    gen_time(model, prompt, 3)  # warm-up: caches, pinned buffers, graph capture
+    t1 = min(gen_time(model, prompt, 1) for _ in range(2))
+    tn = gen_time(model, prompt, new_tokens + 1)
+    return {"s_per_token": (tn - t1) / new_tokens, "runner": runner}
+
+
+def _decode_graph(runner, batch: int):
+    """The runner's captured decode graph for ``batch`` rows, or None."""
+    return next((g for k, g in runner.graphs.items() if k[0] == batch and g is not None), None)
+
+
+def graph_replay(runner, batch: int, prompt_len: int, iters: int, entry=None) -> float | None:
+    """Seconds per bare replay of the decode graph of ``batch`` (no HF loop; or of ``entry``, one of the runner's
+    graphs), or None without one."""
+    entry = entry or _decode_graph(runner, batch)
+    if entry is None:
+        return None
+    cache = runner.caches[batch]
+    iters = max(1, min(iters, runner.max_cache_len - prompt_len - 1))
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(prompt_len)
+    entry.graph.replay()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(prompt_len)
+    t0.record()
+    for _ in range(iters):
+        entry.graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / 1e3 / iters
+
+
+def paired_overhead(model, runner, batch: int, prompt_len: int, pairs: int = 9, replays: int = 4):
+    """(median, [ratios]) of bare replay time / CPU experts alone, each ratio from one CPU pass and ``replays``
+    replays taken back to back, so that the shared host's drifting load cancels in each pair."""
+    entry = _decode_graph(runner, batch)
+    if entry is None:
+        return None, []
+    ratios = []
+    for _ in range(pairs):
+        cpu = cpu_expert_time(model, batch, passes=1)[0]
+        for pool in entry.pools:
+            pool.wake()
+        ratios.append(graph_replay(runner, batch, prompt_len, replays) / cpu)
+    return statistics.median(ratios), ratios
+
+
+def profile_replay(model, runner, batch, prompt_len, iters: int = 3) -> str:
+    """Kernel table of ``iters`` muted graph replays (CUPTI sees the kernels inside the graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    blocks = hybrid_blocks(model)
+    saved = [b.skip.clone() for b in blocks]
+    for b in blocks:
+        b.skip.fill_(1)
+    try:
+        graph_replay(runner, batch, prompt_len, 2)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph_replay(runner, batch, prompt_len, iters)
+    finally:
+        for b, s in zip(blocks, saved):
+            b.skip.copy_(s)
+    avg = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            return avg.table(sort_by=key, row_limit=25, max_name_column_width=70)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return avg.table(row_limit=25)
+
+
+def hybrid_blocks(model) -> list:
+    from ktinject.operators.moe import HybridMoE
+
+    return [m for m in model.modules() if isinstance(m, HybridMoE)]
+
+
+def fresh_ids(gen: torch.Generator, num_experts: int, k: int, batch: int, avoid: set) -> torch.Tensor:
+    """ids [batch, k]: k distinct random experts per token, none of ``avoid`` while at least k others remain."""
+    others = [e for e in range(num_experts) if e not in avoid]
+    choice = torch.tensor(others if len(others) >= k else range(num_experts), dtype=torch.int64)
+    return torch.stack([choice[torch.randperm(len(choice), generator=gen)[:k]] for _ in range(batch)])
+
+
+def cpu_expert_time(model, batch: int, passes: int = 5) -> list[float]:
+    """Seconds of native routed-expert work per decode step, cache-cold: whole passes over every layer in order,
+    each layer with B random tokens routed to fresh experts (none of its previous pass's where possible), one
+    synchronous forward per layer; the times of ``passes`` passes after a warm-up pass."""
+    gen = torch.Generator().manual_seed(1)
+    blocks = hybrid_blocks(model)
+    k = model.config.num_experts_per_tok
+    xs = [torch.randn(batch, b.native_experts.hidden, generator=gen).to(torch.bfloat16) for b in blocks]
+    w = torch.full((batch, k), 1.0 / k)
+    prev: list[set] = [set() for _ in blocks]
+    times = []
+    for p in range(passes + 1):
+        ids = [fresh_ids(gen, b.native_experts.num_experts, k, batch, prev[i]) for i, b in enumerate(blocks)]
+        prev = [set(i.flatten().tolist()) for i in ids]
+        t0 = time.perf_counter()
+        for blk, x, i in zip(blocks, xs, ids):
+            blk.native_experts.forward(x, i, w, skip=blk.skip)
+        if p:  # pass 0 warms up (first-touch of outputs, pool wake-up)
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def muted_replay(model, runner, batch, prompt_len, iters, entry=None) -> float | None:
+    """Graph replay time with every routed expert skipped (GPU work + handshakes, no CPU expert work)."""
+    blocks = hybrid_blocks(model)
+    saved = [b.skip.clone() for b in blocks]
+    for b in blocks:
+        b.skip.fill_(1)
+    try:
+        return graph_replay(runner, batch, prompt_len, iters, entry)
+    finally:
+        for b, s in zip(blocks, saved):
+            b.skip.copy_(s)
+
+
+def _fast_decode(model, on: bool) -> None:
+    from ktinject.operators import decode_attention
+
+    for m in model.modules():
+        if on and type(m).__name__ in decode_attention.SUPPORTED:
+            decode_attention.install(m)
+        elif not on:
+            decode_attention.uninstall(m)
+
+
+def compare_rows(model, prompt, new_tokens: int, rows: list) -> None:
+    """Graph decode (through generate, and bare replay) with one speed-up undone at a time (each captures anew)."""
+    from ktinject import native
+    from ktinject.generate import get_runner
+
+    B, P = prompt.shape
+    attn = model.config._attn_implementation
+    pool = native.default_pool()
+    spin = pool.watch_spin_us
+    variants = [
+        ("HF's sdpa attention (repeat_kv before 5.23)", lambda: model.set_attn_implementation("sdpa"),
+         lambda: model.set_attn_implementation(attn), {}),
+        ("4D masks built by HF every step", lambda: None, lambda: None, {"own_masks": False}),
+        ("HF's stop check every step (host waits for each token)", lambda: None, lambda: None,
+         {"defer_stop": False}),
+        ("HF's attention forward for decode steps (fast_decode off)", lambda: _fast_decode(model, False),
+         lambda: _fast_decode(model, True), {}),
+        ("pool watch spin off", lambda: setattr(pool, "watch_spin_us", 0),
+         lambda: setattr(pool, "watch_spin_us", spin), {}),
+    ]
+    for what, do, undo, runner_kwargs in variants:
+        try:
+            do()
+            res = ktinject_decode(model, prompt, new_tokens, graphs=True, **runner_kwargs)
+            bare = graph_replay(res["runner"], B, P, new_tokens)
+            _add(rows, (f"compare: graph with {what}", _fmt_rate(B / res["s_per_token"]),
+                        _fmt_ms(res["s_per_token"]), f"ktinject.generate; bare replay {_fmt_ms(bare)} ms"))
+        except Exception as e:  # noqa: BLE001 - a comparison failing must not hide the rest
+            _add(rows, (f"compare: graph with {what}", "failed", "", f"{type(e).__name__}: {e}"))
+        finally:
+            undo()
+    get_runner(model, use_graphs=True, prefill_chunk=2048)  # back to the defaults (graphs captured again on use)
