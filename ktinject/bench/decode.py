@@ -38,9 +38,53 @@ from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and th
     set_generation_defaults, build_model, build_tiny,
 )
 from ktinject.bench.timing import (  # the measurements (bench serve imports two of them from here too)
-    compare_rows, cpu_expert_time, expert_bytes_per_token, gen_time, graph_replay, hf_decode, ktinject_decode,
-    muted_replay, paired_overhead, profile_replay, wrap_cpu_experts,
+    cpu_expert_time, expert_bytes_per_token, gen_time, graph_replay, hf_decode, ktinject_decode, muted_replay,
+    paired_overhead, profile_replay, wrap_cpu_experts,
 )
+
+
+def _fast_decode(model, on: bool) -> None:
+    from ktinject.operators import decode_attention
+
+    for m in model.modules():
+        if on and type(m).__name__ in decode_attention.SUPPORTED:
+            decode_attention.install(m)
+        elif not on:
+            decode_attention.uninstall(m)
+
+
+def compare_rows(model, prompt, new_tokens: int, rows: list) -> None:
+    """Graph decode (through generate, and bare replay) with one speed-up undone at a time (each captures anew)."""
+    from ktinject import native
+    from ktinject.generate import get_runner
+
+    B, P = prompt.shape
+    attn = model.config._attn_implementation
+    pool = native.default_pool()
+    spin = pool.watch_spin_us
+    variants = [
+        ("HF's sdpa attention (repeat_kv before 5.23)", lambda: model.set_attn_implementation("sdpa"),
+         lambda: model.set_attn_implementation(attn), {}),
+        ("4D masks built by HF every step", lambda: None, lambda: None, {"own_masks": False}),
+        ("HF's stop check every step (host waits for each token)", lambda: None, lambda: None,
+         {"defer_stop": False}),
+        ("HF's attention forward for decode steps (fast_decode off)", lambda: _fast_decode(model, False),
+         lambda: _fast_decode(model, True), {}),
+        ("pool watch spin off", lambda: setattr(pool, "watch_spin_us", 0),
+         lambda: setattr(pool, "watch_spin_us", spin), {}),
+    ]
+    for what, do, undo, runner_kwargs in variants:
+        try:
+            do()
+            res = ktinject_decode(model, prompt, new_tokens, graphs=True, **runner_kwargs)
+            bare = graph_replay(res["runner"], B, P, new_tokens)
+            _add(rows, (f"compare: graph with {what}", _fmt_rate(B / res["s_per_token"]),
+                        _fmt_ms(res["s_per_token"]), f"ktinject.generate; bare replay {_fmt_ms(bare)} ms"))
+        except Exception as e:  # noqa: BLE001 - a comparison failing must not hide the rest
+            _add(rows, (f"compare: graph with {what}", "failed", "", f"{type(e).__name__}: {e}"))
+        finally:
+            undo()
+    get_runner(model, use_graphs=True, prefill_chunk=2048)  # back to the defaults (graphs captured again on use)
 
 
 # ---- the run -------------------------------------------------------------------------------------------------
