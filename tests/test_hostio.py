@@ -12,6 +12,8 @@ from ktinject.gpu_experts import hostio
 from ktinject.gpu_experts.stream import _total
 from test_fused_kernels import dev  # noqa: F401
 
+pytestmark = pytest.mark.gpu  # selected by the GPU machine's `-m "gpu or amx"` runs (the CPU's run them too)
+
 SHAPES = [(3, 700), (1, 1), (5, 2048), (2, 4099)]  # (T, H)
 
 
