@@ -442,6 +442,7 @@ def test_split_forwards_measure_layer_s_and_the_cpu(monkeypatch):
     c = s.costs_for(b, T)
     assert c.layer_s == m.layer_s(T) and c.cpu_expert_s == pytest.approx(base.cpu_expert_s * scale)
     assert s.costs_for(b, 4 * T).layer_s == m.layer_s(T)  # another length: the nearest measured stands in
+    assert s.costs_for(b).layer_s == base.layer_s  # no length: the model's (it raised TypeError once measured)
     with torch.no_grad():
         model(ids)
     assert ("marker",) not in s._decisions  # re-decided with what the last forward measured
@@ -483,6 +484,7 @@ def test_measured_medians_shrug_off_one_slow_layer():
     assert len(m.layer[512]) == 4 and m.layer_s(512) == pytest.approx(2.1e-3)
     m.layer.add(8192, 9e-3)
     assert m.layer_s(1024) == pytest.approx(2.1e-3) and m.layer_s(4096) == 9e-3 and m.layer_s(64) == m.layer_s(512)
+    assert m.layer_s(None) is None  # no length given: nothing stands in
     for _ in range(WINDOW):
         m.layer.add(512, 3e-3)
     assert m.layer_s(512) == 3e-3  # only the last WINDOW count

@@ -54,20 +54,26 @@ class _Samples(dict):
         return statistics.median(got) if got else None
 
 
+def _nearest(lengths, T: int | None) -> int | None:
+    """T when it is among ``lengths`` (prompt lengths measured), else the one nearest to it by ratio; None when
+    there are none or T is None."""
+    if T is None or not lengths:
+        return None
+    if T in lengths:
+        return T
+    return min(lengths, key=lambda t: abs(math.log(max(t, 1) / max(T, 1))))
+
+
 class Measured:
     def __init__(self):
         self.layer = _Samples()  # T -> seconds
         self.cpu = _Samples()  # costs key -> measured / modelled
         self.copy = _Samples()  # 0 -> bytes per second (ahead mode's copies)
 
-    def layer_s(self, T: int) -> float | None:
-        """The median at T, else at the measured T nearest (by ratio), else None."""
-        if T in self.layer:
-            return self.layer.median(T)
-        if not self.layer:
-            return None
-        near = min(self.layer, key=lambda t: abs(math.log(max(t, 1) / max(T, 1))))
-        return self.layer.median(near)
+    def layer_s(self, T: int | None) -> float | None:
+        """The median at T, else at the measured T nearest (by ratio), else None (also for T None: no length)."""
+        near = _nearest(self.layer, T)
+        return None if near is None else self.layer.median(near)
 
     def cpu_scale(self, key) -> float:
         return self.cpu.median(key) or 1.0
@@ -96,12 +102,8 @@ class AheadBalance:
 
     def _rates(self, T: int) -> tuple[float, float] | None:
         """(c, p) measured at T, else at the nearest T measured (by ratio), else None."""
-        if T not in self.copy_s or T not in self.cpu_s:
-            both = [t for t in self.copy_s if t in self.cpu_s]
-            if not both:
-                return None
-            T = min(both, key=lambda t: abs(math.log(max(t, 1) / max(T, 1))))
-        return self.copy_s.median(T), self.cpu_s.median(T)
+        T = _nearest([t for t in self.copy_s if t in self.cpu_s], T)
+        return None if T is None else (self.copy_s.median(T), self.cpu_s.median(T))
 
     def estimate(self, T: int, m: int, layer_s: float, cap: int) -> float | None:
         """Seconds of an ahead layer of T tokens at the balanced n, from the rates measured (None before any):
