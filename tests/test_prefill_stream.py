@@ -555,3 +555,36 @@ def test_auto_times_its_forwards_into_trials(monkeypatch):
         assert {m for (_, m) in s.feedback.trials.seconds} == {"split", alternative}
         assert s.last["mode"] in ("split", alternative)
     stream.attach(model, "cpu")
+
+
+class _Event:
+    """A CUDA event's stand-in: ``passed`` says whether the device has passed it; times in ms."""
+
+    def __init__(self, ms: float, passed: bool = True):
+        self.ms, self.passed = ms, passed
+
+    def query(self) -> bool:
+        return self.passed
+
+    def elapsed_time(self, end) -> float:
+        return end.ms - self.ms
+
+
+def test_trials_keep_a_forward_the_device_has_not_passed_yet():
+    """A forward queued without a host sync (gpu mode; the next chunk of a long prompt starts at once) has not ended
+    on the device when the next one starts: its time goes into the trials at a later start, not lost (lost, the
+    alternative never reached TRIALS samples and auto explored it for good)."""
+    f = balance.Feedback(cuda=True, layers=2)
+    first_end = _Event(10.0, passed=False)
+    clocks = iter([_Event(0.0), first_end, _Event(20.0), _Event(26.0)])
+    f._clock = lambda: next(clocks)
+    for _ in range(2):
+        f.start_forward()
+        f.forward_mode(512, "gpu")
+        f.last_block()
+    assert (512, "gpu") not in f.trials.seconds  # the first still running on the device, the second just ended
+    first_end.passed = True  # the device got past the first forward's end
+    f.start_forward()
+    assert sorted(f.trials.seconds[(512, "gpu")]) == pytest.approx([3e-3, 5e-3])  # 6 ms and 10 ms over 2 layers
+    f.start_forward()
+    assert len(f.trials.seconds[(512, "gpu")]) == 2  # each taken once

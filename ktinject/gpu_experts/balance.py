@@ -36,6 +36,7 @@ DEFAULT_LAYER_S = 3e-4  # policy.Costs.layer_s's default, until measured
 STEP = 8  # at most this change of n from one layer to the next
 OUTLIER = 10.0  # a sample this many times the median of the kept ones is dropped
 TRIALS = 2  # forwards of each mode auto's trials time before they compare
+ENDED = 16  # at most this many forwards' spans wait for the device to pass them
 
 
 class _Samples(dict):
@@ -174,6 +175,7 @@ class Feedback:
         self.observed = False  # samples since the decisions were made
         self._prev_done: tuple | None = None  # (layer, host time its CPU task was done, GPU idle then)
         self._span: list | None = None  # [start, end, T, mode] of the forward in progress
+        self._ended: list[list] = []  # spans of forwards that ended, the device not yet past their end (CUDA)
 
     # ---- forwards ------------------------------------------------------------------------------------------------
     def _clock(self):
@@ -184,16 +186,23 @@ class Feedback:
         return ev
 
     def start_forward(self) -> bool:
-        """A forward begins: the last one's time a layer into the trials (when it ran to its last block and the
-        device has passed it); True when the decisions should be made again (new samples)."""
+        """A forward begins: the time a layer of those before that ran to their last block into the trials, once
+        the device has passed their end (a forward queued without a host sync, e.g. gpu mode's, is usually still
+        running when the next one starts: the next chunk of a long prompt; it is taken at a later start, not
+        lost); True when the decisions should be made again (new samples)."""
         self._prev_done = None
         span, self._span = self._span, None
         if span is not None and span[1] is not None:
-            start, end, T, mode = span
+            self._ended.append(span)
+        waiting = []
+        for start, end, T, mode in self._ended:
             if not self.cuda:
                 self.trials.add(T, mode, (end - start) / self.layers)
             elif end.query():
                 self.trials.add(T, mode, start.elapsed_time(end) / 1e3 / self.layers)
+            else:
+                waiting.append([start, end, T, mode])
+        self._ended = waiting[-ENDED:]
         again, self.observed = self.observed, False
         return again
 
