@@ -557,6 +557,31 @@ def test_auto_times_its_forwards_into_trials(monkeypatch):
     stream.attach(model, "cpu")
 
 
+def test_ahead_layer_takes_the_set_fetched_for_it_when_n_moves(monkeypatch):
+    """The balance moves n after a layer's GPU work is queued (balance.Feedback.steer, CUDA), i.e. after that work
+    fetched the next layer's set: the next layer still takes that set (n applies from the next fetch), so its copy
+    is neither dropped nor made again after the routing, where nothing hides it. Here n moves after every layer."""
+    model = _tiny("qwen3_moe", prefill="cpu")
+    ids = tiny_prompts(2, 20)
+    s = stream.attach(model, "gpu")
+    monkeypatch.setattr(s, "_decide", lambda *a: "ahead")
+    monkeypatch.setattr(s, "_ahead_n", lambda *a: 3)
+    layer_stream = s._stream
+
+    def steered(*a, **kw):  # as on CUDA: n steered once the layer's GPU work (and the next layer's fetch) is queued
+        out = layer_stream(*a, **kw)
+        s._n_ahead += 1
+        return out
+
+    monkeypatch.setattr(s, "_stream", steered)
+    with torch.no_grad():
+        model(ids)
+    B = s.layouts[0].expert_bytes
+    assert s.last["gpu_experts"] == [3, 3]  # layer 1 took the 3 fetched during layer 0
+    assert s.ring.copied == (3 + 3 + 4) * B and len(s.ring.pending.experts) == 4  # + the next forward's first, n=4
+    stream.attach(model, "cpu")
+
+
 class _Event:
     """A CUDA event's stand-in: ``passed`` says whether the device has passed it; times in ms."""
 

@@ -262,11 +262,13 @@ class PrefillStreamer:
 
     def _set(self, j: int) -> list[int]:
         """Layer j's GPU experts in ahead mode (ascending ids, none resident): kept from when it was first asked for
-        (the copy fetched ahead holds them) until the layer uses them."""
+        (the copy fetched ahead holds them) until the layer uses them, with the n of then: the balance moves n after
+        a layer's GPU work is queued, i.e. after the next layer's set was fetched, and the new n takes effect from
+        the next fetch, not by dropping that copy (``_mode_for`` drops sets kept for another run of forwards)."""
         eligible = ~_resident(self.blocks[j])
-        n = min(self._n_ahead, self.cap)
         kept = self._sets.get(j)
-        if kept is None or kept[0] != n:
+        if kept is None:
+            n = min(self._n_ahead, self.cap)
             kept = self._sets[j] = (n, policy.ahead_experts(self._seen.get(j), eligible, n))
         return [e for e in kept[1] if eligible[e]]  # an expert made resident since is the hot bank's
 
@@ -278,6 +280,8 @@ class PrefillStreamer:
                 self._decisions.clear()
             mode = self._decide(block, T, k)
             self.feedback.forward_mode(T, mode)
+            if mode == "ahead" and self._forward != (T, "ahead"):  # sets kept from another length or long ago
+                self._sets.clear()
             self._forward = (T, mode)
             self.last = {"T": T, "mode": mode, "gpu_experts": []}
             if mode == "ahead":
