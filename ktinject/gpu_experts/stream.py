@@ -11,8 +11,9 @@ of T tokens offers each block's routed experts to it; what it does is decided on
            most rows go to the GPU (copied, dequantized, computed as above) while the native kernels compute the
            rest (their skip mask: hot experts + the GPU's); each part's output is added on the device
     ahead  as split, but the GPU's n experts a layer are fixed before the routing (those with the most rows in
-           earlier forwards, ``policy.ahead_experts``; n from ``policy.ahead_split``), so their copy runs while the
-           layer before computes (as in gpu mode) and their compute is queued before the host waits for the routing
+           earlier forwards, ``policy.ahead_experts``; n from ``policy.ahead_split``, then steered by what the layers
+           show, ``balance``), so their copy runs while the layer before computes (as in gpu mode); their compute is
+           queued once the CPU's task is submitted, as in split
 
 Hot experts (GPU-resident, ``bank.HotExperts``) are computed by their bank as usual and never copied; experts with no
 rows are not copied where the routing is known first. Packed bytes cross PCIe as stored (bf16, int8 + scales, int4 +
@@ -195,7 +196,8 @@ class PrefillStreamer:
     def costs_for(self, block, T: int | None = None) -> policy.Costs:
         """The cost model of ``block``'s shape and quant, measured once (``gpu_experts.costs``; off CUDA the GPU's
         numbers are defaults), corrected by what split and ahead forwards measured (the CPU's tasks beside the
-        copies, ``layer_s`` of T-token forwards: ``_observe``); ``costs`` given to the streamer override."""
+        copies, ``layer_s`` of T-token forwards: ``balance.Feedback.observe``); ``costs`` given to the streamer
+        override."""
         if isinstance(self.costs_override, policy.Costs):
             return self.costs_override
         ex = block.native_experts
