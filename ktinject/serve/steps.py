@@ -139,12 +139,6 @@ class ModelSteps:
             self.kv.lengths[:, n:b] -= 1  # padding rows: their dummy token is forgotten
         return out.logits[:n, -1]
 
-    def set_first_tokens(self, row: int, tokens: torch.Tensor) -> list[int]:
-        """Prompts that just ended in rows ``row``.. (consecutive): their first tokens [k] (device) become those rows'
-        next tokens; returns them on the host (waits: a new request's first token is sent at once)."""
-        self.next_tokens[row:row + tokens.shape[0]].copy_(tokens)
-        return tokens.tolist()
-
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Row ``dst`` becomes row ``src`` (K/V of its first ``length`` positions, an upper bound of what it holds;
         lengths; next token), queued after the step in flight."""
