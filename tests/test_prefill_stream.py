@@ -464,7 +464,8 @@ def test_ahead_balance_steers_n_to_where_copy_and_cpu_meet():
     assert b.steer(512, 64, 128, 2e-3, 128) == 64 + STEP  # the host's 2 ms on the CPU's side: the GPU takes 10 more
     assert b.steer(512, 74, 128, 2e-3, 128) == 74 and b.start(512, 1) == 74  # kept for the next forward of 512
     assert b.steer(512, 74, 128, 2e-3, 70) == 70 and b.steer(512, 2, 3, 1.0, 128) == 3  # cap, m
-    assert b.start(2048, 17) == 17  # another length: the model's n
+    assert b.start(2048, 17) == b.n[512] == 3  # another length: the nearest length steered (last: 3)
+    assert AheadBalance().start(512, 0) == 1  # never none: with nothing copied no rate would ever be measured
     b.copied(512, 0.0, 0)
     b.computed(512, 1.0, 0)  # empty samples ignored
     assert b.copy_s.median(512) == pytest.approx(1e-4) and b.cpu_s.median(512) == pytest.approx(1e-4)
@@ -488,6 +489,13 @@ def test_measured_medians_shrug_off_one_slow_layer():
     for _ in range(WINDOW):
         m.layer.add(512, 3e-3)
     assert m.layer_s(512) == 3e-3  # only the last WINDOW count
+    from ktinject.gpu_experts.balance import DROPS
+
+    for _ in range(DROPS):
+        m.layer.add(512, 0.1)  # dropped: over OUTLIER x the median
+    assert m.layer_s(512) == 3e-3
+    m.layer.add(512, 0.1)  # one more in a row: the level has moved, the samples restart from it
+    assert m.layer_s(512) == 0.1 and len(m.layer[512]) == 1
     m.cpu.add("k", 1.4)
     m.copy.add(0, 44e9)
     assert m.cpu_scale("k") == 1.4 and m.h2d_shared() == 44e9

@@ -35,6 +35,7 @@ WAITED_S = 1e-4  # a CPU task's time is measured only where the host waited at l
 DEFAULT_LAYER_S = 3e-4  # policy.Costs.layer_s's default, until measured
 STEP = 8  # at most this change of n from one layer to the next
 OUTLIER = 10.0  # a sample this many times the median of the kept ones is dropped
+DROPS = 3  # ... at most this many in a row: then the level has moved
 TRIALS = 2  # forwards of each mode auto's trials time before they compare
 ENDED = 16  # at most this many forwards' spans wait for the device to pass them
 
@@ -42,12 +43,21 @@ ENDED = 16  # at most this many forwards' spans wait for the device to pass them
 class _Samples(dict):
     """key -> the last WINDOW samples; ``median(key)`` or None. A sample over OUTLIER x the median of three or more
     is dropped: the H100 run of 5c3ae5e (bench prefill, bf16) kept a median of 415 ms "a layer outside the experts"
-    from its first forwards, where 2.6-8 ms is what a layer shows (that stuck auto at cpu)."""
+    from its first forwards, where 2.6-8 ms is what a layer shows (that stuck auto at cpu). Past DROPS dropped in a
+    row the level itself has moved (longer prompts, a busier host): the samples restart from that one."""
+
+    def __init__(self):
+        super().__init__()
+        self._dropped: dict = {}  # key -> samples dropped in a row
 
     def add(self, key, value: float) -> None:
         got = self.setdefault(key, deque(maxlen=WINDOW))
         if len(got) >= 3 and value > OUTLIER * statistics.median(got):
-            return
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+            if self._dropped[key] <= DROPS:
+                return
+            got.clear()
+        self._dropped[key] = 0
         got.append(float(value))
 
     def median(self, key) -> float | None:
@@ -90,8 +100,12 @@ class AheadBalance:
         self.cpu_s = _Samples()  # T -> seconds per expert on the CPU, beside the copies
 
     def start(self, T: int, model_n: int) -> int:
-        """n for a forward of T tokens: where earlier forwards steered to, else the cost model's."""
-        return self.n.get(T, model_n)
+        """n for a forward of T tokens: where earlier forwards steered to (at T, else at the nearest length steered),
+        else the cost model's; at least 1 (with no expert on the GPU nothing is copied, so no rate is ever measured
+        at T and the steering could not move it: auto may choose ahead from rates measured at another length where
+        the model's own n is 0)."""
+        near = _nearest(self.n, T)
+        return max(1, self.n[near] if near is not None else model_n)
 
     def copied(self, T: int, seconds: float, experts: int) -> None:
         if experts > 0 and seconds > 0:
