@@ -621,3 +621,21 @@ def test_trials_keep_a_forward_the_device_has_not_passed_yet():
     assert sorted(f.trials.seconds[(512, "gpu")]) == pytest.approx([3e-3, 5e-3])  # 6 ms and 10 ms over 2 layers
     f.start_forward()
     assert len(f.trials.seconds[(512, "gpu")]) == 2  # each taken once
+
+
+def test_prepare_does_the_first_prompts_one_time_work():
+    """PrefillStreamer.prepare (a server's warm-up calls it on CUDA): the set-up and, in auto mode, the cost model's
+    measurements, once; a later forward finds them done."""
+    model = _tiny("qwen3_moe", prefill="cpu")
+    s = stream.PrefillStreamer(stream.blocks_of(model), "auto")
+    assert not s._ready and not s._costs
+    assert s.prepare() >= 0.0
+    assert s._ready and len(s._costs) == 1
+    costs = dict(s._costs)
+    s.prepare()
+    assert s._costs == costs  # measured once
+    g = stream.PrefillStreamer(stream.blocks_of(model), "gpu")
+    g.prepare()
+    assert g._ready and not g._costs  # gpu mode needs no cost model
+    s.close()
+    g.close()

@@ -225,6 +225,17 @@ class PrefillStreamer:
         ex = block.native_experts
         return ex.quant, ex.num_experts, ex.hidden, ex.intermediate
 
+    def prepare(self) -> float:
+        """The one-time work of the first streamed prompt done now (the set-up; in auto mode the cost model's
+        measurements too), so that no prompt waits for it: a server's first long prompt would hold every running
+        stream for it (page-locking tens of GB of experts, a few native forwards). Returns the seconds taken."""
+        t0 = time.perf_counter()
+        self.setup()
+        if self.mode == "auto":
+            for block in {self._costs_key(b): b for b in self.blocks}.values():
+                self.costs_for(block)
+        return time.perf_counter() - t0
+
     def switch(self, mode: str) -> None:
         """Another mode from the next forward on ("cpu": decline every forward), keeping the set-up and the
         measured costs."""

@@ -73,6 +73,17 @@ class ModelSteps:
             if cuda:
                 torch.cuda.synchronize(self.device)
             log.info("warm-up in %.1f s (%s)", time.perf_counter() - t0, self.runner.describe())
+            self._prepare_prefill(cuda)
+
+    def _prepare_prefill(self, cuda: bool) -> None:
+        """The streamed prefill's one-time work (page-locking the experts, the ring, auto's measurements) at start,
+        after the cache and the graphs took their memory, not inside the first long prompt's forward, where it
+        would stall every running stream."""
+        from ktinject.gpu_experts import stream
+
+        streamer = stream.streamer_of(self.model)
+        if cuda and streamer is not None and streamer.mode != "cpu":
+            log.info("streamed prefill (%s) set up in %.1f s", streamer.mode, streamer.prepare())
 
     def prefill(self, jobs: list[PrefillJob], sample=None) -> list[int]:
         """One forward of the jobs' prompt chunks in their rows (consecutive; a job that starts its prompt resets its
