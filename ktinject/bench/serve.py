@@ -14,6 +14,9 @@ Per quant and stream count:
   step ms     time per decode step; engine ms: what of it is not the forward (the forward timed on the device:
               CUDA events around the graph replay; on the CPU its wall time): sampling, the tokens' copy to the
               host, bookkeeping and the host's launch delays that the device waits for, i.e. the engine's overhead
+  CPU alone   after the engine stops: the native expert forwards of every layer for one step of the row's mean
+              batch (rounded), cache-cold, median of 3: the CPU's part of a step with nothing beside it; step ms
+              less it is what the rest of a step costs (the GPU part, handshakes, the engine), where to look next
   overlap     on: the engine queues each decode step before it reads the step before's tokens (its default); off:
               one step at a time (``--overlap on,off`` runs both on the same engine, for comparison)
   TTFT        time to first token, p50 and p99 over the requests (queueing and chunked prefill included)
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import threading
 import time
@@ -164,6 +168,7 @@ def roofline(cfg, quant: str, bandwidth: float, step_rows: list[int]) -> float:
 def run(args, quant: str) -> list[dict]:
     from ktinject.bench.decode import expert_bytes_per_token
     from ktinject.bench.memory import measure_read_bandwidth
+    from ktinject.bench.timing import cpu_expert_time
     from ktinject.serve.engine import Engine, EngineConfig
 
     if args.threads:
@@ -203,16 +208,23 @@ def run(args, quant: str) -> list[dict]:
     finally:
         engine.stop()
         engine.runner.close()
+    cpu = {}  # the CPU's part of a step alone: native forwards of every layer, the step's rows, nothing else running
+    for row in rows:
+        b = max(1, int(round(row["batch"])))
+        if b not in cpu:
+            cpu[b] = statistics.median(cpu_expert_time(model, b, passes=3))
+        row["cpu_ms"] = 1e3 * cpu[b]
     return rows
 
 
-HEAD = ("| quant | streams | overlap | aggregate tok/s | decode tok/s | mean batch | step ms | engine ms | TTFT p50 ms | "
-        "TTFT p99 ms | roofline tok/s (GB/step) | decode / roofline | decode / batch 1 |")
+HEAD = ("| quant | streams | overlap | aggregate tok/s | decode tok/s | mean batch | step ms | engine ms | CPU experts "
+        "alone ms | TTFT p50 ms | TTFT p99 ms | roofline tok/s (GB/step) | decode / roofline | decode / batch 1 |")
 
 
 def _line(r: dict) -> str:
     return (f"| {r['quant']} | {r['streams']} | {r['overlap']} | {r['aggregate']:.1f} | {r['decode']:.1f} | "
-            f"{r['batch']:.1f} | {r['step_ms']:.2f} | {r['engine_ms']:.2f} | {1e3 * r['ttft_p50']:.0f} | "
+            f"{r['batch']:.1f} | {r['step_ms']:.2f} | {r['engine_ms']:.2f} | {r.get('cpu_ms', float('nan')):.2f} | "
+            f"{1e3 * r['ttft_p50']:.0f} | "
             f"{1e3 * r['ttft_p99']:.0f} | "
             f"{r['roofline']:.1f} ({r['step_gb']:.2f}) | {100 * r['decode'] / r['roofline']:.0f}% | "
             f"{r['decode'] / r['batch1']:.2f}x |")
@@ -242,7 +254,9 @@ def main(argv=None) -> int:
           f"cycled, {args.tokens} new tokens each, greedy, prefill chunk {args.prefill_chunk}, threads "
           f"{args.threads or 'default'}, {layers}; roofline: the decode steps that ran, each reading the expected "
           f"distinct experts of its rows routed uniformly, at the bandwidth measured in the run; GB/step: a step of "
-          f"N rows; engine ms: step ms less the forward's time on the device, the engine's overhead per step; TTFT "
+          f"N rows; engine ms: step ms less the forward's time on the device, the engine's overhead per step; CPU "
+          f"experts alone: the native expert forwards of every layer for a step of the row's mean batch (rounded), "
+          f"cache-cold, median of 3, nothing else running: step ms less this is what the rest of a step costs; TTFT "
           f"includes queueing and chunked prefill; {time.perf_counter() - t0:.0f} s in all)", flush=True)
     return 0
 
