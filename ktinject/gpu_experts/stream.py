@@ -42,15 +42,15 @@ import torch
 from ktinject import native
 from ktinject.gpu_experts import costs as measure, hostio, policy
 from ktinject.gpu_experts.balance import WAITED_S, Feedback
-from ktinject.gpu_experts.bank import Activation, grouped_ffn, grouped_mm_usable, looped_ffn
-from ktinject.gpu_experts.ring import Ring, timed
-from ktinject.gpu_experts.upload import PackedRegion, bias_views, expert_layout, unpack_experts
+from ktinject.gpu_experts.bank import grouped_mm_usable
+from ktinject.gpu_experts.ring import Ring
+from ktinject.gpu_experts.streamed import MAX_CHUNK, MIN_CHUNK, StreamedExperts, resident  # noqa: F401 (MAX_CHUNK, MIN_CHUNK: tests, generate)
+from ktinject.gpu_experts.upload import PackedRegion
 from ktinject.operators.families import shared_output
 from ktinject.operators.moe import HybridMoE, staging
 
 log = logging.getLogger(__name__)
 
-MIN_CHUNK, MAX_CHUNK = 512, 16384  # prefill chunk bounds (tokens)
 #: auto leaves forwards of fewer tokens to the CPU without asking the cost model: decode steps (batches of rows) keep
 #: the path their captured graphs take, and below this the GPU's share would not pay for its launches anyway
 AUTO_MIN_TOKENS = 64
@@ -79,15 +79,7 @@ def streamer_of(model) -> PrefillStreamer | None:
     return next((b.prefill for b in blocks_of(model) if isinstance(b.prefill, PrefillStreamer)), None)
 
 
-def _resident(block) -> np.ndarray:
-    """bool [E]: experts of ``block`` in its hot bank (as of the work queued so far)."""
-    out = np.zeros(block.num_experts, dtype=bool)
-    if block.hot is not None:
-        out[[e for e in block.hot.slot_expert if e >= 0]] = True
-    return out
-
-
-class PrefillStreamer:
+class PrefillStreamer(StreamedExperts):
     """Streamed / split prefill for ``blocks`` (a model's HybridMoE blocks in model order), ``mode`` "auto" or "gpu"
     ("cpu": every forward declined; ``switch`` changes it).
     ``costs``: a ``policy.Costs`` used as is, or a dict of its fields replacing the measured ones.
@@ -156,28 +148,6 @@ class PrefillStreamer:
         log.info("prefill: %s streaming, %d of %d experts a slot (%.2f GiB ring + %.2f GiB scratch), H2D %.1f GB/s, "
                  "set up in %.1f s", self.mode, cap, E, self.ring.nbytes / 2**30, self.nbytes_scratch / 2**30,
                  self.h2d / 1e9, time.perf_counter() - t0)
-
-    def _plan(self) -> tuple[int, int, int, bool]:
-        """(experts a slot, B, work bytes per expert, biases?): a whole layer when ring + scratch fit in
-        ``memory_fraction`` of the free GPU memory, else as many experts as do (at most ``slot_experts``)."""
-        layouts = self.__dict__.get("layouts") or [expert_layout(b.native_experts) for b in self.blocks]
-        B = max(lay.expert_bytes for lay in layouts)
-        H = self.blocks[0].hidden_size
-        I = max(b.intermediate_size for b in self.blocks)
-        work = max(_work_bytes(lay) for lay in layouts)
-        bias = any(b.native_experts.bias for b in self.blocks)
-        per_expert = 2 * B + 2 * 3 * H * I + work + (4 * (2 * I + H) if bias else 0)
-        cap = max(b.num_experts for b in self.blocks)
-        if self.cuda:
-            cap = max(1, min(cap, int(self.memory_fraction * _free_gpu_bytes(self.device) // per_expert)))
-        if self.slot_experts is not None:
-            cap = min(cap, self.slot_experts)
-        return cap, B, work, bias
-
-    @property
-    def nbytes_scratch(self) -> int:
-        ts = [self.gate_up, self.down, self.work, *(self.bias or ())]
-        return sum(t.numel() * t.element_size() for t in ts)
 
     def close(self) -> None:
         """Unhook the blocks, unpin the packed experts, free the device buffers (nothing may be in flight)."""
@@ -249,7 +219,7 @@ class PrefillStreamer:
         if self.mode == "cpu":
             return "cpu"
         E = block.num_experts
-        streamable = int(E - _resident(block).sum())
+        streamable = int(E - resident(block).sum())
         if self.mode == "gpu":
             return "gpu" if policy.prefetch_worthy(T, k, streamable) else "gpu-used"
         if T < AUTO_MIN_TOKENS or T * k < E // 2 or streamable == 0:  # nothing to gain: no set-up, no calibration
@@ -267,7 +237,7 @@ class PrefillStreamer:
     def _ahead_n(self, block, T: int, k: int) -> int:
         """Ahead mode: experts a layer for the GPU in a forward of T tokens (the cost model's, at most a slot)."""
         self.setup()
-        streamable = int(block.num_experts - _resident(block).sum())
+        streamable = int(block.num_experts - resident(block).sum())
         key = ("ahead", T, k, streamable, id(block.native_experts))
         if key not in self._decisions:
             self._decisions[key] = policy.ahead_split(T, k, streamable, self.costs_for(block, T), self.cap)[0]
@@ -278,7 +248,7 @@ class PrefillStreamer:
         (the copy fetched ahead holds them) until the layer uses them, with the n of then: the balance moves n after
         a layer's GPU work is queued, i.e. after the next layer's set was fetched, and the new n takes effect from
         the next fetch, not by dropping that copy (``_mode_for`` drops sets kept for another run of forwards)."""
-        eligible = ~_resident(self.blocks[j])
+        eligible = ~resident(self.blocks[j])
         kept = self._sets.get(j)
         if kept is None:
             n = min(self._n_ahead, self.cap)
@@ -331,7 +301,7 @@ class PrefillStreamer:
         use nearly all, the used ones (copied now)."""
         shared = shared_output(block, block.spec.shared, x)
         extra = None if block.hot is None else block.hot(x, ids, weights)  # f32 [T, H]
-        eligible = ~_resident(block)
+        eligible = ~resident(block)
         counts = None
         if not prefetch:
             counts = torch.bincount(ids.reshape(-1).cpu(), minlength=block.num_experts).numpy()
@@ -360,7 +330,7 @@ class PrefillStreamer:
             else:
                 dst.copy_(src.detach(), non_blocking=self.cuda)  # device -> pinned host (the CPU path's copies)
         shared = extra = streamed = None
-        resident = _resident(block)
+        hot = resident(block)
         gpu = first = None
         if ahead:
             gpu = self._set(i)
@@ -377,11 +347,11 @@ class PrefillStreamer:
         old = self._seen.get(i)
         self._seen[i] = counts.astype(np.float64) + (0.0 if old is None else 0.5 * old)
         if not ahead:
-            gpu = policy.choose_split(counts, ~resident, self.costs_for(block, T))
+            gpu = policy.choose_split(counts, ~hot, self.costs_for(block, T))
         self.last["gpu_experts"].append(len(gpu))
         skip = self._skip(E)
         skip.zero_()
-        skip.numpy()[resident] = 1
+        skip.numpy()[hot] = 1
         skip.numpy()[gpu] = 1
         task = self._task()
         task.bind(block.native_experts, h, i_, w, skip=skip, out=o)
@@ -409,7 +379,7 @@ class PrefillStreamer:
             cpu_s = waited - submitted if waited - launched > WAITED_S else None
             self._n_ahead = self.feedback.steer(T, self.ring.spans, self.layouts[i].expert_bytes,
                                                 int((cpu_counts > 0).sum()), cpu_s, self._n_ahead,
-                                                int(E - resident.sum()), self.cap)
+                                                int(E - hot.sum()), self.cap)
         if not self.cuda:  # a "GPU" on the CPU: after the pool, not against it
             extra = None if block.hot is None else block.hot(x, ids, weights)
             if gpu:
@@ -420,115 +390,7 @@ class PrefillStreamer:
         routed.copy_(o, non_blocking=self.cuda)  # stream order protects `o` until the next layer's host sync
         return _total(x, routed, extra, streamed), shared
 
-    # ---- the streamed experts ------------------------------------------------------------------------------------
-    def _take(self, i: int, experts: list[int]):
-        """The ring item of layer i's first part of ``experts`` (the copy fetched ahead when it holds them). The
-        next copy is started by ``_stream`` after the CPU's task is submitted: issuing a scattered set (a copy per
-        run of consecutive experts, up to ~80 at 512 tokens) took ~1 ms of host time on the H100, which held the
-        CPU's task back when done before it."""
-        return self.ring.fetch((i, 0), self.regions[i].tensor, self.layouts[i].expert_bytes, experts[:self.cap])
-
-    def _stream(self, i, block, x, ids, weights, experts, counts, prefetch: bool, first=None) -> torch.Tensor:
-        """f32 [T, H]: sum over each token's slots routed to ``experts`` (ascending ids, none resident) of weight *
-        expert(x); ``counts`` [E] (host) rows per expert when known; ``prefetch``: start the next layer's copy;
-        ``first``: the first part's item, already taken (``_take``)."""
-        lay, region = self.layouts[i], self.regions[i].tensor
-        B, n_all, cap = lay.expert_bytes, len(experts), self.cap
-        T, k = ids.shape
-        H, I, E = block.hidden_size, block.intermediate_size, block.num_experts
-        act = Activation.of(block.native_experts)
-        key = self._positions(i, E, experts)[ids.reshape(-1)]  # [S]: position in experts, n_all: not streamed
-        key_s, perm = torch.sort(key, stable=True)
-        ends = torch.searchsorted(key_s, torch.arange(1, n_all + 1, device=x.device))  # [n_all] end row of each
-        parts = [experts[j:j + cap] for j in range(0, n_all, cap)]
-        host_ends = ends.cpu() if not self.grouped or (counts is None and len(parts) > 1) else None  # a sync
-        if counts is not None:
-            part_ends = np.cumsum([int(counts[p].sum()) for p in parts]).tolist()
-        elif host_ends is not None:
-            part_ends = [int(host_ends[min(j + cap, n_all) - 1]) for j in range(0, n_all, cap)]
-        else:
-            part_ends = [None]  # rows unknown on the host: all S pairs, non-streamed ones masked
-        rows = part_ends[-1] if part_ends[-1] is not None else key_s.numel()
-        masked = part_ends[-1] is None and n_all < E
-        perm, key_s = perm[:rows], key_s[:rows]
-        xs = x.to(torch.bfloat16)[perm // k]  # [rows, H]
-        ws = weights.reshape(-1)[perm].float().unsqueeze(1)  # [rows, 1]
-        out = torch.zeros(T * k, H, dtype=torch.float32, device=x.device)  # pair order
-        lo = 0
-        for p, part in enumerate(parts):
-            n = len(part)
-            item = first if p == 0 and first is not None else self.ring.fetch((i, p), region, B, part)
-            ahead = self._ahead(i, p, parts, prefetch)
-            if ahead is not None:
-                self.ring.prefetch(*ahead)
-            slot = self.ring.acquire(item).view(n, B)
-            trace = self.ring.trace if self.cuda else None
-            span, deq = timed(trace, ("compute", (i, p))), timed(trace, ("dequant", (i, p)))  # from the copy's end
-            gate_up = self.gate_up[:n * 2 * I * H].view(n, 2 * I, H)
-            down = self.down[:n * H * I].view(n, H, I)
-            unpack_experts(slot, lay, gate_up, down, self.work)
-            biases = self._biases(slot, lay, n, I, H) if block.native_experts.bias else (None, None)
-            self.ring.release(item)
-            deq.close()
-            hi = rows if part_ends[p] is None else part_ends[p]
-            group = key_s[lo:hi] - p * cap  # [rows of the part]: expert within the part
-            if self.grouped:
-                offs = (ends[p * cap:p * cap + n] - lo).to(torch.int32)
-                y = grouped_ffn(xs[lo:hi], offs, gate_up, down, act, *biases, group.clamp(0, n - 1))
-            else:
-                y = looped_ffn(xs[lo:hi], host_ends[p * cap:p * cap + n] - lo, gate_up, down, act, *biases)
-            y = y.float().mul_(ws[lo:hi])
-            if masked:
-                y = torch.where((group < n).unsqueeze(1), y, 0.0)
-            out[perm[lo:hi]] = y
-            span.close()
-            lo = hi
-        return out.view(T, k, H).sum(1)
-
-    def _ahead(self, i: int, p: int, parts, prefetch: bool):
-        """(key, region, B, experts) of the item after (layer i, part p): the layer's next part, or with
-        ``prefetch`` the next layer's first (all its non-resident experts, from the first; ahead mode: its set).
-        After the last layer: the first layer's, for the next forward (the next chunk of a long prompt, or the next
-        prompt): the copy engine is idle then, and a forward that wants other experts drops it."""
-        if p + 1 < len(parts):
-            return (i, p + 1), self.regions[i].tensor, self.layouts[i].expert_bytes, parts[p + 1]
-        if not prefetch:
-            return None
-        j = (i + 1) % len(self.blocks)
-        if self._forward is not None and self._forward[1] == "ahead":
-            experts = self._set(j)
-        else:
-            experts = [int(e) for e in np.flatnonzero(~_resident(self.blocks[j]))][:self.cap]
-        if not experts:
-            return None
-        return (j, 0), self.regions[j].tensor, self.layouts[j].expert_bytes, experts
-
-    def _biases(self, slot, lay, n, I, H):
-        """gpt-oss biases of the n experts in ``slot`` copied to scratch (f32 [n, 2I] gate then up, [n, H]): the
-        slot is released before the matmuls that add them."""
-        gate, up, down = bias_views(slot, lay)
-        gu, d = self.bias[0][:n * 2 * I].view(n, 2 * I), self.bias[1][:n * H].view(n, H)
-        gu[:, :I].copy_(gate)
-        gu[:, I:].copy_(up)
-        d.copy_(down)
-        return gu, d
-
     # ---- small pieces kept across forwards ----------------------------------------------------------------------
-    def _positions(self, i: int, E: int, experts: list[int]) -> torch.Tensor:
-        """int64 [E] on the device: each expert's position in ``experts``, len(experts) for the others. Kept per
-        layer while its experts stay the same (gpu mode: every forward); else copied from pinned memory (a copy
-        from pageable memory would first wait for the stream)."""
-        key = tuple(experts)
-        cache = self.__dict__.setdefault("_pos_cache", {})
-        hit = cache.get(i)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        host = torch.full((E,), len(experts), dtype=torch.int64, pin_memory=self.cuda)
-        host[experts] = torch.arange(len(experts))
-        pos = host.to(self.device, non_blocking=True)  # the caching host allocator keeps `host` until it is read
-        cache[i] = (key, pos)
-        return pos
-
     def _event(self, name: str = "_copied") -> torch.cuda.Event:
         ev = self.__dict__.get(name)
         if ev is None:
@@ -547,34 +409,6 @@ class PrefillStreamer:
         if task is None:
             task = self._native_task = native.Task()
         return task
-
-    def chunk_tokens(self) -> int:
-        """Prompt tokens per prefill forward: what the free GPU memory holds after the ring and scratch, at about
-        k * (8H + 16I) + 64H bytes a token (the streamed experts' sorted rows, intermediates and outputs in float32,
-        the dense part), half of it as a margin; between MIN_CHUNK and MAX_CHUNK. MAX_CHUNK off CUDA."""
-        if not self.cuda:
-            return MAX_CHUNK
-        b = self.blocks[0]
-        k = b.top_k if isinstance(getattr(b, "top_k", None), int) else 8
-        per_token = k * (8 * b.hidden_size + 16 * b.intermediate_size) + 64 * b.hidden_size
-        free = _free_gpu_bytes(self.device)
-        if not self._ready:  # what the set-up will take (without doing it: a short prompt never needs it)
-            cap, B, work, bias = self._plan()
-            free -= cap * (2 * B + 2 * 3 * b.hidden_size * b.intermediate_size + work)
-        tokens = int(0.5 * max(free, 0) // per_token) // 256 * 256
-        return max(MIN_CHUNK, min(MAX_CHUNK, tokens))
-
-
-def _free_gpu_bytes(device) -> int:
-    """Free memory of the device plus what torch's caching allocator holds unused."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
-def _work_bytes(lay) -> int:
-    """Work bytes per expert that unpacking needs (0: bf16 and int8 unpadded go straight into place)."""
-    padded = any(m.N != m.Np or m.K != m.Kp for m in lay.mats)
-    return 0 if lay.quant in ("bf16", "int8") and not padded else lay.work_bytes
 
 
 def _total(x, routed, extra, streamed) -> torch.Tensor:
