@@ -428,8 +428,7 @@ def test_split_forwards_measure_layer_s_and_the_cpu(monkeypatch):
     base = s.costs_for(b)
     monkeypatch.setattr(s, "_decide", lambda *a: "split")
     monkeypatch.setattr(policy, "choose_split", lambda counts, eligible, costs: [int(np.argmax(counts))])
-    monkeypatch.setattr(stream, "WAITED_S", 0.0)  # the tiny model's tasks may end within 0.1 ms
-    monkeypatch.setattr(balance, "WAITED_S", 0.0)
+    monkeypatch.setattr(balance, "WAITED_S", 0.0)  # the tiny model's tasks may end within 0.1 ms
     s._decisions[("marker",)] = "cpu"
     with torch.no_grad():
         model(ids)

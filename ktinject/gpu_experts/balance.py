@@ -30,9 +30,10 @@ from collections import deque
 import numpy as np
 import torch
 
+from ktinject.gpu_experts.policy import Costs
+
 WINDOW = 15  # samples kept per quantity: their median is the estimate
 WAITED_S = 1e-4  # a CPU task's time is measured only where the host waited at least this long for it
-DEFAULT_LAYER_S = 3e-4  # policy.Costs.layer_s's default, until measured
 STEP = 8  # at most this change of n from one layer to the next
 OUTLIER = 10.0  # a sample this many times the median of the kept ones is dropped
 DROPS = 3  # ... at most this many in a row: then the level has moved
@@ -188,6 +189,7 @@ class Feedback:
         self.measured, self.balance, self.trials = Measured(), AheadBalance(), Trials()
         self.observed = False  # samples since the decisions were made
         self._prev_done: tuple | None = None  # (layer, host time its CPU task was done, GPU idle then)
+        self._cpu_seen: tuple | None = None  # the last observed layer's (CPU task seconds, CPU experts), if seen
         self._span: list | None = None  # [start, end, T, mode] of the forward in progress
         self._ended: list[list] = []  # spans of forwards that ended, the device not yet past their end (CUDA)
 
@@ -247,15 +249,16 @@ class Feedback:
             self.measured.layer.add(T, entered - prev[1] + tail)
             self.observed = True
         used = cpu_counts[cpu_counts > 0]
-        if base is not None and used.size and waited - launched > WAITED_S:
+        seen = waited - launched > WAITED_S
+        self._cpu_seen = (waited - submitted, int(used.size)) if seen else None  # for ``steer``
+        if base is not None and used.size and seen:
             self.measured.cpu.add(key, (waited - submitted) / base.cpu_s(used.size, float(used.sum())))
             self.observed = True
 
-    def steer(self, T: int, spans: dict, expert_bytes: int, cpu_experts: int, cpu_seconds: float | None, n: int,
-              m: int, cap: int) -> int:
-        """Ahead mode, after a layer: the copies of ``spans`` (ring.spans: key -> (start, end, experts)) that have
-        ended and the layer's CPU task (``cpu_seconds`` when the host saw it end) into the balance; returns the n
-        the next layers take (from n, for m streamable experts, at most cap)."""
+    def steer(self, T: int, spans: dict, expert_bytes: int, n: int, m: int, cap: int) -> int:
+        """Ahead mode, after a layer's ``observe``: the copies of ``spans`` (ring.spans: key -> (start, end,
+        experts)) that have ended and the layer's CPU task (where the host saw it end) into the balance; returns the
+        n the next layers take (from n, for m streamable experts, at most cap)."""
         for key, (start, end, count) in list(spans.items()):
             if end.query():
                 seconds = start.elapsed_time(end) / 1e3
@@ -263,6 +266,6 @@ class Feedback:
                 if seconds > 0:
                     self.measured.copy.add(0, count * expert_bytes / seconds)
                 del spans[key]
-        if cpu_seconds is not None:
-            self.balance.computed(T, cpu_seconds, cpu_experts)
-        return self.balance.steer(T, n, m, self.measured.layer_s(T) or DEFAULT_LAYER_S, cap)
+        if self._cpu_seen is not None:
+            self.balance.computed(T, *self._cpu_seen)
+        return self.balance.steer(T, n, m, self.measured.layer_s(T) or Costs.layer_s, cap)

@@ -39,9 +39,9 @@ import time
 import numpy as np
 import torch
 
-from ktinject import native
+from ktinject import native, stream_experts
 from ktinject.gpu_experts import costs as measure, hostio, policy
-from ktinject.gpu_experts.balance import WAITED_S, Feedback
+from ktinject.gpu_experts.balance import Feedback
 from ktinject.gpu_experts.bank import grouped_mm_usable
 from ktinject.gpu_experts.ring import Ring
 from ktinject.gpu_experts.streamed import MAX_CHUNK, MIN_CHUNK, StreamedExperts, resident  # noqa: F401 (MAX_CHUNK, MIN_CHUNK: tests, generate)
@@ -320,15 +320,10 @@ class PrefillStreamer(StreamedExperts):
         T, H = x.shape
         k, E = ids.shape[1], block.num_experts
         st = staging(pin=self.cuda)
-        hdt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-        h, i_, o = st.get("hidden", T, H, hdt), st.get("ids", T, k, torch.int64), st.get("out", T, H, hdt)
-        w = st.get("weights", T, k, torch.bfloat16 if weights.dtype == torch.bfloat16 else torch.float32)
-        io = self.cuda and hostio.usable(x.device, h, i_, w, o)  # kernels, not copies: hostio says why
-        for dst, src in ((h, x), (i_, ids), (w, weights)):
-            if io:
-                hostio.to_host(src.detach().contiguous(), dst)
-            else:
-                dst.copy_(src.detach(), non_blocking=self.cuda)  # device -> pinned host (the CPU path's copies)
+        o = st.get("out", T, H, stream_experts.host_dtype(x.dtype))
+        io = self.cuda and hostio.usable(x.device, o)  # kernels, not copies (hostio says why); the staging's buffers
+        h, i_, w = st.inputs("", x, ids, weights, non_blocking=self.cuda,  # are pinned alike
+                             to_host=hostio.to_host if io else None)
         shared = extra = streamed = None
         hot = resident(block)
         gpu = first = None
@@ -376,9 +371,7 @@ class PrefillStreamer(StreamedExperts):
         self.feedback.observe(i, T, key, self._costs.get(key), cpu_counts, (entered, synced, submitted, launched,
                                                                              waited), idle)
         if ahead and self.ring.spans is not None:
-            cpu_s = waited - submitted if waited - launched > WAITED_S else None
-            self._n_ahead = self.feedback.steer(T, self.ring.spans, self.layouts[i].expert_bytes,
-                                                int((cpu_counts > 0).sum()), cpu_s, self._n_ahead,
+            self._n_ahead = self.feedback.steer(T, self.ring.spans, self.layouts[i].expert_bytes, self._n_ahead,
                                                 int(E - hot.sum()), self.cap)
         if not self.cuda:  # a "GPU" on the CPU: after the pool, not against it
             extra = None if block.hot is None else block.hot(x, ids, weights)

@@ -71,17 +71,20 @@ class Staging:
         return buf[:need].view(rows, cols)
 
     def inputs(self, prefix: str, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-               non_blocking: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               non_blocking: bool, to_host=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A native forward's inputs: x [T, H], ids [T, k] and weights [T, k] copied into the buffers ``prefix`` +
         hidden / ids / weights, in the dtypes native reads (``stream_experts.host_dtype``); asynchronous (device ->
-        pinned host) when ``non_blocking``. Returns the three host views."""
+        pinned host) when ``non_blocking``; ``to_host(src, dst)`` (contiguous src) moves each instead of a copy
+        (streamed prefill's kernel: gpu_experts.hostio). Returns the three host views."""
         (T, H), k = x.shape, ids.shape[1]
         h = self.get(prefix + "hidden", T, H, stream_experts.host_dtype(x.dtype))
         i = self.get(prefix + "ids", T, k, torch.int64)
         w = self.get(prefix + "weights", T, k, stream_experts.host_dtype(weights.dtype))
-        h.copy_(x.detach(), non_blocking=non_blocking)
-        i.copy_(ids, non_blocking=non_blocking)
-        w.copy_(weights.detach(), non_blocking=non_blocking)
+        for dst, src in ((h, x), (i, ids), (w, weights)):
+            if to_host is None:
+                dst.copy_(src.detach(), non_blocking=non_blocking)
+            else:
+                to_host(src.detach().contiguous(), dst)
         return h, i, w
 
     def nbytes(self) -> int:
