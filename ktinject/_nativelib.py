@@ -258,6 +258,34 @@ class Pool:
         _, lib = _native()
         _check(lib.ktk_pool_wake(self.ptr))
 
+    def set_profile(self, on: bool = True) -> None:
+        """Time every job (forward) of this pool from now on, its parallel phases and the chunks each thread runs
+        (``profile()`` reads the sums); ``False`` stops. For measurements: a clock read per chunk."""
+        _, lib = _native()
+        _check(lib.ktk_pool_set_profile(self.ptr, 1 if on else 0))
+
+    def profile(self) -> dict:
+        """The sums since the last call (then zeroed), per job: ``jobs``; ``job_us`` (mean, a job's start to its
+        end); ``serial_us`` (mean time outside parallel phases: routing, one-item steps, hand-offs); ``phases``: per
+        parallel phase of a job in order, ``wall_us`` (its publication to its last chunk's end), ``busy_us`` (time
+        of all threads in its chunks), ``chunks`` (means per job) and ``use`` = busy / (wall x threads)."""
+        ffi, lib = _native()
+        n = lib.KTK_PROFILE_LEN
+        out = ffi.new("int64_t[]", n)
+        got = lib.ktk_pool_profile(self.ptr, out, n)
+        if got < 0:
+            _check(-got)
+        v = [int(out[i]) for i in range(got)]
+        jobs = max(v[0], 1)
+        phases = []
+        for i in range(lib.KTK_PROFILE_PHASES):
+            count, wall, busy, chunks = v[2 + 4 * i: 6 + 4 * i]
+            if count or chunks:
+                phases.append({"wall_us": wall / jobs / 1e3, "busy_us": busy / jobs / 1e3, "chunks": chunks / jobs,
+                               "use": busy / (wall * self.threads) if wall else float("nan")})
+        return {"jobs": v[0], "job_us": v[1] / jobs / 1e3, "phases": phases,
+                "serial_us": (v[1] - sum(v[3 + 4 * i] for i in range(lib.KTK_PROFILE_PHASES))) / jobs / 1e3}
+
     def close(self) -> None:
         """Close tasks made on this pool, then stop and join the threads (after running queued work)."""
         for task in list(self._tasks):

@@ -110,6 +110,17 @@ int64_t ktk_pool_watch_spin_us(const ktk_pool *pool);   /* -KTK_ERR_NULL for NUL
 /* While tasks are watched: open the watch spin window now and wake sleeping threads (they spin, ready for a go
  * flag). Call shortly before a CUDA graph that raises go flags is replayed. A no-op when nothing is watched. */
 int ktk_pool_wake(ktk_pool *pool);
+/* Profile of the pool's jobs (forwards), for measurements: with on != 0 the pool times every job, each of its
+ * parallel phases (from its publication to its last chunk's end) and the chunks each thread runs, summed from
+ * here on; off stops (the sums stay). ktk_pool_profile copies min(n, KTK_PROFILE_LEN) sums into out and zeroes
+ * them: [0] jobs, [1] their ns (from a job's start to its end), then for the i-th parallel phase of a job
+ * (i < KTK_PROFILE_PHASES; later phases count as the last) at 2 + 4 i: phases, wall ns, ns the threads spent in
+ * its chunks, chunks. Serial steps (routing, one-item phases) are a job's time outside its phases. Returns the
+ * count copied. */
+#define KTK_PROFILE_PHASES 6
+#define KTK_PROFILE_LEN (2 + 4 * KTK_PROFILE_PHASES)
+int ktk_pool_set_profile(ktk_pool *pool, int on);
+int ktk_pool_profile(ktk_pool *pool, int64_t *out, int n);
 /* Runs queued work, stops the threads (tasks still watched stop being watched); NULL is a no-op. Its tasks may be
  * destroyed before or after it (the memory is freed with the last); other calls on them fail with KTK_ERR_STATE. */
 void ktk_pool_destroy(ktk_pool *pool);

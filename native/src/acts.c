@@ -107,32 +107,62 @@ static int expert_of(const fctx *c, int a, int r) {
     return a;
 }
 
+/* Active expert of row r: the last a with off[a] <= r (rows of a token are not in expert order). */
+static int expert_of_row(const fctx *c, int r) {
+    int lo = 0, hi = c->A - 1;
+    while (lo < hi) {
+        const int mid = lo + (hi - lo + 1) / 2;
+        if (c->off[mid] <= r) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* x row r from the token's hidden state src: int8 + scale + sum (+ bf16 copy), or bf16; zero-padded to Kp. */
+static void gather_row(const fctx *c, int r, const char *src, float *tmp) {
+    if (c->a8) {
+        int8_t *dst = c->x8 + (int64_t)r * c->KpH;
+        ktki_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
+        c->xsum[r] = ktki_quantize_row(tmp, c->H, dst, &c->xs[r]);
+        memset(dst + c->H, 0, (size_t)(c->KpH - c->H));
+        if (c->copies) bf16_copy(dst, c->KpH, c->x16 + (int64_t)r * c->KpH);
+        return;
+    }
+    uint16_t *dst = c->x16 + (int64_t)r * c->KpH;
+    if (c->t->hidden_dtype == KTK_DTYPE_BF16) {
+        memcpy(dst, src, (size_t)c->H * 2);
+    } else {
+        ktki_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
+        for (int j = 0; j < c->H; j++) dst[j] = ktk_f32_to_bf16(tmp[j]);
+    }
+    memset(dst + c->H, 0, (size_t)(c->KpH - c->H) * 2);
+}
+
+/* x row r as a copy of row r0 of the same token (the same bits gather_row writes: it is deterministic). */
+static void copy_row(const fctx *c, int r, int r0) {
+    if (c->a8) {
+        memcpy(c->x8 + (int64_t)r * c->KpH, c->x8 + (int64_t)r0 * c->KpH, (size_t)c->KpH);
+        c->xs[r] = c->xs[r0];
+        c->xsum[r] = c->xsum[r0];
+        if (!c->copies) return;
+    }
+    memcpy(c->x16 + (int64_t)r * c->KpH, c->x16 + (int64_t)r0 * c->KpH, (size_t)c->KpH * 2);
+}
+
+/* Tokens [item * gtok, ...): each token's hidden state made into its first row once, copied into its other rows. */
 void ktki_fwd_gather_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
     const int64_t es = c->t->hidden_dtype == KTK_DTYPE_F32 ? 4 : 2;
     float *tmp = ktki_thread_scratch(c->pool, tid);
-    int r1 = (int)((item + 1) * GATHER_ROWS < c->R ? (item + 1) * GATHER_ROWS : c->R), a = 0;
-    for (int r = (int)(item * GATHER_ROWS); r < r1; r++) {
-        const char *src = (const char *)c->t->hidden + (int64_t)c->tok[r] * c->H * es;
-        if (c->xt) a = expert_of(c, a, r);
-        if (c->a8) {
-            int8_t *dst = c->x8 + (int64_t)r * c->KpH;
-            ktki_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
-            c->xsum[r] = ktki_quantize_row(tmp, c->H, dst, &c->xs[r]);
-            memset(dst + c->H, 0, (size_t)(c->KpH - c->H));
-            if (c->copies) bf16_copy(dst, c->KpH, c->x16 + (int64_t)r * c->KpH);
-            row_to_tiles(c, 0, a, r);
-            continue;
-        }
-        uint16_t *dst = c->x16 + (int64_t)r * c->KpH;
-        if (c->t->hidden_dtype == KTK_DTYPE_BF16) {
-            memcpy(dst, src, (size_t)c->H * 2);
-        } else {
-            ktki_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
-            for (int j = 0; j < c->H; j++) dst[j] = ktk_f32_to_bf16(tmp[j]);
-        }
-        memset(dst + c->H, 0, (size_t)(c->KpH - c->H) * 2);
-        row_to_tiles(c, 0, a, r);
+    const int t1 = (int)((item + 1) * c->gtok < c->T ? (item + 1) * c->gtok : c->T);
+    for (int tk = (int)(item * c->gtok); tk < t1; tk++) {
+        const int i0 = c->toff[tk], i1 = c->toff[tk + 1];
+        if (i0 == i1) continue;
+        const int r0 = c->trow[i0];
+        gather_row(c, r0, (const char *)c->t->hidden + (int64_t)tk * c->H * es, tmp);
+        for (int i = i0 + 1; i < i1; i++) copy_row(c, c->trow[i], r0);
+        if (c->xt)
+            for (int i = i0; i < i1; i++) row_to_tiles(c, 0, expert_of_row(c, c->trow[i]), c->trow[i]);
     }
 }
 
@@ -162,8 +192,8 @@ ktk_act ktki_fwd_rows(const fctx *c, int h, int a, int r0, int r1, int tid) {
 void ktki_fwd_quantize_h_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
     (void)tid;
-    int r1 = (int)((item + 1) * GATHER_ROWS < c->R ? (item + 1) * GATHER_ROWS : c->R), a = 0;
-    for (int r = (int)(item * GATHER_ROWS); r < r1; r++) {
+    int r1 = (int)((item + 1) * c->hq_rows < c->R ? (item + 1) * c->hq_rows : c->R), a = 0;
+    for (int r = (int)(item * c->hq_rows); r < r1; r++) {
         int8_t *dst = c->h8 + (int64_t)r * c->KpI;
         c->hsum[r] = ktki_quantize_row(c->hf + (int64_t)r * c->I, c->I, dst, &c->hs[r]);
         memset(dst + c->I, 0, (size_t)(c->KpI - c->I));

@@ -92,6 +92,18 @@ int ktk_pool_wake(ktk_pool *pool) {
     return KTK_OK;
 }
 
+int ktk_pool_set_profile(ktk_pool *pool, int on) {
+    CHECK_NULL(pool, "ktk_pool_set_profile");
+    return ktki_pool_set_profile(pool, on) ? KTK_OK
+                                           : ktki_error(KTK_ERR_NOMEM, "ktk_pool_set_profile: out of memory");
+}
+
+int ktk_pool_profile(ktk_pool *pool, int64_t *out, int n) {
+    CHECK_NULL(pool, "ktk_pool_profile");
+    if (n > 0) CHECK_NULL(out, "ktk_pool_profile");
+    return ktki_pool_profile(pool, out, n < 0 ? 0 : n);
+}
+
 int64_t ktk_pool_watch_spin_us(const ktk_pool *pool) {
     if (!pool) return -ktki_error(KTK_ERR_NULL, "ktk_pool_watch_spin_us: argument 'pool' is NULL");
     return ktki_pool_watch_spin_us(pool);

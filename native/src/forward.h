@@ -7,7 +7,8 @@
 #define TC 1024               /* tokens per down item */
 #define CWMAX 8               /* 16-column blocks per item at most (128 columns) */
 #define ITEMS_PER_THREAD 4
-#define GATHER_ROWS 32
+#define GATHER_ROWS 32        /* rows of x or h an item quantizes at most */
+#define HQ_ROWS_FEW 4         /* rows of h per item where a forward has few rows (decode steps of a batch) */
 #define DECODE_ROWS 4         /* decode path: every expert at most this many rows */
 
 typedef struct { int32_t a, r0, r1, cb0, cb1; } gu_item; /* active expert index, rows, column blocks */
@@ -25,6 +26,8 @@ typedef struct {
     int A, R, maxrows;                 /* active experts, rows, most rows of one expert */
     int32_t *start, *act_e, *off, *tok;  /* [E], [A], [A+1], [R] */
     int32_t *tg;                       /* [A]: first 16-row group of the expert in xt / ht, or -1 (no tiles) */
+    int32_t *toff, *trow;              /* [T+1], [R]: the rows of token t are trow[toff[t] .. toff[t+1]) */
+    int gtok, hq_rows;                 /* tokens per gather item, rows per item of h's quantization */
     char *xt, *ht;                     /* x and h in AMX tile order (kernels.h), or NULL */
     int tes;                           /* their element size: 2 (bf16; int4's bf16 copies) or 1 (int8) */
     float *wt;                          /* [R] routing weight of each row */
@@ -46,7 +49,7 @@ static inline size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
 /* acts.c */
 int ktki_fwd_tile_rows(const ktk_kernels *k, int quant);   /* rows from which x, h also go in tile order */
 int ktki_fwd_plan_acts(fctx *c);                 /* scratch of x, h (and tiles); 0 when out of memory */
-void ktki_fwd_gather_item(void *ctx, int64_t item, int tid);      /* x: GATHER_ROWS rows per item */
+void ktki_fwd_gather_item(void *ctx, int64_t item, int tid);      /* x: the rows of gtok tokens per item */
 void ktki_fwd_quantize_h_item(void *ctx, int64_t item, int tid);  /* int8 / int4: h rows from hf */
 /* Bytes [b0, b1) of row r (of active expert a) of x (h = 0) or h (h = 1) -> its tiles, if the expert has tiles. */
 void ktki_fwd_to_tiles(const fctx *c, int h, int a, int r, const void *row, int64_t b0, int64_t b1);

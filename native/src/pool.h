@@ -57,6 +57,13 @@ struct ktk_pool {
     _Atomic(ktki_wlist *) watch;
     _Atomic int watch_next;            /* where the next scan starts (round robin) */
     _Atomic int64_t last_watched;      /* now_ns() at the end of the last watched run */
+    /* profile (ktk_pool_set_profile): job and phase sums; per-thread chunk sums [n + 1][16] (own cache lines) */
+    _Atomic int prof;
+    _Atomic int prof_cur;              /* index of the open phase in its job */
+    int prof_phase;                    /* parallel phases of the running job so far (its writer runs the job) */
+    int64_t prof_job_t0, prof_phase_t0;
+    _Atomic int64_t prof_sum[KTK_PROFILE_LEN];
+    _Atomic int64_t *prof_thr;
     /* scratch */
     ktki_slot shared[KTKI_SCR_SLOTS];
     ktki_slot *per_thread;             /* [n + 1] */
@@ -75,6 +82,7 @@ int ktki_pool_run_chunk(ktk_pool *p, int tid);   /* 1 if it claimed and ran a ch
 int ktki_pool_items_left(ktk_pool *p, int tid);   /* chunks this thread may claim are left */
 /* watch.c */
 void ktki_pool_end_job(ktk_pool *p);
+void ktki_pool_profile_job_end(ktk_pool *p);   /* pool.c: the job's time into the profile, where on */
 void ktki_pool_mark_hot(ktk_pool *p);
 int ktki_pool_take_task(ktk_pool *p, int tid);   /* 1 if it took a queued task or a raised go flag and ran steps */
 int ktki_pool_go_raised(ktk_pool *p, int tid);   /* 1 if the pool is free and a watched go flag is raised */

@@ -43,6 +43,7 @@ static int try_running(ktk_pool *p) {
  * releases the pool first, so that its caller, back from waiting, finds the pool free for its next forward. */
 void ktki_pool_end_job(ktk_pool *p) {
     ktk_task *t = p->job;
+    ktki_pool_profile_job_end(p);
     if (p->job_watched) {
         volatile uint32_t *then = t->then;
         ktki_task_end(t, 1);

@@ -40,7 +40,7 @@ def build(layers: int, quant: str, e: int):
     return out
 
 
-def passes(layers, pool, batch: int, n: int, e: int, skip=None) -> list[float]:
+def passes(layers, pool, batch: int, n: int, e: int, skip=None, hot: bool = False) -> list[float]:
     from ktinject.bench.timing import fresh_ids
 
     gen = torch.Generator().manual_seed(batch)
@@ -52,12 +52,56 @@ def passes(layers, pool, batch: int, n: int, e: int, skip=None) -> list[float]:
     for p in range(n + 1):
         ids = [fresh_ids(gen, e, K, batch, prev[i]) for i in range(len(layers))]
         prev = [set(i.flatten().tolist()) for i in ids]
+        if hot:  # each layer's experts read just before its timed forward: they come from the caches
+            t = 0.0
+            for ex, x, i, o in zip(layers, xs, ids, outs):
+                ex.forward(x, i, w, skip=skip, out=o, pool=pool)
+                t0 = time.perf_counter()
+                ex.forward(x, i, w, skip=skip, out=o, pool=pool)
+                t += time.perf_counter() - t0
+            if p:
+                times.append(t)
+            continue
         t0 = time.perf_counter()
         for ex, x, i, o in zip(layers, xs, ids, outs):
             ex.forward(x, i, w, skip=skip, out=o, pool=pool)
         if p:
             times.append(time.perf_counter() - t0)
     return times
+
+
+def show_profile(prof: dict, label: str) -> None:
+    """One line of Pool.profile(): a job's (forward's) time, its serial part and each parallel phase."""
+    ph = "; ".join(f"phase {i}: {p['wall_us']:.1f} us, {p['chunks']:.0f} chunks, threads busy {100 * p['use']:.0f}%"
+                   for i, p in enumerate(prof["phases"]))
+    print(f"#     {label} profile: {prof['jobs']} jobs, {prof['job_us']:.1f} us a job, serial {prof['serial_us']:.1f} us; "
+          f"{ph}", flush=True)
+
+
+def graph_decode(layers: int, quant: str, tokens: int, batch: int) -> None:
+    """The pool's profile inside graph decode (generate, CUDA graphs) of an L-layer model: what a layer's CPU job
+    costs where no Python runs between jobs."""
+    import ktinject
+    from ktinject.bench.decode import ktinject_decode
+    from ktinject.bench.model import build_model, set_generation_defaults
+    from ktinject.native import default_pool
+
+    dev = torch.device("cuda")
+    model = build_model(layers, dev)
+    set_generation_defaults(model)
+    ktinject.inject(model, gpu="cuda", quant=quant)
+    prompt = torch.randint(3, model.config.vocab_size, (batch, 32), device=dev)
+    ktinject_decode(model, prompt, 8, graphs=True)  # capture, warm-up
+    pool = default_pool()
+    for _ in range(2):
+        pool.set_profile(True)
+        r = ktinject_decode(model, prompt, tokens, graphs=True)
+        pool.set_profile(False)
+        prof = pool.profile()
+        print(f"# graph decode {quant}, {layers} layers, batch {batch}: {1e3 * r['s_per_token']:.2f} ms a step "
+              f"({1e3 * r['s_per_token'] / layers:.3f} ms a layer)", flush=True)
+        show_profile(prof, "graph")
+    del model
 
 
 def distinct(batch: int, e: int) -> float:
@@ -85,7 +129,16 @@ def main() -> None:
     ap.add_argument("--batch", default="1,2,4,8")
     ap.add_argument("--passes", type=int, default=7)
     ap.add_argument("--gemv", default="default", help="comma-separated: default, 0, 1 (KTINJECT_GEMV)")
+    ap.add_argument("--graph", type=int, default=0,
+                    help="L > 0: only the pool's profile inside graph decode of an L-layer model (CUDA)")
+    ap.add_argument("--hot", action="store_true",
+                    help="also time each layer's forward right after a forward of the same experts (cache-hot)")
     args = ap.parse_args()
+    if args.graph:
+        for quant in args.quant.split(","):
+            for b in [int(x) for x in args.batch.split(",")]:
+                graph_decode(args.graph, quant, 32, b)
+        return
     from ktinject.bench.memory import measure_read_bandwidth
     from ktinject.native import Pool
 
@@ -108,14 +161,27 @@ def main() -> None:
                 else:
                     os.environ["KTINJECT_GEMV"] = gemv
                 pts = []
+                profiled = hasattr(pool, "set_profile")  # an older build (A/B against a base commit) has none
                 for b in [int(x) for x in args.batch.split(",")]:
+                    if profiled:
+                        pool.set_profile(True)
                     ts = passes(layers, pool, b, args.passes, args.experts)
+                    if profiled:
+                        pool.set_profile(False)
+                        prof = pool.profile()
                     med = statistics.median(ts) / args.layers
                     nbytes = distinct(b, args.experts) * per_expert
                     pts.append((nbytes, med))
                     print(f"#   gemv={gemv} B={b}: {1e6 * med:.1f} us a layer (runs {min(ts) / args.layers * 1e6:.0f}-"
                           f"{max(ts) / args.layers * 1e6:.0f}), {nbytes / 1e6:.1f} MB -> "
                           f"{nbytes / med / 1e9:.1f} GB/s", flush=True)
+                    if profiled:
+                        show_profile(prof, "cold")
+                if args.hot:
+                    for b in [int(x) for x in args.batch.split(",")]:
+                        ts = passes(layers, pool, b, args.passes, args.experts, hot=True)
+                        med = statistics.median(ts) / args.layers
+                        print(f"#   gemv={gemv} B={b} cache-hot: {1e6 * med:.1f} us a layer", flush=True)
                 if len(pts) >= 2:  # least squares time = a + bytes / bw
                     n = len(pts)
                     mx = sum(p[0] for p in pts) / n
