@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Interleaved A/B of bench serve (int4, 8 streams, 16 layers) on the GPU machine, from the repository root, carry
+# .whl:   BASE=<commit> bash tests/gpu/ab_serve.sh      (~3 minutes per round: base then this tree, ROUNDS rounds)
+# BASE is built in a worktree (/tmp/base, in place); this tree with pip -e. Host steal beside each run. SERVE_ARGS
+# replaces the bench's arguments. Logs under $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
+: "${BASE:?BASE=<commit> to compare against}"
+bash tests/gpu/run_gpu_machine.sh build > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+rm -rf /tmp/base; git worktree prune
+git worktree add -f /tmp/base "$BASE" > /dev/null 2>&1 || { echo "no worktree of $BASE"; exit 1; }
+(cd /tmp/base && PYTHONPATH=/tmp/site python3 ktinject/_build.py > "$OUT/base-build.log" 2>&1) \
+  || { tail -20 "$OUT/base-build.log"; exit 1; }
+steal() { awk '/^cpu /{printf "steal %d of %d jiffies", $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
+args=${SERVE_ARGS:---quant int4 --streams 8 --layers 16}
+for r in $(seq "${ROUNDS:-1}"); do
+  for v in base new; do
+    dir=$PWD; [ $v = base ] && dir=/tmp/base
+    echo "=== round $r $v $(steal)"
+    # shellcheck disable=SC2086
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 240 python3 -m ktinject.bench serve $args 2>&1) \
+      | grep -E "^\||^# (memory|batch|engine)" | cut -c1-260
+  done
+done 2>&1 | tee "$OUT/ab_serve.log"
+echo "=== $(steal) $(date -u +%FT%TZ)"
