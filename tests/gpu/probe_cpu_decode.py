@@ -90,17 +90,22 @@ def graph_decode(layers: int, quant: str, tokens: int, batch: int) -> None:
     model = build_model(layers, dev)
     set_generation_defaults(model)
     ktinject.inject(model, gpu="cuda", quant=quant)
+    from ktinject.bench.timing import graph_replay, muted_replay
+
     prompt = torch.randint(3, model.config.vocab_size, (batch, 32), device=dev)
-    ktinject_decode(model, prompt, 8, graphs=True)  # capture, warm-up
+    r = ktinject_decode(model, prompt, 8, graphs=True)  # capture, warm-up
     pool = default_pool()
-    for _ in range(2):
-        pool.set_profile(True)
-        r = ktinject_decode(model, prompt, tokens, graphs=True)
-        pool.set_profile(False)
-        prof = pool.profile()
-        print(f"# graph decode {quant}, {layers} layers, batch {batch}: {1e3 * r['s_per_token']:.2f} ms a step "
-              f"({1e3 * r['s_per_token'] / layers:.3f} ms a layer)", flush=True)
-        show_profile(prof, "graph")
+    for cache_len in (64, 512):
+        for _ in range(2):
+            pool.set_profile(True)
+            s = graph_replay(r["runner"], batch, cache_len, tokens)  # decode jobs only (no prefill)
+            pool.set_profile(False)
+            prof = pool.profile()
+            muted = muted_replay(model, r["runner"], batch, cache_len, tokens)
+            print(f"# graph replay {quant}, {layers} layers, batch {batch}, cache {cache_len}: {1e3 * s:.2f} ms a step "
+                  f"({1e3 * s / layers:.3f} ms a layer); muted (GPU part + handshakes) {1e3 * muted:.2f} ms",
+                  flush=True)
+            show_profile(prof, "replay")
     del model
 
 
