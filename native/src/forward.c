@@ -348,8 +348,21 @@ static int start(fctx *c, ktk_pool *pool, const ktk_task *t) {
 }
 
 static int phase(ktki_phase *ph, fctx *c, ktki_item_fn item, ktki_range_fn range, int64_t n, int maxc) {
-    *ph = (ktki_phase){item, range, c, n, maxc, range != NULL};
+    *ph = (ktki_phase){item, range, c, n, maxc, range != NULL, 1};
     return KTKI_PHASE;
+}
+
+/* The decode path's down phase claims at least this many column blocks a chunk: a chunk starts a stream per expert
+ * (its blocks are contiguous in each expert's down matrix), and guided chunks of one block (6 KB of int4 per expert
+ * at Qwen3-30B-A3B shapes) left the phase at ~115 GB/s where gate/up ran at ~150. On the H100 machine's Xeon
+ * (tests/gpu/probe_cpu_decode.py, int4, 16 layers, 15 threads, two rounds of 1 / 2 / 4) the down phase took
+ * 74.8 / 70.5 / 65.5 us and 66.6 / 68.6 / 56.8 us at batch 1, 407 / 386 / 372 us and 392 / 376 / 355 us at batch 8.
+ * KTINJECT_DOWN_MINC (read at each decode forward; A/B measurements) overrides it, 1..CWMAX. */
+#define DOWN_MINC 4
+static int down_minc(void) {
+    const char *v = getenv("KTINJECT_DOWN_MINC");
+    const long n = v && *v ? strtol(v, NULL, 10) : DOWN_MINC;
+    return n < 1 ? 1 : n > CWMAX ? CWMAX : (int)n;
 }
 
 /* Phases in order: gather, gate/up, (int8 / int4) h quantized, down; those of the decode path in guided chunks. */
@@ -374,7 +387,11 @@ int ktki_forward_step(ktk_pool *pool, const ktk_task *t, int first, ktki_phase *
                 return phase(ph, c, ktki_fwd_quantize_h_item, NULL, (c->R + c->hq_rows - 1) / c->hq_rows, 1);
             break;
         case 3:
-            if (c->gemv) return phase(ph, c, NULL, down_decode, c->UH, c->cw_dn);
+            if (c->gemv) {
+                const int rc = phase(ph, c, NULL, down_decode, c->UH, c->cw_dn);
+                ph->minc = down_minc();
+                return rc;
+            }
             return phase(ph, c, down_item, NULL, (int64_t)c->ntc * ((c->UH + c->cw_dn - 1) / c->cw_dn), 1);
         default:
             return KTK_OK;

@@ -45,7 +45,7 @@ void ktki_event_signal(ktki_event *ev);                                /* seq++,
 
 /* ---- pool (pool.c) ---- */
 /* A job (one task's forward) is a chain of serial steps and parallel phases. A phase is [0, nitems): chunks of it
- * are claimed by whichever threads come (at most maxc items each; guided: remaining / (2 x threads), at least 1)
+ * are claimed by whichever threads come (at most maxc items each; guided: remaining / (2 x threads), at least minc or 1)
  * and run as range(ctx, i0, i1, tid), or item(ctx, i, tid) for each i; tid indexes per-thread scratch (0..n). */
 typedef void (*ktki_item_fn)(void *ctx, int64_t item, int tid);
 typedef void (*ktki_range_fn)(void *ctx, int64_t i0, int64_t i1, int tid);
@@ -55,6 +55,7 @@ typedef struct {
     void *ctx;
     int64_t nitems;
     int maxc, guided;
+    int minc;              /* guided: at least this many items a chunk (0 or 1: one) */
 } ktki_phase;
 int ktki_pool_create(int nthreads, int pin, ktk_pool **out);
 void ktki_pool_destroy(ktk_pool *pool);   /* stops the threads; memory freed once no task holds it */

@@ -147,6 +147,7 @@ static void advance(ktk_pool *p, int tid) {
         atomic_store_explicit(&p->ctx, ph.ctx, memory_order_relaxed);
         atomic_store_explicit(&p->maxc, ph.maxc < 1 ? 1 : ph.maxc, memory_order_relaxed);
         atomic_store_explicit(&p->guided, ph.guided, memory_order_relaxed);
+        atomic_store_explicit(&p->minc, ph.minc < 1 ? 1 : ph.minc, memory_order_relaxed);
         atomic_store_explicit(&p->total, ph.nitems, memory_order_relaxed);
         if (atomic_load_explicit(&p->prof, memory_order_relaxed)) prof_phase_open(p);
         publish(p, 0, ph.nitems < CLAIM_MAX ? ph.nitems : CLAIM_MAX);
@@ -179,8 +180,9 @@ static int claim(ktk_pool *p, int tid, int64_t *i0, int64_t *i1, int64_t *n) {
         if (next >= size || tid == atomic_load_explicit(&p->sit_out, memory_order_relaxed)) return 0;
         int64_t c = atomic_load_explicit(&p->maxc, memory_order_relaxed);
         if (atomic_load_explicit(&p->guided, memory_order_relaxed)) {
-            const int64_t g = (size - next) / (2 * (int64_t)p->n);
-            c = g < 1 ? 1 : g < c ? g : c;
+            const int64_t g = (size - next) / (2 * (int64_t)p->n), lo = atomic_load_explicit(&p->minc,
+                                                                                              memory_order_relaxed);
+            c = g < lo ? lo : g < c ? g : c;
         }
         if (c > size - next) c = size - next;
         if (atomic_compare_exchange_weak_explicit(&p->claim, &w, w + (uint64_t)c, memory_order_acquire,

@@ -37,7 +37,7 @@ struct ktk_pool {
     _Atomic(ktki_range_fn) range;
     _Atomic(void *) ctx;
     _Atomic int64_t base, total;   /* window start, items of the phase */
-    _Atomic int maxc, guided;
+    _Atomic int maxc, guided, minc;
     /* the job: claimed by a CAS of running 0 -> 1; job, job_watched written by the claimer before it publishes */
     _Atomic int running __attribute__((aligned(64)));
     ktk_task *job;

@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--batch", default="1,2,4,8")
     ap.add_argument("--passes", type=int, default=7)
     ap.add_argument("--gemv", default="default", help="comma-separated: default, 0, 1 (KTINJECT_GEMV)")
+    ap.add_argument("--env", default="",
+                    help="NAME=v1,v2,...: each variant (of each --gemv) with the variable set to each value, in turn")
     ap.add_argument("--graph", type=int, default=0,
                     help="L > 0: only the pool's profile inside graph decode of an L-layer model (CUDA)")
     ap.add_argument("--hot", action="store_true",
@@ -160,11 +162,16 @@ def main() -> None:
             skip = torch.ones(args.experts, dtype=torch.uint8)
             fixed = statistics.median(passes(layers, pool, 1, args.passes, args.experts, skip)) / args.layers
             print(f"#   every expert masked: {1e6 * fixed:.1f} us a forward (Python + hand-off)", flush=True)
-            for gemv in args.gemv.split(","):
+            name, _, values = args.env.partition("=")
+            variants = [(g, v) for g in args.gemv.split(",") for v in (values.split(",") if name else [None])]
+            for gemv, value in variants:
                 if gemv == "default":
                     os.environ.pop("KTINJECT_GEMV", None)
                 else:
                     os.environ["KTINJECT_GEMV"] = gemv
+                if name:
+                    os.environ[name] = value
+                    gemv = f"{gemv} {name}={value}"
                 pts = []
                 profiled = hasattr(pool, "set_profile")  # an older build (A/B against a base commit) has none
                 for b in [int(x) for x in args.batch.split(",")]:
