@@ -268,7 +268,9 @@ class Pool:
         """The sums since the last call (then zeroed), per job: ``jobs``; ``job_us`` (mean, a job's start to its
         end); ``serial_us`` (mean time outside parallel phases: routing, one-item steps, hand-offs); ``phases``: per
         parallel phase of a job in order, ``wall_us`` (its publication to its last chunk's end), ``busy_us`` (time
-        of all threads in its chunks), ``chunks`` (means per job) and ``use`` = busy / (wall x threads)."""
+        of all threads in its chunks), ``chunks`` (means per job) and ``use`` = busy / (wall x threads); and the
+        forwards of at most 16 tokens (decode steps): ``decode_jobs``, the sums of their active experts
+        ``decode_experts`` (the distinct experts they read) and of their tokens ``decode_tokens``."""
         ffi, lib = _native()
         n = lib.KTK_PROFILE_LEN
         out = ffi.new("int64_t[]", n)
@@ -283,8 +285,10 @@ class Pool:
             if count or chunks:
                 phases.append({"wall_us": wall / jobs / 1e3, "busy_us": busy / jobs / 1e3, "chunks": chunks / jobs,
                                "use": busy / (wall * self.threads) if wall else float("nan")})
+        d = lib.KTK_PROFILE_DECODE
         return {"jobs": v[0], "job_us": v[1] / jobs / 1e3, "phases": phases,
-                "serial_us": (v[1] - sum(v[3 + 4 * i] for i in range(lib.KTK_PROFILE_PHASES))) / jobs / 1e3}
+                "serial_us": (v[1] - sum(v[3 + 4 * i] for i in range(lib.KTK_PROFILE_PHASES))) / jobs / 1e3,
+                "decode_jobs": v[d], "decode_experts": v[d + 1], "decode_tokens": v[d + 2]}
 
     def close(self) -> None:
         """Close tasks made on this pool, then stop and join the threads (after running queued work)."""

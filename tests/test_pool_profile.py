@@ -12,7 +12,7 @@ def _experts():
     return Experts.from_hf(torch.randn(E, 2 * I, H, generator=gen), torch.randn(E, H, I, generator=gen), quant="int8")
 
 
-def test_profile_counts_jobs_and_phases():
+def test_profile_counts_jobs_and_phases(monkeypatch):
     ex = _experts()
     x = torch.randn(5, H)
     ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 4], [4, 5]])
@@ -34,6 +34,16 @@ def test_profile_counts_jobs_and_phases():
             assert ph["wall_us"] > 0 and ph["chunks"] >= 1 and ph["busy_us"] >= 0
         assert sum(ph["wall_us"] for ph in prof["phases"]) <= prof["job_us"] + 1e-6
         assert pool.profile()["jobs"] == 0  # read zeroes
+        monkeypatch.setenv("KTINJECT_GEMV", "1")  # the decode path wherever the kernels have one
+        pool.set_profile(True)
+        one = torch.tensor([[0, 1]] * 2 + [[1, 2]])  # 3 tokens, experts 0, 1, 2: at most 2 rows each
+        ex.forward(x[:3], one, w[:3], pool=pool)
+        prof = pool.profile()
+        assert (prof["decode_jobs"], prof["decode_experts"], prof["decode_tokens"]) == (1, 3, 3)
+        pool.set_profile(True)
+        ex.forward(torch.randn(17, H), torch.zeros(17, 2, dtype=torch.int64) + torch.tensor([0, 1]),
+                   torch.full((17, 2), 0.5), pool=pool)  # 17 tokens: a prompt, not a decode step
+        assert pool.profile()["decode_jobs"] == 0
 
 
 def test_gather_rows_of_one_token_match_per_row_quantization():

@@ -25,6 +25,10 @@ Per quant and stream count:
               the CPU read bandwidth measured in the run; roofline tok/s = rows of all steps / the sum of those
               times (the mean batch of the steps is below N while streams join, prefill or finish); GB/step is that
               of a step of N rows
+  measured    the same limit from the distinct experts the steps' native forwards actually read (the pool's profile:
+              active experts of every native forward of <= 16 tokens, i.e. the decode steps' layers): the
+              model's routing need not be uniform (a random router spreads a batch's tokens over more experts than
+              uniform draws would); "experts/layer" is their mean beside the uniform expectation
   batch 1     ``ktinject.generate`` (HF's loop, graph replay) at batch 1, prompt 32, the reference figure
 Legend: B batch (streams decoding together), N streams, L layers.
 """
@@ -154,6 +158,18 @@ def run_streams(engine, streams: int, args, vocab: int, seed: int = 0) -> dict:
             "ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99)}
 
 
+def measured_roofline(cfg, quant: str, bandwidth: float, prof: dict) -> tuple[float, float]:
+    """(tok/s, mean active experts a layer) of the decode steps' native forwards in ``prof`` (Pool.profile) if each
+    took only the read of the experts it used at ``bandwidth``; (nan, nan) without any."""
+    from ktinject.native import Experts
+
+    jobs, experts, tokens = prof.get("decode_jobs", 0), prof.get("decode_experts", 0), prof.get("decode_tokens", 0)
+    if not jobs:
+        return float("nan"), float("nan")
+    one = Experts.packed_nbytes(1, cfg.hidden_size, cfg.moe_intermediate_size, quant)  # bytes of an expert
+    return tokens * bandwidth / (experts * one), experts / jobs
+
+
 def roofline(cfg, quant: str, bandwidth: float, step_rows: list[int]) -> float:
     """tok/s of ``step_rows`` decode steps if each took only the read of its distinct experts at ``bandwidth``
     (bytes/s): rows / sum of (bytes of the step of b rows / bandwidth)."""
@@ -168,6 +184,7 @@ def roofline(cfg, quant: str, bandwidth: float, step_rows: list[int]) -> float:
 def run(args, quant: str) -> list[dict]:
     from ktinject.bench.decode import expert_bytes_per_token
     from ktinject.bench.memory import measure_read_bandwidth
+    from ktinject.bench.timing import distinct_experts
     from ktinject.bench.timing import cpu_expert_time
     from ktinject.serve.engine import Engine, EngineConfig
 
@@ -184,6 +201,12 @@ def run(args, quant: str) -> list[dict]:
     bw = mem.best_gbs * 1e9
     one = _batch1(model, device, args.tokens)
     print(f"# batch 1, ktinject.generate: {one:.1f} tok/s", flush=True)
+    if max(args.prompts) + args.tokens > cfg.max_position_embeddings:
+        fit = cfg.max_position_embeddings - args.tokens
+        if fit < 1:
+            raise SystemExit(f"--tokens {args.tokens}: the model holds {cfg.max_position_embeddings} positions")
+        args.prompts = sorted({min(p, fit) for p in args.prompts})
+        print(f"# prompts cut to the model's {cfg.max_position_embeddings} positions: {args.prompts}", flush=True)
     max_context = max(args.prompts) + args.tokens
     config = EngineConfig(max_batch=max(args.streams), max_context=max_context, max_queue=max(args.streams),
                           prefill_chunk=args.prefill_chunk, graphs=False if args.no_graphs else None)
@@ -193,13 +216,25 @@ def run(args, quant: str) -> list[dict]:
     rows = []
     try:
         run_streams(engine, 1, argparse.Namespace(**{**vars(args), "rounds": 1, "tokens": 4}), cfg.vocab_size)
+        from ktinject.native import default_pool
+
+        pool = default_pool()  # the engine's native forwards run on it
         for n in args.streams:
             for overlap in args.overlaps:
                 engine.config.overlap = overlap == "on"  # read by the engine thread at each step; it is idle now
-                row = run_streams(engine, n, args, cfg.vocab_size, seed=n)
+                pool.profile()  # zeroed
+                pool.set_profile(True)
+                try:
+                    row = run_streams(engine, n, args, cfg.vocab_size, seed=n)
+                finally:
+                    pool.set_profile(False)
+                row["measured"], row["experts"] = measured_roofline(cfg, quant, bw, pool.profile())
                 per_tok = expert_bytes_per_token(cfg, n, quant)  # bytes of distinct experts per step of n / n
-                row.update(quant=quant, overlap=overlap, roofline=roofline(cfg, quant, bw, row.pop("step_rows")),
-                           batch1=one, step_gb=per_tok * n / 1e9)
+                steps = row.pop("step_rows")
+                row.update(quant=quant, overlap=overlap, roofline=roofline(cfg, quant, bw, steps),
+                           batch1=one, step_gb=per_tok * n / 1e9,
+                           uniform=statistics.fmean(distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, b)
+                                                   for b in steps) if steps else float("nan"))
                 rows.append(row)
                 print("# " + _line(row), flush=True)
         stats = engine.runner.stats
@@ -218,7 +253,8 @@ def run(args, quant: str) -> list[dict]:
 
 
 HEAD = ("| quant | streams | overlap | aggregate tok/s | decode tok/s | mean batch | step ms | engine ms | CPU experts "
-        "alone ms | TTFT p50 ms | TTFT p99 ms | roofline tok/s (GB/step) | decode / roofline | decode / batch 1 |")
+        "alone ms | TTFT p50 ms | TTFT p99 ms | roofline tok/s (GB/step) | decode / roofline | experts/layer measured "
+        "(uniform) | measured roofline tok/s | decode / measured | decode / batch 1 |")
 
 
 def _line(r: dict) -> str:
@@ -227,6 +263,8 @@ def _line(r: dict) -> str:
             f"{1e3 * r['ttft_p50']:.0f} | "
             f"{1e3 * r['ttft_p99']:.0f} | "
             f"{r['roofline']:.1f} ({r['step_gb']:.2f}) | {100 * r['decode'] / r['roofline']:.0f}% | "
+            f"{r.get('experts', float('nan')):.1f} ({r.get('uniform', float('nan')):.1f}) | "
+            f"{r.get('measured', float('nan')):.1f} | {100 * r['decode'] / r.get('measured', float('nan')):.0f}% | "
             f"{r['decode'] / r['batch1']:.2f}x |")
 
 

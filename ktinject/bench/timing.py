@@ -19,6 +19,11 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def distinct_experts(num_experts: int, k: int, batch: int) -> float:
+    """Expected distinct experts of ``batch`` tokens routed uniformly (k distinct of E each)."""
+    return num_experts * (1 - (1 - k / num_experts) ** batch)
+
+
 def expert_bytes_per_token(cfg, batch: int = 1, quant: str = "bf16") -> float:
     """Bytes of routed expert weights one decode step reads, in the stored format of ``quant`` (distinct experts:
     batch=1 -> k per layer)."""
@@ -26,8 +31,7 @@ def expert_bytes_per_token(cfg, batch: int = 1, quant: str = "bf16") -> float:
 
     L, E, k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
-    distinct = E * (1 - (1 - k / E) ** batch)  # expected distinct experts of B random tokens
-    return L * distinct * Experts.packed_nbytes(1, H, I, quant) / batch
+    return L * distinct_experts(E, k, batch) * Experts.packed_nbytes(1, H, I, quant) / batch
 
 
 def hf_decode(model, prompt: torch.Tensor, steps: int) -> tuple[float, float]:

@@ -115,10 +115,13 @@ int ktk_pool_wake(ktk_pool *pool);
  * here on; off stops (the sums stay). ktk_pool_profile copies min(n, KTK_PROFILE_LEN) sums into out and zeroes
  * them: [0] jobs, [1] their ns (from a job's start to its end), then for the i-th parallel phase of a job
  * (i < KTK_PROFILE_PHASES; later phases count as the last) at 2 + 4 i: phases, wall ns, ns the threads spent in
- * its chunks, chunks. Serial steps (routing, one-item phases) are a job's time outside its phases. Returns the
- * count copied. */
+ * its chunks, chunks; then at KTK_PROFILE_DECODE the forwards of at most KTK_PROFILE_DECODE_T tokens (decode
+ * steps, not prompts), their active experts (the distinct experts they read) and their tokens. Serial steps (routing, one-item phases) are a
+ * job's time outside its phases. Returns the count copied. */
 #define KTK_PROFILE_PHASES 6
-#define KTK_PROFILE_LEN (2 + 4 * KTK_PROFILE_PHASES)
+#define KTK_PROFILE_DECODE (2 + 4 * KTK_PROFILE_PHASES)
+#define KTK_PROFILE_LEN (KTK_PROFILE_DECODE + 3)
+#define KTK_PROFILE_DECODE_T 16
 int ktk_pool_set_profile(ktk_pool *pool, int on);
 int ktk_pool_profile(ktk_pool *pool, int64_t *out, int n);
 /* Runs queued work, stops the threads (tasks still watched stop being watched); NULL is a no-op. Its tasks may be

@@ -341,6 +341,7 @@ static int start(fctx *c, ktk_pool *pool, const ktk_task *t) {
     const int few = c->R < GATHER_ROWS * 2 * c->nt;
     c->gtok = few ? 1 : (GATHER_ROWS + c->k - 1) / c->k;
     c->hq_rows = c->R <= 2 * HQ_ROWS_FEW ? 2 * HQ_ROWS_FEW : few ? HQ_ROWS_FEW : GATHER_ROWS;
+    ktki_pool_profile_decode(pool, c->A, c->T);   /* counted where profiling and T is a decode step's */
     if (!plan(c))
         return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (scratch for %d rows, H=%d, I=%d)", c->R, c->H,
                           c->I);

@@ -125,6 +125,13 @@ int ktki_pool_profile(ktk_pool *p, int64_t *out, int n) {
     return n;
 }
 
+void ktki_pool_profile_decode(ktk_pool *p, int experts, int tokens) {
+    if (!atomic_load_explicit(&p->prof, memory_order_relaxed) || tokens > KTK_PROFILE_DECODE_T) return;
+    atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_DECODE], 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_DECODE + 1], experts, memory_order_relaxed);
+    atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_DECODE + 2], tokens, memory_order_relaxed);
+}
+
 void ktki_pool_profile_job_end(ktk_pool *p) {
     if (!atomic_load_explicit(&p->prof, memory_order_relaxed)) return;
     atomic_fetch_add_explicit(&p->prof_sum[0], 1, memory_order_relaxed);
