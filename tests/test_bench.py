@@ -150,3 +150,21 @@ def test_noise_processes_run_only_when_set_and_sched_reports_the_pool():
         bg.set(0)
         assert [state(p) for p in pids] == ["T", "T"]
     assert all(not os.path.exists(f"/proc/{p}") or state(p) == "Z" for p in pids)
+
+
+def test_serve_measured_roofline_matches_uniform_when_routing_is():
+    """bench serve's measured roofline: the decode steps' forwards (one per layer and step) at the uniform
+    expectation of distinct experts give the uniform roofline."""
+    from types import SimpleNamespace
+
+    from ktinject.bench.serve import measured_roofline, roofline
+    from ktinject.bench.timing import distinct_experts
+
+    cfg = SimpleNamespace(num_hidden_layers=4, num_experts=128, num_experts_per_tok=8, hidden_size=256,
+                          moe_intermediate_size=96)
+    steps = [8] * 10
+    per_job = distinct_experts(128, 8, 8)
+    prof = {"decode_jobs": 40, "decode_experts": per_job * 40, "decode_tokens": 8 * 40}
+    got, experts = measured_roofline(cfg, "int4", 100e9, prof)
+    assert abs(experts - per_job) < 1e-9
+    assert abs(got / roofline(cfg, "int4", 100e9, steps) - 1) < 1e-9

@@ -167,7 +167,8 @@ def measured_roofline(cfg, quant: str, bandwidth: float, prof: dict) -> tuple[fl
     if not jobs:
         return float("nan"), float("nan")
     one = Experts.packed_nbytes(1, cfg.hidden_size, cfg.moe_intermediate_size, quant)  # bytes of an expert
-    return tokens * bandwidth / (experts * one), experts / jobs
+    # the jobs are every layer's forward of each step: tokens / layers rows in experts x one bytes of reads
+    return tokens / cfg.num_hidden_layers * bandwidth / (experts * one), experts / jobs
 
 
 def roofline(cfg, quant: str, bandwidth: float, step_rows: list[int]) -> float:
