@@ -353,13 +353,15 @@ static int phase(ktki_phase *ph, fctx *c, ktki_item_fn item, ktki_range_fn range
     return KTKI_PHASE;
 }
 
-/* The decode path's down phase claims at least this many column blocks a chunk: a chunk starts a stream per expert
- * (its blocks are contiguous in each expert's down matrix), and guided chunks of one block (6 KB of int4 per expert
- * at Qwen3-30B-A3B shapes) left the phase at ~115 GB/s where gate/up ran at ~150. On the H100 machine's Xeon
- * (tests/gpu/probe_cpu_decode.py, int4, 16 layers, 15 threads, two rounds of 1 / 2 / 4) the down phase took
- * 74.8 / 70.5 / 65.5 us and 66.6 / 68.6 / 56.8 us at batch 1, 407 / 386 / 372 us and 392 / 376 / 355 us at batch 8.
- * KTINJECT_DOWN_MINC (read at each decode forward; A/B measurements) overrides it, 1..CWMAX. */
-#define DOWN_MINC 4
+/* The decode path's down phase claims at least this many column blocks a chunk (KTINJECT_DOWN_MINC, read at each
+ * decode forward, overrides it, 1..CWMAX). A chunk starts a stream per expert (its blocks are contiguous in each
+ * expert's down matrix), and guided chunks of one block (6 KB of int4 per expert at Qwen3-30B-A3B shapes) leave
+ * the phase at ~115 GB/s where gate/up runs at ~150; but fewer, larger chunks leave a longer tail. Measured
+ * (tests/gpu/probe_cpu_decode.py, int4, 16 layers, 15 threads, interleaved, down phase us at batch 1 / batch 8):
+ * on the H100 machine's Xeon 1 -> 4 went 74.8 -> 65.5 and 66.6 -> 56.8 / 407 -> 372 and 392 -> 355 (faster); on the
+ * H200 machine's 80.9 -> 85.7 and 69.3 -> 83.0 / 447 -> 476 and 405 -> 508 (slower: threads busy 69-80%), and its
+ * bench serve (int4, 8 streams) lost 9-10% in two rounds. So 1 (guided down to one block) stays the default. */
+#define DOWN_MINC 1
 static int down_minc(void) {
     const char *v = getenv("KTINJECT_DOWN_MINC");
     const long n = v && *v ? strtol(v, NULL, 10) : DOWN_MINC;
