@@ -126,14 +126,14 @@ int ktki_pool_profile(ktk_pool *p, int64_t *out, int n) {
 }
 
 void ktki_pool_profile_decode(ktk_pool *p, int experts, int tokens) {
-    if (!atomic_load_explicit(&p->prof, memory_order_relaxed) || tokens > KTK_PROFILE_DECODE_T) return;
+    if (!atomic_load_explicit(&p->prof_job, memory_order_relaxed) || tokens > KTK_PROFILE_DECODE_T) return;
     atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_DECODE], 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_DECODE + 1], experts, memory_order_relaxed);
     atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_DECODE + 2], tokens, memory_order_relaxed);
 }
 
 void ktki_pool_profile_job_end(ktk_pool *p) {
-    if (!atomic_load_explicit(&p->prof, memory_order_relaxed)) return;
+    if (!atomic_load_explicit(&p->prof_job, memory_order_relaxed)) return;
     atomic_fetch_add_explicit(&p->prof_sum[0], 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&p->prof_sum[1], ktki_now_ns() - p->prof_job_t0, memory_order_relaxed);
 }
@@ -156,7 +156,7 @@ static void advance(ktk_pool *p, int tid) {
         atomic_store_explicit(&p->guided, ph.guided, memory_order_relaxed);
         atomic_store_explicit(&p->minc, ph.minc < 1 ? 1 : ph.minc, memory_order_relaxed);
         atomic_store_explicit(&p->total, ph.nitems, memory_order_relaxed);
-        if (atomic_load_explicit(&p->prof, memory_order_relaxed)) prof_phase_open(p);
+        if (atomic_load_explicit(&p->prof_job, memory_order_relaxed)) prof_phase_open(p);
         publish(p, 0, ph.nitems < CLAIM_MAX ? ph.nitems : CLAIM_MAX);
         return;
     }
@@ -169,7 +169,9 @@ static void advance(ktk_pool *p, int tid) {
 void ktki_pool_start_job(ktk_pool *p, ktk_task *t, int watched, int tid) {
     p->job = t;
     p->job_watched = watched;
-    if (atomic_load_explicit(&p->prof, memory_order_relaxed)) {
+    const int prof = atomic_load_explicit(&p->prof, memory_order_relaxed);
+    atomic_store_explicit(&p->prof_job, prof, memory_order_relaxed);   /* published with the job's first phase */
+    if (prof) {
         p->prof_job_t0 = ktki_now_ns();
         p->prof_phase = 0;
     }
@@ -219,7 +221,7 @@ int ktki_pool_run_chunk(ktk_pool *p, int tid) {
     ktki_range_fn range = atomic_load_explicit(&p->range, memory_order_relaxed);
     ktki_item_fn item = atomic_load_explicit(&p->item, memory_order_relaxed);
     void *ctx = atomic_load_explicit(&p->ctx, memory_order_relaxed);
-    _Atomic int64_t *thr = atomic_load_explicit(&p->prof, memory_order_relaxed) ? p->prof_thr : NULL;
+    _Atomic int64_t *thr = atomic_load_explicit(&p->prof_job, memory_order_relaxed) ? p->prof_thr : NULL;
     const int64_t t0 = thr ? ktki_now_ns() : 0;
     const int ph = thr ? atomic_load_explicit(&p->prof_cur, memory_order_relaxed) : 0;
     if (range) range(ctx, base + i0, base + i1, tid);

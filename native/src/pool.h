@@ -59,6 +59,8 @@ struct ktk_pool {
     _Atomic int64_t last_watched;      /* now_ns() at the end of the last watched run */
     /* profile (ktk_pool_set_profile): job and phase sums; per-thread chunk sums [n + 1][16] (own cache lines) */
     _Atomic int prof;
+    _Atomic int prof_job;              /* the running job is profiled (prof when it started: a toggle takes effect
+                                        * at the next job, so no sum mixes a job's clock with another's) */
     _Atomic int prof_cur;              /* index of the open phase in its job */
     int prof_phase;                    /* parallel phases of the running job so far (its writer runs the job) */
     int64_t prof_job_t0, prof_phase_t0;
