@@ -270,7 +270,10 @@ class Pool:
         parallel phase of a job in order, ``wall_us`` (its publication to its last chunk's end), ``busy_us`` (time
         of all threads in its chunks), ``chunks`` (means per job) and ``use`` = busy / (wall x threads); and the
         forwards of at most 16 tokens (decode steps): ``decode_jobs``, the sums of their active experts
-        ``decode_experts`` (the distinct experts they read) and of their tokens ``decode_tokens``."""
+        ``decode_experts`` (the distinct experts they read) and of their tokens ``decode_tokens`` (with expert
+        deferral a step makes two forwards a layer). Phases are numbered in each job's order, so jobs of different
+        shapes (one token, whose gather runs inline, and several) add different phases into one slot: profile one
+        kind of forward at a time. ``use`` counts the pool's threads, not a caller that helps (it can exceed 1)."""
         ffi, lib = _native()
         n = lib.KTK_PROFILE_LEN
         out = ffi.new("int64_t[]", n)

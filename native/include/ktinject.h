@@ -112,12 +112,13 @@ int64_t ktk_pool_watch_spin_us(const ktk_pool *pool);   /* -KTK_ERR_NULL for NUL
 int ktk_pool_wake(ktk_pool *pool);
 /* Profile of the pool's jobs (forwards), for measurements: with on != 0 the pool times every job, each of its
  * parallel phases (from its publication to its last chunk's end) and the chunks each thread runs, summed from
- * here on; off stops (the sums stay). ktk_pool_profile copies min(n, KTK_PROFILE_LEN) sums into out and zeroes
- * them: [0] jobs, [1] their ns (from a job's start to its end), then for the i-th parallel phase of a job
- * (i < KTK_PROFILE_PHASES; later phases count as the last) at 2 + 4 i: phases, wall ns, ns the threads spent in
- * its chunks, chunks; then at KTK_PROFILE_DECODE the forwards of at most KTK_PROFILE_DECODE_T tokens (decode
- * steps, not prompts), their active experts (the distinct experts they read) and their tokens. Serial steps (routing, one-item phases) are a
- * job's time outside its phases. Returns the count copied. */
+ * the next job on (a toggle takes effect at the next job); off stops (the sums stay). ktk_pool_profile copies
+ * min(n, KTK_PROFILE_LEN) sums into out and zeroes all of them: [0] jobs, [1] their ns (from a job's start to its
+ * end), then for the i-th parallel phase of a job (i < KTK_PROFILE_PHASES; later phases count as the last) at
+ * 2 + 4 i: phases, wall ns, ns the threads spent in its chunks, chunks; then at KTK_PROFILE_DECODE the forwards of
+ * at most KTK_PROFILE_DECODE_T tokens (decode steps, not prompts), their active experts (the distinct experts they
+ * read) and their tokens. Serial steps (routing, one-item phases) are a job's time outside its phases. Returns the
+ * count copied, or -KTK_ERR_NULL for a NULL pool (or a NULL out with n > 0). */
 #define KTK_PROFILE_PHASES 6
 #define KTK_PROFILE_DECODE (2 + 4 * KTK_PROFILE_PHASES)
 #define KTK_PROFILE_LEN (KTK_PROFILE_DECODE + 3)

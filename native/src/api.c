@@ -98,9 +98,9 @@ int ktk_pool_set_profile(ktk_pool *pool, int on) {
                                            : ktki_error(KTK_ERR_NOMEM, "ktk_pool_set_profile: out of memory");
 }
 
-int ktk_pool_profile(ktk_pool *pool, int64_t *out, int n) {
-    CHECK_NULL(pool, "ktk_pool_profile");
-    if (n > 0) CHECK_NULL(out, "ktk_pool_profile");
+int ktk_pool_profile(ktk_pool *pool, int64_t *out, int n) {   /* a count, or -code (as ktk_pool_threads) */
+    if (!pool) return -ktki_error(KTK_ERR_NULL, "ktk_pool_profile: argument 'pool' is NULL");
+    if (n > 0 && !out) return -ktki_error(KTK_ERR_NULL, "ktk_pool_profile: argument 'out' is NULL");
     return ktki_pool_profile(pool, out, n < 0 ? 0 : n);
 }
 

@@ -7,7 +7,7 @@
 #define TC 1024               /* tokens per down item */
 #define CWMAX 8               /* 16-column blocks per item at most (128 columns) */
 #define ITEMS_PER_THREAD 4
-#define GATHER_ROWS 32        /* rows of x or h an item quantizes at most */
+#define GATHER_ROWS 32        /* rows of h an item quantizes; a gather item: ceil(GATHER_ROWS / k) tokens */
 #define HQ_ROWS_FEW 4         /* rows of h per item where a forward has few rows (decode steps of a batch) */
 #define DECODE_ROWS 4         /* decode path: every expert at most this many rows */
 

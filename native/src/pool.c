@@ -6,7 +6,7 @@
  * up tasks and started phases, so every phase waited for a thread that had lost its core, work left or not: one busy
  * process took graph decode on 16 cores / 15 pinned threads from ~65 to 3.9 tok/s. Now:
  * - a phase is [0, nitems), claimed in chunks from one 64-bit word (generation | items | next unclaimed); chunks are
- *   fixed (maxc) or guided (remaining / (2 x threads), within [1, maxc]): no thread has a fixed share;
+ *   fixed (maxc) or guided (remaining / (2 x threads), within [max(1, minc), maxc]): no thread has a fixed share;
  * - a phase ends when its items are done (a count), not when threads arrive: a thread that comes late finds nothing
  *   to claim and holds nothing; one that loses its core mid-chunk delays that chunk only;
  * - the thread that finishes a phase's last chunk runs the job's next serial step and publishes the next phase, or
@@ -191,7 +191,7 @@ static int claim(ktk_pool *p, int tid, int64_t *i0, int64_t *i1, int64_t *n) {
         if (atomic_load_explicit(&p->guided, memory_order_relaxed)) {
             const int64_t g = (size - next) / (2 * (int64_t)p->n), lo = atomic_load_explicit(&p->minc,
                                                                                               memory_order_relaxed);
-            c = g < lo ? lo : g < c ? g : c;
+            c = g < lo ? (lo < c ? lo : c) : g < c ? g : c;   /* never above maxc: scratch is sized for it */
         }
         if (c > size - next) c = size - next;
         if (atomic_compare_exchange_weak_explicit(&p->claim, &w, w + (uint64_t)c, memory_order_acquire,
