@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 import ktinject
+from ktinject.bench.timing import profile_line
 from ktinject.operators import deferral
 
 
@@ -29,7 +30,7 @@ from ktinject.operators import deferral
 class Timers:
     """The measurements of ``bench.decode`` that these rows reuse, handed over by it (it imports this module)."""
 
-    cpu_expert_time: Callable  # (model, batch, passes) -> [seconds per pass]
+    cpu_expert_time: Callable  # (model, batch, passes, profile=None) -> [seconds per pass]
     graph_replay: Callable  # (runner, batch, prompt_len, iters, entry) -> seconds per replay
     muted_replay: Callable  # (model, runner, batch, prompt_len, iters, entry) -> seconds per replay, experts muted
 
@@ -93,8 +94,9 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
     gen: dict[int, list[float]] = {d: [] for d in ds}
     bare: dict[int, list[float]] = {d: [] for d in ds}
     cpu: list[float] = []
+    profiles: list[dict] = []
     for _ in range(max(1, args.defer_rounds)):
-        cpu += timers.cpu_expert_time(model, B, passes=2)
+        cpu += timers.cpu_expert_time(model, B, passes=2, profile=profiles)
         for d in ds:
             deferral.set_defer(model, d)
             gen[d].append(seconds_per_token(model, prompt, args.tokens))
@@ -107,6 +109,9 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
     bound = None if gpu_s is None else (cpu_s + gpu_s) / max(cpu_s, gpu_s)
     add(("defer: CPU experts alone", "", _ms(cpu_s), f"median of {len(cpu)} passes, "
          f"{len(cpu) // max(1, args.defer_rounds)} per round (no deferral: the whole work)"))
+    if profiles:
+        add(("defer: CPU experts alone, a layer", "", "", "native pool profile of the last round's passes: "
+             + profile_line(profiles[-1])))
     add(("defer: GPU + handshakes (experts muted, d=0)", "", _ms(gpu_s), "graph replay, every routed expert skipped"))
     add(("defer: bound (CPU + GPU) / max(CPU, GPU)", "", "", "n/a" if bound is None else f"{bound:.3f}x"))
     base = statistics.median(gen[0])

@@ -185,7 +185,7 @@ def roofline(cfg, quant: str, bandwidth: float, step_rows: list[int]) -> float:
 def run(args, quant: str) -> list[dict]:
     from ktinject.bench.decode import expert_bytes_per_token
     from ktinject.bench.memory import measure_read_bandwidth
-    from ktinject.bench.timing import distinct_experts
+    from ktinject.bench.timing import distinct_experts, profile_line
     from ktinject.bench.timing import cpu_expert_time
     from ktinject.serve.engine import Engine, EngineConfig
 
@@ -248,7 +248,9 @@ def run(args, quant: str) -> list[dict]:
     for row in rows:
         b = max(1, int(round(row["batch"])))
         if b not in cpu:
-            cpu[b] = statistics.median(cpu_expert_time(model, b, passes=3))
+            prof: list[dict] = []
+            cpu[b] = statistics.median(cpu_expert_time(model, b, passes=3, profile=prof))
+            print(f"# CPU experts alone, batch {b}, a layer: {profile_line(prof[0])}", flush=True)
         row["cpu_ms"] = 1e3 * cpu[b]
     return rows
 

@@ -178,10 +178,23 @@ def fresh_ids(gen: torch.Generator, num_experts: int, k: int, batch: int, avoid:
     return torch.stack([choice[torch.randperm(len(choice), generator=gen)[:k]] for _ in range(batch)])
 
 
-def cpu_expert_time(model, batch: int, passes: int = 5) -> list[float]:
+def profile_line(prof: dict) -> str:
+    """A native pool's profile (``Pool.profile()``) in one line: a forward's time, its serial part (routing,
+    one-item steps, hand-offs) and each parallel phase's wall time, chunks and how busy the threads were."""
+    phases = "; ".join(f"phase {i}: {p['wall_us']:.1f} us, {p['chunks']:.0f} chunks, threads busy "
+                       f"{100 * p['use']:.0f}%" for i, p in enumerate(prof["phases"]))
+    return (f"{prof['jobs']} forwards, {prof['job_us']:.1f} us each, serial {prof['serial_us']:.1f} us"
+            + (f"; {phases}" if phases else ""))
+
+
+def cpu_expert_time(model, batch: int, passes: int = 5, profile: list | None = None) -> list[float]:
     """Seconds of native routed-expert work per decode step, cache-cold: whole passes over every layer in order,
     each layer with B random tokens routed to fresh experts (none of its previous pass's where possible), one
-    synchronous forward per layer; the times of ``passes`` passes after a warm-up pass."""
+    synchronous forward per layer; the times of ``passes`` passes after a warm-up pass. ``profile``: a list that
+    gets the default pool's profile of the timed passes (``Pool.profile()``; they run on that pool)."""
+    from ktinject.native import default_pool
+
+    pool = default_pool() if profile is not None else None
     gen = torch.Generator().manual_seed(1)
     blocks = hybrid_blocks(model)
     k = model.config.num_experts_per_tok
@@ -192,11 +205,17 @@ def cpu_expert_time(model, batch: int, passes: int = 5) -> list[float]:
     for p in range(passes + 1):
         ids = [fresh_ids(gen, b.native_experts.num_experts, k, batch, prev[i]) for i, b in enumerate(blocks)]
         prev = [set(i.flatten().tolist()) for i in ids]
+        if pool is not None and p == 1:
+            pool.profile()  # zeroed: the timed passes only
+            pool.set_profile(True)
         t0 = time.perf_counter()
         for blk, x, i in zip(blocks, xs, ids):
             blk.native_experts.forward(x, i, w, skip=blk.skip)
         if p:  # pass 0 warms up (first-touch of outputs, pool wake-up)
             times.append(time.perf_counter() - t0)
+    if pool is not None:
+        pool.set_profile(False)
+        profile.append(pool.profile())
     return times
 
 

@@ -71,11 +71,9 @@ def passes(layers, pool, batch: int, n: int, e: int, skip=None, hot: bool = Fals
 
 
 def show_profile(prof: dict, label: str) -> None:
-    """One line of Pool.profile(): a job's (forward's) time, its serial part and each parallel phase."""
-    ph = "; ".join(f"phase {i}: {p['wall_us']:.1f} us, {p['chunks']:.0f} chunks, threads busy {100 * p['use']:.0f}%"
-                   for i, p in enumerate(prof["phases"]))
-    print(f"#     {label} profile: {prof['jobs']} jobs, {prof['job_us']:.1f} us a job, serial {prof['serial_us']:.1f} us; "
-          f"{ph}", flush=True)
+    from ktinject.bench.timing import profile_line
+
+    print(f"#     {label} profile: {profile_line(prof)}", flush=True)
 
 
 def graph_decode(layers: int, quant: str, tokens: int, batch: int) -> None:
