@@ -17,6 +17,7 @@ KTK_ERR_DTYPE, wrong shape or non-contiguous -> KTK_ERR_SHAPE, index out of rang
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import logging
 import os
@@ -263,6 +264,19 @@ class Pool:
         (``profile()`` reads the sums); ``False`` stops. For measurements: a clock read per chunk."""
         _, lib = _native()
         _check(lib.ktk_pool_set_profile(self.ptr, 1 if on else 0))
+
+    @contextlib.contextmanager
+    def profiling(self):
+        """Profile the jobs started inside the ``with`` block: yields a dict that ``profile()`` fills at its end
+        (the sums from before the block are dropped)."""
+        self.profile()
+        self.set_profile(True)
+        out: dict = {}
+        try:
+            yield out
+        finally:
+            self.set_profile(False)
+            out.update(self.profile())
 
     def profile(self) -> dict:
         """The sums since the last call (then zeroed), per job: ``jobs``; ``job_us`` (mean, a job's start to its

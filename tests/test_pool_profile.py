@@ -44,6 +44,10 @@ def test_profile_counts_jobs_and_phases(monkeypatch):
         ex.forward(torch.randn(17, H), torch.zeros(17, 2, dtype=torch.int64) + torch.tensor([0, 1]),
                    torch.full((17, 2), 0.5), pool=pool)  # 17 tokens: a prompt, not a decode step
         assert pool.profile()["decode_jobs"] == 0
+        with pool.profiling() as prof:  # the context manager: only the jobs inside the block
+            ex.forward(x, ids, w, pool=pool)
+        assert prof["jobs"] == 1 and prof["phases"]
+        assert pool.profile()["jobs"] == 0  # off again after the block
 
 
 def test_gather_rows_of_one_token_match_per_row_quantization():

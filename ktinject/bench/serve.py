@@ -185,8 +185,8 @@ def roofline(cfg, quant: str, bandwidth: float, step_rows: list[int]) -> float:
 def run(args, quant: str) -> list[dict]:
     from ktinject.bench.decode import expert_bytes_per_token
     from ktinject.bench.memory import measure_read_bandwidth
-    from ktinject.bench.timing import distinct_experts, profile_line
-    from ktinject.bench.timing import cpu_expert_time
+    from ktinject.bench.timing import cpu_expert_time, distinct_experts, profile_line
+    from ktinject.native import default_pool
     from ktinject.serve.engine import Engine, EngineConfig
 
     if args.threads:
@@ -217,19 +217,13 @@ def run(args, quant: str) -> list[dict]:
     rows = []
     try:
         run_streams(engine, 1, argparse.Namespace(**{**vars(args), "rounds": 1, "tokens": 4}), cfg.vocab_size)
-        from ktinject.native import default_pool
-
         pool = default_pool()  # the engine's native forwards run on it
         for n in args.streams:
             for overlap in args.overlaps:
                 engine.config.overlap = overlap == "on"  # read by the engine thread at each step; it is idle now
-                pool.profile()  # zeroed
-                pool.set_profile(True)
-                try:
+                with pool.profiling() as prof:
                     row = run_streams(engine, n, args, cfg.vocab_size, seed=n)
-                finally:
-                    pool.set_profile(False)
-                row["measured"], row["experts"] = measured_roofline(cfg, quant, bw, pool.profile())
+                row["measured"], row["experts"] = measured_roofline(cfg, quant, bw, prof)
                 per_tok = expert_bytes_per_token(cfg, n, quant)  # bytes of distinct experts per step of n / n
                 steps = row.pop("step_rows")
                 row.update(quant=quant, overlap=overlap, roofline=roofline(cfg, quant, bw, steps),

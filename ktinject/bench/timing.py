@@ -192,30 +192,31 @@ def cpu_expert_time(model, batch: int, passes: int = 5, profile: list | None = N
     each layer with B random tokens routed to fresh experts (none of its previous pass's where possible), one
     synchronous forward per layer; the times of ``passes`` passes after a warm-up pass. ``profile``: a list that
     gets the default pool's profile of the timed passes (``Pool.profile()``; they run on that pool)."""
+    import contextlib
+
     from ktinject.native import default_pool
 
-    pool = default_pool() if profile is not None else None
     gen = torch.Generator().manual_seed(1)
     blocks = hybrid_blocks(model)
     k = model.config.num_experts_per_tok
     xs = [torch.randn(batch, b.native_experts.hidden, generator=gen).to(torch.bfloat16) for b in blocks]
     w = torch.full((batch, k), 1.0 / k)
     prev: list[set] = [set() for _ in blocks]
-    times = []
-    for p in range(passes + 1):
+
+    def one_pass() -> float:
+        nonlocal prev
         ids = [fresh_ids(gen, b.native_experts.num_experts, k, batch, prev[i]) for i, b in enumerate(blocks)]
         prev = [set(i.flatten().tolist()) for i in ids]
-        if pool is not None and p == 1:
-            pool.profile()  # zeroed: the timed passes only
-            pool.set_profile(True)
         t0 = time.perf_counter()
         for blk, x, i in zip(blocks, xs, ids):
             blk.native_experts.forward(x, i, w, skip=blk.skip)
-        if p:  # pass 0 warms up (first-touch of outputs, pool wake-up)
-            times.append(time.perf_counter() - t0)
-    if pool is not None:
-        pool.set_profile(False)
-        profile.append(pool.profile())
+        return time.perf_counter() - t0
+
+    one_pass()  # warm-up: first-touch of outputs, pool wake-up
+    with default_pool().profiling() if profile is not None else contextlib.nullcontext() as prof:
+        times = [one_pass() for _ in range(passes)]
+    if profile is not None:
+        profile.append(prof)
     return times
 
 

@@ -101,12 +101,6 @@ static void row_to_tiles(const fctx *c, int h, int a, int r) {
     ktki_fwd_to_tiles(c, h, a, r, row, 0, kp * c->tes);
 }
 
-/* Active expert of row r, from a (an expert at or before it). */
-static int expert_of(const fctx *c, int a, int r) {
-    while (c->off[a + 1] <= r) a++;
-    return a;
-}
-
 /* Active expert of row r: the last a with off[a] <= r (rows of a token are not in expert order). */
 static int expert_of_row(const fctx *c, int r) {
     int lo = 0, hi = c->A - 1;
@@ -192,12 +186,12 @@ ktk_act ktki_fwd_rows(const fctx *c, int h, int a, int r0, int r1, int tid) {
 void ktki_fwd_quantize_h_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
     (void)tid;
-    int r1 = (int)((item + 1) * c->hq_rows < c->R ? (item + 1) * c->hq_rows : c->R), a = 0;
+    int r1 = (int)((item + 1) * c->hq_rows < c->R ? (item + 1) * c->hq_rows : c->R);
     for (int r = (int)(item * c->hq_rows); r < r1; r++) {
         int8_t *dst = c->h8 + (int64_t)r * c->KpI;
         c->hsum[r] = ktki_quantize_row(c->hf + (int64_t)r * c->I, c->I, dst, &c->hs[r]);
         memset(dst + c->I, 0, (size_t)(c->KpI - c->I));
         if (c->copies) bf16_copy(dst, c->KpI, c->h16 + (int64_t)r * c->KpI);
-        if (c->xt) row_to_tiles(c, 1, a = expert_of(c, a, r), r);
+        if (c->xt) row_to_tiles(c, 1, expert_of_row(c, r), r);
     }
 }

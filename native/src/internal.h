@@ -65,7 +65,7 @@ int ktki_pool_stopped(const ktk_pool *pool);
 int ktki_pool_threads(const ktk_pool *pool);
 int ktki_pool_set_profile(ktk_pool *pool, int on);          /* 0: out of memory */
 int ktki_pool_profile(ktk_pool *pool, int64_t *out, int n);
-void ktki_pool_profile_decode(ktk_pool *pool, int experts, int tokens);   /* a decode-path forward, where on */
+void ktki_pool_profile_decode(ktk_pool *pool, int experts, int tokens);   /* a forward's routing, where profiled */
 void ktki_pool_set_watch_spin_us(ktk_pool *pool, int64_t us); /* us checked by the caller */
 int64_t ktki_pool_watch_spin_us(const ktk_pool *pool);
 void ktki_pool_wake(ktk_pool *pool);

@@ -13,6 +13,7 @@ token, E experts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -95,20 +96,14 @@ def graph_decode(layers: int, quant: str, tokens: int, batch: int) -> None:
     pool = default_pool()
     for cache_len in (64, 512):
         for _ in range(2):
-            pool.set_profile(True)
-            s = graph_replay(r["runner"], batch, cache_len, tokens)  # decode jobs only (no prefill)
-            pool.set_profile(False)
-            prof = pool.profile()
+            with pool.profiling() as prof:
+                s = graph_replay(r["runner"], batch, cache_len, tokens)  # decode jobs only (no prefill)
             muted = muted_replay(model, r["runner"], batch, cache_len, tokens)
             print(f"# graph replay {quant}, {layers} layers, batch {batch}, cache {cache_len}: {1e3 * s:.2f} ms a step "
                   f"({1e3 * s / layers:.3f} ms a layer); muted (GPU part + handshakes) {1e3 * muted:.2f} ms",
                   flush=True)
             show_profile(prof, "replay")
     del model
-
-
-def distinct(batch: int, e: int) -> float:
-    return e * (1 - (1 - K / e) ** batch)
 
 
 def _huge() -> str:
@@ -121,6 +116,11 @@ def _huge() -> str:
         return f"THP {mode}; AnonHugePages {roll.get('AnonHugePages')} of Rss {roll.get('Rss')}"
     except OSError as e:
         return f"THP unknown ({e})"
+
+
+def distinct(batch: int, e: int) -> float:
+    """bench.timing.distinct_experts, written here: the probe also runs against older builds (ab_stage.sh)."""
+    return e * (1 - (1 - K / e) ** batch)
 
 
 def main() -> None:
@@ -171,14 +171,10 @@ def main() -> None:
                     os.environ[name] = value
                     gemv = f"{gemv} {name}={value}"
                 pts = []
-                profiled = hasattr(pool, "set_profile")  # an older build (A/B against a base commit) has none
+                profiled = hasattr(pool, "profiling")  # an older build (A/B against a base commit) has none
                 for b in [int(x) for x in args.batch.split(",")]:
-                    if profiled:
-                        pool.set_profile(True)
-                    ts = passes(layers, pool, b, args.passes, args.experts)
-                    if profiled:
-                        pool.set_profile(False)
-                        prof = pool.profile()
+                    with pool.profiling() if profiled else contextlib.nullcontext() as prof:
+                        ts = passes(layers, pool, b, args.passes, args.experts)
                     med = statistics.median(ts) / args.layers
                     nbytes = distinct(b, args.experts) * per_expert
                     pts.append((nbytes, med))
