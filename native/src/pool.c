@@ -89,55 +89,6 @@ static void publish(ktk_pool *p, int64_t base, int64_t n) {
     ktki_event_signal(&p->work);
 }
 
-/* ---- profile (ktk_pool_set_profile) ---- */
-#define PROF_SLOT(i) (2 + 4 * ((i) < KTK_PROFILE_PHASES ? (i) : KTK_PROFILE_PHASES - 1))
-
-/* A new parallel phase of the running job opens now (its publisher runs the job: no other writer). */
-static void prof_phase_open(ktk_pool *p) {
-    p->prof_phase_t0 = ktki_now_ns();
-    atomic_store_explicit(&p->prof_cur, p->prof_phase++, memory_order_relaxed);   /* published with the phase */
-}
-
-/* The open phase's last chunk ended on this thread. */
-static void prof_phase_close(ktk_pool *p) {
-    const int s = PROF_SLOT(atomic_load_explicit(&p->prof_cur, memory_order_relaxed));
-    atomic_fetch_add_explicit(&p->prof_sum[s], 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&p->prof_sum[s + 1], ktki_now_ns() - p->prof_phase_t0, memory_order_relaxed);
-}
-
-int ktki_pool_set_profile(ktk_pool *p, int on) {
-    if (!p->prof_thr) return 0;
-    atomic_store(&p->prof, on != 0);
-    return 1;
-}
-
-int ktki_pool_profile(ktk_pool *p, int64_t *out, int n) {
-    int64_t sum[KTK_PROFILE_LEN];
-    for (int i = 0; i < KTK_PROFILE_LEN; i++) sum[i] = atomic_exchange(&p->prof_sum[i], 0);
-    _Atomic int64_t *thr = p->prof_thr;
-    for (int t = 0; thr && t <= p->n; t++)
-        for (int i = 0; i < KTK_PROFILE_PHASES; i++) {
-            sum[2 + 4 * i + 2] += atomic_exchange(&thr[t * 16 + 2 * i], 0);
-            sum[2 + 4 * i + 3] += atomic_exchange(&thr[t * 16 + 2 * i + 1], 0);
-        }
-    if (n > KTK_PROFILE_LEN) n = KTK_PROFILE_LEN;
-    for (int i = 0; i < n; i++) out[i] = sum[i];
-    return n;
-}
-
-void ktki_pool_profile_decode(ktk_pool *p, int experts, int tokens) {
-    if (!atomic_load_explicit(&p->prof_job, memory_order_relaxed) || tokens > KTK_PROFILE_DECODE_T) return;
-    atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_DECODE], 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_DECODE + 1], experts, memory_order_relaxed);
-    atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_DECODE + 2], tokens, memory_order_relaxed);
-}
-
-void ktki_pool_profile_job_end(ktk_pool *p) {
-    if (!atomic_load_explicit(&p->prof_job, memory_order_relaxed)) return;
-    atomic_fetch_add_explicit(&p->prof_sum[0], 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&p->prof_sum[1], ktki_now_ns() - p->prof_job_t0, memory_order_relaxed);
-}
-
 /* The job's next steps on this thread, up to the next phase of several items (published) or the job's end. Phases
  * of one item run here: no hand-off for them. */
 static void advance(ktk_pool *p, int tid) {
@@ -156,7 +107,7 @@ static void advance(ktk_pool *p, int tid) {
         atomic_store_explicit(&p->guided, ph.guided, memory_order_relaxed);
         atomic_store_explicit(&p->minc, ph.minc < 1 ? 1 : ph.minc, memory_order_relaxed);
         atomic_store_explicit(&p->total, ph.nitems, memory_order_relaxed);
-        if (atomic_load_explicit(&p->prof_job, memory_order_relaxed)) prof_phase_open(p);
+        if (atomic_load_explicit(&p->prof_job, memory_order_relaxed)) ktki_prof_phase_open(p);
         publish(p, 0, ph.nitems < CLAIM_MAX ? ph.nitems : CLAIM_MAX);
         return;
     }
@@ -227,14 +178,14 @@ int ktki_pool_run_chunk(ktk_pool *p, int tid) {
     if (range) range(ctx, base + i0, base + i1, tid);
     else for (int64_t i = base + i0; i < base + i1; i++) item(ctx, i, tid);
     if (thr) {   /* this thread's own line: no contention */
-        const int s = PROF_SLOT(ph) - 2;   /* 4 i */
+        const int s = KTKI_PROF_SLOT(ph) - 2;   /* 4 i */
         atomic_fetch_add_explicit(&thr[tid * 16 + s / 2], ktki_now_ns() - t0, memory_order_relaxed);
         atomic_fetch_add_explicit(&thr[tid * 16 + s / 2 + 1], 1, memory_order_relaxed);
     }
     if (atomic_fetch_add_explicit(&p->ndone, i1 - i0, memory_order_acq_rel) + (i1 - i0) != n) return 1;
     /* the phase's window is done and this thread finished it: the next window, else the job's next steps */
     const int64_t total = atomic_load_explicit(&p->total, memory_order_relaxed);
-    if (thr && base + n >= total) prof_phase_close(p);
+    if (thr && base + n >= total) ktki_prof_phase_close(p);
     if (base + n < total) publish(p, base + n, total - base - n < CLAIM_MAX ? total - base - n : CLAIM_MAX);
     else advance(p, tid);
     return 1;

@@ -1,4 +1,5 @@
-/* Internal to the pool (pool.c: threads, phases, idle; watch.c: queue, watch list, picking up tasks). */
+/* Internal to the pool (pool.c: threads, phases, idle; watch.c: queue, watch list, picking up tasks; profile.c: the
+ * profile's sums). */
 #ifndef KTKI_POOL_H
 #define KTKI_POOL_H
 #include <pthread.h>
@@ -84,7 +85,11 @@ int ktki_pool_run_chunk(ktk_pool *p, int tid);   /* 1 if it claimed and ran a ch
 int ktki_pool_items_left(ktk_pool *p, int tid);   /* chunks this thread may claim are left */
 /* watch.c */
 void ktki_pool_end_job(ktk_pool *p);
-void ktki_pool_profile_job_end(ktk_pool *p);   /* pool.c: the job's time into the profile, where on */
+/* profile.c */
+#define KTKI_PROF_SLOT(i) (2 + 4 * ((i) < KTK_PROFILE_PHASES ? (i) : KTK_PROFILE_PHASES - 1))
+void ktki_prof_phase_open(ktk_pool *p);        /* a parallel phase of the profiled job opens (its publisher) */
+void ktki_prof_phase_close(ktk_pool *p);       /* its last chunk ended on this thread */
+void ktki_pool_profile_job_end(ktk_pool *p);   /* the job's time into the profile, where profiled */
 void ktki_pool_mark_hot(ktk_pool *p);
 int ktki_pool_take_task(ktk_pool *p, int tid);   /* 1 if it took a queued task or a raised go flag and ran steps */
 int ktki_pool_go_raised(ktk_pool *p, int tid);   /* 1 if the pool is free and a watched go flag is raised */
