@@ -79,21 +79,27 @@ def show_profile(prof: dict, label: str) -> None:
 
 def graph_decode(layers: int, quant: str, tokens: int, batch: int) -> None:
     """The pool's profile inside graph decode (generate, CUDA graphs) of an L-layer model: what a layer's CPU job
-    costs where no Python runs between jobs."""
+    costs where no Python runs between jobs. Three ways on the same injected model: bare replays of one input
+    (every replay routes to the same experts: partly cache-hot), replays with fresh random token ids written into
+    the graph's input before each (cache-cold, as in generate), and the same layers' native forwards driven from
+    Python (bench.timing.cpu_expert_time, cache-cold)."""
     import ktinject
     from ktinject.bench.decode import ktinject_decode
     from ktinject.bench.model import build_model, set_generation_defaults
+    from ktinject.bench.timing import _decode_graph, cpu_expert_time, graph_replay, muted_replay
     from ktinject.native import default_pool
 
     dev = torch.device("cuda")
     model = build_model(layers, dev)
     set_generation_defaults(model)
     ktinject.inject(model, gpu="cuda", quant=quant)
-    from ktinject.bench.timing import graph_replay, muted_replay
-
+    print(f"# graph {quant} {layers} layers batch {batch}: {_huge()}", flush=True)
     prompt = torch.randint(3, model.config.vocab_size, (batch, 32), device=dev)
     r = ktinject_decode(model, prompt, 8, graphs=True)  # capture, warm-up
     pool = default_pool()
+    entry = _decode_graph(r["runner"], batch)
+    ids = entry.inputs["input_ids"]
+    fresh = torch.randint(3, model.config.vocab_size, (tokens + 1,) + tuple(ids.shape), device=dev)
     for cache_len in (64, 512):
         for _ in range(2):
             with pool.profiling() as prof:
@@ -102,7 +108,27 @@ def graph_decode(layers: int, quant: str, tokens: int, batch: int) -> None:
             print(f"# graph replay {quant}, {layers} layers, batch {batch}, cache {cache_len}: {1e3 * s:.2f} ms a step "
                   f"({1e3 * s / layers:.3f} ms a layer); muted (GPU part + handshakes) {1e3 * muted:.2f} ms",
                   flush=True)
-            show_profile(prof, "replay")
+            show_profile(prof, "replay, one input")
+            saved = ids.clone()
+            for layer in r["runner"].caches[batch].layers:
+                layer.cumulative_length.fill_(cache_len)
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for p in entry.pools:
+                p.wake()
+            with pool.profiling() as prof:
+                t0.record()
+                for i in range(tokens):
+                    ids.copy_(fresh[i])  # new routing each step: cache-cold like generate
+                    entry.graph.replay()
+                t1.record()
+                torch.cuda.synchronize()
+            ids.copy_(saved)
+            print(f"# graph replay, fresh ids each step: {t0.elapsed_time(t1) / tokens:.2f} ms a step", flush=True)
+            show_profile(prof, "replay, fresh ids")
+            prof_py = []
+            ts = cpu_expert_time(model, batch, passes=5, profile=prof_py)
+            print(f"# Python-driven forwards of the same layers: {1e3 * statistics.median(ts):.2f} ms a pass", flush=True)
+            show_profile(prof_py[0], "python")
     del model
 
 
