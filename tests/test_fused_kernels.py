@@ -123,9 +123,11 @@ def _attention_case(g, B, hq, hk, D, L, dtype, dev, mask_kind, lens):
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
-def test_attention_matches_float64(dev, dtype, mask_kind):
-    """One kernel (splits + last-program combine) against float64 attention; lengths bound the keys read and come
-    back advanced by one; the counters are back at zero."""
+@pytest.mark.parametrize("kps", [None, 16])
+def test_attention_matches_float64(dev, dtype, mask_kind, kps):
+    """One kernel against float64 attention, with one split a KV head (the default's keys per split at these
+    lengths) and with several (16 keys per split, raised to the key block: splits + last-program combine); lengths
+    bound the keys read and come back advanced by one; the counters are back at zero."""
     g = torch.Generator().manual_seed(1)
     cases = [(1, 8, 2, 16, 40, [5]), (3, 6, 2, 24, 130, [0, 77, 129]), (2, 4, 4, 20, 70, None),
              (1, 2, 1, 16, 1, [0]), (2, 8, 2, 16, 300, [299, 130])]
@@ -136,7 +138,7 @@ def test_attention_matches_float64(dev, dtype, mask_kind):
         q, k, v, mask, lengths = _attention_case(g, B, hq, hk, D, L, dtype, dev, mask_kind, lens)
         ref_len = None if lengths is None else lengths.clone()
         want = FA.attention_reference(q, k, v, D ** -0.5, mask, ref_len)
-        got = FA.attention(q, k, v, D ** -0.5, mask, lengths)
+        got = FA.attention(q, k, v, D ** -0.5, mask, lengths, keys_per_split=kps)
         assert got.shape == (B, hq * D) and got.dtype == dtype
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
         torch.testing.assert_close(got.double(), want, **tol, msg=lambda m: f"{(B, hq, hk, D, L, lens)}: {m}")

@@ -10,13 +10,17 @@
   go straight into the cache at each row's length instead of out (the cache's two scatter kernels); out holds q.
 - ``attention``: one query token per row against the static cache, in one kernel: grid (B x Hkv, P splits of the
   keys); each program takes the G query heads of its KV head as the rows of a [G, D] x [D, keys] product (tensor
-  cores, G padded to 16), runs an online softmax over its share of the keys (scale, mask: bool keep-where-true or
-  float added, as the module's torch path), and stores its partial result; the row's last program (fused.py's
-  last-program pattern) combines the P partials. With ``lengths`` only keys 0..lengths[b] are read (the others are
-  masked anyway) and the split is over those, so a short sequence in a long cache costs what it holds; the last
-  program of a batch row then advances lengths[b] by one (what KVLayer.update's add_ did), after every program of
-  that row has read it. Probabilities enter the value product in the value dtype (as flash kernels and the torch
-  path do), unnormalized (flash-decoding); accumulation is float32.
+  cores, G padded to 16) and runs an online softmax (scale, mask: bool keep-where-true or float added, as the
+  module's torch path) over its share of the keys, its next blocks' loads in flight (a pipelined loop). With
+  ``lengths`` only keys 0..lengths[b] are read (the others are masked anyway) and the split is over those: the
+  keys held are cut into splits of at least ``keys_per_split`` (at most P), so a short sequence in a long cache
+  costs what it holds and runs as one program a KV head, which writes the output itself; with several splits
+  each stores its partial result and the last of them (fused.py's last-program pattern) combines them. A split's
+  cost is mostly latency (loads, the partials' store, the counter, the combine's loads), so a few long splits
+  beat many short ones: on the H200, 98 keys of a 1024-slot cache took 12.2 us as 16 splits of 64. The program
+  that counts last among a batch row's Hkv x P advances lengths[b] by one (what KVLayer.update's add_ did),
+  after all of them have read it. Probabilities enter the value product in the value dtype (as flash kernels and
+  the torch path do), unnormalized (flash-decoding); accumulation is float32.
 Legend: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim, L keys (the static cache length), P splits.
 """
 from __future__ import annotations
@@ -68,85 +72,96 @@ def _build(triton, tl):
         else:
             tl.store(out + b * s_out_b + h * s_out_h + offs, y, mask=inside)
 
-    @triton.jit(do_not_specialize=["L", "s_m_b"])  # one compile for every cache length
-    def attn_k(q, kc, vc, lens, mask, out, part, ml, cnt, L, P, NR, scale, s_q_b, s_q_h, s_k_b, s_k_h, s_k_l,
+    @triton.jit(do_not_specialize=["L", "s_m_b", "KPS"])  # one compile for every cache length
+    def attn_k(q, kc, vc, lens, mask, out, part, ml, cnt, L, P, NR, KPS, scale, s_q_b, s_q_h, s_k_b, s_k_h, s_k_l,
                s_v_b, s_v_h, s_v_l, s_m_b, s_o_b, HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, LENS: tl.constexpr,
-               MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PREC: tl.constexpr):
+               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
+               LENS: tl.constexpr, MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PREC: tl.constexpr):
         r = tl.program_id(0)  # b * Hkv + KV head
         sp = tl.program_id(1)
         b = r // HK
         hk = r % HK
         n = L
         if LENS:  # keys 0 .. lengths[b] (the new token's own key at lengths[b])
-            n = tl.minimum(tl.load(lens + b).to(tl.int32) + 1, L)
-        chunk = tl.cdiv(tl.cdiv(n, P), BN) * BN
-        start = sp * chunk
-        end = tl.minimum(start + chunk, n)
-        g = tl.arange(0, GP)
-        d = tl.arange(0, BD)
-        gd = (g < G)[:, None] & (d < D)[None, :]
-        qv = tl.load(q + b.to(tl.int64) * s_q_b + (hk * G + g)[:, None] * s_q_h + d[None, :], mask=gd, other=0.0)
-        kbase = kc + b.to(tl.int64) * s_k_b + hk.to(tl.int64) * s_k_h
-        vbase = vc + b.to(tl.int64) * s_v_b + hk.to(tl.int64) * s_v_h
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, BD], tl.float32)
-        for j0 in range(start, end, BN):
-            j = j0 + tl.arange(0, BN)
-            jm = j < end
-            kv_mask = jm[:, None] & (d < D)[None, :]
-            k = tl.load(kbase + j[:, None].to(tl.int64) * s_k_l + d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
-            sc = tl.dot(qv, tl.trans(k), input_precision=PREC) * scale  # [GP, BN] float32
-            if MASK:
-                mv = tl.load(mask + b.to(tl.int64) * s_m_b + j, mask=jm, other=0)
-                if MASK_BOOL:
-                    sc = tl.where((mv != 0)[None, :], sc, float("-inf"))
-                else:
-                    sc = sc + mv.to(tl.float32)[None, :]
-            sc = tl.where(jm[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: nothing to rescale
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(sc - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vbase + j[:, None].to(tl.int64) * s_v_l + d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
-        slot = r * P + sp
-        tl.store(part + slot.to(tl.int64) * (GP * BD) + g[:, None] * BD + d[None, :], acc)
-        tl.store(ml + slot * (2 * GP) + g, m_i)
-        tl.store(ml + slot * (2 * GP) + GP + g, l_i)
-        tl.debug_barrier()  # every thread's partials stored before the counter says so
-        if tl.atomic_add(cnt + r, 1, sem="acq_rel", scope="gpu") == P - 1:  # the last program of this (b, KV head)
-            nact = tl.cdiv(n, chunk)  # splits that saw keys (the others hold nothing)
-            mx = tl.full([GP], float("-inf"), tl.float32)
-            for s0 in range(0, nact, SB):
-                si = s0 + tl.arange(0, SB)
-                mm = tl.load(ml + (r * P + si)[:, None] * (2 * GP) + g[None, :], mask=(si < nact)[:, None],
-                             other=float("-inf"), cache_modifier=".cg")
-                mx = tl.maximum(mx, tl.max(mm, axis=0))
-            mx = tl.where(mx == float("-inf"), 0.0, mx)
-            tot = tl.zeros([GP], tl.float32)
-            o = tl.zeros([GP, BD], tl.float32)
-            for s0 in range(0, nact, SB):
-                si = s0 + tl.arange(0, SB)
-                sm = si < nact
-                row = (r * P + si)[:, None] * (2 * GP) + g[None, :]
-                wgt = tl.exp(tl.load(ml + row, mask=sm[:, None], other=float("-inf"), cache_modifier=".cg")
-                             - mx[None, :])  # [SB, GP]
-                tot += tl.sum(wgt * tl.load(ml + row + GP, mask=sm[:, None], other=0.0, cache_modifier=".cg"), 0)
-                pa = tl.load(part + (r * P + si).to(tl.int64)[:, None, None] * (GP * BD) + g[None, :, None] * BD
-                             + d[None, None, :], mask=sm[:, None, None], other=0.0, cache_modifier=".cg")
-                o += tl.sum(pa * wgt[:, :, None], axis=0)
-            o = o / tl.where(tot > 0, tot, 1.0)[:, None]
-            tl.store(out + b.to(tl.int64) * s_o_b + (hk * G + g)[:, None] * D + d[None, :],
-                     o.to(out.dtype.element_ty), mask=gd)
-            tl.atomic_xchg(cnt + r, 0)
-            if LENS:  # every program of batch row b has read lengths[b] once all its KV heads are combined
-                if tl.atomic_add(cnt + NR + b, 1, sem="acq_rel", scope="gpu") == HK - 1:
-                    tl.store(lens + b, tl.load(lens + b) + 1)
-                    tl.atomic_xchg(cnt + NR + b, 0)
+            held = tl.load(lens + b)
+            n = tl.minimum(held.to(tl.int32) + 1, L)
+            tl.debug_barrier()  # every thread has read lengths[b] before the counter says so
+            # lengths[b] advances once all Hkv x P programs of row b have read it (the last to count does it)
+            if tl.atomic_add(cnt + NR + b, 1, sem="acq_rel", scope="gpu") == HK * P - 1:
+                tl.store(lens + b, held + 1)
+                tl.atomic_xchg(cnt + NR + b, 0)
+        # splits of at least KPS keys (a split's cost is mostly latency: few long splits beat many short ones), at
+        # most P; the splits that get keys (nact) are the ones that work, the others are done
+        chunk = tl.cdiv(tl.cdiv(n, tl.minimum(tl.cdiv(n, KPS), P)), BN) * BN
+        nact = tl.cdiv(n, chunk)
+        if sp < nact:
+            start = sp * chunk
+            end = tl.minimum(start + chunk, n)
+            g = tl.arange(0, GP)
+            d = tl.arange(0, BD)
+            gd = (g < G)[:, None] & (d < D)[None, :]
+            qv = tl.load(q + b.to(tl.int64) * s_q_b + (hk * G + g)[:, None] * s_q_h + d[None, :], mask=gd, other=0.0)
+            kbase = kc + b.to(tl.int64) * s_k_b + hk.to(tl.int64) * s_k_h
+            vbase = vc + b.to(tl.int64) * s_v_b + hk.to(tl.int64) * s_v_h
+            m_i = tl.full([GP], float("-inf"), tl.float32)
+            l_i = tl.zeros([GP], tl.float32)
+            acc = tl.zeros([GP, BD], tl.float32)
+            for j0 in range(start, end, BN):  # pipelined by Triton (the launch's num_stages): next loads in flight
+                j = j0 + tl.arange(0, BN)
+                jm = j < end
+                kv_mask = jm[:, None] & (d < D)[None, :]
+                k = tl.load(kbase + j[:, None].to(tl.int64) * s_k_l + d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+                sc = tl.dot(qv, tl.trans(k), input_precision=PREC) * scale  # [GP, BN] float32
+                if MASK:
+                    mv = tl.load(mask + b.to(tl.int64) * s_m_b + j, mask=jm, other=0)
+                    if MASK_BOOL:
+                        sc = tl.where((mv != 0)[None, :], sc, float("-inf"))
+                    else:
+                        sc = sc + mv.to(tl.float32)[None, :]
+                sc = tl.where(jm[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: nothing to rescale
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(sc - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(vbase + j[:, None].to(tl.int64) * s_v_l + d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                m_i = m_new
+            optr = out + b.to(tl.int64) * s_o_b + (hk * G + g)[:, None] * D + d[None, :]
+            if nact == 1:  # one split holds every key: its result is the output (no partials, no combine)
+                o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                tl.store(optr, o.to(out.dtype.element_ty), mask=gd)
+            else:
+                slot = r * P + sp
+                tl.store(part + slot.to(tl.int64) * (GP * BD) + g[:, None] * BD + d[None, :], acc)
+                tl.store(ml + slot * (2 * GP) + g, m_i)
+                tl.store(ml + slot * (2 * GP) + GP + g, l_i)
+                tl.debug_barrier()  # every thread's partials stored before the counter says so
+                if tl.atomic_add(cnt + r, 1, sem="acq_rel", scope="gpu") == nact - 1:  # the last split of (b, KV head)
+                    mx = tl.full([GP], float("-inf"), tl.float32)
+                    for s0 in range(0, nact, SB):
+                        si = s0 + tl.arange(0, SB)
+                        mm = tl.load(ml + (r * P + si)[:, None] * (2 * GP) + g[None, :], mask=(si < nact)[:, None],
+                                     other=float("-inf"), cache_modifier=".cg")
+                        mx = tl.maximum(mx, tl.max(mm, axis=0))
+                    mx = tl.where(mx == float("-inf"), 0.0, mx)
+                    tot = tl.zeros([GP], tl.float32)
+                    o = tl.zeros([GP, BD], tl.float32)
+                    for s0 in range(0, nact, SB):
+                        si = s0 + tl.arange(0, SB)
+                        sm = si < nact
+                        row = (r * P + si)[:, None] * (2 * GP) + g[None, :]
+                        wgt = tl.exp(tl.load(ml + row, mask=sm[:, None], other=float("-inf"), cache_modifier=".cg")
+                                     - mx[None, :])  # [SB, GP]
+                        tot += tl.sum(wgt * tl.load(ml + row + GP, mask=sm[:, None], other=0.0,
+                                                    cache_modifier=".cg"), 0)
+                        pa = tl.load(part + (r * P + si).to(tl.int64)[:, None, None] * (GP * BD)
+                                     + g[None, :, None] * BD + d[None, None, :], mask=sm[:, None, None], other=0.0,
+                                     cache_modifier=".cg")
+                        o += tl.sum(pa * wgt[:, :, None], axis=0)
+                    o = o / tl.where(tot > 0, tot, 1.0)[:, None]
+                    tl.store(optr, o.to(out.dtype.element_ty), mask=gd)
+                    tl.atomic_xchg(cnt + r, 0)
 
     return rope_k, attn_k
 
@@ -202,12 +217,19 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+#: keys a split takes at least (attention): one program streams ~512 keys (pipelined) in about the time a
+#: split's partials take to store and combine (probe_fused.py sweeps it on the GPU machine)
+KEYS_PER_SPLIT = 512
+
+
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-              mask: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+              keys_per_split: int | None = None) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v for one query per row: q [B, Hq, D], keys/values [B, Hkv, L, D] (last dims
     contiguous); mask None or [B or 1, 1, 1, >= L] bool (keep where true) or float (added), last dim contiguous;
-    ``lengths`` [B] int64: keys held before this token (keys > lengths[b] are not read; lengths += 1 afterwards).
-    Returns [B, Hq * D] in the values' dtype."""
+    ``lengths`` [B] int64: keys held before this token (keys > lengths[b] are not read; lengths += 1 afterwards);
+    ``keys_per_split``: at least this many keys a program (default KEYS_PER_SPLIT). Returns [B, Hq * D] in the
+    values' dtype."""
     B, hq, D = q.shape
     hk, L = keys.shape[1], keys.shape[2]
     G = hq // hk
@@ -215,7 +237,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
         raise ValueError("attention: q, keys and values need one head dim with contiguous last dims")
     out = torch.empty((B, hq * D), dtype=values.dtype, device=q.device)
     GP, BD, BN = pow2(G, 16), pow2(D, 16), key_block(q.dtype)
-    P = splits(B * hk, L, q.device, BN)
+    kps = max(BN, int(keys_per_split or KEYS_PER_SPLIT))
+    P = splits(B * hk, L, q.device, kps)
     part = fused.workspace("attn_part", B * hk * P * GP * BD, torch.float32, q.device)
     ml = fused.workspace("attn_ml", B * hk * P * 2 * GP, torch.float32, q.device)
     cnt = fused.workspace("attn_counters", B * hk + B, torch.int32, q.device, zero=True)
@@ -226,7 +249,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
         s_m_b, is_bool = (m.stride(0) if m.shape[0] > 1 else 0), mask.dtype == torch.bool
     with on_device(q):
         _kernels()[1][(B * hk, P)](
-            q, keys, values, q if lengths is None else lengths, m, out, part, ml, cnt, L, P, B * hk, float(scale),
+            q, keys, values, q if lengths is None else lengths, m, out, part, ml, cnt, L, P, B * hk, kps, float(scale),
             q.stride(0), q.stride(1), *keys.stride()[:3], *values.stride()[:3], s_m_b, out.stride(0), HK=hk, G=G,
             GP=GP, D=D, BD=BD, BN=BN, SB=4, LENS=lengths is not None, MASK=mask is not None, MASK_BOOL=is_bool,
             PREC=fused.dot_precision(q.dtype))

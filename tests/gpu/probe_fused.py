@@ -59,27 +59,31 @@ def rope_and_cache(hq=32, hk=4, D=128, L=1024) -> None:
              timed(lambda: fused_attn.qk_norm_rope(qkv, hq, hk, norms, cos, sin, cache=(K, V, lens))))
 
 
-def attention(hq=32, hk=4, D=128, L=1024) -> None:
-    q = torch.randn(1, hq, D, device=DEV, dtype=BF)
-    K, V = torch.randn(1, hk, L, D, device=DEV, dtype=BF), torch.randn(1, hk, L, D, device=DEV, dtype=BF)
-    for held in (97, 1000):
+def attention(hq=32, hk=4, D=128, B=1) -> None:
+    """At short and long caches, batch 1 and 8: the torch ops against the kernel at several keys per split."""
+    G = hq // hk
+    for L, held in ((1024, 97), (1024, 1000), (4096, 4000)):
+        q = torch.randn(B, hq, D, device=DEV, dtype=BF)
+        K, V = torch.randn(B, hk, L, D, device=DEV, dtype=BF), torch.randn(B, hk, L, D, device=DEV, dtype=BF)
         keep = torch.arange(L, device=DEV).view(1, 1, 1, L) <= held
-        lens = torch.tensor([held], device=DEV)
-        G = hq // hk
+        lens = torch.full((B,), held, device=DEV)
 
         def torch_ops():
-            s = torch.bmm(q.view(hk, G, D), K.view(hk, L, D).transpose(1, 2), out_dtype=torch.float32).view(1, hk, G, L)
+            s = torch.matmul(q.view(B, hk, G, D), K.transpose(2, 3)).float()  # [B, hk, G, L]
             s.mul_(D ** -0.5)
             p = torch.softmax(torch.where(keep, s, float("-inf")), -1).to(BF)
-            return torch.bmm(p.view(hk, G, L), V.view(hk, L, D))
-
-        def kernel():
-            lens.fill_(held)  # (one fill per copy: the kernel advances the lengths)
-            return fused_attn.attention(q, K, V, D ** -0.5, keep, lens)
+            return torch.matmul(p, V)
 
         with torch.no_grad():
-            t_fill = timed(lambda: lens.fill_(held))
-            _row(f"attention, {held + 1} of {L} keys", timed(torch_ops), timed(kernel) - t_fill)
+            t_fill = timed(lambda: lens.fill_(held))  # (one fill per copy: the kernel advances the lengths)
+            t_torch = timed(torch_ops)
+            ts = {kps: timed(lambda kps=kps: (lens.fill_(held), fused_attn.attention(
+                q, K, V, D ** -0.5, keep, lens, keys_per_split=kps))) - t_fill for kps in (64, 128, 256, 512, 1024)}
+            best = min(ts, key=ts.get)
+            print(f"attention B={B}, {held + 1} of {L} keys: torch {t_torch:.1f} us; kernel by keys per split "
+                  + ", ".join(f"{k}: {t:.1f}" for k, t in ts.items())
+                  + f" us (default {fused_attn.KEYS_PER_SPLIT}; best {best}: "
+                  f"{(t_torch - ts[best]) * 48 / 1000:+.2f} ms per token of 48 layers against torch)", flush=True)
 
 
 def norms(H=2048) -> None:
@@ -145,6 +149,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     rope_and_cache()
     attention()
+    attention(B=8)
     norms()
     projections()
     router()

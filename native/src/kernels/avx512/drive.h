@@ -14,6 +14,9 @@
 #ifndef PF_BYTES
 #define PF_BYTES 1024   /* software prefetch distance, per weight stream (0: none) */
 #endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0   /* the weight streams' prefetch target (KTINJECT_CFLAGS=-DPF_HINT=_MM_HINT_T1: L2) */
+#endif
 
 /* switch (mr, nb) -> an instantiation of an always-inline body with constant MR, NB (registers, full unroll) */
 #define KTK512_CASES(BODY)                                                                                          \

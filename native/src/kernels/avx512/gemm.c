@@ -44,7 +44,7 @@ KTK_AI void mk_bf16_dp(const ktk_mat *w, const ktk_act *x, int b0, int t0, float
         for (int b = 0; b < NB; b++) {
             const uint16_t *p = wb + b * bs + (int64_t)k * 16;
             wv[b] = _mm512_loadu_si512((const void *)p);
-            if (PF_BYTES) _mm_prefetch((const char *)p + PF_BYTES, _MM_HINT_T0);
+            if (PF_BYTES) _mm_prefetch((const char *)p + PF_BYTES, PF_HINT);
         }
 #pragma GCC unroll 6
         for (int m = 0; m < MR; m++) {
@@ -103,7 +103,7 @@ KTK_AI void mk_int8_vnni(const ktk_mat *w, const ktk_act *x, int b0, int t0, flo
             for (int b = 0; b < NB; b++) {
                 const int8_t *p = wb + b * bs + (int64_t)kc * 16 + g * 64;
                 wv[b] = _mm512_loadu_si512((const void *)p);
-                if (PF_BYTES) _mm_prefetch((const char *)p + PF_BYTES, _MM_HINT_T0);
+                if (PF_BYTES) _mm_prefetch((const char *)p + PF_BYTES, PF_HINT);
             }
 #pragma GCC unroll 6
             for (int m = 0; m < MR; m++) {
@@ -171,7 +171,7 @@ KTK_AI void mk_bf16_plain(const ktk_mat *w, const ktk_act *x, int b0, int t0, fl
             for (int b = 0; b < NB; b++) {
                 const uint16_t *q = wb + b * bs + (int64_t)(kc + 2 * p) * 16;
                 const __m512i v = _mm512_loadu_si512((const void *)q);
-                if (PF_BYTES) _mm_prefetch((const char *)q + PF_BYTES, _MM_HINT_T0);
+                if (PF_BYTES) _mm_prefetch((const char *)q + PF_BYTES, PF_HINT);
                 we[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
                 wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
             }
@@ -231,7 +231,7 @@ KTK_AI void mk_int8_plain(const ktk_mat *w, const ktk_act *x, int b0, int t0, fl
             for (int b = 0; b < NB; b++) {
                 const int8_t *q = wb + b * bs + (int64_t)kc * 16 + g * 64;
                 const __m512i v = _mm512_loadu_si512((const void *)q);
-                if (PF_BYTES) _mm_prefetch((const char *)q + PF_BYTES, _MM_HINT_T0);
+                if (PF_BYTES) _mm_prefetch((const char *)q + PF_BYTES, PF_HINT);
                 we[b] = even_i16(v);
                 wo[b] = odd_i16(v);
             }

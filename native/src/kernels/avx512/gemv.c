@@ -103,7 +103,7 @@ KTK_AI void mv_bf16_dp(const ktk_mat *const *w, const ktk_act *const *x, int b0,
             for (int b = 0; b < NB; b++) {
                 const uint16_t *p = wb[m] + b * bs + (int64_t)k * 16;
                 const __m512i v = _mm512_loadu_si512((const void *)p);
-                if (PF_BYTES) _mm_prefetch((const char *)p + PF_BYTES, _MM_HINT_T0);
+                if (PF_BYTES) _mm_prefetch((const char *)p + PF_BYTES, PF_HINT);
                 acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, (__m512bh)v);
             }
         }
@@ -151,7 +151,7 @@ KTK_AI void mv_bf16_plain(const ktk_mat *const *w, const ktk_act *const *x, int 
                 for (int b = 0; b < NB; b++) {
                     const uint16_t *q = wb[m] + b * bs + (int64_t)(kc + 2 * p) * 16;
                     const __m512i v = _mm512_loadu_si512((const void *)q);
-                    if (PF_BYTES) _mm_prefetch((const char *)q + PF_BYTES, _MM_HINT_T0);
+                    if (PF_BYTES) _mm_prefetch((const char *)q + PF_BYTES, PF_HINT);
                     const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
                     const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
                     acc[m][b] = _mm512_fmadd_ps(wo, xo, _mm512_fmadd_ps(we, xe, acc[m][b]));
@@ -198,7 +198,7 @@ KTK_AI void mv_int8_vnni(const ktk_mat *const *w, const ktk_act *const *x, int b
                 for (int b = 0; b < NB; b++) {
                     const int8_t *p = wb[m] + b * bs + (int64_t)kc * 16 + g * 64;
                     const __m512i v = _mm512_loadu_si512((const void *)p);
-                    if (PF_BYTES) _mm_prefetch((const char *)p + PF_BYTES, _MM_HINT_T0);
+                    if (PF_BYTES) _mm_prefetch((const char *)p + PF_BYTES, PF_HINT);
                     acc[m][b] = _mm512_dpbusd_epi32(acc[m][b], xv, v);
                 }
             }
@@ -256,7 +256,7 @@ KTK_AI void mv_int4_vnni(const ktk_mat *const *w, const ktk_act *const *x, int b
                 for (int b = 0; b < NB; b++) {
                     const uint8_t *p = wb[m] + b * bs + (int64_t)k0 * 8 + r * 64;
                     const __m512i v = _mm512_loadu_si512((const void *)p);
-                    if (PF_BYTES) _mm_prefetch((const char *)p + PF_BYTES, _MM_HINT_T0);
+                    if (PF_BYTES) _mm_prefetch((const char *)p + PF_BYTES, PF_HINT);
                     const __m512i lo = _mm512_ternarylogic_epi32(v, c88, c0f, 0x28);      /* (v ^ 0x88) & 0x0f */
                     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), c88, c0f, 0x28);
                     acc[m][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[m][b], lo, xl), hi, xh);
@@ -269,7 +269,7 @@ KTK_AI void mv_int4_vnni(const ktk_mat *const *w, const ktk_act *const *x, int b
 #pragma GCC unroll 2
             for (int b = 0; b < NB; b++) {
                 const float *ps = sb[m] + ((int64_t)b * ng + g) * 16;
-                if (PF_BYTES) _mm_prefetch((const char *)(ps + 16 * PF_SCALE_GROUPS), _MM_HINT_T0);
+                if (PF_BYTES) _mm_prefetch((const char *)(ps + 16 * PF_SCALE_GROUPS), PF_HINT);
                 const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][b], corr));
                 f[m][b] = _mm512_fmadd_ps(d, _mm512_loadu_ps(ps), f[m][b]);
             }

@@ -34,7 +34,7 @@ KTK_AI void MK_INT4(const ktk_mat *w, const ktk_act *x, int b0, int t0, float *y
             for (int b = 0; b < NB; b++) {
                 const uint8_t *p = wg + b * bs + r * 64;
                 const __m512i v = _mm512_loadu_si512((const void *)p);
-                if (PF_BYTES) _mm_prefetch((const char *)p + PF_BYTES, _MM_HINT_T0);
+                if (PF_BYTES) _mm_prefetch((const char *)p + PF_BYTES, PF_HINT);
                 lo[b] = _mm512_ternarylogic_epi32(v, c88, c0f, 0x28);                       /* (v ^ 0x88) & 0x0f */
                 hi[b] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), c88, c0f, 0x28);
             }
@@ -54,7 +54,7 @@ KTK_AI void MK_INT4(const ktk_mat *w, const ktk_act *x, int b0, int t0, float *y
 #pragma GCC unroll 4
             for (int b = 0; b < NB; b++) {
                 const float *ps = sb + ((int64_t)b * ng + g) * 16;
-                if (PF_BYTES && m == 0) _mm_prefetch((const char *)(ps + 16 * PF_SCALE_GROUPS), _MM_HINT_T0);
+                if (PF_BYTES && m == 0) _mm_prefetch((const char *)(ps + 16 * PF_SCALE_GROUPS), PF_HINT);
                 const __m512 sc = _mm512_loadu_ps(ps);
                 const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][b], corr));
                 f[m][b] = _mm512_fmadd_ps(d, sc, f[m][b]);
