@@ -149,20 +149,27 @@ class StreamExperts:
 
     def finish(self) -> torch.Tensor:
         """Queue on the current stream: wait for the task, copy its output to the device. Returns [T,H] (static)."""
-        return self._collect(getattr(self, "done_dptr", None), self.task, self.o, self.out)
+        return self._collect(getattr(self, "done_dptr", None), 16, self.task, self.o, self.out)
 
     def finish_deferred(self) -> torch.Tensor:
         """Queue on the current stream (after this runner's ``finish``, typically at the next layer): wait for the
         deferred slots' task, copy its output to the device. Returns [T,H] (static; valid until the next start)."""
         if self.dtask is None:
             raise RuntimeError("finish_deferred: this StreamExperts defers nothing (defer=0)")
-        return self._collect(getattr(self, "done_d_dptr", None), self.dtask, self.o_d, self.out_d)
+        return self._collect(getattr(self, "done_d_dptr", None), 48, self.dtask, self.o_d, self.out_d)
 
-    def _collect(self, done_dptr, task, o: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Wait for ``task`` (its done word at ``done_dptr``, then reset), copy its host output ``o`` to ``out``."""
+    def _collect(self, done_dptr, done_word: int, task, o: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Wait for ``task`` (its done word: ``done_dptr``, flags[done_word]), then reset the word and copy its host
+        output ``o`` to ``out``: one kernel (gpu_experts.hostio.collect) where it can run, else a write-value and a
+        copy."""
+        from ktinject.gpu_experts import hostio
+
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if self.mode == "memops":
             cuda_driver.stream_wait_value32(stream, done_dptr, 1, cuda_driver.CU_STREAM_WAIT_VALUE_EQ)
+            if hostio.usable(self.device, o, self.flags):
+                hostio.collect(o, out, self.flags[done_word:done_word + 1])
+                return out
             cuda_driver.stream_write_value32(stream, done_dptr, 0)
         else:
             cuda_driver.launch_host_func(stream, self.wait_fn, task.address)

@@ -54,6 +54,25 @@ def test_combine_equals_copy_then_total(dev, T, H, dtype, parts):
     assert got.dtype == dtype and got.device.type == want.device.type and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("T, H", SHAPES)
+@pytest.mark.parametrize("src_dtype, dst_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
+                                                  (torch.float32, torch.float32)])
+def test_collect_equals_copy_and_resets_the_word(dev, T, H, src_dtype, dst_dtype):
+    """The decode step's collect: the CPU output (pinned host) into the device tensor as ``copy_`` would, and the
+    done word back at 0 (its neighbours untouched)."""
+    g = torch.Generator().manual_seed(T * 7 + H)
+    src = _host((torch.randn(T, H, generator=g) * 5).to(src_dtype), dev)
+    dst = torch.full((T, H), 3, dtype=dst_dtype, device=dev)
+    flags = _host(torch.ones(64, dtype=torch.int32), dev)
+    hostio.collect(src, dst, flags[16:17])
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    want = torch.empty(T, H, dtype=dst_dtype, device=dev)
+    want.copy_(src)
+    assert torch.equal(dst, want)
+    assert flags[16] == 0 and int(flags.sum()) == 63
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="one shape"):
         hostio.to_host(torch.zeros(2, 3), torch.zeros(3, 2))

@@ -10,6 +10,8 @@ the pinned buffers directly (device-accessible under unified addressing, as ``op
 writes the decode step's) use the SMs and the PCIe bandwidth the expert copies leave, not a copy engine.
 
     to_host(src, dst)                              dst (pinned host) = src (device), cast to dst's dtype
+    collect(src, dst, flag)                        dst (device) = src (pinned host), cast; flag[0] = 0 (pinned):
+                                                   the decode step's CPU output and its done word in one kernel
     combine(o, streamed, extra, dtype) -> [T, H]   on the device: ((extra + streamed) + o as dtype) as dtype, the
                                                    sum ``stream._total`` forms from o copied to the device
 
@@ -47,7 +49,16 @@ def _build(triton, tl):
             acc = tl.load(e + i, mask=m)
         tl.store(out + i, (acc + routed).to(out.dtype.element_ty), mask=m)
 
-    return copy_k, combine_k
+    @triton.jit
+    def collect_k(src, dst, flag, N, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < N
+        tl.store(dst + i, tl.load(src + i, mask=m).to(dst.dtype.element_ty), mask=m)
+        if pid == 0:
+            tl.store(flag, 0)
+
+    return copy_k, combine_k, collect_k
 
 
 @functools.cache
@@ -80,6 +91,18 @@ def to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
     if n:
         with fused.on_device(src):
             _kernels()[0][_grid(n)](src, dst, n, BLOCK=BLOCK, num_warps=WARPS)
+
+
+def collect(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor) -> None:
+    """dst (device) = src (pinned host, same shape) cast to dst's dtype, and flag[0] = 0 (an int32 word of pinned
+    host memory), one launch on the current stream of dst's device: a decode step's CPU output and the reset of
+    its done word (stream_experts: in place of a write-value node and a host-to-device copy, one graph node less
+    a layer). Bit-identical to ``dst.copy_(src)``."""
+    if src.shape != dst.shape or not src.is_contiguous() or not dst.is_contiguous() or flag.dtype != torch.int32:
+        raise ValueError(f"hostio.collect: src {list(src.shape)} and dst {list(dst.shape)} must be contiguous and of "
+                         f"one shape, flag int32 (got {flag.dtype})")
+    with fused.on_device(dst):
+        _kernels()[2][_grid(src.numel())](src, dst, flag, src.numel(), BLOCK=BLOCK, num_warps=WARPS)
 
 
 def combine(o: torch.Tensor, streamed: torch.Tensor | None, extra: torch.Tensor | None, dtype: torch.dtype,

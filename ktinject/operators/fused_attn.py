@@ -206,10 +206,11 @@ def key_block(dtype) -> int:
 
 
 def splits(rows: int, L: int, device: torch.device, block: int = 64) -> int:
-    """Programs per (batch row, KV head): about two per SM over all rows, at most one per ``block`` keys, <= 64."""
+    """Programs per (batch row, KV head): about two per SM over all rows, at most one per ``block`` keys, at most
+    MAX_SPLITS."""
     sms = _sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" \
         else 8
-    return max(1, min(-(-L // block), -(-2 * sms // rows), 64))
+    return max(1, min(-(-L // block), -(-2 * sms // rows), MAX_SPLITS))
 
 
 @functools.cache
@@ -217,9 +218,12 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-#: keys a split takes at least (attention): one program streams ~512 keys (pipelined) in about the time a
-#: split's partials take to store and combine (probe_fused.py sweeps it on the GPU machine)
-KEYS_PER_SPLIT = 512
+#: keys a split takes at least, and splits a KV head at most (attention). A split costs ~5 us of latency, a
+#: combine of several ~10 us, and one program streams ~50 keys a us: on the H200 (probe_fused.py, batch 1) 98 keys
+#: took 5.3-5.7 us as one split against 12.3 as two of 64 + combine; 1001 keys 16.8 us as 4 splits of 256 against
+#: 20.6 (2 of 512), 21.7 (1) and 33.0 (16 of 64); 4001 keys 28.6 as 8 of 512 against 36.8 (16 of 256)
+KEYS_PER_SPLIT = 256
+MAX_SPLITS = 8
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
