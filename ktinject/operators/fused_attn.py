@@ -75,8 +75,8 @@ def _build(triton, tl):
     @triton.jit(do_not_specialize=["L", "s_m_b", "KPS"])  # one compile for every cache length
     def attn_k(q, kc, vc, lens, mask, out, part, ml, cnt, L, P, NR, KPS, scale, s_q_b, s_q_h, s_k_b, s_k_h, s_k_l,
                s_v_b, s_v_h, s_v_l, s_m_b, s_o_b, HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
-               LENS: tl.constexpr, MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PREC: tl.constexpr):
+               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, MAXS: tl.constexpr,
+               UNROLL: tl.constexpr,               LENS: tl.constexpr, MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PREC: tl.constexpr):
         r = tl.program_id(0)  # b * Hkv + KV head
         sp = tl.program_id(1)
         b = r // HK
@@ -139,26 +139,42 @@ def _build(triton, tl):
                 tl.debug_barrier()  # every thread's partials stored before the counter says so
                 if tl.atomic_add(cnt + r, 1, sem="acq_rel", scope="gpu") == nact - 1:  # the last split of (b, KV head)
                     mx = tl.full([GP], float("-inf"), tl.float32)
-                    for s0 in range(0, nact, SB):
-                        si = s0 + tl.arange(0, SB)
-                        mm = tl.load(ml + (r * P + si)[:, None] * (2 * GP) + g[None, :], mask=(si < nact)[:, None],
-                                     other=float("-inf"), cache_modifier=".cg")
-                        mx = tl.maximum(mx, tl.max(mm, axis=0))
-                    mx = tl.where(mx == float("-inf"), 0.0, mx)
                     tot = tl.zeros([GP], tl.float32)
                     o = tl.zeros([GP, BD], tl.float32)
-                    for s0 in range(0, nact, SB):
-                        si = s0 + tl.arange(0, SB)
-                        sm = si < nact
-                        row = (r * P + si)[:, None] * (2 * GP) + g[None, :]
-                        wgt = tl.exp(tl.load(ml + row, mask=sm[:, None], other=float("-inf"), cache_modifier=".cg")
-                                     - mx[None, :])  # [SB, GP]
-                        tot += tl.sum(wgt * tl.load(ml + row + GP, mask=sm[:, None], other=0.0,
-                                                    cache_modifier=".cg"), 0)
-                        pa = tl.load(part + (r * P + si).to(tl.int64)[:, None, None] * (GP * BD)
-                                     + g[None, :, None] * BD + d[None, None, :], mask=sm[:, None, None], other=0.0,
-                                     cache_modifier=".cg")
-                        o += tl.sum(pa * wgt[:, :, None], axis=0)
+                    if UNROLL:  # every split's loads independent of the others (unrolled): issued back to back
+                        for s in tl.static_range(MAXS):
+                            ok = tl.full([GP], s, tl.int32) < nact
+                            mm = tl.load(ml + (r * P + s) * (2 * GP) + g, mask=ok, other=float("-inf"),
+                                         cache_modifier=".cg")
+                            mx = tl.maximum(mx, mm)
+                        mx = tl.where(mx == float("-inf"), 0.0, mx)
+                        for s in tl.static_range(MAXS):
+                            ok = tl.full([GP], s, tl.int32) < nact
+                            row = (r * P + s) * (2 * GP) + g
+                            wgt = tl.exp(tl.load(ml + row, mask=ok, other=float("-inf"), cache_modifier=".cg") - mx)
+                            tot += wgt * tl.load(ml + row + GP, mask=ok, other=0.0, cache_modifier=".cg")
+                            pa = tl.load(part + (r * P + s).to(tl.int64) * (GP * BD) + g[:, None] * BD + d[None, :],
+                                         mask=ok[:, None], other=0.0, cache_modifier=".cg")
+                            o += pa * wgt[:, None]
+                    else:
+                        for s0 in range(0, nact, SB):
+                            si = s0 + tl.arange(0, SB)
+                            mm = tl.load(ml + (r * P + si)[:, None] * (2 * GP) + g[None, :],
+                                         mask=(si < nact)[:, None], other=float("-inf"), cache_modifier=".cg")
+                            mx = tl.maximum(mx, tl.max(mm, axis=0))
+                        mx = tl.where(mx == float("-inf"), 0.0, mx)
+                        for s0 in range(0, nact, SB):
+                            si = s0 + tl.arange(0, SB)
+                            sm = si < nact
+                            row = (r * P + si)[:, None] * (2 * GP) + g[None, :]
+                            wgt = tl.exp(tl.load(ml + row, mask=sm[:, None], other=float("-inf"),
+                                                 cache_modifier=".cg") - mx[None, :])  # [SB, GP]
+                            tot += tl.sum(wgt * tl.load(ml + row + GP, mask=sm[:, None], other=0.0,
+                                                        cache_modifier=".cg"), 0)
+                            pa = tl.load(part + (r * P + si).to(tl.int64)[:, None, None] * (GP * BD)
+                                         + g[None, :, None] * BD + d[None, None, :], mask=sm[:, None, None],
+                                         other=0.0, cache_modifier=".cg")
+                            o += tl.sum(pa * wgt[:, :, None], axis=0)
                     o = o / tl.where(tot > 0, tot, 1.0)[:, None]
                     tl.store(optr, o.to(out.dtype.element_ty), mask=gd)
                     tl.atomic_xchg(cnt + r, 0)
@@ -224,6 +240,9 @@ def _sms(index: int) -> int:
 #: 20.6 (2 of 512), 21.7 (1) and 33.0 (16 of 64); 4001 keys 28.6 as 8 of 512 against 36.8 (16 of 256)
 KEYS_PER_SPLIT = 256
 MAX_SPLITS = 8
+#: the combine of several splits unrolled over MAX_SPLITS (each split's loads independent) or a loop over groups
+#: of 4 splits (the probe compares them)
+COMBINE_UNROLLED = True
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -255,7 +274,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
         _kernels()[1][(B * hk, P)](
             q, keys, values, q if lengths is None else lengths, m, out, part, ml, cnt, L, P, B * hk, kps, float(scale),
             q.stride(0), q.stride(1), *keys.stride()[:3], *values.stride()[:3], s_m_b, out.stride(0), HK=hk, G=G,
-            GP=GP, D=D, BD=BD, BN=BN, SB=4, LENS=lengths is not None, MASK=mask is not None, MASK_BOOL=is_bool,
+            GP=GP, D=D, BD=BD, BN=BN, SB=4, MAXS=MAX_SPLITS, UNROLL=COMBINE_UNROLLED, LENS=lengths is not None,
+            MASK=mask is not None, MASK_BOOL=is_bool,
             PREC=fused.dot_precision(q.dtype))
     return out
 
