@@ -123,13 +123,11 @@ def _attention_case(g, B, hq, hk, D, L, dtype, dev, mask_kind, lens):
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
-@pytest.mark.parametrize("kps, unrolled", [(None, True), (16, True), (16, False)])
-def test_attention_matches_float64(dev, dtype, mask_kind, kps, unrolled, monkeypatch):
+@pytest.mark.parametrize("kps", [None, 16])
+def test_attention_matches_float64(dev, dtype, mask_kind, kps):
     """One kernel against float64 attention, with one split a KV head (the default's keys per split at these
     lengths) and with several (16 keys per split, raised to the key block: splits + last-program combine); lengths
-    bound the keys read and come back advanced by one; the counters are back at zero. Both combines (unrolled
-    over MAX_SPLITS, a loop over groups of splits)."""
-    monkeypatch.setattr(FA, "COMBINE_UNROLLED", unrolled)
+    bound the keys read and come back advanced by one; the counters are back at zero."""
     g = torch.Generator().manual_seed(1)
     cases = [(1, 8, 2, 16, 40, [5]), (3, 6, 2, 24, 130, [0, 77, 129]), (2, 4, 4, 20, 70, None),
              (1, 2, 1, 16, 1, [0]), (2, 8, 2, 16, 300, [299, 130])]

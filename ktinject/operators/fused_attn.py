@@ -15,7 +15,8 @@
   ``lengths`` only keys 0..lengths[b] are read (the others are masked anyway) and the split is over those: the
   keys held are cut into splits of at least ``keys_per_split`` (at most P), so a short sequence in a long cache
   costs what it holds and runs as one program a KV head, which writes the output itself; with several splits
-  each stores its partial result and the last of them (fused.py's last-program pattern) combines them. A split's
+  each stores its partial result and the last of them (fused.py's last-program pattern) combines them, unrolled
+  over at most MAX_SPLITS so that every split's loads are issued at once. A split's
   cost is mostly latency (loads, the partials' store, the counter, the combine's loads), so a few long splits
   beat many short ones: on the H200, 98 keys of a 1024-slot cache took 12.2 us as 16 splits of 64. The program
   that counts last among a batch row's Hkv x P advances lengths[b] by one (what KVLayer.update's add_ did),
@@ -75,8 +76,7 @@ def _build(triton, tl):
     @triton.jit(do_not_specialize=["L", "s_m_b", "KPS"])  # one compile for every cache length
     def attn_k(q, kc, vc, lens, mask, out, part, ml, cnt, L, P, NR, KPS, scale, s_q_b, s_q_h, s_k_b, s_k_h, s_k_l,
                s_v_b, s_v_h, s_v_l, s_m_b, s_o_b, HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, MAXS: tl.constexpr,
-               UNROLL: tl.constexpr,               LENS: tl.constexpr, MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PREC: tl.constexpr):
+               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MAXS: tl.constexpr,               LENS: tl.constexpr, MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PREC: tl.constexpr):
         r = tl.program_id(0)  # b * Hkv + KV head
         sp = tl.program_id(1)
         b = r // HK
@@ -141,40 +141,21 @@ def _build(triton, tl):
                     mx = tl.full([GP], float("-inf"), tl.float32)
                     tot = tl.zeros([GP], tl.float32)
                     o = tl.zeros([GP, BD], tl.float32)
-                    if UNROLL:  # every split's loads independent of the others (unrolled): issued back to back
-                        for s in tl.static_range(MAXS):
-                            ok = tl.full([GP], s, tl.int32) < nact
-                            mm = tl.load(ml + (r * P + s) * (2 * GP) + g, mask=ok, other=float("-inf"),
-                                         cache_modifier=".cg")
-                            mx = tl.maximum(mx, mm)
-                        mx = tl.where(mx == float("-inf"), 0.0, mx)
-                        for s in tl.static_range(MAXS):
-                            ok = tl.full([GP], s, tl.int32) < nact
-                            row = (r * P + s) * (2 * GP) + g
-                            wgt = tl.exp(tl.load(ml + row, mask=ok, other=float("-inf"), cache_modifier=".cg") - mx)
-                            tot += wgt * tl.load(ml + row + GP, mask=ok, other=0.0, cache_modifier=".cg")
-                            pa = tl.load(part + (r * P + s).to(tl.int64) * (GP * BD) + g[:, None] * BD + d[None, :],
-                                         mask=ok[:, None], other=0.0, cache_modifier=".cg")
-                            o += pa * wgt[:, None]
-                    else:
-                        for s0 in range(0, nact, SB):
-                            si = s0 + tl.arange(0, SB)
-                            mm = tl.load(ml + (r * P + si)[:, None] * (2 * GP) + g[None, :],
-                                         mask=(si < nact)[:, None], other=float("-inf"), cache_modifier=".cg")
-                            mx = tl.maximum(mx, tl.max(mm, axis=0))
-                        mx = tl.where(mx == float("-inf"), 0.0, mx)
-                        for s0 in range(0, nact, SB):
-                            si = s0 + tl.arange(0, SB)
-                            sm = si < nact
-                            row = (r * P + si)[:, None] * (2 * GP) + g[None, :]
-                            wgt = tl.exp(tl.load(ml + row, mask=sm[:, None], other=float("-inf"),
-                                                 cache_modifier=".cg") - mx[None, :])  # [SB, GP]
-                            tot += tl.sum(wgt * tl.load(ml + row + GP, mask=sm[:, None], other=0.0,
-                                                        cache_modifier=".cg"), 0)
-                            pa = tl.load(part + (r * P + si).to(tl.int64)[:, None, None] * (GP * BD)
-                                         + g[None, :, None] * BD + d[None, None, :], mask=sm[:, None, None],
-                                         other=0.0, cache_modifier=".cg")
-                            o += tl.sum(pa * wgt[:, :, None], axis=0)
+                    # unrolled over MAXS splits: every split's loads independent of the others, issued back to back
+                    for s in tl.static_range(MAXS):
+                        ok = tl.full([GP], s, tl.int32) < nact
+                        mm = tl.load(ml + (r * P + s) * (2 * GP) + g, mask=ok, other=float("-inf"),
+                                     cache_modifier=".cg")
+                        mx = tl.maximum(mx, mm)
+                    mx = tl.where(mx == float("-inf"), 0.0, mx)
+                    for s in tl.static_range(MAXS):
+                        ok = tl.full([GP], s, tl.int32) < nact
+                        row = (r * P + s) * (2 * GP) + g
+                        wgt = tl.exp(tl.load(ml + row, mask=ok, other=float("-inf"), cache_modifier=".cg") - mx)
+                        tot += wgt * tl.load(ml + row + GP, mask=ok, other=0.0, cache_modifier=".cg")
+                        pa = tl.load(part + (r * P + s).to(tl.int64) * (GP * BD) + g[:, None] * BD + d[None, :],
+                                     mask=ok[:, None], other=0.0, cache_modifier=".cg")
+                        o += pa * wgt[:, None]
                     o = o / tl.where(tot > 0, tot, 1.0)[:, None]
                     tl.store(optr, o.to(out.dtype.element_ty), mask=gd)
                     tl.atomic_xchg(cnt + r, 0)
@@ -234,15 +215,14 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-#: keys a split takes at least, and splits a KV head at most (attention). A split costs ~5 us of latency, a
-#: combine of several ~10 us, and one program streams ~50 keys a us: on the H200 (probe_fused.py, batch 1) 98 keys
-#: took 5.3-5.7 us as one split against 12.3 as two of 64 + combine; 1001 keys 16.8 us as 4 splits of 256 against
-#: 20.6 (2 of 512), 21.7 (1) and 33.0 (16 of 64); 4001 keys 28.6 as 8 of 512 against 36.8 (16 of 256)
-KEYS_PER_SPLIT = 256
+#: keys a split takes at least, and splits a KV head at most (attention). A split costs a few us of latency, the
+#: combine of several (unrolled) a few more, and one program streams ~50 keys a us. On the H200 (probe_fused.py,
+#: CUDA graphs, batch 1 / 8): 98 keys 6.6 / 6.8 us (one split; 12.3 as two of 64 with the earlier combine), 1001
+#: keys 9.1 / 11.7 us as 8 splits of 128 (12.3 / 13.0 as 4 of 256, 32.1 / 31.3 as one; torch 18.7 / 21.2), 4001
+#: keys 20.2 / 29.0 as 8 of 512 (torch 22.5 / 44.9). A combine looping over groups of 4 splits took 17.0-28.9 us at
+#: 1001-4001 keys but 5.5 at 98 (the unrolled combine's code costs a single split ~1.1 us): it was dropped.
+KEYS_PER_SPLIT = 128
 MAX_SPLITS = 8
-#: the combine of several splits unrolled over MAX_SPLITS (each split's loads independent) or a loop over groups
-#: of 4 splits (the probe compares them)
-COMBINE_UNROLLED = True
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -261,7 +241,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
     out = torch.empty((B, hq * D), dtype=values.dtype, device=q.device)
     GP, BD, BN = pow2(G, 16), pow2(D, 16), key_block(q.dtype)
     kps = max(BN, int(keys_per_split or KEYS_PER_SPLIT))
-    P = splits(B * hk, L, q.device, kps)
+    P = splits(B * hk, L, q.device, kps)  # <= MAX_SPLITS: the combine is unrolled over that many
     part = fused.workspace("attn_part", B * hk * P * GP * BD, torch.float32, q.device)
     ml = fused.workspace("attn_ml", B * hk * P * 2 * GP, torch.float32, q.device)
     cnt = fused.workspace("attn_counters", B * hk + B, torch.int32, q.device, zero=True)
@@ -274,7 +254,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
         _kernels()[1][(B * hk, P)](
             q, keys, values, q if lengths is None else lengths, m, out, part, ml, cnt, L, P, B * hk, kps, float(scale),
             q.stride(0), q.stride(1), *keys.stride()[:3], *values.stride()[:3], s_m_b, out.stride(0), HK=hk, G=G,
-            GP=GP, D=D, BD=BD, BN=BN, SB=4, MAXS=MAX_SPLITS, UNROLL=COMBINE_UNROLLED, LENS=lengths is not None,
+            GP=GP, D=D, BD=BD, BN=BN, MAXS=MAX_SPLITS, LENS=lengths is not None,
             MASK=mask is not None, MASK_BOOL=is_bool,
             PREC=fused.dot_precision(q.dtype))
     return out

@@ -77,16 +77,11 @@ def attention(hq=32, hk=4, D=128, B=1) -> None:
         with torch.no_grad():
             t_fill = timed(lambda: lens.fill_(held))  # (one fill per copy: the kernel advances the lengths)
             t_torch = timed(torch_ops)
-            ts = {}
-            for unrolled in (True, False):  # the combine of several splits: unrolled, or a loop
-                fused_attn.COMBINE_UNROLLED = unrolled
-                for kps in (128, 256, 512, 1024):
-                    ts[("u" if unrolled else "l") + str(kps)] = timed(lambda kps=kps: (lens.fill_(held), (
-                        fused_attn.attention(q, K, V, D ** -0.5, keep, lens, keys_per_split=kps)))) - t_fill
-            fused_attn.COMBINE_UNROLLED = True
+            ts = {kps: timed(lambda kps=kps: (lens.fill_(held), fused_attn.attention(
+                q, K, V, D ** -0.5, keep, lens, keys_per_split=kps))) - t_fill for kps in (128, 256, 512, 1024)}
             best = min(ts, key=ts.get)
-            print(f"attention B={B}, {held + 1} of {L} keys: torch {t_torch:.1f} us; kernel by combine "
-                  "(u: unrolled, l: loop) and keys per split " + ", ".join(f"{k}: {t:.1f}" for k, t in ts.items())
+            print(f"attention B={B}, {held + 1} of {L} keys: torch {t_torch:.1f} us; kernel by keys per split "
+                  + ", ".join(f"{k}: {t:.1f}" for k, t in ts.items())
                   + f" us (default {fused_attn.KEYS_PER_SPLIT}; best {best}: "
                   f"{(t_torch - ts[best]) * 48 / 1000:+.2f} ms per token of 48 layers against torch)", flush=True)
 
