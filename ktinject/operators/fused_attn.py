@@ -236,6 +236,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
     B, hq, D = q.shape
     hk, L = keys.shape[1], keys.shape[2]
     G = hq // hk
+    if L < 1:
+        raise ValueError(f"attention: the cache holds no key slots (keys {list(keys.shape)})")
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1 or values.shape[-1] != D:
         raise ValueError("attention: q, keys and values need one head dim with contiguous last dims")
     out = torch.empty((B, hq * D), dtype=values.dtype, device=q.device)

@@ -4,15 +4,10 @@
 # BASE is built in a worktree (/tmp/base, in place); this tree with pip -e. Host steal beside each run. SERVE_ARGS
 # replaces the bench's arguments. Logs under $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
 : "${BASE:?BASE=<commit> to compare against}"
-bash tests/gpu/run_gpu_machine.sh build > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-rm -rf /tmp/base; git worktree prune
-git worktree add -f /tmp/base "$BASE" > /dev/null 2>&1 || { echo "no worktree of $BASE"; exit 1; }
-(cd /tmp/base && PYTHONPATH=/tmp/site python3 ktinject/_build.py > "$OUT/base-build.log" 2>&1) \
-  || { tail -20 "$OUT/base-build.log"; exit 1; }
-steal() { awk '/^cpu /{printf "steal %d of %d jiffies", $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
+. tests/gpu/stage_lib.sh
+stage_setup
+stage_base "$BASE"
 args=${SERVE_ARGS:---quant int4 --streams 8 --layers 16}
 for r in $(seq "${ROUNDS:-1}"); do
   for v in base new; do

@@ -6,17 +6,12 @@
 # turns (base, new, base, new, ...), host steal read beside each; and the one-thread kernel probe
 # native/tests/probes/gemv_probe.c. Logs under $OUT. PROBE_ARGS replaces the probe's arguments.
 set -uo pipefail
-OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
 : "${BASE:?BASE=<commit> to compare against}"
-bash tests/gpu/run_gpu_machine.sh build > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-rm -rf /tmp/base; git worktree prune
-git worktree add -f /tmp/base "$BASE" > /dev/null 2>&1 || { echo "no worktree of $BASE"; exit 1; }
-(cd /tmp/base && PYTHONPATH=/tmp/site python3 ktinject/_build.py > "$OUT/base-build.log" 2>&1) \
-  || { tail -20 "$OUT/base-build.log"; exit 1; }
+. tests/gpu/stage_lib.sh
+stage_setup
+stage_base "$BASE"
 cc -O2 -pthread -Inative/src native/tests/probes/gemv_probe.c native/src/kernels/{generic,avx2,avx512,amx}/*.c -lm \
   -o /tmp/gemv_probe && /tmp/gemv_probe | tee "$OUT/gemv_probe.log"
-steal() { awk '/^cpu /{printf "steal %d of %d jiffies", $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
 args=${PROBE_ARGS:---layers 16 --quant int4 --threads 15 --batch 1,8 --passes 5}
 for r in $(seq "${ROUNDS:-2}"); do
   for v in base new; do

@@ -4,15 +4,10 @@
 # GPU tests of the pieces touched (fused kernels, hostio, graph decode, deferral); then bench decode int4 (tok/s,
 # GPU part = muted replay) for this tree and BASE (built in a worktree), in turns. Logs under $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
 : "${BASE:?BASE=<commit> to compare against}"
-bash tests/gpu/run_gpu_machine.sh build > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-rm -rf /tmp/base; git worktree prune
-git worktree add -f /tmp/base "$BASE" > /dev/null 2>&1 || { echo "no worktree of $BASE"; exit 1; }
-(cd /tmp/base && PYTHONPATH=/tmp/site python3 ktinject/_build.py > "$OUT/base-build.log" 2>&1) \
-  || { tail -20 "$OUT/base-build.log"; exit 1; }
-steal() { awk '/^cpu /{printf "steal %d of %d jiffies", $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
+. tests/gpu/stage_lib.sh
+stage_setup
+stage_base "$BASE"
 if [ "${TESTS:-1}" = 1 ]; then
   PYTHONPATH=/tmp/site:$PWD timeout "${TESTS_S:-240}" python3 -m pytest -q -rs -m "gpu or amx" tests/test_fused_kernels.py \
     tests/test_hostio.py tests/gpu/test_graph_gpu.py tests/gpu/test_deferral_gpu.py > "$OUT/tests.log" 2>&1

@@ -1,0 +1,15 @@
+# Sourced by the tests/gpu/*_stage.sh and ab_*.sh scripts (from the repository root on the GPU machine): the set-up
+# they share. stage_setup: $OUT, this tree built (pip -e, wheels from .whl into /tmp/site), the usual environment;
+# stage_base COMMIT: COMMIT built in place in a worktree at /tmp/base; steal: the host's steal time from /proc/stat.
+stage_setup() {
+  OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
+  bash tests/gpu/run_gpu_machine.sh build > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+}
+stage_base() {
+  rm -rf /tmp/base; git worktree prune
+  git worktree add -f /tmp/base "$1" > /dev/null 2>&1 || { echo "no worktree of $1"; exit 1; }
+  (cd /tmp/base && PYTHONPATH=/tmp/site python3 ktinject/_build.py > "$OUT/base-build.log" 2>&1) \
+    || { tail -20 "$OUT/base-build.log"; exit 1; }
+}
+steal() { awk '/^cpu /{printf "steal %d of %d jiffies", $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
