@@ -6,8 +6,9 @@ cannot record that. Here the stream itself does the handshake (DESIGN.md §2):
     start(x, ids, w):  async D2H copies x [T,H], ids [T,k], w [T,k] -> pinned staging
                        cuStreamWriteValue32(go, 1)   ----> a pool thread (ktk_task_watch) sees go == 1, clears it,
     ... the block's own GPU work (shared experts, GPU-resident experts) runs here ...    runs the task, sets done = 1
-    finish() -> [T,H]: cuStreamWaitValue32(done == 1); cuStreamWriteValue32(done, 0)
-                       async H2D copy staging out -> a static device buffer (returned)
+    finish() -> [T,H]: cuStreamWaitValue32(done == 1); then one kernel (gpu_experts.hostio.collect) reads the
+                       pinned output into a static device buffer (returned) and sets done = 0 (without Triton:
+                       cuStreamWriteValue32(done, 0) and an async H2D copy)
 
 or, with ``mode="hostfn"`` (the slower fallback, kept for comparison): host-callback nodes calling the native
 ``ktk_submit_fn`` / ``ktk_wait_fn`` instead of the two flag operations.
@@ -65,12 +66,20 @@ def host_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
+def _hostio():
+    from ktinject.gpu_experts import hostio  # imported when a runner is made, not at import
+
+    return hostio
+
+
 class StreamExperts:
     """One layer's routed experts for a fixed token count T, signalled from the CUDA stream.
 
     ``experts``: native.Experts; ``skip``: uint8 [E] host tensor read by native at run time (or None);
     ``mode``: "memops" (stream memory operations), "hostfn" (host-callback nodes) or None (best available);
     ``defer``: d > 0 splits each token's slots into k - d immediate and d deferred ones (``finish_deferred``)."""
+
+    DONE, DONE_D = 16, 48  # the done words' indices in ``flags`` (the waits' addresses and collect's resets)
 
     def __init__(self, experts, T: int, k: int, hidden: int, device, *, dtype=torch.bfloat16,
                  weights_dtype=torch.float32, skip: torch.Tensor | None = None, mode: str | None = None, pool=None,
@@ -97,7 +106,7 @@ class StreamExperts:
         # writes one while the CPU polls another)
         self.flags = torch.zeros(64, dtype=torch.int32, **pin)
         self.go_addr = self.flags.data_ptr()
-        self.done_addr = self.go_addr + 16 * 4
+        self.done_addr = self.go_addr + self.DONE * 4
         self.task = native.Task(pool)
         self.task.bind(experts, self.h, self.ids, self.w, skip=skip, out=self.o)
         self.dtask = None
@@ -110,12 +119,15 @@ class StreamExperts:
             self.dtask.bind(experts, self.h, self.ids, self.w, skip=skip, out=self.o_d)
             self.dtask.select("rest", self.defer)
         self._watched = False
+        # collect's kernel (decided once, outside any capture): memops mode, pinned buffers, Triton usable
+        self._collect_kernel = self.mode == "memops" and _hostio().usable(self.device, self.o, self.flags) and (
+            self.dtask is None or _hostio().usable(self.device, self.o_d))
         self.staged_ids = None  # the ids tensor of a routing whose kernel wrote h, ids and w itself (see start)
         if self.mode == "memops":
             self.go_dptr = cuda_driver.host_device_pointer(self.go_addr)
             self.done_dptr = cuda_driver.host_device_pointer(self.done_addr)
             if self.dtask is not None:
-                go_d, done_d = self.go_addr + 32 * 4, self.go_addr + 48 * 4
+                go_d, done_d = self.go_addr + 32 * 4, self.go_addr + self.DONE_D * 4
                 self.done_d_dptr = cuda_driver.host_device_pointer(done_d)
                 # immediate before deferred in the watch list: a pool's round-robin scan of go flags starts after
                 # the task it took last, so each of the two finds the next one's go first
@@ -149,26 +161,24 @@ class StreamExperts:
 
     def finish(self) -> torch.Tensor:
         """Queue on the current stream: wait for the task, copy its output to the device. Returns [T,H] (static)."""
-        return self._collect(getattr(self, "done_dptr", None), 16, self.task, self.o, self.out)
+        return self._collect(getattr(self, "done_dptr", None), self.DONE, self.task, self.o, self.out)
 
     def finish_deferred(self) -> torch.Tensor:
         """Queue on the current stream (after this runner's ``finish``, typically at the next layer): wait for the
         deferred slots' task, copy its output to the device. Returns [T,H] (static; valid until the next start)."""
         if self.dtask is None:
             raise RuntimeError("finish_deferred: this StreamExperts defers nothing (defer=0)")
-        return self._collect(getattr(self, "done_d_dptr", None), 48, self.dtask, self.o_d, self.out_d)
+        return self._collect(getattr(self, "done_d_dptr", None), self.DONE_D, self.dtask, self.o_d, self.out_d)
 
     def _collect(self, done_dptr, done_word: int, task, o: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Wait for ``task`` (its done word: ``done_dptr``, flags[done_word]), then reset the word and copy its host
         output ``o`` to ``out``: one kernel (gpu_experts.hostio.collect) where it can run, else a write-value and a
         copy."""
-        from ktinject.gpu_experts import hostio
-
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if self.mode == "memops":
             cuda_driver.stream_wait_value32(stream, done_dptr, 1, cuda_driver.CU_STREAM_WAIT_VALUE_EQ)
-            if hostio.usable(self.device, o, self.flags):
-                hostio.collect(o, out, self.flags[done_word:done_word + 1])
+            if self._collect_kernel:
+                _hostio().collect(o, out, self.flags[done_word:done_word + 1])
                 return out
             cuda_driver.stream_write_value32(stream, done_dptr, 0)
         else:
@@ -190,11 +200,11 @@ class StreamExperts:
             self.dtask.wait()
             return
         deadline = time.monotonic() + timeout
-        while int(self.flags[48]) != 1:
+        while int(self.flags[self.DONE_D]) != 1:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"StreamExperts: the deferred task did not finish within {timeout} s")
             time.sleep(1e-4)
-        self.flags[48] = 0
+        self.flags[self.DONE_D] = 0
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """start + finish with nothing in between (tests, microbenchmarks)."""

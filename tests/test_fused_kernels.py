@@ -130,7 +130,8 @@ def test_attention_matches_float64(dev, dtype, mask_kind, kps):
     bound the keys read and come back advanced by one; the counters are back at zero."""
     g = torch.Generator().manual_seed(1)
     cases = [(1, 8, 2, 16, 40, [5]), (3, 6, 2, 24, 130, [0, 77, 129]), (2, 4, 4, 20, 70, None),
-             (1, 2, 1, 16, 1, [0]), (2, 8, 2, 16, 300, [299, 130])]
+             (1, 2, 1, 16, 1, [0]), (2, 8, 2, 16, 300, [299, 130]),
+             (1, 2, 1, 16, 256, [255]), (1, 2, 1, 16, 300, [299])]  # (16 keys a split, fp32) 8 and 7 of 8 splits
     if dev == "cuda" and dtype == BF and mask_kind == "bool":  # the model's shapes, many splits, long rows
         cases += [(1, 32, 4, 128, 1024, [97]), (8, 32, 4, 128, 4096, [4095, 0, 1, 63, 64, 65, 2000, 3333]),
                   (3, 32, 4, 128, 32768, [30000, 5, 12000])]

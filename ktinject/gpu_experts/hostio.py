@@ -98,9 +98,10 @@ def collect(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor) -> None:
     host memory), one launch on the current stream of dst's device: a decode step's CPU output and the reset of
     its done word (stream_experts: in place of a write-value node and a host-to-device copy, one graph node less
     a layer). Bit-identical to ``dst.copy_(src)``."""
-    if src.shape != dst.shape or not src.is_contiguous() or not dst.is_contiguous() or flag.dtype != torch.int32:
-        raise ValueError(f"hostio.collect: src {list(src.shape)} and dst {list(dst.shape)} must be contiguous and of "
-                         f"one shape, flag int32 (got {flag.dtype})")
+    if src.shape != dst.shape or not src.is_contiguous() or not dst.is_contiguous() or flag.dtype != torch.int32 \
+            or flag.numel() != 1 or (dst.device.type != "cuda" and not fused.interpreting()):
+        raise ValueError(f"hostio.collect: src {list(src.shape)} and dst {list(dst.shape)} (on the device) must be "
+                         f"contiguous and of one shape, flag one int32 word (got {flag.dtype} x {flag.numel()})")
     with fused.on_device(dst):
         _kernels()[2][_grid(src.numel())](src, dst, flag, src.numel(), BLOCK=BLOCK, num_warps=WARPS)
 
