@@ -48,6 +48,31 @@ def _patch_interpreter(monkeypatch) -> None:
     monkeypatch.setattr(I.InterpreterBuilder, "create_dot", create_dot)
 
 
+def _shuffle_programs(monkeypatch, seed: int) -> None:
+    """The interpreter runs a grid's programs one after another in a fixed order; this runs them in a seeded
+    random order, so that a kernel whose result depends on which program comes last (the last-program pattern,
+    attention's lengths) is checked against more than one order."""
+    import itertools
+    import random
+
+    from triton.runtime import interpreter as I
+
+    b = I.interpreter_builder
+    set_dim, set_idx = b.set_grid_dim, b.set_grid_idx
+    order = {}
+
+    def set_grid_dim(x, y, z):
+        cells = list(itertools.product(range(x), range(y), range(z)))
+        perm = cells[:]
+        random.Random(seed + len(cells)).shuffle(perm)
+        order.clear()
+        order.update(zip(cells, perm))
+        return set_dim(x, y, z)
+
+    monkeypatch.setattr(b, "set_grid_dim", set_grid_dim)
+    monkeypatch.setattr(b, "set_grid_idx", lambda x, y, z: set_idx(*order[(x, y, z)]))
+
+
 @pytest.fixture
 def dev(monkeypatch):
     if fused.triton_language() is None:
@@ -123,11 +148,16 @@ def _attention_case(g, B, hq, hk, D, L, dtype, dev, mask_kind, lens):
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
-@pytest.mark.parametrize("kps", [None, 16])
-def test_attention_matches_float64(dev, dtype, mask_kind, kps):
+@pytest.mark.parametrize("kps, shuffled", [(None, False), (16, False), (16, True)])
+def test_attention_matches_float64(dev, dtype, mask_kind, kps, shuffled, monkeypatch):
     """One kernel against float64 attention, with one split a KV head (the default's keys per split at these
     lengths) and with several (16 keys per split, raised to the key block: splits + last-program combine); lengths
-    bound the keys read and come back advanced by one; the counters are back at zero."""
+    bound the keys read and come back advanced by one; the counters are back at zero. In the interpreter also
+    with the programs in a shuffled order (on CUDA the order is the hardware's)."""
+    if shuffled:
+        if dev != "cpu":
+            pytest.skip("program order is shuffled in Triton's interpreter only")
+        _shuffle_programs(monkeypatch, seed=7)
     g = torch.Generator().manual_seed(1)
     cases = [(1, 8, 2, 16, 40, [5]), (3, 6, 2, 24, 130, [0, 77, 129]), (2, 4, 4, 20, 70, None),
              (1, 2, 1, 16, 1, [0]), (2, 8, 2, 16, 300, [299, 130]),
