@@ -6,7 +6,7 @@ cannot record that. Here the stream itself does the handshake (DESIGN.md §2):
     start(x, ids, w):  async D2H copies x [T,H], ids [T,k], w [T,k] -> pinned staging
                        cuStreamWriteValue32(go, 1)   ----> a pool thread (ktk_task_watch) sees go == 1, clears it,
     ... the block's own GPU work (shared experts, GPU-resident experts) runs here ...    runs the task, sets done = 1
-    finish() -> [T,H]: cuStreamWaitValue32(done == 1); then one kernel (gpu_experts.hostio.collect) reads the
+    finish() -> [T,H]: cuStreamWaitValue32(done == 1); then one kernel (operators.fused.copy) reads the
                        pinned output into a static device buffer (returned) and sets done = 0 (without Triton:
                        cuStreamWriteValue32(done, 0) and an async H2D copy)
 
@@ -40,6 +40,7 @@ import weakref
 import torch
 
 from ktinject import cuda_driver
+from ktinject.operators import fused
 
 _state = threading.local()
 
@@ -64,12 +65,6 @@ def host_dtype(dtype: torch.dtype) -> torch.dtype:
     """What native reads/writes for a device tensor of ``dtype`` (activations, outputs, routing weights): bf16 stays
     bf16, anything else is float32."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-
-
-def _hostio():
-    from ktinject.gpu_experts import hostio  # imported when a runner is made, not at import
-
-    return hostio
 
 
 class StreamExperts:
@@ -119,9 +114,9 @@ class StreamExperts:
             self.dtask.bind(experts, self.h, self.ids, self.w, skip=skip, out=self.o_d)
             self.dtask.select("rest", self.defer)
         self._watched = False
-        # collect's kernel (decided once, outside any capture): memops mode, pinned buffers, Triton usable
-        self._collect_kernel = self.mode == "memops" and _hostio().usable(self.device, self.o, self.flags) and (
-            self.dtask is None or _hostio().usable(self.device, self.o_d))
+        # the output's copy and the done word's reset as one kernel (decided once, outside any capture): memops
+        # mode, Triton usable on this device (the host buffers are pinned above)
+        self._collect_kernel = self.mode == "memops" and fused.available(self.out)
         self.staged_ids = None  # the ids tensor of a routing whose kernel wrote h, ids and w itself (see start)
         if self.mode == "memops":
             self.go_dptr = cuda_driver.host_device_pointer(self.go_addr)
@@ -172,13 +167,13 @@ class StreamExperts:
 
     def _collect(self, done_dptr, done_word: int, task, o: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Wait for ``task`` (its done word: ``done_dptr``, flags[done_word]), then reset the word and copy its host
-        output ``o`` to ``out``: one kernel (gpu_experts.hostio.collect) where it can run, else a write-value and a
+        output ``o`` to ``out``: one kernel (operators.fused.copy) where it can run, else a write-value and a
         copy."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if self.mode == "memops":
             cuda_driver.stream_wait_value32(stream, done_dptr, 1, cuda_driver.CU_STREAM_WAIT_VALUE_EQ)
             if self._collect_kernel:
-                _hostio().collect(o, out, self.flags[done_word:done_word + 1])
+                fused.copy(o, out, self.flags[done_word:done_word + 1])
                 return out
             cuda_driver.stream_write_value32(stream, done_dptr, 0)
         else:

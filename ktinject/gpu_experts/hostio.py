@@ -10,8 +10,7 @@ the pinned buffers directly (device-accessible under unified addressing, as ``op
 writes the decode step's) use the SMs and the PCIe bandwidth the expert copies leave, not a copy engine.
 
     to_host(src, dst)                              dst (pinned host) = src (device), cast to dst's dtype
-    collect(src, dst, flag)                        dst (device) = src (pinned host), cast; flag[0] = 0 (pinned):
-                                                   the decode step's CPU output and its done word in one kernel
+                                                   (operators.fused.copy's kernel)
     combine(o, streamed, extra, dtype) -> [T, H]   on the device: ((extra + streamed) + o as dtype) as dtype, the
                                                    sum ``stream._total`` forms from o copied to the device
 
@@ -26,16 +25,10 @@ import torch
 
 from ktinject.operators import fused
 
-BLOCK, WARPS = 2048, 4
+BLOCK, WARPS = fused.COPY_BLOCK, fused.COPY_WARPS
 
 
 def _build(triton, tl):
-    @triton.jit
-    def copy_k(src, dst, N, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = i < N
-        tl.store(dst + i, tl.load(src + i, mask=m).to(dst.dtype.element_ty), mask=m)
-
     @triton.jit
     def combine_k(o, s, e, out, N, HAS_S: tl.constexpr, HAS_E: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -49,16 +42,7 @@ def _build(triton, tl):
             acc = tl.load(e + i, mask=m)
         tl.store(out + i, (acc + routed).to(out.dtype.element_ty), mask=m)
 
-    @triton.jit
-    def collect_k(src, dst, flag, N, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = i < N
-        tl.store(dst + i, tl.load(src + i, mask=m).to(dst.dtype.element_ty), mask=m)
-        if pid == 0:
-            tl.store(flag, 0)
-
-    return copy_k, combine_k, collect_k
+    return combine_k
 
 
 @functools.cache
@@ -84,26 +68,7 @@ def to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst = src cast to dst's dtype (as ``dst.copy_(src)``), one launch on the current stream of src's device; src
     on the device, dst pinned host memory of the same shape (both contiguous). The host may read dst once the
     stream has passed this (an event)."""
-    if src.shape != dst.shape or not src.is_contiguous() or not dst.is_contiguous():
-        raise ValueError(f"hostio.to_host: src {list(src.shape)} and dst {list(dst.shape)} must be contiguous and of "
-                         f"one shape")
-    n = src.numel()
-    if n:
-        with fused.on_device(src):
-            _kernels()[0][_grid(n)](src, dst, n, BLOCK=BLOCK, num_warps=WARPS)
-
-
-def collect(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor) -> None:
-    """dst (device) = src (pinned host, same shape) cast to dst's dtype, and flag[0] = 0 (an int32 word of pinned
-    host memory), one launch on the current stream of dst's device: a decode step's CPU output and the reset of
-    its done word (stream_experts: in place of a write-value node and a host-to-device copy, one graph node less
-    a layer). Bit-identical to ``dst.copy_(src)``."""
-    if src.shape != dst.shape or not src.is_contiguous() or not dst.is_contiguous() or flag.dtype != torch.int32 \
-            or flag.numel() != 1 or (dst.device.type != "cuda" and not fused.interpreting()):
-        raise ValueError(f"hostio.collect: src {list(src.shape)} and dst {list(dst.shape)} (on the device) must be "
-                         f"contiguous and of one shape, flag one int32 word (got {flag.dtype} x {flag.numel()})")
-    with fused.on_device(dst):
-        _kernels()[2][_grid(src.numel())](src, dst, flag, src.numel(), BLOCK=BLOCK, num_warps=WARPS)
+    fused.copy(src, dst)  # (checks the shapes)
 
 
 def combine(o: torch.Tensor, streamed: torch.Tensor | None, extra: torch.Tensor | None, dtype: torch.dtype,
@@ -114,9 +79,7 @@ def combine(o: torch.Tensor, streamed: torch.Tensor | None, extra: torch.Tensor 
     out = torch.empty(o.shape, dtype=dtype, device=device)
     n = o.numel()
     if streamed is None and extra is None:  # nothing to add: o as dtype
-        if n:
-            with fused.on_device(out):
-                _kernels()[0][_grid(n)](o, out, n, BLOCK=BLOCK, num_warps=WARPS)
+        fused.copy(o, out)
         return out
     for t in (streamed, extra):
         if t is not None and (t.shape != o.shape or t.dtype != torch.float32 or not t.is_contiguous()):
@@ -126,6 +89,6 @@ def combine(o: torch.Tensor, streamed: torch.Tensor | None, extra: torch.Tensor 
         s = streamed if streamed is not None else extra
         e = extra if extra is not None else streamed
         with fused.on_device(out):
-            _kernels()[1][_grid(n)](o, s, e, out, n, HAS_S=streamed is not None, HAS_E=extra is not None,
+            _kernels()[_grid(n)](o, s, e, out, n, HAS_S=streamed is not None, HAS_E=extra is not None,
                                     BLOCK=BLOCK, num_warps=WARPS)
     return out

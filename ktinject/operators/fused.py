@@ -3,7 +3,8 @@
 A decode step on the GPU is a chain of small dependent kernels, each costing its launch gap; with the routed
 experts on the CPU that chain is on the step's critical path. The kernels live by topic: ``fused_attn.py`` (q/k
 norm + rotary + KV-cache write, attention over the static cache), ``fused_dense.py`` (residual add + RMSNorm,
-GEMV with the residual add), and here the router of the MoE operator:
+GEMV with the residual add), and here the router of the MoE operator and a copy between device and pinned host
+memory:
 
 - ``router_topk``: for each token, the router logits (programs of 2 experts each: the 128 x 2048 float32 weight
   of Qwen3-30B-A3B read by 64 programs), and in the program that finishes a token's logits last (an atomic
@@ -168,9 +169,51 @@ def _build(triton, tl):
     return router_k
 
 
+def _build_copy(triton, tl):
+    @triton.jit
+    def copy_k(src, dst, flag, N, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+        pid = tl.program_id(0)
+        i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < N
+        tl.store(dst + i, tl.load(src + i, mask=m).to(dst.dtype.element_ty), mask=m)
+        if FLAG:
+            if pid == 0:
+                tl.store(flag, 0)
+
+    return copy_k
+
+
 @functools.cache
 def _kernels():
     return define(_build)
+
+
+@functools.cache
+def _copy_kernel():
+    return define(_build_copy)
+
+
+COPY_BLOCK, COPY_WARPS = 2048, 4
+
+
+def copy(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor | None = None) -> None:
+    """dst = src cast to dst's dtype (bit-identical to ``dst.copy_(src)``), one launch on the current stream of the
+    CUDA side's device, where either side may be page-locked host memory read or written in place (unified
+    addressing); with ``flag`` (one int32 word of page-locked host memory) also flag[0] = 0 in the same kernel: the
+    decode step's CPU output brought to the device and its done word reset (``stream_experts``: one graph node in
+    place of a write-value and a host-to-device copy). Also moves streamed prefill's activations
+    (``gpu_experts.hostio``)."""
+    if src.shape != dst.shape or not src.is_contiguous() or not dst.is_contiguous():
+        raise ValueError(f"fused.copy: src {list(src.shape)} and dst {list(dst.shape)} must be contiguous and of one "
+                         f"shape")
+    if flag is not None and (flag.dtype != torch.int32 or flag.numel() != 1):
+        raise ValueError(f"fused.copy: flag must be one int32 word, got {flag.dtype} x {flag.numel()}")
+    n = src.numel()
+    if n == 0 and flag is None:
+        return
+    with on_device(dst if dst.is_cuda else src):
+        _copy_kernel()[(max(1, -(-n // COPY_BLOCK)),)](src, dst, dst if flag is None else flag, n, BLOCK=COPY_BLOCK,
+                                                       FLAG=flag is not None, num_warps=COPY_WARPS)
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, counts: torch.Tensor | None = None,
