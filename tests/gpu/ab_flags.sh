@@ -6,9 +6,8 @@
 # (/tmp/ab-NAME); tests/gpu/probe_cpu_decode.py runs ROUNDS times for each, in turns, host steal read beside each.
 # Logs under $OUT. PROBE_ARGS replaces the probe's arguments.
 set -uo pipefail
-OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
-bash tests/gpu/run_gpu_machine.sh build > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+. tests/gpu/stage_lib.sh
+stage_setup
 names=()
 for v in ${VARIANTS:?VARIANTS=\"NAME:FLAGS ...\"}; do
   name=${v%%:*}; flags=${v#*:}; flags=${flags//,/ }
@@ -19,7 +18,6 @@ for v in ${VARIANTS:?VARIANTS=\"NAME:FLAGS ...\"}; do
   names+=("$name")
   echo "variant $name: KTINJECT_CFLAGS='$flags'"
 done
-steal() { awk '/^cpu /{printf "steal %d of %d jiffies", $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
 args=${PROBE_ARGS:---layers 16 --quant int4 --threads 15 --batch 1,8 --passes 5}
 for r in $(seq "${ROUNDS:-2}"); do
   for name in "${names[@]}"; do

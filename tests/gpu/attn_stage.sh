@@ -4,10 +4,9 @@
 # GPU tests of the fused kernels and graph decode; probe_fused.py (each piece timed in CUDA graphs, attention at
 # several keys per split); bench decode int4 (tok/s, GPU part = muted replay). Logs under $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
-bash tests/gpu/run_gpu_machine.sh build > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-steal() { awk '/^cpu /{printf "steal %d of %d jiffies", $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
+. tests/gpu/stage_lib.sh
+stage_setup
+export PYTHONPATH=/tmp/site:$PWD
 for s in ${STEPS:-tests probe decode}; do
   case $s in
     tests) timeout 240 python3 -m pytest -q -rs -m "gpu or amx" tests/test_fused_kernels.py tests/gpu/test_graph_gpu.py \

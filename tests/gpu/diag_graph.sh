@@ -5,10 +5,9 @@
 # probe_cpu_decode.py --graph (one-input replays, fresh-ids replays, Python-driven forwards of the same injected
 # layers, each with the pool's profile) at batch 8 and 1, batch 8 again with 16 pool threads; then bench decode int4.
 set -uo pipefail
-OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
-bash tests/gpu/run_gpu_machine.sh build > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-steal() { awk '/^cpu /{printf "steal %d of %d jiffies", $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
+. tests/gpu/stage_lib.sh
+stage_setup
+export PYTHONPATH=/tmp/site:$PWD
 cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag > "$OUT/thp.log" 2>&1
 run() {  # run NAME LIMIT CMD...
   local name=$1 limit=$2; shift 2

@@ -5,10 +5,9 @@
 # the CPU kernels or the rest of the step?); bench decode --defer 0 for int8 and int4 (tok/s, CPU experts alone,
 # GPU part). Host steal from /proc/stat before and after each. Logs under $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
-bash tests/gpu/run_gpu_machine.sh build > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-steal() { awk '/^cpu /{print "steal jiffies", $9, "total", $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
+. tests/gpu/stage_lib.sh
+stage_setup
+export PYTHONPATH=/tmp/site:$PWD
 summary=()
 step() {  # step NAME LIMIT CMD...
   local name=$1 limit=$2 t0=$SECONDS rc; shift 2

@@ -4,10 +4,9 @@
 # GPU serving tests (batch > 1 through the graph's handshakes), then bench serve int4 at 1 and 8 streams. Logs
 # under $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
-bash tests/gpu/run_gpu_machine.sh build > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-steal() { awk '/^cpu /{printf "steal %d of %d jiffies", $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
+. tests/gpu/stage_lib.sh
+stage_setup
+export PYTHONPATH=/tmp/site:$PWD
 timeout "${TESTS_S:-170}" python3 -m pytest -q -rs -m "gpu or amx" tests/gpu/test_serve_gpu.py \
   tests/test_batch_invariance.py > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -3 "$OUT/tests.log"

@@ -6,10 +6,10 @@
 # 2. bench serve int4, 8 streams, 16 layers: BASE then this tree (tests/gpu/ab_serve.sh);
 # 3. bench decode int4 --defer 0 on 48 layers (batch 1 tok/s, CPU experts alone, GPU part) for this tree.
 set -uo pipefail
-OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
 : "${BASE:?BASE=<commit> to compare against}"
-bash tests/gpu/run_gpu_machine.sh build > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+. tests/gpu/stage_lib.sh
+stage_setup
+export PYTHONPATH=/tmp/site:$PWD
 timeout 200 python3 -m pytest -q -rs -m "gpu or amx" tests/test_native.py tests/test_int4.py tests/test_pool_profile.py \
   tests/test_batch_invariance.py tests/gpu/test_deferral_gpu.py tests/gpu/test_serve_gpu.py > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head
