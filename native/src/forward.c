@@ -348,8 +348,14 @@ static int start(fctx *c, ktk_pool *pool, const ktk_task *t) {
     return KTK_OK;
 }
 
-static int phase(ktki_phase *ph, fctx *c, ktki_item_fn item, ktki_range_fn range, int64_t n, int maxc) {
-    *ph = (ktki_phase){item, range, c, n, maxc, range != NULL, 1};
+/* A phase of n items claimed one at a time, and one of n items claimed as ranges in guided chunks of [minc, maxc]. */
+static int items(ktki_phase *ph, fctx *c, ktki_item_fn item, int64_t n) {
+    *ph = (ktki_phase){item, NULL, c, n, 1, 0, 1};
+    return KTKI_PHASE;
+}
+
+static int guided(ktki_phase *ph, fctx *c, ktki_range_fn range, int64_t n, int maxc, int minc) {
+    *ph = (ktki_phase){NULL, range, c, n, maxc, 1, minc};
     return KTKI_PHASE;
 }
 
@@ -379,23 +385,19 @@ int ktki_forward_step(ktk_pool *pool, const ktk_task *t, int first, ktki_phase *
     for (;;) {
         switch (c->step++) {
         case 0:
-            if (c->R > 0) return phase(ph, c, ktki_fwd_gather_item, NULL, (c->T + c->gtok - 1) / c->gtok, 1);
+            if (c->R > 0) return items(ph, c, ktki_fwd_gather_item, (c->T + c->gtok - 1) / c->gtok);
             break;
         case 1:
-            if (c->R > 0 && c->gemv) return phase(ph, c, NULL, gate_up_decode, (int64_t)c->A * c->UI, c->cw_gu);
-            if (c->R > 0) return phase(ph, c, gate_up_item, NULL, c->ngu, 1);
+            if (c->R > 0 && c->gemv) return guided(ph, c, gate_up_decode, (int64_t)c->A * c->UI, c->cw_gu, 1);
+            if (c->R > 0) return items(ph, c, gate_up_item, c->ngu);
             break;
         case 2:
             if (c->R > 0 && c->a8)
-                return phase(ph, c, ktki_fwd_quantize_h_item, NULL, (c->R + c->hq_rows - 1) / c->hq_rows, 1);
+                return items(ph, c, ktki_fwd_quantize_h_item, (c->R + c->hq_rows - 1) / c->hq_rows);
             break;
         case 3:
-            if (c->gemv) {
-                const int rc = phase(ph, c, NULL, down_decode, c->UH, c->cw_dn);
-                ph->minc = down_minc();
-                return rc;
-            }
-            return phase(ph, c, down_item, NULL, (int64_t)c->ntc * ((c->UH + c->cw_dn - 1) / c->cw_dn), 1);
+            if (c->gemv) return guided(ph, c, down_decode, c->UH, c->cw_dn, down_minc());
+            return items(ph, c, down_item, (int64_t)c->ntc * ((c->UH + c->cw_dn - 1) / c->cw_dn));
         default:
             return KTK_OK;
         }
