@@ -1,7 +1,8 @@
 """The kernels that move a split prefill layer's activations between the device and pinned host memory
 (ktinject.gpu_experts.hostio) against the copies and the sum they replace (stream._total): bit for bit, odd sizes
 (not multiples of the 2048-element block), one element, bf16 / float32 / float16 outputs, with either or both device
-parts; and fused.copy with the decode step's done word. On CUDA (pinned buffers) or with TRITON_INTERPRET=1 on CPU tensors (tests/test_fused_kernels.py's fixture).
+parts; and fused.copy with the decode step's done word. On CUDA (pinned buffers) or with TRITON_INTERPRET=1 on
+CPU tensors (tests/test_fused_kernels.py's fixture).
 Legend: T tokens, H hidden."""
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def test_combine_equals_copy_then_total(dev, T, H, dtype, parts):
 @pytest.mark.parametrize("src_dtype, dst_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
                                                   (torch.float32, torch.float32)])
 def test_copy_with_flag_equals_copy_and_resets_the_word(dev, T, H, src_dtype, dst_dtype):
-    """fused.copy with a flag (the decode step's collect, stream_experts): the CPU output (pinned host) into the device tensor as ``copy_`` would, and the
-    done word back at 0 (its neighbours untouched)."""
+    """fused.copy with a flag (the decode step's collect, stream_experts): the CPU output (pinned host) into the
+    device tensor as ``copy_`` would, and the done word back at 0 (its neighbours untouched)."""
     g = torch.Generator().manual_seed(T * 7 + H)
     src = _host((torch.randn(T, H, generator=g) * 5).to(src_dtype), dev)
     dst = torch.full((T, H), 3, dtype=dst_dtype, device=dev)

@@ -76,7 +76,8 @@ def _build(triton, tl):
     @triton.jit(do_not_specialize=["L", "s_m_b", "KPS"])  # one compile for every cache length
     def attn_k(q, kc, vc, lens, mask, out, part, ml, cnt, L, P, NR, KPS, scale, s_q_b, s_q_h, s_k_b, s_k_h, s_k_l,
                s_v_b, s_v_h, s_v_l, s_m_b, s_o_b, HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MAXS: tl.constexpr,               LENS: tl.constexpr, MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PREC: tl.constexpr):
+               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MAXS: tl.constexpr, LENS: tl.constexpr,
+               MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PREC: tl.constexpr):
         r = tl.program_id(0)  # b * Hkv + KV head
         sp = tl.program_id(1)
         b = r // HK
@@ -256,9 +257,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
         _kernels()[1][(B * hk, P)](
             q, keys, values, q if lengths is None else lengths, m, out, part, ml, cnt, L, P, B * hk, kps, float(scale),
             q.stride(0), q.stride(1), *keys.stride()[:3], *values.stride()[:3], s_m_b, out.stride(0), HK=hk, G=G,
-            GP=GP, D=D, BD=BD, BN=BN, MAXS=MAX_SPLITS, LENS=lengths is not None,
-            MASK=mask is not None, MASK_BOOL=is_bool,
-            PREC=fused.dot_precision(q.dtype))
+            GP=GP, D=D, BD=BD, BN=BN, MAXS=MAX_SPLITS, LENS=lengths is not None, MASK=mask is not None,
+            MASK_BOOL=is_bool, PREC=fused.dot_precision(q.dtype))
     return out
 
 
