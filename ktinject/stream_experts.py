@@ -6,9 +6,13 @@ cannot record that. Here the stream itself does the handshake (DESIGN.md §2):
     start(x, ids, w):  async D2H copies x [T,H], ids [T,k], w [T,k] -> pinned staging
                        cuStreamWriteValue32(go, 1)   ----> a pool thread (ktk_task_watch) sees go == 1, clears it,
     ... the block's own GPU work (shared experts, GPU-resident experts) runs here ...    runs the task, sets done = 1
-    finish() -> [T,H]: cuStreamWaitValue32(done == 1); then one kernel (operators.fused.copy) reads the
-                       pinned output into a static device buffer (returned) and sets done = 0 (without Triton:
-                       cuStreamWriteValue32(done, 0) and an async H2D copy)
+    finish() -> [T,H]: one kernel (operators.fused.copy) polls done until it is 1, reads the pinned output into a
+                       static device buffer (returned) and sets done = 0 (without Triton: cuStreamWaitValue32(done
+                       == 1), cuStreamWriteValue32(done, 0) and an async H2D copy)
+
+Where the one-kernel router made the inputs (``operators.fused.router_topk`` with ``stage`` and ``go``: the MoE
+operator's routing) it has also raised go, and ``start`` queues nothing: a decode layer's handshake is then no
+stream operation at all, only the router kernel and the collect kernel.
 
 or, with ``mode="hostfn"`` (the slower fallback, kept for comparison): host-callback nodes calling the native
 ``ktk_submit_fn`` / ``ktk_wait_fn`` instead of the two flag operations.
@@ -118,6 +122,7 @@ class StreamExperts:
         # mode, Triton usable on this device (the host buffers are pinned above)
         self._collect_kernel = self.mode == "memops" and fused.available(self.out)
         self.staged_ids = None  # the ids tensor of a routing whose kernel wrote h, ids and w itself (see start)
+        self.raised_ids = None  # ... and raised go too (go_word)
         if self.mode == "memops":
             self.go_dptr = cuda_driver.host_device_pointer(self.go_addr)
             self.done_dptr = cuda_driver.host_device_pointer(self.done_addr)
@@ -134,15 +139,23 @@ class StreamExperts:
         else:
             self.submit_fn, self.wait_fn = native.host_fn_addresses()
 
+    def go_word(self) -> torch.Tensor | None:
+        """The pinned go word [1] int32 for a routing kernel to raise itself (memops mode), else None."""
+        return self.flags[0:1] if self.mode == "memops" and self._collect_kernel else None
+
     def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Queue on the current stream: copy x [T,H], ids [T,k], weights [T,k] to the host, then start the task.
         No copies when ``ids`` is ``staged_ids``: the routing kernel that made them wrote all three into h, ids
-        and w already (operators/fused.py, router_topk's stage; HybridMoE.routing sets it)."""
+        and w already (operators/fused.py, router_topk's stage; HybridMoE.routing sets it), and nothing at all
+        when it is ``raised_ids``: that kernel raised go too (``go_word``)."""
         if x.shape != (self.T, self.hidden) or ids.shape != (self.T, self.k):
             raise ValueError(f"StreamExperts(T={self.T}, k={self.k}, H={self.hidden}) got hidden "
                              f"{tuple(x.shape)} and ids {tuple(ids.shape)}")
         stream = torch.cuda.current_stream(self.device).cuda_stream
         staged, self.staged_ids = self.staged_ids is ids, None
+        raised, self.raised_ids = self.raised_ids is ids, None
+        if raised:
+            return
         if not staged:
             self.h.copy_(x.detach(), non_blocking=True)
             self.ids.copy_(ids, non_blocking=True)
@@ -167,14 +180,14 @@ class StreamExperts:
 
     def _collect(self, done_dptr, done_word: int, task, o: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Wait for ``task`` (its done word: ``done_dptr``, flags[done_word]), then reset the word and copy its host
-        output ``o`` to ``out``: one kernel (operators.fused.copy) where it can run, else a write-value and a
-        copy."""
+        output ``o`` to ``out``: one kernel (operators.fused.copy, polling the word) where it can run, else a
+        wait-value, a write-value and a copy."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if self.mode == "memops":
-            cuda_driver.stream_wait_value32(stream, done_dptr, 1, cuda_driver.CU_STREAM_WAIT_VALUE_EQ)
-            if self._collect_kernel:
-                fused.copy(o, out, self.flags[done_word:done_word + 1])
+            if self._collect_kernel:  # the kernel waits for done itself
+                fused.copy(o, out, self.flags[done_word:done_word + 1], wait=True)
                 return out
+            cuda_driver.stream_wait_value32(stream, done_dptr, 1, cuda_driver.CU_STREAM_WAIT_VALUE_EQ)
             cuda_driver.stream_write_value32(stream, done_dptr, 0)
         else:
             cuda_driver.launch_host_func(stream, self.wait_fn, task.address)

@@ -269,7 +269,8 @@ def test_linear_matches_float64_and_cublas(dev, dtype):
 
 
 def test_router_topk_counts_and_staging(dev):
-    """Top-k of the float32 logits, softmax of the k, counts of routed pairs and the host copies, in one kernel."""
+    """Top-k of the float32 logits, softmax of the k, counts of routed pairs, the host copies and the go word, in
+    one kernel."""
     g = torch.Generator().manual_seed(5)
     cases = [(1, 16, 64, 4), (5, 60, 100, 3), (3, 9, 40, 1)]
     if dev == "cuda":
@@ -281,9 +282,11 @@ def test_router_topk_counts_and_staging(dev):
         pin = dev == "cuda"
         stage = (torch.zeros(T, H, dtype=BF, pin_memory=pin), torch.zeros(T, k, dtype=torch.int64, pin_memory=pin),
                  torch.zeros(T, k, dtype=torch.float32, pin_memory=pin))
-        w, ids = fused.router_topk(x, W, k, counts=counts, stage=stage)
+        go = torch.zeros(64, dtype=torch.int32, pin_memory=pin)
+        w, ids = fused.router_topk(x, W, k, counts=counts, stage=stage, go=go[3:4])
         if dev == "cuda":
             torch.cuda.synchronize()
+        assert go[3] == 1 and int(go.sum()) == 1  # raised once every token's inputs were staged; nothing else
         top, want_ids = torch.topk(torch.nn.functional.linear(x.float(), W), k, dim=-1)
         assert torch.equal(ids, want_ids)  # descending logit order
         torch.testing.assert_close(w, torch.softmax(top, dim=-1), rtol=1e-5, atol=1e-6)
@@ -326,15 +329,21 @@ def test_kernels_compile_for_sm90():
         for kv in (False, True):
             check(rope, t, dict(HQ=32, HK=4, D=128, BD=128, NORM=True, KV=kv))
         for mask, mask_dt in ((False, "*u8"), (True, "*u8"), (True, f"*{dt}")):
-            check(attn, {**t, "mask": mask_dt}, dict(HK=4, G=8, GP=16, D=128, BD=128, BN=FA.key_block(dt), SB=4, LENS=True,
-                                                    MASK=mask, MASK_BOOL=mask_dt == "*u8", PREC=prec))
-        check(attn, {**t, "mask": "*u8"}, dict(HK=2, G=3, GP=16, D=24, BD=32, BN=FA.key_block(dt), SB=4, LENS=False, MASK=True,
-                                               MASK_BOOL=True, PREC=prec))
+            check(attn, {**t, "mask": mask_dt}, dict(HK=4, G=8, GP=16, D=128, BD=128, BN=FA.key_block(dt),
+                                                    MAXS=FA.MAX_SPLITS, LENS=True, MASK=mask,
+                                                    MASK_BOOL=mask_dt == "*u8", PREC=prec))
+        check(attn, {**t, "mask": "*u8"}, dict(HK=2, G=3, GP=16, D=24, BD=32, BN=FA.key_block(dt),
+                                               MAXS=FA.MAX_SPLITS, LENS=False, MASK=True, MASK_BOOL=True, PREC=prec))
         check(add_norm, t, dict(RES=True, NORM=True, ROUND2=True, BH=2048))
         for B, BB, configs in ((1, 1, FD.CONFIGS_1), (4, 16, FD.CONFIGS_N)):
             for BN, BK, warps in configs:  # (float32 products run in registers: spills there cost speed only)
                 check(lin, {**t, "nw": f"*{dt}", "n_out": f"*{dt}"}, dict(B=B, BB=BB, BN=BN, BK=BK, BIAS=True, RES=True,
                       NORM=True, ROUND2=False, BH=2048, PREC=prec), warps, dt == "bf16")
-    check(fused._kernels(), dict(x="*bf16", w="*fp32", logits="*fp32", w_out="*fp32", i_out="*i64", cnt="*i32",
-                                 counts="*i64", h_host="*bf16", w_host="*fp32", i_host="*i64"),
-          dict(K=8, KP=8, BLOCK=128, BLOCK_E=2, BLOCK_H=512, COUNT=True, STAGE=True))
+    for go in (False, True):
+        check(fused._kernels(), dict(x="*bf16", w="*fp32", logits="*fp32", w_out="*fp32", i_out="*i64", cnt="*i32",
+                                     counts="*i64", h_host="*bf16", w_host="*fp32", i_host="*i64", go="*i32"),
+              dict(K=8, KP=8, BLOCK=128, BLOCK_E=2, BLOCK_H=512, COUNT=True, STAGE=True, GO=go,
+                   SCOPE="sys" if go else "gpu"))
+    for flag, wait in ((False, False), (True, False), (True, True)):
+        check(fused._copy_kernel(), dict(src="*fp32", dst="*bf16", flag="*i32", cnt="*i32"),
+              dict(BLOCK=fused.COPY_BLOCK, FLAG=flag, WAIT=wait), fused.COPY_WARPS)

@@ -66,16 +66,46 @@ def test_copy_with_flag_equals_copy_and_resets_the_word(dev, T, H, src_dtype, ds
     src = _host((torch.randn(T, H, generator=g) * 5).to(src_dtype), dev)
     dst = torch.full((T, H), 3, dtype=dst_dtype, device=dev)
     flags = _host(torch.ones(64, dtype=torch.int32), dev)
-    fused.copy(src, dst, flags[16:17])
-    if dev == "cuda":
-        torch.cuda.synchronize()
     want = torch.empty(T, H, dtype=dst_dtype, device=dev)
     want.copy_(src)
-    assert torch.equal(dst, want)
-    assert flags[16] == 0 and int(flags.sum()) == 63
+    for wait in (False, True):  # with wait: the kernel polls the word (already 1) first, every program
+        flags.fill_(1)
+        dst.fill_(3)
+        fused.copy(src, dst, flags[16:17], wait=wait)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(dst, want)
+        assert flags[16] == 0 and int(flags.sum()) == 63
+
+
+def test_copy_waits_for_the_word():
+    """On CUDA: the collect kernel, launched before the CPU raises done, waits for it (a host thread sets the word
+    50 ms later) and then copies what the host wrote before raising it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (the interpreter runs programs one after another on this thread)")
+    import threading
+    import time
+
+    src = torch.zeros(3, 4099, dtype=torch.float32).pin_memory()
+    dst = torch.zeros(3, 4099, dtype=torch.bfloat16, device="cuda")
+    flags = torch.zeros(64, dtype=torch.int32).pin_memory()
+    fused.copy(src, dst, flags[16:17], wait=True)  # queued; spins
+
+    def cpu():
+        time.sleep(0.05)
+        src.fill_(2.5)
+        flags[16] = 1
+
+    th = threading.Thread(target=cpu)
+    th.start()
+    torch.cuda.synchronize()
+    th.join()
+    assert bool((dst == 2.5).all()) and flags[16] == 0
 
 
 def test_bad_arguments():
+    with pytest.raises(ValueError, match="wait=True needs"):
+        fused.copy(torch.zeros(2), torch.zeros(2), wait=True)
     with pytest.raises(ValueError, match="one shape"):
         hostio.to_host(torch.zeros(2, 3), torch.zeros(3, 2))
     with pytest.raises(ValueError, match="float32"):

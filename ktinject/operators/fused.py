@@ -11,10 +11,16 @@ memory:
   counter per token) the top k by k rounds of argmax and the softmax of the k; optionally in the same kernel the
   routed-pair statistics (``counts[id] += 1``) and the copies the CPU experts need (hidden row, ids, weights)
   written straight into pinned host buffers (device-accessible under unified addressing): one kernel instead of
-  logits, top-k, index_add and three device-to-host copies. The host buffers are read by the CPU after the
-  stream's ``go`` write (``ktinject.stream_experts``), which carries a system-wide fence for all earlier work of
-  the stream (cuStreamWriteValue32 without CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER), so the kernel's host writes
-  are visible before the flag is.
+  logits, top-k, index_add and three device-to-host copies. With ``go`` the kernel also raises the CPU's go word
+  (``ktinject.stream_experts``) once every token's inputs are written: the counters' atomics are then
+  system-scope releases (a fence making this program's and, through the counter, the other programs' host writes
+  visible to the CPU first) and the last token's last program stores go = 1 after its own counter atomic
+  returned: the stream's write-value node a layer is gone. Without ``go`` the stream's write-value does it (it
+  fences all earlier work of the stream).
+
+- ``copy``: one tensor into another across device and pinned host memory (cast), optionally waiting for a
+  pinned done word first (the kernel polls it: no wait node before it) and resetting it (the decode step's
+  collect of the CPU experts' output).
 
 "Last program" pattern (here and in fused_attn): each program stores its part, ``tl.debug_barrier()`` (all its
 threads' stores issued), then one acq_rel atomic increment of a counter; the program that sees count - 1 reads the
@@ -125,9 +131,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def _build(triton, tl):
     @triton.jit
-    def router_k(x, w, logits, w_out, i_out, cnt, counts, h_host, w_host, i_host, H, E, NPE, s_x,
+    def router_k(x, w, logits, w_out, i_out, cnt, counts, h_host, w_host, i_host, go, T, H, E, NPE, s_x,
                  K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_H: tl.constexpr, COUNT: tl.constexpr, STAGE: tl.constexpr):
+                 BLOCK_H: tl.constexpr, COUNT: tl.constexpr, STAGE: tl.constexpr, GO: tl.constexpr,
+                 SCOPE: tl.constexpr):
         t = tl.program_id(0)
         pe = tl.program_id(1)
         xrow = x + t.to(tl.int64) * s_x
@@ -143,7 +150,7 @@ def _build(triton, tl):
             acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
         tl.store(logits + t * E + e, tl.sum(acc, axis=1), mask=e < E)
         tl.debug_barrier()  # every thread's logits stored before the counter says so
-        if tl.atomic_add(cnt + t, 1, sem="acq_rel", scope="gpu") == NPE - 1:  # the token's last program
+        if tl.atomic_add(cnt + t, 1, sem="acq_rel", scope=SCOPE) == NPE - 1:  # the token's last program
             offs = tl.arange(0, BLOCK)
             slot = tl.arange(0, KP)
             lg = tl.load(logits + t * E + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg")
@@ -165,19 +172,34 @@ def _build(triton, tl):
             if COUNT:
                 tl.atomic_add(counts + ids, tl.full([KP], 1, tl.int64), mask=slot < K)
             tl.atomic_xchg(cnt + t, 0)
+            if GO:  # every token's inputs written (counter cnt[T]): raise the CPU's go word
+                if tl.atomic_add(cnt + T, 1, sem="acq_rel", scope="sys") == T - 1:
+                    tl.atomic_xchg(cnt + T, 0)
+                    tl.store(go, 1)
 
     return router_k
 
 
 def _build_copy(triton, tl):
     @triton.jit
-    def copy_k(src, dst, flag, N, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+    def copy_k(src, dst, flag, cnt, N, BLOCK: tl.constexpr, FLAG: tl.constexpr, WAIT: tl.constexpr):
         pid = tl.program_id(0)
         i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < N
-        tl.store(dst + i, tl.load(src + i, mask=m).to(dst.dtype.element_ty), mask=m)
+        if WAIT:  # poll the done word (uncached: .cv fetches host memory again), then read src likewise
+            while tl.load(flag, volatile=True, cache_modifier=".cv") != 1:
+                pass
+            v = tl.load(src + i, mask=m, cache_modifier=".cv")
+        else:
+            v = tl.load(src + i, mask=m)
+        tl.store(dst + i, v.to(dst.dtype.element_ty), mask=m)
         if FLAG:
-            if pid == 0:
+            if WAIT:  # reset by the last program: every program has seen done == 1 by then
+                tl.debug_barrier()
+                if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+                    tl.atomic_xchg(cnt, 0)
+                    tl.store(flag, 0)
+            elif pid == 0:
                 tl.store(flag, 0)
 
     return copy_k
@@ -196,32 +218,39 @@ def _copy_kernel():
 COPY_BLOCK, COPY_WARPS = 2048, 4
 
 
-def copy(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor | None = None) -> None:
+def copy(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor | None = None, wait: bool = False) -> None:
     """dst = src cast to dst's dtype (bit-identical to ``dst.copy_(src)``), one launch on the current stream of the
     CUDA side's device, where either side may be page-locked host memory read or written in place (unified
     addressing); with ``flag`` (one int32 word of page-locked host memory) also flag[0] = 0 in the same kernel: the
     decode step's CPU output brought to the device and its done word reset (``stream_experts``: one graph node in
-    place of a write-value and a host-to-device copy). Also moves streamed prefill's activations
-    (``gpu_experts.hostio``)."""
+    place of a write-value and a host-to-device copy); with ``wait`` too, the kernel first polls until flag[0] == 1
+    (the CPU's done: no wait node before it; like that node it waits for as long as the word stays 0). Also moves
+    streamed prefill's activations (``gpu_experts.hostio``)."""
     if src.shape != dst.shape or not src.is_contiguous() or not dst.is_contiguous():
         raise ValueError(f"fused.copy: src {list(src.shape)} and dst {list(dst.shape)} must be contiguous and of one "
                          f"shape")
     if flag is not None and (flag.dtype != torch.int32 or flag.numel() != 1):
         raise ValueError(f"fused.copy: flag must be one int32 word, got {flag.dtype} x {flag.numel()}")
+    if wait and flag is None:
+        raise ValueError("fused.copy: wait=True needs the flag to wait on")
     n = src.numel()
     if n == 0 and flag is None:
         return
-    with on_device(dst if dst.is_cuda else src):
-        _copy_kernel()[(max(1, -(-n // COPY_BLOCK)),)](src, dst, dst if flag is None else flag, n, BLOCK=COPY_BLOCK,
-                                                       FLAG=flag is not None, num_warps=COPY_WARPS)
+    dev = dst if dst.is_cuda else src
+    cnt = workspace("copy_counter", 1, torch.int32, dev.device, zero=True) if wait else dst
+    with on_device(dev):
+        _copy_kernel()[(max(1, -(-n // COPY_BLOCK)),)](src, dst, dst if flag is None else flag, cnt, n,
+                                                       BLOCK=COPY_BLOCK, FLAG=flag is not None, WAIT=bool(wait),
+                                                       num_warps=COPY_WARPS)
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, counts: torch.Tensor | None = None,
-                stage: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                stage: tuple | None = None, go: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the k largest of x [T, H] @ weight [E, H] (float32, contiguous): (weights [T, k] float32, ids
     [T, k] int64), the ids in descending logit order, in one kernel. ``counts``: int64 [E] on x's device, += 1 per
     routed pair; ``stage``: (hidden [T, H], ids [T, k] int64, weights [T, k]) pinned host buffers (contiguous)
-    that get copies of x, ids and weights, in their dtypes."""
+    that get copies of x, ids and weights, in their dtypes; ``go`` (with ``stage``): one pinned int32 word set to 1
+    once all of them are written (the CPU experts' go, ``stream_experts``)."""
     T, H = x.shape
     E = weight.shape[0]
     w = torch.empty((T, k), dtype=torch.float32, device=x.device)
@@ -233,13 +262,17 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, counts: torch.Ten
     if stage is not None and not (stage[0].shape == (T, H) and all(s.is_contiguous() for s in stage)
                                   and stage[1].shape == stage[2].shape == (T, k)):
         raise ValueError(f"router_topk: staging buffers must be contiguous [{T}, {H}], [{T}, {k}], [{T}, {k}]")
+    if go is not None and (stage is None or go.dtype != torch.int32 or go.numel() != 1):
+        raise ValueError(f"router_topk: go must be one int32 word and comes with stage, got {go.dtype} x "
+                         f"{go.numel()}, stage {'given' if stage is not None else 'None'}")
     block_e = 2
     npe = -(-E // block_e)
     logits = workspace("router_logits", T * E, torch.float32, x.device)
-    cnt = workspace("router_counters", T, torch.int32, x.device, zero=True)
+    cnt = workspace("router_counters", T + 1, torch.int32, x.device, zero=True)  # per token; [T]: tokens done
     h_host, i_host, w_host = stage if stage is not None else (x, ids, w)  # not written without STAGE
     with on_device(x):
         _kernels()[(T, npe)](x, weight, logits, w, ids, cnt, ids if counts is None else counts, h_host, w_host,
-                             i_host, H, E, npe, x.stride(0), K=k, KP=pow2(k, 2), BLOCK=pow2(E, 16),
-                             BLOCK_E=block_e, BLOCK_H=512, COUNT=counts is not None, STAGE=stage is not None)
+                             i_host, cnt if go is None else go, T, H, E, npe, x.stride(0), K=k, KP=pow2(k, 2),
+                             BLOCK=pow2(E, 16), BLOCK_E=block_e, BLOCK_H=512, COUNT=counts is not None,
+                             STAGE=stage is not None, GO=go is not None, SCOPE="sys" if go is not None else "gpu")
     return w, ids

@@ -239,7 +239,8 @@ class HybridMoE(nn.Module):
         top-k -> renormalize routers, the same weights by ``fast_routing`` (ids in its order), unless the router is
         hooked, replaced or recorded by autograd (HF's own forward, bitwise, for hooks and training). ``runner``:
         the StreamExperts this decode step will start: where the one-kernel router runs, it also counts the routed
-        pairs and writes x, ids and weights into the runner's pinned buffers (``runner.staged_ids``: no copies)."""
+        pairs, writes x, ids and weights into the runner's pinned buffers (``runner.staged_ids``: no copies) and
+        raises the runner's go (``runner.raised_ids``: no stream operation)."""
         router = self._modules[self.spec.router]  # "gate" or "router" (gpt-oss); checked per call: may be replaced
         report = fastpaths.report_for(self)
         if not softmax_topk_router(router):
@@ -251,10 +252,14 @@ class HybridMoE(nn.Module):
         else:
             report.ran("fast_router")
             if runner is not None and fused_router_fits(router, x):
+                # the kernel raises the CPU's go too, unless this step's skip mask is still to be mirrored (a
+                # dynamic hot bank: _mirror_skip runs after the routing)
+                go = None if self.hot is not None and self.hot.dynamic else runner.go_word()
                 w, ids = fused.router_topk(x, router.weight, router.top_k,
                                            counts=self.counts if self.collect_stats else None,
-                                           stage=(runner.h, runner.ids, runner.w))
+                                           stage=(runner.h, runner.ids, runner.w), go=go)
                 runner.staged_ids = ids
+                runner.raised_ids = ids if go is not None else None
                 return w, ids
             return fast_routing(router, x)
         _, weights, ids = router(x.float())  # float32
