@@ -12,11 +12,11 @@ memory:
   routed-pair statistics (``counts[id] += 1``) and the copies the CPU experts need (hidden row, ids, weights)
   written straight into pinned host buffers (device-accessible under unified addressing): one kernel instead of
   logits, top-k, index_add and three device-to-host copies. With ``go`` the kernel also raises the CPU's go word
-  (``ktinject.stream_experts``) once every token's inputs are written: the counters' atomics are then
-  system-scope releases (a fence making this program's and, through the counter, the other programs' host writes
-  visible to the CPU first) and the last token's last program stores go = 1 after its own counter atomic
-  returned: the stream's write-value node a layer is gone. Without ``go`` the stream's write-value does it (it
-  fences all earlier work of the stream).
+  (``ktinject.stream_experts``) once every token's inputs are written: each token's last program counts the
+  token done with a system-scope release (a fence making its own host writes, and those of the token's programs it
+  acquired through the token's counter, visible to the CPU first: release is cumulative in PTX's memory model),
+  and the one that counts last stores go = 1 after that atomic returned: the stream's write-value node a layer is
+  gone. Without ``go`` the stream's write-value does it (it fences all earlier work of the stream).
 
 - ``copy``: one tensor into another across device and pinned host memory (cast), optionally waiting for a
   pinned done word first (the kernel polls it: no wait node before it) and resetting it (the decode step's
@@ -134,7 +134,7 @@ def _build(triton, tl):
     def router_k(x, w, logits, w_out, i_out, cnt, counts, h_host, w_host, i_host, go, T, H, E, NPE, s_x,
                  K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_H: tl.constexpr, COUNT: tl.constexpr, STAGE: tl.constexpr, GO: tl.constexpr,
-                 SCOPE: tl.constexpr):
+                 SCOPE: tl.constexpr = "gpu"):
         t = tl.program_id(0)
         pe = tl.program_id(1)
         xrow = x + t.to(tl.int64) * s_x
@@ -244,6 +244,9 @@ def copy(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor | None = None,
                                                        num_warps=COPY_WARPS)
 
 
+_ROUTER_SCOPE = "gpu"  # the per-token counters' scope (probe_handshake.py tries "sys"); the go counter's: "sys"
+
+
 def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, counts: torch.Tensor | None = None,
                 stage: tuple | None = None, go: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the k largest of x [T, H] @ weight [E, H] (float32, contiguous): (weights [T, k] float32, ids
@@ -274,5 +277,5 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, counts: torch.Ten
         _kernels()[(T, npe)](x, weight, logits, w, ids, cnt, ids if counts is None else counts, h_host, w_host,
                              i_host, cnt if go is None else go, T, H, E, npe, x.stride(0), K=k, KP=pow2(k, 2),
                              BLOCK=pow2(E, 16), BLOCK_E=block_e, BLOCK_H=512, COUNT=counts is not None,
-                             STAGE=stage is not None, GO=go is not None, SCOPE="sys" if go is not None else "gpu")
+                             STAGE=stage is not None, GO=go is not None, SCOPE=_ROUTER_SCOPE)
     return w, ids
