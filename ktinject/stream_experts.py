@@ -6,16 +6,17 @@ cannot record that. Here the stream itself does the handshake (DESIGN.md §2):
     start(x, ids, w):  async D2H copies x [T,H], ids [T,k], w [T,k] -> pinned staging
                        cuStreamWriteValue32(go, 1)   ----> a pool thread (ktk_task_watch) sees go == 1, clears it,
     ... the block's own GPU work (shared experts, GPU-resident experts) runs here ...    runs the task, sets done = 1
-    finish() -> [T,H]: one kernel (operators.fused.copy) polls done until it is 1, reads the pinned output into a
-                       static device buffer (returned) and sets done = 0 (without Triton: cuStreamWaitValue32(done
-                       == 1), cuStreamWriteValue32(done, 0) and an async H2D copy)
-
-Where the one-kernel router made the inputs (``operators.fused.router_topk`` with ``stage`` and ``go``: the MoE
-operator's routing) it has also raised go, and ``start`` queues nothing: a decode layer's handshake is then no
-stream operation at all, only the router kernel and the collect kernel.
+    finish() -> [T,H]: cuStreamWaitValue32(done == 1); then one kernel (operators.fused.copy) reads the pinned
+                       output into a static device buffer (returned) and sets done = 0; where the copy is one
+                       program (T x H <= 2048) that kernel polls done itself, no wait node (without Triton:
+                       cuStreamWriteValue32(done, 0) and an async H2D copy)
 
 or, with ``mode="hostfn"`` (the slower fallback, kept for comparison): host-callback nodes calling the native
 ``ktk_submit_fn`` / ``ktk_wait_fn`` instead of the two flag operations.
+
+Where the one-kernel router made the inputs (``operators.fused.router_topk`` with ``stage`` and ``go``: the MoE
+operator's routing) it has also raised go, and ``start`` queues nothing: at one token a decode layer's
+handshake is then no stream operation at all, only the router kernel and the collect kernel.
 
 Expert deferral (``defer=d``, ``ktinject.operators.deferral``): the layer's task computes each token's k - d
 highest-weighted slots and a second task, bound to the same staging, the d others. The first task's end raises the
@@ -121,6 +122,10 @@ class StreamExperts:
         # the output's copy and the done word's reset as one kernel (decided once, outside any capture): memops
         # mode, Triton usable on this device (the host buffers are pinned above)
         self._collect_kernel = self.mode == "memops" and fused.available(self.out)
+        # ... which also waits for done itself where one program does the copy: that saved 0.7-2.2 us a layer at
+        # T = 1 (H 2048), but several programs polling host memory cost 2-25 us more than the wait node at T = 2-8
+        # (tests/gpu/probe_handshake.py, both machines)
+        self._spin = self._collect_kernel and self.T * self.hidden <= fused.COPY_BLOCK
         self.staged_ids = None  # the ids tensor of a routing whose kernel wrote h, ids and w itself (see start)
         self.raised_ids = None  # ... and raised go too (go_word)
         if self.mode == "memops":
@@ -180,14 +185,15 @@ class StreamExperts:
 
     def _collect(self, done_dptr, done_word: int, task, o: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Wait for ``task`` (its done word: ``done_dptr``, flags[done_word]), then reset the word and copy its host
-        output ``o`` to ``out``: one kernel (operators.fused.copy, polling the word) where it can run, else a
-        wait-value, a write-value and a copy."""
+        output ``o`` to ``out``: a wait-value and one kernel (operators.fused.copy; polling the word itself, no
+        wait-value, where it is one program) where it can run, else a wait-value, a write-value and a copy."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if self.mode == "memops":
-            if self._collect_kernel:  # the kernel waits for done itself
-                fused.copy(o, out, self.flags[done_word:done_word + 1], wait=True)
+            if not self._spin:
+                cuda_driver.stream_wait_value32(stream, done_dptr, 1, cuda_driver.CU_STREAM_WAIT_VALUE_EQ)
+            if self._collect_kernel:  # (the kernel waits for done itself where _spin)
+                fused.copy(o, out, self.flags[done_word:done_word + 1], wait=self._spin)
                 return out
-            cuda_driver.stream_wait_value32(stream, done_dptr, 1, cuda_driver.CU_STREAM_WAIT_VALUE_EQ)
             cuda_driver.stream_write_value32(stream, done_dptr, 0)
         else:
             cuda_driver.launch_host_func(stream, self.wait_fn, task.address)

@@ -110,6 +110,7 @@ CASES = [  # E, H, I, T, k, routing, skip, hidden dtype, weights dtype, out dtyp
     (10, 72, 33, 300, 3, "one_expert", None, "bf16", "bf16", "bf16", "bf16"),
     (32, 130, 100, 50, 6, "few_experts", "some", "f32", "f32", "bf16", "f32"),
     (6, 64, 64, 20, 2, "random", "all", "f32", "f32", "f32", "f32"),
+    (8, 64, 48, 1, 8, "random", "all", "bf16", "bf16", "bf16", "bf16"),  # one token, no row: zeros written inline
     (4, 32, 16, 1500, 2, "random", None, "bf16", "f32", "bf16", "f32"),  # > 1 token chunk, > 256 rows/expert
 ]
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}

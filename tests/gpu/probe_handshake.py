@@ -10,7 +10,9 @@ output, whose result is the next layer's input (the dependency chain of a decode
 - both-sys:  both, with the per-token counters of the router at system scope (79941f1 as committed)
 - no-cpu:    router; collect without any handshake (what the GPU costs alone)
 
-Variants take turns (ROUNDS rounds), each timed over 20 replays; the median per layer is printed.
+Variants take turns (ROUNDS rounds), each timed over 20 replays; the median per layer is printed, then for each
+variant the pool's profile of 20 more replays (a layer's CPU job from taking the go flag to raising done: the rest of
+the handshake is the two flags' way across PCIe and the stream's nodes).
 
     PYTHONPATH=$PWD python tests/gpu/probe_handshake.py [ROUNDS]"""
 from __future__ import annotations
@@ -57,7 +59,11 @@ def main(rounds: int) -> None:
     experts = _tiny_experts(E, H, 16)
     skip = torch.ones(E, dtype=torch.uint8)
     W = torch.randn(E, H, device="cuda") * 0.02
-    for T in (1, 8):
+    from ktinject.bench.timing import profile_line
+    from ktinject.native import default_pool
+
+    pool = default_pool()
+    for T in (1, 2, 4, 8):
         rs = [StreamExperts(experts, T, K, H, "cuda", skip=skip) for _ in range(LAYERS)]
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         graphs = {}
@@ -89,6 +95,12 @@ def main(rounds: int) -> None:
             ts = sorted(times[v])
             print(f"T={T} {v:10s} {statistics.median(ts):6.2f} us a layer (min {ts[0]:.2f}, max {ts[-1]:.2f}; "
                   f"x48 = {statistics.median(ts) * 48 / 1000:.2f} ms)", flush=True)
+        for v in ("memops", "both"):
+            with pool.profiling() as prof:
+                for _ in range(20):
+                    graphs[v].replay()
+                torch.cuda.synchronize()
+            print(f"T={T} {v:10s} profile: {profile_line(prof)}", flush=True)
         for r in rs:
             r.close()
 
