@@ -132,6 +132,40 @@ def test_qk_norm_rope_and_cache_write(dev, dtype, with_norms):
             assert not K[b][:, ~written].any() and not V[b][:, ~written].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+@pytest.mark.parametrize("with_norms", [True, False])
+@pytest.mark.parametrize("kps", [None, 16])
+def test_rope_attention_equals_the_two_kernels(dev, dtype, with_norms, kps):
+    """The one-kernel norm + rotary + cache write + attention against qk_norm_rope (with the cache) then
+    attention: the same cache contents (the new k and v at each row's length; none for a full row), lengths
+    advanced alike, the same output (one split a KV head, and several: the new key in the last one)."""
+    g = torch.Generator().manual_seed(3)
+    for B, hq, hk, D, L, lens, cs_batch in ((1, 8, 2, 16, 40, [5], 1), (3, 6, 2, 24, 130, [0, 130, 129], 3),
+                                            (2, 4, 4, 20, 300, [299, 17], 1), (1, 32, 4, 128, 200, [150], 1)):
+        qkv = (torch.randn(B, hq + 2 * hk, D, generator=g) * 3).to(dev, dtype)
+        norms = (_norm_module(D, dtype, dev, g), _norm_module(D, dtype, dev, g), 1e-6) if with_norms else None
+        ang = torch.rand(cs_batch, 1, D // 2, generator=g) * 100
+        cos = torch.cat([ang.cos(), ang.cos()], -1).to(dev, dtype)
+        sin = torch.cat([ang.sin(), ang.sin()], -1).to(dev, dtype)
+        K = torch.randn(B, hk, L, D, generator=g).to(dev, dtype)
+        V = torch.randn(B, hk, L, D, generator=g).to(dev, dtype)
+        mask = (torch.rand(B, 1, 1, L, generator=g) < 0.8).to(dev)
+        mask[..., 0] = True
+        lengths = torch.tensor(lens, device=dev)
+        K2, V2, lengths2 = K.clone(), V.clone(), lengths.clone()
+        q = FA.qk_norm_rope(qkv, hq, hk, norms, cos, sin, cache=(K2, V2, lengths2))
+        want = FA.attention(q, K2, V2, D ** -0.5, mask, lengths2, keys_per_split=kps)
+        got = FA.rope_attention(qkv, hq, norms, cos, sin, (K, V, lengths), D ** -0.5, mask, keys_per_split=kps)
+        assert torch.equal(K, K2) and torch.equal(V, V2) and torch.equal(lengths, lengths2)
+        assert got.shape == want.shape and got.dtype == dtype
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got, want, **tol)
+        if dev == "cpu":  # the interpreter sums the norm's squares in one order for both kernels
+            assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="Hq \\+ 2 Hkv"):
+        FA.rope_attention(qkv[:, 1:], hq, norms, cos, sin, (K, V, lengths), 0.1)
+
+
 def _attention_case(g, B, hq, hk, D, L, dtype, dev, mask_kind, lens):
     q = torch.randn(B, hq, D, generator=g).to(dev, dtype)
     k = torch.randn(B, hk, L, D, generator=g).to(dev, dtype)
@@ -334,6 +368,10 @@ def test_kernels_compile_for_sm90():
                                                     MASK_BOOL=mask_dt == "*u8", PREC=prec))
         check(attn, {**t, "mask": "*u8"}, dict(HK=2, G=3, GP=16, D=24, BD=32, BN=FA.key_block(dt),
                                                MAXS=FA.MAX_SPLITS, LENS=False, MASK=True, MASK_BOOL=True, PREC=prec))
+        for norm in (False, True):  # rope_attention: q from qkv, the new k and v written by the last split
+            check(attn, {**t, "mask": "*u8"}, dict(HK=4, G=8, GP=16, D=128, BD=128, BN=FA.key_block(dt),
+                                                   MAXS=FA.MAX_SPLITS, LENS=True, MASK=True, MASK_BOOL=True,
+                                                   PREC=prec, ROPE=True, NORM=norm))
         check(add_norm, t, dict(RES=True, NORM=True, ROUND2=True, BH=2048))
         for B, BB, configs in ((1, 1, FD.CONFIGS_1), (4, 16, FD.CONFIGS_N)):
             for BN, BK, warps in configs:  # (float32 products run in registers: spills there cost speed only)

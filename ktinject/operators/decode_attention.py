@@ -16,10 +16,11 @@ token (S == 1) this forward computes what the HF module computes, with:
   in float32 (``bmm`` with ``out_dtype`` on CUDA), masked, softmax in float32, probabilities in the value dtype
   (what SDPA's flash kernels do; on the CPU, which has no float32-output ``bmm``, float32 copies of K and V).
 
-On CUDA with Triton (``fused.available``) the same steps are three kernels (``fused_attn.py``): q/k norms and
-rotary in one, which also writes k and v into a ktinject KVCache at each row's length (other caches: their
-``update``); attention over the cache in one (splits over the keys a row holds, combined by the last program,
-which also advances the row lengths); and the projections go through ``fused_dense.linear`` (cuBLAS or a Triton
+On CUDA with Triton (``fused.available``) the same steps are three kernels (``fused_attn.py``): with a ktinject
+KVCache, q/k norms, rotary, the k and v writes into the cache at each row's length and attention over the cache in
+one (``rope_attention``: splits over the keys a row holds, combined by the last program, which also advances the
+row lengths; other caches: norms and rotary in one kernel, their ``update``, attention in one); and the
+projections, the two others, go through ``fused_dense.linear`` (cuBLAS or a Triton
 GEMV, whichever measured faster for the shape; o_proj's GEMV takes the decoder layer's residual add and
 post-attention norm as its epilogue, see ``forward_with_residual``).
 
@@ -272,15 +273,14 @@ def _step(self, hidden_states, residual, position_embeddings, attention_mask, kw
     if fused.available(qkv, D) and _fusable(norms, cos, sin, B, D) and (
             attention_mask is None or attention_mask.stride(-1) == 1):  # Triton: rotary, cache write, attention
         slots = kv_cache.decode_slots(cache, self.layer_idx, B, qkv)  # (K, V, lengths), or None: cache.update
-        if slots is not None:
-            q = fused_attn.qk_norm_rope(qkv, hq, hk, norms, cos, sin, cache=slots)  # k, v written into the cache
-            keys, values, lengths = slots
+        if slots is not None:  # one kernel: q/k norms, rotary, k and v into the cache, attention
+            mask = None if attention_mask is None else attention_mask[..., : slots[0].shape[2]]
+            out = fused_attn.rope_attention(qkv, hq, norms, cos, sin, slots, self.scaling, mask)  # [B, Hq D]
         else:
             qk = fused_attn.qk_norm_rope(qkv, hq, hk, norms, cos, sin)
             keys, values = cache.update(qk[:, hq:].unsqueeze(2), qkv[:, hq + hk:].unsqueeze(2), self.layer_idx)
-            q, lengths = qk[:, :hq], None
-        mask = None if attention_mask is None else attention_mask[..., : keys.shape[2]]
-        out = fused_attn.attention(q, keys, values, self.scaling, mask, lengths)  # [B, Hq D]
+            mask = None if attention_mask is None else attention_mask[..., : keys.shape[2]]
+            out = fused_attn.attention(qk[:, :hq], keys, values, self.scaling, mask)  # [B, Hq D]
     else:
         out = _attend_torch(self, qkv, hq, hk, norms, cos, sin, st["sign"], cache, attention_mask)
     y, normed = _o_proj(self, out, residual, norm)

@@ -35,6 +35,7 @@ from ktinject.operators.fused import on_device, pow2
 
 
 def _build(triton, tl):
+    global norm_rope_rows  # a jit helper is found through the module's globals (not the closure), made here
     @triton.jit
     def rope_k(qkv, out, wq, wk, cos, sin, kc, vc, lens, s_qkv_b, s_qkv_h, s_out_b, s_out_h, s_cs_b,
                s_kc_b, s_kc_h, s_kc_l, s_vc_b, s_vc_h, s_vc_l, L, eps, HQ: tl.constexpr, HK: tl.constexpr,
@@ -73,16 +74,37 @@ def _build(triton, tl):
         else:
             tl.store(out + b * s_out_b + h * s_out_h + offs, y, mask=inside)
 
+    @triton.jit
+    def norm_rope_rows(row0, s_row, w, cs, sn, g, d, nrows, eps, D: tl.constexpr, NORM: tl.constexpr):
+        """rope_k's roundings on rows g < nrows of a [GP, BD] tile (row g at row0 + g * s_row), in row0's dtype."""
+        dt = row0.dtype.element_ty
+        ok = (g < nrows)[:, None] & (d < D)[None, :]
+        rot = (d + D // 2) % D
+        x = tl.load(row0 + g[:, None] * s_row + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        xr = tl.load(row0 + g[:, None] * s_row + rot[None, :], mask=ok, other=0.0).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+            wv = tl.load(w + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+            wr = tl.load(w + rot, mask=d < D, other=0.0).to(tl.float32)[None, :]
+            x = ((x * r).to(dt).to(tl.float32) * wv).to(dt).to(tl.float32)
+            xr = ((xr * r).to(dt).to(tl.float32) * wr).to(dt).to(tl.float32)
+        c = tl.load(cs + d, mask=d < D, other=0.0).to(tl.float32)
+        sv = tl.load(sn + d, mask=d < D, other=0.0).to(tl.float32)
+        sv = tl.where(d < D // 2, -sv, sv)
+        return ((x * c[None, :]).to(dt).to(tl.float32) + xr * sv[None, :]).to(dt)
+
     @triton.jit(do_not_specialize=["L", "s_m_b", "KPS"])  # one compile for every cache length
     def attn_k(q, kc, vc, lens, mask, out, part, ml, cnt, L, P, NR, KPS, scale, s_q_b, s_q_h, s_k_b, s_k_h, s_k_l,
-               s_v_b, s_v_h, s_v_l, s_m_b, s_o_b, HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MAXS: tl.constexpr, LENS: tl.constexpr,
-               MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PREC: tl.constexpr):
+               s_v_b, s_v_h, s_v_l, s_m_b, s_o_b, wq, wk, cos, sin, s_cs_b, eps, HK: tl.constexpr, G: tl.constexpr,
+               GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MAXS: tl.constexpr,
+               LENS: tl.constexpr, MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PREC: tl.constexpr,
+               ROPE: tl.constexpr = False, NORM: tl.constexpr = False):
         r = tl.program_id(0)  # b * Hkv + KV head
         sp = tl.program_id(1)
         b = r // HK
         hk = r % HK
         n = L
+        held = L.to(tl.int64) * 0  # (typed before the branch: ROPE reads it after)
         if LENS:  # keys 0 .. lengths[b] (the new token's own key at lengths[b])
             held = tl.load(lens + b)
             n = tl.minimum(held.to(tl.int32) + 1, L)
@@ -101,9 +123,24 @@ def _build(triton, tl):
             g = tl.arange(0, GP)
             d = tl.arange(0, BD)
             gd = (g < G)[:, None] & (d < D)[None, :]
-            qv = tl.load(q + b.to(tl.int64) * s_q_b + (hk * G + g)[:, None] * s_q_h + d[None, :], mask=gd, other=0.0)
             kbase = kc + b.to(tl.int64) * s_k_b + hk.to(tl.int64) * s_k_h
             vbase = vc + b.to(tl.int64) * s_v_b + hk.to(tl.int64) * s_v_h
+            if ROPE:  # q is qkv [B, Hq + 2 Hkv, D]: this KV head's G query rows normed and rotated here
+                qrow = q + b.to(tl.int64) * s_q_b
+                cs_b = b.to(tl.int64) * s_cs_b
+                qv = norm_rope_rows(qrow + (hk * G) * s_q_h, s_q_h, wq, cos + cs_b, sin + cs_b, g, d, G, eps, D, NORM)
+                if sp == nact - 1:  # the split ending at the new token: its k and v into the cache first
+                    pos = held + 0 * g  # lengths[b] as read above (the last program may have advanced it since)
+                    kv = (g < 1)[:, None] & (d < D)[None, :] & (pos < L)[:, None]
+                    kr = norm_rope_rows(qrow + (HK * G + hk) * s_q_h, s_q_h, wk, cos + cs_b, sin + cs_b, g, d, 1,
+                                        eps, D, NORM)
+                    tl.store(kbase + pos[:, None] * s_k_l + d[None, :], kr.to(kc.dtype.element_ty), mask=kv)
+                    vr = tl.load(qrow + (HK * G + HK + hk) * s_q_h + d[None, :] + 0 * g[:, None], mask=kv, other=0.0)
+                    tl.store(vbase + pos[:, None] * s_v_l + d[None, :], vr.to(vc.dtype.element_ty), mask=kv)
+                    tl.debug_barrier()  # stored before any thread loads its keys
+            else:
+                qv = tl.load(q + b.to(tl.int64) * s_q_b + (hk * G + g)[:, None] * s_q_h + d[None, :], mask=gd,
+                             other=0.0)
             m_i = tl.full([GP], float("-inf"), tl.float32)
             l_i = tl.zeros([GP], tl.float32)
             acc = tl.zeros([GP, BD], tl.float32)
@@ -234,13 +271,44 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
     ``lengths`` [B] int64: keys held before this token (keys > lengths[b] are not read; lengths += 1 afterwards);
     ``keys_per_split``: at least this many keys a program (default KEYS_PER_SPLIT). Returns [B, Hq * D] in the
     values' dtype."""
-    B, hq, D = q.shape
+    return _attention(q, q.shape[1], keys, values, scale, mask, lengths, keys_per_split, None)
+
+
+def rope_attention(qkv: torch.Tensor, hq: int, norms, cos: torch.Tensor, sin: torch.Tensor, cache: tuple,
+                   scale: float, mask: torch.Tensor | None = None, keys_per_split: int | None = None) -> torch.Tensor:
+    """``qk_norm_rope`` with the cache followed by ``attention``, as one kernel: qkv [B, Hq + 2 Hkv, D] (last dim
+    contiguous; ``norms``, ``cos``, ``sin`` as qk_norm_rope), ``cache`` = (K, V [B, Hkv, L, D], lengths [B] int64).
+    Every program norms and rotates its KV head's G query rows itself, and the one whose split ends at the new
+    token writes that token's k and v into the cache (nothing where lengths[b] >= L) before reading its keys: the
+    same values as the two kernels, one launch fewer. Returns [B, Hq * D]; lengths advance by one."""
+    keys, values, lengths = cache
+    B, _, D = qkv.shape
+    cos = cos.to(qkv.dtype).reshape(-1, D).contiguous()  # [B or 1, D]
+    sin = sin.to(qkv.dtype).reshape(-1, D).contiguous()
+    if norms:
+        wq, wk, eps = norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[2])
+    else:
+        wq = wk = cos  # not read
+        eps = 0.0
+    if qkv.stride(-1) != 1 or qkv.shape[1] != hq + 2 * keys.shape[1]:
+        raise ValueError(f"rope_attention: qkv {list(qkv.shape)} must be [B, Hq + 2 Hkv = {hq + 2 * keys.shape[1]}, "
+                         f"D] with a contiguous last dim")
+    rope = (wq, wk, cos, sin, 0 if cos.shape[0] == 1 else cos.stride(0), eps, bool(norms))
+    return _attention(qkv, hq, keys, values, scale, mask, lengths, keys_per_split, rope)
+
+
+def _attention(q, hq, keys, values, scale, mask, lengths, keys_per_split, rope) -> torch.Tensor:
+    """attention's launch; ``rope``: None (q [B, Hq, D] as it is) or rope_attention's (wq, wk, cos, sin, s_cs_b,
+    eps, norm) with q = qkv."""
+    B, _, D = q.shape
     hk, L = keys.shape[1], keys.shape[2]
     G = hq // hk
     if L < 1:
         raise ValueError(f"attention: the cache holds no key slots (keys {list(keys.shape)})")
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1 or values.shape[-1] != D:
         raise ValueError("attention: q, keys and values need one head dim with contiguous last dims")
+    if rope is not None and lengths is None:
+        raise ValueError("rope_attention: the cache's lengths are needed (where the new token's k and v go)")
     out = torch.empty((B, hq * D), dtype=values.dtype, device=q.device)
     GP, BD, BN = pow2(G, 16), pow2(D, 16), key_block(q.dtype)
     kps = max(BN, int(keys_per_split or KEYS_PER_SPLIT))
@@ -256,9 +324,10 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
     with on_device(q):
         _kernels()[1][(B * hk, P)](
             q, keys, values, q if lengths is None else lengths, m, out, part, ml, cnt, L, P, B * hk, kps, float(scale),
-            q.stride(0), q.stride(1), *keys.stride()[:3], *values.stride()[:3], s_m_b, out.stride(0), HK=hk, G=G,
-            GP=GP, D=D, BD=BD, BN=BN, MAXS=MAX_SPLITS, LENS=lengths is not None, MASK=mask is not None,
-            MASK_BOOL=is_bool, PREC=fused.dot_precision(q.dtype))
+            q.stride(0), q.stride(1), *keys.stride()[:3], *values.stride()[:3], s_m_b, out.stride(0),
+            *(rope[:6] if rope else (q, q, q, q, 0, 0.0)), HK=hk, G=G, GP=GP, D=D, BD=BD, BN=BN, MAXS=MAX_SPLITS,
+            LENS=lengths is not None, MASK=mask is not None, MASK_BOOL=is_bool, PREC=fused.dot_precision(q.dtype),
+            ROPE=rope is not None, NORM=bool(rope and rope[6]))
     return out
 
 
