@@ -156,12 +156,20 @@ def test_rope_attention_equals_the_two_kernels(dev, dtype, with_norms, kps):
         q = FA.qk_norm_rope(qkv, hq, hk, norms, cos, sin, cache=(K2, V2, lengths2))
         want = FA.attention(q, K2, V2, D ** -0.5, mask, lengths2, keys_per_split=kps)
         got = FA.rope_attention(qkv, hq, norms, cos, sin, (K, V, lengths), D ** -0.5, mask, keys_per_split=kps)
-        assert torch.equal(K, K2) and torch.equal(V, V2) and torch.equal(lengths, lengths2)
-        assert got.shape == want.shape and got.dtype == dtype
+        assert torch.equal(lengths, lengths2) and torch.equal(V, V2)
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        # on CUDA the norm's sum of squares over a [G, D] tile may round apart from the one-row kernel's (an ulp of
+        # the normed k); elsewhere the cache is untouched
+        torch.testing.assert_close(K, K2, **tol)
+        new = torch.zeros(B, L, dtype=torch.bool)
+        for b, n in enumerate(lens):
+            if n < L:
+                new[b, n] = True
+        assert torch.equal(K.transpose(1, 2)[~new], K2.transpose(1, 2)[~new])
+        assert got.shape == want.shape and got.dtype == dtype
         torch.testing.assert_close(got, want, **tol)
         if dev == "cpu":  # the interpreter sums the norm's squares in one order for both kernels
-            assert torch.equal(got, want)
+            assert torch.equal(got, want) and torch.equal(K, K2)
     with pytest.raises(ValueError, match="Hq \\+ 2 Hkv"):
         FA.rope_attention(qkv[:, 1:], hq, norms, cos, sin, (K, V, lengths), 0.1)
 
