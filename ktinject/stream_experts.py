@@ -45,7 +45,7 @@ import weakref
 import torch
 
 from ktinject import cuda_driver
-from ktinject.operators import fused
+from ktinject.operators import fused, fused_dense
 
 _state = threading.local()
 
@@ -126,6 +126,7 @@ class StreamExperts:
         # T = 1 (H 2048), but several programs polling host memory cost 2-25 us more than the wait node at T = 2-8
         # (tests/gpu/probe_handshake.py, both machines)
         self._spin = self._collect_kernel and self.T * self.hidden <= fused.COPY_BLOCK
+        self.pending = False  # finish(lazy=True) left the collect to the caller (collect_add_rms_norm / flush)
         self.staged_ids = None  # the ids tensor of a routing whose kernel wrote h, ids and w itself (see start)
         self.raised_ids = None  # ... and raised go too (go_word)
         if self.mode == "memops":
@@ -172,9 +173,32 @@ class StreamExperts:
             if self.dtask is not None:  # runs after the immediate task (a pool runs its tasks in order)
                 cuda_driver.launch_host_func(stream, self.submit_fn, self.dtask.address)
 
-    def finish(self) -> torch.Tensor:
-        """Queue on the current stream: wait for the task, copy its output to the device. Returns [T,H] (static)."""
+    def finish(self, lazy: bool = False) -> torch.Tensor:
+        """Queue on the current stream: wait for the task, copy its output to the device. Returns [T,H] (static).
+        ``lazy``, for one token where the collect kernel waits itself: queue nothing and return ``out`` still
+        unwritten (``pending``): the caller then queues ``collect_add_rms_norm`` (the collect inside its residual
+        add + norm) or ``flush`` before anything reads it."""
+        if lazy and self._spin and self.T == 1 and self.o.dtype in (torch.float32, self.dtype):
+            self.pending = True
+            return self.out
         return self._collect(getattr(self, "done_dptr", None), self.DONE, self.task, self.o, self.out)
+
+    def flush(self) -> torch.Tensor:
+        """The collect a lazy ``finish`` left, queued now (nothing if none is pending). Returns ``out``."""
+        if self.pending:
+            self.pending = False
+            self._collect(getattr(self, "done_dptr", None), self.DONE, self.task, self.o, self.out)
+        return self.out
+
+    def collect_add_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             round_twice: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending collect and ``add_rms_norm(out, residual, weight, ...)`` in one launch
+        (``fused_dense.collect_add_rms_norm``): (residual + out, its RMSNorm), each [1, H]; ``out`` written too."""
+        if not self.pending:
+            raise RuntimeError("collect_add_rms_norm: no collect is pending (finish(lazy=True) first)")
+        self.pending = False
+        return fused_dense.collect_add_rms_norm(self.o, self.flags[self.DONE:self.DONE + 1], self.out,
+                                                residual.reshape(1, -1), weight, eps, round_twice)
 
     def finish_deferred(self) -> torch.Tensor:
         """Queue on the current stream (after this runner's ``finish``, typically at the next layer): wait for the

@@ -363,7 +363,7 @@ def test_kernels_compile_for_sm90():
             assert "STL" not in sass, f"{fn.__name__} {consts} spills registers"
 
     rope, attn = FA._kernels()
-    add_norm, lin = FD._kernels()
+    add_norm, lin, _ = FD._kernels()
     for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
         t = {n: f"*{dt}" for n in ("qkv", "out", "wq", "wk", "cos", "sin", "kc", "vc", "q", "x", "w", "bias", "res",
                                    "s_out", "n_out")}
@@ -381,6 +381,7 @@ def test_kernels_compile_for_sm90():
                                                    MAXS=FA.MAX_SPLITS, LENS=True, MASK=True, MASK_BOOL=True,
                                                    PREC=prec, ROPE=True, NORM=norm))
         check(add_norm, t, dict(RES=True, NORM=True, ROUND2=True, BH=2048))
+        check(FD._kernels()[2], {**t, "host": "*fp32", "flag": "*i32"}, dict(ROUND2=True, BH=2048))
         for B, BB, configs in ((1, 1, FD.CONFIGS_1), (4, 16, FD.CONFIGS_N)):
             for BN, BK, warps in configs:  # (float32 products run in registers: spills there cost speed only)
                 check(lin, {**t, "nw": f"*{dt}", "n_out": f"*{dt}"}, dict(B=B, BB=BB, BN=BN, BK=BK, BIAS=True, RES=True,

@@ -78,6 +78,34 @@ def test_copy_with_flag_equals_copy_and_resets_the_word(dev, T, H, src_dtype, ds
         assert flags[16] == 0 and int(flags.sum()) == 63
 
 
+@pytest.mark.parametrize("host_dtype, dtype, round2", [(torch.float32, torch.bfloat16, True),
+                                                       (torch.bfloat16, torch.bfloat16, False),
+                                                       (torch.float32, torch.float32, True),
+                                                       (torch.float32, torch.float16, False)])
+@pytest.mark.parametrize("H", [2048, 700])
+def test_collect_add_rms_norm_equals_copy_then_add_rms_norm(dev, host_dtype, dtype, round2, H):
+    """The decode step's collect inside the residual add + next norm (stream_experts' lazy finish): the same x, sum
+    and norm as fused.copy then add_rms_norm, bit for bit, and the done word back at 0."""
+    from ktinject.operators import fused_dense
+
+    g = torch.Generator().manual_seed(H)
+    host = _host((torch.randn(1, H, generator=g) * 4).to(host_dtype), dev)
+    res = torch.randn(1, H, generator=g).to(dev, dtype)
+    w = (1 + 0.1 * torch.randn(H, generator=g)).to(dev, dtype)
+    flags = _host(torch.ones(64, dtype=torch.int32), dev)
+    want_x = torch.empty(1, H, dtype=dtype, device=dev)
+    fused.copy(host, want_x)
+    want_s, want_y = fused_dense.add_rms_norm(want_x, res, w, 1e-6, round2)
+    x = torch.full((1, H), 3, dtype=dtype, device=dev)
+    s, y = fused_dense.collect_add_rms_norm(host, flags[16:17], x, res, w, 1e-6, round2)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(x, want_x) and torch.equal(s, want_s) and torch.equal(y, want_y)
+    assert flags[16] == 0 and int(flags.sum()) == 63
+    with pytest.raises(ValueError, match="one contiguous row"):
+        fused_dense.collect_add_rms_norm(host, flags[16:17], x[:, 1:], res[:, 1:], w, 1e-6)
+
+
 def test_copy_waits_for_the_word():
     """On CUDA: the collect kernel, launched before the CPU raises done, waits for it (a host thread sets the word
     50 ms later) and then copies what the host wrote before raising it."""

@@ -115,13 +115,22 @@ def _norm(norm: nn.Module, x: torch.Tensor, fast: bool) -> torch.Tensor:
     return norm(x)
 
 
-def _add_and_next_norm(self, m: torch.Tensor, h: torch.Tensor, fast: bool) -> torch.Tensor:
+def _add_and_next_norm(self, m: torch.Tensor, h: torch.Tensor, fast: bool, lazy=None) -> torch.Tensor:
     """h + m, and where the norm after this layer is known and fusable that norm of the sum, recorded on the sum
     for the norm to take: one kernel where Triton runs, else the add and the norm module (HF's ops, in HF's
-    order: the same numbers as its forward)."""
+    order: the same numbers as its forward). ``lazy``: the StreamExperts whose uncollected output m is (the MoE
+    block's take_lazy_collect): its collect is this kernel's first step, or is queued first."""
     link = self.__dict__.get(_NEXT)
     nxt = getattr(link[0], link[1], None) if link else None
-    if nxt is None or not _fusable_norm(nxt, h) or m.shape != h.shape or m.dtype != h.dtype:
+    fusable = nxt is not None and _fusable_norm(nxt, h) and m.shape == h.shape and m.dtype == h.dtype
+    if lazy is not None and fast and fusable and h.shape[0] * h.shape[1] == 1:
+        s, y = lazy.collect_add_rms_norm(h, nxt.weight, nxt.variance_epsilon, rounds_twice(nxt))
+        s = s.view(h.shape)
+        attach_prenormed(s, nxt, y.view(h.shape))
+        return s
+    if lazy is not None:
+        lazy.flush()
+    if not fusable:
         return h + m
     if fast:
         s, y = add_rms_norm(m, h, nxt.weight, nxt.variance_epsilon, rounds_twice(nxt))
@@ -154,7 +163,17 @@ def decode_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
                                                         norm=fuse_post, **attn_kwargs)
     if normed2 is not None:
         attach_prenormed(h, post, normed2)
-    m = self.mlp(_norm(post, h, fast))
+    mlp = self.mlp
+    # the MoE operator, unhooked (a hook would read its output): its collect can join the add + norm below
+    takes = fast and hasattr(mlp, "take_lazy_collect") and not (mlp._forward_hooks or mlp._forward_pre_hooks)
+    if takes:
+        mlp.caller_collects = True
+    try:
+        m = mlp(_norm(post, h, fast))
+    finally:
+        if takes:
+            mlp.caller_collects = False
+    lazy = mlp.take_lazy_collect() if takes else None
     if SUPPORTED[type(self).__name__]:  # gpt-oss: (hidden, router scores)
         m = m[0]
-    return _add_and_next_norm(self, m, h, fast)
+    return _add_and_next_norm(self, m, h, fast, lazy)

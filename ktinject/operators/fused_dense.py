@@ -4,7 +4,9 @@
   per row), returning both (the sum is the next residual). Roundings as the modules: the sum rounded to the
   input dtype (torch's add), then ``round(x * rsqrt(mean(x^2) + eps) * w)`` (FusedRMSNorm's torch.rms_norm and
   GptOssRMSNorm: one rounding) or ``round(w * round(x * rsqrt(...)))`` (the other HF RMSNorm classes). Without a
-  residual it is the norm alone; without a weight the sum alone.
+  residual it is the norm alone; without a weight the sum alone. ``collect_add_rms_norm``: the same for one row
+  whose x is the CPU experts' output still in pinned host memory, waiting for its done word first (the decode
+  step's collect in the same launch).
 - ``linear``: y = x @ W^T (+ bias) (+ residual) for a few rows (decode), W [N, K] streamed once by N / BN
   programs: for one row a multiply-add over [BN, BK] tiles summed at the end, for more rows a tensor-core
   product with the rows padded to 16. cuBLAS picks split-K for such shapes (o_proj of Qwen3-30B-A3B: 2048 x
@@ -51,6 +53,30 @@ def _build(triton, tl):
             else:
                 y = (v * r * wv).to(dt)
             tl.store(n_out + row * s_n + offs, y, mask=inside)
+
+    @triton.jit
+    def collect_norm_k(host, flag, x, res, w, s_out, n_out, H, eps, ROUND2: tl.constexpr, BH: tl.constexpr):
+        # add_norm_k (RES, NORM) for one row whose x is still in pinned host memory, ready once flag is 1 (a kernel
+        # of its own: the wait in add_norm_k's code made ptxas spill its plain variant)
+        offs = tl.arange(0, BH)
+        inside = offs < H
+        dt = x.dtype.element_ty
+        while tl.load(flag, volatile=True, cache_modifier=".cv") != 1:
+            pass
+        v = tl.load(host + offs, mask=inside, other=0.0, cache_modifier=".cv").to(dt)
+        tl.store(x + offs, v, mask=inside)  # as the collect's copy would have
+        tl.debug_barrier()  # every thread is past the wait (and has its x) before the word goes back to 0
+        tl.store(flag, 0)
+        v = (v.to(tl.float32) + tl.load(res + offs, mask=inside, other=0.0).to(tl.float32)).to(dt)
+        tl.store(s_out + offs, v, mask=inside)
+        v = v.to(tl.float32)
+        r = tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
+        wv = tl.load(w + offs, mask=inside, other=0.0).to(tl.float32)
+        if ROUND2:
+            y = ((v * r).to(dt).to(tl.float32) * wv).to(dt)
+        else:
+            y = (v * r * wv).to(dt)
+        tl.store(n_out + offs, y, mask=inside)
 
     @triton.jit
     def linear_k(x, w, bias, res, out, nw, n_out, cnt, N, K, s_x, s_w, s_r, s_o, s_n, eps, NPROG, B: tl.constexpr,
@@ -101,7 +127,7 @@ def _build(triton, tl):
                     tl.store(n_out + b * s_n + offs, yn, mask=inside)
                 tl.atomic_xchg(cnt, 0)
 
-    return add_norm_k, linear_k
+    return add_norm_k, linear_k, collect_norm_k
 
 
 @functools.cache
@@ -128,6 +154,28 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                                 NORM=weight is not None, ROUND2=bool(round_twice), BH=pow2(H, 16),
                                 num_warps=4 if H <= 2048 else 8)
     return x if residual is None else s.view(x.shape), None if y is None else y.view(x.shape)
+
+
+def collect_add_rms_norm(host: torch.Tensor, flag: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
+                         weight: torch.Tensor, eps: float, round_twice: bool = False) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """``add_rms_norm(x, residual, weight, ...)`` for one row whose x is still in pinned host memory: the kernel
+    waits until ``flag`` (one pinned int32 word) is 1, writes ``x`` = host cast to x's dtype (what
+    ``fused.copy`` would have), then the sum and its norm as add_rms_norm, and sets flag to 0: the decode step's
+    collect of the CPU experts' output and the residual add + next norm as one launch (``stream_experts``).
+    host [1, H] (float32 or x's dtype), x and residual [1, H] of the model's dtype on the device."""
+    H = x.shape[-1]
+    if host.numel() != H or x.numel() != H or residual.numel() != H or not (
+            host.is_contiguous() and x.is_contiguous() and residual.is_contiguous()):
+        raise ValueError(f"collect_add_rms_norm: one contiguous row of H={H} each, got host {list(host.shape)}, x "
+                         f"{list(x.shape)}, residual {list(residual.shape)}")
+    if flag.dtype != torch.int32 or flag.numel() != 1:
+        raise ValueError(f"collect_add_rms_norm: flag must be one int32 word, got {flag.dtype} x {flag.numel()}")
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    with on_device(x):
+        _kernels()[2][(1,)](host, flag, x, residual, weight, s, y, H, float(eps), ROUND2=bool(round_twice),
+                            BH=pow2(H, 16), num_warps=4 if H <= 2048 else 8)
+    return s, y
 
 
 #: candidate (BN, BK, warps) for one row and for a few rows

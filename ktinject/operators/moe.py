@@ -220,6 +220,10 @@ class HybridMoE(nn.Module):
         self.class_name = type(block).__name__
         self._task = None  # native.Task, made on first forward
         self._copied = None  # torch.cuda.Event: host copies done (CUDA only)
+        # set by the decode layer's forward around its call (decode_layer): it takes a one-token runner's collect
+        # into its residual add + norm; the runner left to it (take_lazy_collect)
+        self.caller_collects = False
+        self._lazy_runner = None
         # expert deferral (ktinject.operators.deferral): slots deferred per token in decode steps, the chain of the
         # model's MoE blocks (set by deferral.link at injection; None: this block defers nothing) and its place
         router = getattr(block, spec.router)
@@ -300,7 +304,7 @@ class HybridMoE(nn.Module):
                                                                      staging(pin=on_cuda))
             routed = _combine(routed, extra)
         else:
-            routed, shared = self._experts(x, ids, weights)
+            routed, shared = self._experts(x, ids, weights, lazy=self.caller_collects and pending is None)
             prev = None if pending is None else pending.collect()
         out = routed if shared is None else routed + shared
         if prev is not None:  # the previous MoE block's deferred experts
@@ -326,8 +330,15 @@ class HybridMoE(nn.Module):
             return 0
         return deferral.check_defer(self.defer, k, repr(self.class_name))
 
-    def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        """(routed [T, H] on x's device, shared [T, H] or None), the two computed concurrently."""
+    def take_lazy_collect(self):
+        """The StreamExperts whose output this block's last forward returned uncollected (``out`` not yet written:
+        the caller launches its collect, ``caller_collects``), else None; cleared by the call."""
+        r, self._lazy_runner = self._lazy_runner, None
+        return r
+
+    def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lazy: bool = False):
+        """(routed [T, H] on x's device, shared [T, H] or None), the two computed concurrently. ``lazy``: in graph
+        decode, where routed would be the runner's output alone, return it uncollected (take_lazy_collect)."""
         T, H = x.shape
         k = ids.shape[1]
         on_cuda = x.device.type == "cuda"
@@ -344,7 +355,10 @@ class HybridMoE(nn.Module):
             runner.start(x, ids, weights)
             shared = shared_output(self, self.spec.shared, x)
             extra = None if self.hot is None else self.hot(x, ids, weights)  # GPU-resident experts, meanwhile
-            return _combine(runner.finish(), extra), shared  # runner output: static [T, H]
+            routed = runner.finish(lazy=lazy and shared is None and extra is None)  # static [T, H]
+            if runner.pending:
+                self._lazy_runner = runner
+            return _combine(routed, extra), shared
         st = staging(pin=on_cuda)
         h, i, w = st.inputs("", x, ids, weights, non_blocking=on_cuda)  # device -> pinned host, async on CUDA
         o = st.get("out", T, H, stream_experts.host_dtype(x.dtype))
