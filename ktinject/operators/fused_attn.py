@@ -206,6 +206,17 @@ def _kernels():
     return fused.define(_build)
 
 
+def _rope_operands(qkv: torch.Tensor, norms, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    """(cos, sin [B or 1, D] in qkv's dtype, q_norm's and k_norm's weights, eps) as the rotary kernels read them
+    (HF: batch 1 without position ids gives one row of cos/sin; without norms the weights are not read)."""
+    D = qkv.shape[-1]
+    cos = cos.to(qkv.dtype).reshape(-1, D).contiguous()
+    sin = sin.to(qkv.dtype).reshape(-1, D).contiguous()
+    if norms:
+        return cos, sin, norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[2])
+    return cos, sin, cos, cos, 0.0
+
+
 def qk_norm_rope(qkv: torch.Tensor, hq: int, hk: int, norms, cos: torch.Tensor, sin: torch.Tensor,
                  cache: tuple | None = None) -> torch.Tensor:
     """q and k of ``qkv`` [B, Hq + 2 Hkv, D] (last dim contiguous, D even) normed (``norms`` = (q_norm, k_norm,
@@ -214,13 +225,7 @@ def qk_norm_rope(qkv: torch.Tensor, hq: int, hk: int, norms, cos: torch.Tensor, 
     and V at position lengths[b] (nothing where that is >= L) and the result is q alone, [B, Hq, D]."""
     B, _, D = qkv.shape
     out = torch.empty((B, hq if cache else hq + hk, D), dtype=qkv.dtype, device=qkv.device)
-    cos = cos.to(qkv.dtype).reshape(-1, D).contiguous()  # [B or 1, D] (HF: batch 1 without position ids)
-    sin = sin.to(qkv.dtype).reshape(-1, D).contiguous()
-    if norms:
-        wq, wk, eps = norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[2])
-    else:
-        wq = wk = cos  # not read
-        eps = 0.0
+    cos, sin, wq, wk, eps = _rope_operands(qkv, norms, cos, sin)
     kc, vc, lens = cache if cache else (out, out, out)  # not read without a cache
     if cache and not (kc.stride(-1) == vc.stride(-1) == 1 and kc.shape[-1] == vc.shape[-1] == D):
         raise ValueError("qk_norm_rope: cache K/V need head dim D with a contiguous last dim")
@@ -282,14 +287,7 @@ def rope_attention(qkv: torch.Tensor, hq: int, norms, cos: torch.Tensor, sin: to
     token writes that token's k and v into the cache (nothing where lengths[b] >= L) before reading its keys: the
     same values as the two kernels, one launch fewer. Returns [B, Hq * D]; lengths advance by one."""
     keys, values, lengths = cache
-    B, _, D = qkv.shape
-    cos = cos.to(qkv.dtype).reshape(-1, D).contiguous()  # [B or 1, D]
-    sin = sin.to(qkv.dtype).reshape(-1, D).contiguous()
-    if norms:
-        wq, wk, eps = norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[2])
-    else:
-        wq = wk = cos  # not read
-        eps = 0.0
+    cos, sin, wq, wk, eps = _rope_operands(qkv, norms, cos, sin)
     if qkv.stride(-1) != 1 or qkv.shape[1] != hq + 2 * keys.shape[1]:
         raise ValueError(f"rope_attention: qkv {list(qkv.shape)} must be [B, Hq + 2 Hkv = {hq + 2 * keys.shape[1]}, "
                          f"D] with a contiguous last dim")

@@ -33,6 +33,17 @@ log = logging.getLogger(__name__)
 
 
 def _build(triton, tl):
+    global rms_norm_row  # a jit helper is found through the module's globals (not the closure), made here
+
+    @triton.jit
+    def rms_norm_row(v, w, offs, inside, H, eps, dt: tl.constexpr, ROUND2: tl.constexpr):
+        """RMSNorm of one float32 row v, in dt: one rounding, or two (ROUND2; see the module docstring)."""
+        r = tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
+        wv = tl.load(w + offs, mask=inside, other=0.0).to(tl.float32)
+        if ROUND2:
+            return ((v * r).to(dt).to(tl.float32) * wv).to(dt)
+        return (v * r * wv).to(dt)
+
     @triton.jit
     def add_norm_k(x, res, w, s_out, n_out, H, eps, s_x, s_r, s_s, s_n, RES: tl.constexpr, NORM: tl.constexpr,
                    ROUND2: tl.constexpr, BH: tl.constexpr):
@@ -46,13 +57,7 @@ def _build(triton, tl):
             tl.store(s_out + row * s_s + offs, v, mask=inside)
             v = v.to(tl.float32)
         if NORM:
-            r = tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
-            wv = tl.load(w + offs, mask=inside, other=0.0).to(tl.float32)
-            if ROUND2:
-                y = ((v * r).to(dt).to(tl.float32) * wv).to(dt)
-            else:
-                y = (v * r * wv).to(dt)
-            tl.store(n_out + row * s_n + offs, y, mask=inside)
+            tl.store(n_out + row * s_n + offs, rms_norm_row(v, w, offs, inside, H, eps, dt, ROUND2), mask=inside)
 
     @triton.jit
     def collect_norm_k(host, flag, x, res, w, s_out, n_out, H, eps, ROUND2: tl.constexpr, BH: tl.constexpr):
@@ -69,14 +74,7 @@ def _build(triton, tl):
         tl.store(flag, 0)
         v = (v.to(tl.float32) + tl.load(res + offs, mask=inside, other=0.0).to(tl.float32)).to(dt)
         tl.store(s_out + offs, v, mask=inside)
-        v = v.to(tl.float32)
-        r = tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
-        wv = tl.load(w + offs, mask=inside, other=0.0).to(tl.float32)
-        if ROUND2:
-            y = ((v * r).to(dt).to(tl.float32) * wv).to(dt)
-        else:
-            y = (v * r * wv).to(dt)
-        tl.store(n_out + offs, y, mask=inside)
+        tl.store(n_out + offs, rms_norm_row(v.to(tl.float32), w, offs, inside, H, eps, dt, ROUND2), mask=inside)
 
     @triton.jit
     def linear_k(x, w, bias, res, out, nw, n_out, cnt, N, K, s_x, s_w, s_r, s_o, s_n, eps, NPROG, B: tl.constexpr,
