@@ -144,3 +144,30 @@ def test_bf16_no_worse_than_hf_on_cuda(family):
     err_fast = (_logits(fast16, ids, mask, forced=forced) - t)[keep].abs()
     med_fast, med_hf = float(err_fast.mean(-1).median()), float(err_hf.mean(-1).median())
     assert med_fast <= 1.2 * med_hf + 1e-3, (med_fast, med_hf)
+
+
+def test_a_pending_collect_is_flushed_where_it_cannot_join_the_add():
+    """The MoE operator's lazy collect (graph decode, one token: stream_experts' finish(lazy=True)) is queued before
+    the residual add wherever the add + norm cannot take it (here: no kernels on the CPU), so the output is written
+    before it is read; the add's result is then HF's."""
+    _, fast = _pair("qwen3_moe")
+    layer = fast.model.layers[0]
+
+    class Lazy:
+        def __init__(self, out):
+            self.out, self.calls = out, []
+
+        def flush(self):
+            self.calls.append("flush")
+            self.out.fill_(2.0)  # what the collect writes
+            return self.out
+
+        def collect_add_rms_norm(self, *a):
+            self.calls.append("fused")
+            raise AssertionError("no kernels here")
+
+    h = torch.randn(1, 1, fast.config.hidden_size)
+    m = torch.zeros_like(h)
+    lazy = Lazy(m)
+    s = DL._add_and_next_norm(layer, m, h, False, lazy)
+    assert lazy.calls == ["flush"] and torch.equal(s, h + 2.0)
