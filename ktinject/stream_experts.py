@@ -178,6 +178,9 @@ class StreamExperts:
         ``lazy``, for one token where the collect kernel waits itself: queue nothing and return ``out`` still
         unwritten (``pending``): the caller then queues ``collect_add_rms_norm`` (the collect inside its residual
         add + norm) or ``flush`` before anything reads it."""
+        if self.pending:  # a lazy finish never collected (a step cut short): its done word is unknown
+            raise RuntimeError("StreamExperts.finish: the previous lazy finish was never collected (reset_flags "
+                               "after an aborted step)")
         if lazy and self._spin and self.T == 1 and self.o.dtype in (torch.float32, self.dtype):
             self.pending = True
             return self.out
@@ -250,8 +253,10 @@ class StreamExperts:
         return self.finish()
 
     def reset_flags(self) -> None:
-        """Host-side reset of go/done after an aborted step (call with the device idle)."""
+        """Host-side reset of go/done after an aborted step (call with the device idle); a lazy finish left
+        uncollected is dropped."""
         self.flags.zero_()
+        self.pending = False
 
     def close(self) -> None:
         """Stop watching and free the task (no captured graph that uses this runner may be replayed afterwards)."""

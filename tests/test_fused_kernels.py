@@ -386,11 +386,10 @@ def test_kernels_compile_for_sm90():
             for BN, BK, warps in configs:  # (float32 products run in registers: spills there cost speed only)
                 check(lin, {**t, "nw": f"*{dt}", "n_out": f"*{dt}"}, dict(B=B, BB=BB, BN=BN, BK=BK, BIAS=True, RES=True,
                       NORM=True, ROUND2=False, BH=2048, PREC=prec), warps, dt == "bf16")
-    for go in (False, True):
+    for go, scope in ((False, "gpu"), (True, "gpu"), (True, "sys")):  # (the token counters' scope: gpu in use)
         check(fused._kernels(), dict(x="*bf16", w="*fp32", logits="*fp32", w_out="*fp32", i_out="*i64", cnt="*i32",
                                      counts="*i64", h_host="*bf16", w_host="*fp32", i_host="*i64", go="*i32"),
-              dict(K=8, KP=8, BLOCK=128, BLOCK_E=2, BLOCK_H=512, COUNT=True, STAGE=True, GO=go,
-                   SCOPE="sys" if go else "gpu"))
+              dict(K=8, KP=8, BLOCK=128, BLOCK_E=2, BLOCK_H=512, COUNT=True, STAGE=True, GO=go, SCOPE=scope))
     for flag, wait in ((False, False), (True, False), (True, True)):
         check(fused._copy_kernel(), dict(src="*fp32", dst="*bf16", flag="*i32", cnt="*i32"),
               dict(BLOCK=fused.COPY_BLOCK, FLAG=flag, WAIT=wait), fused.COPY_WARPS)

@@ -30,6 +30,7 @@ from torch import nn
 
 from ktinject import fastpaths
 from ktinject.operators import decode_attention, fused
+from ktinject.operators.moe import hooked as moe_hooked
 from ktinject.operators.fused_dense import add_rms_norm
 from ktinject.operators.norm import FusedRMSNorm, attach_prenormed, fuse_problem, rounds_twice, take_prenormed
 
@@ -164,8 +165,9 @@ def decode_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     if normed2 is not None:
         attach_prenormed(h, post, normed2)
     mlp = self.mlp
-    # the MoE operator, unhooked (a hook would read its output): its collect can join the add + norm below
-    takes = fast and hasattr(mlp, "take_lazy_collect") and not (mlp._forward_hooks or mlp._forward_pre_hooks)
+    # the MoE operator, unhooked (a hook or an instance forward would read its output before it is written): its
+    # collect can join the add + norm below
+    takes = fast and hasattr(mlp, "take_lazy_collect") and not moe_hooked(mlp)
     if takes:
         mlp.caller_collects = True
     try:

@@ -173,6 +173,7 @@ def _build(triton, tl):
                 tl.atomic_add(counts + ids, tl.full([KP], 1, tl.int64), mask=slot < K)
             tl.atomic_xchg(cnt + t, 0)
             if GO:  # every token's inputs written (counter cnt[T]): raise the CPU's go word
+                tl.debug_barrier()  # every thread's w_host / i_host stores before the release below
                 if tl.atomic_add(cnt + T, 1, sem="acq_rel", scope="sys") == T - 1:
                     tl.atomic_xchg(cnt + T, 0)
                     tl.store(go, 1)
@@ -186,7 +187,7 @@ def _build_copy(triton, tl):
         pid = tl.program_id(0)
         i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < N
-        if WAIT:  # poll the done word (uncached: .cv fetches host memory again), then read src likewise
+        if WAIT:  # poll the done word (volatile: LDG.STRONG.SYS; Triton drops the .cv), then read src (see copy)
             while tl.load(flag, volatile=True, cache_modifier=".cv") != 1:
                 pass
             v = tl.load(src + i, mask=m, cache_modifier=".cv")
@@ -225,7 +226,12 @@ def copy(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor | None = None,
     decode step's CPU output brought to the device and its done word reset (``stream_experts``: one graph node in
     place of a write-value and a host-to-device copy); with ``wait`` too, the kernel first polls until flag[0] == 1
     (the CPU's done: no wait node before it; like that node it waits for as long as the word stays 0). Also moves
-    streamed prefill's activations (``gpu_experts.hostio``)."""
+    streamed prefill's activations (``gpu_experts.hostio``).
+    Ordering with ``wait`` (a review's finding, 2026-11-27): the poll is a relaxed volatile load and src's loads are
+    plain ones issued after it (Triton emits no .cv): correct on today's GPUs, which do not issue a load before the
+    branch it follows resolves, and whose L1 holds no line of src at the kernel's start; not an acquire in PTX's
+    model (``ld.acquire.sys`` or ``fence.acq_rel.sys`` by inline asm would make it one: not yet measured on the GPU).
+    The counters live in per-device workspaces: one decode step at a time on a device, as everywhere here."""
     if src.shape != dst.shape or not src.is_contiguous() or not dst.is_contiguous():
         raise ValueError(f"fused.copy: src {list(src.shape)} and dst {list(dst.shape)} must be contiguous and of one "
                          f"shape")

@@ -62,7 +62,7 @@ def _build(triton, tl):
     @triton.jit
     def collect_norm_k(host, flag, x, res, w, s_out, n_out, H, eps, ROUND2: tl.constexpr, BH: tl.constexpr):
         # add_norm_k (RES, NORM) for one row whose x is still in pinned host memory, ready once flag is 1 (a kernel
-        # of its own: the wait in add_norm_k's code made ptxas spill its plain variant)
+        # of its own: the wait in add_norm_k's code made ptxas spill its plain variant); ordering: fused.copy's
         offs = tl.arange(0, BH)
         inside = offs < H
         dt = x.dtype.element_ty

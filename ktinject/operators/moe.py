@@ -180,7 +180,7 @@ def _idle_capture_hook(fn) -> bool:
     return collected is None or key not in collected
 
 
-def _hooked(module: nn.Module) -> bool:
+def hooked(module: nn.Module) -> bool:
     """Anything that would see or change the module's forward: hooks (forward, backward, global; transformers' idle
     output-capturing hooks aside) or an instance-level forward (e.g. accelerate's hooks)."""
     glob = torch.nn.modules.module
@@ -249,7 +249,7 @@ class HybridMoE(nn.Module):
         report = fastpaths.report_for(self)
         if not softmax_topk_router(router):
             report.unavailable("fast_router", f"{type(router).__name__} is not a softmax -> top-k router")
-        elif _hooked(router):
+        elif hooked(router):
             report.fell_back("fast_router", f"{type(router).__name__} has hooks or its own forward", True)
         elif torch.is_grad_enabled() and router.weight.requires_grad:
             report.fell_back("fast_router", "autograd through the router", True)
@@ -355,8 +355,9 @@ class HybridMoE(nn.Module):
             runner.start(x, ids, weights)
             shared = shared_output(self, self.spec.shared, x)
             extra = None if self.hot is None else self.hot(x, ids, weights)  # GPU-resident experts, meanwhile
-            routed = runner.finish(lazy=lazy and shared is None and extra is None)  # static [T, H]
-            if runner.pending:
+            lazy = lazy and shared is None and extra is None
+            routed = runner.finish(lazy=lazy)  # static [T, H]
+            if lazy and runner.pending:  # deferred by this finish: the caller collects it
                 self._lazy_runner = runner
             return _combine(routed, extra), shared
         st = staging(pin=on_cuda)
