@@ -147,7 +147,7 @@ class StreamExperts:
 
     def go_word(self) -> torch.Tensor | None:
         """The pinned go word [1] int32 for a routing kernel to raise itself (memops mode), else None."""
-        return self.flags[0:1] if self.mode == "memops" and self._collect_kernel else None
+        return self.flags[0:1] if self._collect_kernel else None  # (the collect kernel runs in memops mode only)
 
     def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Queue on the current stream: copy x [T,H], ids [T,k], weights [T,k] to the host, then start the task.
@@ -181,7 +181,7 @@ class StreamExperts:
         if self.pending:  # a lazy finish never collected (a step cut short): its done word is unknown
             raise RuntimeError("StreamExperts.finish: the previous lazy finish was never collected (reset_flags "
                                "after an aborted step)")
-        if lazy and self._spin and self.T == 1 and self.o.dtype in (torch.float32, self.dtype):
+        if lazy and self._spin and self.T == 1:
             self.pending = True
             return self.out
         return self._collect(getattr(self, "done_dptr", None), self.DONE, self.task, self.o, self.out)
@@ -190,7 +190,7 @@ class StreamExperts:
         """The collect a lazy ``finish`` left, queued now (nothing if none is pending). Returns ``out``."""
         if self.pending:
             self.pending = False
-            self._collect(getattr(self, "done_dptr", None), self.DONE, self.task, self.o, self.out)
+            self.finish()
         return self.out
 
     def collect_add_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -124,7 +124,7 @@ def _add_and_next_norm(self, m: torch.Tensor, h: torch.Tensor, fast: bool, lazy=
     link = self.__dict__.get(_NEXT)
     nxt = getattr(link[0], link[1], None) if link else None
     fusable = nxt is not None and _fusable_norm(nxt, h) and m.shape == h.shape and m.dtype == h.dtype
-    if lazy is not None and fast and fusable and h.shape[0] * h.shape[1] == 1 and h.is_contiguous():
+    if lazy is not None and fast and fusable and h.is_contiguous():  # (lazy: one token, m.shape == h.shape)
         s, y = lazy.collect_add_rms_norm(h, nxt.weight, nxt.variance_epsilon, rounds_twice(nxt))
         s = s.view(h.shape)
         attach_prenormed(s, nxt, y.view(h.shape))

@@ -146,7 +146,7 @@ static void copy_row(const fctx *c, int r, int r0) {
 /* Tokens [item * gtok, ...): each token's hidden state made into its first row once, copied into its other rows. */
 void ktki_fwd_gather_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
-    const int64_t es = c->t->hidden_dtype == KTK_DTYPE_F32 ? 4 : 2;
+    const int64_t es = ktki_dtype_size(c->t->hidden_dtype);
     float *tmp = ktki_thread_scratch(c->pool, tid);
     const int t1 = (int)((item + 1) * c->gtok < c->T ? (item + 1) * c->gtok : c->T);
     for (int tk = (int)(item * c->gtok); tk < t1; tk++) {

@@ -96,7 +96,6 @@ const float *ktki_expert_bias(const ktk_experts *ex, int e, int which) {
     return (const float *)(ex->base + ex->expert_bytes * e + ex->bias_off[which]);
 }
 
-static int64_t dtype_size(int dtype) { return dtype == KTK_DTYPE_F32 ? 4 : 2; }
 
 int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dtype, int64_t so, int64_t si) {
     ktk_mat m = ktki_expert_mat(ex, e, which);
@@ -108,7 +107,7 @@ int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dty
         return ktki_error(KTK_ERR_NOMEM, "ktk_experts_set: out of memory");
     }
     const char *base = src;
-    const int64_t es = dtype_size(dtype);
+    const int64_t es = ktki_dtype_size(dtype);
     for (int n = 0; n < m.N; n++) {
         ktki_to_f32(base + (int64_t)n * so * es, dtype, m.K, si, row);
         if (m.quant == KTK_QUANT_BF16)

@@ -399,8 +399,7 @@ int ktki_forward_step(ktk_pool *pool, const ktk_task *t, int first, ktki_phase *
             break;
         case 3:
             if (c->R == 0) {   /* every slot skipped (GPU-resident, deferred to the other part): zeros, here */
-                const size_t es = c->t->out_dtype == KTK_DTYPE_F32 ? 4 : 2;
-                memset(c->t->out, 0, (size_t)c->T * c->H * es);
+                memset(c->t->out, 0, (size_t)c->T * c->H * (size_t)ktki_dtype_size(c->t->out_dtype));
                 break;
             }
             if (c->gemv) return guided(ph, c, down_decode, c->UH, c->cw_dn, down_minc());

@@ -15,6 +15,9 @@
 
 #define KTKI_MSG_LEN 320
 
+/* Bytes of one element of an activation / output dtype (F32, else a 16-bit float). */
+static inline int64_t ktki_dtype_size(int dtype) { return dtype == KTK_DTYPE_F32 ? 4 : 2; }
+
 /* ---- errors (error.c): thread-local message, read back by ktk_last_error ---- */
 /* Sets this thread's message and returns code (so: return ktki_error(KTK_ERR_SHAPE, "...")). */
 int ktki_error(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
