@@ -354,13 +354,20 @@ def test_kernels_compile_for_sm90():
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
     def check(fn, ptrs, consts, warps=4, spill_free=True):
-        sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
-        k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        if cuobjdump.exists() and spill_free:
-            cubin = Path(__import__("tempfile").mkdtemp()) / "k.cubin"
-            cubin.write_bytes(k.asm["cubin"])
-            sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True).stdout
-            assert "STL" not in sass, f"{fn.__name__} {consts} spills registers"
+        """fn compiled with consts (and PDL off and on where fn has it and consts do not say): no spills, and
+        griddepcontrol.wait exactly where PDL is on."""
+        pdls = (consts["PDL"],) if "PDL" in consts else (False, True)
+        for pdl in pdls:
+            c = {**consts, "PDL": pdl}
+            sig = {n: "constexpr" if n in c else ptrs.get(n, "i32") for n in fn.arg_names}
+            k = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            waits = k.asm["ptx"].count("griddepcontrol.wait")
+            assert (waits > 0) == pdl, f"{fn.__name__} {c}: {waits} griddepcontrol.wait"
+            if cuobjdump.exists() and spill_free:
+                cubin = Path(__import__("tempfile").mkdtemp()) / "k.cubin"
+                cubin.write_bytes(k.asm["cubin"])
+                sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True).stdout
+                assert "STL" not in sass, f"{fn.__name__} {c} spills registers"
 
     rope, attn = FA._kernels()
     add_norm, lin, _ = FD._kernels()
@@ -383,13 +390,15 @@ def test_kernels_compile_for_sm90():
         check(add_norm, t, dict(RES=True, NORM=True, ROUND2=True, BH=2048))
         check(FD._kernels()[2], {**t, "host": "*fp32", "flag": "*i32"}, dict(ROUND2=True, BH=2048))
         for B, BB, configs in ((1, 1, FD.CONFIGS_1), (4, 16, FD.CONFIGS_N)):
-            for BN, BK, warps in configs:  # (float32 products run in registers: spills there cost speed only)
-                check(lin, {**t, "nw": f"*{dt}", "n_out": f"*{dt}"}, dict(B=B, BB=BB, BN=BN, BK=BK, BIAS=True, RES=True,
-                      NORM=True, ROUND2=False, BH=2048, PREC=prec), warps, dt == "bf16")
+            for BN, BK, warps, *red in configs:  # (float32 products run in registers: spills there cost speed only)
+                check(lin, {**t, "nw": f"*{dt}", "n_out": f"*{dt}"}, dict(
+                    B=B, BB=BB, BN=BN, BK=BK, BIAS=True, RES=True, NORM=True, ROUND2=False, BH=2048, PREC=prec,
+                    RED=bool(red and red[0])), warps, dt == "bf16")
     for go, scope in ((False, "gpu"), (True, "gpu"), (True, "sys")):  # (the token counters' scope: gpu in use)
         check(fused._kernels(), dict(x="*bf16", w="*fp32", logits="*fp32", w_out="*fp32", i_out="*i64", cnt="*i32",
                                      counts="*i64", h_host="*bf16", w_host="*fp32", i_host="*i64", go="*i32"),
-              dict(K=8, KP=8, BLOCK=128, BLOCK_E=2, BLOCK_H=512, COUNT=True, STAGE=True, GO=go, SCOPE=scope))
+              dict(K=8, KP=8, BLOCK=128, BLOCK_E=fused.ROUTER_BLOCK_E, BLOCK_H=512, COUNT=True, STAGE=True, GO=go,
+                   SCOPE=scope), fused.ROUTER_WARPS)
     for flag, wait in ((False, False), (True, False), (True, True)):
         check(fused._copy_kernel(), dict(src="*fp32", dst="*bf16", flag="*i32", cnt="*i32"),
               dict(BLOCK=fused.COPY_BLOCK, FLAG=flag, WAIT=wait), fused.COPY_WARPS)

@@ -36,10 +36,15 @@ from ktinject.operators.fused import on_device, pow2
 
 def _build(triton, tl):
     global norm_rope_rows  # a jit helper is found through the module's globals (not the closure), made here
+    global gdc_wait, gdc_launch_dependents
+    gdc_wait, gdc_launch_dependents = fused.gdc_functions()
     @triton.jit
     def rope_k(qkv, out, wq, wk, cos, sin, kc, vc, lens, s_qkv_b, s_qkv_h, s_out_b, s_out_h, s_cs_b,
                s_kc_b, s_kc_h, s_kc_l, s_vc_b, s_vc_h, s_vc_l, L, eps, HQ: tl.constexpr, HK: tl.constexpr,
-               D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, KV: tl.constexpr):
+               D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, KV: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         b = (pid // (HQ + HK)).to(tl.int64)
         h = pid % (HQ + HK)
@@ -98,7 +103,10 @@ def _build(triton, tl):
                s_v_b, s_v_h, s_v_l, s_m_b, s_o_b, wq, wk, cos, sin, s_cs_b, eps, HK: tl.constexpr, G: tl.constexpr,
                GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MAXS: tl.constexpr,
                LENS: tl.constexpr, MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PREC: tl.constexpr,
-               ROPE: tl.constexpr = False, NORM: tl.constexpr = False):
+               ROPE: tl.constexpr = False, NORM: tl.constexpr = False, PDL: tl.constexpr = False):
+        if PDL:  # (the next kernel, o_proj's GEMV, loads its weights while this one runs)
+            gdc_wait()
+            gdc_launch_dependents()
         r = tl.program_id(0)  # b * Hkv + KV head
         sp = tl.program_id(1)
         b = r // HK
@@ -235,7 +243,7 @@ def qk_norm_rope(qkv: torch.Tensor, hq: int, hk: int, norms, cos: torch.Tensor, 
             qkv, out, wq, wk, cos, sin, kc, vc, lens, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
             0 if cos.shape[0] == 1 else cos.stride(0), *(kc.stride()[:3] if cache else (0, 0, 0)),
             *(vc.stride()[:3] if cache else (0, 0, 0)), L, eps, HQ=hq, HK=hk, D=D, BD=pow2(D, 16),
-            NORM=bool(norms), KV=bool(cache))
+            NORM=bool(norms), KV=bool(cache), PDL=(p := fused.pdl(qkv)), launch_pdl=p)
     return out
 
 
@@ -325,7 +333,7 @@ def _attention(q, hq, keys, values, scale, mask, lengths, keys_per_split, rope) 
             q.stride(0), q.stride(1), *keys.stride()[:3], *values.stride()[:3], s_m_b, out.stride(0),
             *(rope[:6] if rope else (q, q, q, q, 0, 0.0)), HK=hk, G=G, GP=GP, D=D, BD=BD, BN=BN, MAXS=MAX_SPLITS,
             LENS=lengths is not None, MASK=mask is not None, MASK_BOOL=is_bool, PREC=fused.dot_precision(q.dtype),
-            ROPE=rope is not None, NORM=bool(rope and rope[6]))
+            ROPE=rope is not None, NORM=bool(rope and rope[6]), PDL=(p := fused.pdl(q)), launch_pdl=p)
     return out
 
 

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 def _build(triton, tl):
     global rms_norm_row  # a jit helper is found through the module's globals (not the closure), made here
+    global gdc_wait, gdc_launch_dependents
+    gdc_wait, gdc_launch_dependents = fused.gdc_functions()
 
     @triton.jit
     def rms_norm_row(v, w, offs, inside, H, eps, dt: tl.constexpr, ROUND2: tl.constexpr):
@@ -46,7 +48,10 @@ def _build(triton, tl):
 
     @triton.jit
     def add_norm_k(x, res, w, s_out, n_out, H, eps, s_x, s_r, s_s, s_n, RES: tl.constexpr, NORM: tl.constexpr,
-                   ROUND2: tl.constexpr, BH: tl.constexpr):
+                   ROUND2: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BH)
         inside = offs < H
@@ -60,9 +65,14 @@ def _build(triton, tl):
             tl.store(n_out + row * s_n + offs, rms_norm_row(v, w, offs, inside, H, eps, dt, ROUND2), mask=inside)
 
     @triton.jit
-    def collect_norm_k(host, flag, x, res, w, s_out, n_out, H, eps, ROUND2: tl.constexpr, BH: tl.constexpr):
+    def collect_norm_k(host, flag, x, res, w, s_out, n_out, H, eps, ROUND2: tl.constexpr, BH: tl.constexpr,
+                       PDL: tl.constexpr = False):
         # add_norm_k (RES, NORM) for one row whose x is still in pinned host memory, ready once flag is 1 (a kernel
-        # of its own: the wait in add_norm_k's code made ptxas spill its plain variant); ordering: fused.copy's
+        # of its own: the wait in add_norm_k's code made ptxas spill its plain variant); ordering: fused.copy's.
+        # With PDL the next layer's qkv GEMV starts now and loads its weights while this one waits for the CPU
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         offs = tl.arange(0, BH)
         inside = offs < H
         dt = x.dtype.element_ty
@@ -79,21 +89,38 @@ def _build(triton, tl):
     @triton.jit
     def linear_k(x, w, bias, res, out, nw, n_out, cnt, N, K, s_x, s_w, s_r, s_o, s_n, eps, NPROG, B: tl.constexpr,
                  BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BIAS: tl.constexpr, RES: tl.constexpr,
-                 NORM: tl.constexpr, ROUND2: tl.constexpr, BH: tl.constexpr, PREC: tl.constexpr):
+                 NORM: tl.constexpr, ROUND2: tl.constexpr, BH: tl.constexpr, PREC: tl.constexpr,
+                 RED: tl.constexpr = False, PDL: tl.constexpr = False):
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nm = n < N
         wrow = w + n[:, None].to(tl.int64) * s_w
         rows = tl.arange(0, BB)
         dt = out.dtype.element_ty
-        if B == 1:
-            acc2 = tl.zeros([BN, BK], tl.float32)
-            for k0 in range(0, K, BK):
-                k = k0 + tl.arange(0, BK)
-                wv = tl.load(wrow + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
-                xv = tl.load(x + k, mask=k < K, other=0.0)
-                acc2 += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
-            acc = tl.sum(acc2, axis=1)[None, :] + tl.zeros([BB, BN], tl.float32)  # [BB, BN], row 0 real
+        if B == 1:  # the first tile loaded before the wait (weights: no kernel writes them), the rest after
+            k = tl.arange(0, BK)
+            wv = tl.load(wrow + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
+            if PDL:
+                gdc_wait()
+            xv = tl.load(x + k, mask=k < K, other=0.0)
+            if RED:  # each tile summed as it comes: [BN] accumulators, room for wide tiles
+                acc1 = tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+                for k0 in range(BK, K, BK):
+                    k = k0 + tl.arange(0, BK)
+                    wv = tl.load(wrow + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
+                    xv = tl.load(x + k, mask=k < K, other=0.0)
+                    acc1 += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+                acc = acc1[None, :] + tl.zeros([BB, BN], tl.float32)
+            else:
+                acc2 = wv.to(tl.float32) * xv.to(tl.float32)[None, :]
+                for k0 in range(BK, K, BK):
+                    k = k0 + tl.arange(0, BK)
+                    wv = tl.load(wrow + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
+                    xv = tl.load(x + k, mask=k < K, other=0.0)
+                    acc2 += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
+                acc = tl.sum(acc2, axis=1)[None, :] + tl.zeros([BB, BN], tl.float32)  # [BB, BN], row 0 real
         else:
+            if PDL:
+                gdc_wait()
             acc = tl.zeros([BB, BN], tl.float32)
             for k0 in range(0, K, BK):
                 k = k0 + tl.arange(0, BK)
@@ -101,6 +128,8 @@ def _build(triton, tl):
                 xv = tl.load(x + rows[:, None] * s_x + k[None, :], mask=(rows < B)[:, None] & (k < K)[None, :],
                              other=0.0)  # [BB, BK]
                 acc += tl.dot(xv, tl.trans(wv), input_precision=PREC)
+        if PDL:  # the next kernel's programs may take SMs now: this one's are all started or done
+            gdc_launch_dependents()
         if BIAS:
             acc += tl.load(bias + n, mask=nm, other=0.0).to(tl.float32)[None, :]
         y = acc.to(dt)  # the projection, rounded as F.linear's output
@@ -114,14 +143,14 @@ def _build(triton, tl):
             if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
                 offs = tl.arange(0, BH)
                 inside = offs < N
-                wv = tl.load(nw + offs, mask=inside, other=0.0).to(tl.float32)
+                nwv = tl.load(nw + offs, mask=inside, other=0.0).to(tl.float32)
                 for b in tl.static_range(B):
                     v = tl.load(out + b * s_o + offs, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
                     r = tl.rsqrt(tl.sum(v * v, axis=0) / N + eps)
                     if ROUND2:
-                        yn = ((v * r).to(dt).to(tl.float32) * wv).to(dt)
+                        yn = ((v * r).to(dt).to(tl.float32) * nwv).to(dt)
                     else:
-                        yn = (v * r * wv).to(dt)
+                        yn = (v * r * nwv).to(dt)
                     tl.store(n_out + b * s_n + offs, yn, mask=inside)
                 tl.atomic_xchg(cnt, 0)
 
@@ -150,7 +179,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             _kernels()[0][(R,)](x2, r2, x2 if weight is None else weight, s, x2 if y is None else y, H, float(eps),
                                 x2.stride(0), r2.stride(0), s.stride(0), H, RES=residual is not None,
                                 NORM=weight is not None, ROUND2=bool(round_twice), BH=pow2(H, 16),
-                                num_warps=4 if H <= 2048 else 8)
+                                PDL=(p := fused.pdl(x)), launch_pdl=p, num_warps=4 if H <= 2048 else 8)
     return x if residual is None else s.view(x.shape), None if y is None else y.view(x.shape)
 
 
@@ -172,12 +201,18 @@ def collect_add_rms_norm(host: torch.Tensor, flag: torch.Tensor, x: torch.Tensor
     s, y = torch.empty_like(x), torch.empty_like(x)
     with on_device(x):
         _kernels()[2][(1,)](host, flag, x, residual, weight, s, y, H, float(eps), ROUND2=bool(round_twice),
-                            BH=pow2(H, 16), num_warps=4 if H <= 2048 else 8)
+                            BH=pow2(H, 16), PDL=(p := fused.pdl(x)), launch_pdl=p,
+                            num_warps=4 if H <= 2048 else 8)
     return s, y
 
 
-#: candidate (BN, BK, warps) for one row and for a few rows
-CONFIGS_1 = ((16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 1024, 8), (32, 512, 8))
+#: candidate (BN, BK, warps[, RED]) for one row and for a few rows. One row: cold GEMVs of Qwen3-30B-A3B's qkv
+#: (5120 x 2048) and o_proj (2048 x 4096 + residual + norm), tests/gpu/probe_prefetch.py, H100: qkv best (4, 2048,
+#: 4) 9.0 us, (8, 512, 4) 9.2, (16, 512, 4) 9.5; o_proj (2, 4096, 4, RED) 9.6, (2, 2048, 2, RED) 9.8, (8, 2048, 8)
+#: 9.9, (16, 1024, 8) 10.3; (32, 256, 4) and (32, 512, 8), once listed, were never the best. Wide tiles also load
+#: more of the weights before a launch's wait (fused.pdl)
+CONFIGS_1 = ((16, 512, 4), (4, 2048, 4), (8, 512, 4), (16, 1024, 8), (8, 2048, 8), (2, 4096, 4, True),
+             (2, 2048, 2, True))
 CONFIGS_N = ((32, 128, 4), (64, 128, 4), (16, 256, 4))
 _CHOICE: dict[tuple, tuple | None] = {}  # shape key -> config, or None for cuBLAS
 MEASURE_FROM = 1 << 20  # weights smaller than this stay with cuBLAS unmeasured (launch-bound either way)
@@ -186,7 +221,7 @@ MEASURE_FROM = 1 << 20  # weights smaller than this stay with cuBLAS unmeasured 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                   config: tuple, norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x [B, K] @ weight [N, K]^T (+ bias [N]) (+ residual [B, N]), its RMSNorm or None) by the kernel with
-    ``config`` (BN, BK, warps); ``norm``: (weight [N], eps, round_twice) as ``add_rms_norm``, computed by the
+    ``config`` (BN, BK, warps[, RED]: one row's tiles summed as they come, for wide tiles); ``norm``: (weight [N], eps, round_twice) as ``add_rms_norm``, computed by the
     program that finishes last."""
     B, K = x.shape
     N = weight.shape[0]
@@ -194,7 +229,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError("linear: x, weight and residual need contiguous last dims")
     out = torch.empty((B, N), dtype=x.dtype, device=x.device)
     normed = None if norm is None else torch.empty_like(out)
-    BN, BK, warps = config
+    BN, BK, warps, *red = config
     r = residual if residual is not None else out
     nw, eps, round2 = norm if norm is not None else (out, 0.0, False)
     cnt = fused.workspace("linear_counter", 1, torch.int32, x.device, zero=True) if norm is not None else out
@@ -205,6 +240,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                 out.stride(0), float(eps), nprog, B=B, BB=1 if B == 1 else pow2(B, 16), BN=BN, BK=BK,
                                 BIAS=bias is not None, RES=residual is not None, NORM=norm is not None,
                                 ROUND2=bool(round2), BH=pow2(N, 16), PREC=fused.dot_precision(x.dtype),
+                                RED=bool(red and red[0]) and B == 1, PDL=(p := fused.pdl(x)), launch_pdl=p,
                                 num_warps=warps)
     return out, normed
 
