@@ -292,7 +292,10 @@ def test_linear_matches_float64_and_cublas(dev, dtype):
             got, none = FD.linear_triton(x, W, b, r, cfg)
             assert got.shape == (B, N) and got.dtype == dtype and none is None
             err = (got.double() - want).abs().max()
-            assert err <= 2 * err_torch + (1e-5 if dtype == torch.float32 else 2 ** -8 * want.abs().max()), (cfg, err)
+            # float32: the kernel sums K products in its own order (cuBLAS in another): 1e-5 at K=1024, growing as
+            # sqrt(K) (a float32 product over K=4096 in one order differed by 1.2e-5); TF32 would be ~1e-3
+            tol = 1e-5 * max(1.0, K / 1024) ** 0.5 if dtype == torch.float32 else 2 ** -8 * want.abs().max()
+            assert err <= 2 * err_torch + tol, (cfg, err)
             norm = ((1 + 0.1 * torch.randn(N, generator=g)).to(dev, dtype), 1e-6, cfg[0] == 16)
             again, normed = FD.linear_triton(x, W, b, r, cfg, norm)  # + the norm by the last program
             assert torch.equal(again, got)
@@ -397,7 +400,7 @@ def test_kernels_compile_for_sm90():
     for go, scope in ((False, "gpu"), (True, "gpu"), (True, "sys")):  # (the token counters' scope: gpu in use)
         check(fused._kernels(), dict(x="*bf16", w="*fp32", logits="*fp32", w_out="*fp32", i_out="*i64", cnt="*i32",
                                      counts="*i64", h_host="*bf16", w_host="*fp32", i_host="*i64", go="*i32"),
-              dict(K=8, KP=8, BLOCK=128, BLOCK_E=fused.ROUTER_BLOCK_E, BLOCK_H=512, COUNT=True, STAGE=True, GO=go,
+              dict(K=8, KP=8, BLOCK=128, BLOCK_E=fused.ROUTER_BLOCK_E, BLOCK_H=fused.ROUTER_BLOCK_H, COUNT=True, STAGE=True, GO=go,
                    SCOPE=scope), fused.ROUTER_WARPS)
     for flag, wait in ((False, False), (True, False), (True, True)):
         check(fused._copy_kernel(), dict(src="*fp32", dst="*bf16", flag="*i32", cnt="*i32"),

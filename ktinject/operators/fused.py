@@ -172,13 +172,15 @@ def _build(triton, tl):
                  K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_H: tl.constexpr, COUNT: tl.constexpr, STAGE: tl.constexpr, GO: tl.constexpr,
                  SCOPE: tl.constexpr = "gpu", PDL: tl.constexpr = False):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
         t = tl.program_id(0)
         pe = tl.program_id(1)
         xrow = x + t.to(tl.int64) * s_x
         e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
+        h = tl.arange(0, BLOCK_H)  # the first block of the weights loaded before the wait (no kernel writes them)
+        wv = tl.load(w + e[:, None] * H + h[None, :], mask=(e[:, None] < E) & (h[None, :] < H), other=0.0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
         for h0 in range(0, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
@@ -186,7 +188,8 @@ def _build(triton, tl):
             if STAGE:
                 if pe == 0:  # the hidden row for the CPU experts, in the host buffer's dtype
                     tl.store(h_host + t.to(tl.int64) * H + h, xv.to(h_host.dtype.element_ty), mask=h < H)
-            wv = tl.load(w + e[:, None] * H + h[None, :], mask=(e[:, None] < E) & (h[None, :] < H), other=0.0)
+            if h0 > 0:
+                wv = tl.load(w + e[:, None] * H + h[None, :], mask=(e[:, None] < E) & (h[None, :] < H), other=0.0)
             acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
         tl.store(logits + t * E + e, tl.sum(acc, axis=1), mask=e < E)
         tl.debug_barrier()  # every thread's logits stored before the counter says so
@@ -301,6 +304,7 @@ def copy(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor | None = None,
 #: 7.3 us a layer against 8.9 for (2, 4 warps) on the H100 (tests/gpu/probe_prefetch.py; 6.6 / 7.6 on the H200):
 #: the top-k's k rounds of argmax are shuffles within one warp, no shared-memory round trips
 ROUTER_BLOCK_E, ROUTER_WARPS = 1, 1
+ROUTER_BLOCK_H = 1024  # hidden elements a step: half of Qwen3-30B-A3B's router row loaded before the wait (PDL)
 _ROUTER_SCOPE = "gpu"  # the per-token counters' scope (probe_handshake.py tries "sys"); the go counter's: "sys"
 
 
@@ -333,7 +337,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, counts: torch.Ten
     with on_device(x):
         _kernels()[(T, npe)](x, weight, logits, w, ids, cnt, ids if counts is None else counts, h_host, w_host,
                              i_host, cnt if go is None else go, T, H, E, npe, x.stride(0), K=k, KP=pow2(k, 2),
-                             BLOCK=pow2(E, 16), BLOCK_E=block_e, BLOCK_H=512, COUNT=counts is not None,
+                             BLOCK=pow2(E, 16), BLOCK_E=block_e, BLOCK_H=ROUTER_BLOCK_H, COUNT=counts is not None,
                              STAGE=stage is not None, GO=go is not None, SCOPE=_ROUTER_SCOPE, PDL=(p := pdl(x)),
                              launch_pdl=p, num_warps=ROUTER_WARPS)
     return w, ids
