@@ -143,15 +143,9 @@ def _build(triton, tl):
             if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
                 offs = tl.arange(0, BH)
                 inside = offs < N
-                nwv = tl.load(nw + offs, mask=inside, other=0.0).to(tl.float32)
                 for b in tl.static_range(B):
                     v = tl.load(out + b * s_o + offs, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    r = tl.rsqrt(tl.sum(v * v, axis=0) / N + eps)
-                    if ROUND2:
-                        yn = ((v * r).to(dt).to(tl.float32) * nwv).to(dt)
-                    else:
-                        yn = (v * r * nwv).to(dt)
-                    tl.store(n_out + b * s_n + offs, yn, mask=inside)
+                    tl.store(n_out + b * s_n + offs, rms_norm_row(v, nw, offs, inside, N, eps, dt, ROUND2), mask=inside)
                 tl.atomic_xchg(cnt, 0)
 
     return add_norm_k, linear_k, collect_norm_k
