@@ -1,7 +1,7 @@
 """What the serving engine's "concurrent greedy requests get the tokens they get alone" rests on, on the CPU: a row's
 numbers do not depend on the other rows of its forward.
 
-- the router's float32 logits: row by row (operators/moe.py ``row_logits``; torch's float32 GEMM on the CPU rounds
+- the router's float32 logits: row by row (operators/routing.py ``row_logits``; torch's float32 GEMM on the CPU rounds
   1-3 rows otherwise than 4 or more, which moved decode logits of batched rows in the last bit before);
 - the native experts: every row of a many-token forward equals that token's one-token forward, whichever kernel
   path the row counts pick (gemv for decode-sized work, the gemm micro-kernels, AMX tiles where the CPU has them),
@@ -20,7 +20,8 @@ import torch
 
 import ktinject
 from ktinject import kv_cache, native, testing
-from ktinject.operators.moe import HybridMoE, fast_routing
+from ktinject.operators.moe import HybridMoE
+from ktinject.operators.routing import fast_routing
 from ktinject.serve.scheduler import MIN_SHARED
 
 

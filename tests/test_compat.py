@@ -20,7 +20,7 @@ from ktinject.testing import FAMILIES, build_tiny_model, tiny_prompts
 
 # families whose attention class takes the one-token decode forward with full rotary (operators/decode_attention.py)
 DECODE_ATTENTION = {"qwen3_moe", "qwen2_moe", "mixtral"}
-# families whose tiny router is softmax -> top-k -> renormalize (operators/moe.py, _SOFTMAX_TOPK_ROUTERS)
+# families whose tiny router is softmax -> top-k -> renormalize (operators/routing.py, _SOFTMAX_TOPK_ROUTERS)
 FAST_ROUTER = {"qwen3_moe", "mixtral"}  # Qwen2-MoE, OLMoE: only with norm_topk_prob (off in their tiny configs)
 
 

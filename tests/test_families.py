@@ -293,7 +293,8 @@ def test_one_resident_copy(models):
     """(f) After inject: no HF expert tensors left (freed, not just unlinked); native holds the packed size."""
     from ktinject.operators.base import tensor_bytes
     from ktinject.operators.families import packed_nbytes
-    from ktinject.operators.moe import HybridMoE, router_f32_extra
+    from ktinject.operators.moe import HybridMoE
+    from ktinject.operators.routing import router_f32_extra
 
     assert models.moe_names
     for name, old in models.hf_experts.items():

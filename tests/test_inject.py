@@ -101,7 +101,8 @@ def test_generate_after_inject_matches_forward():
 def test_hybrid_block_contract():
     """Output type/shape/dtype like HF's block; staging buffers are reused, not reallocated per call."""
     from ktinject import inject
-    from ktinject.operators.moe import HybridMoE, staging
+    from ktinject.operators.moe import HybridMoE
+    from ktinject.operators.routing import staging
 
     model = build_tiny_model("gpt_oss", dtype=torch.bfloat16)
     inject(model, gpu="cpu")

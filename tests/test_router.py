@@ -1,4 +1,4 @@
-"""The MoE operator's fast routing (operators/moe.py: softmax over the top-k logits) against HF's router modules.
+"""The MoE operator's fast routing (operators/routing.py: softmax over the top-k logits) against HF's routers.
 
 Softmax -> top-k -> renormalize routers (Qwen3-MoE, Mixtral; Qwen2-MoE and OLMoE with norm_topk_prob) give the same
 experts (as sets: the fast path's ids are unsorted) and the same weights to float32 rounding; hooked routers, grad
@@ -11,7 +11,8 @@ import torch
 
 import ktinject
 from ktinject import testing
-from ktinject.operators.moe import HybridMoE, fast_routing, softmax_topk_router
+from ktinject.operators.moe import HybridMoE
+from ktinject.operators.routing import fast_routing, softmax_topk_router
 
 FAST = [("qwen3_moe", {}), ("mixtral", {}), ("qwen2_moe", {"norm_topk_prob": True}), ("olmoe", {"norm_topk_prob": True})]
 SLOW = [("qwen2_moe", {}), ("olmoe", {}), ("deepseek_v2", {}), ("deepseek_v3", {}), ("glm4_moe", {}), ("gpt_oss", {})]

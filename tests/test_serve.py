@@ -120,7 +120,7 @@ def test_requests_queued_in_one_step_get_the_tokens_they_get_alone(served, words
     """All requests queued before one step (a quiet host: the case that showed differences): the first step's
     prefill budget is shared by several prompts and the decode batch grows to 8. Each request's prompt chunks, and
     so its forwards, are the ones it gets alone (scheduler.py); the router's logits are computed row by row
-    (operators/moe.py); the other operators give a row the same bits whatever the batch (on the demo model's
+    (operators/routing.py); the other operators give a row the same bits whatever the batch (on the demo model's
     shapes)."""
     eng = served.engine
     prompts = [eng.encode(served.prompt(n)) for n in words]

@@ -47,7 +47,8 @@ from ktinject.gpu_experts.ring import Ring
 from ktinject.gpu_experts.streamed import MAX_CHUNK, MIN_CHUNK, StreamedExperts, resident  # noqa: F401 (MAX_CHUNK, MIN_CHUNK: tests, generate)
 from ktinject.gpu_experts.upload import PackedRegion
 from ktinject.operators.families import shared_output
-from ktinject.operators.moe import HybridMoE, staging
+from ktinject.operators.moe import HybridMoE
+from ktinject.operators.routing import staging
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from ktinject import fastpaths
 from ktinject.operators import decode_attention, fused
-from ktinject.operators.moe import hooked as moe_hooked
+from ktinject.operators.routing import hooked as moe_hooked
 from ktinject.operators.fused_dense import add_rms_norm
 from ktinject.operators.norm import FusedRMSNorm, attach_prenormed, fuse_problem, rounds_twice, take_prenormed
 
