@@ -288,7 +288,8 @@ def test_linear_matches_float64_and_cublas(dev, dtype):
         cublas = FD.linear_torch(x, W, b, r)
         err_torch = (cublas.double() - want).abs().max()
         configs = FD.CONFIGS_1 if B == 1 else FD.CONFIGS_N
-        for cfg in configs if N * K >= FD.MEASURE_FROM else configs[:2] if dev == "cuda" else ((16, 32, 4), (32, 16, 4)):
+        for cfg in configs if N * K >= FD.MEASURE_FROM else configs[:2] if dev == "cuda" else (
+                (16, 32, 4), (32, 16, 4), (8, 32, 4, True)):  # (True: RED, tiles summed as they come)
             got, none = FD.linear_triton(x, W, b, r, cfg)
             assert got.shape == (B, N) and got.dtype == dtype and none is None
             err = (got.double() - want).abs().max()
@@ -405,3 +406,16 @@ def test_kernels_compile_for_sm90():
     for flag, wait in ((False, False), (True, False), (True, True)):
         check(fused._copy_kernel(), dict(src="*fp32", dst="*bf16", flag="*i32", cnt="*i32"),
               dict(BLOCK=fused.COPY_BLOCK, FLAG=flag, WAIT=wait), fused.COPY_WARPS)
+
+
+def test_pdl_launch_keywords(monkeypatch):
+    """Programmatic dependent launch only where it can run: a CUDA device of compute capability >= 9.0 with a
+    Triton that has grid dependency control, not under the interpreter, not with KTINJECT_PDL=0; elsewhere the
+    launches carry no PDL keyword at all (a Triton older than 3.4 rejects launch_pdl)."""
+    assert fused.pdl_kwargs(torch.zeros(1)) == {}  # CPU tensors (the interpreter's)
+    if torch.cuda.is_available():
+        t = torch.zeros(1, device="cuda")
+        want = torch.cuda.get_device_capability() >= (9, 0) and fused.gdc_functions()[0] is not None
+        assert fused.pdl(t) == (want and not fused.interpreting())
+        monkeypatch.setenv("KTINJECT_PDL", "0")
+        assert fused.pdl_kwargs(t) == {}

@@ -6,8 +6,8 @@ norm + rotary + KV-cache write, attention over the static cache), ``fused_dense.
 GEMV with the residual add), and here the router of the MoE operator and a copy between device and pinned host
 memory:
 
-- ``router_topk``: for each token, the router logits (programs of 2 experts each: the 128 x 2048 float32 weight
-  of Qwen3-30B-A3B read by 64 programs), and in the program that finishes a token's logits last (an atomic
+- ``router_topk``: for each token, the router logits (programs of ``ROUTER_BLOCK_E`` experts of one warp each:
+  the 128 x 2048 float32 weight of Qwen3-30B-A3B read by 128 programs), and in the program that finishes a token's logits last (an atomic
   counter per token) the top k by k rounds of argmax and the softmax of the k; optionally in the same kernel the
   routed-pair statistics (``counts[id] += 1``) and the copies the CPU experts need (hidden row, ids, weights)
   written straight into pinned host buffers (device-accessible under unified addressing): one kernel instead of
@@ -27,10 +27,15 @@ chain is launched so that it may start while the kernel before it still runs, an
 which also makes that kernel's writes visible) before it reads or writes anything another kernel touches; before
 the wait it reads only what no kernel writes (weights), so the GEMVs load their weight tiles while the kernel
 before them (attention; the collect, which waits for the CPU) still runs. A kernel lets the next one start
-(``griddepcontrol.launch_dependents``) right after its own wait where its programs are few (router, collect,
-attention, norms), after its main loop where they are many (the GEMV: the next kernel's programs would take the
-SMs its later programs need). The wait of a kernel returns once the kernel before it has completed, and that one
-completed only after its own wait: the chain stays ordered.
+(``griddepcontrol.launch_dependents``: the next one starts once every program of this one has said so or exited)
+right after its own wait, or, in the GEMV, after its main loop (earlier, the next kernel's weight loads would
+compete with this one's last wave for memory bandwidth). Two rules keep the chain ordered: every program of every
+such kernel waits before it exits (even one with nothing to read), and triggers only after its wait. Then while
+kernel n + 1 runs the code before its wait only kernel n can still be running, and n + 1's wait returns once n
+has completed, n having waited for n - 1. A torch or cuBLAS kernel between two of ours is launched without the
+attribute and waits for ours to complete; a copy, event or stream memory operation before one of ours is an
+ordinary full dependency (only a kernel before a kernel overlaps). What a kernel reads before its wait must be
+written by no kernel of the step: the callers pass static weights (``linear``, ``router_topk``).
 
 "Last program" pattern (here and in fused_attn): each program stores its part, ``tl.debug_barrier()`` (all its
 threads' stores issued), then one acq_rel atomic increment of a counter; the program that sees count - 1 reads the
@@ -153,9 +158,15 @@ def pdl(t: torch.Tensor) -> bool:
     """Whether the decode chain's kernels for ``t`` launch with programmatic dependent launch: CUDA compute
     capability >= 9.0, this Triton has grid dependency control, not interpreting, KTINJECT_PDL not 0 (read per
     launch; a captured graph keeps what its capture launched)."""
-    if not t.is_cuda or os.environ.get("KTINJECT_PDL", "1") == "0":
+    if not t.is_cuda or os.environ.get("KTINJECT_PDL", "1") == "0" or interpreting():
         return False
     return _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def pdl_kwargs(t: torch.Tensor) -> dict:
+    """A decode-chain kernel's launch keywords for ``t``: the ``PDL`` constexpr and Triton's ``launch_pdl`` option
+    where ``pdl(t)``, else none (a Triton without that launch option, older than 3.4, never sees it)."""
+    return {"PDL": True, "launch_pdl": True} if pdl(t) else {}
 
 
 @functools.cache
@@ -164,8 +175,17 @@ def _pdl_capable(device: int) -> bool:
 
 
 def _build(triton, tl):
-    global gdc_wait, gdc_launch_dependents  # found through the module's globals by the jit (see fused_dense)
+    global gdc_wait, gdc_launch_dependents, router_x  # found through the module's globals by the jit (fused_dense)
     gdc_wait, gdc_launch_dependents = gdc_functions()
+
+    @triton.jit
+    def router_x(xrow, h, H, h_host, t, pe, STAGE: tl.constexpr):
+        """Block h of token t's hidden row as float32; staged for the CPU experts by the token's first program."""
+        xv = tl.load(xrow + h, mask=h < H, other=0.0)
+        if STAGE:
+            if pe == 0:  # the hidden row for the CPU experts, in the host buffer's dtype
+                tl.store(h_host + t.to(tl.int64) * H + h, xv.to(h_host.dtype.element_ty), mask=h < H)
+        return xv.to(tl.float32)
 
     @triton.jit
     def router_k(x, w, logits, w_out, i_out, cnt, counts, h_host, w_host, i_host, go, T, H, E, NPE, s_x,
@@ -181,16 +201,11 @@ def _build(triton, tl):
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
-        for h0 in range(0, H, BLOCK_H):
+        acc = wv.to(tl.float32) * router_x(xrow, h, H, h_host, t, pe, STAGE)[None, :]
+        for h0 in range(BLOCK_H, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
-            xv = tl.load(xrow + h, mask=h < H, other=0.0)
-            if STAGE:
-                if pe == 0:  # the hidden row for the CPU experts, in the host buffer's dtype
-                    tl.store(h_host + t.to(tl.int64) * H + h, xv.to(h_host.dtype.element_ty), mask=h < H)
-            if h0 > 0:
-                wv = tl.load(w + e[:, None] * H + h[None, :], mask=(e[:, None] < E) & (h[None, :] < H), other=0.0)
-            acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
+            wv = tl.load(w + e[:, None] * H + h[None, :], mask=(e[:, None] < E) & (h[None, :] < H), other=0.0)
+            acc += wv.to(tl.float32) * router_x(xrow, h, H, h_host, t, pe, STAGE)[None, :]
         tl.store(logits + t * E + e, tl.sum(acc, axis=1), mask=e < E)
         tl.debug_barrier()  # every thread's logits stored before the counter says so
         if tl.atomic_add(cnt + t, 1, sem="acq_rel", scope=SCOPE) == NPE - 1:  # the token's last program
@@ -297,7 +312,7 @@ def copy(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor | None = None,
     with on_device(dev):
         _copy_kernel()[(max(1, -(-n // COPY_BLOCK)),)](src, dst, dst if flag is None else flag, cnt, n,
                                                        BLOCK=COPY_BLOCK, FLAG=flag is not None, WAIT=bool(wait),
-                                                       PDL=(p := pdl(dev)), launch_pdl=p, num_warps=COPY_WARPS)
+                                                       num_warps=COPY_WARPS, **pdl_kwargs(dev))
 
 
 #: experts a program, warps a program: one expert (128 programs of one warp at Qwen3-30B-A3B's router) measured
@@ -314,7 +329,8 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, counts: torch.Ten
     [T, k] int64), the ids in descending logit order, in one kernel. ``counts``: int64 [E] on x's device, += 1 per
     routed pair; ``stage``: (hidden [T, H], ids [T, k] int64, weights [T, k]) pinned host buffers (contiguous)
     that get copies of x, ids and weights, in their dtypes; ``go`` (with ``stage``): one pinned int32 word set to 1
-    once all of them are written (the CPU experts' go, ``stream_experts``)."""
+    once all of them are written (the CPU experts' go, ``stream_experts``). ``weight`` must be written by no kernel
+    of the step (a parameter): the kernel reads it before its PDL wait (``pdl``)."""
     T, H = x.shape
     E = weight.shape[0]
     w = torch.empty((T, k), dtype=torch.float32, device=x.device)
@@ -338,6 +354,6 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, counts: torch.Ten
         _kernels()[(T, npe)](x, weight, logits, w, ids, cnt, ids if counts is None else counts, h_host, w_host,
                              i_host, cnt if go is None else go, T, H, E, npe, x.stride(0), K=k, KP=pow2(k, 2),
                              BLOCK=pow2(E, 16), BLOCK_E=block_e, BLOCK_H=ROUTER_BLOCK_H, COUNT=counts is not None,
-                             STAGE=stage is not None, GO=go is not None, SCOPE=_ROUTER_SCOPE, PDL=(p := pdl(x)),
-                             launch_pdl=p, num_warps=ROUTER_WARPS)
+                             STAGE=stage is not None, GO=go is not None, SCOPE=_ROUTER_SCOPE, num_warps=ROUTER_WARPS,
+                             **pdl_kwargs(x))
     return w, ids

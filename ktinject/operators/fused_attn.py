@@ -243,7 +243,7 @@ def qk_norm_rope(qkv: torch.Tensor, hq: int, hk: int, norms, cos: torch.Tensor, 
             qkv, out, wq, wk, cos, sin, kc, vc, lens, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
             0 if cos.shape[0] == 1 else cos.stride(0), *(kc.stride()[:3] if cache else (0, 0, 0)),
             *(vc.stride()[:3] if cache else (0, 0, 0)), L, eps, HQ=hq, HK=hk, D=D, BD=pow2(D, 16),
-            NORM=bool(norms), KV=bool(cache), PDL=(p := fused.pdl(qkv)), launch_pdl=p)
+            NORM=bool(norms), KV=bool(cache), **fused.pdl_kwargs(qkv))
     return out
 
 
@@ -333,7 +333,7 @@ def _attention(q, hq, keys, values, scale, mask, lengths, keys_per_split, rope) 
             q.stride(0), q.stride(1), *keys.stride()[:3], *values.stride()[:3], s_m_b, out.stride(0),
             *(rope[:6] if rope else (q, q, q, q, 0, 0.0)), HK=hk, G=G, GP=GP, D=D, BD=BD, BN=BN, MAXS=MAX_SPLITS,
             LENS=lengths is not None, MASK=mask is not None, MASK_BOOL=is_bool, PREC=fused.dot_precision(q.dtype),
-            ROPE=rope is not None, NORM=bool(rope and rope[6]), PDL=(p := fused.pdl(q)), launch_pdl=p)
+            ROPE=rope is not None, NORM=bool(rope and rope[6]), **fused.pdl_kwargs(q))
     return out
 
 

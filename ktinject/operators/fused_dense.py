@@ -173,7 +173,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             _kernels()[0][(R,)](x2, r2, x2 if weight is None else weight, s, x2 if y is None else y, H, float(eps),
                                 x2.stride(0), r2.stride(0), s.stride(0), H, RES=residual is not None,
                                 NORM=weight is not None, ROUND2=bool(round_twice), BH=pow2(H, 16),
-                                PDL=(p := fused.pdl(x)), launch_pdl=p, num_warps=4 if H <= 2048 else 8)
+                                num_warps=4 if H <= 2048 else 8, **fused.pdl_kwargs(x))
     return x if residual is None else s.view(x.shape), None if y is None else y.view(x.shape)
 
 
@@ -195,8 +195,7 @@ def collect_add_rms_norm(host: torch.Tensor, flag: torch.Tensor, x: torch.Tensor
     s, y = torch.empty_like(x), torch.empty_like(x)
     with on_device(x):
         _kernels()[2][(1,)](host, flag, x, residual, weight, s, y, H, float(eps), ROUND2=bool(round_twice),
-                            BH=pow2(H, 16), PDL=(p := fused.pdl(x)), launch_pdl=p,
-                            num_warps=4 if H <= 2048 else 8)
+                            BH=pow2(H, 16), num_warps=4 if H <= 2048 else 8, **fused.pdl_kwargs(x))
     return s, y
 
 
@@ -234,8 +233,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                 out.stride(0), float(eps), nprog, B=B, BB=1 if B == 1 else pow2(B, 16), BN=BN, BK=BK,
                                 BIAS=bias is not None, RES=residual is not None, NORM=norm is not None,
                                 ROUND2=bool(round2), BH=pow2(N, 16), PREC=fused.dot_precision(x.dtype),
-                                RED=bool(red and red[0]) and B == 1, PDL=(p := fused.pdl(x)), launch_pdl=p,
-                                num_warps=warps)
+                                RED=bool(red and red[0]) and B == 1, num_warps=warps, **fused.pdl_kwargs(x))
     return out, normed
 
 
@@ -251,7 +249,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kernel ``choose`` measured faster for this shape on this device (cuBLAS off CUDA, for weights under
     ``MEASURE_FROM`` elements, during capture before any measurement and with KTINJECT_GEMV=torch;
     KTINJECT_GEMV=triton: the kernel's first config, no measurement). ``norm``: (weight, eps, round_twice): the
-    kernel normalizes the result too (its last program); with cuBLAS the norm comes back None (the caller's)."""
+    kernel normalizes the result too (its last program); with cuBLAS the norm comes back None (the caller's).
+    ``weight`` must be written by no kernel of the step (a parameter): the kernel reads it before its PDL wait."""
     config = choose(x, weight, bias, residual, norm) if fused.available(x) else None
     if config is None:
         return linear_torch(x, weight, bias, residual), None
