@@ -419,3 +419,36 @@ def test_pdl_launch_keywords(monkeypatch):
         assert fused.pdl(t) == (want and not fused.interpreting())
         monkeypatch.setenv("KTINJECT_PDL", "0")
         assert fused.pdl_kwargs(t) == {}
+
+
+def test_pdl_chain_keeps_order(dev):
+    """Kernels launched with programmatic dependent launch start while the one before them runs: each must still
+    see its predecessor's writes (read after write) and must not overwrite what a predecessor still reads (write
+    after read). A chain of 64 MiB copies (long enough for the next launch to start early), after a host-to-device
+    memcpy (a full dependency), eager and replayed from a CUDA graph with new contents each time."""
+    if dev != "cuda" or not fused.pdl(torch.empty(1, device="cuda")):
+        pytest.skip("needs a GPU with programmatic dependent launch (compute capability 9.0+)")
+    n = 16 << 20  # float32
+    host = torch.empty(n, dtype=torch.float32).pin_memory()
+    a, b, c, zero = (torch.empty(n, device="cuda") for _ in range(4))
+    zero.zero_()
+
+    def chain():
+        a.copy_(host, non_blocking=True)
+        fused.copy(a, b)  # reads the memcpy's result
+        fused.copy(b, c)  # reads its PDL predecessor's result
+        fused.copy(zero, b)  # overwrites what its predecessor reads
+
+    for i in range(3):
+        host.copy_(torch.arange(n, dtype=torch.float32) * (i + 1))
+        chain()
+        torch.cuda.synchronize()
+        assert torch.equal(c.cpu(), host) and not b.any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for i in range(3):
+        host.copy_(torch.arange(n, dtype=torch.float32) - i)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(c.cpu(), host) and not b.any()
