@@ -336,6 +336,11 @@ class GraphRunner:
         except Exception as e:  # noqa: BLE001 - any capture problem means: run this shape eagerly
             torch.cuda.synchronize(self.device)
             cache.restore_lengths(saved)
+            for r in self._stream_runners(key[0]):  # a warm-up cut short may have left a go without its collect
+                r.reset()
+            chain = deferral.chain_of(self.model)
+            if chain is not None:
+                chain.forget()
             fastpaths.report_for(self.model).fell_back(
                 "graph_decode", f"capture of batch {key[0]} failed: {type(e).__name__}: {e}")
             self.stats.capture_failures.append(f"batch {key[0]}: {type(e).__name__}: {e}")
@@ -377,15 +382,18 @@ class GraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return _Pieces(graphs), output
 
-    def _pools(self) -> tuple:
-        """The native pools of this model's stream-experts runners (one per pool)."""
-        pools = {}
+    def _stream_runners(self, tokens: int | None = None) -> list:
+        """This model's stream-experts runners (of ``tokens`` tokens a step where given)."""
+        found = []
         for module in self.model.modules():
             experts = getattr(module, "native_experts", None)
             if experts is not None:
-                for r in stream_experts.runners(experts):
-                    pools[id(r.task.pool)] = r.task.pool
-        return tuple(pools.values())
+                found += [r for r in stream_experts.runners(experts) if tokens is None or r.T == tokens]
+        return found
+
+    def _pools(self) -> tuple:
+        """The native pools of this model's stream-experts runners (one per pool)."""
+        return tuple({id(r.task.pool): r.task.pool for r in self._stream_runners()}.values())
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     def reset(self) -> None:

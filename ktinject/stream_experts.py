@@ -38,6 +38,7 @@ Legend: T tokens, k experts per token, E experts, H hidden.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import weakref
@@ -47,6 +48,7 @@ import torch
 from ktinject import cuda_driver
 from ktinject.operators import fused, fused_dense
 
+log = logging.getLogger(__name__)
 _state = threading.local()
 
 
@@ -133,17 +135,30 @@ class StreamExperts:
             self.go_dptr = cuda_driver.host_device_pointer(self.go_addr)
             self.done_dptr = cuda_driver.host_device_pointer(self.done_addr)
             if self.dtask is not None:
-                go_d, done_d = self.go_addr + 32 * 4, self.go_addr + self.DONE_D * 4
-                self.done_d_dptr = cuda_driver.host_device_pointer(done_d)
-                # immediate before deferred in the watch list: a pool's round-robin scan of go flags starts after
-                # the task it took last, so each of the two finds the next one's go first
-                self.task.watch(self.go_addr, self.done_addr, then_addr=go_d)
-                self.dtask.watch(go_d, done_d)
-            else:
-                self.task.watch(self.go_addr, self.done_addr)
-            self._watched = True
+                self.done_d_dptr = cuda_driver.host_device_pointer(self.go_addr + self.DONE_D * 4)
+            self._watch()
         else:
             self.submit_fn, self.wait_fn = native.host_fn_addresses()
+
+    def _watch(self) -> None:
+        if self.dtask is not None:
+            go_d, done_d = self.go_addr + 32 * 4, self.go_addr + self.DONE_D * 4
+            # immediate before deferred in the watch list: a pool's round-robin scan of go flags starts after
+            # the task it took last, so each of the two finds the next one's go first
+            self.task.watch(self.go_addr, self.done_addr, then_addr=go_d)
+            self.dtask.watch(go_d, done_d)
+        else:
+            self.task.watch(self.go_addr, self.done_addr)
+        self._watched = True
+
+    def _unwatch(self) -> None:
+        """Stop watching; returns once the pool no longer touches the words (a run in progress has ended)."""
+        if self._watched:
+            self._watched = False
+            # a closed task (its pool closed, e.g. native's exit hook) is unwatched already
+            for t in (self.task, self.dtask):  # the immediate one first: its end raises the deferred task's go
+                if t is not None and t._p is not None:
+                    t.unwatch()
 
     def go_word(self) -> torch.Tensor | None:
         """The pinned go word [1] int32 for a routing kernel to raise itself (memops mode), else None."""
@@ -253,19 +268,36 @@ class StreamExperts:
         return self.finish()
 
     def reset_flags(self) -> None:
-        """Host-side reset of go/done after an aborted step (call with the device idle); a lazy finish left
-        uncollected is dropped."""
+        """Host-side reset of go/done after an aborted step (call with the device idle and no task of this runner
+        running: ``reset`` makes sure of that); a lazy finish left uncollected is dropped."""
         self.flags.zero_()
         self.pending = False
+        self.staged_ids = self.raised_ids = None
+
+    def reset(self) -> None:
+        """After a step cut short (a failed graph warm-up or capture), host side, with the device synchronized:
+        a go raised on the device whose collect was never queued would leave done = 1 behind, which the next
+        step's collect would take for its own (reading the output before the CPU wrote it). Stops watching (a run
+        already taken ends first; a go not yet taken never runs: its step was abandoned), zeroes the words, drops
+        a pending collect, and watches again. A failed run's error is logged (its step is gone)."""
+        from ktinject import native
+
+        try:
+            if self.mode == "memops":
+                self._unwatch()
+            else:  # host functions: the submitted tasks end by themselves
+                for t in (self.task, self.dtask):
+                    if t is not None and t._p is not None:
+                        t.wait()
+        except native.NativeError as e:
+            log.warning("StreamExperts: a run of the abandoned step failed: %s", e)
+        self.reset_flags()
+        if self.mode == "memops" and self.task._p is not None:
+            self._watch()
 
     def close(self) -> None:
         """Stop watching and free the task (no captured graph that uses this runner may be replayed afterwards)."""
-        if self._watched:
-            self._watched = False
-            # a closed task (its pool closed, e.g. native's exit hook) is unwatched already
-            for t in (self.task, self.dtask):  # the immediate one first: its end raises the deferred task's go
-                if t is not None and t._p is not None:
-                    t.unwatch()
+        self._unwatch()
         self.task.close()
         if self.dtask is not None:
             self.dtask.close()

@@ -84,6 +84,11 @@ class DeferChain:
             self._pending.discard()
         self._pending, self._from = pending, block.chain_pos
 
+    def forget(self) -> None:
+        """Drop the work in flight without waiting for it: its runners were reset (``StreamExperts.reset``, after
+        a failed graph warm-up or capture), so no done word will come for it."""
+        self._pending, self._from = None, -1
+
     def take(self, block):
         """The pending work of the block just before ``block`` (its deferred slots' output comes with ``block``'s
         output), or None; work of any other block (a forward cut short) is drained and dropped."""

@@ -254,6 +254,42 @@ def test_stream_experts_equals_native(experts, mode, dtype):
 
 
 @pytest.mark.parametrize("mode", ["memops", "hostfn"])
+def test_stream_experts_reset_after_an_abandoned_step(experts, mode):
+    """A step cut short after its go (no collect queued) leaves done = 1 behind, and a lazy finish leaves a pending
+    collect: reset() (what a failed graph capture calls) clears both, and the next step computes its own output."""
+    import time
+
+    from ktinject.stream_experts import StreamExperts
+
+    k, E, H = 2, experts.num_experts, experts.hidden
+    for T in (1, 3):
+        r = StreamExperts(experts, T, k, H, "cuda", mode=mode)
+        try:
+            x, ids, w = _inputs(T, k, E, H, 4)
+            r.start(x.cuda(), ids.cuda(), w.cuda())  # go, and no collect: the step ends here
+            torch.cuda.synchronize()
+            if mode == "memops":
+                deadline = time.monotonic() + 10
+                while int(r.flags[r.DONE]) != 1 and time.monotonic() < deadline:
+                    time.sleep(1e-3)
+                assert int(r.flags[r.DONE]) == 1  # what the next step's collect would have taken for its own
+            r.reset()
+            assert not r.flags.any() and not r.pending
+            x, ids, w = _inputs(T, k, E, H, 5)
+            r.start(x.cuda(), ids.cuda(), w.cuda())
+            out = r.finish(lazy=True)  # at T = 1 (memops, Triton): pending, nothing queued
+            if r.pending:
+                r.reset()  # dropped: the task ran, its output is never collected
+                assert not r.pending and not r.flags.any()
+                r.start(x.cuda(), ids.cuda(), w.cuda())
+                out = r.finish()
+            torch.cuda.synchronize()
+            assert torch.equal(out.cpu(), experts.forward(x, ids, w))
+        finally:
+            r.close()
+
+
+@pytest.mark.parametrize("mode", ["memops", "hostfn"])
 def test_handshake_cost(mode):
     from ktinject.stream_experts import handshake_cost
 
