@@ -336,11 +336,7 @@ class GraphRunner:
         except Exception as e:  # noqa: BLE001 - any capture problem means: run this shape eagerly
             torch.cuda.synchronize(self.device)
             cache.restore_lengths(saved)
-            for r in self._stream_runners(key[0]):  # a warm-up cut short may have left a go without its collect
-                r.reset()
-            chain = deferral.chain_of(self.model)
-            if chain is not None:
-                chain.forget()
+            self._after_failed_step(key[0])
             fastpaths.report_for(self.model).fell_back(
                 "graph_decode", f"capture of batch {key[0]} failed: {type(e).__name__}: {e}")
             self.stats.capture_failures.append(f"batch {key[0]}: {type(e).__name__}: {e}")
@@ -381,6 +377,22 @@ class GraphRunner:
                 h.remove()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return _Pieces(graphs), output
+
+    def _after_failed_step(self, tokens: int) -> None:
+        """A warm-up cut short may have left a go without its collect, a pending lazy collect and deferred work in
+        flight: reset the runners of ``tokens`` tokens a step, the MoE blocks' lazy hand-over and the deferral
+        chain (the device synchronized), so that the eager steps and a later capture start clean."""
+        for r in self._stream_runners(tokens):
+            try:
+                r.reset()
+            except Exception as e:  # noqa: BLE001 - one runner's failure must not keep the others stale
+                log.warning("ktinject graph: resetting a stream-experts runner after a failed capture: %s", e)
+        for module in self.model.modules():
+            if getattr(module, "_lazy_runner", None) is not None:
+                module._lazy_runner = None
+        chain = deferral.chain_of(self.model)
+        if chain is not None:
+            chain.forget()
 
     def _stream_runners(self, tokens: int | None = None) -> list:
         """This model's stream-experts runners (of ``tokens`` tokens a step where given)."""

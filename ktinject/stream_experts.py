@@ -151,14 +151,17 @@ class StreamExperts:
             self.task.watch(self.go_addr, self.done_addr)
         self._watched = True
 
+    def _tasks(self) -> list:
+        """The open tasks, the immediate one first (its end raises the deferred task's go); a closed task (its
+        pool closed, e.g. native's exit hook) is unwatched already."""
+        return [t for t in (self.task, self.dtask) if t is not None and t._p is not None]
+
     def _unwatch(self) -> None:
-        """Stop watching; returns once the pool no longer touches the words (a run in progress has ended)."""
+        """Stop watching; returns once the pool no longer touches the words (a run in progress has ended). Every
+        task is unwatched before the first error a watched run kept is raised."""
         if self._watched:
             self._watched = False
-            # a closed task (its pool closed, e.g. native's exit hook) is unwatched already
-            for t in (self.task, self.dtask):  # the immediate one first: its end raises the deferred task's go
-                if t is not None and t._p is not None:
-                    t.unwatch()
+            _each(self._tasks(), lambda t: t.unwatch())
 
     def go_word(self) -> torch.Tensor | None:
         """The pinned go word [1] int32 for a routing kernel to raise itself (memops mode), else None."""
@@ -286,9 +289,7 @@ class StreamExperts:
             if self.mode == "memops":
                 self._unwatch()
             else:  # host functions: the submitted tasks end by themselves
-                for t in (self.task, self.dtask):
-                    if t is not None and t._p is not None:
-                        t.wait()
+                _each(self._tasks(), lambda t: t.wait())
         except native.NativeError as e:
             log.warning("StreamExperts: a run of the abandoned step failed: %s", e)
         self.reset_flags()
@@ -297,16 +298,30 @@ class StreamExperts:
 
     def close(self) -> None:
         """Stop watching and free the task (no captured graph that uses this runner may be replayed afterwards)."""
-        self._unwatch()
-        self.task.close()
-        if self.dtask is not None:
-            self.dtask.close()
+        try:
+            self._unwatch()
+        finally:
+            self.task.close()
+            if self.dtask is not None:
+                self.dtask.close()
 
     def __del__(self):
         try:
             self.close()
         except Exception:
             pass
+
+
+def _each(tasks: list, op) -> None:
+    """op(task) for every task, then the first error any of them raised (none is skipped for an earlier one)."""
+    first = None
+    for t in tasks:
+        try:
+            op(t)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other tasks
+            first = first or e
+    if first is not None:
+        raise first
 
 
 # (experts object) -> {(T, k, H, device, dtype, weights dtype, mode, defer): StreamExperts}; weak on the experts so a

@@ -363,3 +363,45 @@ def test_bench_decode_defer_rows_on_the_tiny_model(capsys):
     for bad in ("4", "x"):
         with pytest.raises(SystemExit, match="--defer"):
             bench_defer.parse(bad, 4)
+
+
+def test_forget_drops_stream_work_and_waits_for_eager_work():
+    """After a failed graph capture (its runners reset) the chain forgets its work in flight: a stream task's
+    without waiting (no done word will come), an eager task's after waiting for it, as ``take`` would."""
+
+    class Task:
+        waited = 0
+
+        def wait(self):
+            Task.waited += 1
+
+    class Block:
+        defer = 1
+
+    chain = deferral.DeferChain([Block(), Block()])
+    stream = deferral.StreamPending.__new__(deferral.StreamPending)  # a runner's deferred task (never drained here)
+    chain.put(chain.blocks[0], stream)
+    chain.forget()
+    assert not chain.in_flight() and Task.waited == 0
+    chain.put(chain.blocks[0], deferral.EagerPending(Task(), torch.zeros(1, 4), torch.float32, torch.device("cpu")))
+    chain.forget()
+    assert not chain.in_flight() and Task.waited == 1
+    assert chain.take(chain.blocks[1]) is None
+
+
+def test_each_runs_every_task_before_raising_the_first_error():
+    """StreamExperts unwatches (or waits for) every task of a runner before it raises the first error a run kept:
+    an error of the immediate task must not leave the deferred one watched."""
+    from ktinject.stream_experts import _each
+
+    seen = []
+
+    def op(t):
+        seen.append(t)
+        if t in ("a", "b"):
+            raise RuntimeError(t)
+
+    with pytest.raises(RuntimeError, match="a"):
+        _each(["a", "b", "c"], op)
+    assert seen == ["a", "b", "c"]
+    _each([], op)

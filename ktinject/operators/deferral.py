@@ -85,9 +85,12 @@ class DeferChain:
         self._pending, self._from = pending, block.chain_pos
 
     def forget(self) -> None:
-        """Drop the work in flight without waiting for it: its runners were reset (``StreamExperts.reset``, after
-        a failed graph warm-up or capture), so no done word will come for it."""
-        self._pending, self._from = None, -1
+        """After a failed graph warm-up or capture, whose runners were reset (``StreamExperts.reset``): drop the
+        work in flight. A stream task's is dropped without waiting (no done word will come for it); an eager
+        task (a forward cut short before the warm-up) is waited for, as ``take`` would."""
+        pending, self._pending, self._from = self._pending, None, -1
+        if isinstance(pending, EagerPending):
+            pending.discard()
 
     def take(self, block):
         """The pending work of the block just before ``block`` (its deferred slots' output comes with ``block``'s

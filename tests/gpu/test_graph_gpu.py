@@ -279,7 +279,8 @@ def test_stream_experts_reset_after_an_abandoned_step(experts, mode):
             r.start(x.cuda(), ids.cuda(), w.cuda())
             out = r.finish(lazy=True)  # at T = 1 (memops, Triton): pending, nothing queued
             if r.pending:
-                r.reset()  # dropped: the task ran, its output is never collected
+                torch.cuda.synchronize()  # reset's precondition: the device idle (its go is written)
+                r.reset()  # dropped: the task ran or never will, its output is never collected
                 assert not r.pending and not r.flags.any()
                 r.start(x.cuda(), ids.cuda(), w.cuda())
                 out = r.finish()
