@@ -136,6 +136,38 @@ def test_second_call_reuses_graph(models):
     assert torch.equal(graph, eager)
 
 
+def test_failed_capture_leaves_no_stale_handshake(models, monkeypatch):
+    """A warm-up cut short between a layer's go and its collect (the collect's launch raises once): the capture
+    fails, that step runs eagerly, and the runners are reset (StreamExperts.reset), so a later capture's steps do
+    not take the abandoned step's done word for their own: graph decode afterwards equals eager decode."""
+    from ktinject.operators import fused_dense
+
+    family, _, inj = models
+    ids, mask = _prompts(1, 8, seed=11)
+    want, _ = _generate(inj, ids, mask, graphs=False)
+    real, calls = fused_dense.collect_add_rms_norm, []
+
+    def once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: the collect's launch failed")
+        return real(*args, **kwargs)
+
+    get_runner(inj, use_graphs=True)  # a fresh runner: its first decode step captures
+    monkeypatch.setattr(fused_dense, "collect_add_rms_norm", once)
+    out, runner = ktinject.generate(inj, ids, attention_mask=mask, max_new_tokens=N, min_new_tokens=N,
+                                    do_sample=False, pad_token_id=0, eos_token_id=None), get_runner(inj)
+    if not calls:
+        pytest.skip(f"{family}: the decode step does not collect inside the add + norm here")
+    assert runner.stats.capture_failures and torch.equal(out, want)
+    monkeypatch.setattr(fused_dense, "collect_add_rms_norm", real)
+    runner.reset()  # graphs dropped, runners kept (with what the failed warm-up left in them)
+    again = ktinject.generate(inj, ids, attention_mask=mask, max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)
+    assert runner.stats.captures >= 1 and runner.stats.replays > 0
+    assert torch.equal(again, want)
+
+
 def test_padded_batch_uses_bucket(models_f32):
     _, ref, inj = models_f32
     ids = tiny_prompts(3, 8, seed=5).cuda()
