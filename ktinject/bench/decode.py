@@ -216,8 +216,16 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     ktinject.inject(model, gpu=str(device), quant=quant)
     pool = native.default_pool()
     pinned = os.environ.get("KTINJECT_PIN") == "1" if os.environ.get("KTINJECT_PIN") in ("0", "1") else pool.pin
+    if device.type == "cuda":
+        from ktinject.operators import fused
+
+        probe = torch.empty(1, device=device)
+        kernels = ("decode kernels: Triton, programmatic dependent launch " + ("on" if fused.pdl(probe) else "off")
+                   if fused.available(probe) else "decode kernels: torch ops (no Triton)")
+    else:
+        kernels = "CPU only"
     print(f"# injected ({quant}) in {time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, "
-          f"{pool.threads} threads{'' if pinned else ', not pinned'}", flush=True)
+          f"{pool.threads} threads{'' if pinned else ', not pinned'}; {kernels}", flush=True)
     if args.defer:
         from ktinject.bench import defer
 
