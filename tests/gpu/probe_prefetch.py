@@ -59,44 +59,42 @@ def gap_k(b1, n1, b2, n2, ns, METHOD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: 
         if n2 > 0:
             _pf_range(b2, n2, pid, nprog, METHOD, BLOCK, CHUNK)
     if pid == 0:
-        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                       pack=1)
-        t = t0
-        while t - t0 < ns:
-            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                          pack=1)
+        _spin(ns)
+
+
+@triton.jit
+def _touch_share(p, n, pid, nprog, acc, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+    # this program's share of p[:n] loaded (and summed into acc, so that the loads stay) through L2
+    per = tl.cdiv(tl.cdiv(n, nprog), BLOCK) * BLOCK
+    for i in range(pid * per, tl.minimum(pid * per + per, n), BLOCK):
+        o = tl.multiple_of(i, BLOCK) + tl.arange(0, BLOCK)
+        if EVICT == "":
+            acc += tl.load(p + o, mask=o < n, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            acc += tl.load(p + o, mask=o < n, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _spin(ns):
+    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    t = t0
+    while t - t0 < ns:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
 def touch_k(p1, n1, p2, n2, ns, sink, BLOCK: tl.constexpr, EVICT: tl.constexpr):
-    # loads (consumed) of this program's share of p1[:n1] and p2[:n2] through L2, then program 0 spins ns
+    # loads (consumed) of this program's share of p1[:n1] and p2[:n2] through L2, then the last program spins ns
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    acc = tl.zeros([BLOCK], tl.float32)
-    per1 = tl.cdiv(tl.cdiv(n1, nprog), BLOCK) * BLOCK
-    for i in range(pid * per1, tl.minimum(pid * per1 + per1, n1), BLOCK):
-        o = tl.multiple_of(i, BLOCK) + tl.arange(0, BLOCK)
-        if EVICT == "":
-            acc += tl.load(p1 + o, mask=o < n1, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            acc += tl.load(p1 + o, mask=o < n1, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    per2 = tl.cdiv(tl.cdiv(n2, nprog), BLOCK) * BLOCK
-    for i in range(pid * per2, tl.minimum(pid * per2 + per2, n2), BLOCK):
-        o = tl.multiple_of(i, BLOCK) + tl.arange(0, BLOCK)
-        if EVICT == "":
-            acc += tl.load(p2 + o, mask=o < n2, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            acc += tl.load(p2 + o, mask=o < n2, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    acc = _touch_share(p1, n1, pid, nprog, tl.zeros([BLOCK], tl.float32), BLOCK, EVICT)
+    acc = _touch_share(p2, n2, pid, nprog, acc, BLOCK, EVICT)
     s = tl.sum(acc, axis=0)
     if s == 123456.75:
         tl.store(sink, s)
     if pid == nprog - 1:
-        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                       pack=1)
-        t = t0
-        while t - t0 < ns:
-            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                          pack=1)
+        _spin(ns)
 
 
 _SINK = {}
