@@ -141,7 +141,7 @@ class EngineLoop:
         prefill = time.perf_counter() - prefill
         launched = self._launch()
         ready = [s for s in (self._inflight, launched) if s is not None]  # oldest first
-        self._inflight = ready.pop() if launched is not None and self.config.overlap else None
+        ahead = ready.pop() if launched is not None and self.config.overlap else None
         for step in ready:
             got = self._collect(step)
             # decode time: the loop's time but the prefill forwards', given to the step collected
@@ -151,7 +151,10 @@ class EngineLoop:
             if got is not None:
                 self.metrics.decode_step(got[0], self._decode_clock, got[1])
                 self._decode_clock = 0.0
-        self._decode_clock = 0.0 if self._inflight is None else self._decode_clock + time.perf_counter() - t0 - prefill
+        # the step queued ahead becomes the one in flight only now: until the steps above are read and counted,
+        # the engine is not idle (whoever waits for it to be, e.g. to read the metrics, sees them complete)
+        self._inflight = ahead
+        self._decode_clock = 0.0 if ahead is None else self._decode_clock + time.perf_counter() - t0 - prefill
         return True
 
     def _prefill_phase(self) -> None:
