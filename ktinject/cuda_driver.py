@@ -64,6 +64,7 @@ class _Driver:
             ("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"), [ctypes.POINTER(u64), vp, ctypes.c_uint]
         )
         self._launch_host_func = self._sym("cuLaunchHostFunc", [vp, vp, vp])
+        self._driver_get_version = self._sym("cuDriverGetVersion", [ctypes.POINTER(c_int)])
         self._ctx_get_flags = self._sym("cuCtxGetFlags", [ctypes.POINTER(ctypes.c_uint)])
         try:  # CUDA >= 12.1: flags of the current (torch's primary) context, also while it is active
             self._ctx_set_flags = self._sym("cuCtxSetFlags", [ctypes.c_uint])
@@ -114,6 +115,16 @@ def driver() -> _Driver:
             if _driver is None:
                 _driver = _Driver()
     return _driver
+
+
+def driver_version() -> int:
+    """The driver's CUDA version as 1000 * major + 10 * minor (12030 for 12.3); 0 where it cannot be read."""
+    try:
+        d = driver()
+        v = ctypes.c_int()
+        return int(v.value) if d._driver_get_version(ctypes.byref(v)) == CUDA_SUCCESS else 0
+    except (OSError, AttributeError, CudaDriverError):
+        return 0
 
 
 def available() -> bool:

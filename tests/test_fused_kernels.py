@@ -412,11 +412,21 @@ def test_pdl_launch_keywords(monkeypatch):
     """Programmatic dependent launch only where it can run: a CUDA device of compute capability >= 9.0 with a
     Triton that has grid dependency control, not under the interpreter, not with KTINJECT_PDL=0; elsewhere the
     launches carry no PDL keyword at all (a Triton older than 3.4 rejects launch_pdl)."""
+    from ktinject import cuda_driver
+
     assert fused.pdl_kwargs(torch.zeros(1)) == {}  # CPU tensors (the interpreter's)
     if torch.cuda.is_available():
         t = torch.zeros(1, device="cuda")
-        want = torch.cuda.get_device_capability() >= (9, 0) and fused.gdc_functions()[0] is not None
+        want = (torch.cuda.get_device_capability() >= (9, 0) and fused.gdc_functions()[0] is not None
+                and cuda_driver.driver_version() >= fused.PDL_MIN_DRIVER)
         assert fused.pdl(t) == (want and not fused.interpreting())
+        monkeypatch.setattr(cuda_driver, "driver_version", lambda: 12020)  # graphs would not capture it
+        fused._pdl_capable.cache_clear()
+        try:
+            assert not fused.pdl(t)
+        finally:
+            monkeypatch.undo()
+            fused._pdl_capable.cache_clear()
         monkeypatch.setenv("KTINJECT_PDL", "0")
         assert fused.pdl_kwargs(t) == {}
 

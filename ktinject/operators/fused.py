@@ -156,8 +156,8 @@ def gdc_functions():
 
 def pdl(t: torch.Tensor) -> bool:
     """Whether the decode chain's kernels for ``t`` launch with programmatic dependent launch: CUDA compute
-    capability >= 9.0, this Triton has grid dependency control, not interpreting, KTINJECT_PDL not 0 (read per
-    launch; a captured graph keeps what its capture launched)."""
+    capability >= 9.0, a driver of CUDA >= 12.3, this Triton has grid dependency control, not interpreting,
+    KTINJECT_PDL not 0 (read per launch; a captured graph keeps what its capture launched)."""
     if not t.is_cuda or os.environ.get("KTINJECT_PDL", "1") == "0" or interpreting():
         return False
     return _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
@@ -169,9 +169,23 @@ def pdl_kwargs(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if pdl(t) else {}
 
 
+#: the driver that captures programmatically dependent launches into CUDA graphs (CUDA 12.3); with an older one a
+#: decode graph's capture would fail and every step run eagerly
+PDL_MIN_DRIVER = 12030
+
+
 @functools.cache
 def _pdl_capable(device: int) -> bool:
-    return torch.cuda.get_device_capability(device) >= (9, 0) and gdc_functions()[0] is not None
+    if torch.cuda.get_device_capability(device) < (9, 0) or gdc_functions()[0] is None:
+        return False
+    from ktinject import cuda_driver
+
+    version = cuda_driver.driver_version()
+    if version < PDL_MIN_DRIVER:
+        log.info("fused: programmatic dependent launch off (CUDA driver %d.%d; graphs capture it from 12.3)",
+                 version // 1000, version % 1000 // 10)
+        return False
+    return True
 
 
 def _build(triton, tl):
