@@ -388,8 +388,8 @@ class GraphRunner:
             except Exception as e:  # noqa: BLE001 - one runner's failure must not keep the others stale
                 log.warning("ktinject graph: resetting a stream-experts runner after a failed capture: %s", e)
         for module in self.model.modules():
-            if getattr(module, "_lazy_runner", None) is not None:
-                module._lazy_runner = None
+            if hasattr(module, "take_lazy_collect"):
+                module.take_lazy_collect()  # (clears the hand-over; its runner was reset above)
         chain = deferral.chain_of(self.model)
         if chain is not None:
             chain.forget()

@@ -401,8 +401,8 @@ def test_kernels_compile_for_sm90():
     for go, scope in ((False, "gpu"), (True, "gpu"), (True, "sys")):  # (the token counters' scope: gpu in use)
         check(fused._kernels(), dict(x="*bf16", w="*fp32", logits="*fp32", w_out="*fp32", i_out="*i64", cnt="*i32",
                                      counts="*i64", h_host="*bf16", w_host="*fp32", i_host="*i64", go="*i32"),
-              dict(K=8, KP=8, BLOCK=128, BLOCK_E=fused.ROUTER_BLOCK_E, BLOCK_H=fused.ROUTER_BLOCK_H, COUNT=True, STAGE=True, GO=go,
-                   SCOPE=scope), fused.ROUTER_WARPS)
+              dict(K=8, KP=8, BLOCK=128, BLOCK_E=fused.ROUTER_BLOCK_E, BLOCK_H=fused.ROUTER_BLOCK_H, COUNT=True,
+                   STAGE=True, GO=go, SCOPE=scope), fused.ROUTER_WARPS)
     for flag, wait in ((False, False), (True, False), (True, True)):
         check(fused._copy_kernel(), dict(src="*fp32", dst="*bf16", flag="*i32", cnt="*i32"),
               dict(BLOCK=fused.COPY_BLOCK, FLAG=flag, WAIT=wait), fused.COPY_WARPS)

@@ -7,8 +7,8 @@ GEMV with the residual add), and here the router of the MoE operator and a copy 
 memory:
 
 - ``router_topk``: for each token, the router logits (programs of ``ROUTER_BLOCK_E`` experts of one warp each:
-  the 128 x 2048 float32 weight of Qwen3-30B-A3B read by 128 programs), and in the program that finishes a token's logits last (an atomic
-  counter per token) the top k by k rounds of argmax and the softmax of the k; optionally in the same kernel the
+  the 128 x 2048 float32 weight of Qwen3-30B-A3B read by 128 programs), and in the program that finishes a
+  token's logits last (an atomic counter per token) the top k by k rounds of argmax and the softmax of the k; optionally in the same kernel the
   routed-pair statistics (``counts[id] += 1``) and the copies the CPU experts need (hidden row, ids, weights)
   written straight into pinned host buffers (device-accessible under unified addressing): one kernel instead of
   logits, top-k, index_add and three device-to-host copies. With ``go`` the kernel also raises the CPU's go word

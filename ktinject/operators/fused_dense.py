@@ -33,9 +33,17 @@ log = logging.getLogger(__name__)
 
 
 def _build(triton, tl):
-    global rms_norm_row  # a jit helper is found through the module's globals (not the closure), made here
+    global rms_norm_row, gemv_tile  # a jit helper is found through the module's globals (not the closure)
     global gdc_wait, gdc_launch_dependents
     gdc_wait, gdc_launch_dependents = fused.gdc_functions()
+
+    @triton.jit
+    def gemv_tile(wrow, x, k0, nm, K, BK: tl.constexpr):
+        """One row's products with the weight tile [BN, BK] at column k0, in float32."""
+        k = k0 + tl.arange(0, BK)
+        wv = tl.load(wrow + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
+        xv = tl.load(x + k, mask=k < K, other=0.0)
+        return wv.to(tl.float32) * xv.to(tl.float32)[None, :]
 
     @triton.jit
     def rms_norm_row(v, w, offs, inside, H, eps, dt: tl.constexpr, ROUND2: tl.constexpr):
@@ -102,21 +110,16 @@ def _build(triton, tl):
             if PDL:
                 gdc_wait()
             xv = tl.load(x + k, mask=k < K, other=0.0)
+            first = wv.to(tl.float32) * xv.to(tl.float32)[None, :]
             if RED:  # each tile summed as it comes: [BN] accumulators, room for wide tiles
-                acc1 = tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+                acc1 = tl.sum(first, axis=1)
                 for k0 in range(BK, K, BK):
-                    k = k0 + tl.arange(0, BK)
-                    wv = tl.load(wrow + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
-                    xv = tl.load(x + k, mask=k < K, other=0.0)
-                    acc1 += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+                    acc1 += tl.sum(gemv_tile(wrow, x, k0, nm, K, BK), axis=1)
                 acc = acc1[None, :] + tl.zeros([BB, BN], tl.float32)
             else:
-                acc2 = wv.to(tl.float32) * xv.to(tl.float32)[None, :]
+                acc2 = first
                 for k0 in range(BK, K, BK):
-                    k = k0 + tl.arange(0, BK)
-                    wv = tl.load(wrow + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
-                    xv = tl.load(x + k, mask=k < K, other=0.0)
-                    acc2 += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
+                    acc2 += gemv_tile(wrow, x, k0, nm, K, BK)
                 acc = tl.sum(acc2, axis=1)[None, :] + tl.zeros([BB, BN], tl.float32)  # [BB, BN], row 0 real
         else:
             if PDL:
@@ -214,8 +217,8 @@ MEASURE_FROM = 1 << 20  # weights smaller than this stay with cuBLAS unmeasured 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                   config: tuple, norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x [B, K] @ weight [N, K]^T (+ bias [N]) (+ residual [B, N]), its RMSNorm or None) by the kernel with
-    ``config`` (BN, BK, warps[, RED]: one row's tiles summed as they come, for wide tiles); ``norm``: (weight [N], eps, round_twice) as ``add_rms_norm``, computed by the
-    program that finishes last."""
+    ``config`` (BN, BK, warps[, RED]: one row's tiles summed as they come, for wide tiles); ``norm``: (weight [N],
+    eps, round_twice) as ``add_rms_norm``, computed by the program that finishes last."""
     B, K = x.shape
     N = weight.shape[0]
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):

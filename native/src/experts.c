@@ -96,7 +96,6 @@ const float *ktki_expert_bias(const ktk_experts *ex, int e, int which) {
     return (const float *)(ex->base + ex->expert_bytes * e + ex->bias_off[which]);
 }
 
-
 int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dtype, int64_t so, int64_t si) {
     ktk_mat m = ktki_expert_mat(ex, e, which);
     float *row = malloc((size_t)m.K * sizeof(float));
