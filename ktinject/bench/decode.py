@@ -39,7 +39,7 @@ from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and th
 )
 from ktinject.bench.timing import (  # the measurements (bench serve imports two of them from here too)
     cpu_expert_time, expert_bytes_per_token, gen_time, graph_replay, hf_decode, ktinject_decode, muted_replay,
-    paired_overhead, profile_replay, wrap_cpu_experts,
+    paired_overhead, profile_line, profile_replay, wrap_cpu_experts,
 )
 
 
@@ -260,6 +260,14 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
             if args.profile:
                 print(f"# kernels of 3 muted decode-graph replays ({cfg.num_hidden_layers} layers):\n"
                       + profile_replay(model, r, B, P), flush=True)
+                # the CPU's side of the same step: the pool's jobs inside bare replays (go seen -> done raised)
+                # against the same forwards driven from Python (cpu_expert_time), to tell hand-off from work
+                with pool.profiling() as gprof:
+                    graph_replay(r, B, P, args.tokens)
+                print(f"# native pool inside bare replays, a layer: {profile_line(gprof)}", flush=True)
+                alone: list = []
+                cpu_expert_time(model, B, passes=3, profile=alone)
+                print(f"# native pool, CPU experts alone, a layer: {profile_line(alone[0])}", flush=True)
             if r.host_wait != "spin" and step is not None:
                 from ktinject import cuda_driver
 

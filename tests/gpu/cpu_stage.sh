@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The decode step's CPU side and long-context deferral (issues 18, 20), one device call, from the repository root,
+# carry .whl:   STEPS="tests profile threads longdefer" bash tests/gpu/cpu_stage.sh
+#   tests      the GPU tests of the decode chain (fused, hostio, graph, deferral, KV cache, hot, serve; ~240 s)
+#   profile    bench decode int4 --profile: kernel table of muted replays, the pool inside bare replays vs alone
+#   threads    KTINJECT_THREADS=$THREADS_B vs the default, in turns (bench decode int4 --defer 0)
+#   longdefer  bench decode int4 --defer $DEFER at a $PROMPT-token context (attention's share of the GPU part)
+# Logs under $OUT.
+set -uo pipefail
+. tests/gpu/stage_lib.sh
+stage_setup
+run() { PYTHONPATH=/tmp/site:$PWD "$@"; }
+for step in ${STEPS:-tests profile}; do
+  echo "=== $step $(steal) $(date -u +%T)"
+  case $step in
+    tests)
+      run timeout "${TESTS_S:-300}" python3 -m pytest -q -rs -m "gpu or amx" tests/test_fused_kernels.py \
+        tests/test_hostio.py tests/gpu/test_graph_gpu.py tests/gpu/test_deferral_gpu.py tests/gpu/test_kv_cache_gpu.py \
+        tests/gpu/test_hot_gpu.py tests/gpu/test_serve_gpu.py > "$OUT/tests.log" 2>&1
+      echo "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head; tail -1 "$OUT/tests.log" ;;
+    profile)
+      run timeout 200 python3 -m ktinject.bench decode --quant int4 --tokens 32 --profile --hf-tokens 0 \
+        > "$OUT/profile.log" 2>&1; echo "profile rc=$?"
+      grep -E "^# native pool|waiting|muted|ktinject graph|CPU experts alone|roofline" "$OUT/profile.log" | cut -c1-300 ;;
+    threads)
+      for r in $(seq "${ROUNDS:-1}"); do
+        for t in default "${THREADS_B:-16}"; do
+          echo "--- round $r threads $t $(steal)"
+          if [ $t = default ]; then env=(); else env=(KTINJECT_THREADS=$t); fi
+          env "${env[@]}" PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m ktinject.bench decode --quant int4 \
+            --defer 0 --tokens 32 --defer-rounds 3 > "$OUT/threads-$t-$r.log" 2>&1
+          grep -E "^# injected|^# defer(: GPU|: CPU experts alone \|| 0)" "$OUT/threads-$t-$r.log" | cut -c1-260
+        done
+      done ;;
+    longdefer)
+      run timeout "${LONG_S:-280}" python3 -m ktinject.bench decode --quant int4 --defer "${DEFER:-0,2,3}" \
+        --prompt "${PROMPT:-8192}" --tokens 32 --defer-rounds "${ROUNDS:-2}" > "$OUT/longdefer.log" 2>&1
+      echo "longdefer rc=$?"; grep -E "^# (defer|injected)" "$OUT/longdefer.log" | cut -c1-300 ;;
+  esac
+done
+echo "=== end $(steal) $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
