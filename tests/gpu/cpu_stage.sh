@@ -5,6 +5,8 @@
 #   profile    bench decode int4 --profile: kernel table of muted replays, the pool inside bare replays vs alone
 #   threads    KTINJECT_THREADS=$THREADS_B vs the default, in turns (bench decode int4 --defer 0)
 #   longdefer  bench decode int4 --defer $DEFER at a $PROMPT-token context (attention's share of the GPU part)
+#   scaling    the host's CPU topology, then probe_cpu_decode.py int4 batch 1 over $SCALE_THREADS pool threads
+#              (cold and cache-hot forwards, the read probe at each count): per-thread or shared limit?
 # Logs under $OUT.
 set -uo pipefail
 . tests/gpu/stage_lib.sh
@@ -36,6 +38,13 @@ for step in ${STEPS:-tests profile}; do
       run timeout "${LONG_S:-280}" python3 -m ktinject.bench decode --quant int4 --defer "${DEFER:-0,2,3}" \
         --prompt "${PROMPT:-8192}" --tokens 32 --defer-rounds "${ROUNDS:-2}" > "$OUT/longdefer.log" 2>&1
       echo "longdefer rc=$?"; grep -E "^# (defer|injected)" "$OUT/longdefer.log" | cut -c1-300 ;;
+    scaling)
+      { lscpu; grep -m1 "model name" /proc/cpuinfo; grep MHz /proc/cpuinfo | sort | uniq -c | head -5; } \
+        > "$OUT/lscpu.log" 2>&1
+      grep -E "^(Model name|Thread|Core|Socket|NUMA node\(s\)|L2|L3|CPU\(s\))" "$OUT/lscpu.log"
+      run timeout "${SCALE_S:-300}" python3 tests/gpu/probe_cpu_decode.py --layers 16 --quant int4 --batch 1 --hot \
+        --passes 5 --threads "${SCALE_THREADS:-1,2,4,8,12,15,16}" > "$OUT/scaling.log" 2>&1
+      echo "scaling rc=$?"; cut -c1-260 "$OUT/scaling.log" ;;
   esac
 done
 echo "=== end $(steal) $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
