@@ -40,7 +40,10 @@
     case 64 + 2: FN(w, x, b0, y, yo, 8, 2); break;                                                                                \
     default: abort();                                                                                              \
     }
-static inline int nbmax16(int M) { (void)M; return 2; }
+#ifndef KTK_GEMV_NB
+#define KTK_GEMV_NB 2   /* blocks per matrix at most (A/B builds: KTINJECT_CFLAGS=-DKTK_GEMV_NB=1) */
+#endif
+static inline int nbmax16(int M) { (void)M; return KTK_GEMV_NB; }
 
 #define KTK_GEMV_CASES8(FN)                                                                                       \
     switch (M * 8 + NB) {                                                                                          \
@@ -50,7 +53,7 @@ static inline int nbmax16(int M) { (void)M; return 2; }
     case 48 + 1: FN(w, x, b0, y, yo, 6, 1); break; case 56 + 1: FN(w, x, b0, y, yo, 7, 1); break; case 64 + 1: FN(w, x, b0, y, yo, 8, 1); break;                \
     default: abort();                                                                                              \
     }
-static inline int nbmax8(int M) { return M <= 4 ? 2 : 1; }
+static inline int nbmax8(int M) { return M <= 4 ? KTK_GEMV_NB : 1; }
 
 typedef void (*gemv_micro)(const ktk_mat *const *w, const ktk_act *const *x, int b0, float *const *y, int yo, int M,
                            int NB);
