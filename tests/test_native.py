@@ -208,6 +208,7 @@ DECODE_CASES = [  # E, H, I, T, k, routing, skip, dtypes...: every expert <= 4 r
     (40, 130, 70, 1, 12, "random", "some", "f32", "bf16", "f32", "bf16"),  # 12: a group of 8, then the rest
     (12, 96, 80, 3, 8, "few_experts", None, "bf16", "f32", "f32", "f32"),  # one- and multi-row experts mixed
     (8, 2048, 768, 1, 8, "random", None, "bf16", "f32", "bf16", "f32"),    # Qwen3-30B-A3B layer shapes
+    (10, 40, 10, 1, 3, "random", None, "f32", "f32", "f32", "bf16"),      # one gate/up block an expert, H % 32 != 0
 ]
 
 
@@ -216,7 +217,8 @@ DECODE_CASES = [  # E, H, I, T, k, routing, skip, dtypes...: every expert <= 4 r
 @pytest.mark.parametrize("ci", range(len(DECODE_CASES)))
 def test_decode_path_equals_item_path(use_isa, monkeypatch, isa, quant, ci):
     """Few-row forwards run the gemv decode path (chunks claimed per thread, gate+up and groups of down matrices
-    streamed together): bitwise the same output as the item path (KTINJECT_GEMV=0 / 1), on 1 and 3 threads. (Tables
+    streamed together), one-token ones as one phase (KTINJECT_PIPE): bitwise the same output as the item path
+    (KTINJECT_GEMV=0 / 1), on 1 and 3 threads. (Tables
     without gemv, generic and avx2, take the item path both times: the reference comparison still holds.)"""
     use_isa(isa)
     ex, hidden, ids, weights, skip, od, _, biases = make_problem(DECODE_CASES[ci], 300 + ci, "bf16", bias=ci == 1)
@@ -230,8 +232,11 @@ def test_decode_path_equals_item_path(use_isa, monkeypatch, isa, quant, ci):
                 q.set_bias(e, m, b)
         ex = q
     outs = []
-    for gemv in ("0", "1"):  # 1: the gemv path even where the table does not use it by default (AVX-512)
+    # gemv 1: the gemv path even where the table does not use it by default (AVX-512); with one token, pipe 1 runs
+    # gate/up and down as one phase (forward.c: pipe_range), 0 as two
+    for gemv, pipe in (("0", "0"), ("1", "0"), ("1", "1")):
         monkeypatch.setenv("KTINJECT_GEMV", gemv)
+        monkeypatch.setenv("KTINJECT_PIPE", pipe)
         for n in (1, 3):
             with kn.Pool(n) as pool:
                 outs.append(run(ex, hidden, ids, weights, skip, od, pool=pool))
@@ -593,13 +598,15 @@ def test_activation_and_quantize_rows(tmp_path):
 
 
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
-@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("decode", [False, True, "one-token"])
 def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):
     """native/tests/stress_pool.c against all native sources, under ThreadSanitizer / ASan+UBSan, with pool threads
     delayed by the test hook; decode: 3 tokens x 4 experts of 8 (every expert <= 4 rows) on the gemv decode path
-    (KTINJECT_GEMV=1, where the kernels have gemv); else 33 tokens x 2, claim windows of 7 items (phases of several)."""
-    exe = _build_c_test(tmp_path, "stress_pool", sanitizer,
-                        ["-DSTRESS_T=3", "-DSTRESS_K=4"] if decode else ["-DCLAIM_BITS=3"])
+    (KTINJECT_GEMV=1, where the kernels have gemv); one-token: 1 token x 4 experts, the one-phase pipeline (down
+    units waiting for their expert's h); else 33 tokens x 2, claim windows of 7 items (phases of several)."""
+    flags = {False: ["-DCLAIM_BITS=3"], True: ["-DSTRESS_T=3", "-DSTRESS_K=4"],
+             "one-token": ["-DSTRESS_T=1", "-DSTRESS_K=4"]}[decode]
+    exe = _build_c_test(tmp_path, "stress_pool", sanitizer, flags)
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                        env={"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1",
                             "KTINJECT_GEMV": "1" if decode else "0",

@@ -186,8 +186,12 @@ ktk_act ktki_fwd_rows(const fctx *c, int h, int a, int r0, int r1, int tid) {
 void ktki_fwd_quantize_h_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
     (void)tid;
-    int r1 = (int)((item + 1) * c->hq_rows < c->R ? (item + 1) * c->hq_rows : c->R);
-    for (int r = (int)(item * c->hq_rows); r < r1; r++) {
+    const int r1 = (int)((item + 1) * c->hq_rows < c->R ? (item + 1) * c->hq_rows : c->R);
+    ktki_fwd_quantize_h_rows(c, (int)(item * c->hq_rows), r1);
+}
+
+void ktki_fwd_quantize_h_rows(const fctx *c, int r0, int r1) {
+    for (int r = r0; r < r1; r++) {
         int8_t *dst = c->h8 + (int64_t)r * c->KpI;
         c->hsum[r] = ktki_quantize_row(c->hf + (int64_t)r * c->I, c->I, dst, &c->hs[r]);
         memset(dst + c->I, 0, (size_t)(c->KpI - c->I));

@@ -30,10 +30,12 @@
  * Where the kernel table says so (gemv_default: measured faster there); KTINJECT_GEMV=0/1 overrides (tests, A/B);
  * never with KTINJECT_INT4_PATH=dequant (that path is for many rows).
  */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "forward.h"
+#include "pool.h"
 
 /* ---- route ---- */
 static float routing_weight(const ktk_task *t, int64_t i) {
@@ -134,6 +136,22 @@ static int plan(fctx *c) {
                 c->gu[c->ngu++] = (gu_item){a, r0, r1, g * c->cw_gu, cb1};
             }
     if (!ktki_fwd_plan_acts(c)) return 0;
+    if (c->pipe) {   /* counters and each expert's down output (pipe_range) */
+        c->UHc = (c->UH + PIPE_DN_BLOCKS - 1) / PIPE_DN_BLOCKS;
+        c->NEG = (c->A + PIPE_DN_EXPERTS - 1) / PIPE_DN_EXPERTS;
+        const size_t ca = a64((size_t)c->A * 4), cg = a64((size_t)c->UHc * 4);
+        char *b = ktki_scratch(c->pool, KTKI_SCR_PIPE, 2 * ca + cg + (size_t)c->A * c->UH * 16 * sizeof(float));
+        if (!b) return 0;
+        c->gu_left = (_Atomic int32_t *)b;
+        c->h_ready = (_Atomic int32_t *)(b + ca);
+        c->dn_left = (_Atomic int32_t *)(b + 2 * ca);
+        c->yd = (float *)(b + 2 * ca + cg);
+        for (int a = 0; a < c->A; a++) {   /* relaxed: the phase's publication releases them */
+            atomic_store_explicit(&c->gu_left[a], c->UI, memory_order_relaxed);
+            atomic_store_explicit(&c->h_ready[a], 0, memory_order_relaxed);
+        }
+        for (int g = 0; g < c->UHc; g++) atomic_store_explicit(&c->dn_left[g], c->NEG, memory_order_relaxed);
+    }
     size_t per_thread = (size_t)c->H * 4;
     size_t gu = 2 * (size_t)RT * c->cw_gu * 16 * 4, dn = (size_t)(RT + TC) * c->cw_dn * 16 * 4;
     per_thread = per_thread > gu ? per_thread : gu;
@@ -283,6 +301,95 @@ static void down_decode(void *ctx, int64_t u0, int64_t u1, int tid) {
     down_run(c, (int)u0, (int)u1, 0, c->T, y, acc, tid);
 }
 
+/* ---- one-token pipeline ---- */
+/* Why: a one-token forward reads ~20 MB (Qwen3-30B-A3B, int4) in ~200 us, and as two phases (gate/up of every
+ * expert, h quantized on one thread, then down of every column block) it paid each phase's tail, the serial step
+ * and the down phase's ramp, and its down chunks read 8 short streams (6 KB a block and expert). Here one phase
+ * holds both: units [0, A * UI) are gate/up (expert a, block b) as in gate_up_decode, then [A * UI, + NEG * UHc)
+ * down (experts [PIPE_DN_EXPERTS * eg, ...), group g of PIPE_DN_BLOCKS blocks of H: one gemv of up to 4 matrices,
+ * whose many weight streams a core needs to read fast; one expert a unit measured slower on a 2-core VM), claimed
+ * in that order in guided chunks, so a down unit of the first experts overlaps the gate/up tail of the last. The
+ * thread that ends an expert's last gate/up unit quantizes its h row and marks it ready; a down unit waits for its
+ * experts' marks (every gate/up unit is claimed before any down unit, and a chunk runs its units in order, so the
+ * wait is for units running threads hold: no deadlock) and writes each expert's output for its columns into yd;
+ * the thread that ends a column group's last expert group sums it, experts in ascending order as down_run does
+ * (acc = 0; acc += w * (y + bias)): the same bits as the two-phase path (tested). */
+static void pipe_combine(const fctx *c, int g) {
+    const int j0 = g * PIPE_DN_BLOCKS * 16, j1 = (g + 1) * PIPE_DN_BLOCKS * 16 < c->H ? (g + 1) * PIPE_DN_BLOCKS * 16
+                                                                                   : c->H;
+    float acc[PIPE_DN_BLOCKS * 16];
+    for (int j = 0; j < j1 - j0; j++) acc[j] = 0.0f;
+    for (int a = 0; a < c->A; a++) {
+        const float w = c->wt[c->off[a]], *y = c->yd + (int64_t)a * c->UH * 16 + j0;
+        const float *bd = ktki_expert_bias(c->ex, c->act_e[a], KTK_MAT_DOWN);
+        if (bd) for (int j = 0; j < j1 - j0; j++) acc[j] += w * (y[j] + bd[j0 + j]);
+        else for (int j = 0; j < j1 - j0; j++) acc[j] += w * y[j];
+    }
+    if (c->t->out_dtype == KTK_DTYPE_F32) {
+        memcpy((float *)c->t->out + j0, acc, (size_t)(j1 - j0) * sizeof(float));
+    } else {
+        uint16_t *o = (uint16_t *)c->t->out + j0;
+        for (int j = 0; j < j1 - j0; j++) o[j] = ktk_f32_to_bf16(acc[j]);
+    }
+}
+
+static void pipe_wait_h(const fctx *c, int a) {
+    for (unsigned i = 1; !atomic_load_explicit(&c->h_ready[a], memory_order_acquire); i++) {
+        ktki_cpu_relax();
+        if (i % 4096 == 0) sched_yield();   /* the unit's holder may have lost its core */
+    }
+}
+
+static void pipe_range(void *ctx, int64_t u0, int64_t u1, int tid) {
+    fctx *c = ctx;
+    float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)DECODE_ROWS * c->cw_gu * 16;
+    const int64_t ngu = (int64_t)c->A * c->UI;
+    for (int64_t u = u0; u < u1 && u < ngu;) {   /* gate/up */
+        const int a = (int)(u / c->UI), cb0 = (int)(u % c->UI);
+        const int cb1 = u1 - u < c->UI - cb0 ? cb0 + (int)(u1 - u) : c->UI;
+        gate_up_run(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
+        if (atomic_fetch_sub_explicit(&c->gu_left[a], cb1 - cb0, memory_order_acq_rel) == cb1 - cb0) {
+            if (c->a8) ktki_fwd_quantize_h_rows(c, c->off[a], c->off[a + 1]);
+            atomic_store_explicit(&c->h_ready[a], 1, memory_order_release);
+        }
+        u += cb1 - cb0;
+    }
+    for (int64_t u = u0 > ngu ? u0 : ngu; u < u1;) {   /* down */
+        const int eg = (int)((u - ngu) / c->UHc), g0 = (int)((u - ngu) % c->UHc);
+        const int g1 = u1 - u < c->UHc - g0 ? g0 + (int)(u1 - u) : c->UHc;
+        const int cb0 = g0 * PIPE_DN_BLOCKS, cb1 = g1 * PIPE_DN_BLOCKS < c->UH ? g1 * PIPE_DN_BLOCKS : c->UH;
+        const int a0 = eg * PIPE_DN_EXPERTS, n = c->A - a0 < PIPE_DN_EXPERTS ? c->A - a0 : PIPE_DN_EXPERTS;
+        ktk_mat d[PIPE_DN_EXPERTS];
+        ktk_act h[PIPE_DN_EXPERTS];
+        const ktk_mat *dp[PIPE_DN_EXPERTS];
+        const ktk_act *hp[PIPE_DN_EXPERTS];
+        float *y[PIPE_DN_EXPERTS];
+        for (int i = 0; i < n; i++) {
+            const int a = a0 + i;
+            pipe_wait_h(c, a);
+            d[i] = ktki_expert_mat(c->ex, c->act_e[a], KTK_MAT_DOWN);
+            h[i] = ktki_fwd_rows(c, 1, a, c->off[a], c->off[a] + 1, tid);
+            dp[i] = &d[i], hp[i] = &h[i];
+            y[i] = c->yd + (int64_t)a * c->UH * 16 + (int64_t)cb0 * 16;
+        }
+        c->gemv(n, dp, cb0, cb1, hp, y);
+        for (int g = g0; g < g1; g++)
+            if (atomic_fetch_sub_explicit(&c->dn_left[g], 1, memory_order_acq_rel) == 1) pipe_combine(c, g);
+        u += g1 - g0;
+    }
+}
+
+/* KTINJECT_PIPE (read at each one-token decode forward; tests and A/B measurements): 0 runs the two-phase path,
+ * anything else (or unset) the pipeline where it applies (PIPE_DEFAULT). */
+#ifndef PIPE_DEFAULT
+#define PIPE_DEFAULT 1
+#endif
+static int pipe_enabled(void) {
+    const char *v = getenv("KTINJECT_PIPE");
+    if (v && (v[0] == '0' || v[0] == '1') && v[1] == 0) return v[0] == '1';
+    return PIPE_DEFAULT;
+}
+
 /* KTINJECT_INT4_PATH (read at each int4 forward; for tests and crossover measurements): auto (default), direct or
  * dequant forces the int4 kernels' path (KTK_INT4_PATH_*); -1 for anything else. */
 static int int4_path_env(void) {
@@ -335,6 +442,7 @@ static int start(fctx *c, ktk_pool *pool, const ktk_task *t) {
     if (c->maxrows <= DECODE_ROWS && c->T <= TC && gemv_enabled(kern) && c->int4_path != KTK_INT4_PATH_DEQUANT)
         c->gemv = cfg->quant == KTK_QUANT_BF16 ? kern->gemv_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemv_int8
                                                                                             : kern->gemv_int4;
+    c->pipe = c->gemv && c->T == 1 && c->R > 0 && pipe_enabled();   /* one token: one row an expert */
     /* Items of the gather (tokens) and of h's quantization (rows): a few rows each where a forward has few, so that
      * a batch's decode step spreads them over the threads (32 rows an item left 64 rows of 8 tokens to 2 threads,
      * ~50 us of a ~1.3 ms int4 layer, 15 threads busy 12%); one item (inline, no hand-off) for one token. */
@@ -390,10 +498,13 @@ int ktki_forward_step(ktk_pool *pool, const ktk_task *t, int first, ktki_phase *
             if (c->R > 0) return items(ph, c, ktki_fwd_gather_item, (c->T + c->gtok - 1) / c->gtok);
             break;
         case 1:
+            if (c->pipe)
+                return guided(ph, c, pipe_range, (int64_t)c->A * c->UI + (int64_t)c->NEG * c->UHc, c->cw_gu, 1);
             if (c->R > 0 && c->gemv) return guided(ph, c, gate_up_decode, (int64_t)c->A * c->UI, c->cw_gu, 1);
             if (c->R > 0) return items(ph, c, gate_up_item, c->ngu);
             break;
         case 2:
+            if (c->pipe) break;   /* h quantized, down and out written inside the pipeline's phase */
             if (c->R > 0 && c->a8)
                 return items(ph, c, ktki_fwd_quantize_h_item, (c->R + c->hq_rows - 1) / c->hq_rows);
             break;
@@ -402,6 +513,7 @@ int ktki_forward_step(ktk_pool *pool, const ktk_task *t, int first, ktki_phase *
                 memset(c->t->out, 0, (size_t)c->T * c->H * (size_t)ktki_dtype_size(c->t->out_dtype));
                 break;
             }
+            if (c->pipe) break;
             if (c->gemv) return guided(ph, c, down_decode, c->UH, c->cw_dn, down_minc());
             return items(ph, c, down_item, (int64_t)c->ntc * ((c->UH + c->cw_dn - 1) / c->cw_dn));
         default:

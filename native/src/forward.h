@@ -10,6 +10,8 @@
 #define GATHER_ROWS 32        /* rows of h an item quantizes; a gather item: ceil(GATHER_ROWS / k) tokens */
 #define HQ_ROWS_FEW 4         /* rows of h per item where a forward has few rows (decode steps of a batch) */
 #define DECODE_ROWS 4         /* decode path: every expert at most this many rows */
+#define PIPE_DN_BLOCKS 2      /* one-token pipeline: 16-column blocks of H per down unit, */
+#define PIPE_DN_EXPERTS 4     /* ... of this many experts (one gemv: 8 weight streams, as the two-phase path's) */
 
 typedef struct { int32_t a, r0, r1, cb0, cb1; } gu_item; /* active expert index, rows, column blocks */
 
@@ -42,6 +44,12 @@ typedef struct {
     int nt;                            /* pool threads */
     int tile_rows;                     /* the kernels read tiles from this many rows (0: never) */
     int step;                          /* ktki_forward_step: the next phase */
+    /* one-token pipeline (forward.c: pipe_range): gate/up and down of every expert in one phase */
+    int pipe, UHc, NEG;                /* on; groups of PIPE_DN_BLOCKS blocks of H; of PIPE_DN_EXPERTS experts */
+    _Atomic int32_t *gu_left;          /* [A] gate/up units of the expert not yet done */
+    _Atomic int32_t *h_ready;          /* [A] its h row is complete (and quantized) */
+    _Atomic int32_t *dn_left;          /* [UHc] expert groups whose down of that column group is not yet done */
+    float *yd;                         /* [A][UH * 16] each expert's down output (no routing weight, no bias) */
 } fctx;
 
 static inline size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -51,6 +59,7 @@ int ktki_fwd_tile_rows(const ktk_kernels *k, int quant);   /* rows from which x,
 int ktki_fwd_plan_acts(fctx *c);                 /* scratch of x, h (and tiles); 0 when out of memory */
 void ktki_fwd_gather_item(void *ctx, int64_t item, int tid);      /* x: the rows of gtok tokens per item */
 void ktki_fwd_quantize_h_item(void *ctx, int64_t item, int tid);  /* int8 / int4: h rows from hf */
+void ktki_fwd_quantize_h_rows(const fctx *c, int r0, int r1);     /* the same for rows [r0, r1) */
 /* Bytes [b0, b1) of row r (of active expert a) of x (h = 0) or h (h = 1) -> its tiles, if the expert has tiles. */
 void ktki_fwd_to_tiles(const fctx *c, int h, int a, int r, const void *row, int64_t b0, int64_t b1);
 /* Rows [r0, r1) of active expert a of x (h = 0) or h (h = 1) as the kernels take them, for thread tid. */

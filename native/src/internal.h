@@ -75,7 +75,7 @@ void ktki_pool_wake(ktk_pool *pool);
 /* Grow-only scratch. Shared slots: one buffer per slot for the job being run; per-thread: one buffer per thread id
  * (n + 1 of them). Call from a job's serial steps only; NULL when out of memory. */
 enum { KTKI_SCR_ROUTE, KTKI_SCR_ITEMS, KTKI_SCR_X, KTKI_SCR_H, KTKI_SCR_HF, KTKI_SCR_XT, KTKI_SCR_HT, KTKI_SCR_JOB,
-       KTKI_SCR_SLOTS };
+       KTKI_SCR_PIPE, KTKI_SCR_SLOTS };
 void *ktki_scratch(ktk_pool *pool, int slot, size_t bytes);
 int ktki_thread_scratch_reserve(ktk_pool *pool, size_t bytes);
 void *ktki_thread_scratch(ktk_pool *pool, int tid);

@@ -5,6 +5,8 @@
 #   profile    bench decode int4 --profile: kernel table of muted replays, the pool inside bare replays vs alone
 #   threads    KTINJECT_THREADS=$THREADS_B vs the default, in turns (bench decode int4 --defer 0)
 #   longdefer  bench decode int4 --defer $DEFER at a $PROMPT-token context (attention's share of the GPU part)
+#   pipe       one-token pipeline on / off (KTINJECT_PIPE): probe_cpu_decode int4 batch 1 interleaved in one process,
+#              then bench decode int4 --defer 0 with each, in turns ($ROUNDS)
 #   scaling    the host's CPU topology, then probe_cpu_decode.py int4 batch 1 over $SCALE_THREADS pool threads
 #              (cold and cache-hot forwards, the read probe at each count): per-thread or shared limit?
 # Logs under $OUT.
@@ -38,6 +40,18 @@ for step in ${STEPS:-tests profile}; do
       run timeout "${LONG_S:-280}" python3 -m ktinject.bench decode --quant int4 --defer "${DEFER:-0,2,3}" \
         --prompt "${PROMPT:-8192}" --tokens 32 --defer-rounds "${ROUNDS:-2}" > "$OUT/longdefer.log" 2>&1
       echo "longdefer rc=$?"; grep -E "^# (defer|injected)" "$OUT/longdefer.log" | cut -c1-300 ;;
+    pipe)
+      run timeout 150 python3 tests/gpu/probe_cpu_decode.py --layers 16 --quant int4 --threads 15 --batch 1 \
+        --passes 7 --env KTINJECT_PIPE=0,1,0,1,0,1 > "$OUT/pipe-probe.log" 2>&1
+      echo "pipe probe rc=$?"; grep -E "B=1|profile" "$OUT/pipe-probe.log" | cut -c1-250
+      for r in $(seq "${ROUNDS:-1}"); do
+        for v in 0 1; do
+          echo "--- round $r KTINJECT_PIPE=$v $(steal)"
+          KTINJECT_PIPE=$v PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m ktinject.bench decode --quant int4 \
+            --defer 0 --tokens 32 --defer-rounds 3 > "$OUT/pipe-$v-$r.log" 2>&1
+          grep -E "^# defer(: GPU|: CPU experts alone|: CPU experts alone, a layer| 0)" "$OUT/pipe-$v-$r.log" | cut -c1-300
+        done
+      done ;;
     scaling)
       { lscpu; grep -m1 "model name" /proc/cpuinfo; grep MHz /proc/cpuinfo | sort | uniq -c | head -5; } \
         > "$OUT/lscpu.log" 2>&1
