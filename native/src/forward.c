@@ -333,10 +333,20 @@ static void pipe_combine(const fctx *c, int g) {
     }
 }
 
+/* Spins, yielding the core every PIPE_YIELD_NS (as the pool's hot idle threads do): the unit's holder may have lost
+ * its core, and a thread waiting here must not keep it from getting one back. */
+#define PIPE_YIELD_NS 15000
 static void pipe_wait_h(const fctx *c, int a) {
+    int64_t yield_at = 0;
     for (unsigned i = 1; !atomic_load_explicit(&c->h_ready[a], memory_order_acquire); i++) {
         ktki_cpu_relax();
-        if (i % 4096 == 0) sched_yield();   /* the unit's holder may have lost its core */
+        if (i % 16) continue;
+        const int64_t t = ktki_now_ns();
+        if (!yield_at) yield_at = t + PIPE_YIELD_NS;
+        else if (t >= yield_at) {
+            sched_yield();
+            yield_at = ktki_now_ns() + PIPE_YIELD_NS;
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 #   longdefer  bench decode int4 --defer $DEFER at a $PROMPT-token context (attention's share of the GPU part)
 #   pipe       one-token pipeline on / off (KTINJECT_PIPE): probe_cpu_decode int4 batch 1 interleaved in one process,
 #              then bench decode int4 --defer 0 with each, in turns ($ROUNDS)
+#   noise      bench decode int4 --noise 1 --noise-only with KTINJECT_PIPE=1, then =0 (decode with one busy core)
 #   scaling    the host's CPU topology, then probe_cpu_decode.py int4 batch 1 over $SCALE_THREADS pool threads
 #              (cold and cache-hot forwards, the read probe at each count): per-thread or shared limit?
 # Logs under $OUT.
@@ -51,6 +52,13 @@ for step in ${STEPS:-tests profile}; do
             --defer 0 --tokens 32 --defer-rounds 3 > "$OUT/pipe-$v-$r.log" 2>&1
           grep -E "^# defer(: GPU|: CPU experts alone|: CPU experts alone, a layer| 0)" "$OUT/pipe-$v-$r.log" | cut -c1-300
         done
+      done ;;
+    noise)
+      for v in 1 0; do
+        echo "--- KTINJECT_PIPE=$v $(steal)"
+        KTINJECT_PIPE=$v PYTHONPATH=/tmp/site:$PWD timeout 170 python3 -m ktinject.bench decode --quant int4 \
+          --noise 1 --noise-only --tokens 32 > "$OUT/noise-$v.log" 2>&1
+        grep -E "^# (noise|injected)" "$OUT/noise-$v.log" | cut -c1-300
       done ;;
     scaling)
       { lscpu; grep -m1 "model name" /proc/cpuinfo; grep MHz /proc/cpuinfo | sort | uniq -c | head -5; } \
