@@ -360,6 +360,10 @@ def test_bench_decode_defer_rows_on_the_tiny_model(capsys):
                 "defer 1: eager decode"):
         assert f"| {row}" in out, row
     assert bench_defer.parse("3,1", 4) == [0, 1, 3]
+    # deferring a share s of the CPU work gives at most 1 + s, when the GPU part is s x the CPU part
+    assert bench_defer.share_bound(12.0, 3.0, 0.25) == pytest.approx(1.25)
+    assert bench_defer.share_bound(12.0, 3.54, 0.25) == pytest.approx(15.54 / 12.54)  # GPU part over s c
+    assert bench_defer.share_bound(12.0, 1.0, 0.25) == pytest.approx(13.0 / 12.0)     # under it: 1 + g / c
     for bad in ("4", "x"):
         with pytest.raises(SystemExit, match="--defer"):
             bench_defer.parse(bad, 4)

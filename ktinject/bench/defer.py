@@ -73,6 +73,14 @@ def seconds_per_token(model, prompt: torch.Tensor, tokens: int) -> float:
     return (run(tokens + 1) - first) / tokens
 
 
+def share_bound(cpu_s: float, gpu_s: float, share: float) -> float:
+    """The speed-up deferral can give when a ``share`` of the CPU's expert work is deferred: a layer takes g + c
+    without it (GPU, CPU, one after the other); with it the immediate part, then the deferred part beside the next
+    layer's GPU work: (1 - s) c + max(g, s c). So at most 1 + s, reached when g = s c (the overlap free); the
+    bound above (CPU + GPU) / max(CPU, GPU) assumes every GPU microsecond hides."""
+    return (cpu_s + gpu_s) / ((1 - share) * cpu_s + max(gpu_s, share * cpu_s))
+
+
 def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
     """The deferral rows of one injected model (``args.defer``, ``args.tokens``, ``args.defer_rounds``), each given
     to ``add((what, tok/s, ms/token, note))``."""
@@ -115,12 +123,15 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
     add(("defer: GPU + handshakes (experts muted, d=0)", "", _ms(gpu_s), "graph replay, every routed expert skipped"))
     add(("defer: bound (CPU + GPU) / max(CPU, GPU)", "", "", "n/a" if bound is None else f"{bound:.3f}x"))
     base = statistics.median(gen[0])
+    k = model.config.num_experts_per_tok
     for d in ds:
         s = statistics.median(gen[d])
         up = base / s
         note = [f"{up:.3f}x of d=0"]
         if bound is not None:
             note.append(f"{100 * up / bound:.0f}% of the bound")
+            if d:
+                note.append(f"at most {share_bound(cpu_s, gpu_s, d / k):.3f}x with {d} of {k} deferred")
         if graphs:
             note.append(f"bare replay {_ms(statistics.median(bare[d]))} ms, muted {_ms(muted[d])} ms")
         note.append("runs " + ", ".join(f"{B / t:.1f}" for t in gen[d]) + " tok/s")

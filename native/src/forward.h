@@ -10,8 +10,12 @@
 #define GATHER_ROWS 32        /* rows of h an item quantizes; a gather item: ceil(GATHER_ROWS / k) tokens */
 #define HQ_ROWS_FEW 4         /* rows of h per item where a forward has few rows (decode steps of a batch) */
 #define DECODE_ROWS 4         /* decode path: every expert at most this many rows */
+#ifndef PIPE_DN_BLOCKS        /* (both: -D for A/B builds, tests/gpu/ab_flags.sh) */
 #define PIPE_DN_BLOCKS 2      /* one-token pipeline: 16-column blocks of H per down unit, */
+#endif
+#ifndef PIPE_DN_EXPERTS
 #define PIPE_DN_EXPERTS 4     /* ... of this many experts (one gemv: 8 weight streams, as the two-phase path's) */
+#endif
 
 typedef struct { int32_t a, r0, r1, cb0, cb1; } gu_item; /* active expert index, rows, column blocks */
 
