@@ -140,6 +140,8 @@ def make_problem(case, seed, quant, activation="silu", bias=False):
     else:
         pool = E if routing == "random" else min(E, 3 * k)
         ids = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(T)])
+        if routing == "repeat":  # each token's last slot names its first slot's expert again (two rows of it)
+            ids[:, -1] = ids[:, 0]
     weights = torch.rand(T, k, generator=g).to(DT[wd])
     skip = None
     if skip_mode == "some":
@@ -209,6 +211,7 @@ DECODE_CASES = [  # E, H, I, T, k, routing, skip, dtypes...: every expert <= 4 r
     (12, 96, 80, 3, 8, "few_experts", None, "bf16", "f32", "f32", "f32"),  # one- and multi-row experts mixed
     (8, 2048, 768, 1, 8, "random", None, "bf16", "f32", "bf16", "f32"),    # Qwen3-30B-A3B layer shapes
     (10, 40, 10, 1, 3, "random", None, "f32", "f32", "f32", "bf16"),      # one gate/up block an expert, H % 32 != 0
+    (10, 40, 10, 1, 3, "repeat", None, "f32", "f32", "f32", "bf16"),      # one token, an expert twice: not the pipeline
 ]
 
 

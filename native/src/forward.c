@@ -13,6 +13,7 @@
  *             its (tokens, columns) of out, so the sum order per token is fixed: results do not depend on threads.
  * One-token forwards keep gather and h's quantization as phases (one item each): run inline on the task's thread
  * instead, they measured 0.4-3.8% slower (interleaved A/B, Qwen3-30B-A3B layer, 15 threads; cause not established).
+ * On the decode path they run gate/up, h's quantization and down as one phase instead (one-token pipeline, below).
  * int4 weights take int8 activations; when an expert has >= KTK_INT4_DEQUANT_MIN_ROWS_ANY rows (or
  * KTINJECT_INT4_PATH=dequant), x and h also get exact bf16 copies of their int8 values and each thread a workspace,
  * so the kernel may dequantize the weights to bf16 for many rows (kernels.h; the ISA picks by row count).
@@ -452,7 +453,9 @@ static int start(fctx *c, ktk_pool *pool, const ktk_task *t) {
     if (c->maxrows <= DECODE_ROWS && c->T <= TC && gemv_enabled(kern) && c->int4_path != KTK_INT4_PATH_DEQUANT)
         c->gemv = cfg->quant == KTK_QUANT_BF16 ? kern->gemv_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemv_int8
                                                                                             : kern->gemv_int4;
-    c->pipe = c->gemv && c->T == 1 && c->R > 0 && pipe_enabled();   /* one token: one row an expert */
+    /* one token, one row an expert: ids may name an expert twice for a token (two rows), and pipe_range downs and
+     * sums only an expert's first row */
+    c->pipe = c->gemv && c->T == 1 && c->maxrows == 1 && pipe_enabled();
     /* Items of the gather (tokens) and of h's quantization (rows): a few rows each where a forward has few, so that
      * a batch's decode step spreads them over the threads (32 rows an item left 64 rows of 8 tokens to 2 threads,
      * ~50 us of a ~1.3 ms int4 layer, 15 threads busy 12%); one item (inline, no hand-off) for one token. */

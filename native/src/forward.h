@@ -16,6 +16,7 @@
 #ifndef PIPE_DN_EXPERTS
 #define PIPE_DN_EXPERTS 4     /* ... of this many experts (one gemv: 8 weight streams, as the two-phase path's) */
 #endif
+_Static_assert(PIPE_DN_EXPERTS >= 1 && PIPE_DN_EXPERTS <= KTK_GEMV_MAX, "PIPE_DN_EXPERTS: 1..KTK_GEMV_MAX");
 
 typedef struct { int32_t a, r0, r1, cb0, cb1; } gu_item; /* active expert index, rows, column blocks */
 
