@@ -1,0 +1,77 @@
+"""Expert deferral by routing-weight mass against deferral by count, on the demo model (issue 20; runs on a CPU in
+about 3 minutes; not library code): HF float32, MoE blocks rewritten in plain torch with the deferral semantics of
+tests/test_deferral.py::torch_deferral, scored one decode step a token (ktinject.eval.score_decode). Policy
+'count d': each token's d lowest-weighted slots (what ``defer=d`` does); 'mass m': its lowest-weighted slots whose
+cumulative share of the token's routing weight stays <= m (never the top slot). Prints perplexity and the share of
+slots deferred, which bounds the speed-up at 1 + share (ktinject.bench.defer.share_bound).
+
+    python tests/gpu/probe_defer_mass.py [TOKENS]    (default 16384; 1000000: the whole held-out text)
+"""
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ktinject.demo import demo_model_dir, heldout_text
+from ktinject.eval import windows, score_decode
+from ktinject.operators.families import KNOWN_BLOCKS
+
+torch.manual_seed(0)
+d = demo_model_dir()
+tok = AutoTokenizer.from_pretrained(d)
+ids = torch.tensor(tok(heldout_text())["input_ids"])[: int(sys.argv[1]) if len(sys.argv) > 1 else 16384]
+chunks = windows(ids, 256)
+stats = {"def": 0, "all": 0}
+
+
+def deferred_mask(w, policy, val):
+    """bool [T, k]: the slots deferred under the policy."""
+    k = w.shape[1]
+    order = torch.sort(w.float(), dim=-1, descending=False, stable=True).indices  # ascending
+    ws = torch.gather(w.float(), 1, order)
+    if policy == "count":
+        take = torch.arange(k).expand_as(ws) < val
+    else:
+        share = ws / w.float().sum(-1, keepdim=True)
+        take = torch.cumsum(share, -1) <= val
+        take[:, -1] = False  # never the top slot
+    m = torch.zeros_like(take)
+    m.scatter_(1, order, take)
+    return m
+
+
+def install(model, policy, val):
+    blocks = [m for m in model.modules() if type(m).__name__ in KNOWN_BLOCKS]
+    st = {"pending": None}
+    def rewrite(block, i):
+        router = getattr(block, KNOWN_BLOCKS[type(block).__name__][0])
+        def forward(hidden):
+            B, S, H = hidden.shape
+            x = hidden.reshape(-1, H)
+            _, w, e = router(x)
+            defer = S == 1 and i < len(blocks) - 1 and val > 0
+            dm = deferred_mask(w, policy, val) if defer else torch.zeros_like(e, dtype=torch.bool)
+            if defer:
+                stats["def"] += int(dm.sum())
+                stats["all"] += dm.numel()
+            out = block.experts(x, e, w * ~dm)
+            if i > 0 and st["pending"] is not None:
+                out = out + st["pending"]
+            st["pending"] = block.experts(x, e, w * dm) if defer else None
+            return out.view(B, S, H)
+        return forward
+    for i, b in enumerate(blocks):
+        b.forward = rewrite(b, i)
+
+
+base = None
+for policy, val in [("count", 0), ("count", 1), ("mass", 0.15), ("mass", 0.2), ("mass", 0.25), ("mass", 0.3), ("count", 2)]:
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    install(model, policy, val)
+    stats.update({"def": 0, "all": 0})
+    with torch.no_grad():
+        s, _ = score_decode(model, chunks)
+    ppl = s.perplexity
+    base = base or ppl
+    share = stats["def"] / max(stats["all"], 1)
+    print(f"{policy} {val}: perplexity {ppl:.3f} ({100 * (ppl / base - 1):+.2f}%), slots deferred {100 * share:.1f}%", flush=True)
