@@ -343,3 +343,37 @@ def streamed_vs_cpu(model, ids: torch.Tensor, attach) -> dict:
             stream.attach(model, "cpu")
     return dict(cpu=cpu, streamed=got, calls=streamed_call_errors(trace), last=last,
                 flips=routing_flips(cpu_trace, trace, tuple(ids.shape)), tokens=token_errors(got, cpu))
+
+
+def plain_deferral(model: nn.Module, deferred) -> None:
+    """Rewrite the HF MoE blocks of ``model`` (float32) in plain torch with expert deferral: in decode steps
+    (one token a row) the slots ``deferred(weights [T, k]) -> bool [T, k]`` names go, summed, to the next MoE
+    block's output; the last block and prefill defer nothing. The reference the deferral tests hold the injected
+    model to (``deferred``: each token's d lowest-weighted slots), and the probe of other policies."""
+    from ktinject.operators.families import KNOWN_BLOCKS
+
+    blocks = [m for m in model.modules() if type(m).__name__ in KNOWN_BLOCKS]
+    state = {"pending": None}
+
+    def rewrite(block, i):
+        router = getattr(block, KNOWN_BLOCKS[type(block).__name__][0])
+
+        def forward(hidden):
+            B, S, H = hidden.shape
+            x = hidden.reshape(-1, H)
+            _, w, ids = router(x)
+            defer = S == 1 and i < len(blocks) - 1
+            later = deferred(w) if defer else torch.zeros_like(ids, dtype=torch.bool)
+            out = block.experts(x, ids, w * ~later)
+            if hasattr(block, "shared_experts"):
+                out = out + block.shared_experts(x)
+            if hasattr(block, "shared_expert"):
+                out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+            if i > 0 and state["pending"] is not None:
+                out = out + state["pending"]
+            state["pending"] = block.experts(x, ids, w * later) if defer else None
+            return out.view(B, S, H)
+        return forward
+
+    for i, b in enumerate(blocks):
+        b.forward = rewrite(b, i)

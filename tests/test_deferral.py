@@ -21,9 +21,9 @@ import ktinject
 from ktinject import compat, native
 from ktinject.operators import deferral
 from ktinject.operators.base import OperatorError
-from ktinject.operators.families import KNOWN_BLOCKS, shared_output
+from ktinject.operators.families import shared_output
 from ktinject.operators.moe import HybridMoE
-from ktinject.testing import build_tiny_model, tiny_prompts
+from ktinject.testing import build_tiny_model, plain_deferral, tiny_prompts
 
 # family -> (config overrides: 3 MoE blocks where the family allows, d)
 FAMILIES = {
@@ -216,31 +216,7 @@ def test_quantized_equals_plain_rendering_bitwise(quant):
 def torch_deferral(model, d: int) -> None:
     """Rewrite the HF MoE blocks of ``model`` (float32) in plain torch with deferral: per token the d lowest-weighted
     slots' sum goes to the next MoE block's output; the last block and prefill defer nothing."""
-    blocks = [m for m in model.modules() if type(m).__name__ in KNOWN_BLOCKS]
-    state = {"pending": None}
-
-    def rewrite(block, i):
-        router = getattr(block, KNOWN_BLOCKS[type(block).__name__][0])
-
-        def forward(hidden):
-            B, S, H = hidden.shape
-            x = hidden.reshape(-1, H)
-            _, w, ids = router(x)
-            defer = S == 1 and i < len(blocks) - 1
-            imm = immediate(w, d) if defer else torch.ones_like(ids, dtype=torch.bool)
-            out = block.experts(x, ids, w * imm)
-            if hasattr(block, "shared_experts"):
-                out = out + block.shared_experts(x)
-            if hasattr(block, "shared_expert"):
-                out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
-            if i > 0 and state["pending"] is not None:
-                out = out + state["pending"]
-            state["pending"] = block.experts(x, ids, w * ~imm) if defer else None
-            return out.view(B, S, H)
-        return forward
-
-    for i, b in enumerate(blocks):
-        b.forward = rewrite(b, i)
+    plain_deferral(model, lambda w: ~immediate(w, d))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

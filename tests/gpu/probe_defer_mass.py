@@ -1,6 +1,6 @@
 """Expert deferral by routing-weight mass against deferral by count, on the demo model (issue 20; runs on a CPU in
 about 3 minutes; not library code): HF float32, MoE blocks rewritten in plain torch with the deferral semantics of
-tests/test_deferral.py::torch_deferral, scored one decode step a token (ktinject.eval.score_decode). Policy
+ktinject.testing.plain_deferral, the deferral tests' reference, scored one decode step a token (ktinject.eval.score_decode). Policy
 'count d': each token's d lowest-weighted slots (what ``defer=d`` does); 'mass m': its lowest-weighted slots whose
 cumulative share of the token's routing weight stays <= m (never the top slot). Prints perplexity and the share of
 slots deferred, which bounds the speed-up at 1 + share (ktinject.bench.defer.share_bound).
@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ktinject.demo import demo_model_dir, heldout_text
 from ktinject.eval import windows, score_decode
-from ktinject.operators.families import KNOWN_BLOCKS
+from ktinject.testing import plain_deferral
 
 torch.manual_seed(0)
 d = demo_model_dir()
@@ -41,27 +41,12 @@ def deferred_mask(w, policy, val):
 
 
 def install(model, policy, val):
-    blocks = [m for m in model.modules() if type(m).__name__ in KNOWN_BLOCKS]
-    st = {"pending": None}
-    def rewrite(block, i):
-        router = getattr(block, KNOWN_BLOCKS[type(block).__name__][0])
-        def forward(hidden):
-            B, S, H = hidden.shape
-            x = hidden.reshape(-1, H)
-            _, w, e = router(x)
-            defer = S == 1 and i < len(blocks) - 1 and val > 0
-            dm = deferred_mask(w, policy, val) if defer else torch.zeros_like(e, dtype=torch.bool)
-            if defer:
-                stats["def"] += int(dm.sum())
-                stats["all"] += dm.numel()
-            out = block.experts(x, e, w * ~dm)
-            if i > 0 and st["pending"] is not None:
-                out = out + st["pending"]
-            st["pending"] = block.experts(x, e, w * dm) if defer else None
-            return out.view(B, S, H)
-        return forward
-    for i, b in enumerate(blocks):
-        b.forward = rewrite(b, i)
+    def deferred(w):
+        m = deferred_mask(w, policy, val)
+        stats["def"] += int(m.sum())
+        stats["all"] += m.numel()
+        return m
+    plain_deferral(model, deferred)
 
 
 base = None
