@@ -234,6 +234,16 @@ static void accumulate(const fctx *c, const float *y, int bw, int jn, const floa
     }
 }
 
+/* out[t][j0, j0 + jn) = ar, as out's dtype */
+static void write_out(const fctx *c, int t, int j0, int jn, const float *ar) {
+    if (c->t->out_dtype == KTK_DTYPE_F32) {
+        memcpy((float *)c->t->out + (int64_t)t * c->H + j0, ar, (size_t)jn * sizeof(float));
+    } else {
+        uint16_t *o = (uint16_t *)c->t->out + (int64_t)t * c->H + j0;
+        for (int j = 0; j < jn; j++) o[j] = ktk_f32_to_bf16(ar[j]);
+    }
+}
+
 /* Down for column blocks [cb0, cb1) and tokens [t0, t1): every active expert in ascending order, then out. The
  * decode path runs consecutive one-row experts (at most KTK_GEMV_MAX) as one gemv, then accumulates them in the same
  * order. y, acc: the thread's scratch (y: RT rows x bw; acc: (t1 - t0) x bw). */
@@ -275,15 +285,7 @@ static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, 
         }
         a++;
     }
-    for (int t = t0; t < t1; t++) {
-        const float *ar = acc + (int64_t)(t - t0) * bw;
-        if (c->t->out_dtype == KTK_DTYPE_F32) {
-            memcpy((float *)c->t->out + (int64_t)t * c->H + j0, ar, (size_t)jn * sizeof(float));
-        } else {
-            uint16_t *o = (uint16_t *)c->t->out + (int64_t)t * c->H + j0;
-            for (int j = 0; j < jn; j++) o[j] = ktk_f32_to_bf16(ar[j]);
-        }
-    }
+    for (int t = t0; t < t1; t++) write_out(c, t, j0, jn, acc + (int64_t)(t - t0) * bw);
 }
 
 static void down_item(void *ctx, int64_t item, int tid) {
@@ -318,20 +320,13 @@ static void down_decode(void *ctx, int64_t u0, int64_t u1, int tid) {
 static void pipe_combine(const fctx *c, int g) {
     const int j0 = g * PIPE_DN_BLOCKS * 16, j1 = (g + 1) * PIPE_DN_BLOCKS * 16 < c->H ? (g + 1) * PIPE_DN_BLOCKS * 16
                                                                                    : c->H;
-    float acc[PIPE_DN_BLOCKS * 16];
-    for (int j = 0; j < j1 - j0; j++) acc[j] = 0.0f;
-    for (int a = 0; a < c->A; a++) {
-        const float w = c->wt[c->off[a]], *y = c->yd + (int64_t)a * c->UH * 16 + j0;
+    float acc[PIPE_DN_BLOCKS * 16] = {0};
+    for (int a = 0; a < c->A; a++) {   /* one row an expert, token 0 */
         const float *bd = ktki_expert_bias(c->ex, c->act_e[a], KTK_MAT_DOWN);
-        if (bd) for (int j = 0; j < j1 - j0; j++) acc[j] += w * (y[j] + bd[j0 + j]);
-        else for (int j = 0; j < j1 - j0; j++) acc[j] += w * y[j];
+        accumulate(c, c->yd + (int64_t)a * c->UH * 16 + j0, j1 - j0, j1 - j0, bd ? bd + j0 : NULL, c->off[a],
+                   c->off[a] + 1, 0, acc);
     }
-    if (c->t->out_dtype == KTK_DTYPE_F32) {
-        memcpy((float *)c->t->out + j0, acc, (size_t)(j1 - j0) * sizeof(float));
-    } else {
-        uint16_t *o = (uint16_t *)c->t->out + j0;
-        for (int j = 0; j < j1 - j0; j++) o[j] = ktk_f32_to_bf16(acc[j]);
-    }
+    write_out(c, 0, j0, j1 - j0, acc);
 }
 
 /* Spins, yielding the core every PIPE_YIELD_NS (as the pool's hot idle threads do): the unit's holder may have lost
