@@ -211,7 +211,9 @@ DECODE_CASES = [  # E, H, I, T, k, routing, skip, dtypes...: every expert <= 4 r
     (12, 96, 80, 3, 8, "few_experts", None, "bf16", "f32", "f32", "f32"),  # one- and multi-row experts mixed
     (8, 2048, 768, 1, 8, "random", None, "bf16", "f32", "bf16", "f32"),    # Qwen3-30B-A3B layer shapes
     (10, 40, 10, 1, 3, "random", None, "f32", "f32", "f32", "bf16"),      # one gate/up block an expert, H % 32 != 0
-    (10, 40, 10, 1, 3, "repeat", None, "f32", "f32", "f32", "bf16"),      # one token, an expert twice: not the pipeline
+    (10, 40, 10, 1, 3, "repeat", None, "f32", "f32", "f32", "bf16"),      # one token, an expert twice: two rows
+    (48, 72, 40, 8, 6, "random", "some", "bf16", "f32", "bf16", "f32"),    # a batch's step: 1-4 rows an expert
+    (10, 40, 24, 5, 3, "repeat", "some", "f32", "bf16", "f32", "bf16"),    # repeats, skipped experts, biases
 ]
 
 
@@ -220,13 +222,13 @@ DECODE_CASES = [  # E, H, I, T, k, routing, skip, dtypes...: every expert <= 4 r
 @pytest.mark.parametrize("ci", range(len(DECODE_CASES)))
 def test_decode_path_equals_item_path(use_isa, monkeypatch, isa, quant, ci):
     """Few-row forwards run the gemv decode path (chunks claimed per thread, gate+up and groups of down matrices
-    streamed together), one-token ones as one phase (KTINJECT_PIPE): bitwise the same output as the item path
+    streamed together), or as one phase (the pipeline, KTINJECT_PIPE): bitwise the same output as the item path
     (KTINJECT_GEMV=0 / 1), on 1 and 3 threads. (Tables
     without gemv, generic and avx2, take the item path both times: the reference comparison still holds.)"""
     use_isa(isa)
-    ex, hidden, ids, weights, skip, od, _, biases = make_problem(DECODE_CASES[ci], 300 + ci, "bf16", bias=ci == 1)
+    ex, hidden, ids, weights, skip, od, _, biases = make_problem(DECODE_CASES[ci], 300 + ci, "bf16", bias=ci in (1, 7))
     if quant != "bf16":
-        q = kn.Experts(ex.num_experts, ex.hidden, ex.intermediate, quant=quant, bias=ci == 1,
+        q = kn.Experts(ex.num_experts, ex.hidden, ex.intermediate, quant=quant, bias=ci in (1, 7),
                        **({"group_size": 32} if quant == "int4" else {}))
         for e in range(ex.num_experts):
             for m in ("gate", "up", "down"):
@@ -235,8 +237,8 @@ def test_decode_path_equals_item_path(use_isa, monkeypatch, isa, quant, ci):
                 q.set_bias(e, m, b)
         ex = q
     outs = []
-    # gemv 1: the gemv path even where the table does not use it by default (AVX-512); with one token, pipe 1 runs
-    # gate/up and down as one phase (forward.c: pipe_range), 0 as two
+    # gemv 1: the gemv path even where the table does not use it by default (AVX-512); pipe 1 runs gate/up and
+    # down as one phase (pipe.c), 0 as two
     for gemv, pipe in (("0", "0"), ("1", "0"), ("1", "1")):
         monkeypatch.setenv("KTINJECT_GEMV", gemv)
         monkeypatch.setenv("KTINJECT_PIPE", pipe)
@@ -601,17 +603,18 @@ def test_activation_and_quantize_rows(tmp_path):
 
 
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
-@pytest.mark.parametrize("decode", [False, True, "one-token"])
+@pytest.mark.parametrize("decode", [False, True, "two-phase", "one-token"])
 def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):
     """native/tests/stress_pool.c against all native sources, under ThreadSanitizer / ASan+UBSan, with pool threads
     delayed by the test hook; decode: 3 tokens x 4 experts of 8 (every expert <= 4 rows) on the gemv decode path
-    (KTINJECT_GEMV=1, where the kernels have gemv); one-token: 1 token x 4 experts, the one-phase pipeline (down
-    units waiting for their expert's h); else 33 tokens x 2, claim windows of 7 items (phases of several)."""
+    (KTINJECT_GEMV=1, where the kernels have gemv) as the one-phase pipeline (down units waiting for their experts'
+    h, one thread summing each column group), two-phase: the same as two phases (KTINJECT_PIPE=0); one-token:
+    1 token x 4 experts, the pipeline; else 33 tokens x 2, claim windows of 7 items (phases of several)."""
     flags = {False: ["-DCLAIM_BITS=3"], True: ["-DSTRESS_T=3", "-DSTRESS_K=4"],
-             "one-token": ["-DSTRESS_T=1", "-DSTRESS_K=4"]}[decode]
+             "two-phase": ["-DSTRESS_T=3", "-DSTRESS_K=4"], "one-token": ["-DSTRESS_T=1", "-DSTRESS_K=4"]}[decode]
     exe = _build_c_test(tmp_path, "stress_pool", sanitizer, flags)
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                        env={"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1",
                             "KTINJECT_GEMV": "1" if decode else "0",
-                            "KTINJECT_TILES": "1"})
+                            "KTINJECT_PIPE": "0" if decode == "two-phase" else "1", "KTINJECT_TILES": "1"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.stdout + r.stderr)[-4000:]

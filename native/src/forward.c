@@ -13,7 +13,7 @@
  *             its (tokens, columns) of out, so the sum order per token is fixed: results do not depend on threads.
  * One-token forwards keep gather and h's quantization as phases (one item each): run inline on the task's thread
  * instead, they measured 0.4-3.8% slower (interleaved A/B, Qwen3-30B-A3B layer, 15 threads; cause not established).
- * On the decode path they run gate/up, h's quantization and down as one phase instead (one-token pipeline, below).
+ * Decode forwards (the gemv path below) run gate/up, h's quantization and down as one phase instead (pipe.c).
  * int4 weights take int8 activations; when an expert has >= KTK_INT4_DEQUANT_MIN_ROWS_ANY rows (or
  * KTINJECT_INT4_PATH=dequant), x and h also get exact bf16 copies of their int8 values and each thread a workspace,
  * so the kernel may dequantize the weights to bf16 for many rows (kernels.h; the ISA picks by row count).
@@ -31,7 +31,6 @@
  * Where the kernel table says so (gemv_default: measured faster there); KTINJECT_GEMV=0/1 overrides (tests, A/B);
  * never with KTINJECT_INT4_PATH=dequant (that path is for many rows).
  */
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -137,22 +136,7 @@ static int plan(fctx *c) {
                 c->gu[c->ngu++] = (gu_item){a, r0, r1, g * c->cw_gu, cb1};
             }
     if (!ktki_fwd_plan_acts(c)) return 0;
-    if (c->pipe) {   /* counters and each expert's down output (pipe_range) */
-        c->UHc = (c->UH + PIPE_DN_BLOCKS - 1) / PIPE_DN_BLOCKS;
-        c->NEG = (c->A + PIPE_DN_EXPERTS - 1) / PIPE_DN_EXPERTS;
-        const size_t ca = a64((size_t)c->A * 4), cg = a64((size_t)c->UHc * 4);
-        char *b = ktki_scratch(c->pool, KTKI_SCR_PIPE, 2 * ca + cg + (size_t)c->A * c->UH * 16 * sizeof(float));
-        if (!b) return 0;
-        c->gu_left = (_Atomic int32_t *)b;
-        c->h_ready = (_Atomic int32_t *)(b + ca);
-        c->dn_left = (_Atomic int32_t *)(b + 2 * ca);
-        c->yd = (float *)(b + 2 * ca + cg);
-        for (int a = 0; a < c->A; a++) {   /* relaxed: the phase's publication releases them */
-            atomic_store_explicit(&c->gu_left[a], c->UI, memory_order_relaxed);
-            atomic_store_explicit(&c->h_ready[a], 0, memory_order_relaxed);
-        }
-        for (int g = 0; g < c->UHc; g++) atomic_store_explicit(&c->dn_left[g], c->NEG, memory_order_relaxed);
-    }
+    if (c->pipe && !ktki_pipe_plan(c)) return 0;
     size_t per_thread = (size_t)c->H * 4;
     size_t gu = 2 * (size_t)RT * c->cw_gu * 16 * 4, dn = (size_t)(RT + TC) * c->cw_dn * 16 * 4;
     per_thread = per_thread > gu ? per_thread : gu;
@@ -168,7 +152,7 @@ static int plan(fctx *c) {
 
 /* ---- gate/up + activation ---- */
 /* Gate/up of expert a (active index), rows [r0, r1), blocks [cb0, cb1) -> h; gs, us: the thread's scratch. */
-static void gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1, float *gs, float *us, int tid) {
+void ktki_fwd_gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1, float *gs, float *us, int tid) {
     const int e = c->act_e[a], bw = (cb1 - cb0) * 16;
     const ktk_mat g = ktki_expert_mat(c->ex, e, KTK_MAT_GATE), u = ktki_expert_mat(c->ex, e, KTK_MAT_UP);
     const float *bg = ktki_expert_bias(c->ex, e, KTK_MAT_GATE), *bu = ktki_expert_bias(c->ex, e, KTK_MAT_UP);
@@ -199,7 +183,7 @@ static void gate_up_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
     const gu_item it = c->gu[item];
     float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)RT * (it.cb1 - it.cb0) * 16;
-    gate_up_run(c, it.a, it.r0, it.r1, it.cb0, it.cb1, gs, us, tid);
+    ktki_fwd_gate_up_run(c, it.a, it.r0, it.r1, it.cb0, it.cb1, gs, us, tid);
 }
 
 /* Decode path, gate/up: units [u0, u1) of (expert a, block b) = a * UI + b, a guided chunk (pool), split at experts. */
@@ -209,7 +193,7 @@ static void gate_up_decode(void *ctx, int64_t u0, int64_t u1, int tid) {
     for (int64_t u = u0; u < u1;) {
         const int a = (int)(u / c->UI), cb0 = (int)(u % c->UI);
         const int cb1 = u1 - u < c->UI - cb0 ? cb0 + (int)(u1 - u) : c->UI;
-        gate_up_run(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
+        ktki_fwd_gate_up_run(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
         u += cb1 - cb0;
     }
 }
@@ -224,7 +208,7 @@ static int lower_bound(const int32_t *v, int lo, int hi, int32_t x) {
     return lo;
 }
 
-static void accumulate(const fctx *c, const float *y, int bw, int jn, const float *bd, int r0, int r1, int t0,
+void ktki_fwd_accumulate(const fctx *c, const float *y, int bw, int jn, const float *bd, int r0, int r1, int t0,
                        float *acc) {
     for (int r = r0; r < r1; r++) {
         const float w = c->wt[r], *yr = y + (int64_t)(r - r0) * bw;
@@ -235,7 +219,7 @@ static void accumulate(const fctx *c, const float *y, int bw, int jn, const floa
 }
 
 /* out[t][j0, j0 + jn) = ar, as out's dtype */
-static void write_out(const fctx *c, int t, int j0, int jn, const float *ar) {
+void ktki_fwd_write_out(const fctx *c, int t, int j0, int jn, const float *ar) {
     if (c->t->out_dtype == KTK_DTYPE_F32) {
         memcpy((float *)c->t->out + (int64_t)t * c->H + j0, ar, (size_t)jn * sizeof(float));
     } else {
@@ -269,7 +253,7 @@ static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, 
             for (int i = 0; i < n; i++) {
                 const int r = c->off[a - n + i];
                 const float *bd = ktki_expert_bias(c->ex, c->act_e[a - n + i], KTK_MAT_DOWN);
-                accumulate(c, yp[i], bw, jn, bd ? bd + j0 : NULL, r, r + 1, t0, acc);
+                ktki_fwd_accumulate(c, yp[i], bw, jn, bd ? bd + j0 : NULL, r, r + 1, t0, acc);
             }
             continue;
         }
@@ -280,12 +264,12 @@ static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, 
                 const int r1 = r0 + RT < hi ? r0 + RT : hi;
                 ktk_act h = ktki_fwd_rows(c, 1, a, r0, r1, tid);
                 c->gemm(&d, cb0, cb1, &h, y, bw);
-                accumulate(c, y, bw, jn, bd ? bd + j0 : NULL, r0, r1, t0, acc);
+                ktki_fwd_accumulate(c, y, bw, jn, bd ? bd + j0 : NULL, r0, r1, t0, acc);
             }
         }
         a++;
     }
-    for (int t = t0; t < t1; t++) write_out(c, t, j0, jn, acc + (int64_t)(t - t0) * bw);
+    for (int t = t0; t < t1; t++) ktki_fwd_write_out(c, t, j0, jn, acc + (int64_t)(t - t0) * bw);
 }
 
 static void down_item(void *ctx, int64_t item, int tid) {
@@ -302,87 +286,6 @@ static void down_decode(void *ctx, int64_t u0, int64_t u1, int tid) {
     fctx *c = ctx;
     float *y = ktki_thread_scratch(c->pool, tid), *acc = y + (int64_t)RT * c->cw_dn * 16;
     down_run(c, (int)u0, (int)u1, 0, c->T, y, acc, tid);
-}
-
-/* ---- one-token pipeline ---- */
-/* Why: a one-token forward reads ~20 MB (Qwen3-30B-A3B, int4) in ~200 us, and as two phases (gate/up of every
- * expert, h quantized on one thread, then down of every column block) it paid each phase's tail, the serial step
- * and the down phase's ramp, and its down chunks read 8 short streams (6 KB a block and expert). Here one phase
- * holds both: units [0, A * UI) are gate/up (expert a, block b) as in gate_up_decode, then [A * UI, + NEG * UHc)
- * down (experts [PIPE_DN_EXPERTS * eg, ...), group g of PIPE_DN_BLOCKS blocks of H: one gemv of up to 4 matrices,
- * whose many weight streams a core needs to read fast; one expert a unit measured slower on a 2-core VM), claimed
- * in that order in guided chunks, so a down unit of the first experts overlaps the gate/up tail of the last. The
- * thread that ends an expert's last gate/up unit quantizes its h row and marks it ready; a down unit waits for its
- * experts' marks (every gate/up unit is claimed before any down unit, and a chunk runs its units in order, so the
- * wait is for units running threads hold: no deadlock) and writes each expert's output for its columns into yd;
- * the thread that ends a column group's last expert group sums it, experts in ascending order as down_run does
- * (acc = 0; acc += w * (y + bias)): the same bits as the two-phase path (tested). */
-static void pipe_combine(const fctx *c, int g) {
-    const int j0 = g * PIPE_DN_BLOCKS * 16, j1 = (g + 1) * PIPE_DN_BLOCKS * 16 < c->H ? (g + 1) * PIPE_DN_BLOCKS * 16
-                                                                                   : c->H;
-    float acc[PIPE_DN_BLOCKS * 16] = {0};
-    for (int a = 0; a < c->A; a++) {   /* one row an expert, token 0 */
-        const float *bd = ktki_expert_bias(c->ex, c->act_e[a], KTK_MAT_DOWN);
-        accumulate(c, c->yd + (int64_t)a * c->UH * 16 + j0, j1 - j0, j1 - j0, bd ? bd + j0 : NULL, c->off[a],
-                   c->off[a] + 1, 0, acc);
-    }
-    write_out(c, 0, j0, j1 - j0, acc);
-}
-
-/* Spins, yielding the core every PIPE_YIELD_NS (as the pool's hot idle threads do): the unit's holder may have lost
- * its core, and a thread waiting here must not keep it from getting one back. */
-#define PIPE_YIELD_NS 15000
-static void pipe_wait_h(const fctx *c, int a) {
-    int64_t yield_at = 0;
-    for (unsigned i = 1; !atomic_load_explicit(&c->h_ready[a], memory_order_acquire); i++) {
-        ktki_cpu_relax();
-        if (i % 16) continue;
-        const int64_t t = ktki_now_ns();
-        if (!yield_at) yield_at = t + PIPE_YIELD_NS;
-        else if (t >= yield_at) {
-            sched_yield();
-            yield_at = ktki_now_ns() + PIPE_YIELD_NS;
-        }
-    }
-}
-
-static void pipe_range(void *ctx, int64_t u0, int64_t u1, int tid) {
-    fctx *c = ctx;
-    float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)DECODE_ROWS * c->cw_gu * 16;
-    const int64_t ngu = (int64_t)c->A * c->UI;
-    for (int64_t u = u0; u < u1 && u < ngu;) {   /* gate/up */
-        const int a = (int)(u / c->UI), cb0 = (int)(u % c->UI);
-        const int cb1 = u1 - u < c->UI - cb0 ? cb0 + (int)(u1 - u) : c->UI;
-        gate_up_run(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
-        if (atomic_fetch_sub_explicit(&c->gu_left[a], cb1 - cb0, memory_order_acq_rel) == cb1 - cb0) {
-            if (c->a8) ktki_fwd_quantize_h_rows(c, c->off[a], c->off[a + 1]);
-            atomic_store_explicit(&c->h_ready[a], 1, memory_order_release);
-        }
-        u += cb1 - cb0;
-    }
-    for (int64_t u = u0 > ngu ? u0 : ngu; u < u1;) {   /* down */
-        const int eg = (int)((u - ngu) / c->UHc), g0 = (int)((u - ngu) % c->UHc);
-        const int g1 = u1 - u < c->UHc - g0 ? g0 + (int)(u1 - u) : c->UHc;
-        const int cb0 = g0 * PIPE_DN_BLOCKS, cb1 = g1 * PIPE_DN_BLOCKS < c->UH ? g1 * PIPE_DN_BLOCKS : c->UH;
-        const int a0 = eg * PIPE_DN_EXPERTS, n = c->A - a0 < PIPE_DN_EXPERTS ? c->A - a0 : PIPE_DN_EXPERTS;
-        ktk_mat d[PIPE_DN_EXPERTS];
-        ktk_act h[PIPE_DN_EXPERTS];
-        const ktk_mat *dp[PIPE_DN_EXPERTS];
-        const ktk_act *hp[PIPE_DN_EXPERTS];
-        float *y[PIPE_DN_EXPERTS];
-        for (int i = 0; i < n; i++) {
-            const int a = a0 + i;
-            pipe_wait_h(c, a);
-            d[i] = ktki_expert_mat(c->ex, c->act_e[a], KTK_MAT_DOWN);
-            h[i] = ktki_fwd_rows(c, 1, a, c->off[a], c->off[a] + 1, tid);
-            dp[i] = &d[i], hp[i] = &h[i];
-            y[i] = c->yd + (int64_t)a * c->UH * 16 + (int64_t)cb0 * 16;
-        }
-        c->gemv(n, dp, cb0, cb1, hp, y);
-        for (int g = g0; g < g1; g++)
-            if (atomic_fetch_sub_explicit(&c->dn_left[g], 1, memory_order_acq_rel) == 1) pipe_combine(c, g);
-        u += g1 - g0;
-    }
 }
 
 /* KTINJECT_PIPE (read at each one-token decode forward; tests and A/B measurements): 0 runs the two-phase path,
@@ -448,9 +351,7 @@ static int start(fctx *c, ktk_pool *pool, const ktk_task *t) {
     if (c->maxrows <= DECODE_ROWS && c->T <= TC && gemv_enabled(kern) && c->int4_path != KTK_INT4_PATH_DEQUANT)
         c->gemv = cfg->quant == KTK_QUANT_BF16 ? kern->gemv_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemv_int8
                                                                                             : kern->gemv_int4;
-    /* one token, one row an expert: ids may name an expert twice for a token (two rows), and pipe_range downs and
-     * sums only an expert's first row */
-    c->pipe = c->gemv && c->T == 1 && c->maxrows == 1 && pipe_enabled();
+    c->pipe = c->gemv && c->R > 0 && pipe_enabled();
     /* Items of the gather (tokens) and of h's quantization (rows): a few rows each where a forward has few, so that
      * a batch's decode step spreads them over the threads (32 rows an item left 64 rows of 8 tokens to 2 threads,
      * ~50 us of a ~1.3 ms int4 layer, 15 threads busy 12%); one item (inline, no hand-off) for one token. */
@@ -507,7 +408,7 @@ int ktki_forward_step(ktk_pool *pool, const ktk_task *t, int first, ktki_phase *
             break;
         case 1:
             if (c->pipe)
-                return guided(ph, c, pipe_range, (int64_t)c->A * c->UI + (int64_t)c->NEG * c->UHc, c->cw_gu, 1);
+                return guided(ph, c, ktki_pipe_range, ktki_pipe_units(c), c->cw_gu, 1);
             if (c->R > 0 && c->gemv) return guided(ph, c, gate_up_decode, (int64_t)c->A * c->UI, c->cw_gu, 1);
             if (c->R > 0) return items(ph, c, gate_up_item, c->ngu);
             break;

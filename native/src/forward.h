@@ -11,7 +11,7 @@
 #define HQ_ROWS_FEW 4         /* rows of h per item where a forward has few rows (decode steps of a batch) */
 #define DECODE_ROWS 4         /* decode path: every expert at most this many rows */
 #ifndef PIPE_DN_BLOCKS        /* (both: -D for A/B builds, tests/gpu/ab_flags.sh) */
-#define PIPE_DN_BLOCKS 2      /* one-token pipeline: 16-column blocks of H per down unit, */
+#define PIPE_DN_BLOCKS 2      /* decode pipeline (pipe.c): 16-column blocks of H per down unit, */
 #endif
 #ifndef PIPE_DN_EXPERTS
 #define PIPE_DN_EXPERTS 4     /* ... of this many experts (one gemv: 8 weight streams, as the two-phase path's) */
@@ -49,15 +49,28 @@ typedef struct {
     int nt;                            /* pool threads */
     int tile_rows;                     /* the kernels read tiles from this many rows (0: never) */
     int step;                          /* ktki_forward_step: the next phase */
-    /* one-token pipeline (forward.c: pipe_range): gate/up and down of every expert in one phase */
+    /* decode pipeline (pipe.c): gate/up and down of every expert in one phase */
     int pipe, UHc, NEG;                /* on; groups of PIPE_DN_BLOCKS blocks of H; of PIPE_DN_EXPERTS experts */
     _Atomic int32_t *gu_left;          /* [A] gate/up units of the expert not yet done */
     _Atomic int32_t *h_ready;          /* [A] its h row is complete (and quantized) */
     _Atomic int32_t *dn_left;          /* [UHc] expert groups whose down of that column group is not yet done */
-    float *yd;                         /* [A][UH * 16] each expert's down output (no routing weight, no bias) */
+    float *yd;                         /* [R][UH * 16] each row's down output (no routing weight, no bias) */
 } fctx;
 
 static inline size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* forward.c, for pipe.c */
+/* Gate/up of expert a (active index), rows [r0, r1), blocks [cb0, cb1) -> h; gs, us: the thread's scratch. */
+void ktki_fwd_gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1, float *gs, float *us, int tid);
+/* acc[tok[r] - t0][0, jn) += wt[r] * (y[r - r0][0, jn) + bd) for rows [r0, r1) (y, acc: rows of bw floats) */
+void ktki_fwd_accumulate(const fctx *c, const float *y, int bw, int jn, const float *bd, int r0, int r1, int t0,
+                         float *acc);
+void ktki_fwd_write_out(const fctx *c, int t, int j0, int jn, const float *ar);   /* out[t][j0, +jn) = ar */
+
+/* pipe.c: the decode pipeline */
+int ktki_pipe_plan(fctx *c);                   /* counters and yd; 0 when out of memory */
+int64_t ktki_pipe_units(const fctx *c);        /* units of its one phase */
+void ktki_pipe_range(void *ctx, int64_t u0, int64_t u1, int tid);
 
 /* acts.c */
 int ktki_fwd_tile_rows(const ktk_kernels *k, int quant);   /* rows from which x, h also go in tile order */

@@ -7,6 +7,8 @@
 #   longdefer  bench decode int4 --defer $DEFER at a $PROMPT-token context (attention's share of the GPU part)
 #   pipe       one-token pipeline on / off (KTINJECT_PIPE): probe_cpu_decode int4 batch 1 interleaved in one process,
 #              then bench decode int4 --defer 0 with each, in turns ($ROUNDS)
+#   batchpipe  the decode pipeline at batch $BATCH (KTINJECT_PIPE 0 / 1): probe_cpu_decode interleaved in one process,
+#              then bench serve --streams 1,8 --layers 16 with each, in turns ($ROUNDS)
 #   noise      bench decode int4 --noise 1 --noise-only with KTINJECT_PIPE=1, then =0 (decode with one busy core)
 #   scaling    the host's CPU topology, then probe_cpu_decode.py int4 batch 1 over $SCALE_THREADS pool threads
 #              (cold and cache-hot forwards, the read probe at each count): per-thread or shared limit?
@@ -51,6 +53,18 @@ for step in ${STEPS:-tests profile}; do
           KTINJECT_PIPE=$v PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m ktinject.bench decode --quant int4 \
             --defer 0 --tokens 32 --defer-rounds 3 > "$OUT/pipe-$v-$r.log" 2>&1
           grep -E "^# defer(: GPU|: CPU experts alone|: CPU experts alone, a layer| 0)" "$OUT/pipe-$v-$r.log" | cut -c1-300
+        done
+      done ;;
+    batchpipe)
+      run timeout 150 python3 tests/gpu/probe_cpu_decode.py --layers 16 --quant int4 --threads 15 --batch "${BATCH:-8}" \
+        --passes 5 --env KTINJECT_PIPE=0,1,0,1,0,1 > "$OUT/batchpipe-probe.log" 2>&1
+      echo "batchpipe probe rc=$?"; grep -E "B=|profile" "$OUT/batchpipe-probe.log" | cut -c1-250
+      for r in $(seq "${ROUNDS:-1}"); do
+        for v in 0 1; do
+          echo "--- round $r KTINJECT_PIPE=$v $(steal)"
+          KTINJECT_PIPE=$v PYTHONPATH=/tmp/site:$PWD timeout 240 python3 -m ktinject.bench serve --quant int4 \
+            --streams 1,8 --layers 16 > "$OUT/batchpipe-serve-$v-$r.log" 2>&1
+          grep -E "^\||^# (memory|batch|engine)" "$OUT/batchpipe-serve-$v-$r.log" | cut -c1-260
         done
       done ;;
     noise)
