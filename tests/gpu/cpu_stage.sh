@@ -9,6 +9,7 @@
 #              then bench decode int4 --defer 0 with each, in turns ($ROUNDS)
 #   batchpipe  the decode pipeline at batch $BATCH (KTINJECT_PIPE 0 / 1): probe_cpu_decode interleaved in one process,
 #              then bench serve --streams 1,8 --layers 16 with each, in turns ($ROUNDS)
+#   int8       bench decode int8 --defer 0 (issue 18's int8 figure through generate, three runs)
 #   noise      bench decode int4 --noise 1 --noise-only with KTINJECT_PIPE=1, then =0 (decode with one busy core)
 #   scaling    the host's CPU topology, then probe_cpu_decode.py int4 batch 1 over $SCALE_THREADS pool threads
 #              (cold and cache-hot forwards, the read probe at each count): per-thread or shared limit?
@@ -67,6 +68,10 @@ for step in ${STEPS:-tests profile}; do
           grep -E "^\||^# (memory|batch|engine)" "$OUT/batchpipe-serve-$v-$r.log" | cut -c1-260
         done
       done ;;
+    int8)
+      run timeout 240 python3 -m ktinject.bench decode --quant int8 --defer 0 --tokens 32 --defer-rounds 3 \
+        > "$OUT/int8.log" 2>&1; echo "int8 rc=$?"
+      grep -E "^# (injected|defer)" "$OUT/int8.log" | cut -c1-300 ;;
     noise)
       for v in 1 0; do
         echo "--- KTINJECT_PIPE=$v $(steal)"
