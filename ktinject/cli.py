@@ -32,11 +32,35 @@ def positive(text: str) -> int:
     return value
 
 
-def non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+_DEFER_FORMS = ("an int D >= 0 (experts deferred per token) or a float 0 < M < 1 (the share of each token's routing "
+                "weight deferred), e.g. 2 or 0.3")
+
+
+def defer_setting(text: str) -> int | float:
+    """An expert-deferral setting (``ktinject.operators.deferral``) as typed: "2" the int 2 (slots per token), "0.3"
+    the float 0.3 (a share of each token's routing weight); argparse type (the bound D < k is checked at injection,
+    when k is known)."""
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {_DEFER_FORMS}") from None
+    if value < 0 if isinstance(value, int) else not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: expected {_DEFER_FORMS}")
     return value
+
+
+def defer_list(text: str) -> list[int | float]:
+    """Comma-separated deferral settings (--defer of eval and bench decode); ArgumentTypeError naming the bad one."""
+    return [defer_setting(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def defer_settings(values) -> list[int | float]:
+    """Deferral settings to score or time in turn, with 0 (the baseline): distinct, 0 and the counts first, then the
+    shares, each ascending."""
+    return sorted({0, *values}, key=lambda v: (isinstance(v, float), v))
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -45,9 +69,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
     p.add_argument("--quant", choices=["bf16", "int8", "int4"], default="bf16",
                    help="expert weight format (default bf16)")
-    p.add_argument("--defer", metavar="D", type=non_negative, default=0,
-                   help="expert deferral: the D lowest-weighted of each token's experts run one MoE layer late in "
-                        "decode steps (default 0: off)")
+    p.add_argument("--defer", metavar="D|M", type=defer_setting, default=0,
+                   help="expert deferral: the D lowest-weighted of each token's experts (an int), or its "
+                        "lowest-weighted experts up to a share M of its routing weight (a float, 0 < M < 1), run one "
+                        "MoE layer late in decode steps (default 0: off)")
     p.add_argument("--prefill", choices=["auto", "cpu", "gpu"], default="auto",
                    help="where a prompt's routed experts run: auto (default: split between the CPU and the GPU, "
                         "experts streamed over PCIe), cpu, or gpu")

@@ -9,11 +9,12 @@ gives its perplexity on the text and how often its next-token argmax equals the 
   int4      injected, group-wise int4 experts (W4A8)
 
 The text is tokenized once and cut into windows of ``--window`` tokens; in each window every token after the first
-is predicted from the ones before it. ``--defer 1,2`` adds, per injected configuration, rows scored token by token
-(one decode step per token, a batch of windows at a time, as generation runs) with expert deferral of 0 (the
-baseline in this mode), 1 and 2 slots per token: deferral acts in decode steps only. Beside the rows: a unigram model fit on the text itself (the best any
-unigram model can do on it, so a lower bound of its perplexity). Without ``--text`` the trained demo model's
-held-out fortunes are used, and without ``--model`` the demo model.
+is predicted from the ones before it. ``--defer 1,2,0.3`` adds, per injected configuration, rows scored token by
+token (one decode step per token, a batch of windows at a time, as generation runs) with expert deferral of 0 (the
+baseline in this mode), 1 and 2 slots per token and 30% of each token's routing weight (an int: slots, a float:
+a share; ``ktinject.operators.deferral``): deferral acts in decode steps only. Beside the rows: a unigram model fit
+on the text itself (the best any unigram model can do on it, so a lower bound of its perplexity). Without
+``--text`` the trained demo model's held-out fortunes are used, and without ``--model`` the demo model.
 Legend: W window, V vocabulary, N predicted positions.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ import sys
 from dataclasses import dataclass
 
 import torch
+
+from ktinject.cli import defer_list, defer_settings
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +133,9 @@ def load(model_dir, config: str, gpu: str, **inject_kwargs):
 
 def run(model_dir, text: str, configs, gpu: str = "cpu", window: int = 256, max_tokens: int | None = None,
         defers=(), **inject_kwargs) -> list[tuple[str, Scores]]:
-    """[(name, Scores)]: the float32 reference first, then each configuration; with ``defers`` (slots per token),
-    each injected configuration scored token by token again with expert deferral 0 and each of those."""
+    """[(name, Scores)]: the float32 reference first, then each configuration; with ``defers`` (deferral settings:
+    ints, slots per token, and floats, shares of the routing weight), each injected configuration scored token by
+    token again with expert deferral 0 and each of those."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -146,7 +150,7 @@ def run(model_dir, text: str, configs, gpu: str = "cpu", window: int = 256, max_
     for name in configs:
         model = load(model_dir, name, gpu, **inject_kwargs)
         rows.append((name, score(model, chunks, ref_top)[0]))
-        for d in sorted({0, *defers}) if defers and not name.startswith("hf") else ():
+        for d in defer_settings(defers) if defers and not name.startswith("hf") else ():
             from ktinject.operators.deferral import set_defer
 
             set_defer(model, d)
@@ -175,8 +179,9 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=256, help="tokens per window (default 256)")
     p.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     p.add_argument("--gpu-experts-budget", help="hot experts on the GPU for the injected configurations, e.g. 1MiB")
-    p.add_argument("--defer", default="", help="comma-separated expert-deferral slots per token, e.g. 1,2: the "
-                   "injected configurations also scored token by token with deferral 0 and each of these")
+    p.add_argument("--defer", default="", help="comma-separated expert-deferral settings, e.g. 1,2,0.3 (an int: "
+                   "slots per token; a float 0 < M < 1: a share of each token's routing weight): the injected "
+                   "configurations also scored token by token with deferral 0 and each of these")
     a = p.parse_args(argv)
     from ktinject import demo
 
@@ -191,9 +196,9 @@ def main(argv=None) -> int:
         p.error(f"--configs: unknown {', '.join(bad)}; use {', '.join(CONFIGS)}")
     kw = {"gpu_experts_budget": a.gpu_experts_budget} if a.gpu_experts_budget else {}
     try:
-        defers = [int(d) for d in a.defer.split(",") if d.strip()]
-    except ValueError:
-        p.error(f"--defer {a.defer!r}: expected comma-separated integers, e.g. 1,2")
+        defers = defer_list(a.defer)
+    except argparse.ArgumentTypeError as e:
+        p.error(f"--defer {a.defer!r}: {e}")
     rows = run(model_dir, text, configs, a.gpu, a.window, a.max_tokens, defers, **kw)
     print(f"model {model_dir}, gpu {a.gpu}, window {a.window}")
     print(table(rows))

@@ -22,15 +22,16 @@ from ktinject.plan import Plan, plan
 log = logging.getLogger(__name__)
 
 
-def inject(model: nn.Module, rules=None, *, quant: str | None = None, defer: int | None = None,
+def inject(model: nn.Module, rules=None, *, quant: str | None = None, defer: int | float | None = None,
            gpu_experts_budget=None, placement: str | None = None, stats=None, rebalance_every: int | None = None,
            checkpoint=None, prefill: str | None = None, **devices) -> Plan:
     """Plan and apply: swap in operators, move every other tensor to its device. Returns the Plan.
 
     ``rules``: a rule file path, parsed rules, or None for the packaged file of ``model.config.model_type``.
     ``quant``: expert quantization for every MoE operator (``bf16``, ``int8``, ``int4``); None keeps the rules' choice.
-    ``defer``: expert deferral, the d lowest-weighted of each token's k experts run one MoE block late in decode
-    steps (0 <= d < k; ``ktinject.operators.deferral``); None keeps the rules' choice (0 by default).
+    ``defer``: expert deferral, the d lowest-weighted of each token's k experts (an int, 0 <= d < k), or its
+    lowest-weighted experts up to a share m of its routing weight (a float, 0 < m < 1), run one MoE block late in
+    decode steps (``ktinject.operators.deferral``); None keeps the rules' choice (0 by default).
     ``gpu_experts_budget``, ``placement``, ``stats``, ``rebalance_every``: GPU-resident hot experts, the options of
     ``ktinject.gpu_experts.settings`` (the same for ``from_pretrained`` and the chat); None keeps the moe rules'
     kwargs of the same names.

@@ -61,7 +61,7 @@ _CPU = torch.device("cpu")
 
 def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.dtype | str | None = None,
                     cache_dir=None, progress: bool = True, gpu_experts_budget=None, placement: str | None = None,
-                    stats=None, rebalance_every: int | None = None, defer: int | None = None,
+                    stats=None, rebalance_every: int | None = None, defer: int | float | None = None,
                     prefill: str | None = None, **devices) -> nn.Module:
     """A ready model from a local checkpoint directory, loaded without ever holding it twice.
 

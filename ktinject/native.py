@@ -300,15 +300,26 @@ class Task:
         _, lib = _native()
         _check(lib.ktk_wait(self.ptr))
 
-    def select(self, slots: str = "all", defer: int = 0) -> None:
-        """Which of each token's k slots the bound forward computes (expert deferral): "all", "top" (the k - defer
-        highest-weighted slots of each token; equal weights: the lower slot first) or "rest" (the defer others).
-        bind() resets it to "all"."""
+    def select(self, slots: str = "all", defer: int | float = 0) -> None:
+        """Which of each token's k slots the bound forward computes (expert deferral): "all", "top" (the token's
+        immediate slots) or "rest" (its deferred ones). ``defer``: an int d, the d lowest-weighted slots deferred
+        (ktk_task_select), or a float share 0 < m < 1, the lowest-weighted slots whose cumulative share of the
+        token's routing weight stays <= m, never the top one (ktk_task_select_share; m is read as a C float).
+        Ranking: equal weights, the lower slot first. bind() resets it to "all"."""
         _, lib = _native()
         codes = {"all": lib.KTK_SLOTS_ALL, "top": lib.KTK_SLOTS_TOP, "rest": lib.KTK_SLOTS_REST}
         if slots not in codes:
             raise NativeError(ERR_SHAPE, f"select: slots {slots!r}: expected one of {', '.join(codes)}")
-        _check(lib.ktk_task_select(self.ptr, codes[slots], _cint("defer", defer, 0, 2**31 - 1)))
+        if isinstance(defer, float):
+            _check(lib.ktk_task_select_share(self.ptr, codes[slots], defer))
+        else:
+            _check(lib.ktk_task_select(self.ptr, codes[slots], _cint("defer", defer, 0, 2**31 - 1)))
+
+    def slots_run(self, reset: bool = False) -> int:
+        """(token, slot) rows computed (selected and not skipped), summed over the runs since the task was made or
+        last reset (bind keeps the sum); ``reset``: set it to 0 after reading. Read it while the task is idle."""
+        _, lib = _native()
+        return int(lib.ktk_task_slots_run(self.ptr, int(bool(reset))))
 
     def watch(self, go_addr: int, done_addr: int, then_addr: int | None = None) -> None:
         """Run whenever *go == 1 (a pool thread stores 0 to *go, runs, stores 1 to *done, then 1 to *then if
@@ -343,6 +354,16 @@ class Task:
         self.close()
 
 
+def valid_defer(value: Any, k: int | None = None) -> bool:
+    """Whether ``value`` is an expert-deferral setting (Task.select's ``defer``) for k slots per token: an int
+    0 <= d < k (a bool is not one), or a float 0 < m < 1; k None: d is not checked against it."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 0 and (k is None or value < k)
+    return isinstance(value, float) and 0 < value < 1
+
+
 def host_fn_addresses() -> tuple[int, int]:
     """Addresses of ktk_submit_fn and ktk_wait_fn (void(*)(void *)), for cuLaunchHostFunc with Task.address."""
     ffi, lib = _native()
@@ -353,4 +374,4 @@ def host_fn_addresses() -> tuple[int, int]:
 __all__ = ["NativeError", "OK", "ERR_NULL", "ERR_SHAPE", "ERR_RANGE", "ERR_DTYPE", "ERR_ISA", "ERR_NOMEM",
            "ERR_STATE", "ERR_THREAD", "ERROR_NAMES", "ISA_NAMES", "version", "cpu_features", "isa", "best_isa",
            "available_isas", "set_isa", "physical_cores", "library_path", "Pool", "default_pool",
-           "default_threads", "set_default_threads", "Experts", "Task", "host_fn_addresses"]
+           "default_threads", "set_default_threads", "Experts", "Task", "valid_defer", "host_fn_addresses"]

@@ -78,7 +78,7 @@ class Plan:
         return format_plan(self)
 
 
-def plan(model: nn.Module, rules: Any = None, *, quant: str | None = None, defer: int | None = None,
+def plan(model: nn.Module, rules: Any = None, *, quant: str | None = None, defer: int | float | None = None,
          **devices: Any) -> Plan:
     """Match ``rules`` (a path, packaged name, list, RuleSet; None: chosen by ``config.model_type``) against
     ``model``. ``quant`` and ``defer`` override the kwarg of that name of every operator that accepts one.

@@ -18,10 +18,10 @@ Where the one-kernel router made the inputs (``operators.fused.router_topk`` wit
 operator's routing) it has also raised go, and ``start`` queues nothing: at one token a decode layer's
 handshake is then no stream operation at all, only the router kernel and the collect kernel.
 
-Expert deferral (``defer=d``, ``ktinject.operators.deferral``): the layer's task computes each token's k - d
-highest-weighted slots and a second task, bound to the same staging, the d others. The first task's end raises the
-second's go itself (``ktk_task_watch_then``), so the CPU goes straight on to the deferred experts while the stream
-goes on to the next layer; that layer collects them with ``finish_deferred()``:
+Expert deferral (``defer``: d slots or a weight share m, ``ktinject.operators.deferral``): the layer's task computes
+each token's immediate slots and a second task, bound to the same staging, the deferred ones. The first task's end
+raises the second's go itself (``ktk_task_watch_then``), so the CPU goes straight on to the deferred experts while
+the stream goes on to the next layer; that layer collects them with ``finish_deferred()``:
 
     start:  copies; go = 1                          ----> immediate slots; done = 1; go_d = 1 -> deferred slots ...
     finish:  wait done == 1; done = 0; copy out         (meanwhile: the next layer's attention on the GPU)
@@ -79,18 +79,21 @@ class StreamExperts:
 
     ``experts``: native.Experts; ``skip``: uint8 [E] host tensor read by native at run time (or None);
     ``mode``: "memops" (stream memory operations), "hostfn" (host-callback nodes) or None (best available);
-    ``defer``: d > 0 splits each token's slots into k - d immediate and d deferred ones (``finish_deferred``)."""
+    ``defer``: an int d > 0 splits each token's slots into k - d immediate and d deferred ones, a float 0 < m < 1
+    into its lowest-weighted slots up to a share m of its routing weight, deferred, and the others (Task.select;
+    ``finish_deferred``)."""
 
     DONE, DONE_D = 16, 48  # the done words' indices in ``flags`` (the waits' addresses and collect's resets)
 
     def __init__(self, experts, T: int, k: int, hidden: int, device, *, dtype=torch.bfloat16,
                  weights_dtype=torch.float32, skip: torch.Tensor | None = None, mode: str | None = None, pool=None,
-                 defer: int = 0):
+                 defer: int | float = 0):
         from ktinject import native
 
-        self.T, self.k, self.hidden, self.defer = int(T), int(k), int(hidden), int(defer)
-        if not 0 <= self.defer < self.k:
-            raise ValueError(f"StreamExperts defer={defer}: expected 0 <= defer < k = {self.k}")
+        self.T, self.k, self.hidden, self.defer = int(T), int(k), int(hidden), defer
+        if not native.valid_defer(defer, self.k):
+            raise ValueError(f"StreamExperts defer={defer!r}: expected an int with 0 <= defer < k = {self.k} (slots "
+                             f"per token) or a float with 0 < defer < 1 (share of each token's routing weight)")
         self.device = torch.device(device)
         self.dtype = dtype  # device dtype of hidden and output
         self.mode = mode or cuda_driver.default_sync_mode()
@@ -296,6 +299,12 @@ class StreamExperts:
         if self.mode == "memops" and self.task._p is not None:
             self._watch()
 
+    def slots_run(self, reset: bool = False) -> tuple[int, int]:
+        """(immediate, deferred) (token, slot) rows its tasks computed since the last reset (``Task.slots_run``; 0
+        for a task it lacks or has closed); read with the device idle."""
+        return tuple(t.slots_run(reset) if t is not None and t._p is not None else 0
+                     for t in (self.task, self.dtask))
+
     def close(self) -> None:
         """Stop watching and free the task (no captured graph that uses this runner may be replayed afterwards)."""
         try:
@@ -325,7 +334,7 @@ def _each(tasks: list, op) -> None:
 
 
 # (experts object) -> {(T, k, H, device, dtype, weights dtype, mode, defer): StreamExperts}; weak on the experts so a
-# dropped model frees its runners.
+# dropped model frees its runners. defer as given: an int count or a float share (never equal: 0 < share < 1).
 _runners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _runners_strong: dict[int, tuple[object, dict]] = {}  # fallback for objects that take no weak references
 
@@ -338,11 +347,11 @@ def _table(experts) -> dict:
 
 
 def runner_for(experts, T: int, k: int, hidden: int, device, *, dtype=torch.bfloat16, weights_dtype=torch.float32,
-               skip: torch.Tensor | None = None, mode: str | None = None, defer: int = 0) -> StreamExperts:
-    """The cached StreamExperts of ``experts`` for T tokens (and ``defer`` deferred slots per token; made on first
-    use: call outside graph capture)."""
+               skip: torch.Tensor | None = None, mode: str | None = None, defer: int | float = 0) -> StreamExperts:
+    """The cached StreamExperts of ``experts`` for T tokens (and the deferral setting ``defer``; made on first use:
+    call outside graph capture)."""
     mode = mode or cuda_driver.default_sync_mode()
-    key = (int(T), int(k), int(hidden), str(torch.device(device)), dtype, weights_dtype, mode, int(defer))
+    key = (int(T), int(k), int(hidden), str(torch.device(device)), dtype, weights_dtype, mode, defer)
     table = _table(experts)
     r = table.get(key)
     if r is None:

@@ -345,11 +345,41 @@ def streamed_vs_cpu(model, ids: torch.Tensor, attach) -> dict:
                 flips=routing_flips(cpu_trace, trace, tuple(ids.shape)), tokens=token_errors(got, cpu))
 
 
+def slot_ranks(weights: torch.Tensor) -> torch.Tensor:
+    """int64 [T, k]: each slot's rank among its token's k slots as the native code ranks them: the number of slots
+    with a larger weight, or an equal weight and a lower index (0: the top slot)."""
+    w = weights.double()
+    k = w.shape[-1]
+    lower = torch.arange(k).view(1, k) < torch.arange(k).view(k, 1)  # [k (slot j), k (slot m)]: m < j
+    mine, other = w.unsqueeze(-1), w.unsqueeze(-2)  # [T, k, 1] slot j, [T, 1, k] slot m
+    return ((other > mine) | ((other == mine) & lower)).sum(-1)
+
+
+def deferred_slots(weights: torch.Tensor, defer) -> torch.Tensor:
+    """bool [T, k]: the slots ``defer`` defers (ktinject.operators.deferral): an int d, each token's d lowest-ranked
+    slots; a float m, a slot of rank r > 0 whose cum(r) (weights of the token's slots of rank >= r over all k) is
+    <= m, in float64 summed in slot order and m read as a C float, as the native code does (so the masks are equal
+    bit for bit); none where a token's total weight is not finite or <= 0."""
+    rank = slot_ranks(weights)
+    k = rank.shape[-1]
+    if not isinstance(defer, float):
+        return rank >= k - defer
+    w = weights.double()
+    total = torch.zeros_like(w[:, 0])  # [T]
+    below = torch.zeros_like(w)  # [T, k]: weights of the slots ranked at or below each slot
+    for m in range(k):
+        total = total + w[:, m]
+        below = below + torch.where(rank[:, m:m + 1] >= rank, w[:, m:m + 1], 0.0)
+    share = float(torch.tensor(defer, dtype=torch.float32))
+    ok = (torch.isfinite(total) & (total > 0)).unsqueeze(-1)
+    return (rank > 0) & ok & (below / total.unsqueeze(-1) <= share)
+
+
 def plain_deferral(model: nn.Module, deferred) -> None:
     """Rewrite the HF MoE blocks of ``model`` (float32) in plain torch with expert deferral: in decode steps
     (one token a row) the slots ``deferred(weights [T, k]) -> bool [T, k]`` names go, summed, to the next MoE
     block's output; the last block and prefill defer nothing. The reference the deferral tests hold the injected
-    model to (``deferred``: each token's d lowest-weighted slots), and the probe of other policies."""
+    model to (``deferred``: ``deferred_slots`` of the setting), and the probe of the deferral policies."""
     from ktinject.operators.families import KNOWN_BLOCKS
 
     blocks = [m for m in model.modules() if type(m).__name__ in KNOWN_BLOCKS]

@@ -1,15 +1,15 @@
 """Expert deferral (ktinject.operators.deferral) on the CPU, eager path.
 
-- native slot selection: a task's "top" / "rest" parts equal the full forward with the other slots' weights zeroed,
-  bit for bit (ties, awkward T, skipped experts); a watched task chained to another raises its go;
 - defer=0 is today's path: the same logits, bit for bit, as a model injected without the option; prefill never
   defers (a defer=2 model's prefill logits equal defer=0's);
-- defer=d against two references with the same semantics: (a) the injected model's own parts (router, native
-  experts with zeroed weights, shared experts) put together plainly: bit for bit, hot experts, int8 and int4
-  included; (b) the HF model in float32, its MoE blocks rewritten in plain torch, against the injected float32
-  model: as close as the two are without deferral, while deferral itself moves the logits far more than that;
-- bad values of defer name the rule or the argument; set_defer switches an injected model; a forward cut short
-  leaves nothing behind.
+- defer=d and defer=m against two references with the same semantics: (a) the injected model's own parts (router,
+  native experts with zeroed weights, shared experts) put together plainly: bit for bit, hot experts, int8 and int4
+  included; (b) the HF model in float32, its MoE blocks rewritten in plain torch (``plain_deferral``), against the
+  injected float32 model: as close as the two are without deferral, while deferral itself moves the logits far more
+  than that;
+- bad values of defer name the rule or the argument and both accepted forms; set_defer switches an injected model;
+  a forward cut short leaves nothing behind; the command lines parse "2" as a count and "0.3" as a share.
+The native slot selection itself: tests/test_deferral_native.py.
 Legend: B batch, S sequence, T tokens, H hidden, k experts per token, V vocabulary.
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import ktinject
-from ktinject import compat, native
+from ktinject import compat
 from ktinject.operators import deferral
 from ktinject.operators.base import OperatorError
 from ktinject.operators.families import shared_output
 from ktinject.operators.moe import HybridMoE
-from ktinject.testing import build_tiny_model, plain_deferral, tiny_prompts
+from ktinject.testing import build_tiny_model, deferred_slots, plain_deferral, tiny_prompts
 
 # family -> (config overrides: 3 MoE blocks where the family allows, d)
 FAMILIES = {
@@ -58,89 +58,9 @@ def injected(family: str, f32: bool = False, **kw):
     return m
 
 
-def immediate(weights: torch.Tensor, d: int) -> torch.Tensor:
-    """bool [T, k]: the k - d slots of each token with the largest weights (equal weights: the lower slot first)."""
-    order = torch.sort(weights.float(), dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(order.shape[1]).expand_as(order).contiguous())
-    return rank < weights.shape[1] - d
-
-
-# ---- native slot selection ------------------------------------------------------------------------------------
-def _experts(E=8, H=48, I=40, quant="bf16", seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    gu = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
-    dn = torch.randn(E, H, I, generator=gen) / I ** 0.5
-    return native.Experts.from_hf(gu, dn, quant=quant)
-
-
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
-@pytest.mark.parametrize("T,k,d", [(1, 4, 1), (3, 4, 3), (5, 3, 1), (7, 8, 5)])
-def test_task_select_equals_zeroed_weights(quant, T, k, d):
-    E, H = 8, 48
-    ex = _experts(E, H, quant=quant, seed=T)
-    gen = torch.Generator().manual_seed(k)
-    x = torch.randn(T, H, generator=gen).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    w = torch.rand(T, k, generator=gen)
-    w[0, -1] = w[0, 0]  # a tie: the lower slot ranks first
-    skip = torch.zeros(E, dtype=torch.uint8)
-    skip[int(ids[-1, 0])] = 1
-    imm = immediate(w, d)
-    assert bool(imm[0, 0]) or not bool(imm[0, -1])
-    for part, mask in (("top", imm), ("rest", ~imm)):
-        with native.Task() as task:
-            out = torch.empty(T, H, dtype=torch.bfloat16)
-            task.bind(ex, x, ids, w, skip=skip, out=out)
-            task.select(part, d)
-            task.submit()
-            task.wait()
-        assert torch.equal(out, ex.forward(x, ids, w * mask, skip=skip)), part
-
-
-def test_task_select_errors():
-    ex = _experts()
-    x, ids, w = torch.zeros(2, 48), torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, 3)
-    with native.Task() as task:
-        with pytest.raises(native.NativeError, match="no bound forward"):
-            task.select("top", 1)
-        task.bind(ex, x, ids, w)
-        for d in (0, 3):
-            with pytest.raises(native.NativeError, match=rf"d = {d} deferred slots of k = 3 \(expected 1 <= d < k\)"):
-                task.select("rest", d)
-        with pytest.raises(native.NativeError, match="slots 'some'"):
-            task.select("some", 1)
-        task.select("all")
-
-
-def test_watch_then_runs_the_chained_task():
-    """The first task's end raises the second's go (after its own done): both ran, in that order."""
-    ex = _experts()
-    gen = torch.Generator().manual_seed(3)
-    x, ids, w = torch.randn(2, 48, generator=gen), torch.randint(0, 8, (2, 4), generator=gen), torch.rand(2, 4)
-    flags = torch.zeros(64, dtype=torch.int32)  # go, done, go_d, done_d on their own 64-byte lines
-    addr = flags.data_ptr()
-    a, b = native.Task(), native.Task()
-    oa, ob = torch.empty(2, 48), torch.empty(2, 48)
-    a.bind(ex, x, ids, w, out=oa)
-    a.select("top", 1)
-    b.bind(ex, x, ids, w, out=ob)
-    b.select("rest", 1)
-    try:
-        b.watch(addr + 128, addr + 192)
-        a.watch(addr, addr + 64, then_addr=addr + 128)
-        for _ in range(3):  # a step, three times: the GPU's role played by the host
-            flags[16] = 0
-            flags[48] = 0
-            flags[0] = 1
-            while int(flags[48]) != 1:
-                pass
-            assert int(flags[16]) == 1 and int(flags[0]) == 0 and int(flags[32]) == 0
-        imm = immediate(w, 1)
-        assert torch.equal(oa, ex.forward(x, ids, w * imm)) and torch.equal(ob, ex.forward(x, ids, w * ~imm))
-    finally:
-        a.close()
-        b.close()
+def setting(family: str, defer) -> int | float:
+    """``defer`` where given (a mass), else the family's count."""
+    return FAMILIES[family][1] if defer is None else defer
 
 
 # ---- d = 0 and prefill --------------------------------------------------------------------------------------
@@ -148,12 +68,13 @@ def test_watch_then_runs_the_chained_task():
 def test_defer_zero_is_todays_path(family):
     base = decode_logits(injected(family))
     assert torch.equal(decode_logits(injected(family, defer=0)), base)
-    two = injected(family, defer=FAMILIES[family][1])
     from transformers import DynamicCache
 
-    with torch.no_grad():  # a prefill forward never defers
-        pre = two(PROMPT, **compat.cache_arg(DynamicCache(config=two.config)), use_cache=True).logits[:, -1].float()
-    assert torch.equal(pre, base[:, 0])
+    for defer in (FAMILIES[family][1], 0.3):
+        two = injected(family, defer=defer)
+        with torch.no_grad():  # a prefill forward never defers
+            pre = two(PROMPT, **compat.cache_arg(DynamicCache(config=two.config)), use_cache=True).logits[:, -1]
+        assert torch.equal(pre.float(), base[:, 0]), defer
 
 
 # ---- reference (a): the injected model's own parts, put together plainly ----------------------------------------
@@ -162,8 +83,8 @@ class PlainDeferral:
     experts once over the immediate slots and once over the deferred ones (other weights zeroed), hot experts on
     every slot, shared experts; the previous block's deferred output added last."""
 
-    def __init__(self, model, d: int):
-        self.d, self.pending = d, None
+    def __init__(self, model, defer: int | float):
+        self.defer, self.pending = defer, None
         self.blocks = [m for m in model.modules() if isinstance(m, HybridMoE)]
         for i, b in enumerate(self.blocks):
             b.forward = self._forward(b, i)
@@ -174,76 +95,84 @@ class PlainDeferral:
             x = hidden.reshape(-1, H)
             w, ids = b.routing(x)
             defer = S == 1 and i < len(self.blocks) - 1
-            imm = immediate(w, self.d) if defer else torch.ones_like(ids, dtype=torch.bool)
-            routed = b.native_experts.forward(x, ids, w * imm, skip=b.skip).to(x.dtype)
+            later = deferred_slots(w, self.defer) if defer else torch.zeros_like(ids, dtype=torch.bool)
+            routed = b.native_experts.forward(x, ids, w * ~later, skip=b.skip).to(x.dtype)
             if b.hot is not None:
                 routed = (b.hot(x, ids, w) + routed).to(x.dtype)
             out = routed + shared_output(b, b.spec.shared, x) if b.spec.shared else routed
             if i > 0 and self.pending is not None:
                 out = out + self.pending
-            self.pending = b.native_experts.forward(x, ids, w * ~imm, skip=b.skip).to(x.dtype) if defer else None
+            self.pending = b.native_experts.forward(x, ids, w * later, skip=b.skip).to(x.dtype) if defer else None
             return out.view(B, S, H)
         return forward
 
 
+@pytest.mark.parametrize("defer", [None, 0.3, 0.25])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_eager_equals_plain_rendering_bitwise(family):
-    d = FAMILIES[family][1]
+def test_eager_equals_plain_rendering_bitwise(family, defer):
+    d = setting(family, defer)
     ref = injected(family)
     PlainDeferral(ref, d)
     assert torch.equal(decode_logits(injected(family, defer=d)), decode_logits(ref))
 
 
-def test_hot_experts_with_deferral_bitwise():
+@pytest.mark.parametrize("defer", [3, 0.3])
+def test_hot_experts_with_deferral_bitwise(defer):
     """GPU-resident experts (here the CPU stands in for the GPU) among the deferred slots run at once."""
     hot = dict(gpu_experts_budget="64KiB", placement="uniform")
-    inj = injected("deepseek_v3", defer=3, **hot)
+    inj = injected("deepseek_v3", defer=defer, **hot)
     ref = injected("deepseek_v3", **hot)
     blocks = [m for m in inj.modules() if isinstance(m, HybridMoE)]
     assert all(b.hot is not None and b.hot.residents() for b in blocks)
-    PlainDeferral(ref, 3)
+    PlainDeferral(ref, defer)
     assert torch.equal(decode_logits(inj), decode_logits(ref))
 
 
+@pytest.mark.parametrize("defer", [1, 0.3, 0.25])
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_quantized_equals_plain_rendering_bitwise(quant):
+def test_quantized_equals_plain_rendering_bitwise(quant, defer):
     ref = injected("deepseek_v3", quant=quant)
-    PlainDeferral(ref, 1)
-    assert torch.equal(decode_logits(injected("deepseek_v3", quant=quant, defer=1)), decode_logits(ref))
+    PlainDeferral(ref, defer)
+    assert torch.equal(decode_logits(injected("deepseek_v3", quant=quant, defer=defer)), decode_logits(ref))
 
 
 # ---- reference (b): HF in float32, MoE blocks in plain torch ---------------------------------------------------
-def torch_deferral(model, d: int) -> None:
-    """Rewrite the HF MoE blocks of ``model`` (float32) in plain torch with deferral: per token the d lowest-weighted
-    slots' sum goes to the next MoE block's output; the last block and prefill defer nothing."""
-    plain_deferral(model, lambda w: ~immediate(w, d))
+def _rel(a: torch.Tensor, b: torch.Tensor, outliers: int = 0) -> float:
+    """|a - b| / |b| over the positions of [B, steps, V] logits, less the ``outliers`` positions of largest error."""
+    diff, norm = (a - b).norm(dim=-1).flatten() ** 2, b.norm(dim=-1).flatten() ** 2
+    keep = diff.argsort()[:diff.numel() - outliers]
+    return float((diff[keep].sum() / norm[keep].sum()).sqrt())
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
+@pytest.mark.parametrize("defer", [None, 0.3, 0.25])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_eager_equals_torch_reference(family):
-    overrides, d = FAMILIES[family]
+def test_eager_equals_torch_reference(family, defer):
+    overrides, d = FAMILIES[family][0], setting(family, defer)
     truth = build_tiny_model(family, dtype=torch.bfloat16, **overrides).float()  # bf16-rounded weights
     ref0 = decode_logits(truth)
-    torch_deferral(truth, d)
+    plain_deferral(truth, lambda w: deferred_slots(w, d))
     ref = decode_logits(truth)
     inj, inj0 = decode_logits(injected(family, True, defer=d)), decode_logits(injected(family, True))
-    err, err0, moved = _rel(inj, ref), _rel(inj0, ref0), _rel(ref, ref0)
-    print(f"{family} d={d}: |inj_d - ref_d| {err:.4f}, |inj_0 - ref_0| {err0:.4f}, |ref_d - ref_0| {moved:.4f}")
+    # less one position: the injected router's float32 differs from HF's by ~1e-3, which can flip a token's k-th
+    # expert where two nearly tie (seen once: qwen3_moe with m = 0.3 / 0.25, the second decode step of row 0 at the
+    # last block, experts at 0.2784 and 0.2779: that position alone 0.6 off); (a) above holds the eager path bit for
+    # bit with its own router
+    err, err0, moved = _rel(inj, ref, outliers=1), _rel(inj0, ref0), _rel(ref, ref0)
+    print(f"{family} d={d}: |inj_d - ref_d| {err:.4f} (all positions {_rel(inj, ref):.4f}), |inj_0 - ref_0| "
+          f"{err0:.4f}, |ref_d - ref_0| {moved:.4f}")
     assert err <= 1.25 * err0 + 1e-3  # deferral adds no error of its own (measured: the same to 2 digits) ...
-    assert moved >= 10 * err  # ... and the comparison tells deferral from none (measured: 27-185 x)
+    assert moved >= 10 * err  # ... and the comparison tells deferral from none (measured: 20-190 x)
     assert torch.equal(ref[:, 0], ref0[:, 0])  # the reference's prefill does not defer either
 
 
 # ---- configuration --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", [-1, 2, 1.5, True, "1"])
+@pytest.mark.parametrize("bad", [-1, 2, 1.5, True, "1", 0.0, 1.0, float("nan"), -0.1])
 def test_bad_defer_names_the_rule_and_the_argument(bad, tmp_path):
     m = build_tiny_model("mixtral")  # k = 2
     with pytest.raises(OperatorError, match=r"moe: defer=.* for 'model.layers.0.mlp': expected an int with 0 <= "
-                                            r"defer < k = 2 .*inject / from_pretrained / set_defer \(defer=d\)"):
+                                            r"defer < k = 2 .* or a float with 0 < defer < 1 \(share of each "
+                                            r"token's routing weight deferred\); .*inject / from_pretrained / "
+                                            r"set_defer \(defer=d\)"):
         ktinject.inject(m, gpu="cpu", defer=bad)
     rules = tmp_path / "r.yaml"
     rules.write_text(f"- match: {{class: MixtralSparseMoeBlock}}\n  replace: moe\n  kwargs: {{defer: {bad!r}}}\n")
@@ -257,10 +186,29 @@ def test_set_defer_switches_an_injected_model():
     deferral.set_defer(m, 2)
     assert torch.equal(decode_logits(m), decode_logits(injected("deepseek_v3", defer=2)))
     assert deferral.chain_of(m).setting == (2, 2, 2)
-    with pytest.raises(OperatorError, match=r"defer=4 .*k = 4"):
-        deferral.set_defer(m, 4)
+    deferral.set_defer(m, 0.3)
+    assert torch.equal(decode_logits(m), decode_logits(injected("deepseek_v3", defer=0.3)))
+    assert deferral.chain_of(m).setting == (0.3, 0.3, 0.3)
+    for bad in (4, 1.0):
+        with pytest.raises(OperatorError, match=rf"defer={bad} .*k = 4"):
+            deferral.set_defer(m, bad)
+    assert deferral.chain_of(m).setting == (0.3, 0.3, 0.3)  # a bad value changes nothing
     deferral.set_defer(m, 0)
     assert torch.equal(decode_logits(m), base)
+
+
+def test_slots_run_counts_the_deferring_blocks():
+    """What bench decode --defer reports: the rows of the deferring blocks' tasks, immediate and deferred."""
+    m = injected("deepseek_v3", defer=2)  # k = 4, 3 MoE blocks: 2 defer
+    total = 6 * 2 * 2 * 4  # decode steps x deferring blocks x rows x k (prefill defers nothing and is not counted)
+    deferral.slots_run(m, reset=True)
+    decode_logits(m)
+    assert deferral.slots_run(m) == (total // 2, total // 2)
+    deferral.set_defer(m, 0.3)
+    assert deferral.slots_run(m, reset=True) == (total // 2, total // 2) and deferral.slots_run(m) == (0, 0)
+    decode_logits(m)
+    imm, dfr = deferral.slots_run(m)
+    assert imm + dfr == total and 0 < dfr < imm
 
 
 def test_forward_cut_short_leaves_nothing_behind():
@@ -299,14 +247,18 @@ def test_eval_defer_rows_on_the_demo_model():
     from ktinject import demo, eval as kt_eval
 
     rows = dict(kt_eval.run(demo.demo_model_dir(), demo.heldout_text(), ["bf16"], gpu="cpu", window=96,
-                            max_tokens=768, defers=(1,)))
-    base, d0, d1 = rows["bf16"], rows["bf16, decode steps, defer 0"], rows["bf16, decode steps, defer 1"]
-    assert d0.n == d1.n == base.n
+                            max_tokens=768, defers=(0.3, 1)))
+    assert list(rows)[2:5] == [f"bf16, decode steps, defer {d}" for d in (0, 1, 0.3)]  # counts, then shares
+    base, d0 = rows["bf16"], rows["bf16, decode steps, defer 0"]
+    for d in (1, 0.3):
+        dd = rows[f"bf16, decode steps, defer {d}"]
+        assert d0.n == dd.n == base.n
+        assert dd.agreement < d0.agreement  # deferral acted ...
+        assert dd.perplexity < d0.perplexity * 1.05  # ... and costs little (4096 tokens: -0.14%; defer 2: +3%)
     assert d0.perplexity == pytest.approx(base.perplexity, rel=5e-3)  # the same model, token by token
-    assert d1.agreement < d0.agreement  # deferral acted ...
-    assert d1.perplexity < d0.perplexity * 1.05  # ... and costs little (4096 tokens: -0.14%; defer 2: +3%)
-    with pytest.raises(SystemExit):
-        kt_eval.main(["--defer", "one"])
+    for bad in ("one", "1,1.0", "0.3,-2"):
+        with pytest.raises(SystemExit):
+            kt_eval.main(["--defer", bad])
 
 
 def test_from_pretrained_and_chat_take_defer():
@@ -322,25 +274,44 @@ def test_from_pretrained_and_chat_take_defer():
     prompt, feed = tiny_prompts(2, 5, seed=8, vocab=2048), tiny_prompts(2, 4, seed=9, vocab=2048)
     assert torch.equal(decode_logits(streamed, prompt, feed), decode_logits(loaded, prompt, feed))
     assert chat.parse_args(["--defer", "2"]).defer == 2 and chat.parse_args([]).defer == 0
-    with pytest.raises(SystemExit):
-        chat.parse_args(["--defer", "-1"])
+    mass = chat.parse_args(["--defer", "0.3"]).defer
+    assert mass == 0.3 and isinstance(mass, float)
+    for bad in ("-1", "1.0", "x", "nan"):
+        with pytest.raises(SystemExit):
+            chat.parse_args(["--defer", bad])
+
+
+def test_cli_defer_parse_errors_name_both_forms():
+    import argparse
+
+    from ktinject import cli
+
+    assert cli.defer_list("2, 0.3,1") == [2, 0.3, 1]
+    assert cli.defer_settings([0.3, 2, 0.25, 1, 2]) == [0, 1, 2, 0.25, 0.3]
+    for bad, why in (("x", "'x': expected"), ("1.0", "'1.0' is out of range"), ("-1", "'-1' is out of range")):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"{why}.*an int D >= 0 \(experts deferred per "
+                                                              rf"token\) or a float 0 < M < 1"):
+            cli.defer_setting(bad)
 
 
 def test_bench_decode_defer_rows_on_the_tiny_model(capsys):
     """The code path of ``python -m ktinject.bench decode --defer`` (on a CPU: eager decode, GPU columns n/a)."""
     from ktinject.bench import decode as bench_decode, defer as bench_defer
 
-    assert bench_decode.main(["--tiny", "--defer", "1", "--tokens", "2", "--defer-rounds", "1", "--hf-tokens", "0"]) == 0
+    assert bench_decode.main(["--tiny", "--defer", "1,0.5", "--tokens", "2", "--defer-rounds", "1",
+                              "--hf-tokens", "0"]) == 0
     out = capsys.readouterr().out
     for row in ("defer: CPU experts alone", "defer: bound (CPU + GPU) / max(CPU, GPU)", "defer 0: eager decode",
-                "defer 1: eager decode"):
+                "defer 1: eager decode", "defer 0.5: eager decode"):
         assert f"| {row}" in out, row
+    assert "50.0% of slots deferred" in out  # d = 1 of k = 2, counted by the tasks
     assert bench_defer.parse("3,1", 4) == [0, 1, 3]
+    assert bench_defer.parse("0.3,2,0.25", 4) == [0, 2, 0.25, 0.3]
     # deferring a share s of the CPU work gives at most 1 + s, when the GPU part is s x the CPU part
     assert bench_defer.share_bound(12.0, 3.0, 0.25) == pytest.approx(1.25)
     assert bench_defer.share_bound(12.0, 3.54, 0.25) == pytest.approx(15.54 / 12.54)  # GPU part over s c
     assert bench_defer.share_bound(12.0, 1.0, 0.25) == pytest.approx(13.0 / 12.0)     # under it: 1 + g / c
-    for bad in ("4", "x"):
+    for bad in ("4", "x", "1.0", "0.0"):
         with pytest.raises(SystemExit, match="--defer"):
             bench_defer.parse(bad, 4)
 

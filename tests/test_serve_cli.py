@@ -83,7 +83,7 @@ def test_model_errors_are_one_line_as_in_the_chat(demo_env, tmp_path):
     for args, needle in ((["--model", str(tmp_path / "nope")], "model directory not found"),
                          (["--model", str(tmp_path)], "no config.json"),
                          (["--rules", str(tmp_path / "nope.yaml")], "rules file not found"),
-                         (["--defer", "-1"], "argument --defer: must be at least 0")):
+                         (["--defer", "-1"], "argument --defer: '-1' is out of range: expected an int D >= 0")):
         r = subprocess.run([sys.executable, "-m", "ktinject.serve", "--gpu", "cpu", "--port", "0", *args],
                            env=demo_env, cwd=REPO, capture_output=True, text=True, timeout=120)
         lines = [line for line in r.stderr.splitlines() if line.strip()]

@@ -17,7 +17,7 @@ on the GPU. Nothing is written to disk. Then, in one run, with the limit and the
 with N background processes copying 1 GiB buffers (ktinject.bench.noise), ``--noise-runs`` rounds of every level in
 turn, with what the scheduler did to the pool's threads meanwhile; then per level the median, its share of the quiet
 speed and the spread of the runs.
-``--defer 0,1,2,3`` times expert deferral instead: graph decode per setting against the bound (CPU + GPU) /
+``--defer 0,1,2,0.3`` times expert deferral instead: graph decode per setting against the bound (CPU + GPU) /
 max(CPU, GPU) of this run (``ktinject.bench.defer``).
 ``--tiny`` runs the same flow on the tiny qwen3_moe test model (CPU-only machines too: GPU rows say n/a).
 The measurements themselves are in ``bench/timing.py``. Legend: B batch, P prompt tokens, N new tokens, L layers.
@@ -108,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--noise-only", action="store_true",
                    help="with --noise: only its rows after the injection (no roofline, eager, split, coordination)")
     p.add_argument("--defer", default="",
-                   help="comma-separated expert-deferral settings (slots per token, e.g. 0,1,2,3): graph decode per "
+                   help="comma-separated expert-deferral settings (ints: slots per token, floats 0 < M < 1: shares "
+                        "of each token's routing weight; e.g. 0,1,2,0.3): graph decode per "
                         "setting against the bound (CPU + GPU) / max(CPU, GPU), instead of the other rows "
                         "(ktinject.bench.defer)")
     p.add_argument("--defer-rounds", type=int, default=3, help="rounds in which every --defer setting is timed")

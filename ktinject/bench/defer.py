@@ -1,19 +1,23 @@
-"""Expert deferral in decode (``python -m ktinject.bench decode --defer 0,1,2,3``): tok/s per d and the bound.
+"""Expert deferral in decode (``python -m ktinject.bench decode --defer 0,1,2,0.3``): tok/s per setting and the bound.
 
 Without deferral a decode step runs each layer's CPU experts and the GPU's dense work mostly one after the other;
 with d deferred slots per token, a layer's deferred experts overlap the next layer's attention
 (``ktinject.operators.deferral``). A perfect overlap would give the bound (CPU + GPU) / max(CPU, GPU) of the speed
 without deferral, with CPU = the native experts alone (``cpu_expert_time``: whole passes over the layers, one
 synchronous forward per layer, cache-cold) and GPU = the graph replay with every routed expert muted (dense work and
-handshakes, ``muted_replay``), both measured in this run. Per d one graph is captured (the runner keeps one per
-setting); then rounds in which every d is timed in turn, through ``ktinject.generate`` and as bare replays, with a
-CPU pass per round, so the host's drift spreads over all of them; the rows give medians. Speed-up: against d = 0
-of the same rounds; share of the bound: speed-up / bound. Without CUDA (``--tiny`` on a CPU) the eager decode is
-timed and the GPU columns say n/a.
-Legend: B batch, P prompt tokens, d deferred slots per token.
+handshakes, ``muted_replay``), both measured in this run. Settings: an int d, slots per token, or a float m, a share
+of each token's routing weight (``ktinject.operators.deferral``). Per setting one graph is captured (the runner
+keeps one per setting); then rounds in which every setting is timed in turn, through ``ktinject.generate`` and as
+bare replays, with a CPU pass per round, so the host's drift spreads over all of them; the rows give medians.
+Speed-up: against d = 0 of the same rounds; share of the bound: speed-up / bound. The share of the slots deferred
+is counted by the native tasks over the timed generate runs (``deferral.slots_run``); the limit 1 + s
+(``share_bound``) takes d / k for a count and that measured share for a weight share. Without CUDA (``--tiny`` on
+a CPU) the eager decode is timed and the GPU columns say n/a.
+Legend: B batch, P prompt tokens, d deferred slots per token, m deferred share of the routing weight.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,6 +27,7 @@ import torch
 
 import ktinject
 from ktinject.bench.timing import profile_line
+from ktinject.cli import defer_list, defer_settings
 from ktinject.operators import deferral
 
 
@@ -35,13 +40,14 @@ class Timers:
     muted_replay: Callable  # (model, runner, batch, prompt_len, iters, entry) -> seconds per replay, experts muted
 
 
-def parse(text: str, k: int) -> list[int]:
-    """``--defer`` as sorted distinct ints, 0 first (the baseline); SystemExit naming the flag if one is bad."""
+def parse(text: str, k: int) -> list[int | float]:
+    """``--defer`` as distinct settings, 0 first (the baseline), then the counts d (ints, 0 <= d < k), then the
+    shares m (floats, 0 < m < 1), each ascending; SystemExit naming the flag if one is bad."""
     try:
-        ds = sorted({0, *(int(x) for x in text.split(",") if x.strip())})
-    except ValueError:
-        raise SystemExit(f"--defer {text!r}: expected comma-separated integers, e.g. 0,1,2,3") from None
-    bad = [d for d in ds if not 0 <= d < k]
+        ds = defer_settings(defer_list(text))
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"--defer {text!r}: {e}") from None
+    bad = [d for d in ds if isinstance(d, int) and d >= k]
     if bad:
         raise SystemExit(f"--defer {text!r}: {bad} out of range: 0 <= d < k = {k} (experts per token)")
     return ds
@@ -99,15 +105,18 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
         if graphs and entries[d] is None:
             add((f"defer {d}", "failed", "", f"no graph captured: {runner.stats.capture_failures[-1:]}"))
             return
-    gen: dict[int, list[float]] = {d: [] for d in ds}
-    bare: dict[int, list[float]] = {d: [] for d in ds}
+    gen: dict[int | float, list[float]] = {d: [] for d in ds}
+    bare: dict[int | float, list[float]] = {d: [] for d in ds}
+    slots = {d: [0, 0] for d in ds}  # (immediate, deferred) rows of the deferring blocks in the timed generate runs
     cpu: list[float] = []
     profiles: list[dict] = []
     for _ in range(max(1, args.defer_rounds)):
         cpu += timers.cpu_expert_time(model, B, passes=2, profile=profiles)
         for d in ds:
             deferral.set_defer(model, d)
+            deferral.slots_run(model, reset=True)
             gen[d].append(seconds_per_token(model, prompt, args.tokens))
+            slots[d] = [a + b for a, b in zip(slots[d], deferral.slots_run(model))]
             if graphs:
                 bare[d].append(timers.graph_replay(runner, B, P, args.tokens, entry=entries[d]))
     deferral.set_defer(model, 0)
@@ -128,10 +137,16 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
         s = statistics.median(gen[d])
         up = base / s
         note = [f"{up:.3f}x of d=0"]
+        imm, dfr = slots[d]
+        share = dfr / max(1, imm + dfr)  # measured: what a weight share defers depends on the tokens
+        if d:
+            note.append(f"{100 * share:.1f}% of slots deferred")
         if bound is not None:
             note.append(f"{100 * up / bound:.0f}% of the bound")
             if d:
-                note.append(f"at most {share_bound(cpu_s, gpu_s, d / k):.3f}x with {d} of {k} deferred")
+                s_bound = d / k if isinstance(d, int) else share
+                note.append(f"at most {share_bound(cpu_s, gpu_s, s_bound):.3f}x "
+                            + (f"with {d} of {k} deferred" if isinstance(d, int) else "at that share"))
         if graphs:
             note.append(f"bare replay {_ms(statistics.median(bare[d]))} ms, muted {_ms(muted[d])} ms")
         note.append("runs " + ", ".join(f"{B / t:.1f}" for t in gen[d]) + " tok/s")

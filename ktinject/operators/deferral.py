@@ -1,12 +1,20 @@
 """Expert deferral in decode steps (KTransformers' third technique): part of each MoE layer's routed experts runs one
 layer late, so that the CPU computes them while the GPU runs the next layer's attention.
 
-What ``defer=d`` computes (tests/test_deferral.py checks the eager path against a plain torch rendering of this):
-- Only forwards of one token per row (decode, S == 1) defer; prefill (S > 1) never does, and d = 0 is the path
+What ``defer`` computes (tests/test_deferral.py checks the eager path against a plain torch rendering of this):
+- Only forwards of one token per row (decode, S == 1) defer; prefill (S > 1) never does, and defer = 0 is the path
   without deferral, bit for bit. The MoE blocks b_0 .. b_{n-1} of the model, in forward order, form a chain.
 - Block b_i routes its input x_i as always: ids [T,k], weights w [T,k] (HF's weights, never renormalized over
-  either part). Per token, the k slots are ranked by weight, largest first (equal weights: the lower slot first);
-  the first k - d are immediate, the last d deferred.
+  either part). Per token, the k slots are ranked by weight: a slot's rank r is the number of the token's slots with
+  a larger weight, or an equal weight and a lower slot index (r = 0: the top slot). Which slots are deferred:
+  - by count, ``defer=d`` (an int, 0 <= d < k): the d of rank >= k - d; the other k - d are immediate;
+  - by weight mass, ``defer=m`` (a float, 0 < m < 1): a slot of rank r is deferred iff r > 0 and
+    cum(r) = (sum of w over the token's slots of rank >= r) / (sum of its k weights) <= m, i.e. the lowest-weighted
+    slots whose cumulative share of the token's routing weight stays <= m, never the top one (0..k-1 slots a
+    token; a step may defer none: the deferred task then adds zeros). Sums in float64 in slot order (the native
+    code: double), m rounded to float32 (the native argument); a token whose total is not finite or <= 0 defers
+    nothing. A mass setting defers more slots where the weight is spread, fewer where one expert dominates.
+  Ints and floats are told apart by type: 1.0 is a float, out of range; a bool is neither.
 - out_i = imm_i + shared_i(x_i) + def_{i-1}, summed in that order in the model's dtype (def_{-1} = 0), where
   imm_i = sum of w * expert(x_i) over the immediate slots and the deferred slots whose expert is GPU-resident, and
   def_i = the same sum over the other deferred slots. The last block b_{n-1} defers nothing.
@@ -24,14 +32,14 @@ With B rows each token splits its own slots, so an expert may be immediate for o
 (KTransformers keeps an expert immediate for the whole batch when any row ranks it high, which reads its weights
 once; the per-token rule makes a row's result independent of the other rows.)
 
-Mechanics: the native task selects its slots itself (``Task.select``: "top" k - d, "rest" d; no GPU kernels, no
-extra copies); ``link`` gives every HybridMoE its place in the chain at injection; within a forward a deferring
-block ``put``s its deferred work and the next block ``take``s it. Eagerly the deferred task is submitted right after
-the immediate one and waited for by the next block; in a captured decode step the immediate task's end raises the
-deferred task's go flag (``ktinject.stream_experts``). A forward cut short leaves work in flight: the next forward's
-first block drains it. ``set_defer`` changes d on an injected model (the graph runner captures again: its key
-holds the chain's setting).
-Legend: T tokens, k experts per token, H hidden, d deferred slots per token.
+Mechanics: the native task selects its slots itself (``Task.select``: "top" the immediate slots, "rest" the
+deferred ones; no GPU kernels, no extra copies); ``link`` gives every HybridMoE its place in the chain at
+injection; within a forward a deferring block ``put``s its deferred work and the next block ``take``s it. Eagerly
+the deferred task is submitted right after the immediate one and waited for by the next block; in a captured decode
+step the immediate task's end raises the deferred task's go flag (``ktinject.stream_experts``). A forward cut short
+leaves work in flight: the next forward's first block drains it. ``set_defer`` changes the setting on an injected
+model (the graph runner captures again: its key holds the chain's setting).
+Legend: T tokens, k experts per token, H hidden, d deferred slots per token (count), m deferred weight share (mass).
 """
 from __future__ import annotations
 
@@ -49,14 +57,15 @@ log = logging.getLogger(__name__)
 CHAIN_ATTR = "_ktinject_defer_chain"
 
 
-def check_defer(value, k: int | None, where: str) -> int:
-    """``value`` as a number of deferred slots: an int, 0 <= value < k (k unknown: >= 0). Else OperatorError
-    naming ``where`` (e.g. the module) and how the value is set."""
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0 and (k is None or value < k)
-    if not ok:
+def check_defer(value, k: int | None, where: str) -> int | float:
+    """``value`` as a deferral setting, unchanged: an int d, 0 <= d < k (k unknown: >= 0), or a float m, 0 < m < 1.
+    Else OperatorError naming ``where`` (e.g. the module), both accepted forms and how the value is set."""
+    if not native.valid_defer(value, k):
         bound = f" < k = {k} (the experts each token is routed to)" if k is not None else ""
-        raise OperatorError(f"moe: defer={value!r} for {where}: expected an int with 0 <= defer{bound}; it is set by "
-                            f"the moe rule's kwargs (defer: d) or by inject / from_pretrained / set_defer (defer=d)")
+        raise OperatorError(f"moe: defer={value!r} for {where}: expected an int with 0 <= defer{bound} (slots "
+                            f"deferred per token) or a float with 0 < defer < 1 (share of each token's routing "
+                            f"weight deferred); it is set by the moe rule's kwargs (defer: d) or by inject / "
+                            f"from_pretrained / set_defer (defer=d)")
     return value
 
 
@@ -153,8 +162,9 @@ def chain_of(model) -> DeferChain | None:
     return model.__dict__.get(CHAIN_ATTR)
 
 
-def set_defer(model, d: int) -> None:
-    """Defer ``d`` slots per token in every MoE block of an injected model from the next forward on (0: off)."""
+def set_defer(model, d: int | float) -> None:
+    """Defer ``d`` in every MoE block of an injected model from the next forward on: an int, slots per token (0: off),
+    or a float, a share of each token's routing weight (``check_defer``)."""
     chain = chain_of(model)
     if chain is None:
         raise OperatorError(f"set_defer: {type(model).__name__} has no injected MoE blocks (inject it first)")
@@ -165,6 +175,19 @@ def set_defer(model, d: int) -> None:
     chain.setting = tuple(b.defer for b in chain.blocks)
 
 
+def slots_run(model, reset: bool = False) -> tuple[int, int]:
+    """(immediate, deferred) (token, slot) rows the deferring blocks' native tasks computed since the last reset, in
+    eager decode steps and captured ones alike (``reset``: then set them to 0). deferred / (immediate + deferred) is
+    the share of the CPU's expert work that deferral moved (with a weight-share setting it depends on the tokens)."""
+    chain = chain_of(model)
+    imm = dfr = 0
+    for b in [] if chain is None else chain.blocks[:-1]:  # the last block defers nothing
+        pairs = [] if b.defer_tasks is None else [tuple(t.slots_run(reset) for t in b.defer_tasks)]
+        for i, d in pairs + [r.slots_run(reset) for r in stream_experts.runners(b.native_experts)]:
+            imm, dfr = imm + i, dfr + d
+    return imm, dfr
+
+
 def _tasks(block) -> tuple:
     """The block's (immediate, deferred) native tasks of the eager path, made once."""
     if block.defer_tasks is None:
@@ -172,7 +195,7 @@ def _tasks(block) -> tuple:
     return block.defer_tasks
 
 
-def experts_deferred(block, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, d: int, pending, st):
+def experts_deferred(block, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, d: int | float, pending, st):
     """A deferring block's experts on x [T, H]: (routed [T, H] of the immediate slots, hot [T, H] float32 or None,
     shared [T, H] or None, the previous block's deferred output [T, H] or None); its own deferred slots are handed
     to the chain. ``pending``: what the previous block deferred; ``st``: the thread's staging buffers."""

@@ -15,8 +15,9 @@ The router's fast path (softmax -> top-k routers in fewer kernels) and the host 
 Rule keyword arguments: ``quant``: ``bf16`` (default), ``int8`` (W8A8: int8 weights with per-output-channel
 scales, activations quantized per token on the fly) or ``int4`` (W4A8: int4 weights with a scale per group of 64
 inputs, ~4.5 bits a weight; int8 activations; dequantized to bf16 for AMX when an expert has many rows);
-``defer``: d (default 0) of each token's k experts, the lowest-weighted, deferred in decode steps to the next MoE
-block, which adds their output to its own while the CPU has computed them during that block's attention
+``defer``: d (an int, default 0) of each token's k experts, the lowest-weighted, or (a float m, 0 < m < 1) its
+lowest-weighted experts up to a share m of its routing weight, deferred in decode steps to the next MoE block, which
+adds their output to its own while the CPU has computed them during that block's attention
 (``ktinject.operators.deferral``: semantics and why). The hot-expert options (``HOT_KWARGS``) are accepted too:
 model-wide, applied once every block is built (``ktinject.gpu_experts``).
 
@@ -87,8 +88,9 @@ class HybridMoE(nn.Module):
         # into its residual add + norm; the runner left to it (take_lazy_collect)
         self.caller_collects = False
         self._lazy_runner = None
-        # expert deferral (ktinject.operators.deferral): slots deferred per token in decode steps, the chain of the
-        # model's MoE blocks (set by deferral.link at injection; None: this block defers nothing) and its place
+        # expert deferral (ktinject.operators.deferral): the setting in decode steps (slots per token, or a share of
+        # each token's routing weight), the chain of the model's MoE blocks (set by deferral.link at injection;
+        # None: this block defers nothing) and its place
         router = getattr(block, spec.router)
         self.top_k = router.top_k if isinstance(getattr(router, "top_k", None), int) else None  # k, where known
         self.defer = 0
@@ -185,8 +187,8 @@ class HybridMoE(nn.Module):
         return stream_experts.runner_for(self.native_experts, T, self.top_k, H, x.device, dtype=x.dtype,
                                          weights_dtype=torch.float32, skip=self.skip, defer=d)
 
-    def _defer_now(self, S: int, T: int, k: int) -> int:
-        """Slots per token this forward defers: ``defer`` in a decode step (one token per row) of a chained block
+    def _defer_now(self, S: int, T: int, k: int) -> int | float:
+        """The deferral setting of this forward: ``defer`` in a decode step (one token per row) of a chained block
         that is not the model's last MoE block, else 0."""
         chain = self.defer_chain
         if not self.defer or S != 1 or T == 0 or chain is None or chain.is_last(self):
@@ -328,14 +330,15 @@ class MoEOperator(Operator):
                        _defer(kwargs, module, spec, name))
 
 
-def _defer(kwargs: Mapping[str, Any], module: nn.Module, spec: BlockSpec, name: str) -> int:
-    """The ``defer`` kwarg (slots per token deferred to the next MoE block in decode steps), checked against k."""
+def _defer(kwargs: Mapping[str, Any], module: nn.Module, spec: BlockSpec, name: str) -> int | float:
+    """The ``defer`` kwarg (slots per token, or a share of each token's routing weight, deferred to the next MoE
+    block in decode steps), checked (against k for a count)."""
     k = getattr(getattr(module, spec.router, None), "top_k", None)
     return deferral.check_defer(kwargs.get("defer", 0), k if isinstance(k, int) else None, repr(name))
 
 
 def _hybrid(module: nn.Module, name: str, spec: BlockSpec, quant: str, device: torch.device, experts,
-            biases, defer: int = 0) -> HybridMoE:
+            biases, defer: int | float = 0) -> HybridMoE:
     """The one place a HybridMoE is made, whichever way its experts were packed."""
     if spec.has_bias and biases is None:  # GPU-resident gpt-oss experts need them; the native copy cannot give them
         raise OperatorError(f"moe: {name!r} has gpt-oss experts (with biases) but no expert_biases were given")

@@ -231,15 +231,26 @@ int ktk_task_watch_then(ktk_task *task, volatile uint32_t *go, volatile uint32_t
 int ktk_task_unwatch(ktk_task *task);   /* returns when the pool no longer touches go/done/then */
 
 /* ---- expert deferral: which of each token's k slots a task computes ----
- * A token's slots are ranked by routing weight, largest first (equal weights: the lower slot first). With d deferred
- * slots (1 <= d < k) the k - d highest-ranked are the token's immediate experts and the d others its deferred ones;
- * two tasks bound to the same buffers, one of each part, split every token's k slots exactly. ktk_task_bind resets
- * the selection to KTK_SLOTS_ALL. KTK_ERR_STATE while the task is queued, running or watched; KTK_ERR_SHAPE for an
- * unknown part or d outside 1..k-1. */
+ * A token's slots are ranked by routing weight, largest first: a slot's rank is the number of the token's slots with
+ * a larger weight, or an equal weight and a lower slot index (rank 0: the top slot). Two tasks bound to the same
+ * buffers, one of each part, split every token's k slots exactly. ktk_task_bind resets the selection to
+ * KTK_SLOTS_ALL. KTK_ERR_STATE while the task is queued, running or watched.
+ * By count (ktk_task_select): with d deferred slots (1 <= d < k) the k - d highest-ranked are the token's immediate
+ * slots and the d others its deferred ones. KTK_ERR_SHAPE for an unknown part or d outside 1..k-1.
+ * By weight share (ktk_task_select_share, 0 < share < 1): a slot of rank r is deferred iff r > 0 and
+ * cum(r) = (sum of the weights of the token's slots of rank >= r) / (sum of its k weights) <= share, both sums in
+ * double in slot order; a token whose total weight is not finite or <= 0 defers nothing. So a token defers 0..k-1
+ * slots, never its top one, and a part may have no slot at all (its output is then zeros). KTK_ERR_SHAPE for a part
+ * other than TOP / REST or a share not finite or outside (0, 1). */
 #define KTK_SLOTS_ALL 0    /* every slot */
-#define KTK_SLOTS_TOP 1    /* the k - d highest-ranked slots of each token */
-#define KTK_SLOTS_REST 2   /* the d lowest-ranked slots of each token */
+#define KTK_SLOTS_TOP 1    /* each token's immediate slots */
+#define KTK_SLOTS_REST 2   /* each token's deferred slots */
 int ktk_task_select(ktk_task *task, int slots, int d);
+int ktk_task_select_share(ktk_task *task, int slots, float share);
+/* (token, slot) rows the task computed (selected, not skipped), summed over its runs since it was made or last
+ * reset (reset != 0: returns the sum and sets it to 0; ktk_task_bind keeps it). Read it when the task is not running
+ * (a run adds its rows when it starts). 0 for NULL. */
+uint64_t ktk_task_slots_run(ktk_task *task, int reset);
 
 #ifdef __cplusplus
 }

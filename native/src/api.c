@@ -340,6 +340,16 @@ int ktk_task_select(ktk_task *task, int slots, int d) {
     return ktki_task_select(task, slots, d);
 }
 
+int ktk_task_select_share(ktk_task *task, int slots, float share) {
+    CHECK_NULL(task, "ktk_task_select_share");
+    return ktki_task_select_share(task, slots, share);
+}
+
+uint64_t ktk_task_slots_run(ktk_task *task, int reset) {
+    if (!task) return 0;
+    return reset ? atomic_exchange(&task->slots_run, 0) : atomic_load(&task->slots_run);
+}
+
 int ktk_task_unwatch(ktk_task *task) {
     CHECK_NULL(task, "ktk_task_unwatch");
     return ktki_unwatch(task);

@@ -31,6 +31,7 @@
  * Where the kernel table says so (gemv_default: measured faster there); KTINJECT_GEMV=0/1 overrides (tests, A/B);
  * never with KTINJECT_INT4_PATH=dequant (that path is for many rows).
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -43,21 +44,32 @@ static float routing_weight(const ktk_task *t, int64_t i) {
     return ktk_bf16_to_f32(((const uint16_t *)t->weights)[i]);
 }
 
-/* Whether the task computes slot i (= token * k + j) of its ids: every slot, or for expert deferral
- * (ktk_task_select) the k - d highest-ranked slots of the token or the d others. A slot's rank is the number of the
- * token's slots with a larger weight, or an equal weight and a lower slot: the two parts split each token's k slots
- * exactly, whatever the weights. */
+/* Whether the task computes slot i (= token * k + j) of its ids: every slot, or for expert deferral the token's
+ * immediate slots ("top") or its deferred ones ("rest"). A slot's rank is the number of the token's slots with a
+ * larger weight, or an equal weight and a lower slot: the two parts split each token's k slots exactly, whatever the
+ * weights. Deferred: by count (ktk_task_select) the d lowest-ranked; by share (ktk_task_select_share) a slot of rank
+ * r > 0 whose cum(r) = (weights of the slots of rank >= r) / (all k weights) <= share, both summed in double in
+ * slot order, and none where the total is not a finite positive number. One pass over the token's k weights. */
 static int slot_selected(const ktk_task *t, int k, int64_t i) {
     if (t->slots == KTK_SLOTS_ALL) return 1;
     const int64_t row = i - i % k;
     const int j = (int)(i - row);
     const float w = routing_weight(t, i);
+    const int mass = t->slots_share > 0;
     int rank = 0;
+    double total = 0, below = 0;   /* mass: all k weights, and those of slot j and the slots ranked below it */
     for (int m = 0; m < k; m++) {
         const float v = routing_weight(t, row + m);
-        rank += v > w || (v == w && m < j);
+        const int above = v > w || (v == w && m < j);
+        rank += above;
+        if (mass) {
+            total += v;
+            if (!above) below += v;
+        }
     }
-    return (rank < k - t->slots_d) == (t->slots == KTK_SLOTS_TOP);
+    const int deferred = mass ? rank > 0 && isfinite(total) && total > 0 && below / total <= t->slots_share
+                              : rank >= k - t->slots_d;
+    return deferred == (t->slots == KTK_SLOTS_REST);
 }
 
 static int route(fctx *c) {
@@ -318,7 +330,7 @@ static int gemv_enabled(const ktk_kernels *k) {
 }
 
 /* The first step: fctx from the task, routing, the decode path's choice, block sizes and scratch. */
-static int start(fctx *c, ktk_pool *pool, const ktk_task *t) {
+static int start(fctx *c, ktk_pool *pool, ktk_task *t) {
     const ktk_experts *ex = t->ex;
     const ktk_experts_config *cfg = &ex->cfg;
     const ktk_kernels *kern = ktki_kernels();
@@ -348,6 +360,7 @@ static int start(fctx *c, ktk_pool *pool, const ktk_task *t) {
     c->tile_rows = ktki_fwd_tile_rows(kern, cfg->quant);
     int rc = route(c);
     if (rc != KTK_OK) return rc;
+    atomic_fetch_add_explicit(&t->slots_run, (uint64_t)c->R, memory_order_relaxed);   /* read after the run */
     if (c->maxrows <= DECODE_ROWS && c->T <= TC && gemv_enabled(kern) && c->int4_path != KTK_INT4_PATH_DEQUANT)
         c->gemv = cfg->quant == KTK_QUANT_BF16 ? kern->gemv_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemv_int8
                                                                                             : kern->gemv_int4;
@@ -394,7 +407,7 @@ static int down_minc(void) {
 /* Phases in order: gather, gate/up, (int8 / int4) h quantized, down; those of the decode path in guided chunks. A
  * forward with no row (all its experts GPU-resident or skipped) writes its zeros on this thread: as a phase of 128
  * column blocks it took 11 us of claims (86 chunks, threads 5% busy; 15 threads, tests/gpu/probe_handshake.py). */
-int ktki_forward_step(ktk_pool *pool, const ktk_task *t, int first, ktki_phase *ph) {
+int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
     fctx *c = ktki_scratch(pool, KTKI_SCR_JOB, sizeof *c);   /* the same buffer at every step (grow-only) */
     if (!c) return ktki_error(KTK_ERR_NOMEM, "forward: out of memory");
     if (first) {

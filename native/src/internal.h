@@ -140,6 +140,8 @@ struct ktk_task {
     const uint8_t *skip;
     void *out;
     int slots, slots_d;        /* which slots of each token run: KTK_SLOTS_* and d (ktk_task_select) */
+    float slots_share;         /* > 0: deferral by weight share instead of d (ktk_task_select_share) */
+    _Atomic uint64_t slots_run;  /* (token, slot) rows computed, summed over runs (ktk_task_slots_run) */
     /* state */
     _Atomic int state;         /* IDLE is stored last when a run ends (then the pool's done event is signalled) */
     int result;                /* of the latest run */
@@ -161,6 +163,7 @@ int ktki_submit(ktk_task *task);
 int ktki_wait(ktk_task *task);
 int ktki_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done, volatile uint32_t *then);
 int ktki_task_select(ktk_task *task, int slots, int d);
+int ktki_task_select_share(ktk_task *task, int slots, float share);
 int ktki_unwatch(ktk_task *task);
 void ktki_task_finish(ktk_task *task);                /* wait + unwatch (before destroy) */
 int ktki_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
@@ -176,6 +179,6 @@ void ktki_task_end(ktk_task *task, int watched);
 #define KTKI_PHASE (-1)
 /* Next step of the task's forward (first: the run's first step): KTKI_PHASE with *ph to run, or a KTK_* code when
  * the forward is done (error message on the calling thread). Its state lives in the pool's KTKI_SCR_JOB slot. */
-int ktki_forward_step(ktk_pool *pool, const ktk_task *task, int first, ktki_phase *ph);
+int ktki_forward_step(ktk_pool *pool, ktk_task *task, int first, ktki_phase *ph);
 
 #endif

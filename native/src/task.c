@@ -45,22 +45,43 @@ int ktki_task_bind(ktk_task *t, ktk_experts *ex, int T, int k, const void *hidde
     t->out_dtype = out_dtype;
     t->slots = KTK_SLOTS_ALL;   /* a new binding runs every slot until ktk_task_select says otherwise */
     t->slots_d = 0;
+    t->slots_share = 0;
     t->bound = 1;
     return KTK_OK;
 }
 
+/* The checks both selections share: a bound task the pool does not hold, a known part (ALL only where allowed). */
+static int select_check(const ktk_task *t, const char *fn, int slots, int all_ok) {
+    if (busy(t)) return ktki_error(KTK_ERR_STATE, "%s: task is queued or running (ktk_wait first)", fn);
+    if (t->watched) return ktki_error(KTK_ERR_STATE, "%s: task is watched (ktk_task_unwatch first)", fn);
+    if (!t->bound) return ktki_error(KTK_ERR_STATE, "%s: task has no bound forward (bind first)", fn);
+    if ((slots != KTK_SLOTS_ALL || !all_ok) && slots != KTK_SLOTS_TOP && slots != KTK_SLOTS_REST)
+        return ktki_error(KTK_ERR_SHAPE, "%s: slots = %d (expected %sKTK_SLOTS_TOP %d or KTK_SLOTS_REST %d)", fn,
+                          slots, all_ok ? "KTK_SLOTS_ALL 0, " : "", KTK_SLOTS_TOP, KTK_SLOTS_REST);
+    return KTK_OK;
+}
+
 int ktki_task_select(ktk_task *t, int slots, int d) {
-    if (busy(t)) return ktki_error(KTK_ERR_STATE, "ktk_task_select: task is queued or running (ktk_wait first)");
-    if (t->watched) return ktki_error(KTK_ERR_STATE, "ktk_task_select: task is watched (ktk_task_unwatch first)");
-    if (!t->bound) return ktki_error(KTK_ERR_STATE, "ktk_task_select: task has no bound forward (bind first)");
-    if (slots != KTK_SLOTS_ALL && slots != KTK_SLOTS_TOP && slots != KTK_SLOTS_REST)
-        return ktki_error(KTK_ERR_SHAPE, "ktk_task_select: slots = %d (expected KTK_SLOTS_ALL %d, KTK_SLOTS_TOP %d "
-                          "or KTK_SLOTS_REST %d)", slots, KTK_SLOTS_ALL, KTK_SLOTS_TOP, KTK_SLOTS_REST);
+    int rc = select_check(t, "ktk_task_select", slots, 1);
+    if (rc != KTK_OK) return rc;
     if (slots != KTK_SLOTS_ALL && (d < 1 || d >= t->k))
         return ktki_error(KTK_ERR_SHAPE, "ktk_task_select: d = %d deferred slots of k = %d (expected 1 <= d < k)", d,
                           t->k);
     t->slots = slots;
     t->slots_d = slots == KTK_SLOTS_ALL ? 0 : d;
+    t->slots_share = 0;
+    return KTK_OK;
+}
+
+int ktki_task_select_share(ktk_task *t, int slots, float share) {
+    int rc = select_check(t, "ktk_task_select_share", slots, 0);
+    if (rc != KTK_OK) return rc;
+    if (!(share > 0 && share < 1))   /* NaN fails too */
+        return ktki_error(KTK_ERR_SHAPE, "ktk_task_select_share: share = %g of the routing weight (expected a "
+                          "finite 0 < share < 1)", (double)share);
+    t->slots = slots;
+    t->slots_d = 0;
+    t->slots_share = share;
     return KTK_OK;
 }
 

@@ -1,9 +1,11 @@
 """Expert deferral by routing-weight mass against deferral by count, on the demo model (issue 20; runs on a CPU in
 about 3 minutes; not library code): HF float32, MoE blocks rewritten in plain torch with the deferral semantics of
-ktinject.testing.plain_deferral, the deferral tests' reference, scored one decode step a token (ktinject.eval.score_decode). Policy
-'count d': each token's d lowest-weighted slots (what ``defer=d`` does); 'mass m': its lowest-weighted slots whose
-cumulative share of the token's routing weight stays <= m (never the top slot). Prints perplexity and the share of
-slots deferred, which bounds the speed-up at 1 + share (ktinject.bench.defer.share_bound).
+ktinject.testing.plain_deferral, the deferral tests' reference, scored one decode step a token
+(ktinject.eval.score_decode). Policy 'count d': each token's d lowest-weighted slots (``defer=d``); 'mass m': its
+lowest-weighted slots whose cumulative share of the token's routing weight stays <= m, never the top slot
+(``defer=m``); both masks by ktinject.testing.deferred_slots, the tests' reference of the native selection. Prints
+perplexity and the share of slots deferred, which bounds the speed-up at 1 + share
+(ktinject.bench.defer.share_bound).
 
     python tests/gpu/probe_defer_mass.py [TOKENS]    (default 16384; 1000000: the whole held-out text)
 """
@@ -14,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ktinject.demo import demo_model_dir, heldout_text
 from ktinject.eval import windows, score_decode
-from ktinject.testing import plain_deferral
+from ktinject.testing import deferred_slots, plain_deferral
 
 torch.manual_seed(0)
 d = demo_model_dir()
@@ -24,25 +26,9 @@ chunks = windows(ids, 256)
 stats = {"def": 0, "all": 0}
 
 
-def deferred_mask(w, policy, val):
-    """bool [T, k]: the slots deferred under the policy."""
-    k = w.shape[1]
-    order = torch.sort(w.float(), dim=-1, descending=False, stable=True).indices  # ascending
-    ws = torch.gather(w.float(), 1, order)
-    if policy == "count":
-        take = torch.arange(k).expand_as(ws) < val
-    else:
-        share = ws / w.float().sum(-1, keepdim=True)
-        take = torch.cumsum(share, -1) <= val
-        take[:, -1] = False  # never the top slot
-    m = torch.zeros_like(take)
-    m.scatter_(1, order, take)
-    return m
-
-
-def install(model, policy, val):
+def install(model, val):
     def deferred(w):
-        m = deferred_mask(w, policy, val)
+        m = deferred_slots(w, val)  # an int: count, a float: mass
         stats["def"] += int(m.sum())
         stats["all"] += m.numel()
         return m
@@ -52,7 +38,7 @@ def install(model, policy, val):
 base = None
 for policy, val in [("count", 0), ("count", 1), ("mass", 0.15), ("mass", 0.2), ("mass", 0.25), ("mass", 0.3), ("count", 2)]:
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    install(model, policy, val)
+    install(model, val)
     stats.update({"def": 0, "all": 0})
     with torch.no_grad():
         s, _ = score_decode(model, chunks)

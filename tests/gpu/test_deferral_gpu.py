@@ -5,7 +5,7 @@ and 2): the same native tasks and slot selection, the same sums in the same orde
 stream's go / done flags, the deferred task raised by the immediate one's end, against host submit / wait). Also:
 int4 experts with GPU-resident hot experts, the host-callback fallback, a change of d captures a new graph (and d = 0
 still gives the tokens of a model injected without the option), and the tokens really change with deferral (so the
-graph does defer).
+graph does defer). Deferral by weight mass (defer=0.3) likewise, where a step's deferred task may have no rows.
 """
 from __future__ import annotations
 
@@ -78,6 +78,27 @@ def test_graph_equals_eager_with_deferral(model, batch):
     changed = int((plain != graph).sum())
     print(f"{family} batch {batch}: graph == eager with defer={FAMILIES[family][1]}; {changed} of "
           f"{graph[:, ids.shape[1]:].numel()} tokens differ from defer=0")
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_graph_equals_eager_with_mass_deferral(family, batch):
+    """defer=0.3: each token defers 0..k-1 slots (k = 2: its second slot only where that holds <= 30% of the
+    weight), so some steps' deferred tasks run with no rows and must still raise their done word."""
+    m = _model(family, defer=0.3)
+    try:
+        deferral.slots_run(m, reset=True)
+        graph = _graph_equals_eager(m, batch, seed=20 + batch)
+        imm, dfr = deferral.slots_run(m)  # eager and graph decode together
+        assert dfr > 0
+        ids, mask = _prompts(batch, seed=20 + batch)
+        deferral.set_defer(m, 0)
+        plain, _ = _generate(m, ids, mask, graphs=True)
+    finally:
+        get_runner(m).close()
+    changed = int((plain != graph).sum())
+    print(f"{family} batch {batch}: graph == eager with defer=0.3 ({100 * dfr / (imm + dfr):.1f}% of slots "
+          f"deferred); {changed} of {graph[:, ids.shape[1]:].numel()} tokens differ from defer=0")
 
 
 def test_new_setting_captures_anew_and_zero_is_the_plain_path():

@@ -1,0 +1,188 @@
+"""Expert deferral's native slot selection (ktk_task_select, ktk_task_select_share, ktk_task_slots_run) on the CPU.
+
+By count (defer=d, an int) and by weight mass (defer=m, a float): a task's "top" / "rest" parts equal the full
+forward with the other slots' weights zeroed, bit for bit (ties, awkward T, skipped experts), against
+``ktinject.testing.deferred_slots``, and the two parts' rows add up to every slot; a table of hand-computed mass rows
+(dyadic weights: every sum exact); both forms' errors; the rows counter over runs; a watched task chained to another
+raises its go. The model-level deferral tests are in tests/test_deferral.py.
+Legend: T tokens, H hidden, E experts, k experts per token.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktinject import native
+from ktinject.testing import deferred_slots
+
+
+# ---- parts by count and by mass ------------------------------------------------------------------------------------
+def _experts(E=8, H=48, I=40, quant="bf16", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    gu = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
+    dn = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    return native.Experts.from_hf(gu, dn, quant=quant)
+
+
+def _run_part(ex, x, ids, w, part: str, defer, skip=None) -> tuple[torch.Tensor, int]:
+    """(out [T, H] bf16, rows computed) of a task running the ``part`` of ``defer``'s split."""
+    with native.Task() as task:
+        out = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16)
+        task.bind(ex, x, ids, w, skip=skip, out=out)
+        task.select(part, defer)
+        task.submit()
+        task.wait()
+        return out, task.slots_run()
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("T,k,defer", [(1, 4, 1), (3, 4, 3), (5, 3, 1), (7, 8, 5), (3, 4, 0.3), (7, 8, 0.25),
+                                       (40, 8, 0.5), (5, 3, 0.6)])
+def test_task_select_equals_zeroed_weights(quant, T, k, defer):
+    E, H = 8, 48
+    ex = _experts(E, H, quant=quant, seed=T)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen)
+    w[0, -1] = w[0, 0]  # a tie: the lower slot ranks first
+    skip = torch.zeros(E, dtype=torch.uint8)
+    skip[int(ids[-1, 0])] = 1
+    later = deferred_slots(w, defer)
+    assert bool(later[0, -1]) or not bool(later[0, 0])
+    kept = ~skip.bool()[ids]  # [T, k]: slots whose expert is computed here
+    for part, mask in (("top", ~later), ("rest", later)):
+        out, rows = _run_part(ex, x, ids, w, part, defer, skip)
+        assert torch.equal(out, ex.forward(x, ids, w * mask, skip=skip)), part
+        assert rows == int((mask & kept).sum()), part  # the two parts split every token's slots exactly
+
+
+# (weights of one token, m, deferred slots): dyadic weights, so that every sum is exact
+MASS_ROWS = [
+    ([0.5, 0.25, 0.125, 0.125], 0.25, [2, 3]),  # cum(3) = 1/8, cum(2) = 1/4 <= m (inclusive), cum(1) = 1/2
+    ([0.5, 0.25, 0.125, 0.125], 0.2, [3]),  # the tie: slot 3 ranks below slot 2
+    ([0.125, 0.5, 0.125, 0.25], 0.125, [2]),  # ranks 2, 0, 3, 1: of the tied slots the later one goes first
+    ([2.0, 1.0, 0.5, 0.5], 0.25, [2, 3]),  # shares of the token's total, not of 1
+    ([0.5, 0.5], 0.3, []),  # the lowest slot alone is over m
+    ([0.75, 0.25], 0.3, [1]),
+    ([0.0, 1.0, 0.0, 0.0], 0.1, [0, 2, 3]),  # the top slot holds all the weight: the others' cum is 0, never the top
+    ([1.0, 0.0, 0.0, 0.0], 0.99, [1, 2, 3]),
+    ([0.125] * 8, 0.3, [6, 7]),  # uniform: cum(7) = 1/8, cum(6) = 1/4, cum(5) = 3/8
+    ([0.125] * 8, 0.25, [6, 7]),
+    ([0.0] * 4, 0.5, []),  # total 0: nothing
+    ([float("inf"), 1.0, 1.0, 1.0], 0.5, []),  # total not finite: nothing
+    ([float("nan"), 1.0, 1.0, 1.0], 0.5, []),
+    ([-1.0, 0.5, 0.25, 0.25], 0.5, []),  # total 0 again
+]
+
+
+@pytest.mark.parametrize("weights,m,later", MASS_ROWS)
+def test_task_select_share_table(weights, m, later):
+    k, H = len(weights), 48
+    ex = _experts(8, H)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(1, H, generator=gen).bfloat16()
+    ids = torch.randperm(8, generator=gen)[:k].view(1, k)
+    w = torch.tensor([weights])
+    expected = torch.zeros(1, k, dtype=torch.bool)
+    expected[0, later] = True
+    assert torch.equal(deferred_slots(w, m), expected)  # the reference agrees with the hand count
+    safe = torch.where(w.isfinite(), w, torch.zeros_like(w))  # the zeroed-weights forward needs finite weights
+    for part, mask in (("top", ~expected), ("rest", expected)):
+        out, rows = _run_part(ex, x, ids, w, part, m)
+        assert rows == int(mask.sum()), part
+        if bool(w.isfinite().all()):
+            assert torch.equal(out, ex.forward(x, ids, safe * mask)), part
+
+
+def test_slots_run_counts_rows_over_runs():
+    ex = _experts()
+    gen = torch.Generator().manual_seed(2)
+    x, ids = torch.randn(3, 48, generator=gen), torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(3)])
+    w = torch.rand(3, 4, generator=gen)
+    skip = torch.zeros(8, dtype=torch.uint8)
+    skip[int(ids[0, 0])] = 1
+    kept = int((skip[ids] == 0).sum())  # rows computed: the slots of experts not skipped
+    assert kept < 12
+    with native.Task() as task:
+        assert task.slots_run() == 0
+        task.bind(ex, x, ids, w, skip=skip)
+        for _ in range(2):
+            task.submit()
+            task.wait()
+        assert task.slots_run() == 2 * kept
+        task.bind(ex, x, ids, w)  # bind keeps the sum
+        task.select("rest", 1)
+        task.submit()
+        task.wait()
+        assert task.slots_run(reset=True) == 2 * kept + 3 and task.slots_run() == 0
+        task.select("rest", 0.9)  # each token's slots but its top one (the top holds >= 1/4 of the weight)
+        task.submit()
+        task.wait()
+        assert task.slots_run() == 9 and bool((task.out != 0).any())
+        w.zero_()  # total 0: nothing deferred; a run of no rows writes zeros
+        task.submit()
+        task.wait()
+        assert task.slots_run() == 9 and bool((task.out == 0).all())
+
+
+def test_task_select_errors():
+    """Both forms' errors name the function and what it expects; a watched task keeps its selection."""
+    ex = _experts()
+    x, ids, w = torch.zeros(2, 48), torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, 3)
+    flags = torch.zeros(32, dtype=torch.int32)  # go, done on their own 64-byte lines
+    with native.Task() as task:
+        for defer, fn in ((1, "ktk_task_select"), (0.3, "ktk_task_select_share")):
+            with pytest.raises(native.NativeError, match=f"{fn}: task has no bound forward"):
+                task.select("top", defer)
+        task.bind(ex, x, ids, w)
+        for d in (0, 3):
+            with pytest.raises(native.NativeError, match=rf"d = {d} deferred slots of k = 3 \(expected 1 <= d < k\)"):
+                task.select("rest", d)
+        for m in (0.0, 1.0, float("nan"), -0.1, float("inf"), 1e-50):  # 1e-50: 0 as the native float
+            with pytest.raises(native.NativeError, match=r"KTK_ERR_SHAPE: ktk_task_select_share: share = .* of the "
+                                                         r"routing weight \(expected a finite 0 < share < 1\)"):
+                task.select("rest", m)
+        with pytest.raises(native.NativeError, match=r"ktk_task_select_share: slots = 0 \(expected KTK_SLOTS_TOP"):
+            task.select("all", 0.3)
+        with pytest.raises(native.NativeError, match="slots 'some'"):
+            task.select("some", 1)
+        task.watch(flags.data_ptr(), flags.data_ptr() + 64)
+        for defer, fn in ((1, "ktk_task_select"), (0.3, "ktk_task_select_share")):
+            with pytest.raises(native.NativeError, match=f"{fn}: task is watched"):
+                task.select("top", defer)
+        task.unwatch()
+        task.select("all")
+        task.select("top", 0.3)
+        task.select("top", 1)  # a count replaces the share, and back
+        task.select("rest", 0.5)
+
+
+def test_watch_then_runs_the_chained_task():
+    """The first task's end raises the second's go (after its own done): both ran, in that order."""
+    ex = _experts()
+    gen = torch.Generator().manual_seed(3)
+    x, ids, w = torch.randn(2, 48, generator=gen), torch.randint(0, 8, (2, 4), generator=gen), torch.rand(2, 4)
+    flags = torch.zeros(64, dtype=torch.int32)  # go, done, go_d, done_d on their own 64-byte lines
+    addr = flags.data_ptr()
+    a, b = native.Task(), native.Task()
+    oa, ob = torch.empty(2, 48), torch.empty(2, 48)
+    a.bind(ex, x, ids, w, out=oa)
+    a.select("top", 1)
+    b.bind(ex, x, ids, w, out=ob)
+    b.select("rest", 1)
+    try:
+        b.watch(addr + 128, addr + 192)
+        a.watch(addr, addr + 64, then_addr=addr + 128)
+        for _ in range(3):  # a step, three times: the GPU's role played by the host
+            flags[16] = 0
+            flags[48] = 0
+            flags[0] = 1
+            while int(flags[48]) != 1:
+                pass
+            assert int(flags[16]) == 1 and int(flags[0]) == 0 and int(flags[32]) == 0
+        later = deferred_slots(w, 1)
+        assert torch.equal(oa, ex.forward(x, ids, w * ~later)) and torch.equal(ob, ex.forward(x, ids, w * later))
+    finally:
+        a.close()
+        b.close()
