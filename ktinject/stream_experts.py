@@ -202,7 +202,7 @@ class StreamExperts:
         if self.pending:  # a lazy finish never collected (a step cut short): its done word is unknown
             raise RuntimeError("StreamExperts.finish: the previous lazy finish was never collected (reset_flags "
                                "after an aborted step)")
-        if lazy and self._spin and self.T == 1:
+        if lazy and self.lazy_ok():
             self.pending = True
             return self.out
         return self._collect(getattr(self, "done_dptr", None), self.DONE, self.task, self.o, self.out)
@@ -215,14 +215,27 @@ class StreamExperts:
         return self.out
 
     def collect_add_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                             round_twice: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                             round_twice: bool = False, deferred: StreamExperts | None = None) -> tuple[torch.Tensor,
+                                                                                                       torch.Tensor]:
         """The pending collect and ``add_rms_norm(out, residual, weight, ...)`` in one launch
-        (``fused_dense.collect_add_rms_norm``): (residual + out, its RMSNorm), each [1, H]; ``out`` written too."""
+        (``fused_dense.collect_add_rms_norm``): (residual + out, its RMSNorm), each [1, H]; ``out`` written too.
+        ``deferred``: the previous MoE layer's runner, whose deferred task's output joins ``out`` in the same launch
+        (in place of its ``finish_deferred`` and the add; ``lazy_deferred_ok``)."""
         if not self.pending:
             raise RuntimeError("collect_add_rms_norm: no collect is pending (finish(lazy=True) first)")
         self.pending = False
+        d = None if deferred is None else (deferred.o_d, deferred.flags[self.DONE_D:self.DONE_D + 1])
         return fused_dense.collect_add_rms_norm(self.o, self.flags[self.DONE:self.DONE + 1], self.out,
-                                                residual.reshape(1, -1), weight, eps, round_twice)
+                                                residual.reshape(1, -1), weight, eps, round_twice, deferred=d)
+
+    def lazy_ok(self) -> bool:
+        """Whether ``finish(lazy=True)`` leaves the collect to the caller: one token, and the collect kernel polls
+        the done word itself."""
+        return self._spin and self.T == 1
+
+    def lazy_deferred_ok(self) -> bool:
+        """Whether this runner's deferred output can be collected inside the next layer's collect kernel."""
+        return self.dtask is not None and self.lazy_ok()
 
     def finish_deferred(self) -> torch.Tensor:
         """Queue on the current stream (after this runner's ``finish``, typically at the next layer): wait for the

@@ -392,7 +392,9 @@ def test_kernels_compile_for_sm90():
                                                    MAXS=FA.MAX_SPLITS, LENS=True, MASK=True, MASK_BOOL=True,
                                                    PREC=prec, ROPE=True, NORM=norm))
         check(add_norm, t, dict(RES=True, NORM=True, ROUND2=True, BH=2048))
-        check(FD._kernels()[2], {**t, "host": "*fp32", "flag": "*i32"}, dict(ROUND2=True, BH=2048))
+        for defer in (False, True):  # the collect + add + norm, with the previous layer's deferred output or not
+            check(FD._kernels()[2], {**t, "host": "*fp32", "flag": "*i32", "host2": "*fp32", "flag2": "*i32"},
+                  dict(ROUND2=True, BH=2048, DEF=defer))
         for B, BB, configs in ((1, 1, FD.CONFIGS_1), (4, 16, FD.CONFIGS_N)):
             for BN, BK, warps, *red in configs:  # (float32 products run in registers: spills there cost speed only)
                 check(lin, {**t, "nw": f"*{dt}", "n_out": f"*{dt}"}, dict(

@@ -83,25 +83,34 @@ def test_copy_with_flag_equals_copy_and_resets_the_word(dev, T, H, src_dtype, ds
                                                        (torch.float32, torch.float32, True),
                                                        (torch.float32, torch.float16, False)])
 @pytest.mark.parametrize("H", [2048, 700])
-def test_collect_add_rms_norm_equals_copy_then_add_rms_norm(dev, host_dtype, dtype, round2, H):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_collect_add_rms_norm_equals_copy_then_add_rms_norm(dev, host_dtype, dtype, round2, H, deferred):
     """The decode step's collect inside the residual add + next norm (stream_experts' lazy finish): the same x, sum
-    and norm as fused.copy then add_rms_norm, bit for bit, and the done word back at 0."""
+    and norm as fused.copy then add_rms_norm, bit for bit, and the done word back at 0; deferred: x is the sum of
+    two host rows (the previous MoE layer's deferred experts joining, as the block's ``routed + prev``), both
+    words back at 0."""
     from ktinject.operators import fused_dense
 
     g = torch.Generator().manual_seed(H)
     host = _host((torch.randn(1, H, generator=g) * 4).to(host_dtype), dev)
+    host2 = _host((torch.randn(1, H, generator=g) * 2).to(host_dtype), dev)
     res = torch.randn(1, H, generator=g).to(dev, dtype)
     w = (1 + 0.1 * torch.randn(H, generator=g)).to(dev, dtype)
     flags = _host(torch.ones(64, dtype=torch.int32), dev)
     want_x = torch.empty(1, H, dtype=dtype, device=dev)
     fused.copy(host, want_x)
+    if deferred:
+        prev = torch.empty(1, H, dtype=dtype, device=dev)
+        fused.copy(host2, prev)
+        want_x = want_x + prev
     want_s, want_y = fused_dense.add_rms_norm(want_x, res, w, 1e-6, round2)
     x = torch.full((1, H), 3, dtype=dtype, device=dev)
-    s, y = fused_dense.collect_add_rms_norm(host, flags[16:17], x, res, w, 1e-6, round2)
+    s, y = fused_dense.collect_add_rms_norm(host, flags[16:17], x, res, w, 1e-6, round2,
+                                            deferred=(host2, flags[48:49]) if deferred else None)
     if dev == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(x, want_x) and torch.equal(s, want_s) and torch.equal(y, want_y)
-    assert flags[16] == 0 and int(flags.sum()) == 63
+    assert flags[16] == 0 and (flags[48] == 0) == deferred and int(flags.sum()) == 63 - deferred
     with pytest.raises(ValueError, match="one contiguous row"):
         fused_dense.collect_add_rms_norm(host, flags[16:17], x[:, 1:], res[:, 1:], w, 1e-6)
 

@@ -149,6 +149,34 @@ class StreamPending:
             self.runner.drain_deferred()
 
 
+class LazyCollect:
+    """A block's uncollected output in graph decode (one token; ``HybridMoE.take_lazy_collect``): its runner's
+    immediate output and the previous block's deferred output, collected together inside the caller's residual
+    add + norm (``StreamExperts.collect_add_rms_norm`` with ``deferred``: one kernel instead of two collects, an add
+    and the add + norm), or by ``flush``: the collects and the add the block would have queued."""
+
+    def __init__(self, runner, prev):
+        self.runner, self.prev = runner, prev
+
+    def collect_add_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             round_twice: bool = False):
+        return self.runner.collect_add_rms_norm(residual, weight, eps, round_twice, deferred=self.prev)
+
+    def flush(self) -> torch.Tensor:
+        prev = self.prev.finish_deferred()
+        return self.runner.flush().add_(prev)  # in x's dtype, as `routed + prev`
+
+
+def lazy_ok(pending) -> bool:
+    """Whether what the previous block deferred (``pending``, or None) can join the caller's collect kernel."""
+    return pending is None or (isinstance(pending, StreamPending) and pending.runner.lazy_deferred_ok())
+
+
+def lazy_with(runner, pending):
+    """What a block hands its caller for a lazy finish of ``runner`` with ``pending`` (lazy_ok) left uncollected."""
+    return runner if pending is None else LazyCollect(runner, pending.runner)
+
+
 def link(model, blocks: list) -> DeferChain | None:
     """Chain ``blocks`` (the model's HybridMoE blocks in forward order) for deferral; kept on the model."""
     if not blocks:
@@ -195,10 +223,14 @@ def _tasks(block) -> tuple:
     return block.defer_tasks
 
 
-def experts_deferred(block, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, d: int | float, pending, st):
+def experts_deferred(block, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, d: int | float, pending, st,
+                     lazy: bool = False):
     """A deferring block's experts on x [T, H]: (routed [T, H] of the immediate slots, hot [T, H] float32 or None,
     shared [T, H] or None, the previous block's deferred output [T, H] or None); its own deferred slots are handed
-    to the chain. ``pending``: what the previous block deferred; ``st``: the thread's staging buffers."""
+    to the chain. ``pending``: what the previous block deferred; ``st``: the thread's staging buffers. ``lazy``
+    (the caller collects, graph decode): where nothing else joins routed, routed is returned uncollected and the
+    previous block's deferred output left to the same collect (``LazyCollect`` in ``block._lazy_runner``; prev
+    None)."""
     T, H = x.shape
     k = ids.shape[1]
     on_cuda = x.device.type == "cuda"
@@ -208,8 +240,12 @@ def experts_deferred(block, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
         runner.start(x, ids, weights)
         shared = shared_output(block, block.spec.shared, x)
         extra = None if block.hot is None else block.hot(x, ids, weights)  # every slot: hot ones run now
-        prev = None if pending is None else pending.collect()  # done by now; its copy overlaps imm on the CPU
-        routed = runner.finish()
+        if lazy and shared is None and extra is None and runner.lazy_ok() and lazy_ok(pending):
+            routed, prev = runner.finish(lazy=True), None
+            block._lazy_runner = lazy_with(runner, pending)
+        else:
+            prev = None if pending is None else pending.collect()  # done by now; its copy overlaps imm on the CPU
+            routed = runner.finish()
         block.defer_chain.put(block, StreamPending(runner))
         return routed, extra, shared, prev
     # eager: buffers of this block's parity, so that the next block's copies never touch what this block's deferred

@@ -73,10 +73,12 @@ def _build(triton, tl):
             tl.store(n_out + row * s_n + offs, rms_norm_row(v, w, offs, inside, H, eps, dt, ROUND2), mask=inside)
 
     @triton.jit
-    def collect_norm_k(host, flag, x, res, w, s_out, n_out, H, eps, ROUND2: tl.constexpr, BH: tl.constexpr,
-                       PDL: tl.constexpr = False):
+    def collect_norm_k(host, flag, host2, flag2, x, res, w, s_out, n_out, H, eps, ROUND2: tl.constexpr,
+                       BH: tl.constexpr, DEF: tl.constexpr = False, PDL: tl.constexpr = False):
         # add_norm_k (RES, NORM) for one row whose x is still in pinned host memory, ready once flag is 1 (a kernel
         # of its own: the wait in add_norm_k's code made ptxas spill its plain variant); ordering: fused.copy's.
+        # DEF (expert deferral): x is host + host2 (the previous MoE layer's deferred experts, ready once flag2 is
+        # 1), summed in x's dtype as the MoE block's `routed + prev` would.
         # With PDL the next layer's qkv GEMV starts now and loads its weights while this one waits for the CPU
         if PDL:
             gdc_wait()
@@ -87,9 +89,16 @@ def _build(triton, tl):
         while tl.load(flag, volatile=True, cache_modifier=".cv") != 1:
             pass
         v = tl.load(host + offs, mask=inside, other=0.0, cache_modifier=".cv").to(dt)
-        tl.store(x + offs, v, mask=inside)  # as the collect's copy would have
+        if DEF:
+            while tl.load(flag2, volatile=True, cache_modifier=".cv") != 1:
+                pass
+            p = tl.load(host2 + offs, mask=inside, other=0.0, cache_modifier=".cv").to(dt)
+            v = (v.to(tl.float32) + p.to(tl.float32)).to(dt)
+        tl.store(x + offs, v, mask=inside)  # as the collect's copy (and the add of the deferred part) would have
         tl.debug_barrier()  # every thread is past the wait (and has its x) before the word goes back to 0
         tl.store(flag, 0)
+        if DEF:
+            tl.store(flag2, 0)
         v = (v.to(tl.float32) + tl.load(res + offs, mask=inside, other=0.0).to(tl.float32)).to(dt)
         tl.store(s_out + offs, v, mask=inside)
         tl.store(n_out + offs, rms_norm_row(v.to(tl.float32), w, offs, inside, H, eps, dt, ROUND2), mask=inside)
@@ -181,24 +190,30 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 def collect_add_rms_norm(host: torch.Tensor, flag: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
-                         weight: torch.Tensor, eps: float, round_twice: bool = False) -> tuple[torch.Tensor,
+                         weight: torch.Tensor, eps: float, round_twice: bool = False,
+                         deferred: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor,
                                                                                              torch.Tensor]:
     """``add_rms_norm(x, residual, weight, ...)`` for one row whose x is still in pinned host memory: the kernel
     waits until ``flag`` (one pinned int32 word) is 1, writes ``x`` = host cast to x's dtype (what
     ``fused.copy`` would have), then the sum and its norm as add_rms_norm, and sets flag to 0: the decode step's
     collect of the CPU experts' output and the residual add + next norm as one launch (``stream_experts``).
-    host [1, H] (float32 or x's dtype), x and residual [1, H] of the model's dtype on the device."""
+    ``deferred`` = (host2, flag2), expert deferral: x is host + host2 instead (each cast to x's dtype, summed and
+    rounded to it: the MoE block's ``routed + prev``), host2 read once flag2 is 1, which goes back to 0 too.
+    host, host2 [1, H] (float32 or x's dtype), x and residual [1, H] of the model's dtype on the device."""
     H = x.shape[-1]
-    if host.numel() != H or x.numel() != H or residual.numel() != H or not (
-            host.is_contiguous() and x.is_contiguous() and residual.is_contiguous()):
-        raise ValueError(f"collect_add_rms_norm: one contiguous row of H={H} each, got host {list(host.shape)}, x "
-                         f"{list(x.shape)}, residual {list(residual.shape)}")
-    if flag.dtype != torch.int32 or flag.numel() != 1:
-        raise ValueError(f"collect_add_rms_norm: flag must be one int32 word, got {flag.dtype} x {flag.numel()}")
+    host2, flag2 = deferred if deferred is not None else (host, flag)
+    if host.numel() != H or host2.numel() != H or x.numel() != H or residual.numel() != H or not (
+            host.is_contiguous() and host2.is_contiguous() and x.is_contiguous() and residual.is_contiguous()):
+        raise ValueError(f"collect_add_rms_norm: one contiguous row of H={H} each, got host {list(host.shape)}, "
+                         f"host2 {list(host2.shape)}, x {list(x.shape)}, residual {list(residual.shape)}")
+    for f in (flag, flag2):
+        if f.dtype != torch.int32 or f.numel() != 1:
+            raise ValueError(f"collect_add_rms_norm: flags must be one int32 word, got {f.dtype} x {f.numel()}")
     s, y = torch.empty_like(x), torch.empty_like(x)
     with on_device(x):
-        _kernels()[2][(1,)](host, flag, x, residual, weight, s, y, H, float(eps), ROUND2=bool(round_twice),
-                            BH=pow2(H, 16), num_warps=4 if H <= 2048 else 8, **fused.pdl_kwargs(x))
+        _kernels()[2][(1,)](host, flag, host2, flag2, x, residual, weight, s, y, H, float(eps),
+                            ROUND2=bool(round_twice), BH=pow2(H, 16), DEF=deferred is not None,
+                            num_warps=4 if H <= 2048 else 8, **fused.pdl_kwargs(x))
     return s, y
 
 

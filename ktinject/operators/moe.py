@@ -166,11 +166,16 @@ class HybridMoE(nn.Module):
             on_cuda = x.device.type == "cuda"
             self._mirror_skip(on_cuda)
             routed, extra, shared, prev = deferral.experts_deferred(self, x, ids, weights, d, pending,
-                                                                     staging(pin=on_cuda))
+                                                                     staging(pin=on_cuda), self.caller_collects)
             routed = _combine(routed, extra)
         else:
-            routed, shared = self._experts(x, ids, weights, lazy=self.caller_collects and pending is None)
-            prev = None if pending is None else pending.collect()
+            self._lazy_runner = None  # (take_lazy_collect took the last one)
+            routed, shared = self._experts(x, ids, weights, lazy=self.caller_collects and deferral.lazy_ok(pending))
+            prev = None
+            if self._lazy_runner is not None:  # the previous block's deferred output joins the caller's collect
+                self._lazy_runner = deferral.lazy_with(self._lazy_runner, pending)
+            elif pending is not None:
+                prev = pending.collect()
         out = routed if shared is None else routed + shared
         if prev is not None:  # the previous MoE block's deferred experts
             out = out + prev
