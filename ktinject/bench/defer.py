@@ -18,6 +18,7 @@ Legend: B batch, P prompt tokens, d deferred slots per token, m deferred share o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -119,6 +120,12 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
             slots[d] = [a + b for a, b in zip(slots[d], deferral.slots_run(model))]
             if graphs:
                 bare[d].append(timers.graph_replay(runner, B, P, args.tokens, entry=entries[d]))
+    inside = {}  # d -> the pools' profile inside bare replays: where the CPU's part of a step goes per setting
+    for d in ds if graphs else ():
+        with contextlib.ExitStack() as stack:
+            profs = [stack.enter_context(p.profiling()) for p in entries[d].pools]
+            timers.graph_replay(runner, B, P, args.tokens, entry=entries[d])
+        inside[d] = profs
     deferral.set_defer(model, 0)
     cpu_s = statistics.median(cpu)
     muted = {d: timers.muted_replay(model, runner, B, P, args.tokens, entry=entries[d]) for d in ds} if graphs else {}
@@ -151,3 +158,7 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
             note.append(f"bare replay {_ms(statistics.median(bare[d]))} ms, muted {_ms(muted[d])} ms")
         note.append("runs " + ", ".join(f"{B / t:.1f}" for t in gen[d]) + " tok/s")
         add((f"defer {d}: {'graph' if graphs else 'eager'} decode", f"{B / s:,.1f}", _ms(s), "; ".join(note)))
+        for prof in inside.get(d, ()):  # the CPU jobs' sum a step: beside the bare replay, what overlaps and what not
+            steps = max(1, min(args.tokens, runner.max_cache_len - P - 1)) + 1  # graph_replay's warm-up too
+            add((f"defer {d}: the pool inside bare replays", "", _ms(prof["jobs"] * prof["job_us"] / 1e6 / steps),
+                 "CPU jobs a step, summed (go seen -> done raised); " + profile_line(prof)))
