@@ -36,7 +36,9 @@ Mechanics: the native task selects its slots itself (``Task.select``: "top" the 
 deferred ones; no GPU kernels, no extra copies); ``link`` gives every HybridMoE its place in the chain at
 injection; within a forward a deferring block ``put``s its deferred work and the next block ``take``s it. Eagerly
 the deferred task is submitted right after the immediate one and waited for by the next block; in a captured decode
-step the immediate task's end raises the deferred task's go flag (``ktinject.stream_experts``). A forward cut short
+step the immediate task's end raises the deferred task's go flag (``ktinject.stream_experts``), and the next block's
+collect of its own output takes the deferred output in the same kernel, inside the decoder layer's residual add +
+norm (``LazyCollect``: one launch instead of two collects, an add and the add + norm). A forward cut short
 leaves work in flight: the next forward's first block drains it. ``set_defer`` changes the setting on an injected
 model (the graph runner captures again: its key holds the chain's setting).
 Legend: T tokens, k experts per token, H hidden, d deferred slots per token (count), m deferred weight share (mass).
