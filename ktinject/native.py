@@ -315,6 +315,33 @@ class Task:
         else:
             _check(lib.ktk_task_select(self.ptr, codes[slots], _cint("defer", defer, 0, 2**31 - 1)))
 
+    def split(self, defer: int | float, out2: torch.Tensor | None = None, done_top_addr: int | None = None
+              ) -> torch.Tensor:
+        """Both parts of expert deferral in one run (ktk_task_split): the immediate slots into the bound out, the
+        deferred ones (``defer`` as in select) into out2 (allocated like out when None), and 1 stored to the uint32
+        word at ``done_top_addr`` (if given; it must stay valid while the task runs) as soon as out is complete.
+        Returns out2. bind() undoes it."""
+        ffi, lib = _native()
+        out = self.out
+        if out is None:
+            raise NativeError(ERR_STATE, "split: bind a forward first")
+        if out2 is None:
+            out2 = torch.empty_like(out)
+        if out2.shape != out.shape or out2.dtype != out.dtype or not out2.is_contiguous() or out2.device.type != "cpu":
+            raise NativeError(ERR_SHAPE, f"split: out2 must be a contiguous CPU tensor like out ({tuple(out.shape)}, "
+                                         f"{out.dtype}), got {tuple(out2.shape)}, {out2.dtype}")
+        top = ffi.NULL if done_top_addr is None else ffi.cast("volatile uint32_t *", _cint(
+            "done_top_addr", done_top_addr, 1, 2**64 - 1, code=ERR_NULL))
+        d, share = (0, defer) if isinstance(defer, float) else (_cint("defer", defer, 0, 2**31 - 1), 0.0)
+        _check(lib.ktk_task_split(self.ptr, d, share, ffi.cast("void *", out2.data_ptr()), top))
+        self._bound = self._bound[:-1] + (out2, self._bound[-1])  # kept alive; out stays last
+        return out2
+
+    def slots_rest(self, reset: bool = False) -> int:
+        """Of slots_run, the rows of a split task's deferred part (ktk_task_slots_rest)."""
+        _, lib = _native()
+        return int(lib.ktk_task_slots_rest(self.ptr, int(bool(reset))))
+
     def slots_run(self, reset: bool = False) -> int:
         """(token, slot) rows computed (selected and not skipped), summed over the runs since the task was made or
         last reset (bind keeps the sum); ``reset``: set it to 0 after reading. Read it while the task is idle."""

@@ -18,16 +18,19 @@ Where the one-kernel router made the inputs (``operators.fused.router_topk`` wit
 operator's routing) it has also raised go, and ``start`` queues nothing: at one token a decode layer's
 handshake is then no stream operation at all, only the router kernel and the collect kernel.
 
-Expert deferral (``defer``: d slots or a weight share m, ``ktinject.operators.deferral``): the layer's task computes
-each token's immediate slots and a second task, bound to the same staging, the deferred ones. The first task's end
-raises the second's go itself (``ktk_task_watch_then``), so the CPU goes straight on to the deferred experts while
-the stream goes on to the next layer; that layer collects them with ``finish_deferred()``:
+Expert deferral (``defer``: d slots or a weight share m, ``ktinject.operators.deferral``): the layer's one task
+computes both parts (``Task.split``, memops mode): each token's immediate slots into o, raising done as soon as o
+is written, inside its run, then the deferred ones into o_d, its run's end raising done_d; so the CPU goes straight
+on to the deferred experts while the stream goes on to the next layer, which collects them with
+``finish_deferred()`` (or inside its own collect kernel, ``operators.deferral.LazyCollect``):
 
-    start:  copies; go = 1                          ----> immediate slots; done = 1; go_d = 1 -> deferred slots ...
+    start:  copies; go = 1                          ----> immediate slots; done = 1; deferred slots ...
     finish:  wait done == 1; done = 0; copy out         (meanwhile: the next layer's attention on the GPU)
     (next layer) finish_deferred: wait done_d == 1; done_d = 0; copy out_d   <----------------------- done_d = 1
 
-(hostfn: both tasks are submitted at ``start``; the pool runs a pool's tasks in submission order.)
+One job a layer instead of two: two chained tasks (the first's end raising the second's go, ``ktk_task_watch_then``;
+``KTINJECT_DEFER_SPLIT=0``) paid a second routing, gather and phase start and tail. (hostfn: two tasks, both
+submitted at ``start``; the pool runs a pool's tasks in submission order.)
 
 Everything a captured graph touches (staging buffers, the go/done words, the task and its binding, the device
 output) is allocated once per (layer, T) and keeps its address until ``close()``. ``finish()`` returns the same
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -66,6 +70,14 @@ def stream_mode(enabled: bool = True):
         yield
     finally:
         _state.active = prev
+
+
+def split_enabled() -> bool:
+    """Whether a deferring runner computes both parts as one native task (``Task.split``: one job a layer, the
+    immediate part's done word raised inside it) rather than two chained ones; ``KTINJECT_DEFER_SPLIT=0`` (read when
+    a runner is made; A/B measurements) chains two. The bench's pools profile measured the second job a layer at
+    9.83 -> 10.61 ms of CPU jobs a step (int4, 8K context, d = 3)."""
+    return os.environ.get("KTINJECT_DEFER_SPLIT", "1") != "0"
 
 
 def host_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -115,14 +127,19 @@ class StreamExperts:
         self.task = native.Task(pool)
         self.task.bind(experts, self.h, self.ids, self.w, skip=skip, out=self.o)
         self.dtask = None
+        self.split = False  # one task computes both parts (split_enabled), raising done mid-run
         if self.defer:
-            self.task.select("top", self.defer)
             # [T, H] deferred slots' sum; pinned like o (zeros_like would not pin it: no H2D copy in a capture)
             self.o_d = torch.zeros((self.T, self.hidden), dtype=hdt, **pin)
             self.out_d = torch.zeros_like(self.out)  # [T, H] static, on device
-            self.dtask = native.Task(self.task.pool)
-            self.dtask.bind(experts, self.h, self.ids, self.w, skip=skip, out=self.o_d)
-            self.dtask.select("rest", self.defer)
+            self.split = self.mode == "memops" and split_enabled()
+            if self.split:  # done (word 16) once o is written, the run's end raising done_d (48)
+                self.task.split(self.defer, self.o_d, self.done_addr)
+            else:
+                self.task.select("top", self.defer)
+                self.dtask = native.Task(self.task.pool)
+                self.dtask.bind(experts, self.h, self.ids, self.w, skip=skip, out=self.o_d)
+                self.dtask.select("rest", self.defer)
         self._watched = False
         # the output's copy and the done word's reset as one kernel (decided once, outside any capture): memops
         # mode, Triton usable on this device (the host buffers are pinned above)
@@ -137,14 +154,16 @@ class StreamExperts:
         if self.mode == "memops":
             self.go_dptr = cuda_driver.host_device_pointer(self.go_addr)
             self.done_dptr = cuda_driver.host_device_pointer(self.done_addr)
-            if self.dtask is not None:
+            if self.defer:
                 self.done_d_dptr = cuda_driver.host_device_pointer(self.go_addr + self.DONE_D * 4)
             self._watch()
         else:
             self.submit_fn, self.wait_fn = native.host_fn_addresses()
 
     def _watch(self) -> None:
-        if self.dtask is not None:
+        if self.split:
+            self.task.watch(self.go_addr, self.go_addr + self.DONE_D * 4)  # (done: raised by the run itself)
+        elif self.dtask is not None:
             go_d, done_d = self.go_addr + 32 * 4, self.go_addr + self.DONE_D * 4
             # immediate before deferred in the watch list: a pool's round-robin scan of go flags starts after
             # the task it took last, so each of the two finds the next one's go first
@@ -235,14 +254,15 @@ class StreamExperts:
 
     def lazy_deferred_ok(self) -> bool:
         """Whether this runner's deferred output can be collected inside the next layer's collect kernel."""
-        return self.dtask is not None and self.lazy_ok()
+        return bool(self.defer) and self.lazy_ok()
 
     def finish_deferred(self) -> torch.Tensor:
         """Queue on the current stream (after this runner's ``finish``, typically at the next layer): wait for the
         deferred slots' task, copy its output to the device. Returns [T,H] (static; valid until the next start)."""
-        if self.dtask is None:
+        if not self.defer:
             raise RuntimeError("finish_deferred: this StreamExperts defers nothing (defer=0)")
-        return self._collect(getattr(self, "done_d_dptr", None), self.DONE_D, self.dtask, self.o_d, self.out_d)
+        return self._collect(getattr(self, "done_d_dptr", None), self.DONE_D, self.dtask or self.task, self.o_d,
+                             self.out_d)
 
     def _collect(self, done_dptr, done_word: int, task, o: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Wait for ``task`` (its done word: ``done_dptr``, flags[done_word]), then reset the word and copy its host
@@ -268,7 +288,7 @@ class StreamExperts:
         """Host side, outside capture, for a step cut short after ``finish`` (its ``finish_deferred`` never ran):
         let the device and the deferred task finish, then clear done_d, so that the next step does not take it for
         its own."""
-        if self.dtask is None:
+        if not self.defer:
             return
         torch.cuda.synchronize(self.device)  # the stream got past finish: the immediate task is done, go_d raised
         if self.mode != "memops":
@@ -315,6 +335,9 @@ class StreamExperts:
     def slots_run(self, reset: bool = False) -> tuple[int, int]:
         """(immediate, deferred) (token, slot) rows its tasks computed since the last reset (``Task.slots_run``; 0
         for a task it lacks or has closed); read with the device idle."""
+        if self.split and self.task._p is not None:  # one task: both parts, the deferred one counted apart
+            rest = self.task.slots_rest(reset)
+            return self.task.slots_run(reset) - rest, rest
         return tuple(t.slots_run(reset) if t is not None and t._p is not None else 0
                      for t in (self.task, self.dtask))
 

@@ -186,3 +186,53 @@ def test_watch_then_runs_the_chained_task():
     finally:
         a.close()
         b.close()
+
+
+# ---- both parts in one run (ktk_task_split: graph decode's one job a layer) ----------------------------------------
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("T,k,defer", [(1, 8, 3), (1, 4, 0.3), (3, 4, 1), (8, 6, 0.4), (5, 3, 2), (1, 3, 0.01)])
+@pytest.mark.parametrize("gemv,pipe", [("1", "1"), ("1", "0"), ("0", "0")])
+def test_split_equals_the_two_parts(monkeypatch, quant, T, k, defer, gemv, pipe):
+    """A split task's out and out2 are the "top" and "rest" tasks' outputs, bit for bit, on the decode pipeline
+    (one phase, the immediate part's done word raised inside it), the two-phase decode path and the item path; its
+    done word is 1 after the run; slots_run counts both parts and slots_rest the deferred one. (1, 3, 0.01): a step
+    deferring no slot, so out2 is zeros.)"""
+    monkeypatch.setenv("KTINJECT_GEMV", gemv)
+    monkeypatch.setenv("KTINJECT_PIPE", pipe)
+    E, H = 12, 72
+    ex = _experts(E, H, quant=quant, seed=T + k)
+    gen = torch.Generator().manual_seed(T * k)
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen).softmax(-1)
+    skip = torch.zeros(E, dtype=torch.uint8)
+    skip[int(ids[0, -1])] = 1
+    (top, n_top), (rest, n_rest) = (_run_part(ex, x, ids, w, p, defer, skip) for p in ("top", "rest"))
+    flags = torch.zeros(4, dtype=torch.int32)
+    with native.Pool(3) as pool, native.Task(pool) as task:
+        out = task.bind(ex, x, ids, w, skip=skip, out=torch.full((T, H), 7.0, dtype=torch.bfloat16))
+        out2 = task.split(defer, torch.full((T, H), 7.0, dtype=torch.bfloat16), flags.data_ptr())
+        for _ in range(2):  # twice: the done word is raised by every run
+            flags.zero_()
+            task.submit()
+            task.wait()
+            assert int(flags[0]) == 1 and int(flags[1:].sum()) == 0
+            assert torch.equal(out, top) and torch.equal(out2, rest)
+        assert task.slots_run() == 2 * (n_top + n_rest) and task.slots_rest() == 2 * n_rest
+    if defer == 0.01:
+        assert not out2.any()
+
+
+def test_split_errors():
+    ex = _experts()
+    x, ids, w = torch.randn(2, 48).bfloat16(), torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.rand(2, 3)
+    with native.Task() as task:
+        with pytest.raises(native.NativeError, match="bind a forward first"):
+            task.split(1)
+        task.bind(ex, x, ids, w)
+        with pytest.raises(native.NativeError, match="1 <= d < k"):
+            task.split(3)
+        with pytest.raises(native.NativeError, match="0 < share < 1"):
+            task.split(1.0)
+        with pytest.raises(native.NativeError, match="out2 must be"):
+            task.split(1, torch.empty(2, 47, dtype=torch.bfloat16))

@@ -247,6 +247,17 @@ int ktk_task_unwatch(ktk_task *task);   /* returns when the pool no longer touch
 #define KTK_SLOTS_REST 2   /* each token's deferred slots */
 int ktk_task_select(ktk_task *task, int slots, int d);
 int ktk_task_select_share(ktk_task *task, int slots, float share);
+/* Both parts in one run (expert deferral in graph decode: one native job a layer instead of two): the task computes
+ * each token's immediate slots into its bound out and its deferred slots into out2 (same shape and dtype), by count
+ * (d, share 0) or by weight share (d 0, share > 0) as above, and stores 1 to *done_top (release; NULL: none) as soon
+ * as out is complete, before the deferred part ends; the run's end (its done word when watched; ktk_wait) follows
+ * out2. A run that fails before out is complete raises *done_top at its end. ktk_task_bind undoes it.
+ * KTK_ERR_STATE as ktk_task_select; KTK_ERR_SHAPE for d / share as above (exactly one given); KTK_ERR_NULL for
+ * out2 NULL. */
+#define KTK_SLOTS_SPLIT 3
+int ktk_task_split(ktk_task *task, int d, float share, void *out2, volatile uint32_t *done_top);
+/* (token, slot) rows of the deferred part a split task computed (as ktk_task_slots_run, which counts both parts) */
+uint64_t ktk_task_slots_rest(ktk_task *task, int reset);
 /* (token, slot) rows the task computed (selected, not skipped), summed over its runs since it was made or last
  * reset (reset != 0: returns the sum and sets it to 0; ktk_task_bind keeps it). Read it when the task is not running
  * (a run adds its rows when it starts). 0 for NULL. */

@@ -345,6 +345,17 @@ int ktk_task_select_share(ktk_task *task, int slots, float share) {
     return ktki_task_select_share(task, slots, share);
 }
 
+int ktk_task_split(ktk_task *task, int d, float share, void *out2, volatile uint32_t *done_top) {
+    CHECK_NULL(task, "ktk_task_split");
+    CHECK_NULL(out2, "ktk_task_split (out2)");
+    return ktki_task_split(task, d, share, out2, done_top);
+}
+
+uint64_t ktk_task_slots_rest(ktk_task *task, int reset) {
+    if (!task) return 0;
+    return reset ? atomic_exchange(&task->slots_rest, 0) : atomic_load(&task->slots_rest);
+}
+
 uint64_t ktk_task_slots_run(ktk_task *task, int reset) {
     if (!task) return 0;
     return reset ? atomic_exchange(&task->slots_run, 0) : atomic_load(&task->slots_run);

@@ -50,8 +50,7 @@ static float routing_weight(const ktk_task *t, int64_t i) {
  * weights. Deferred: by count (ktk_task_select) the d lowest-ranked; by share (ktk_task_select_share) a slot of rank
  * r > 0 whose cum(r) = (weights of the slots of rank >= r) / (all k weights) <= share, both summed in double in
  * slot order, and none where the total is not a finite positive number. One pass over the token's k weights. */
-static int slot_selected(const ktk_task *t, int k, int64_t i) {
-    if (t->slots == KTK_SLOTS_ALL) return 1;
+static int slot_deferred(const ktk_task *t, int k, int64_t i) {
     const int64_t row = i - i % k;
     const int j = (int)(i - row);
     const float w = routing_weight(t, i);
@@ -67,44 +66,61 @@ static int slot_selected(const ktk_task *t, int k, int64_t i) {
             if (!above) below += v;
         }
     }
-    const int deferred = mass ? rank > 0 && isfinite(total) && total > 0 && below / total <= t->slots_share
-                              : rank >= k - t->slots_d;
-    return deferred == (t->slots == KTK_SLOTS_REST);
+    return mass ? rank > 0 && isfinite(total) && total > 0 && below / total <= t->slots_share
+                : rank >= k - t->slots_d;
+}
+
+/* The routing key of slot i: its expert, or -1 where the task skips it; a split task (ktk_task_split) keys its
+ * deferred slots E + expert, so that they come after every immediate one (part 1). */
+static int64_t slot_key(const ktk_task *t, int k, int E, int64_t i) {
+    const int64_t id = t->ids[i];
+    if (t->skip && t->skip[id]) return -1;
+    if (t->slots == KTK_SLOTS_ALL) return id;
+    const int deferred = slot_deferred(t, k, i);
+    if (t->slots == KTK_SLOTS_SPLIT) return deferred ? E + id : id;
+    return deferred == (t->slots == KTK_SLOTS_REST) ? id : -1;
 }
 
 static int route(fctx *c) {
     const ktk_task *t = c->t;
     const int64_t n = (int64_t)c->T * c->k;
     int32_t *cnt = c->start;
-    memset(cnt, 0, (size_t)c->E * sizeof *cnt);
+    const int keys = c->E * c->nparts;
+    memset(cnt, 0, (size_t)keys * sizeof *cnt);
     for (int64_t i = 0; i < n; i++) {
         int64_t id = t->ids[i];
         if (id < 0 || id >= c->E)
             return ktki_error(KTK_ERR_RANGE, "expert id out of range: ids[%lld][%lld] (token %lld, slot %lld) = %lld, "
                               "expected 0 <= id < E = %d", (long long)(i / c->k), (long long)(i % c->k),
                               (long long)(i / c->k), (long long)(i % c->k), (long long)id, c->E);
-        if ((!t->skip || !t->skip[id]) && slot_selected(t, c->k, i)) cnt[id]++;
+        const int64_t key = slot_key(t, c->k, c->E, i);
+        if (key >= 0) cnt[key]++;
     }
     c->A = c->R = c->maxrows = 0;
-    for (int e = 0; e < c->E; e++) {
-        if (cnt[e] == 0) continue;
-        if (cnt[e] > c->maxrows) c->maxrows = cnt[e];
+    c->pa[1] = -1;
+    for (int key = 0; key < keys; key++) {
+        if (key == c->E) c->pa[1] = c->A;   /* split: part 1 (deferred) from here */
+        if (cnt[key] == 0) continue;
+        const int e = key % c->E;
+        if (cnt[key] > c->maxrows) c->maxrows = cnt[key];
         for (int w = 0; w < 3; w++)
             if (!c->ex->ready[(int64_t)e * 3 + w])
                 return ktki_error(KTK_ERR_STATE, "expert %d is routed to but its %s weights were never set "
                                   "(ktk_experts_set)", e, w == 0 ? "gate" : w == 1 ? "up" : "down");
         c->act_e[c->A] = e;
         c->off[c->A++] = c->R;
-        int32_t rows = cnt[e];
-        cnt[e] = c->R;   /* from here on: next free row of expert e */
+        int32_t rows = cnt[key];
+        cnt[key] = c->R;   /* from here on: next free row of the key */
         c->R += rows;
     }
     c->off[c->A] = c->R;
+    c->pa[0] = 0;
+    c->pa[c->nparts] = c->A;   /* parts: active experts [pa[p], pa[p + 1]) */
     memset(c->toff, 0, (size_t)(c->T + 1) * sizeof *c->toff);
     for (int64_t i = 0; i < n; i++) {   /* token-major: rows of each expert come out sorted by token */
-        int64_t id = t->ids[i];
-        if ((t->skip && t->skip[id]) || !slot_selected(t, c->k, i)) continue;
-        int32_t r = c->start[id]++;
+        const int64_t key = slot_key(t, c->k, c->E, i);
+        if (key < 0) continue;
+        int32_t r = c->start[key]++;
         c->tok[r] = (int32_t)(i / c->k);
         c->wt[r] = routing_weight(t, i);
         c->toff[c->tok[r] + 1]++;
@@ -230,23 +246,25 @@ void ktki_fwd_accumulate(const fctx *c, const float *y, int bw, int jn, const fl
     }
 }
 
-/* out[t][j0, j0 + jn) = ar, as out's dtype */
-void ktki_fwd_write_out(const fctx *c, int t, int j0, int jn, const float *ar) {
+/* out[t][j0, j0 + jn) = ar, as out's dtype; part 1 (a split task's deferred slots): out2 */
+void ktki_fwd_write_out(const fctx *c, int part, int t, int j0, int jn, const float *ar) {
+    void *out = part ? c->t->out2 : c->t->out;
     if (c->t->out_dtype == KTK_DTYPE_F32) {
-        memcpy((float *)c->t->out + (int64_t)t * c->H + j0, ar, (size_t)jn * sizeof(float));
+        memcpy((float *)out + (int64_t)t * c->H + j0, ar, (size_t)jn * sizeof(float));
     } else {
-        uint16_t *o = (uint16_t *)c->t->out + (int64_t)t * c->H + j0;
+        uint16_t *o = (uint16_t *)out + (int64_t)t * c->H + j0;
         for (int j = 0; j < jn; j++) o[j] = ktk_f32_to_bf16(ar[j]);
     }
 }
 
-/* Down for column blocks [cb0, cb1) and tokens [t0, t1): every active expert in ascending order, then out. The
- * decode path runs consecutive one-row experts (at most KTK_GEMV_MAX) as one gemv, then accumulates them in the same
- * order. y, acc: the thread's scratch (y: RT rows x bw; acc: (t1 - t0) x bw). */
-static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, float *acc, int tid) {
+/* Down for column blocks [cb0, cb1) and tokens [t0, t1): every active expert of the part in ascending order, then
+ * the part's out. The decode path runs consecutive one-row experts (at most KTK_GEMV_MAX) as one gemv, then
+ * accumulates them in the same order. y, acc: the thread's scratch (y: RT rows x bw; acc: (t1 - t0) x bw). */
+static void down_part(const fctx *c, int part, int cb0, int cb1, int t0, int t1, float *y, float *acc, int tid) {
     const int bw = (cb1 - cb0) * 16, j0 = cb0 * 16, jn = (cb1 * 16 < c->H ? cb1 * 16 : c->H) - j0;
+    const int a1 = c->pa[part + 1];
     memset(acc, 0, (size_t)(t1 - t0) * bw * sizeof(float));
-    for (int a = 0; a < c->A;) {
+    for (int a = c->pa[part]; a < a1;) {
         const int lo = lower_bound(c->tok, c->off[a], c->off[a + 1], t0);
         const int hi = lower_bound(c->tok, lo, c->off[a + 1], t1);
         if (c->gemv && hi - lo == 1 && t0 == 0 && t1 == c->T) {   /* a run of one-row experts (all tokens) */
@@ -256,7 +274,7 @@ static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, 
             const ktk_act *hp[KTK_GEMV_MAX];
             float *yp[KTK_GEMV_MAX];
             int n = 0;
-            for (; a < c->A && n < KTK_GEMV_MAX && c->off[a + 1] - c->off[a] == 1; a++, n++) {
+            for (; a < a1 && n < KTK_GEMV_MAX && c->off[a + 1] - c->off[a] == 1; a++, n++) {
                 d[n] = ktki_expert_mat(c->ex, c->act_e[a], KTK_MAT_DOWN);
                 h[n] = ktki_fwd_rows(c, 1, a, c->off[a], c->off[a] + 1, tid);
                 dp[n] = &d[n], hp[n] = &h[n], yp[n] = y + (int64_t)n * bw;
@@ -281,7 +299,11 @@ static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, 
         }
         a++;
     }
-    for (int t = t0; t < t1; t++) ktki_fwd_write_out(c, t, j0, jn, acc + (int64_t)(t - t0) * bw);
+    for (int t = t0; t < t1; t++) ktki_fwd_write_out(c, part, t, j0, jn, acc + (int64_t)(t - t0) * bw);
+}
+
+static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, float *acc, int tid) {
+    for (int p = 0; p < c->nparts; p++) down_part(c, p, cb0, cb1, t0, t1, y, acc, tid);
 }
 
 static void down_item(void *ctx, int64_t item, int tid) {
@@ -345,7 +367,8 @@ static int start(fctx *c, ktk_pool *pool, ktk_task *t) {
     if (cfg->quant == KTK_QUANT_INT4 && (c->int4_path = int4_path_env()) < 0)
         return ktki_error(KTK_ERR_SHAPE, "KTINJECT_INT4_PATH=%.40s: expected auto, direct or dequant",
                           getenv("KTINJECT_INT4_PATH"));
-    const size_t n = (size_t)c->T * c->k, E = (size_t)c->E;
+    c->nparts = t->slots == KTK_SLOTS_SPLIT ? 2 : 1;
+    const size_t n = (size_t)c->T * c->k, E = (size_t)c->E * c->nparts;   /* routing keys (slot_key) */
     const size_t T1 = (size_t)c->T + 1;
     uint8_t *rs = ktki_scratch(pool, KTKI_SCR_ROUTE, 4 * a64(E * 4 + 4) + 3 * a64(n * 4) + a64(T1 * 4));
     if (!rs) return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (routing tables)");
@@ -361,6 +384,8 @@ static int start(fctx *c, ktk_pool *pool, ktk_task *t) {
     int rc = route(c);
     if (rc != KTK_OK) return rc;
     atomic_fetch_add_explicit(&t->slots_run, (uint64_t)c->R, memory_order_relaxed);   /* read after the run */
+    if (c->nparts == 2)
+        atomic_fetch_add_explicit(&t->slots_rest, (uint64_t)(c->R - c->off[c->pa[1]]), memory_order_relaxed);
     if (c->maxrows <= DECODE_ROWS && c->T <= TC && gemv_enabled(kern) && c->int4_path != KTK_INT4_PATH_DEQUANT)
         c->gemv = cfg->quant == KTK_QUANT_BF16 ? kern->gemv_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemv_int8
                                                                                             : kern->gemv_int4;
@@ -432,7 +457,9 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
             break;
         case 3:
             if (c->R == 0) {   /* every slot skipped (GPU-resident, deferred to the other part): zeros, here */
-                memset(c->t->out, 0, (size_t)c->T * c->H * (size_t)ktki_dtype_size(c->t->out_dtype));
+                const size_t bytes = (size_t)c->T * c->H * (size_t)ktki_dtype_size(c->t->out_dtype);
+                memset(c->t->out, 0, bytes);
+                if (c->nparts == 2) memset(c->t->out2, 0, bytes);
                 break;
             }
             if (c->pipe) break;

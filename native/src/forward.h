@@ -31,7 +31,9 @@ typedef struct {
     int64_t work_off, work_bytes;      /* int4 workspace inside each thread's scratch */
     float alpha, limit;
     int A, R, maxrows;                 /* active experts, rows, most rows of one expert */
-    int32_t *start, *act_e, *off, *tok;  /* [E], [A], [A+1], [R] */
+    int nparts, pa[3];                 /* 1, or 2 for a split task (ktk_task_split): part p = actives [pa[p], pa[p+1]),
+                                          immediate slots then deferred ones (their rows in the same order) */
+    int32_t *start, *act_e, *off, *tok;  /* [E x nparts] (routing keys), [A], [A+1], [R] */
     int32_t *tg;                       /* [A]: first 16-row group of the expert in xt / ht, or -1 (no tiles) */
     int32_t *toff, *trow;              /* [T+1], [R]: the rows of token t are trow[toff[t] .. toff[t+1]) */
     int gtok, hq_rows;                 /* tokens per gather item, rows per item of h's quantization */
@@ -50,10 +52,12 @@ typedef struct {
     int tile_rows;                     /* the kernels read tiles from this many rows (0: never) */
     int step;                          /* ktki_forward_step: the next phase */
     /* decode pipeline (pipe.c): gate/up and down of every expert in one phase */
-    int pipe, UHc, NEG;                /* on; groups of PIPE_DN_BLOCKS blocks of H; of PIPE_DN_EXPERTS experts */
+    int pipe, UHc;                     /* on; groups of PIPE_DN_BLOCKS blocks of H */
     _Atomic int32_t *gu_left;          /* [A] gate/up units of the expert not yet done */
     _Atomic int32_t *h_ready;          /* [A] its h row is complete (and quantized) */
-    _Atomic int32_t *dn_left;          /* [UHc] expert groups whose down of that column group is not yet done */
+    _Atomic int32_t *dn_left;          /* [nparts][UHc] the part's expert groups whose down of that column group
+                                          is not yet done */
+    _Atomic int32_t top_left;          /* part 0's column groups not yet summed (a split task raises done_top at 0) */
     float *yd;                         /* [R][UH * 16] each row's down output (no routing weight, no bias) */
 } fctx;
 
@@ -65,7 +69,8 @@ void ktki_fwd_gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1
 /* acc[tok[r] - t0][0, jn) += wt[r] * (y[r - r0][0, jn) + bd) for rows [r0, r1) (y, acc: rows of bw floats) */
 void ktki_fwd_accumulate(const fctx *c, const float *y, int bw, int jn, const float *bd, int r0, int r1, int t0,
                          float *acc);
-void ktki_fwd_write_out(const fctx *c, int t, int j0, int jn, const float *ar);   /* out[t][j0, +jn) = ar */
+/* out[t][j0, +jn) = ar (part 1 of a split task: out2) */
+void ktki_fwd_write_out(const fctx *c, int part, int t, int j0, int jn, const float *ar);
 
 /* pipe.c: the decode pipeline */
 int ktki_pipe_plan(fctx *c);                   /* counters and yd; 0 when out of memory */

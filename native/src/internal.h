@@ -142,6 +142,10 @@ struct ktk_task {
     int slots, slots_d;        /* which slots of each token run: KTK_SLOTS_* and d (ktk_task_select) */
     float slots_share;         /* > 0: deferral by weight share instead of d (ktk_task_select_share) */
     _Atomic uint64_t slots_run;  /* (token, slot) rows computed, summed over runs (ktk_task_slots_run) */
+    _Atomic uint64_t slots_rest; /* ... of them, the deferred part's of a split task (ktk_task_slots_rest) */
+    void *out2;                /* KTK_SLOTS_SPLIT: the deferred part's output (ktk_task_split) */
+    volatile uint32_t *done_top;  /* ... raised when out is complete, or NULL */
+    _Atomic int top_raised;    /* this run raised *done_top */
     /* state */
     _Atomic int state;         /* IDLE is stored last when a run ends (then the pool's done event is signalled) */
     int result;                /* of the latest run */
@@ -164,6 +168,8 @@ int ktki_wait(ktk_task *task);
 int ktki_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done, volatile uint32_t *then);
 int ktki_task_select(ktk_task *task, int slots, int d);
 int ktki_task_select_share(ktk_task *task, int slots, float share);
+int ktki_task_split(ktk_task *task, int d, float share, void *out2, volatile uint32_t *done_top);
+void ktki_task_raise_top(ktk_task *task);   /* *done_top = 1 (release), once a run */
 int ktki_unwatch(ktk_task *task);
 void ktki_task_finish(ktk_task *task);                /* wait + unwatch (before destroy) */
 int ktki_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,

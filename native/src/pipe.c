@@ -4,9 +4,9 @@
  * Why: a one-token forward reads ~20 MB (Qwen3-30B-A3B, int4) in ~200 us, and as two phases (gate/up of every
  * expert, h quantized, then down of every column block) it paid each phase's tail, the serial step and the down
  * phase's ramp; a batch's decode step pays the same per layer. Here one phase holds both: units [0, A * UI) are
- * gate/up (expert a, block b) as in the two-phase path, then [A * UI, + NEG * UHc) down (experts [PIPE_DN_EXPERTS
- * * eg, ...), group g of PIPE_DN_BLOCKS blocks of H), claimed in that order in guided chunks, so a down unit of the
- * first experts overlaps the gate/up tail of the last. The thread that ends an expert's last gate/up unit quantizes
+ * gate/up (expert a, block b) as in the two-phase path, then [A * UI, + groups * UHc) down (experts
+ * [PIPE_DN_EXPERTS * eg, ...), group g of PIPE_DN_BLOCKS blocks of H), claimed in that order in guided chunks, so a
+ * down unit of the first experts overlaps the gate/up tail of the last. The thread that ends an expert's last gate/up unit quantizes
  * its h rows and marks them ready; a down unit waits for its experts' marks (every gate/up unit is claimed before
  * any down unit, and a chunk runs its units in order, so the wait is for units running threads hold: no deadlock)
  * and writes each row's output for its columns into yd; the thread that ends a column group's last expert group
@@ -14,6 +14,10 @@
  * acc += w * (y + bias): the same bits as the two-phase path (tested). The same kernel calls as that path: one-row
  * experts' down matrices as one gemv (one expert a unit measured slower on a 2-core VM: a core needs many weight
  * streams to read fast), an expert with several rows as one gemm over them.
+ * A split task (ktk_task_split: expert deferral, one job a layer) has two parts, the immediate slots' experts then
+ * the deferred ones', each with its units in the order above, part 0's before part 1's: the thread that sums
+ * part 0's last column group raises the task's done_top, and the threads go straight on to part 1's units (no
+ * second job: no second routing, gather, phase start or tail).
  * Legend: A active experts, R rows, T tokens, UI / UH 16-wide blocks of I / H, UHc groups of PIPE_DN_BLOCKS blocks.
  */
 #include <sched.h>
@@ -22,10 +26,19 @@
 #include "forward.h"
 #include "pool.h"
 
+/* Expert groups of part p's down units */
+static int part_groups(const fctx *c, int p) {
+    return (c->pa[p + 1] - c->pa[p] + PIPE_DN_EXPERTS - 1) / PIPE_DN_EXPERTS;
+}
+
+/* Units of part p: its gate/up units, then its down units */
+static int64_t part_units(const fctx *c, int p) {
+    return (int64_t)(c->pa[p + 1] - c->pa[p]) * c->UI + (int64_t)part_groups(c, p) * c->UHc;
+}
+
 int ktki_pipe_plan(fctx *c) {
     c->UHc = (c->UH + PIPE_DN_BLOCKS - 1) / PIPE_DN_BLOCKS;
-    c->NEG = (c->A + PIPE_DN_EXPERTS - 1) / PIPE_DN_EXPERTS;
-    const size_t ca = a64((size_t)c->A * 4), cg = a64((size_t)c->UHc * 4);
+    const size_t ca = a64((size_t)c->A * 4), cg = a64((size_t)c->UHc * c->nparts * 4);
     char *b = ktki_scratch(c->pool, KTKI_SCR_PIPE, 2 * ca + cg + (size_t)c->R * c->UH * 16 * sizeof(float));
     if (!b) return 0;
     c->gu_left = (_Atomic int32_t *)b;
@@ -36,11 +49,26 @@ int ktki_pipe_plan(fctx *c) {
         atomic_store_explicit(&c->gu_left[a], c->UI, memory_order_relaxed);
         atomic_store_explicit(&c->h_ready[a], 0, memory_order_relaxed);
     }
-    for (int g = 0; g < c->UHc; g++) atomic_store_explicit(&c->dn_left[g], c->NEG, memory_order_relaxed);
+    for (int p = 0; p < c->nparts; p++)
+        for (int g = 0; g < c->UHc; g++)
+            atomic_store_explicit(&c->dn_left[p * c->UHc + g], part_groups(c, p), memory_order_relaxed);
+    atomic_store_explicit(&c->top_left, c->UHc, memory_order_relaxed);
+    if (c->nparts == 2) {   /* a part with no row has no unit: its zeros here (the immediate part's done at once) */
+        const size_t bytes = (size_t)c->T * c->H * (size_t)ktki_dtype_size(c->t->out_dtype);
+        if (c->pa[1] == 0) {
+            memset(c->t->out, 0, bytes);
+            ktki_task_raise_top((ktk_task *)c->t);
+        }
+        if (c->pa[1] == c->A) memset(c->t->out2, 0, bytes);
+    }
     return 1;
 }
 
-int64_t ktki_pipe_units(const fctx *c) { return (int64_t)c->A * c->UI + (int64_t)c->NEG * c->UHc; }
+int64_t ktki_pipe_units(const fctx *c) {
+    int64_t n = 0;
+    for (int p = 0; p < c->nparts; p++) n += part_units(c, p);
+    return n;
+}
 
 /* The active expert of row r: the a with off[a] <= r < off[a + 1]. */
 static int row_expert(const fctx *c, int r) {
@@ -53,21 +81,23 @@ static int row_expert(const fctx *c, int r) {
     return lo;
 }
 
-/* Column group g of every token: its rows' outputs summed in ascending row order, then out. */
-static void combine(const fctx *c, int g) {
+/* Column group g of every token: its rows' outputs (of part p) summed in ascending row order, then the part's out. */
+static void combine(const fctx *c, int p, int g) {
     const int j0 = g * PIPE_DN_BLOCKS * 16, j1 = (g + 1) * PIPE_DN_BLOCKS * 16 < c->H ? (g + 1) * PIPE_DN_BLOCKS * 16
                                                                                    : c->H;
+    const int r0 = c->off[c->pa[p]], r1 = c->off[c->pa[p + 1]];
     float acc[PIPE_DN_BLOCKS * 16];
     for (int t = 0; t < c->T; t++) {
         memset(acc, 0, sizeof acc);
         for (int i = c->toff[t]; i < c->toff[t + 1]; i++) {   /* trow: ascending rows, so ascending experts */
             const int r = c->trow[i];
+            if (r < r0 || r >= r1) continue;
             const float *bd = c->ex->bias_off[KTK_MAT_DOWN] < 0 ? NULL
                               : ktki_expert_bias(c->ex, c->act_e[row_expert(c, r)], KTK_MAT_DOWN);
             ktki_fwd_accumulate(c, c->yd + (int64_t)r * c->UH * 16 + j0, j1 - j0, j1 - j0, bd ? bd + j0 : NULL, r,
                                 r + 1, t, acc);
         }
-        ktki_fwd_write_out(c, t, j0, j1 - j0, acc);
+        ktki_fwd_write_out(c, p, t, j0, j1 - j0, acc);
     }
 }
 
@@ -117,12 +147,13 @@ static void down_group(const fctx *c, int a0, int n, int cb0, int cb1, float *ys
     if (m) c->gemv(m, dp, cb0, cb1, hp, y);
 }
 
-void ktki_pipe_range(void *ctx, int64_t u0, int64_t u1, int tid) {
-    fctx *c = ctx;
+/* Units [u0, u1) of part p (its gate/up units, then its down units). */
+static void part_range(fctx *c, int p, int64_t u0, int64_t u1, int tid) {
     float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)DECODE_ROWS * c->cw_gu * 16;
-    const int64_t ngu = (int64_t)c->A * c->UI;
+    const int pa0 = c->pa[p], pa1 = c->pa[p + 1];
+    const int64_t ngu = (int64_t)(pa1 - pa0) * c->UI;
     for (int64_t u = u0; u < u1 && u < ngu;) {   /* gate/up */
-        const int a = (int)(u / c->UI), cb0 = (int)(u % c->UI);
+        const int a = pa0 + (int)(u / c->UI), cb0 = (int)(u % c->UI);
         const int cb1 = u1 - u < c->UI - cb0 ? cb0 + (int)(u1 - u) : c->UI;
         ktki_fwd_gate_up_run(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
         if (atomic_fetch_sub_explicit(&c->gu_left[a], cb1 - cb0, memory_order_acq_rel) == cb1 - cb0) {
@@ -131,14 +162,35 @@ void ktki_pipe_range(void *ctx, int64_t u0, int64_t u1, int tid) {
         }
         u += cb1 - cb0;
     }
+    _Atomic int32_t *left = c->dn_left + (int64_t)p * c->UHc;
     for (int64_t u = u0 > ngu ? u0 : ngu; u < u1;) {   /* down */
         const int eg = (int)((u - ngu) / c->UHc), g0 = (int)((u - ngu) % c->UHc);
         const int g1 = u1 - u < c->UHc - g0 ? g0 + (int)(u1 - u) : c->UHc;
         const int cb0 = g0 * PIPE_DN_BLOCKS, cb1 = g1 * PIPE_DN_BLOCKS < c->UH ? g1 * PIPE_DN_BLOCKS : c->UH;
-        const int a0 = eg * PIPE_DN_EXPERTS, n = c->A - a0 < PIPE_DN_EXPERTS ? c->A - a0 : PIPE_DN_EXPERTS;
+        const int a0 = pa0 + eg * PIPE_DN_EXPERTS, n = pa1 - a0 < PIPE_DN_EXPERTS ? pa1 - a0 : PIPE_DN_EXPERTS;
         down_group(c, a0, n, cb0, cb1, gs, tid);
-        for (int g = g0; g < g1; g++)
-            if (atomic_fetch_sub_explicit(&c->dn_left[g], 1, memory_order_acq_rel) == 1) combine(c, g);
+        for (int g = g0; g < g1; g++) {
+            if (atomic_fetch_sub_explicit(&left[g], 1, memory_order_acq_rel) != 1) continue;
+            combine(c, p, g);
+            /* a split task's immediate part complete: its done word now, before the deferred part's units */
+            if (c->nparts == 2 && p == 0 && atomic_fetch_sub_explicit(&c->top_left, 1, memory_order_acq_rel) == 1)
+                ktki_task_raise_top((ktk_task *)c->t);
+        }
         u += g1 - g0;
+    }
+}
+
+/* A guided chunk [u0, u1) of the phase: part 0's units, then part 1's (a split task). */
+void ktki_pipe_range(void *ctx, int64_t u0, int64_t u1, int tid) {
+    fctx *c = ctx;
+    int64_t base = 0;
+    for (int p = 0; p < c->nparts && u0 < u1; p++) {
+        const int64_t end = base + part_units(c, p);
+        if (u0 < end) {
+            const int64_t v1 = u1 < end ? u1 : end;
+            part_range(c, p, u0 - base, v1 - base, tid);
+            u0 = v1;
+        }
+        base = end;
     }
 }

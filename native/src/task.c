@@ -46,6 +46,8 @@ int ktki_task_bind(ktk_task *t, ktk_experts *ex, int T, int k, const void *hidde
     t->slots = KTK_SLOTS_ALL;   /* a new binding runs every slot until ktk_task_select says otherwise */
     t->slots_d = 0;
     t->slots_share = 0;
+    t->out2 = NULL;
+    t->done_top = NULL;
     t->bound = 1;
     return KTK_OK;
 }
@@ -83,6 +85,26 @@ int ktki_task_select_share(ktk_task *t, int slots, float share) {
     t->slots_d = 0;
     t->slots_share = share;
     return KTK_OK;
+}
+
+int ktki_task_split(ktk_task *t, int d, float share, void *out2, volatile uint32_t *done_top) {
+    const int by_share = d == 0;
+    int rc = by_share ? ktki_task_select_share(t, KTK_SLOTS_TOP, share) : ktki_task_select(t, KTK_SLOTS_TOP, d);
+    if (rc != KTK_OK) return rc;
+    if (!by_share && share != 0) {
+        t->slots = KTK_SLOTS_ALL, t->slots_d = 0;
+        return ktki_error(KTK_ERR_SHAPE, "ktk_task_split: d = %d and share = %g: give one of them (the other 0)", d,
+                          (double)share);
+    }
+    t->slots = KTK_SLOTS_SPLIT;
+    t->out2 = out2;
+    t->done_top = done_top;
+    return KTK_OK;
+}
+
+void ktki_task_raise_top(ktk_task *t) {
+    if (t->done_top && !atomic_exchange_explicit(&t->top_raised, 1, memory_order_acq_rel))
+        __atomic_store_n(t->done_top, 1u, __ATOMIC_RELEASE);
 }
 
 int ktki_submit(ktk_task *t) {
@@ -130,6 +152,7 @@ void ktki_wait_fn(ktk_task *t) {
 
 void ktki_task_begin(ktk_task *t) {
     atomic_store(&t->state, KTKI_TASK_RUNNING);
+    atomic_store_explicit(&t->top_raised, 0, memory_order_relaxed);
     t->steps = 0;
 }
 
@@ -144,6 +167,7 @@ int ktki_task_step(ktk_task *t, ktki_phase *ph) {
 }
 
 void ktki_task_end(ktk_task *t, int watched) {
+    if (t->slots == KTK_SLOTS_SPLIT) ktki_task_raise_top(t);   /* a run that failed (or ran as two phases) */
     if (watched) {
         keep_sticky(t, t->result, t->msg);
         __atomic_store_n(t->done, 1u, __ATOMIC_RELEASE);

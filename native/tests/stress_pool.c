@@ -3,7 +3,9 @@
  * submitted/waited and then driven through go/done flags (changing the watch spin window and waking the pool on
  * the way); then pools of 2..4 threads of which one is artificially delayed (KTINJECT_TEST_DELAY: it sleeps before
  * each chunk it claims and, every other time, while holding it) run forwards and watched tasks. Every result must
- * be bit-identical to the one of a 1-thread pool (the plain path). Pools of 1..5 threads are then created and
+ * be bit-identical to the one of a 1-thread pool (the plain path). A split task (ktk_task_split, expert deferral)
+ * is driven the same way, its immediate part checked as soon as its done_top word is seen (the early raise's
+ * ordering) and its deferred part at the run's done. Pools of 1..5 threads are then created and
  * destroyed with work queued. Prints "ok" and exits 0 on success.
  */
 #define _GNU_SOURCE
@@ -28,10 +30,10 @@
 
 static ktk_pool *pool;
 static ktk_experts *ex;
-static float ref[T * H];
+static float ref[T * H], ref_top[T * H], ref_rest[T * H];   /* all slots; a split's two parts (d = 1) */
 static float x[T * H], w[T * K];
 static int64_t ids[T * K];
-static _Atomic uint32_t go, done;
+static _Atomic uint32_t go, done, done_top;
 
 static void fill(float *v, int n, unsigned seed) {
     for (int i = 0; i < n; i++) {
@@ -97,7 +99,38 @@ static void drive_task(ktk_pool *pool, int iters) {
         if (memcmp(out, ref, sizeof out)) fail("watched result differs");
     }
     if (ktk_task_unwatch(task)) fail("unwatch");
+    /* both deferral parts in one run: the immediate one complete once done_top is seen, the rest at done */
+    static float out2[T * H];
+    if (ktk_task_split(task, 1, 0.0f, out2, (volatile uint32_t *)&done_top)) fail("split");
+    if (ktk_task_watch(task, (volatile uint32_t *)&go, (volatile uint32_t *)&done)) fail("watch (split)");
+    for (int it = 0; it < iters; it++) {
+        memset(out, 0, sizeof out);
+        memset(out2, 0, sizeof out2);
+        atomic_store(&go, 1);
+        while (atomic_load(&done_top) != 1) {
+        }
+        if (memcmp(out, ref_top, sizeof out)) fail("split: immediate part differs at done_top");
+        while (atomic_load(&done) != 1) {
+        }
+        atomic_store(&done_top, 0);
+        atomic_store(&done, 0);
+        if (memcmp(out2, ref_rest, sizeof out2)) fail("split: deferred part differs");
+    }
+    if (ktk_task_unwatch(task)) fail("unwatch (split)");
     ktk_task_destroy(task);
+}
+
+/* ref_top / ref_rest: the two parts of d = 1 as separate tasks on a 1-thread pool */
+static void part_refs(ktk_pool *p) {
+    float *outs[2] = {ref_top, ref_rest};
+    for (int part = 0; part < 2; part++) {
+        ktk_task *t;
+        if (ktk_task_create(p, &t)) fail("task_create (refs)");
+        if (ktk_task_bind(t, ex, T, K, x, KTK_DTYPE_F32, ids, w, KTK_DTYPE_F32, NULL, outs[part], KTK_DTYPE_F32) ||
+            ktk_task_select(t, part ? KTK_SLOTS_REST : KTK_SLOTS_TOP, 1) || ktk_submit(t) || ktk_wait(t))
+            fail("part reference");
+        ktk_task_destroy(t);
+    }
 }
 
 /* Pools of 2..4 threads, thread 0 or the last one delayed by the test hook: forwards and a driven task. */
@@ -124,6 +157,7 @@ int main(void) {
     setup();
     if (ktk_pool_create(1, 0, &pool)) fail("pool_create");
     if (forward(pool, ref)) fail("reference forward");   /* the plain path: one pool thread */
+    part_refs(pool);
     ktk_pool_destroy(pool);
     if (ktk_pool_create(3, 1, &pool)) fail("pool_create");
     pthread_t th[3];
