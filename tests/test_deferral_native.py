@@ -236,3 +236,12 @@ def test_split_errors():
             task.split(1.0)
         with pytest.raises(native.NativeError, match="out2 must be"):
             task.split(1, torch.empty(2, 47, dtype=torch.bfloat16))
+        with pytest.raises(native.NativeError, match="out2 is the bound out"):
+            task.split(1, task.out)
+        task.select("rest", 1)
+        ffi, lib = native._native()
+        out2 = torch.empty_like(task.out)
+        assert lib.ktk_task_split(task.ptr, 1, 0.5, ffi.cast("void *", out2.data_ptr()), ffi.NULL) == native.ERR_SHAPE
+        task.submit()  # the rejected split kept the selection: the deferred slot alone
+        task.wait()
+        assert torch.equal(task.out, ex.forward(x, ids, w * deferred_slots(w, 1)))

@@ -302,8 +302,10 @@ static void down_part(const fctx *c, int part, int cb0, int cb1, int t0, int t1,
     for (int t = t0; t < t1; t++) ktki_fwd_write_out(c, part, t, j0, jn, acc + (int64_t)(t - t0) * bw);
 }
 
+/* Every part's down, or the one the phase is for (a split task's two down phases: c->dpart) */
 static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, float *acc, int tid) {
-    for (int p = 0; p < c->nparts; p++) down_part(c, p, cb0, cb1, t0, t1, y, acc, tid);
+    for (int p = 0; p < c->nparts; p++)
+        if (c->dpart < 0 || c->dpart == p) down_part(c, p, cb0, cb1, t0, t1, y, acc, tid);
 }
 
 static void down_item(void *ctx, int64_t item, int tid) {
@@ -432,6 +434,11 @@ static int down_minc(void) {
 /* Phases in order: gather, gate/up, (int8 / int4) h quantized, down; those of the decode path in guided chunks. A
  * forward with no row (all its experts GPU-resident or skipped) writes its zeros on this thread: as a phase of 128
  * column blocks it took 11 us of claims (86 chunks, threads 5% busy; 15 threads, tests/gpu/probe_handshake.py). */
+static int down_phase(ktki_phase *ph, fctx *c) {
+    if (c->gemv) return guided(ph, c, down_decode, c->UH, c->cw_dn, down_minc());
+    return items(ph, c, down_item, (int64_t)c->ntc * ((c->UH + c->cw_dn - 1) / c->cw_dn));
+}
+
 int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
     fctx *c = ktki_scratch(pool, KTKI_SCR_JOB, sizeof *c);   /* the same buffer at every step (grow-only) */
     if (!c) return ktki_error(KTK_ERR_NOMEM, "forward: out of memory");
@@ -463,8 +470,13 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
                 break;
             }
             if (c->pipe) break;
-            if (c->gemv) return guided(ph, c, down_decode, c->UH, c->cw_dn, down_minc());
-            return items(ph, c, down_item, (int64_t)c->ntc * ((c->UH + c->cw_dn - 1) / c->cw_dn));
+            c->dpart = c->nparts == 2 ? 0 : -1;   /* a split task: the immediate part's down first, */
+            return down_phase(ph, c);
+        case 4:   /* ... its done word, then the deferred part's down */
+            if (c->pipe || c->R == 0 || c->nparts != 2) break;
+            ktki_task_raise_top(t);
+            c->dpart = 1;
+            return down_phase(ph, c);
         default:
             return KTK_OK;
         }

@@ -89,13 +89,14 @@ int ktki_task_select_share(ktk_task *t, int slots, float share) {
 
 int ktki_task_split(ktk_task *t, int d, float share, void *out2, volatile uint32_t *done_top) {
     const int by_share = d == 0;
-    int rc = by_share ? ktki_task_select_share(t, KTK_SLOTS_TOP, share) : ktki_task_select(t, KTK_SLOTS_TOP, d);
-    if (rc != KTK_OK) return rc;
-    if (!by_share && share != 0) {
-        t->slots = KTK_SLOTS_ALL, t->slots_d = 0;
+    if (!by_share && share != 0)   /* (before anything changes: a rejected call keeps the selection it had) */
         return ktki_error(KTK_ERR_SHAPE, "ktk_task_split: d = %d and share = %g: give one of them (the other 0)", d,
                           (double)share);
-    }
+    if (t->bound && (out2 == t->out || out2 == t->hidden))
+        return ktki_error(KTK_ERR_SHAPE, "ktk_task_split: out2 is the bound %s (expected a buffer of its own)",
+                          out2 == t->out ? "out" : "hidden");
+    int rc = by_share ? ktki_task_select_share(t, KTK_SLOTS_TOP, share) : ktki_task_select(t, KTK_SLOTS_TOP, d);
+    if (rc != KTK_OK) return rc;
     t->slots = KTK_SLOTS_SPLIT;
     t->out2 = out2;
     t->done_top = done_top;
