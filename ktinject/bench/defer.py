@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 import ktinject
-from ktinject.bench.timing import profile_line
+from ktinject.bench.timing import profile_line, replay_iters
 from ktinject.cli import defer_list, defer_settings
 from ktinject.operators import deferral
 
@@ -159,6 +159,6 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
         note.append("runs " + ", ".join(f"{B / t:.1f}" for t in gen[d]) + " tok/s")
         add((f"defer {d}: {'graph' if graphs else 'eager'} decode", f"{B / s:,.1f}", _ms(s), "; ".join(note)))
         for prof in inside.get(d, ()):  # the CPU jobs' sum a step: beside the bare replay, what overlaps and what not
-            steps = max(1, min(args.tokens, runner.max_cache_len - P - 1)) + 1  # graph_replay's warm-up too
+            steps = replay_iters(runner, P, args.tokens) + 1  # graph_replay's warm-up too
             add((f"defer {d}: the pool inside bare replays", "", _ms(prof["jobs"] * prof["job_us"] / 1e6 / steps),
                  "CPU jobs a step, summed (go seen -> done raised); " + profile_line(prof)))

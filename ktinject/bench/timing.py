@@ -103,6 +103,12 @@ def _decode_graph(runner, batch: int):
     return next((g for k, g in runner.graphs.items() if k[0] == batch and g is not None), None)
 
 
+def replay_iters(runner, prompt_len: int, iters: int) -> int:
+    """The timed replays ``graph_replay`` runs for ``iters`` (as many as the static cache has room for; it runs one
+    more untimed first)."""
+    return max(1, min(iters, runner.max_cache_len - prompt_len - 1))
+
+
 def graph_replay(runner, batch: int, prompt_len: int, iters: int, entry=None) -> float | None:
     """Seconds per bare replay of the decode graph of ``batch`` (no HF loop; or of ``entry``, one of the runner's
     graphs), or None without one."""
@@ -110,7 +116,7 @@ def graph_replay(runner, batch: int, prompt_len: int, iters: int, entry=None) ->
     if entry is None:
         return None
     cache = runner.caches[batch]
-    iters = max(1, min(iters, runner.max_cache_len - prompt_len - 1))
+    iters = replay_iters(runner, prompt_len, iters)
     for layer in cache.layers:
         layer.cumulative_length.fill_(prompt_len)
     entry.graph.replay()

@@ -97,7 +97,6 @@ static int route(fctx *c) {
         if (key >= 0) cnt[key]++;
     }
     c->A = c->R = c->maxrows = 0;
-    c->pa[1] = -1;
     for (int key = 0; key < keys; key++) {
         if (key == c->E) c->pa[1] = c->A;   /* split: part 1 (deferred) from here */
         if (cnt[key] == 0) continue;
@@ -255,6 +254,10 @@ void ktki_fwd_write_out(const fctx *c, int part, int t, int j0, int jn, const fl
         uint16_t *o = (uint16_t *)out + (int64_t)t * c->H + j0;
         for (int j = 0; j < jn; j++) o[j] = ktk_f32_to_bf16(ar[j]);
     }
+}
+
+void ktki_fwd_zero_out(const fctx *c, int part) {
+    memset(part ? c->t->out2 : c->t->out, 0, (size_t)c->T * c->H * (size_t)ktki_dtype_size(c->t->out_dtype));
 }
 
 /* Down for column blocks [cb0, cb1) and tokens [t0, t1): every active expert of the part in ascending order, then
@@ -464,9 +467,7 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
             break;
         case 3:
             if (c->R == 0) {   /* every slot skipped (GPU-resident, deferred to the other part): zeros, here */
-                const size_t bytes = (size_t)c->T * c->H * (size_t)ktki_dtype_size(c->t->out_dtype);
-                memset(c->t->out, 0, bytes);
-                if (c->nparts == 2) memset(c->t->out2, 0, bytes);
+                for (int p = 0; p < c->nparts; p++) ktki_fwd_zero_out(c, p);
                 break;
             }
             if (c->pipe) break;

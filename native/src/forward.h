@@ -21,7 +21,7 @@ _Static_assert(PIPE_DN_EXPERTS >= 1 && PIPE_DN_EXPERTS <= KTK_GEMV_MAX, "PIPE_DN
 typedef struct { int32_t a, r0, r1, cb0, cb1; } gu_item; /* active expert index, rows, column blocks */
 
 typedef struct {
-    const ktk_task *t;
+    ktk_task *t;                       /* (a split task's done_top is raised through it) */
     const ktk_experts *ex;
     ktk_gemm_fn gemm;
     ktk_pool *pool;
@@ -72,6 +72,7 @@ void ktki_fwd_accumulate(const fctx *c, const float *y, int bw, int jn, const fl
                          float *acc);
 /* out[t][j0, +jn) = ar (part 1 of a split task: out2) */
 void ktki_fwd_write_out(const fctx *c, int part, int t, int j0, int jn, const float *ar);
+void ktki_fwd_zero_out(const fctx *c, int part);   /* the part's whole out (or out2) = 0 */
 
 /* pipe.c: the decode pipeline */
 int ktki_pipe_plan(fctx *c);                   /* counters and yd; 0 when out of memory */

@@ -6,8 +6,8 @@
  * phase's ramp; a batch's decode step pays the same per layer. Here one phase holds both: units [0, A * UI) are
  * gate/up (expert a, block b) as in the two-phase path, then [A * UI, + groups * UHc) down (experts
  * [PIPE_DN_EXPERTS * eg, ...), group g of PIPE_DN_BLOCKS blocks of H), claimed in that order in guided chunks, so a
- * down unit of the first experts overlaps the gate/up tail of the last. The thread that ends an expert's last gate/up unit quantizes
- * its h rows and marks them ready; a down unit waits for its experts' marks (every gate/up unit is claimed before
+ * down unit of the first experts overlaps the gate/up tail of the last. The thread that ends an expert's last
+ * gate/up unit quantizes its h rows and marks them ready; a down unit waits for its experts' marks (every gate/up unit is claimed before
  * any down unit, and a chunk runs its units in order, so the wait is for units running threads hold: no deadlock)
  * and writes each row's output for its columns into yd; the thread that ends a column group's last expert group
  * sums it per token, the token's rows in ascending order (= experts in ascending order, as down_run sums), acc = 0;
@@ -54,12 +54,11 @@ int ktki_pipe_plan(fctx *c) {
             atomic_store_explicit(&c->dn_left[p * c->UHc + g], part_groups(c, p), memory_order_relaxed);
     atomic_store_explicit(&c->top_left, c->UHc, memory_order_relaxed);
     if (c->nparts == 2) {   /* a part with no row has no unit: its zeros here (the immediate part's done at once) */
-        const size_t bytes = (size_t)c->T * c->H * (size_t)ktki_dtype_size(c->t->out_dtype);
         if (c->pa[1] == 0) {
-            memset(c->t->out, 0, bytes);
-            ktki_task_raise_top((ktk_task *)c->t);
+            ktki_fwd_zero_out(c, 0);
+            ktki_task_raise_top(c->t);
         }
-        if (c->pa[1] == c->A) memset(c->t->out2, 0, bytes);
+        if (c->pa[1] == c->A) ktki_fwd_zero_out(c, 1);
     }
     return 1;
 }
@@ -174,7 +173,7 @@ static void part_range(fctx *c, int p, int64_t u0, int64_t u1, int tid) {
             combine(c, p, g);
             /* a split task's immediate part complete: its done word now, before the deferred part's units */
             if (c->nparts == 2 && p == 0 && atomic_fetch_sub_explicit(&c->top_left, 1, memory_order_acq_rel) == 1)
-                ktki_task_raise_top((ktk_task *)c->t);
+                ktki_task_raise_top(c->t);
         }
         u += g1 - g0;
     }

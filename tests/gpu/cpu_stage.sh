@@ -18,6 +18,23 @@ set -uo pipefail
 . tests/gpu/stage_lib.sh
 stage_setup
 run() { PYTHONPATH=/tmp/site:$PWD "$@"; }
+# pipe_ab NAME BATCH PASSES LIMIT PATTERN BENCH-ARGS...: the pipeline off / on (KTINJECT_PIPE) in probe_cpu_decode at
+# BATCH, interleaved in one process, then `python -m ktinject.bench BENCH-ARGS` with each in turns ($ROUNDS rounds;
+# the lines matching PATTERN shown)
+pipe_ab() {
+  local name=$1 batch=$2 passes=$3 limit=$4 pattern=$5; shift 5
+  run timeout 150 python3 tests/gpu/probe_cpu_decode.py --layers 16 --quant int4 --threads 15 --batch "$batch" \
+    --passes "$passes" --env KTINJECT_PIPE=0,1,0,1,0,1 > "$OUT/$name-probe.log" 2>&1
+  echo "$name probe rc=$?"; grep -E "B=|profile" "$OUT/$name-probe.log" | cut -c1-250
+  for r in $(seq "${ROUNDS:-1}"); do
+    for v in 0 1; do
+      echo "--- round $r KTINJECT_PIPE=$v $(steal)"
+      KTINJECT_PIPE=$v PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m ktinject.bench "$@" \
+        > "$OUT/$name-$v-$r.log" 2>&1
+      grep -E "$pattern" "$OUT/$name-$v-$r.log" | cut -c1-300
+    done
+  done
+}
 for step in ${STEPS:-tests profile}; do
   echo "=== $step $(steal) $(date -u +%T)"
   case $step in
@@ -45,29 +62,10 @@ for step in ${STEPS:-tests profile}; do
         --prompt "${PROMPT:-8192}" --tokens 32 --defer-rounds "${ROUNDS:-2}" > "$OUT/longdefer.log" 2>&1
       echo "longdefer rc=$?"; grep -E "^# (defer|injected)" "$OUT/longdefer.log" | cut -c1-300 ;;
     pipe)
-      run timeout 150 python3 tests/gpu/probe_cpu_decode.py --layers 16 --quant int4 --threads 15 --batch 1 \
-        --passes 7 --env KTINJECT_PIPE=0,1,0,1,0,1 > "$OUT/pipe-probe.log" 2>&1
-      echo "pipe probe rc=$?"; grep -E "B=1|profile" "$OUT/pipe-probe.log" | cut -c1-250
-      for r in $(seq "${ROUNDS:-1}"); do
-        for v in 0 1; do
-          echo "--- round $r KTINJECT_PIPE=$v $(steal)"
-          KTINJECT_PIPE=$v PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m ktinject.bench decode --quant int4 \
-            --defer 0 --tokens 32 --defer-rounds 3 > "$OUT/pipe-$v-$r.log" 2>&1
-          grep -E "^# defer(: GPU|: CPU experts alone|: CPU experts alone, a layer| 0)" "$OUT/pipe-$v-$r.log" | cut -c1-300
-        done
-      done ;;
+      pipe_ab pipe 1 7 200 "^# defer(: GPU|: CPU experts alone|: CPU experts alone, a layer| 0)" decode --quant int4 \
+        --defer 0 --tokens 32 --defer-rounds 3 ;;
     batchpipe)
-      run timeout 150 python3 tests/gpu/probe_cpu_decode.py --layers 16 --quant int4 --threads 15 --batch "${BATCH:-8}" \
-        --passes 5 --env KTINJECT_PIPE=0,1,0,1,0,1 > "$OUT/batchpipe-probe.log" 2>&1
-      echo "batchpipe probe rc=$?"; grep -E "B=|profile" "$OUT/batchpipe-probe.log" | cut -c1-250
-      for r in $(seq "${ROUNDS:-1}"); do
-        for v in 0 1; do
-          echo "--- round $r KTINJECT_PIPE=$v $(steal)"
-          KTINJECT_PIPE=$v PYTHONPATH=/tmp/site:$PWD timeout 240 python3 -m ktinject.bench serve --quant int4 \
-            --streams 1,8 --layers 16 > "$OUT/batchpipe-serve-$v-$r.log" 2>&1
-          grep -E "^\||^# (memory|batch|engine)" "$OUT/batchpipe-serve-$v-$r.log" | cut -c1-260
-        done
-      done ;;
+      pipe_ab batchpipe "${BATCH:-8}" 5 240 "^\||^# (memory|batch|engine)" serve --quant int4 --streams 1,8 --layers 16 ;;
     int8)
       run timeout 240 python3 -m ktinject.bench decode --quant int8 --defer 0 --tokens 32 --defer-rounds 3 \
         > "$OUT/int8.log" 2>&1; echo "int8 rc=$?"
