@@ -19,6 +19,8 @@ turn, with what the scheduler did to the pool's threads meanwhile; then per leve
 speed and the spread of the runs.
 ``--defer 0,1,2,0.3`` times expert deferral instead: graph decode per setting against the bound (CPU + GPU) /
 max(CPU, GPU) of this run (``ktinject.bench.defer``).
+``--peer PATH --peer-model GGUF[,GGUF]`` times llama.cpp's llama-bench (experts on the CPU) on those GGUFs after
+ktinject's rows, in the same run, and compares each quant with its GGUF type (``ktinject.bench.peer``).
 ``--tiny`` runs the same flow on the tiny qwen3_moe test model (CPU-only machines too: GPU rows say n/a).
 The measurements themselves are in ``bench/timing.py``. Legend: B batch, P prompt tokens, N new tokens, L layers.
 """
@@ -33,6 +35,7 @@ import time
 
 import torch
 
+from ktinject.bench import peer
 from ktinject.bench.memory import measure_read_bandwidth
 from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and the probe build the same model)
     set_generation_defaults, build_model, build_tiny,
@@ -116,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true",
                    help="also time the graph decode with one speed-up undone at a time: HF's sdpa attention, 4D "
                         "masks built by HF every step, the pool's watch spin off")
+    peer.add_arguments(p)
     return p
 
 
@@ -342,6 +346,50 @@ def print_table(rows, args) -> None:
           f"{', noise ' + args.noise if args.noise else ''})", flush=True)
 
 
+#: the rows whose tok/s is ktinject's decode figure for the peer comparison, in order of preference: the median of
+#: the rounds at d = 0 (``--defer 0,...``), else the one graph run
+OUR_ROWS = ("defer 0: graph decode", "ktinject graph")
+
+
+def our_rate(rows) -> tuple[str, float] | None:
+    """(row, tok/s) of ktinject's decode in one quant's ``rows`` (``OUR_ROWS``), None where none ran."""
+    for want in OUR_ROWS:
+        for what, rate, *_ in rows:
+            if what == want:
+                try:
+                    return what, float(rate.replace(",", ""))
+                except ValueError:
+                    return None
+    return None
+
+
+def peer_rows(args, ours: dict) -> list[tuple[str, str, str, str]]:
+    """llama-bench's decode of --tokens tokens for each --peer-model, after ktinject's rows (the same call), and each
+    quant's tok/s against its GGUF type's (``peer.PAIRS``)."""
+    print(f"# peer: {args.peer} on {args.peer_model}, decode {args.tokens} tokens (this takes a while)", flush=True)
+    results, errors = peer.run_all(args, gen=args.tokens)
+    rows = [("peer failed", "n/a", "", e) for e in errors]
+    for r in results:
+        if r.n_gen:
+            rows.append((f"{r.label} decode {r.n_gen}", f"{r.tok_s:,.1f}", _fmt_ms(1 / r.tok_s),
+                         f"runs {r.runs()} tok/s; {r.model} ({r.model_type}), 48 layers, batch 1, llama-bench -t "
+                         f"{args.peer_threads or os.cpu_count()} -r {args.peer_reps}"))
+    scale = 1.0 if args.tiny else args.layers / 48
+    for quant, (row, rate) in ours.items():
+        theirs = [r for r in peer.paired(quant, results) if r.n_gen]
+        if not theirs:
+            continue
+        ratio = rate * scale / theirs[0].tok_s
+        note = (f"ktinject {quant} ({row!r}{'' if scale == 1 else f' x {args.layers}/48 layers'}) "
+                f"{rate * scale:,.1f} tok/s vs {theirs[0].tok_s:,.1f}"
+                + ("; --tiny: not the peer's model" if args.tiny else "") + (f"; batch {args.batch} vs 1"
+                                                                             if args.batch != 1 else ""))
+        rows.append((f"{quant} / {theirs[0].label}", f"{ratio:.2f}x", "", note))
+    for r in rows:
+        print("# " + " | ".join(x for x in r if x), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -349,13 +397,19 @@ def main(argv=None) -> int:
     bad = [q for q in quants if q not in ("bf16", "int8", "int4")]
     if bad or not quants:
         raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of bf16, int8, int4")
-    rows = []
+    peer.check_arguments(args)
+    rows, ours = [], {}
     for i, q in enumerate(quants):
         got = run(args, q, first=i == 0)  # the model goes with run's frame before the next build
+        mine = our_rate(got)
+        if mine is not None:
+            ours[q] = mine
         rows += [(f"{q}: {r[0]}", *r[1:]) for r in got] if len(quants) > 1 else got
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if args.peer:
+        rows += peer_rows(args, ours)
     print_table(rows, args)
     return 0
 

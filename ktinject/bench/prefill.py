@@ -27,12 +27,14 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import statistics
 import sys
 import time
 
 import torch
 
+from ktinject.bench import peer
 from ktinject.bench.model import bench_model
 from ktinject.gpu_experts.balance import TRIALS
 
@@ -48,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
                    "shown, every run listed)")
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk in tokens (default: from GPU memory)")
     p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
+    peer.add_arguments(p)
     return p
 
 
@@ -97,8 +100,9 @@ def _chose(streamer) -> str:
     return last["mode"] + measured
 
 
-def run(args, quant: str) -> list[tuple[str, str, str]]:
-    """Rows (what, tok/s, note) of one model build with experts in ``quant``."""
+def run(args, quant: str, ours: dict | None = None) -> list[tuple[str, str, str]]:
+    """Rows (what, tok/s, note) of one model build with experts in ``quant``; ``ours`` gets (quant, tokens) ->
+    (mode, tok/s of the 48-layer model) for the peer's rows: auto where it ran, else the fastest mode."""
     import ktinject
     from ktinject import native
     from ktinject.generate import get_runner, prefill_chunk
@@ -159,6 +163,9 @@ def run(args, quant: str) -> list[tuple[str, str, str]]:
                     f"of it; chunk {chunk}; {chose if mode == 'auto' else mode}")
             rows.append((f"{quant} {mode} prefill {n}", f"{rate:,.0f}", note))
             print(f"# {rows[-1][0]} | {rows[-1][1]} tok/s | {note}", flush=True)
+        if ours is not None:
+            pick = "auto" if "auto" in modes else max(modes, key=lambda m: rates[m, n])
+            ours[quant, n] = (pick, rates[pick, n] * (1 if args.tiny else L / 48))
     if "gpu" in modes and probe.cuda:
         use("gpu")
         rows.append(_breakdown(model, probe, quant, max(lengths), device))
@@ -218,6 +225,34 @@ def _targets(quant: str, rates: dict, lengths: list[int], h2d: float, expert_byt
     return out
 
 
+def peer_rows(args, ours: dict) -> list[tuple[str, str, str]]:
+    """llama-bench's prefill of each --prefill length for each --peer-model, after ktinject's rows (the same call),
+    and issue 19's comparison: int4 and int8 at 2,048 tokens and more at least 2x llama.cpp Q4_0 / Q8_0."""
+    lengths = _csv(args.prefill, int)
+    print(f"# peer: {args.peer} on {args.peer_model}, prefill {args.prefill} (this takes a while)", flush=True)
+    results, errors = peer.run_all(args, prompts=lengths)
+    rows = [("peer failed", "n/a", e) for e in errors]
+    for r in results:
+        if r.n_prompt:
+            rows.append((f"{r.label} prefill {r.n_prompt}", f"{r.tok_s:,.0f}",
+                         f"runs {r.runs()} tok/s; {r.model} ({r.model_type}), 48 layers, llama-bench -t "
+                         f"{args.peer_threads or os.cpu_count()} -r {args.peer_reps}"))
+    for (quant, n), (mode, rate) in sorted(ours.items()):
+        theirs = [r for r in peer.paired(quant, results) if r.n_prompt == n]
+        if not theirs or quant == "bf16" or n < 2048:
+            continue
+        ratio = rate / theirs[0].tok_s
+        what = f"{quant} target: at {n} >= 2x {theirs[0].label}"
+        if args.tiny:
+            rows.append((what, "n/a", "--tiny: not the peer's model"))
+            continue
+        rows.append((what, f"{ratio:.2f}x", f"{'met' if ratio >= 2 else 'NOT met'} (ktinject {mode} {rate:,.0f} "
+                     f"tok/s for 48 layers vs {theirs[0].tok_s:,.0f})"))
+    for r in rows:
+        print(f"# {r[0]} | {r[1]} | {r[2]}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     quants, modes = _csv(args.quant), _csv(args.mode)
@@ -227,12 +262,15 @@ def main(argv=None) -> int:
         raise SystemExit(f"--mode {args.mode!r}: expected a comma-separated list of cpu, gpu, auto")
     if not _csv(args.prefill, int):
         raise SystemExit("--prefill: give at least one prompt length")
-    rows = []
+    peer.check_arguments(args)
+    rows, ours = [], {}
     for q in quants:
-        rows += run(args, q)  # the model goes with run's frame before the next build
+        rows += run(args, q, ours)  # the model goes with run's frame before the next build
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if args.peer:
+        rows += peer_rows(args, ours)
     w = max(len(r[0]) for r in rows)
     print(f"\n| {'what'.ljust(w)} | {'tok/s':>9} | note")
     print(f"|{'-' * (w + 2)}|{'-' * 11}|------")

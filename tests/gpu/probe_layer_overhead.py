@@ -24,6 +24,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--trace", default=None, help="write the profiled forward's chrome trace here")
     a = ap.parse_args()
     model, device = bench_model(a.tiny, a.layers, None)
     ktinject.inject(model, gpu=str(device), quant=a.quant, prefill="cpu")
@@ -43,9 +44,16 @@ def main():
           f"({1e3 * full / L:.2f} a layer), experts muted {1e3 * muted:.1f} ms ({1e3 * muted / L:.2f} a layer)",
           flush=True)
     acts = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=acts) as prof:
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts, record_shapes=False) as prof:
         time_prefill(model, a.tokens, device)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
+    ka = prof.key_averages()
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=40), flush=True)
+    if device.type == "cuda":
+        print(ka.table(sort_by="self_device_time_total", row_limit=25), flush=True)
+    if a.trace:
+        prof.export_chrome_trace(a.trace)
     for b, s in zip(blocks, saved):
         b.skip.copy_(s)
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# ktinject beside llama.cpp (llama-bench, experts on the CPU) in one device call, for issues 18 and 19. From the
+# repository root on the GPU machine, carry [".whl", ".peer"] (`bash ../shared/tools/peer-llamacpp.sh fetch` here
+# first):
+#   bash tests/gpu/peer_stage.sh [build] [prefill] [decode]      (default: all three)
+#   build    llama-bench -> /tmp/lbuild/bin (~5 min), random Qwen3-30B-A3B GGUFs /tmp/q.gguf (Q4_0) and, with
+#            Q8=1, /tmp/q8.gguf (Q8_0); skipped where they are there (/tmp survives while the machine stays warm)
+#   prefill  python -m ktinject.bench prefill --layers 12 (PQUANTS, default int4; LENGTHS, default 2048,8192;
+#            MODES, default cpu,gpu,auto) --peer ... : llama-bench's prefill of the same lengths after ours
+#   decode   python -m ktinject.bench decode --quant DQUANTS (default int4) --defer 0 (three rounds) --peer ...
+# Logs: $OUT/peer-<step>.log; the rows that matter are printed.
+set -uo pipefail
+source tests/gpu/stage_lib.sh
+stage_setup
+[ -d .whl ] && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+want="$*"; [ -z "$want" ] && want="build prefill decode"
+LB=/tmp/lbuild/bin/llama-bench
+models=/tmp/q.gguf; [ "${Q8:-0}" = 1 ] && models+=,/tmp/q8.gguf
+steps=()
+if [[ " $want " == *" build "* ]]; then
+  t0=$SECONDS
+  df -h /tmp | tail -1
+  if [ "${Q8:-0}" = 1 ] && [ ! -s /tmp/q8.gguf ]; then
+    ( sleep 20; PYTHONPATH=/tmp/peersite python3 .peer/make_random_gguf.py /tmp/q8.gguf --preset qwen3-30b-a3b \
+        --type Q8_0 --fast --workers 4 --no-verify > "$OUT/peer-q8.log" 2>&1 ) & q8=$!
+  fi
+  if [ ! -x $LB ] || [ ! -s /tmp/q.gguf ]; then
+    bash .peer/peer-llamacpp.sh build Q4_0 > "$OUT/peer-build.log" 2>&1 || tail -20 "$OUT/peer-build.log"
+  fi
+  [ -n "${q8:-}" ] && { wait "$q8" || tail -5 "$OUT/peer-q8.log"; }
+  ls -la $LB /tmp/q*.gguf 2>&1
+  steps+=("build $((SECONDS - t0))s")
+fi
+peer=(--peer $LB --peer-model "$models" --peer-reps "${PEER_REPS:-3}")
+if [[ " $want " == *" prefill "* ]]; then
+  t0=$SECONDS; echo "=== prefill, $(steal)"
+  python3 -m ktinject.bench prefill --layers 12 --quant "${PQUANTS:-int4}" --prefill "${LENGTHS:-2048,8192}" \
+    --mode "${MODES:-cpu,gpu,auto}" --reps "${REPS:-2}" "${peer[@]}" > "$OUT/peer-prefill.log" 2>&1
+  echo "rc=$? $(steal)"
+  grep -E "^\| .*(prefill [0-9]+ |target|peer)" "$OUT/peer-prefill.log" | cut -c1-260
+  steps+=("prefill $((SECONDS - t0))s")
+fi
+if [[ " $want " == *" decode "* ]]; then
+  t0=$SECONDS; echo "=== decode, $(steal)"
+  python3 -m ktinject.bench decode --quant "${DQUANTS:-int4}" --defer 0 --tokens 64 "${peer[@]}" \
+    > "$OUT/peer-decode.log" 2>&1
+  echo "rc=$? $(steal)"
+  grep -E "^\| .*(defer 0: graph|llama|/ llama|peer|CPU experts alone  )" "$OUT/peer-decode.log" | cut -c1-300
+  steps+=("decode $((SECONDS - t0))s")
+fi
+echo "=== $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader)"
+printf '%s\n' "${steps[@]}"
