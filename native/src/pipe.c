@@ -4,9 +4,9 @@
  * Why: a one-token forward reads ~20 MB (Qwen3-30B-A3B, int4) in ~200 us, and as two phases (gate/up of every
  * expert, h quantized, then down of every column block) it paid each phase's tail, the serial step and the down
  * phase's ramp; a batch's decode step pays the same per layer. Here one phase holds both: units [0, A * UI) are
- * gate/up (expert a, block b) as in the two-phase path, then [A * UI, + groups * UHc) down (experts
- * [PIPE_DN_EXPERTS * eg, ...), group g of PIPE_DN_BLOCKS blocks of H), claimed in that order in guided chunks, so a
- * down unit of the first experts overlaps the gate/up tail of the last. The thread that ends an expert's last
+ * gate/up (expert a, block b) as in the two-phase path, then [A * UI, + groups * UHc) down (the experts of
+ * group eg, at most PIPE_DN_EXPERTS, sizes balanced; column group g of PIPE_DN_BLOCKS blocks of H), claimed in that
+ * order in guided chunks, so a down unit of the first experts overlaps the gate/up tail of the last. The thread that ends an expert's last
  * gate/up unit quantizes its h rows and marks them ready; a down unit waits for its experts' marks (every gate/up unit is claimed before
  * any down unit, and a chunk runs its units in order, so the wait is for units running threads hold: no deadlock)
  * and writes each row's output for its columns into yd; the thread that ends a column group's last expert group
@@ -26,9 +26,20 @@
 #include "forward.h"
 #include "pool.h"
 
-/* Expert groups of part p's down units */
+/* Expert groups of part p's down units: at most PIPE_DN_EXPERTS experts each */
 static int part_groups(const fctx *c, int p) {
     return (c->pa[p + 1] - c->pa[p] + PIPE_DN_EXPERTS - 1) / PIPE_DN_EXPERTS;
+}
+
+/* Expert group eg of part p: its first active expert *a0 and count *n. Sizes differ by one at most (5 experts: 3 +
+ * 2, not 4 + 1): a unit of one expert reads one weight stream, which a core reads slowly. A split task's 5 + 3
+ * layer (d = 3 of 8) took ~4-6 us less so (tests/gpu/probe_split_groups.py, H200 host: 293.4 -> 289.4 and 342.6 ->
+ * 337.0 us a layer in two runs; one group for all of a part's experts was slower, d = 0 too). */
+static void part_group(const fctx *c, int p, int eg, int *a0, int *n) {
+    const int pa0 = c->pa[p], N = c->pa[p + 1] - pa0, G = part_groups(c, p);
+    const int base = N / G, extra = N % G;   /* sizes base + 1 (the first extra groups) and base */
+    *a0 = pa0 + eg * base + (eg < extra ? eg : extra);
+    *n = base + (eg < extra);
 }
 
 /* Units of part p: its gate/up units, then its down units */
@@ -166,7 +177,8 @@ static void part_range(fctx *c, int p, int64_t u0, int64_t u1, int tid) {
         const int eg = (int)((u - ngu) / c->UHc), g0 = (int)((u - ngu) % c->UHc);
         const int g1 = u1 - u < c->UHc - g0 ? g0 + (int)(u1 - u) : c->UHc;
         const int cb0 = g0 * PIPE_DN_BLOCKS, cb1 = g1 * PIPE_DN_BLOCKS < c->UH ? g1 * PIPE_DN_BLOCKS : c->UH;
-        const int a0 = pa0 + eg * PIPE_DN_EXPERTS, n = pa1 - a0 < PIPE_DN_EXPERTS ? pa1 - a0 : PIPE_DN_EXPERTS;
+        int a0, n;
+        part_group(c, p, eg, &a0, &n);
         down_group(c, a0, n, cb0, cb1, gs, tid);
         for (int g = g0; g < g1; g++) {
             if (atomic_fetch_sub_explicit(&left[g], 1, memory_order_acq_rel) != 1) continue;
