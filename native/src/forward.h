@@ -74,6 +74,9 @@ void ktki_fwd_accumulate(const fctx *c, const float *y, int bw, int jn, const fl
 void ktki_fwd_write_out(const fctx *c, int part, int t, int j0, int jn, const float *ar);
 void ktki_fwd_zero_out(const fctx *c, int part);   /* the part's whole out (or out2) = 0 */
 
+/* route.c: the first step; KTK_OK or an error (an id out of range, an expert routed to but never set) */
+int ktki_fwd_route(fctx *c);
+
 /* pipe.c: the decode pipeline */
 int ktki_pipe_plan(fctx *c);                   /* counters and yd; 0 when out of memory */
 int64_t ktki_pipe_units(const fctx *c);        /* units of its one phase */
