@@ -94,8 +94,14 @@ def test_gguf_type_from_model_type(model_type, want):
     assert peer.gguf_type(model_type) == want
 
 
+def test_parse_skips_log_lines_and_trailing_text():
+    text = "[INFO] loading model [q.gguf]\nbuild: abc (1)\n" + SAMPLE + "\nmain: done [0 errors]\n"
+    assert [r.n_gen for r in peer.parse(text)] == [0, 64]
+
+
 @pytest.mark.parametrize("text, says", [
     ("not json at all", "not JSON"),
+    ("[]", "an empty list of tests"),
     ("[1, 2", "not JSON"),
     ('{"n_prompt": 1}', "not JSON"),  # no list in it
     ("[3]", "test 0 is not an object"),
@@ -137,10 +143,14 @@ def test_run_failures_say_what_to_fix(tmp_path, gguf):
         peer.run(slow, gguf[0], gen=8, timeout=0.5)
     with pytest.raises(peer.PeerError, match="not JSON"):
         peer.run(_fake(tmp_path, "print('| model | size |')\n", "markdown"), gguf[0], gen=8)
+    # bytes that are not UTF-8 (a locale's log line) still give a clear error, not a decode traceback
+    garbled = _fake(tmp_path, "import sys\nsys.stdout.buffer.write(b'\\xff\\xfe oops')\n", "garbled")
+    with pytest.raises(peer.PeerError, match="not JSON"):
+        peer.run(garbled, gguf[0], gen=8)
 
 
 def _args(**kw):
-    base = dict(peer=None, peer_model=None, peer_threads=None, peer_reps=3, peer_args="", prefill="512,2048,8192",
+    base = dict(peer=None, peer_model=None, peer_threads=2, peer_reps=3, peer_args="", prefill="512,2048,8192",
                 tokens=64, layers=48, tiny=False, batch=1)
     base.update(kw)
     return SimpleNamespace(**base)
@@ -172,6 +182,12 @@ def test_prefill_rows_compare_each_quant_with_its_gguf(tmp_path, gguf):
     got8 = rows["int8 target: at 2048 >= 2x llama.cpp Q8_0 -ot exps=CPU"]
     assert got8[1] == "1.50x" and got8[2].startswith("NOT met (ktinject gpu")
     assert not any("512 >= 2x" in k or k.startswith("bf16") for k in rows)  # the lengths and formats
+    assert "from" not in got4[2]  # 48 layers: no scaling to mention
+    # 12 layers: the estimate says how it was made; a format without its GGUF type gets a row saying so
+    args = _args(peer=_fake(tmp_path, ECHO), peer_model=gguf[0], prefill="2048", layers=12)
+    rows = {r[0]: r for r in prefill.peer_rows(args, {("int4", 2048): ("gpu", 3000.0), ("int8", 2048): ("gpu", 1.0)})}
+    assert "from 12 layers x 12/48" in rows["int4 target: at 2048 >= 2x llama.cpp Q4_0 -ot exps=CPU"][2]
+    assert rows["int8 target: 2x llama.cpp"][1] == "n/a" and "no Q8_0 GGUF" in rows["int8 target: 2x llama.cpp"][2]
 
 
 def test_decode_rows_and_our_rate(tmp_path, gguf):
@@ -184,7 +200,12 @@ def test_decode_rows_and_our_rate(tmp_path, gguf):
     assert rows["llama.cpp Q4_0 -ot exps=CPU decode 64"][1] == "30.0"
     ratio = rows["int4 / llama.cpp Q4_0 -ot exps=CPU"]
     assert ratio[1] == "2.00x" and "x 12/48 layers" in ratio[3]  # 240 tok/s of 12 layers ~ 60 for 48
-    assert not any(k.startswith("int8 /") for k in rows)  # no Q8_0 given
+    assert rows["int8 / llama.cpp"][1] == "n/a" and "no Q8_0 GGUF among --peer-model" in rows["int8 / llama.cpp"][3]
+    for kw, says in [(dict(tiny=True), "--tiny"), (dict(batch=4), "batch 4")]:
+        args = _args(peer=_fake(tmp_path, ECHO), peer_model=gguf[0], **kw)
+        rows = {r[0]: r for r in decode.peer_rows(args, {"int4": ("ktinject graph", 240.0)})}
+        assert rows["int4 / llama.cpp Q4_0 -ot exps=CPU"][1] == "n/a" and says in rows["int4 / llama.cpp Q4_0 -ot "
+                                                                                         "exps=CPU"][3]
 
 
 def test_a_failing_peer_is_a_row_not_a_crash(tmp_path, gguf):

@@ -147,6 +147,27 @@ def _decode_rate(model, prompt, tokens: int) -> float:
     return (gen_time(model, prompt, tokens + 1) - t1) / tokens
 
 
+def noise_targets(times: dict[int, list[float]], args) -> list[tuple[str, str, str, str]]:
+    """Issue 18's interference targets from ``times`` (noise level -> seconds a token of each run; 0 = quiet): one
+    busy core keeps >= NOISE_SHARE of the quiet speed (medians), and each level's runs lie within SPREAD of their
+    median. Judged for the whole model at batch 1 with 3 runs or more a level (the targets' setting), else none."""
+    runs = min(len(v) for v in times.values())
+    if args.tiny or args.layers != 48 or args.batch != 1 or runs < 3 or 0 not in times:
+        return []
+    out = []
+    quiet = statistics.median(times[0])
+    if 1 in times:
+        share = quiet / statistics.median(times[1])
+        out.append((f"target: one core busy (--noise 1) >= {100 * NOISE_SHARE:.0f}% of the quiet speed", "", "",
+                    f"{'met' if share >= NOISE_SHARE else 'NOT met'}: {100 * share:.0f}%"))
+    spreads = {n: (max(v) - min(v)) / statistics.median(v) for n, v in times.items()}
+    worst = max(spreads, key=spreads.get)
+    out.append((f"target: each level's runs within {100 * SPREAD:.0f}% of their median", "", "",
+                f"{'met' if spreads[worst] <= SPREAD else 'NOT met'}: the widest {100 * spreads[worst]:.0f}% (noise "
+                f"{worst}, {len(times[worst])} runs)"))
+    return out
+
+
 def _noise_rows(model, prompt, args, rows: list, graphs: bool) -> None:
     """Interference mode: rounds of decode + one CPU-experts pass, quiet and with each --noise level in turn."""
     from ktinject.bench.noise import Noise, Sched
@@ -169,23 +190,15 @@ def _noise_rows(model, prompt, args, rows: list, graphs: bool) -> None:
                 _add(rows, (f"noise {n}, run {r + 1}: {way} decode", _fmt_rate(B / s), _fmt_ms(s),
                             f"CPU experts alone {_fmt_ms(cpu)} ms; {sched}"))
     quiet = statistics.median(times[0])
-    spreads = {}
     for n in levels:
         med = statistics.median(times[n])
-        spread = spreads[n] = (max(times[n]) - min(times[n])) / med
+        spread = (max(times[n]) - min(times[n])) / med
         _add(rows, (f"noise {n}: {way} decode, median of {len(times[n])} runs", _fmt_rate(B / med), _fmt_ms(med),
                     f"{100 * quiet / med:.0f}% of the quiet speed; runs " +
                     ", ".join(_fmt_rate(B / t) for t in times[n]) + f" tok/s, spread {100 * spread:.0f}% of the "
                     "median"))
-    # issue 18's interference targets, judged here (the bench's own output)
-    if 1 in times:
-        share = quiet / statistics.median(times[1])
-        _add(rows, (f"target: one core busy (--noise 1) >= {100 * NOISE_SHARE:.0f}% of the quiet speed", "",
-                    f"{100 * share:.0f}%", "met" if share >= NOISE_SHARE else "NOT met"))
-    worst = max(spreads.values())
-    _add(rows, (f"target: spread of each level's runs within {100 * SPREAD:.0f}% of its median", "",
-                f"{100 * worst:.0f}%", ("met" if worst <= SPREAD else "NOT met") + f" (the widest of {len(levels)} "
-                "levels)"))
+    for row in noise_targets(times, args):
+        _add(rows, row)
 
 
 def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, str, str]]:
@@ -387,16 +400,17 @@ def target_rows(quant: str, rows, args) -> list[tuple[str, str, str, str]]:
     mine = our_rate(rows)
     want = TARGET_TOK_S.get(quant)
     if mine is not None and want is not None:
-        how = "median of 3 runs" if mine[0] == OUR_ROWS[0] else "one run; --defer 0 gives the median of 3"
+        rounds = getattr(args, "defer_rounds", 3)
+        how = f"median of {rounds} runs" if mine[0] == OUR_ROWS[0] else "one run; --defer 0 gives the median of 3"
         out.append((f"target: {quant} >= {want:g} tok/s through generate", f"{mine[1]:,.1f}", "",
                     f"{'met' if mine[1] >= want else 'NOT met'} ({how})"))
     roof = next((r for r in rows if r[0].startswith("roofline:")), None)
     graph = _cell(rows, "ktinject graph", 1)
     if quant == "bf16" and roof is not None and graph is not None:
         share = graph / float(roof[1].replace(",", ""))
-        out.append((f"target: bf16 >= {100 * ROOFLINE_SHARE:.0f}% of the roofline", "", f"{100 * share:.0f}%",
-                    f"{'met' if share >= ROOFLINE_SHARE else 'NOT met'} (graph {graph:,.1f} vs roofline {roof[1]} "
-                    "tok/s, this run)"))
+        out.append((f"target: bf16 >= {100 * ROOFLINE_SHARE:.0f}% of the roofline", f"{graph:,.1f}", "",
+                    f"{'met' if share >= ROOFLINE_SHARE else 'NOT met'}: {100 * share:.0f}% (graph {graph:,.1f} vs "
+                    f"roofline {roof[1]} tok/s, this run)"))
     gpu = _cell(rows, "split: GPU + handshakes (experts muted)", 2)
     if gpu is None:
         gpu = _cell(rows, "defer: GPU + handshakes (experts muted, d=0)", 2)
@@ -428,26 +442,31 @@ def our_rate(rows) -> tuple[str, float] | None:
 
 def peer_rows(args, ours: dict) -> list[tuple[str, str, str, str]]:
     """llama-bench's decode of --tokens tokens for each --peer-model, after ktinject's rows (the same call), and each
-    quant's tok/s against its GGUF type's (``peer.PAIRS``)."""
+    quant's tok/s against its GGUF type's (``peer.PAIRS``): a ratio only for the whole model (or x L/48) at batch 1."""
     print(f"# peer: {args.peer} on {args.peer_model}, decode {args.tokens} tokens (this takes a while)", flush=True)
     results, errors = peer.run_all(args, gen=args.tokens)
     rows = [("peer failed", "n/a", "", e) for e in errors]
     for r in results:
         if r.n_gen:
             rows.append((f"{r.label} decode {r.n_gen}", f"{r.tok_s:,.1f}", _fmt_ms(1 / r.tok_s),
-                         f"runs {r.runs()} tok/s; {r.model} ({r.model_type}), 48 layers, batch 1, llama-bench -t "
-                         f"{args.peer_threads or os.cpu_count()} -r {args.peer_reps}"))
-    scale = 1.0 if args.tiny else args.layers / 48
+                         peer.note(r, args) + ", batch 1"))
+    scale = args.layers / 48
     for quant, (row, rate) in ours.items():
+        gap = peer.missing(quant, results)
+        if gap:
+            rows.append((f"{quant} / llama.cpp", "n/a", "", gap))
         theirs = [r for r in peer.paired(quant, results) if r.n_gen]
         if not theirs:
             continue
+        what = f"{quant} / {theirs[0].label}"
+        if args.tiny or args.batch != 1:
+            rows.append((what, "n/a", "", "--tiny: not the peer's model" if args.tiny else
+                         f"batch {args.batch}: llama-bench decodes one sequence"))
+            continue
         ratio = rate * scale / theirs[0].tok_s
-        note = (f"ktinject {quant} ({row!r}{'' if scale == 1 else f' x {args.layers}/48 layers'}) "
-                f"{rate * scale:,.1f} tok/s vs {theirs[0].tok_s:,.1f}"
-                + ("; --tiny: not the peer's model" if args.tiny else "") + (f"; batch {args.batch} vs 1"
-                                                                             if args.batch != 1 else ""))
-        rows.append((f"{quant} / {theirs[0].label}", f"{ratio:.2f}x", "", note))
+        rows.append((what, f"{ratio:.2f}x", "",
+                     f"ktinject {quant} ({row!r}{'' if scale == 1 else f' x {args.layers}/48 layers'}) "
+                     f"{rate * scale:,.1f} tok/s vs {theirs[0].tok_s:,.1f} ({theirs[0].model})"))
     for r in rows:
         print("# " + " | ".join(x for x in r if x), flush=True)
     return rows

@@ -7,7 +7,8 @@ day say little. ``bench decode`` and ``bench prefill`` take
     --peer PATH          a llama-bench binary (built by the user, e.g. ``../shared/tools/peer-llamacpp.sh build``;
                          nothing is downloaded or built here)
     --peer-model GGUF    one or more comma-separated GGUF files of the same model (e.g. Q4_0 and Q8_0)
-    --peer-threads N     llama-bench's -t (default: every core)
+    --peer-threads N     llama-bench's -t (default: the physical cores this process may use, as llama.cpp's own
+                         default)
     --peer-reps N        llama-bench's -r (default 3)
     --peer-args "..."    more llama-bench options, as one string (e.g. "-ub 2048")
 
@@ -76,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the CPU (-ot exps=CPU) is timed after ktinject, in this run")
     g.add_argument("--peer-model", metavar="GGUF", default=None,
                    help="comma-separated GGUF files for --peer (e.g. a Q4_0 and a Q8_0 of the same model)")
-    g.add_argument("--peer-threads", type=int, default=None, help="llama-bench -t (default: every core)")
+    g.add_argument("--peer-threads", type=int, default=None, help="llama-bench -t (default: the physical cores this "
+                   "process may use)")
     g.add_argument("--peer-reps", type=int, default=3, help="llama-bench -r: repetitions of each test")
     g.add_argument("--peer-args", default="", help="more llama-bench options, one string (e.g. \"-ub 2048\")")
 
@@ -122,27 +124,49 @@ def models(text: str) -> list[str]:
     return paths
 
 
+def default_threads() -> int:
+    """llama-bench's -t when --peer-threads is not given: the physical cores this process may run on (llama.cpp's
+    own default is its physical cores; a cpuset or an affinity mask can allow fewer)."""
+    from ktinject import native
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(native.physical_cores(), usable))
+
+
+def threads_of(args) -> int:
+    return args.peer_threads or default_threads()
+
+
 def command(binary: str, model: str, prompts=(), gen: int = 0, threads: int | None = None, reps: int = 3,
             extra: str = "") -> list[str]:
     """llama-bench's command line: experts on the CPU, everything else on GPU 0, flash attention, JSON out."""
-    cmd = [binary, "-m", model, "-ngl", "99", "-ot", "exps=CPU", "-fa", "1", "-t", str(threads or os.cpu_count()),
+    cmd = [binary, "-m", model, "-ngl", "99", "-ot", "exps=CPU", "-fa", "1", "-t", str(threads or default_threads()),
            "-r", str(reps), "-p", ",".join(str(int(p)) for p in prompts) if prompts else "0", "-n", str(int(gen)),
            "-o", "json"]
     return cmd + shlex.split(extra)
 
 
+def _json_list(text: str):
+    """The first JSON list in ``text`` that starts a line (llama-bench may print log lines first, and they may hold
+    brackets); PeerError where there is none."""
+    decoder, err = json.JSONDecoder(), None
+    for m in re.finditer(r"^[ \t]*\[", text, flags=re.M):
+        try:
+            data, _ = decoder.raw_decode(text, m.end() - 1)
+        except json.JSONDecodeError as e:
+            err = err or e
+            continue
+        if isinstance(data, list):
+            return data
+    why = f" ({err.msg} at character {err.pos})" if err is not None else " (no list of tests in it)"
+    raise PeerError(f"llama-bench output is not JSON{why}: was it run with -o json?")
+
+
 def parse(text: str, model: str = "") -> list[PeerResult]:
     """llama-bench's ``-o json`` output -> PeerResults (PeerError naming what is missing where it is not that)."""
-    start = text.find("[")  # log lines may come first
-    if start < 0:
-        raise PeerError("llama-bench output is not JSON (no list of tests in it): was it run with -o json?")
-    try:
-        data = json.loads(text[start:])
-    except json.JSONDecodeError as e:
-        raise PeerError(f"llama-bench output is not JSON ({e.msg} at character {e.pos}): was it run with -o json?") \
-            from None
-    if not isinstance(data, list):
-        raise PeerError("llama-bench output: expected a JSON list of tests (-o json)")
+    data = _json_list(text)
+    if not data:
+        raise PeerError("llama-bench output: an empty list of tests (no -p / -n test ran)")
     out = []
     for i, t in enumerate(data):
         if not isinstance(t, dict):
@@ -166,7 +190,7 @@ def run(binary: str, model: str, prompts=(), gen: int = 0, threads: int | None =
     """Run llama-bench on ``model`` for prefill tests of ``prompts`` tokens and / or a decode test of ``gen``."""
     cmd = command(find_binary(binary), model, prompts, gen, threads, reps, extra)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         raise PeerError(f"llama-bench did not finish within {timeout:.0f} s: {shlex.join(cmd)}") from None
     except OSError as e:
@@ -181,16 +205,35 @@ def run_all(args, prompts=(), gen: int = 0) -> tuple[list[PeerResult], list[str]
     """Every ``--peer-model`` through llama-bench with the bench's peer options: (results, errors: one line per
     GGUF that failed)."""
     results, errors = [], []
-    for m in models(args.peer_model):
+    try:
+        paths = models(args.peer_model)
+    except PeerError as e:  # checked before the run; a file may have gone since
+        return [], [str(e)]
+    for m in paths:
         try:
-            results += run(args.peer, m, prompts, gen, args.peer_threads, args.peer_reps, args.peer_args)
+            results += run(args.peer, m, prompts, gen, threads_of(args), args.peer_reps, args.peer_args)
         except PeerError as e:
             errors.append(f"{os.path.basename(m)}: {e}")
     return results, errors
 
 
+def note(r: PeerResult, args) -> str:
+    """A peer row's note: its runs, the GGUF and how llama-bench ran."""
+    return f"runs {r.runs()} tok/s; {r.model} ({r.model_type}), llama-bench -t {threads_of(args)} -r {args.peer_reps}"
+
+
+def missing(quant: str, results: list[PeerResult]) -> str | None:
+    """Where ``quant`` has no paired GGUF among ``results`` (but some GGUF ran): a line saying so, else None."""
+    if not results or paired(quant, results):
+        return None
+    got = sorted({r.gguf_type or r.model_type for r in results})
+    return (f"no {' / '.join(PAIRS.get(quant, ('?',)))} GGUF among --peer-model to compare {quant} with (got "
+            f"{', '.join(got)})")
+
+
 def paired(quant: str, results: list[PeerResult]) -> list[PeerResult]:
-    """The results of the GGUF type ``quant`` is compared with (``PAIRS``; the first type present)."""
+    """The results of the GGUF type ``quant`` is compared with (``PAIRS``; the first type present; of several GGUFs
+    of that type, the first given comes first, and the rows name its file)."""
     for t in PAIRS.get(quant, ()):
         got = [r for r in results if r.gguf_type == t]
         if got:

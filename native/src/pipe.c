@@ -6,9 +6,10 @@
  * phase's ramp; a batch's decode step pays the same per layer. Here one phase holds both: units [0, A * UI) are
  * gate/up (expert a, block b) as in the two-phase path, then [A * UI, + groups * UHc) down (the experts of
  * group eg, at most PIPE_DN_EXPERTS, sizes balanced; column group g of PIPE_DN_BLOCKS blocks of H), claimed in that
- * order in guided chunks, so a down unit of the first experts overlaps the gate/up tail of the last. The thread that ends an expert's last
- * gate/up unit quantizes its h rows and marks them ready; a down unit waits for its experts' marks (every gate/up unit is claimed before
- * any down unit, and a chunk runs its units in order, so the wait is for units running threads hold: no deadlock)
+ * order in guided chunks, so a down unit of the first experts overlaps the gate/up tail of the last. The thread
+ * that ends an expert's last gate/up unit quantizes its h rows and marks them ready; a down unit waits for its
+ * experts' marks (every gate/up unit is claimed before any down unit, and a chunk runs its units in order, so the
+ * wait is for units running threads hold: no deadlock)
  * and writes each row's output for its columns into yd; the thread that ends a column group's last expert group
  * sums it per token, the token's rows in ascending order (= experts in ascending order, as down_run sums), acc = 0;
  * acc += w * (y + bias): the same bits as the two-phase path (tested). The same kernel calls as that path: one-row
