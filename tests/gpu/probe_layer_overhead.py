@@ -1,6 +1,8 @@
 """What a prefill layer costs outside its routed experts (``policy.Costs.layer_s``): a 512-token prefill on the CPU
 path with every routed expert muted (the native skip mask all 1: the pool returns at once) against the same with
-experts, per layer; then one muted forward under torch.profiler (CPU activities): the ops by host time.
+experts, per layer; the host's time a layer split between attention, the MoE block and the rest (hooks); then one
+muted forward under torch.profiler (CPU and CUDA activities): the ops by host time and by GPU time (``--trace
+FILE``: its chrome trace too).
 
     python tests/gpu/probe_layer_overhead.py [--layers 12] [--quant int8] [--tokens 512] [--reps 5]
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -15,6 +18,44 @@ import ktinject
 from ktinject.bench.model import bench_model
 from ktinject.bench.prefill import time_prefill
 from ktinject.gpu_experts import stream
+
+
+def host_split(model, run) -> str:
+    """Where a forward's host time goes, a layer: the host's time inside each decoder layer's attention module and
+    MLP (the MoE block: routing, its copies, the native task, the host's wait for the routing) and the rest of the
+    layer (norms, residual adds), from perf_counter hooks on one run (medians over the layers; the hooks' own cost
+    is a few us)."""
+    from ktinject.graph import decoder_layers
+
+    spans: dict[str, list[float]] = {"layer": [], "attention": [], "mlp": []}
+    hooks, starts = [], {}
+
+    def watch(module, name):
+        def pre(mod, args, kwargs=None):
+            starts[id(mod)] = time.perf_counter()
+
+        def post(mod, args, *rest):
+            spans[name].append(time.perf_counter() - starts.pop(id(mod)))
+
+        hooks.append(module.register_forward_pre_hook(pre))
+        hooks.append(module.register_forward_hook(post))
+
+    for layer in decoder_layers(model):
+        watch(layer, "layer")
+        watch(layer.self_attn, "attention")
+        watch(layer.mlp, "mlp")
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    med = {k: 1e3 * statistics.median(v) for k, v in spans.items() if v}
+    if len(med) < 3:
+        return "host split: no decoder layers seen"
+    rest = med["layer"] - med["attention"] - med["mlp"]
+    return (f"host time a layer (median of {len(spans['layer'])}): {med['layer']:.3f} ms = attention "
+            f"{med['attention']:.3f} + MoE block {med['mlp']:.3f} (routing, copies, native task, waits) + rest "
+            f"{rest:.3f} (norms, residual adds)")
 
 
 def main():
@@ -43,6 +84,7 @@ def main():
     print(f"# {a.quant}, {L} layers, {a.tokens} tokens, cpu path: with experts {1e3 * full:.1f} ms "
           f"({1e3 * full / L:.2f} a layer), experts muted {1e3 * muted:.1f} ms ({1e3 * muted / L:.2f} a layer)",
           flush=True)
+    print("# " + host_split(model, lambda: time_prefill(model, a.tokens, device)), flush=True)
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
