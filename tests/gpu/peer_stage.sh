@@ -2,12 +2,17 @@
 # ktinject beside llama.cpp (llama-bench, experts on the CPU) in one device call, for issues 18 and 19. From the
 # repository root on the GPU machine, carry [".whl", ".peer"] (`bash ../shared/tools/peer-llamacpp.sh fetch` here
 # first):
-#   bash tests/gpu/peer_stage.sh [build] [prefill] [decode]      (default: all three)
+#   bash tests/gpu/peer_stage.sh [build] [prefill] [decode] [defer] [noise]   (default: build prefill decode)
 #   build    llama-bench -> /tmp/lbuild/bin (~5 min), random Qwen3-30B-A3B GGUFs /tmp/q.gguf (Q4_0) and, with
 #            Q8=1, /tmp/q8.gguf (Q8_0); skipped where they are there (/tmp survives while the machine stays warm)
 #   prefill  python -m ktinject.bench prefill --layers 12 (PQUANTS, default int4; LENGTHS, default 2048,8192;
 #            MODES, default cpu,gpu,auto) --peer ... : llama-bench's prefill of the same lengths after ours
 #   decode   python -m ktinject.bench decode --quant DQUANTS (default int4) --defer 0 (three rounds) --peer ...
+#            (issue 18's targets judged in its output: tok/s, the GPU part)
+#   defer    ... decode --quant int4 --defer 0,3 --prompt 8192 (issue 20: d=3 against d=0 at an 8K context)
+#   noise    ... decode --quant int4 --noise 1,2,4 --noise-only (issue 18: one busy core, the spread of the runs)
+# A whole pass (build ~5.5 min, prefill ~2.5, decode ~2 a quant, defer ~2.5, noise ~3) takes two or three calls:
+# /tmp (the peer, the GGUFs) survives between them while the machine stays warm (30 s).
 # Logs: $OUT/peer-<step>.log; the rows that matter are printed.
 set -uo pipefail
 source tests/gpu/stage_lib.sh
@@ -45,8 +50,23 @@ if [[ " $want " == *" decode "* ]]; then
   python3 -m ktinject.bench decode --quant "${DQUANTS:-int4}" --defer 0 --tokens 64 "${peer[@]}" \
     > "$OUT/peer-decode.log" 2>&1
   echo "rc=$? $(steal)"
-  grep -E "^\| .*(defer 0: graph|llama|/ llama|peer|CPU experts alone  )" "$OUT/peer-decode.log" | cut -c1-300
+  grep -E "^\| .*(defer 0: graph|llama|/ llama|peer|target|CPU experts alone  )" "$OUT/peer-decode.log" | cut -c1-300
   steps+=("decode $((SECONDS - t0))s")
+fi
+if [[ " $want " == *" defer "* ]]; then
+  t0=$SECONDS; echo "=== defer, $(steal)"
+  python3 -m ktinject.bench decode --quant int4 --defer 0,3 --prompt 8192 --tokens 64 --defer-rounds 3 \
+    > "$OUT/peer-defer.log" 2>&1
+  echo "rc=$? $(steal)"
+  grep -E "^\| defer" "$OUT/peer-defer.log" | cut -c1-330
+  steps+=("defer $((SECONDS - t0))s")
+fi
+if [[ " $want " == *" noise "* ]]; then
+  t0=$SECONDS; echo "=== noise, $(steal)"
+  python3 -m ktinject.bench decode --quant int4 --noise 1,2,4 --noise-only --tokens 64 > "$OUT/peer-noise.log" 2>&1
+  echo "rc=$? $(steal)"
+  grep -E "^\| (noise [0-9]+: |target)" "$OUT/peer-noise.log" | cut -c1-300
+  steps+=("noise $((SECONDS - t0))s")
 fi
 echo "=== $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader)"
 printf '%s\n' "${steps[@]}"
