@@ -20,8 +20,8 @@ from ktinject._nativelib import (  # noqa: F401  (re-exported)
     ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_ISA, ERR_NOMEM, ERR_NULL, ERR_RANGE, ERR_SHAPE, ERR_STATE, ERR_THREAD,
     ERROR_NAMES, GROUP_SIZES, ISA_NAMES, MATRICES, OK, QUANTS, NativeError, Pool,
     _check, _cint, _native, _ptr, _tensor, available_isas, best_isa, cpu_features, default_pool, isa, library_path,
-    physical_cores, default_threads, set_default_threads, set_isa, version, RawMatrix, experts_raw, experts_region,
-    experts_region_view)
+    physical_cores, default_threads, set_default_threads, set_isa, usable_cpus, version, RawMatrix, experts_raw,
+    experts_region, experts_region_view)
 
 log = logging.getLogger(__name__)
 
@@ -400,5 +400,5 @@ def host_fn_addresses() -> tuple[int, int]:
 
 __all__ = ["NativeError", "OK", "ERR_NULL", "ERR_SHAPE", "ERR_RANGE", "ERR_DTYPE", "ERR_ISA", "ERR_NOMEM",
            "ERR_STATE", "ERR_THREAD", "ERROR_NAMES", "ISA_NAMES", "version", "cpu_features", "isa", "best_isa",
-           "available_isas", "set_isa", "physical_cores", "library_path", "Pool", "default_pool",
+           "available_isas", "set_isa", "physical_cores", "usable_cpus", "library_path", "Pool", "default_pool",
            "default_threads", "set_default_threads", "Experts", "Task", "valid_defer", "host_fn_addresses"]

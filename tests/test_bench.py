@@ -173,7 +173,7 @@ def test_serve_measured_roofline_matches_uniform_when_routing_is():
 def test_decode_target_rows_judge_what_the_run_measured():
     from types import SimpleNamespace
 
-    from ktinject.bench.decode import target_rows
+    from ktinject.bench.targets import target_rows
 
     args = SimpleNamespace(tiny=False, layers=48, batch=1)
     rows = [("roofline: 3.62 GB bf16 experts/token at 124.4 GB/s", "34.3", "29.15", ""),
@@ -195,7 +195,7 @@ def test_decode_target_rows_judge_what_the_run_measured():
 def test_decode_noise_targets():
     from types import SimpleNamespace
 
-    from ktinject.bench.decode import noise_targets
+    from ktinject.bench.targets import noise_targets
 
     args = SimpleNamespace(tiny=False, layers=48, batch=1)
     quiet, busy = [0.0100, 0.0104, 0.0102], [0.0110, 0.0125, 0.0112]  # s a token

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ktinject.bench import decode, peer, prefill
+from ktinject.bench import decode, peer, prefill, targets
 
 # what llama-bench -o json prints (fields trimmed to those read, plus two it also prints)
 SAMPLE = """[
@@ -191,10 +191,10 @@ def test_prefill_rows_compare_each_quant_with_its_gguf(tmp_path, gguf):
 
 
 def test_decode_rows_and_our_rate(tmp_path, gguf):
-    assert decode.our_rate([("ktinject graph", "71.5", "", ""), ("defer 0: graph decode", "80.0", "", "")]) == (
+    assert targets.our_rate([("ktinject graph", "71.5", "", ""), ("defer 0: graph decode", "80.0", "", "")]) == (
         "defer 0: graph decode", 80.0)
-    assert decode.our_rate([("ktinject graph", "1,071.5", "", "")]) == ("ktinject graph", 1071.5)
-    assert decode.our_rate([("ktinject graph", "n/a", "", "")]) is None
+    assert targets.our_rate([("ktinject graph", "1,071.5", "", "")]) == ("ktinject graph", 1071.5)
+    assert targets.our_rate([("ktinject graph", "n/a", "", "")]) is None
     args = _args(peer=_fake(tmp_path, ECHO), peer_model=gguf[0], layers=12)
     rows = {r[0]: r for r in decode.peer_rows(args, {"int4": ("ktinject graph", 240.0), "int8": ("x", 1.0)})}
     assert rows["llama.cpp Q4_0 -ot exps=CPU decode 64"][1] == "30.0"

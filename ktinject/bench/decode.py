@@ -22,9 +22,7 @@ max(CPU, GPU) of this run (``ktinject.bench.defer``).
 ``--peer PATH --peer-model GGUF[,GGUF]`` times llama.cpp's llama-bench (experts on the CPU) on those GGUFs after
 ktinject's rows, in the same run, and compares each quant with its GGUF type (``ktinject.bench.peer``).
 Last, per quant, issue 18's targets that the run measured, each judged met / NOT met in the bench's own output
-(``target_rows``; whole model at batch 1 only): int4 >= 90 and int8 >= 55 tok/s through generate (the median of the
-``--defer 0`` rounds where they ran), bf16 >= 80% of the run's roofline, the GPU part <= 2 ms; with ``--noise``,
-one busy core >= 85% of the quiet speed and each level's runs within 15% of their median.
+(``ktinject.bench.targets``, which lists them; whole model at batch 1 only).
 ``--tiny`` runs the same flow on the tiny qwen3_moe test model (CPU-only machines too: GPU rows say n/a).
 The measurements themselves are in ``bench/timing.py``. Legend: B batch, P prompt tokens, N new tokens, L layers.
 """
@@ -44,6 +42,7 @@ from ktinject.bench.memory import measure_read_bandwidth
 from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and the probe build the same model)
     set_generation_defaults, build_model, build_tiny,
 )
+from ktinject.bench.targets import noise_targets, our_rate, target_rows
 from ktinject.bench.timing import (  # the measurements (bench serve imports two of them from here too)
     cpu_expert_time, expert_bytes_per_token, gen_time, graph_replay, hf_decode, ktinject_decode, muted_replay,
     paired_overhead, profile_line, profile_replay, wrap_cpu_experts,
@@ -145,27 +144,6 @@ def _decode_rate(model, prompt, tokens: int) -> float:
     """Seconds per decode token through ktinject.generate with the model's current runner (no new capture)."""
     t1 = min(gen_time(model, prompt, 1) for _ in range(2))
     return (gen_time(model, prompt, tokens + 1) - t1) / tokens
-
-
-def noise_targets(times: dict[int, list[float]], args) -> list[tuple[str, str, str, str]]:
-    """Issue 18's interference targets from ``times`` (noise level -> seconds a token of each run; 0 = quiet): one
-    busy core keeps >= NOISE_SHARE of the quiet speed (medians), and each level's runs lie within SPREAD of their
-    median. Judged for the whole model at batch 1 with 3 runs or more a level (the targets' setting), else none."""
-    runs = min(len(v) for v in times.values())
-    if args.tiny or args.layers != 48 or args.batch != 1 or runs < 3 or 0 not in times:
-        return []
-    out = []
-    quiet = statistics.median(times[0])
-    if 1 in times:
-        share = quiet / statistics.median(times[1])
-        out.append((f"target: one core busy (--noise 1) >= {100 * NOISE_SHARE:.0f}% of the quiet speed", "", "",
-                    f"{'met' if share >= NOISE_SHARE else 'NOT met'}: {100 * share:.0f}%"))
-    spreads = {n: (max(v) - min(v)) / statistics.median(v) for n, v in times.items()}
-    worst = max(spreads, key=spreads.get)
-    out.append((f"target: each level's runs within {100 * SPREAD:.0f}% of their median", "", "",
-                f"{'met' if spreads[worst] <= SPREAD else 'NOT met'}: the widest {100 * spreads[worst]:.0f}% (noise "
-                f"{worst}, {len(times[worst])} runs)"))
-    return out
 
 
 def _noise_rows(model, prompt, args, rows: list, graphs: bool) -> None:
@@ -373,102 +351,35 @@ def print_table(rows, args) -> None:
           f"{', noise ' + args.noise if args.noise else ''})", flush=True)
 
 
-#: issue 18's targets (GPU machine, Qwen3-30B-A3B shapes, batch 1): tok/s through generate (median of three runs),
-#: bf16's share of its run's roofline, the GPU part of a step (muted replay), and under interference
-TARGET_TOK_S = {"int4": 90.0, "int8": 55.0}
-ROOFLINE_SHARE = 0.8
-GPU_PART_S = 2.0e-3
-NOISE_SHARE, SPREAD = 0.85, 0.15
-
-
-def _cell(rows, what: str, col: int) -> float | None:
-    """The number in column ``col`` of the row named ``what`` (None where absent or not a number)."""
-    for r in rows:
-        if r[0] == what:
-            try:
-                return float(r[col].replace(",", ""))
-            except (ValueError, AttributeError):
-                return None
-    return None
-
-
-def target_rows(quant: str, rows, args) -> list[tuple[str, str, str, str]]:
-    """Issue 18's targets that this run measured, for one quant's ``rows``, each judged: "met" / "NOT met"."""
-    out = []
-    if args.tiny or args.layers != 48 or args.batch != 1:
-        return out  # the targets are of the whole model at batch 1
-    mine = our_rate(rows)
-    want = TARGET_TOK_S.get(quant)
-    if mine is not None and want is not None:
-        rounds = getattr(args, "defer_rounds", 3)
-        how = f"median of {rounds} runs" if mine[0] == OUR_ROWS[0] else "one run; --defer 0 gives the median of 3"
-        out.append((f"target: {quant} >= {want:g} tok/s through generate", f"{mine[1]:,.1f}", "",
-                    f"{'met' if mine[1] >= want else 'NOT met'} ({how})"))
-    roof = next((r for r in rows if r[0].startswith("roofline:")), None)
-    graph = _cell(rows, "ktinject graph", 1)
-    if quant == "bf16" and roof is not None and graph is not None:
-        share = graph / float(roof[1].replace(",", ""))
-        out.append((f"target: bf16 >= {100 * ROOFLINE_SHARE:.0f}% of the roofline", f"{graph:,.1f}", "",
-                    f"{'met' if share >= ROOFLINE_SHARE else 'NOT met'}: {100 * share:.0f}% (graph {graph:,.1f} vs "
-                    f"roofline {roof[1]} tok/s, this run)"))
-    gpu = _cell(rows, "split: GPU + handshakes (experts muted)", 2)
-    if gpu is None:
-        gpu = _cell(rows, "defer: GPU + handshakes (experts muted, d=0)", 2)
-    if gpu is not None:
-        card = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-        out.append((f"target: GPU part (muted replay) <= {GPU_PART_S * 1e3:g} ms", "", f"{gpu:.2f}",
-                    f"{'met' if gpu <= GPU_PART_S * 1e3 else 'NOT met'} ({card})"))
-    for r in out:
-        print("# " + " | ".join(x for x in r if x), flush=True)
-    return out
-
-
-#: the rows whose tok/s is ktinject's decode figure for the peer comparison, in order of preference: the median of
-#: the rounds at d = 0 (``--defer 0,...``), else the one graph run
-OUR_ROWS = ("defer 0: graph decode", "ktinject graph")
-
-
-def our_rate(rows) -> tuple[str, float] | None:
-    """(row, tok/s) of ktinject's decode in one quant's ``rows`` (``OUR_ROWS``), None where none ran."""
-    for want in OUR_ROWS:
-        for what, rate, *_ in rows:
-            if what == want:
-                try:
-                    return what, float(rate.replace(",", ""))
-                except ValueError:
-                    return None
-    return None
-
-
 def peer_rows(args, ours: dict) -> list[tuple[str, str, str, str]]:
     """llama-bench's decode of --tokens tokens for each --peer-model, after ktinject's rows (the same call), and each
     quant's tok/s against its GGUF type's (``peer.PAIRS``): a ratio only for the whole model (or x L/48) at batch 1."""
     print(f"# peer: {args.peer} on {args.peer_model}, decode {args.tokens} tokens (this takes a while)", flush=True)
     results, errors = peer.run_all(args, gen=args.tokens)
-    rows = [("peer failed", "n/a", "", e) for e in errors]
+    rows: list = []
+    for e in errors:
+        _add(rows, ("peer failed", "n/a", "", e))
     for r in results:
         if r.n_gen:
-            rows.append((f"{r.label} decode {r.n_gen}", f"{r.tok_s:,.1f}", _fmt_ms(1 / r.tok_s),
-                         peer.note(r, args) + ", batch 1"))
+            _add(rows, (f"{r.label} decode {r.n_gen}", f"{r.tok_s:,.1f}", _fmt_ms(1 / r.tok_s),
+                        peer.note(r, args) + ", batch 1"))
     scale = args.layers / 48
     for quant, (row, rate) in ours.items():
         gap = peer.missing(quant, results)
         if gap:
-            rows.append((f"{quant} / llama.cpp", "n/a", "", gap))
+            _add(rows, (f"{quant} / llama.cpp", "n/a", "", gap))
         theirs = [r for r in peer.paired(quant, results) if r.n_gen]
         if not theirs:
             continue
         what = f"{quant} / {theirs[0].label}"
         if args.tiny or args.batch != 1:
-            rows.append((what, "n/a", "", "--tiny: not the peer's model" if args.tiny else
-                         f"batch {args.batch}: llama-bench decodes one sequence"))
+            _add(rows, (what, "n/a", "", "--tiny: not the peer's model" if args.tiny else
+                        f"batch {args.batch}: llama-bench decodes one sequence"))
             continue
         ratio = rate * scale / theirs[0].tok_s
-        rows.append((what, f"{ratio:.2f}x", "",
-                     f"ktinject {quant} ({row!r}{'' if scale == 1 else f' x {args.layers}/48 layers'}) "
-                     f"{rate * scale:,.1f} tok/s vs {theirs[0].tok_s:,.1f} ({theirs[0].model})"))
-    for r in rows:
-        print("# " + " | ".join(x for x in r if x), flush=True)
+        _add(rows, (what, f"{ratio:.2f}x", "",
+                    f"ktinject {quant} ({row!r}{'' if scale == 1 else f' x {args.layers}/48 layers'}) "
+                    f"{rate * scale:,.1f} tok/s vs {theirs[0].tok_s:,.1f} ({theirs[0].model})"))
     return rows
 
 
@@ -483,7 +394,8 @@ def main(argv=None) -> int:
     rows, ours = [], {}
     for i, q in enumerate(quants):
         got = run(args, q, first=i == 0)  # the model goes with run's frame before the next build
-        got += target_rows(q, got, args)
+        for row in target_rows(q, got, args):
+            _add(got, row)
         mine = our_rate(got)
         if mine is not None:
             ours[q] = mine

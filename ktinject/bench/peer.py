@@ -129,8 +129,7 @@ def default_threads() -> int:
     own default is its physical cores; a cpuset or an affinity mask can allow fewer)."""
     from ktinject import native
 
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(native.physical_cores(), usable))
+    return max(1, min(native.physical_cores(), native.usable_cpus()))
 
 
 def threads_of(args) -> int:

@@ -37,36 +37,23 @@ if [[ " $want " == *" build "* ]]; then
   steps+=("build $((SECONDS - t0))s")
 fi
 peer=(--peer $LB --peer-model "$models" --peer-reps "${PEER_REPS:-3}")
-if [[ " $want " == *" prefill "* ]]; then
-  t0=$SECONDS; echo "=== prefill, $(steal)"
+bench_step() {  # bench_step NAME ROWS CMD...: run when NAME was asked for, log, print the rows matching ROWS
+  local name=$1 rows=$2 t0=$SECONDS; shift 2
+  [[ " $want " == *" $name "* ]] || return 0
+  echo "=== $name, $(steal)"
+  "$@" > "$OUT/peer-$name.log" 2>&1
+  echo "rc=$? $(steal)"
+  grep -E "$rows" "$OUT/peer-$name.log" | cut -c1-330
+  steps+=("$name $((SECONDS - t0))s")
+}
+bench_step prefill "^\| .*(prefill [0-9]+ |target|peer)" \
   python3 -m ktinject.bench prefill --layers 12 --quant "${PQUANTS:-int4}" --prefill "${LENGTHS:-2048,8192}" \
-    --mode "${MODES:-cpu,gpu,auto}" --reps "${REPS:-2}" "${peer[@]}" > "$OUT/peer-prefill.log" 2>&1
-  echo "rc=$? $(steal)"
-  grep -E "^\| .*(prefill [0-9]+ |target|peer)" "$OUT/peer-prefill.log" | cut -c1-260
-  steps+=("prefill $((SECONDS - t0))s")
-fi
-if [[ " $want " == *" decode "* ]]; then
-  t0=$SECONDS; echo "=== decode, $(steal)"
-  python3 -m ktinject.bench decode --quant "${DQUANTS:-int4}" --defer 0 --tokens 64 "${peer[@]}" \
-    > "$OUT/peer-decode.log" 2>&1
-  echo "rc=$? $(steal)"
-  grep -E "^\| .*(defer 0: graph|llama|/ llama|peer|target|CPU experts alone  )" "$OUT/peer-decode.log" | cut -c1-300
-  steps+=("decode $((SECONDS - t0))s")
-fi
-if [[ " $want " == *" defer "* ]]; then
-  t0=$SECONDS; echo "=== defer, $(steal)"
-  python3 -m ktinject.bench decode --quant int4 --defer 0,3 --prompt 8192 --tokens 64 --defer-rounds 3 \
-    > "$OUT/peer-defer.log" 2>&1
-  echo "rc=$? $(steal)"
-  grep -E "^\| defer" "$OUT/peer-defer.log" | cut -c1-330
-  steps+=("defer $((SECONDS - t0))s")
-fi
-if [[ " $want " == *" noise "* ]]; then
-  t0=$SECONDS; echo "=== noise, $(steal)"
-  python3 -m ktinject.bench decode --quant int4 --noise 1,2,4 --noise-only --tokens 64 > "$OUT/peer-noise.log" 2>&1
-  echo "rc=$? $(steal)"
-  grep -E "^\| (noise [0-9]+: |target)" "$OUT/peer-noise.log" | cut -c1-300
-  steps+=("noise $((SECONDS - t0))s")
-fi
+    --mode "${MODES:-cpu,gpu,auto}" --reps "${REPS:-2}" "${peer[@]}"
+bench_step decode "^\| .*(defer 0: graph|llama|/ llama|peer|target|CPU experts alone  )" \
+  python3 -m ktinject.bench decode --quant "${DQUANTS:-int4}" --defer 0 --tokens 64 "${peer[@]}"
+bench_step defer "^\| defer" \
+  python3 -m ktinject.bench decode --quant int4 --defer 0,3 --prompt 8192 --tokens 64 --defer-rounds 3
+bench_step noise "^\| (noise [0-9]+: |target)" \
+  python3 -m ktinject.bench decode --quant int4 --noise 1,2,4 --noise-only --tokens 64
 echo "=== $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader)"
 printf '%s\n' "${steps[@]}"

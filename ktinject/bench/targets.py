@@ -1,0 +1,109 @@
+"""Issue 18's targets judged from ``bench decode``'s rows, so that every run says itself whether it met them.
+
+Rows are the bench's table rows (what, tok/s, ms/token, note), numbers as printed ("1,071.5"). The targets are of
+the whole model (48 layers) at batch 1 on the GPU machine; other runs get no verdict:
+
+- int4 >= 90 and int8 >= 55 tok/s through ``generate`` (the median of the ``--defer 0`` rounds where they ran, else
+  the one graph run, said so);
+- bf16 >= 80% of the run's roofline (bytes of experts a token / the read bandwidth measured in the run);
+- the GPU part of a step (muted replay) <= 2 ms, the card named;
+- with ``--noise``: one busy core keeps >= 85% of the quiet speed, and each level's runs lie within 15% of their
+  median (3 runs or more a level).
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+TARGET_TOK_S = {"int4": 90.0, "int8": 55.0}
+ROOFLINE_SHARE = 0.8
+GPU_PART_S = 2.0e-3
+NOISE_SHARE, SPREAD = 0.85, 0.15
+
+#: the rows whose tok/s is ktinject's decode figure (targets, the peer comparison), in order of preference: the
+#: median of the rounds at d = 0 (``--defer 0,...``), else the one graph run
+OUR_ROWS = ("defer 0: graph decode", "ktinject graph")
+
+
+def _row(rows, what: str):
+    return next((r for r in rows if r[0] == what), None)
+
+
+def _number(text) -> float | None:
+    """A number as the table prints it ("1,071.5"), None where it is not one ("n/a", "failed")."""
+    try:
+        return float(text.replace(",", ""))
+    except (ValueError, AttributeError):
+        return None
+
+
+def _cell(rows, what: str, col: int) -> float | None:
+    """The number in column ``col`` of the row named ``what`` (None where absent or not a number)."""
+    r = _row(rows, what)
+    return None if r is None else _number(r[col])
+
+
+def our_rate(rows) -> tuple[str, float] | None:
+    """(row, tok/s) of ktinject's decode in one quant's ``rows`` (``OUR_ROWS``), None where none ran."""
+    for want in OUR_ROWS:
+        r = _row(rows, want)
+        if r is not None:
+            rate = _number(r[1])
+            return None if rate is None else (want, rate)
+    return None
+
+
+def _whole_model(args) -> bool:
+    return not args.tiny and args.layers == 48 and args.batch == 1
+
+
+def target_rows(quant: str, rows, args) -> list[tuple[str, str, str, str]]:
+    """Issue 18's targets that this run measured, for one quant's ``rows``, each judged: "met" / "NOT met"."""
+    out = []
+    if not _whole_model(args):
+        return out
+    mine = our_rate(rows)
+    want = TARGET_TOK_S.get(quant)
+    if mine is not None and want is not None:
+        rounds = getattr(args, "defer_rounds", 3)
+        how = f"median of {rounds} runs" if mine[0] == OUR_ROWS[0] else "one run; --defer 0 gives the median of 3"
+        out.append((f"target: {quant} >= {want:g} tok/s through generate", f"{mine[1]:,.1f}", "",
+                    f"{'met' if mine[1] >= want else 'NOT met'} ({how})"))
+    roof = next((r for r in rows if r[0].startswith("roofline:")), None)
+    roof_rate = None if roof is None else _number(roof[1])
+    graph = _cell(rows, "ktinject graph", 1)
+    if quant == "bf16" and roof_rate and graph is not None:
+        share = graph / roof_rate
+        out.append((f"target: bf16 >= {100 * ROOFLINE_SHARE:.0f}% of the roofline", f"{graph:,.1f}", "",
+                    f"{'met' if share >= ROOFLINE_SHARE else 'NOT met'}: {100 * share:.0f}% (graph {graph:,.1f} vs "
+                    f"roofline {roof[1]} tok/s, this run)"))
+    gpu = _cell(rows, "split: GPU + handshakes (experts muted)", 2)
+    if gpu is None:
+        gpu = _cell(rows, "defer: GPU + handshakes (experts muted, d=0)", 2)
+    if gpu is not None:
+        card = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+        out.append((f"target: GPU part (muted replay) <= {GPU_PART_S * 1e3:g} ms", "", f"{gpu:.2f}",
+                    f"{'met' if gpu <= GPU_PART_S * 1e3 else 'NOT met'} ({card})"))
+    return out
+
+
+def noise_targets(times: dict[int, list[float]], args) -> list[tuple[str, str, str, str]]:
+    """Issue 18's interference targets from ``times`` (noise level -> seconds a token of each run; 0 = quiet): one
+    busy core keeps >= NOISE_SHARE of the quiet speed (medians), and each level's runs lie within SPREAD of their
+    median. Judged for the whole model at batch 1 with 3 runs or more a level (the targets' setting), else none."""
+    runs = min(len(v) for v in times.values())
+    if not _whole_model(args) or runs < 3 or 0 not in times:
+        return []
+    out = []
+    quiet = statistics.median(times[0])
+    if 1 in times:
+        share = quiet / statistics.median(times[1])
+        out.append((f"target: one core busy (--noise 1) >= {100 * NOISE_SHARE:.0f}% of the quiet speed", "", "",
+                    f"{'met' if share >= NOISE_SHARE else 'NOT met'}: {100 * share:.0f}%"))
+    spreads = {n: (max(v) - min(v)) / statistics.median(v) for n, v in times.items()}
+    worst = max(spreads, key=spreads.get)
+    out.append((f"target: each level's runs within {100 * SPREAD:.0f}% of their median", "", "",
+                f"{'met' if spreads[worst] <= SPREAD else 'NOT met'}: the widest {100 * spreads[worst]:.0f}% (noise "
+                f"{worst}, {len(times[worst])} runs)"))
+    return out
