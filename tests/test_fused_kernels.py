@@ -464,3 +464,18 @@ def test_pdl_chain_keeps_order(dev):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(c.cpu(), host) and not b.any()
+
+
+@pytest.mark.parametrize("times, credit, want", [
+    ({None: 9.0, (4, 2048, 4): 9.2, (8, 512, 4): 9.4}, 0.0, None),           # alone: cuBLAS is faster
+    ({None: 9.0, (4, 2048, 4): 9.2, (8, 512, 4): 9.4}, 3.0, (4, 2048, 4)),   # in the PDL chain: the kernel
+    ({None: 9.0, (4, 2048, 4): 12.5}, 3.0, None),                            # slower than the credit covers
+    ({None: 9.0, (4, 2048, 4): 8.0, (8, 512, 4): 7.5}, 0.0, (8, 512, 4)),    # the fastest kernel
+    ({None: 9.0}, 3.0, None),                                                # every config dropped
+])
+def test_linear_pick_credits_pdl(times, credit, want):
+    """fused_dense.pick: cuBLAS unless a kernel config's time, less the PDL credit (one row, PDL on), is at most
+    cuBLAS's; then the fastest config."""
+    from ktinject.operators import fused_dense
+
+    assert fused_dense.pick(times, credit) == want

@@ -1,0 +1,71 @@
+"""Which kernel runs the decode step's q/k/v projection (one row x [5120, 2048] at Qwen3-30B-A3B shapes), in turns
+in one process (not a test): cuBLAS (what ``fused_dense.choose`` measured fastest in isolation, L2 flushed) against
+Triton configs, which launch with PDL and load their first weight tile while the collect kernel before them waits
+for the CPU. Each variant captures its own decode graph (the choice overridden in ``fused_dense._CHOICE``), then
+bare replays, muted replays (GPU part + handshakes) and ``ktinject.generate``, ms a token.
+
+    python tests/gpu/probe_qkv_choice.py [--quant int4] [--layers 48] [--rounds 3] [--tokens 64] [--prompt 32]
+        [--configs cublas,4x2048x4,8x512x4]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import ktinject
+from ktinject.bench.model import bench_model
+from ktinject.bench.timing import gen_time, graph_replay, muted_replay
+from ktinject.generate import get_runner, invalidate_graphs
+from ktinject.operators import fused_dense
+
+
+def steal() -> int:
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quant", default="int4")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--configs", default="cublas,4x2048x4,8x512x4")
+    a = ap.parse_args()
+    model, device = bench_model(False, a.layers)
+    ktinject.inject(model, gpu=str(device), quant=a.quant)
+    P = a.prompt
+    prompt = torch.randint(0, model.config.vocab_size, (1, P), device=device)
+    runner = get_runner(model, prefill_chunk=2048)
+    print(f"# {a.quant}, {a.layers} layers, prompt {P}, {torch.cuda.get_device_name()}", flush=True)
+    gen_time(model, prompt, 3)  # fused_dense measures its shapes
+    keys = [k for k in fused_dense._CHOICE if k[0] == 1 and not k[5]]  # one row, no residual: q/k/v
+    print(f"# measured choices: {fused_dense._CHOICE}; overriding {keys}", flush=True)
+    variants = a.configs.split(",")
+    res: dict[str, list] = {v: [] for v in variants}
+    for r in range(a.rounds):
+        for v in variants:
+            cfg = None if v == "cublas" else tuple(int(x) for x in v.split("x"))
+            for k in keys:
+                fused_dense._CHOICE[k] = cfg
+            invalidate_graphs(model)
+            gen_time(model, prompt, 3)  # captures with this setting
+            s0 = steal()
+            bare = graph_replay(runner, 1, P, a.tokens)
+            mute = muted_replay(model, runner, 1, P, a.tokens)
+            t1 = gen_time(model, prompt, 1)
+            gen = (gen_time(model, prompt, a.tokens + 1) - t1) / a.tokens
+            res[v].append((bare, mute, gen))
+            print(f"round {r} qkv {v}: bare {bare * 1e3:.3f} ms, muted {mute * 1e3:.3f} ms, generate "
+                  f"{gen * 1e3:.3f} ms ({1 / gen:.1f} tok/s); steal +{steal() - s0}", flush=True)
+    for v, rows in res.items():
+        med = [statistics.median(x[i] for x in rows) * 1e3 for i in range(3)]
+        print(f"qkv {v:9s} median: bare {med[0]:.3f} ms, muted {med[1]:.3f} ms, generate {med[2]:.3f} ms "
+              f"({1e3 / med[2]:.1f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()
