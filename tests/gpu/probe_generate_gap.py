@@ -21,10 +21,8 @@ import time
 
 import torch
 
-import ktinject
-from ktinject.bench.model import bench_model
+from gpu_helpers import decode_setup, steal_jiffies
 from ktinject.bench.timing import _decode_graph, gen_time
-from ktinject.generate import get_runner
 
 
 class Timed:
@@ -85,11 +83,6 @@ def paced(entry, timed, runner, P, n, busy_s):
     return (time.perf_counter() - t0) / n
 
 
-def steal() -> int:
-    with open("/proc/stat") as f:
-        return int(f.readline().split()[8])
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quant", default="int4")
@@ -99,12 +92,8 @@ def main():
     ap.add_argument("--busy", type=float, default=1.0, help="ms of host Python a paced step")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
-    model, device = bench_model(False, a.layers, a.threads)
-    ktinject.inject(model, gpu=str(device), quant=a.quant)
-    P = 32
-    prompt = torch.randint(0, model.config.vocab_size, (1, P), device=device)
-    runner = get_runner(model, prefill_chunk=2048)
-    gen_time(model, prompt, 3)
+    model, prompt, runner = decode_setup(a.quant, a.layers, a.threads)
+    P = prompt.shape[1]
     entry = _decode_graph(runner, 1)
     timed = Timed(entry.graph)
     entry.graph = timed
@@ -115,7 +104,7 @@ def main():
           f"{torch.cuda.get_device_name()}", flush=True)
     rows: dict[str, list] = {"bare": [], "paced": [], "generate": []}
     for r in range(a.rounds):
-        s0 = steal()
+        s0 = steal_jiffies()
         wall = bare(entry, timed, runner, P, n)
         rows["bare"].append((wall, *timed.summary()))
         wall = paced(entry, timed, runner, P, n, a.busy / 1e3)
@@ -124,7 +113,7 @@ def main():
         timed.marks = []
         tn = gen_time(model, prompt, n + 1)
         rows["generate"].append(((tn - t1) / n, *timed.summary()))
-        print(f"round {r}: steal +{steal() - s0} jiffies; " + "; ".join(
+        print(f"round {r}: steal +{steal_jiffies() - s0} jiffies; " + "; ".join(
             f"{k} {v[-1][0] * 1e3:.2f} ms/token (replay {v[-1][1]:.2f}, gap {v[-1][2]:.3f})" for k, v in rows.items()),
             flush=True)
     for k, v in rows.items():

@@ -15,10 +15,8 @@ from collections import defaultdict
 
 import torch
 
-import ktinject
-from ktinject.bench.model import bench_model
-from ktinject.bench.timing import _decode_graph, gen_time, hybrid_blocks, muted_replay
-from ktinject.generate import get_runner
+from gpu_helpers import decode_setup
+from ktinject.bench.timing import _decode_graph, hybrid_blocks, muted_replay
 
 
 def kernels(trace_path: str) -> list[tuple[str, float, float]]:
@@ -35,12 +33,8 @@ def main():
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--trace", default=None)
     a = ap.parse_args()
-    model, device = bench_model(False, a.layers)
-    ktinject.inject(model, gpu=str(device), quant=a.quant)
-    P = 32
-    prompt = torch.randint(0, model.config.vocab_size, (1, P), device=device)
-    runner = get_runner(model, prefill_chunk=2048)
-    gen_time(model, prompt, 3)
+    model, prompt, runner = decode_setup(a.quant, a.layers)
+    P = prompt.shape[1]
     entry = _decode_graph(runner, 1)
     print(f"# muted replay {muted_replay(model, runner, 1, P, 20) * 1e3:.3f} ms ({torch.cuda.get_device_name()})")
     blocks = hybrid_blocks(model)

@@ -14,16 +14,10 @@ import statistics
 
 import torch
 
-import ktinject
-from ktinject.bench.model import bench_model
+from gpu_helpers import decode_setup, steal_jiffies
 from ktinject.bench.timing import gen_time, graph_replay, muted_replay
-from ktinject.generate import get_runner, invalidate_graphs
+from ktinject.generate import invalidate_graphs
 from ktinject.operators import fused_dense
-
-
-def steal() -> int:
-    with open("/proc/stat") as f:
-        return int(f.readline().split()[8])
 
 
 def main():
@@ -35,13 +29,9 @@ def main():
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--configs", default="cublas,4x2048x4,8x512x4")
     a = ap.parse_args()
-    model, device = bench_model(False, a.layers)
-    ktinject.inject(model, gpu=str(device), quant=a.quant)
+    model, prompt, runner = decode_setup(a.quant, a.layers, prompt_len=a.prompt)  # (fused_dense measures its shapes)
     P = a.prompt
-    prompt = torch.randint(0, model.config.vocab_size, (1, P), device=device)
-    runner = get_runner(model, prefill_chunk=2048)
     print(f"# {a.quant}, {a.layers} layers, prompt {P}, {torch.cuda.get_device_name()}", flush=True)
-    gen_time(model, prompt, 3)  # fused_dense measures its shapes
     keys = [k for k in fused_dense._CHOICE if k[0] == 1 and not k[5]]  # one row, no residual: q/k/v
     print(f"# measured choices: {fused_dense._CHOICE}; overriding {keys}", flush=True)
     variants = a.configs.split(",")
@@ -53,14 +43,14 @@ def main():
                 fused_dense._CHOICE[k] = cfg
             invalidate_graphs(model)
             gen_time(model, prompt, 3)  # captures with this setting
-            s0 = steal()
+            s0 = steal_jiffies()
             bare = graph_replay(runner, 1, P, a.tokens)
             mute = muted_replay(model, runner, 1, P, a.tokens)
             t1 = gen_time(model, prompt, 1)
             gen = (gen_time(model, prompt, a.tokens + 1) - t1) / a.tokens
             res[v].append((bare, mute, gen))
             print(f"round {r} qkv {v}: bare {bare * 1e3:.3f} ms, muted {mute * 1e3:.3f} ms, generate "
-                  f"{gen * 1e3:.3f} ms ({1 / gen:.1f} tok/s); steal +{steal() - s0}", flush=True)
+                  f"{gen * 1e3:.3f} ms ({1 / gen:.1f} tok/s); steal +{steal_jiffies() - s0}", flush=True)
     for v, rows in res.items():
         med = [statistics.median(x[i] for x in rows) * 1e3 for i in range(3)]
         print(f"qkv {v:9s} median: bare {med[0]:.3f} ms, muted {med[1]:.3f} ms, generate {med[2]:.3f} ms "
