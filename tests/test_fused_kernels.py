@@ -472,6 +472,9 @@ def test_pdl_chain_keeps_order(dev):
     ({None: 9.0, (4, 2048, 4): 12.5}, 3.0, None),                            # slower than the credit covers
     ({None: 9.0, (4, 2048, 4): 8.0, (8, 512, 4): 7.5}, 0.0, (8, 512, 4)),    # the fastest kernel
     ({None: 9.0}, 3.0, None),                                                # every config dropped
+    ({None: 9.0, (4, 2048, 4): 9.0}, 0.0, (4, 2048, 4)),                     # a tie: the kernel
+    ({(4, 2048, 4): 9.5, (8, 512, 4): 9.4}, 0.0, (8, 512, 4)),               # no cuBLAS timing: the fastest kernel
+    ({}, 0.0, None),
 ])
 def test_linear_pick_credits_pdl(times, credit, want):
     """fused_dense.pick: cuBLAS unless a kernel config's time, less the PDL credit (one row, PDL on), is at most

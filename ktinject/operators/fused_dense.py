@@ -230,7 +230,9 @@ _CHOICE: dict[tuple, tuple | None] = {}  # shape key -> config, or None for cuBL
 #: kernel before it (the collect, waiting for the CPU) runs and loads its first weight tile then, which a timing in
 #: isolation does not see. Measured for Qwen3-30B-A3B's q/k/v (tests/gpu/probe_qkv_choice.py, H100, 2026-11-27):
 #: muted decode replays 2.319 / 2.331 ms with cuBLAS against 2.152-2.168 with the kernel (two configs, two rounds),
-#: ~3.5 us a layer, where the timing alone had picked cuBLAS in some runs and the kernel in others
+#: ~3.5 us a layer, where the timing alone had picked cuBLAS in some runs and the kernel in others. Given to
+#: one-row projections without a residual or a norm (q/k/v's shape: o_proj's, with its norm fused, had the kernel
+#: already)
 PDL_CREDIT_US = 3.0
 MEASURE_FROM = 1 << 20  # weights smaller than this stay with cuBLAS unmeasured (launch-bound either way)
 
@@ -348,8 +350,9 @@ def _measure(x, weight, bias, residual, norm, configs, reps: int = 15) -> tuple 
             t1.record()
             times[c].append((t0, t1))
     torch.cuda.synchronize(x.device)
-    med = {c: statistics.median(a.elapsed_time(b) for a, b in ev) for c, ev in times.items()}
-    credit = PDL_CREDIT_US / 1e3 if x.shape[0] == 1 and fused.pdl(x) else 0.0
+    med = {c: statistics.median(a.elapsed_time(b) for a, b in times[c]) for c in cands}  # (dropped: not timed)
+    one_row = x.shape[0] == 1 and residual is None and norm is None  # (the shape the credit was measured on)
+    credit = PDL_CREDIT_US / 1e3 if one_row and fused.pdl(x) else 0.0
     best = pick(med, credit)
     kernel = min((c for c in med if c is not None), key=med.get, default=None)
     log.info("fused_dense: linear %s x %s%s: cuBLAS %.1f us, best kernel %s %.1f us (PDL credit %.1f us); using %s",

@@ -1,4 +1,5 @@
-"""Shared by the GPU test files: the reference/injected model pair and the greedy-margin check against it."""
+"""Shared by the GPU test files and probes: the reference/injected model pair and the greedy-margin check against
+it; the probes' decode set-up (bench model, prompt, runner) and the host's steal time."""
 from __future__ import annotations
 
 import torch

@@ -51,7 +51,7 @@ def reset_lengths(runner, prompt_len):
         layer.cumulative_length.fill_(prompt_len)
 
 
-def bare(entry, timed, runner, P, n):
+def bare(timed, runner, P, n):
     reset_lengths(runner, P)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -105,7 +105,7 @@ def main():
     rows: dict[str, list] = {"bare": [], "paced": [], "generate": []}
     for r in range(a.rounds):
         s0 = steal_jiffies()
-        wall = bare(entry, timed, runner, P, n)
+        wall = bare(timed, runner, P, n)
         rows["bare"].append((wall, *timed.summary()))
         wall = paced(entry, timed, runner, P, n, a.busy / 1e3)
         rows["paced"].append((wall, *timed.summary()))

@@ -1,6 +1,6 @@
 """Which kernel runs the decode step's q/k/v projection (one row x [5120, 2048] at Qwen3-30B-A3B shapes), in turns
-in one process (not a test): cuBLAS (what ``fused_dense.choose`` measured fastest in isolation, L2 flushed) against
-Triton configs, which launch with PDL and load their first weight tile while the collect kernel before them waits
+in one process (not a test): cuBLAS (what ``fused_dense.choose`` measured fastest in isolation in some runs, L2
+flushed, before ``fused_dense.pick`` credited the kernel) against Triton configs, which launch with PDL and load their first weight tile while the collect kernel before them waits
 for the CPU. Each variant captures its own decode graph (the choice overridden in ``fused_dense._CHOICE``), then
 bare replays, muted replays (GPU part + handshakes) and ``ktinject.generate``, ms a token.
 
