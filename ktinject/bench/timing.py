@@ -5,6 +5,7 @@ compare fast paths on and off. Legend: B batch, P prompt tokens, N new tokens, L
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -109,21 +110,25 @@ def replay_iters(runner, prompt_len: int, iters: int) -> int:
     return max(1, min(iters, runner.max_cache_len - prompt_len - 1))
 
 
+def reset_lengths(runner, batch: int, prompt_len: int) -> None:
+    """The runner's cache for ``batch`` back to ``prompt_len`` tokens a row in every layer (replays then decode
+    from there: each replay advances them)."""
+    for layer in runner.caches[batch].layers:
+        layer.cumulative_length.fill_(prompt_len)
+
+
 def graph_replay(runner, batch: int, prompt_len: int, iters: int, entry=None) -> float | None:
     """Seconds per bare replay of the decode graph of ``batch`` (no HF loop; or of ``entry``, one of the runner's
     graphs), or None without one."""
     entry = entry or _decode_graph(runner, batch)
     if entry is None:
         return None
-    cache = runner.caches[batch]
     iters = replay_iters(runner, prompt_len, iters)
-    for layer in cache.layers:
-        layer.cumulative_length.fill_(prompt_len)
+    reset_lengths(runner, batch, prompt_len)
     entry.graph.replay()
     torch.cuda.synchronize()
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for layer in cache.layers:
-        layer.cumulative_length.fill_(prompt_len)
+    reset_lengths(runner, batch, prompt_len)
     t0.record()
     for _ in range(iters):
         entry.graph.replay()
@@ -151,17 +156,10 @@ def profile_replay(model, runner, batch, prompt_len, iters: int = 3) -> str:
     """Kernel table of ``iters`` muted graph replays (CUPTI sees the kernels inside the graph)."""
     from torch.profiler import ProfilerActivity, profile
 
-    blocks = hybrid_blocks(model)
-    saved = [b.skip.clone() for b in blocks]
-    for b in blocks:
-        b.skip.fill_(1)
-    try:
+    with muted(model):
         graph_replay(runner, batch, prompt_len, 2)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             graph_replay(runner, batch, prompt_len, iters)
-    finally:
-        for b, s in zip(blocks, saved):
-            b.skip.copy_(s)
     avg = prof.key_averages()
     for key in ("self_device_time_total", "self_cuda_time_total"):
         try:
@@ -226,14 +224,22 @@ def cpu_expert_time(model, batch: int, passes: int = 5, profile: list | None = N
     return times
 
 
-def muted_replay(model, runner, batch, prompt_len, iters, entry=None) -> float | None:
-    """Graph replay time with every routed expert skipped (GPU work + handshakes, no CPU expert work)."""
+@contextlib.contextmanager
+def muted(model):
+    """Every routed expert of ``model`` skipped (the native skip masks all 1) inside, the masks restored after: the
+    CPU tasks still run and hand off, computing nothing."""
     blocks = hybrid_blocks(model)
     saved = [b.skip.clone() for b in blocks]
     for b in blocks:
         b.skip.fill_(1)
     try:
-        return graph_replay(runner, batch, prompt_len, iters, entry)
+        yield
     finally:
         for b, s in zip(blocks, saved):
             b.skip.copy_(s)
+
+
+def muted_replay(model, runner, batch, prompt_len, iters, entry=None) -> float | None:
+    """Graph replay time with every routed expert skipped (GPU work + handshakes, no CPU expert work)."""
+    with muted(model):
+        return graph_replay(runner, batch, prompt_len, iters, entry)

@@ -301,10 +301,15 @@ def choose(x, weight, bias, residual, norm=None) -> tuple | None:
     return _CHOICE[key]
 
 
+def _fastest_kernel(times: dict) -> tuple | None:
+    """The kernel config of ``times`` (config -> median time; None: cuBLAS) with the least time, or None."""
+    return min((c for c in times if c is not None), key=times.get, default=None)
+
+
 def pick(times: dict, credit: float = 0.0) -> tuple | None:
     """From ``times`` (config -> median time; None: cuBLAS), the fastest kernel config where its time less
     ``credit`` (PDL_CREDIT_US, same unit) is at most cuBLAS's, else None (cuBLAS)."""
-    kernel = min((c for c in times if c is not None), key=times.get, default=None)
+    kernel = _fastest_kernel(times)
     if kernel is None or (None in times and times[kernel] - credit > times[None]):
         return None
     return kernel
@@ -354,7 +359,7 @@ def _measure(x, weight, bias, residual, norm, configs, reps: int = 15) -> tuple 
     one_row = x.shape[0] == 1 and residual is None and norm is None  # (the shape the credit was measured on)
     credit = PDL_CREDIT_US / 1e3 if one_row and fused.pdl(x) else 0.0
     best = pick(med, credit)
-    kernel = min((c for c in med if c is not None), key=med.get, default=None)
+    kernel = _fastest_kernel(med)
     log.info("fused_dense: linear %s x %s%s: cuBLAS %.1f us, best kernel %s %.1f us (PDL credit %.1f us); using %s",
              tuple(x.shape), tuple(weight.shape), " + norm" if norm else "", med[None] * 1e3, kernel,
              med[kernel] * 1e3 if kernel is not None else float("nan"), credit * 1e3,

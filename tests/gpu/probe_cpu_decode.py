@@ -86,7 +86,7 @@ def graph_decode(layers: int, quant: str, tokens: int, batch: int) -> None:
     import ktinject
     from ktinject.bench.decode import ktinject_decode
     from ktinject.bench.model import build_model, set_generation_defaults
-    from ktinject.bench.timing import _decode_graph, cpu_expert_time, graph_replay, muted_replay
+    from ktinject.bench.timing import _decode_graph, cpu_expert_time, graph_replay, muted_replay, reset_lengths
     from ktinject.native import default_pool
 
     dev = torch.device("cuda")
@@ -110,8 +110,7 @@ def graph_decode(layers: int, quant: str, tokens: int, batch: int) -> None:
                   flush=True)
             show_profile(prof, "replay, one input")
             saved = ids.clone()
-            for layer in r["runner"].caches[batch].layers:
-                layer.cumulative_length.fill_(cache_len)
+            reset_lengths(r["runner"], batch, cache_len)
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for p in entry.pools:
                 p.wake()

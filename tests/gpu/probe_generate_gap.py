@@ -22,7 +22,7 @@ import time
 import torch
 
 from gpu_helpers import decode_setup, steal_jiffies
-from ktinject.bench.timing import _decode_graph, gen_time
+from ktinject.bench.timing import _decode_graph, gen_time, reset_lengths
 
 
 class Timed:
@@ -46,13 +46,8 @@ class Timed:
         return statistics.median(runs), statistics.median(gaps) if gaps else float("nan")
 
 
-def reset_lengths(runner, prompt_len):
-    for layer in runner.caches[1].layers:
-        layer.cumulative_length.fill_(prompt_len)
-
-
 def bare(timed, runner, P, n):
-    reset_lengths(runner, P)
+    reset_lengths(runner, 1, P)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -62,7 +57,7 @@ def bare(timed, runner, P, n):
 
 
 def paced(entry, timed, runner, P, n, busy_s):
-    reset_lengths(runner, P)
+    reset_lengths(runner, 1, P)
     torch.cuda.synchronize()
     done = []
     t0 = time.perf_counter()

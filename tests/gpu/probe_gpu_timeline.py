@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 
 from gpu_helpers import decode_setup
-from ktinject.bench.timing import _decode_graph, hybrid_blocks, muted_replay
+from ktinject.bench.timing import _decode_graph, muted, muted_replay, reset_lengths
 
 
 def kernels(trace_path: str) -> list[tuple[str, float, float]]:
@@ -37,26 +37,20 @@ def main():
     P = prompt.shape[1]
     entry = _decode_graph(runner, 1)
     print(f"# muted replay {muted_replay(model, runner, 1, P, 20) * 1e3:.3f} ms ({torch.cuda.get_device_name()})")
-    blocks = hybrid_blocks(model)
-    for b in blocks:
-        b.skip.fill_(1)
     from torch.profiler import ProfilerActivity, profile
 
-    for layer in runner.caches[1].layers:
-        layer.cumulative_length.fill_(P)
-    entry.graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            entry.graph.replay()
+    with muted(model):
+        reset_lengths(runner, 1, P)
+        entry.graph.replay()
         torch.cuda.synchronize()
-    for b in blocks:
-        b.skip.fill_(0)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                entry.graph.replay()
+            torch.cuda.synchronize()
     path = a.trace or tempfile.mktemp(suffix=".json")
     prof.export_chrome_trace(path)
     ks = kernels(path)
-    # steps: cut at the lm_head-sized kernel (the longest) ... simply split the list in 3 equal runs
-    n = len(ks) // 3
+    n = len(ks) // 3  # the three replays' kernels, in time order: a third each
     print(f"# {len(ks)} kernels in 3 replays ({n} a step)")
     for s in range(3):
         step = ks[s * n:(s + 1) * n]
@@ -80,7 +74,7 @@ def main():
         d, g = per[k]
         print(f"{k:60s} {len(d):5d} {statistics.median(d):8.2f} {sum(d):9.1f} "
               f"{statistics.median(g) if g else 0:8.2f} {sum(g):9.1f}")
-    # one middle layer in order
+    # a stretch of the middle replay in order: from a layer ~20 layers after the first router (5 kernels a layer)
     names = [k[0][:40] for k in step]
     first = next((i for i, nm in enumerate(names) if nm.startswith("router_k")), None)
     if first is not None:

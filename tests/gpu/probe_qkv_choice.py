@@ -1,8 +1,9 @@
-"""Which kernel runs the decode step's q/k/v projection (one row x [5120, 2048] at Qwen3-30B-A3B shapes), in turns
-in one process (not a test): cuBLAS (what ``fused_dense.choose`` measured fastest in isolation in some runs, L2
-flushed, before ``fused_dense.pick`` credited the kernel) against Triton configs, which launch with PDL and load their first weight tile while the collect kernel before them waits
-for the CPU. Each variant captures its own decode graph (the choice overridden in ``fused_dense._CHOICE``), then
-bare replays, muted replays (GPU part + handshakes) and ``ktinject.generate``, ms a token.
+"""Which kernel runs the decode step's q/k/v projection (one row x [5120, 2048] at Qwen3-30B-A3B shapes), in turns in
+one process (not a test): cuBLAS (what ``fused_dense.choose`` measured fastest in isolation in some runs, L2
+flushed, before ``fused_dense.pick`` credited the kernel) against Triton configs, which launch with PDL and load
+their first weight tile while the collect kernel before them waits for the CPU. Each variant captures its own decode
+graph (the choice overridden in ``fused_dense._CHOICE``), then bare replays, muted replays (GPU part + handshakes)
+and ``ktinject.generate``, ms a token.
 
     python tests/gpu/probe_qkv_choice.py [--quant int4] [--layers 48] [--rounds 3] [--tokens 64] [--prompt 32]
         [--configs cublas,4x2048x4,8x512x4]
