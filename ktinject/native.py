@@ -300,6 +300,25 @@ class Task:
         _, lib = _native()
         _check(lib.ktk_wait(self.ptr))
 
+    def signal(self, done_addr: int | None) -> None:
+        """Every submitted run stores 1 to the uint32 word at ``done_addr`` at its end (out complete, or the run
+        failed: wait() then raises its error), before the task is idle: a CUDA kernel polling the word waits for the
+        run while the host goes on (ktk_task_signal). The waiter resets it to 0 before the next submit. None:
+        none. Kept across bind(); the word must stay valid while runs may end."""
+        ffi, lib = _native()
+        word = ffi.NULL if done_addr is None else ffi.cast(
+            "volatile uint32_t *", _cint("done_addr", done_addr, 1, 2**64 - 1, code=ERR_NULL))
+        _check(lib.ktk_task_signal(self.ptr, word))
+
+    def times(self) -> tuple[float, float]:
+        """The latest run's (start, end) in seconds on time.perf_counter's clock (CLOCK_MONOTONIC), (0.0, 0.0)
+        before any run; call when the task is not running (after wait(), or once its signal word is 1 and wait()
+        returned)."""
+        ffi, lib = _native()
+        begin, end = ffi.new("int64_t *"), ffi.new("int64_t *")
+        _check(lib.ktk_task_times(self.ptr, begin, end))
+        return begin[0] / 1e9, end[0] / 1e9
+
     def select(self, slots: str = "all", defer: int | float = 0) -> None:
         """Which of each token's k slots the bound forward computes (expert deferral): "all", "top" (the token's
         immediate slots) or "rest" (its deferred ones). ``defer``: an int d, the d lowest-weighted slots deferred

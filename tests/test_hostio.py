@@ -1,17 +1,20 @@
 """The kernels that move a split prefill layer's activations between the device and pinned host memory
-(ktinject.gpu_experts.hostio) against the copies and the sum they replace (stream._total): bit for bit, odd sizes
+(ktinject.gpu_experts.hostio) against the copies and the sum they replace (split.total): bit for bit, odd sizes
 (not multiples of the 2048-element block), one element, bf16 / float32 / float16 outputs, with either or both device
 parts; and fused.copy with the decode step's done word. On CUDA (pinned buffers) or with TRITON_INTERPRET=1 on
 CPU tensors (tests/test_fused_kernels.py's fixture).
 Legend: T tokens, H hidden."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from ktinject.gpu_experts import hostio
 from ktinject.operators import fused
-from ktinject.gpu_experts.stream import _total
+from ktinject.gpu_experts.split import total
 from test_fused_kernels import dev  # noqa: F401
 
 pytestmark = pytest.mark.gpu  # selected by the GPU machine's `-m "gpu or amx"` runs (the CPU's run them too)
@@ -42,7 +45,7 @@ def test_to_host_equals_copy(dev, T, H, src_dtype, dst_dtype):
 @pytest.mark.parametrize("parts", ["streamed", "extra", "both", "none"])
 def test_combine_equals_copy_then_total(dev, T, H, dtype, parts):
     """o (the host dtype of x: bf16 for bf16, else float32) read in place plus the float32 parts: the bits of
-    routed = o copied into x's dtype on the device, then stream._total."""
+    routed = o copied into x's dtype on the device, then split.total."""
     g = torch.Generator().manual_seed(T + H)
     host_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     o = _host((torch.randn(T, H, generator=g) * 3).to(host_dtype), dev)
@@ -51,9 +54,39 @@ def test_combine_equals_copy_then_total(dev, T, H, dtype, parts):
     x = torch.empty(T, H, dtype=dtype, device=dev)
     routed = torch.empty(T, H, dtype=dtype, device=dev)
     routed.copy_(o)
-    want = _total(x, routed, extra, streamed)
+    want = total(x, routed, extra, streamed)
     got = hostio.combine(o, streamed, extra, dtype, torch.device(dev))
     assert got.dtype == dtype and got.device.type == want.device.type and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("T, H", [(3, 700), (2, 4099)])
+@pytest.mark.parametrize("parts", ["streamed", "both", "none"])
+def test_combine_waits_for_the_done_word(dev, T, H, parts):
+    """With ``done`` the kernel reads o only once the word is 1: a thread (the CPU task's stand-in) writes o and then
+    raises the word 50 ms after the launch; the result is the final o's sum, never the stale one."""
+    g = torch.Generator().manual_seed(T * 3 + H)
+    final = (torch.randn(T, H, generator=g) * 3).bfloat16()
+    o = _host(torch.full((T, H), float("nan"), dtype=torch.bfloat16), dev)
+    done = _host(torch.zeros(1, dtype=torch.int32), dev)
+    streamed = torch.randn(T, H, generator=g).to(dev) if parts != "none" else None
+    extra = torch.randn(T, H, generator=g).to(dev) if parts == "both" else None
+    x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    routed = final.to(dev)
+    want = total(x, routed, extra, streamed)
+
+    def cpu_task():
+        time.sleep(0.05)
+        o.copy_(final)
+        done.fill_(1)
+
+    worker = threading.Thread(target=cpu_task)
+    worker.start()
+    got = hostio.combine(o, streamed, extra, torch.bfloat16, torch.device(dev), done=done)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    worker.join()
+    assert torch.equal(got, want)
+    assert int(done[0]) == 1  # left for its owner to reset
 
 
 @pytest.mark.parametrize("T, H", SHAPES)
@@ -149,3 +182,6 @@ def test_bad_arguments():
         hostio.combine(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bfloat16), None, torch.float32,
                        torch.device("cpu"))
     assert not hostio.usable(torch.device("cpu"), torch.zeros(2))  # not a CUDA device
+    with pytest.raises(ValueError, match="one pinned int32 word"):
+        hostio.combine(torch.zeros(2, 3), None, None, torch.float32, torch.device("cpu"),
+                       done=torch.zeros(2, dtype=torch.int32))

@@ -381,6 +381,55 @@ def test_task_double_submit_and_run_error(use_isa):
             task.wait()
 
 
+def test_task_signal_word_and_times():
+    """A submitted run raises its signal word once out is complete (a polling waiter may read out then), also when it
+    fails (wait() then raises); times() are the run's on perf_counter's clock; the word is kept across binds."""
+    ex, hidden, ids, weights, skip, _, _, _ = make_problem(CASES[3], 27, "bf16")
+    word = torch.zeros(2, dtype=torch.int32)
+    with kn.Task() as task:
+        assert task.times() == (0.0, 0.0)
+        with pytest.raises(kn.NativeError, match="aligned") as err:
+            task.signal(word.data_ptr() + 2)
+        assert err.value.code == kn.ERR_SHAPE
+        task.signal(word.data_ptr())
+        for step in range(3):
+            out = task.bind(ex, hidden, ids, weights, skip=skip)  # a bind keeps the word
+            word[0] = 0
+            before = time.perf_counter()
+            task.submit()
+            deadline = time.monotonic() + 10
+            while int(word[0]) != 1 and time.monotonic() < deadline:
+                pass
+            assert int(word[0]) == 1, step
+            assert torch.equal(out, ex(hidden, ids, weights, skip=skip)), step  # complete once the word is 1
+            task.wait()
+            begin, end = task.times()
+            assert before <= begin <= end <= time.perf_counter(), (before, begin, end)
+            assert int(word[1]) == 0  # nothing beyond the word
+        ids[2, 0] = ex.num_experts + 1
+        word[0] = 0
+        task.submit()
+        deadline = time.monotonic() + 10
+        while int(word[0]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert int(word[0]) == 1  # raised when the run fails too: a waiting GPU must not hang
+        with pytest.raises(kn.NativeError, match="out of range|ids"):
+            task.wait()
+        task.signal(None)
+        ids[2, 0] = 0
+        word[0] = 0
+        task.bind(ex, hidden, ids, weights)
+        task.submit()
+        task.wait()
+        assert int(word[0]) == 0  # no word: none raised
+        flags = torch.zeros(2, dtype=torch.int32)
+        task.watch(flags.data_ptr(), flags.data_ptr() + 4)
+        with pytest.raises(kn.NativeError, match="watched") as err:
+            task.signal(word.data_ptr())
+        assert err.value.code == kn.ERR_STATE
+        task.unwatch()
+
+
 def test_host_function_addresses():
     ffi, _ = kn._native()
     submit, wait = kn.host_fn_addresses()

@@ -241,12 +241,15 @@ class Feedback:
         previous layer's expert copies, which the balance counts as the copies' time); from the third layer on (the
         first ones allocate, compile). The CPU's task time against ``base`` (the costs measured alone, key ``key``)
         for its ``cpu_counts`` (rows per expert it computed), only where the host did wait for the task (else it
-        ended unseen)."""
+        ended unseen). Where the host left the task running (``split``'s overlap) the caller passes the task's own
+        end (native times) as ``waited`` and its submit as ``launched``: a later call, made once the task is done."""
         entered, synced, submitted, launched, waited = times
         prev, self._prev_done = self._prev_done, (i, waited, idle)
         if prev is not None and prev[0] == i - 1 and i >= 2:
             tail = submitted - entered if prev[2] else submitted - synced
-            self.measured.layer.add(T, entered - prev[1] + tail)
+            # at least this layer's own set-up: where the host left the task before running (split.py's overlap)
+            # this layer entered before that task ended
+            self.measured.layer.add(T, max(submitted - synced, entered - prev[1] + tail))
             self.observed = True
         used = cpu_counts[cpu_counts > 0]
         seen = waited - launched > WAITED_S

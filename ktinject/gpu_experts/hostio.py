@@ -11,8 +11,10 @@ writes the decode step's) use the SMs and the PCIe bandwidth the expert copies l
 
     to_host(src, dst)                              dst (pinned host) = src (device), cast to dst's dtype
                                                    (operators.fused.copy's kernel)
-    combine(o, streamed, extra, dtype) -> [T, H]   on the device: ((extra + streamed) + o as dtype) as dtype, the
-                                                   sum ``stream._total`` forms from o copied to the device
+    combine(o, streamed, extra, dtype, done=None)  on the device: ((extra + streamed) + o as dtype) as dtype, the
+      -> [T, H]                                    sum ``split.total`` forms from o copied to the device; with the
+                                                   CPU task's done word, after a one-warp kernel has seen it raised
+                                                   (the host need not wait for the task: ``split``'s overlap)
 
 Both bit-identical to the copies they replace. Triton is imported at the first call. Legend: T tokens, H hidden.
 """
@@ -30,19 +32,33 @@ BLOCK, WARPS = fused.COPY_BLOCK, fused.COPY_WARPS
 
 def _build(triton, tl):
     @triton.jit
-    def combine_k(o, s, e, out, N, HAS_S: tl.constexpr, HAS_E: tl.constexpr, BLOCK: tl.constexpr):
+    def wait_k(done):
+        # one program of one warp polls the pinned word: a poll is a PCIe read, and one per program of the sum
+        # (T * H / BLOCK of them) would compete with the ring's expert copies for the link
+        while tl.load(done, volatile=True, cache_modifier=".cv") != 1:
+            pass
+
+    @triton.jit
+    def combine_k(o, s, e, out, N, HAS_S: tl.constexpr, HAS_E: tl.constexpr, FRESH: tl.constexpr,
+                  BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < N
-        routed = tl.load(o + i, mask=m).to(out.dtype.element_ty).to(tl.float32)  # as copied into the output dtype
+        if FRESH:  # o written by the CPU since the last kernel read it: read past the caches (fused.copy's)
+            routed = tl.load(o + i, mask=m, cache_modifier=".cv").to(out.dtype.element_ty)
+        else:
+            routed = tl.load(o + i, mask=m).to(out.dtype.element_ty)  # as copied into the output dtype
         if HAS_S and HAS_E:
             acc = tl.load(e + i, mask=m) + tl.load(s + i, mask=m)
         elif HAS_S:
             acc = tl.load(s + i, mask=m)
-        else:
+        elif HAS_E:
             acc = tl.load(e + i, mask=m)
-        tl.store(out + i, (acc + routed).to(out.dtype.element_ty), mask=m)
+        if HAS_S or HAS_E:
+            tl.store(out + i, (acc + routed.to(tl.float32)).to(out.dtype.element_ty), mask=m)
+        else:
+            tl.store(out + i, routed, mask=m)
 
-    return combine_k
+    return wait_k, combine_k
 
 
 @functools.cache
@@ -72,23 +88,31 @@ def to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def combine(o: torch.Tensor, streamed: torch.Tensor | None, extra: torch.Tensor | None, dtype: torch.dtype,
-            device: torch.device) -> torch.Tensor:
+            device: torch.device, done: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H] of ``dtype`` on ``device``: the CPU experts' output ``o`` (pinned host, [T, H]) read in place, plus
-    the float32 [T, H] ``streamed`` and ``extra`` (either may be None) on the device, summed in stream._total's
-    order: ((extra + streamed) + o as dtype), rounded once to dtype."""
+    the float32 [T, H] ``streamed`` and ``extra`` (either may be None) on the device, summed in split.total's
+    order: ((extra + streamed) + o as dtype), rounded once to dtype. ``done`` (one pinned int32 word): a kernel of
+    one warp first waits until it is 1, the CPU task's signal that ``o`` is written (``native.Task.signal``), so
+    the host need not wait for the task; the word is left as it is (its owner resets it before the next submit)."""
+    if done is not None and (done.dtype != torch.int32 or done.numel() != 1 or (
+            torch.device(device).type == "cuda" and not done.is_pinned())):
+        raise ValueError(f"hostio.combine: done must be one pinned int32 word, got {done.dtype} x {done.numel()}")
     out = torch.empty(o.shape, dtype=dtype, device=device)
     n = o.numel()
-    if streamed is None and extra is None:  # nothing to add: o as dtype
+    if streamed is None and extra is None and done is None:  # nothing to add: o as dtype
         fused.copy(o, out)
         return out
     for t in (streamed, extra):
         if t is not None and (t.shape != o.shape or t.dtype != torch.float32 or not t.is_contiguous()):
             raise ValueError(f"hostio.combine: the device parts must be contiguous float32 {list(o.shape)}, got "
                              f"{t.dtype} {list(t.shape)}")
-    if n:
-        s = streamed if streamed is not None else extra
-        e = extra if extra is not None else streamed
-        with fused.on_device(out):
-            _kernels()[_grid(n)](o, s, e, out, n, HAS_S=streamed is not None, HAS_E=extra is not None,
-                                    BLOCK=BLOCK, num_warps=WARPS)
+    wait_k, combine_k = _kernels()
+    with fused.on_device(out):
+        if done is not None:
+            wait_k[(1,)](done, num_warps=1)
+        if n:
+            s = streamed if streamed is not None else (extra if extra is not None else o)
+            e = extra if extra is not None else s
+            combine_k[_grid(n)](o, s, e, out, n, HAS_S=streamed is not None, HAS_E=extra is not None,
+                                FRESH=done is not None, BLOCK=BLOCK, num_warps=WARPS)
     return out

@@ -39,16 +39,15 @@ import time
 import numpy as np
 import torch
 
-from ktinject import native, stream_experts
-from ktinject.gpu_experts import costs as measure, hostio, policy
+from ktinject.gpu_experts import costs as measure, policy
 from ktinject.gpu_experts.balance import Feedback
 from ktinject.gpu_experts.bank import grouped_mm_usable
 from ktinject.gpu_experts.ring import Ring
+from ktinject.gpu_experts.split import SplitLayers, total
 from ktinject.gpu_experts.streamed import MAX_CHUNK, MIN_CHUNK, StreamedExperts, resident  # noqa: F401 (MAX_CHUNK, MIN_CHUNK: tests, generate)
 from ktinject.gpu_experts.upload import PackedRegion
 from ktinject.operators.families import shared_output
 from ktinject.operators.moe import HybridMoE
-from ktinject.operators.routing import staging
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ def streamer_of(model) -> PrefillStreamer | None:
     return next((b.prefill for b in blocks_of(model) if isinstance(b.prefill, PrefillStreamer)), None)
 
 
-class PrefillStreamer(StreamedExperts):
+class PrefillStreamer(StreamedExperts, SplitLayers):
     """Streamed / split prefill for ``blocks`` (a model's HybridMoE blocks in model order), ``mode`` "auto" or "gpu"
     ("cpu": every forward declined; ``switch`` changes it).
     ``costs``: a ``policy.Costs`` used as is, or a dict of its fields replacing the measured ones.
@@ -155,6 +154,7 @@ class PrefillStreamer(StreamedExperts):
         for b in self.blocks:
             if b.prefill is self:
                 b.prefill = None
+        self._settle()  # a split layer's CPU task left running
         if self._ready:
             if self.cuda:
                 torch.cuda.synchronize(self.device)
@@ -310,105 +310,4 @@ class PrefillStreamer(StreamedExperts):
         experts = [int(e) for e in np.flatnonzero(eligible)]
         self.last["gpu_experts"].append(len(experts))
         streamed = self._stream(i, block, x, ids, weights, experts, counts, prefetch) if experts else None
-        return _total(x, None, extra, streamed), shared
-
-    def _split(self, i, block, x, ids, weights, ahead: bool = False):
-        """The experts with the most rows on the GPU, the rest in the native kernels, at the same time. ``ahead``:
-        the GPU's experts are the layer's fixed set (``_set``), fetched during the layer before. The GPU's work (and
-        the next layer's copy) is queued after the CPU's task is submitted, so that its launches (and any host sync
-        in them) overlap the CPU's work, not precede it."""
-        entered = time.perf_counter()
-        T, H = x.shape
-        k, E = ids.shape[1], block.num_experts
-        st = staging(pin=self.cuda)
-        o = st.get("out", T, H, stream_experts.host_dtype(x.dtype))
-        io = self.cuda and hostio.usable(x.device, o)  # kernels, not copies (hostio says why); the staging's buffers
-        h, i_, w = st.inputs("", x, ids, weights, non_blocking=self.cuda,  # are pinned alike
-                             to_host=hostio.to_host if io else None)
-        shared = extra = streamed = None
-        hot = resident(block)
-        gpu = first = None
-        if ahead:
-            gpu = self._set(i)
-            del self._sets[i]  # the next ask (the next forward's prefetch) picks from the rows seen by then
-            first = self._take(i, gpu) if gpu else None
-        if self.cuda:
-            copied = self._event()
-            copied.record()
-            shared = shared_output(block, block.spec.shared, x)  # queued: overlaps what follows
-            extra = None if block.hot is None else block.hot(x, ids, weights)
-            copied.synchronize()
-        synced = time.perf_counter()
-        counts = torch.bincount(i_.reshape(-1), minlength=E).numpy()
-        old = self._seen.get(i)
-        self._seen[i] = counts.astype(np.float64) + (0.0 if old is None else 0.5 * old)
-        if not ahead:
-            gpu = policy.choose_split(counts, ~hot, self.costs_for(block, T))
-        self.last["gpu_experts"].append(len(gpu))
-        skip = self._skip(E)
-        skip.zero_()
-        skip.numpy()[hot] = 1
-        skip.numpy()[gpu] = 1
-        task = self._task()
-        task.bind(block.native_experts, h, i_, w, skip=skip, out=o)
-        submitted = launched = time.perf_counter()
-        task.submit()
-        try:
-            if self.cuda:  # queued while the CPU works
-                streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first) if gpu else None
-            else:
-                shared = shared_output(block, block.spec.shared, x)
-            launched = time.perf_counter()
-        finally:
-            task.wait()  # always: the pool must be done with the buffers before anyone reuses them
-        waited = time.perf_counter()
-        idle = True  # the GPU done with this layer's streamed work when the CPU was
-        if self.cuda:
-            done = self._event("_streamed")
-            done.record()
-            idle = done.query()
-        cpu_counts = np.where(skip.numpy() == 0, counts, 0)
-        key = self._costs_key(block)
-        self.feedback.observe(i, T, key, self._costs.get(key), cpu_counts, (entered, synced, submitted, launched,
-                                                                             waited), idle)
-        if ahead and self.ring.spans is not None:
-            self._n_ahead = self.feedback.steer(T, self.ring.spans, self.layouts[i].expert_bytes, self._n_ahead,
-                                                int(E - hot.sum()), self.cap)
-        if not self.cuda:  # a "GPU" on the CPU: after the pool, not against it
-            extra = None if block.hot is None else block.hot(x, ids, weights)
-            if gpu:
-                streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first)
-        if io:  # `o` read in place; stream order protects it until the next layer's host sync
-            return hostio.combine(o, streamed, extra, x.dtype, x.device), shared
-        routed = torch.empty((T, H), dtype=x.dtype, device=x.device)
-        routed.copy_(o, non_blocking=self.cuda)  # stream order protects `o` until the next layer's host sync
-        return _total(x, routed, extra, streamed), shared
-
-    # ---- small pieces kept across forwards ----------------------------------------------------------------------
-    def _event(self, name: str = "_copied") -> torch.cuda.Event:
-        ev = self.__dict__.get(name)
-        if ev is None:
-            ev = self.__dict__[name] = torch.cuda.Event()
-        return ev
-
-    def _skip(self, E: int) -> torch.Tensor:
-        """Pinned uint8 [E]: the split's native skip mask (hot + GPU experts), rewritten each layer."""
-        masks = self.__dict__.setdefault("_skips", {})
-        if E not in masks:
-            masks[E] = torch.zeros(E, dtype=torch.uint8, pin_memory=self.cuda)
-        return masks[E]
-
-    def _task(self) -> native.Task:
-        task = self.__dict__.get("_native_task")
-        if task is None:
-            task = self._native_task = native.Task()
-        return task
-
-
-def _total(x, routed, extra, streamed) -> torch.Tensor:
-    """routed (x's dtype) + extra + streamed (f32 [T, H] each, or None), in x's dtype."""
-    parts = [t for t in (extra, streamed) if t is not None]
-    if not parts:
-        return routed if routed is not None else torch.zeros_like(x)
-    acc = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-    return (acc if routed is None else acc + routed).to(x.dtype)
+        return total(x, None, extra, streamed), shared

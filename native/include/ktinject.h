@@ -218,6 +218,17 @@ int ktk_forward(ktk_pool *pool, ktk_experts *ex, int T, int k,
                 const void *weights, int weights_dtype, const uint8_t *skip,
                 void *out, int out_dtype);
 
+/* A 32-bit word (pinned host memory, 4-byte aligned) that every submitted run stores 1 to (release) at its end,
+ * once out is complete, also when the run fails (its error is then ktk_wait's), before the task is idle: a CUDA
+ * stream can wait for the run (a kernel polling the word) while the host goes on, and call ktk_wait later (streamed
+ * prefill's split layers). The waiter resets it to 0 before the next submit. NULL: none (the default). Kept across
+ * binds; not used by watched runs (their done word is the watch's). KTK_ERR_STATE while queued, running or watched;
+ * KTK_ERR_SHAPE if misaligned. */
+int ktk_task_signal(ktk_task *task, volatile uint32_t *done);
+/* The latest run's start (a pool thread took it up) and end (before its signal word), CLOCK_MONOTONIC ns (the clock
+ * of Python's time.perf_counter on Linux); 0, 0 before any run. KTK_ERR_STATE while queued or running. */
+int ktk_task_times(ktk_task *task, int64_t *begin_ns, int64_t *end_ns);
+
 /* ---- stream-signalled tasks (CUDA graphs; the library itself never calls CUDA) ----
  * go and done are 32-bit words in pinned host memory (GPU-writable). While a task is watched, a pool thread
  * polls *go; when it reads 1 it stores 0 to *go, runs the task, and stores 1 to *done (release). The GPU side

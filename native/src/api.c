@@ -351,6 +351,24 @@ int ktk_task_split(ktk_task *task, int d, float share, void *out2, volatile uint
     return ktki_task_split(task, d, share, out2, done_top);
 }
 
+int ktk_task_signal(ktk_task *task, volatile uint32_t *done) {
+    CHECK_NULL(task, "ktk_task_signal");
+    if ((uintptr_t)done & 3)
+        return ktki_error(KTK_ERR_SHAPE, "ktk_task_signal: done must be 4-byte aligned (got %p)", (void *)done);
+    return ktki_task_signal(task, done);
+}
+
+int ktk_task_times(ktk_task *task, int64_t *begin_ns, int64_t *end_ns) {
+    CHECK_NULL(task, "ktk_task_times");
+    CHECK_NULL(begin_ns, "ktk_task_times (begin_ns)");
+    CHECK_NULL(end_ns, "ktk_task_times (end_ns)");
+    if (atomic_load_explicit(&task->state, memory_order_acquire) != KTKI_TASK_IDLE)
+        return ktki_error(KTK_ERR_STATE, "ktk_task_times: task is queued or running (ktk_wait first)");
+    *begin_ns = task->begin_ns;
+    *end_ns = task->end_ns;
+    return KTK_OK;
+}
+
 uint64_t ktk_task_slots_rest(ktk_task *task, int reset) {
     if (!task) return 0;
     return reset ? atomic_exchange(&task->slots_rest, 0) : atomic_load(&task->slots_rest);

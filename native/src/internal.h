@@ -157,6 +157,8 @@ struct ktk_task {
     volatile uint32_t *then;   /* raised (1) after *done at the end of each watched run, or NULL */
     int watched;
     int steps;                 /* steps of the current run so far */
+    volatile uint32_t *signal; /* a submitted run's end raises it (ktk_task_signal), or NULL */
+    int64_t begin_ns, end_ns;  /* the latest run's start and end, CLOCK_MONOTONIC (ktk_task_times) */
     ktk_task *next;            /* pool queue link */
 };
 void ktki_task_init(ktk_task *task, ktk_pool *pool);
@@ -170,6 +172,7 @@ int ktki_task_select(ktk_task *task, int slots, int d);
 int ktki_task_select_share(ktk_task *task, int slots, float share);
 int ktki_task_split(ktk_task *task, int d, float share, void *out2, volatile uint32_t *done_top);
 void ktki_task_raise_top(ktk_task *task);   /* *done_top = 1 (release), once a run */
+int ktki_task_signal(ktk_task *task, volatile uint32_t *done);
 int ktki_unwatch(ktk_task *task);
 void ktki_task_finish(ktk_task *task);                /* wait + unwatch (before destroy) */
 int ktki_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,

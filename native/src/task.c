@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "pool.h"
 
 void ktki_task_init(ktk_task *t, ktk_pool *pool) {
     memset(t, 0, sizeof *t);
@@ -108,6 +109,13 @@ void ktki_task_raise_top(ktk_task *t) {
         __atomic_store_n(t->done_top, 1u, __ATOMIC_RELEASE);
 }
 
+int ktki_task_signal(ktk_task *t, volatile uint32_t *done) {
+    if (busy(t)) return ktki_error(KTK_ERR_STATE, "ktk_task_signal: task is queued or running (ktk_wait first)");
+    if (t->watched) return ktki_error(KTK_ERR_STATE, "ktk_task_signal: task is watched (its done word is the watch's)");
+    t->signal = done;
+    return KTK_OK;
+}
+
 int ktki_submit(ktk_task *t) {
     if (!t->bound) return ktki_error(KTK_ERR_STATE, "ktk_submit: task has no bound forward (ktk_task_bind first)");
     if (t->watched) return ktki_error(KTK_ERR_STATE, "ktk_submit: task is watched; it runs when *go is raised");
@@ -152,6 +160,7 @@ void ktki_wait_fn(ktk_task *t) {
 }
 
 void ktki_task_begin(ktk_task *t) {
+    t->begin_ns = ktki_now_ns();
     atomic_store(&t->state, KTKI_TASK_RUNNING);
     atomic_store_explicit(&t->top_raised, 0, memory_order_relaxed);
     t->steps = 0;
@@ -169,9 +178,12 @@ int ktki_task_step(ktk_task *t, ktki_phase *ph) {
 
 void ktki_task_end(ktk_task *t, int watched) {
     if (t->slots == KTK_SLOTS_SPLIT) ktki_task_raise_top(t);   /* a run that failed (or ran as two phases) */
+    t->end_ns = ktki_now_ns();
     if (watched) {
         keep_sticky(t, t->result, t->msg);
         __atomic_store_n(t->done, 1u, __ATOMIC_RELEASE);
+    } else if (t->signal) {
+        __atomic_store_n(t->signal, 1u, __ATOMIC_RELEASE);   /* out complete (or the run failed): see ktk_task_signal */
     }
     atomic_store_explicit(&t->state, KTKI_TASK_IDLE, memory_order_release);
 }

@@ -1,0 +1,194 @@
+"""A prefill layer shared by the CPU and the GPU (split and ahead modes of ``stream.PrefillStreamer``; a mixin: the
+streamer decides, ``streamed`` streams, this shares a layer).
+
+    _split    the routing synced to the host, the experts parted (the GPU's set: ``policy.choose_split`` or ahead
+              mode's fixed one), the CPU's part submitted to the native pool, the GPU's part queued, the two outputs
+              summed on the device
+    _settle   the layer before's CPU task, left running (below), waited for and its times fed back
+
+Overlap (``OVERLAP``, KTINJECT_PREFILL_OVERLAP=0 turns it off): the host does not wait for a layer's CPU task. The
+task raises a pinned done word when its output is written (``native.Task.signal``) and the kernel that adds the
+CPU's output to the GPU's (``hostio.combine``) polls that word, so the host goes on to queue the next layer's dense
+part (attention: ~2 ms of launches a layer at 512 tokens on the H100, as long as the CPU's work at int8) while the
+CPU computes, where it used to wait first and launch after. The next layer's routing sync then waits for the GPU,
+which waits for the task: from then on the task's buffers (inputs, output, skip mask) are free, so nothing is
+rewritten under it. The task's times come from the native side (``Task.times``) at that next layer (``_settle``).
+Where it does not apply the host waits as before: the last MoE layer of a forward (its output ends the forward),
+without the pinned-buffer kernels (``hostio.usable``), off CUDA.
+Legend: T tokens, k experts per token, E experts, H hidden.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from ktinject import native, stream_experts
+from ktinject.gpu_experts import hostio, policy
+from ktinject.gpu_experts.streamed import resident
+from ktinject.operators.families import shared_output
+from ktinject.operators.routing import staging
+
+
+def overlap_enabled() -> bool:
+    """KTINJECT_PREFILL_OVERLAP (default 1), read per layer: the A/B switch of the overlap above."""
+    return os.environ.get("KTINJECT_PREFILL_OVERLAP", "1") != "0"
+
+
+class SplitLayers:
+    """Mixin of ``PrefillStreamer``: its split / ahead layers (see the module docstring). Uses the streamer's
+    ``blocks``, ``cuda``, ``feedback``, ``ring``, ``layouts``, ``cap``, ``last``, ``_seen``, ``_sets``,
+    ``_n_ahead``, ``_costs``, ``costs_for``, ``_costs_key``, ``_set``, ``_take`` and ``_stream``."""
+
+    _pending: tuple | None = None  # the layer whose CPU task the host left running (``_settle``)
+
+    def _split(self, i, block, x, ids, weights, ahead: bool = False):
+        """The experts with the most rows on the GPU, the rest in the native kernels, at the same time. ``ahead``:
+        the GPU's experts are the layer's fixed set (``_set``), fetched during the layer before. The GPU's work (and
+        the next layer's copy) is queued after the CPU's task is submitted, so that its launches (and any host sync
+        in them) overlap the CPU's work, not precede it."""
+        entered = time.perf_counter()
+        T, H = x.shape
+        E = block.num_experts
+        st = staging(pin=self.cuda)
+        o = st.get("out", T, H, stream_experts.host_dtype(x.dtype))
+        io = self.cuda and hostio.usable(x.device, o)  # kernels, not copies (hostio says why); the staging's buffers
+        h, i_, w = st.inputs("", x, ids, weights, non_blocking=self.cuda,  # are pinned alike
+                             to_host=hostio.to_host if io else None)
+        shared = extra = streamed = None
+        hot = resident(block)
+        gpu = first = None
+        if ahead:
+            gpu = self._set(i)
+            del self._sets[i]  # the next ask (the next forward's prefetch) picks from the rows seen by then
+            first = self._take(i, gpu) if gpu else None
+        if self.cuda:
+            copied = self._event()
+            copied.record()
+            shared = shared_output(block, block.spec.shared, x)  # queued: overlaps what follows
+            extra = None if block.hot is None else block.hot(x, ids, weights)
+            copied.synchronize()
+        synced = time.perf_counter()
+        self._settle(i, T)  # the GPU has passed the layer before's combine: its CPU task is done
+        counts = torch.bincount(i_.reshape(-1), minlength=E).numpy()
+        old = self._seen.get(i)
+        self._seen[i] = counts.astype(np.float64) + (0.0 if old is None else 0.5 * old)
+        if not ahead:
+            gpu = policy.choose_split(counts, ~hot, self.costs_for(block, T))
+        self.last["gpu_experts"].append(len(gpu))
+        skip = self._skip(E)
+        skip.zero_()
+        skip.numpy()[hot] = 1
+        skip.numpy()[gpu] = 1
+        cpu_counts = np.where(skip.numpy() == 0, counts, 0)
+        task = self._task()
+        task.bind(block.native_experts, h, i_, w, skip=skip, out=o)
+        overlap = io and i < len(self.blocks) - 1 and overlap_enabled()
+        if overlap:
+            done = self._done_word(task)
+            done.zero_()  # the layer before's combine has read it (its routing sync passed it)
+        submitted = launched = time.perf_counter()
+        task.submit()
+        if overlap:
+            try:
+                spans = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                spans[0].record()
+                streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first) if gpu else None
+                spans[1].record()
+                out = hostio.combine(o, streamed, extra, x.dtype, x.device, done=done)
+            except BaseException:
+                task.wait()  # the pool must be done with the buffers before anyone reuses them
+                raise
+            self._pending = (i, T, cpu_counts, (entered, synced, submitted), spans, ahead, int(E - hot.sum()))
+            return out, shared
+        try:
+            if self.cuda:  # queued while the CPU works
+                streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first) if gpu else None
+            else:
+                shared = shared_output(block, block.spec.shared, x)
+            launched = time.perf_counter()
+        finally:
+            task.wait()  # always: the pool must be done with the buffers before anyone reuses them
+        waited = time.perf_counter()
+        idle = True  # the GPU done with this layer's streamed work when the CPU was
+        if self.cuda:
+            done_ev = self._event("_streamed")
+            done_ev.record()
+            idle = done_ev.query()
+        self._observe(i, T, cpu_counts, (entered, synced, submitted, launched, waited), idle, ahead,
+                      int(E - hot.sum()))
+        if not self.cuda:  # a "GPU" on the CPU: after the pool, not against it
+            extra = None if block.hot is None else block.hot(x, ids, weights)
+            if gpu:
+                streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first)
+        if io:  # `o` read in place; stream order protects it until the next layer's host sync
+            return hostio.combine(o, streamed, extra, x.dtype, x.device), shared
+        routed = torch.empty((T, H), dtype=x.dtype, device=x.device)
+        routed.copy_(o, non_blocking=self.cuda)  # stream order protects `o` until the next layer's host sync
+        return total(x, routed, extra, streamed), shared
+
+    def _settle(self, i: int = -1, T: int | None = None) -> None:
+        """The CPU task the host left running (overlap), waited for (raising its run's error) and, where it was
+        the layer before ``i`` of a T-token forward (not one of an abandoned forward), fed back as ``_observe``
+        does at a layer's end: the task's own start and end times from the native side; the GPU idle when its
+        streamed work (CUDA events) took no longer than the task."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        task = self._task()
+        task.wait()
+        j, Tj, cpu_counts, (entered, synced, submitted), spans, ahead, m = pending
+        if j != i - 1 or Tj != T:
+            return
+        _, end = task.times()
+        idle = spans[0].elapsed_time(spans[1]) / 1e3 <= end - submitted
+        self._observe(j, T, cpu_counts, (entered, synced, submitted, submitted, end), idle, ahead, m)
+
+    def _observe(self, i, T, cpu_counts, times, idle, ahead, m) -> None:
+        """Layer i's host times into the feedback (``Feedback.observe``) and, in ahead mode, the next layers' n
+        steered from them (m streamable experts)."""
+        block = self.blocks[i]
+        key = self._costs_key(block)
+        self.feedback.observe(i, T, key, self._costs.get(key), cpu_counts, times, idle)
+        if ahead and self.ring.spans is not None:
+            self._n_ahead = self.feedback.steer(T, self.ring.spans, self.layouts[i].expert_bytes, self._n_ahead,
+                                                m, self.cap)
+
+    # ---- small pieces kept across forwards ----------------------------------------------------------------------
+    def _event(self, name: str = "_copied") -> torch.cuda.Event:
+        ev = self.__dict__.get(name)
+        if ev is None:
+            ev = self.__dict__[name] = torch.cuda.Event()
+        return ev
+
+    def _skip(self, E: int) -> torch.Tensor:
+        """Pinned uint8 [E]: the split's native skip mask (hot + GPU experts), rewritten each layer."""
+        masks = self.__dict__.setdefault("_skips", {})
+        if E not in masks:
+            masks[E] = torch.zeros(E, dtype=torch.uint8, pin_memory=self.cuda)
+        return masks[E]
+
+    def _task(self) -> native.Task:
+        task = self.__dict__.get("_native_task")
+        if task is None:
+            task = self._native_task = native.Task()
+        return task
+
+    def _done_word(self, task: native.Task) -> torch.Tensor:
+        """Pinned int32 [1]: the task's signal word (``Task.signal``), made and registered on first use."""
+        word = self.__dict__.get("_done")
+        if word is None:
+            word = self._done = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            task.signal(word.data_ptr())
+        return word
+
+
+def total(x, routed, extra, streamed) -> torch.Tensor:
+    """routed (x's dtype) + extra + streamed (f32 [T, H] each, or None), in x's dtype."""
+    parts = [t for t in (extra, streamed) if t is not None]
+    if not parts:
+        return routed if routed is not None else torch.zeros_like(x)
+    acc = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    return (acc if routed is None else acc + routed).to(x.dtype)
