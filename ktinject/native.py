@@ -262,6 +262,7 @@ class Task:
         self._p = ffi.gc(out[0], lib.ktk_task_destroy)
         self._bound: tuple = ()
         self._watch: tuple = ()
+        self._signal: torch.Tensor | None = None
         self.pool._tasks.add(self)
 
     @property
@@ -300,15 +301,20 @@ class Task:
         _, lib = _native()
         _check(lib.ktk_wait(self.ptr))
 
-    def signal(self, done_addr: int | None) -> None:
-        """Every submitted run stores 1 to the uint32 word at ``done_addr`` at its end (out complete, or the run
-        failed: wait() then raises its error), before the task is idle: a CUDA kernel polling the word waits for the
-        run while the host goes on (ktk_task_signal). The waiter resets it to 0 before the next submit. None:
-        none. Kept across bind(); the word must stay valid while runs may end."""
+    def signal(self, word: torch.Tensor | None) -> None:
+        """Every submitted run stores 1 to ``word`` (one int32 element, page-locked where a GPU reads it) at its end
+        (out complete, or the run failed: wait() then raises its error), before the task is idle: a CUDA kernel
+        polling the word waits for the run while the host goes on (ktk_task_signal). The waiter resets it to 0
+        before the next submit. None: none. Kept across bind(); the task holds a reference to it."""
         ffi, lib = _native()
-        word = ffi.NULL if done_addr is None else ffi.cast(
-            "volatile uint32_t *", _cint("done_addr", done_addr, 1, 2**64 - 1, code=ERR_NULL))
-        _check(lib.ktk_task_signal(self.ptr, word))
+        if word is not None and (not isinstance(word, torch.Tensor) or word.dtype != torch.int32
+                                 or word.numel() != 1 or word.device.type != "cpu"):
+            raise NativeError(ERR_SHAPE, f"signal: expected one int32 element in host memory, got "
+                              f"{type(word).__name__ if not isinstance(word, torch.Tensor) else word.dtype} x "
+                              f"{word.numel() if isinstance(word, torch.Tensor) else '?'}")
+        ptr = ffi.NULL if word is None else ffi.cast("volatile uint32_t *", word.data_ptr())
+        _check(lib.ktk_task_signal(self.ptr, ptr))
+        self._signal = word
 
     def times(self) -> tuple[float, float]:
         """The latest run's (start, end) in seconds on time.perf_counter's clock (CLOCK_MONOTONIC), (0.0, 0.0)
@@ -392,6 +398,7 @@ class Task:
             p, self._p = self._p, None
             ffi.release(p)
             self._bound = self._watch = ()
+            self._signal = None
 
     def __enter__(self) -> "Task":
         return self

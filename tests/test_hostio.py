@@ -79,6 +79,11 @@ def test_combine_waits_for_the_done_word(dev, T, H, parts):
         o.copy_(final)
         done.fill_(1)
 
+    done.fill_(1)  # compiled first (a first launch may take longer than the worker's sleep)
+    hostio.combine(o, streamed, extra, torch.bfloat16, torch.device(dev), done=done)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    done.fill_(0)
     worker = threading.Thread(target=cpu_task)
     worker.start()
     got = hostio.combine(o, streamed, extra, torch.bfloat16, torch.device(dev), done=done)

@@ -388,10 +388,12 @@ def test_task_signal_word_and_times():
     word = torch.zeros(2, dtype=torch.int32)
     with kn.Task() as task:
         assert task.times() == (0.0, 0.0)
-        with pytest.raises(kn.NativeError, match="aligned") as err:
-            task.signal(word.data_ptr() + 2)
+        with pytest.raises(kn.NativeError, match="one int32 element") as err:
+            task.signal(word)  # two elements
         assert err.value.code == kn.ERR_SHAPE
-        task.signal(word.data_ptr())
+        with pytest.raises(kn.NativeError, match="one int32 element"):
+            task.signal(word[:1].float())
+        task.signal(word[:1])
         for step in range(3):
             out = task.bind(ex, hidden, ids, weights, skip=skip)  # a bind keeps the word
             word[0] = 0
@@ -425,7 +427,10 @@ def test_task_signal_word_and_times():
         flags = torch.zeros(2, dtype=torch.int32)
         task.watch(flags.data_ptr(), flags.data_ptr() + 4)
         with pytest.raises(kn.NativeError, match="watched") as err:
-            task.signal(word.data_ptr())
+            task.signal(word[:1])
+        assert err.value.code == kn.ERR_STATE
+        with pytest.raises(kn.NativeError, match="watched") as err:
+            task.times()
         assert err.value.code == kn.ERR_STATE
         task.unwatch()
 

@@ -232,7 +232,8 @@ class Feedback:
             self._span[1] = self._clock()
 
     # ---- layers --------------------------------------------------------------------------------------------------
-    def observe(self, i: int, T: int, key, base, cpu_counts: np.ndarray, times: tuple, idle: bool) -> None:
+    def observe(self, i: int, T: int, key, base, cpu_counts: np.ndarray, times: tuple, idle: bool,
+                cpu_end: float | None = None) -> None:
         """What a split / ahead layer's host clock showed, ``times``: (the layer entered, its routing synced, its
         CPU task submitted, the GPU's work launched, the task waited for); ``idle``: the GPU had finished this
         layer's streamed work by then. ``layer_s`` of T-token forwards: the host's time from the previous layer's
@@ -241,21 +242,22 @@ class Feedback:
         previous layer's expert copies, which the balance counts as the copies' time); from the third layer on (the
         first ones allocate, compile). The CPU's task time against ``base`` (the costs measured alone, key ``key``)
         for its ``cpu_counts`` (rows per expert it computed), only where the host did wait for the task (else it
-        ended unseen). Where the host left the task running (``split``'s overlap) the caller passes the task's own
-        end (native times) as ``waited`` and its submit as ``launched``: a later call, made once the task is done."""
+        ended unseen). Where the host left the task running (``split``'s overlap) the call comes once the task is
+        done: ``waited`` is the layer's end (the later of the task's native end and the GPU part's), ``launched``
+        the submit, ``cpu_end`` the task's end (the CPU's time: cpu_end - submitted)."""
         entered, synced, submitted, launched, waited = times
         prev, self._prev_done = self._prev_done, (i, waited, idle)
         if prev is not None and prev[0] == i - 1 and i >= 2:
             tail = submitted - entered if prev[2] else submitted - synced
-            # at least this layer's own set-up: where the host left the task before running (split.py's overlap)
-            # this layer entered before that task ended
+            # at least this layer's own set-up (a guard: an overlapped layer's end is an estimate)
             self.measured.layer.add(T, max(submitted - synced, entered - prev[1] + tail))
             self.observed = True
         used = cpu_counts[cpu_counts > 0]
-        seen = waited - launched > WAITED_S
-        self._cpu_seen = (waited - submitted, int(used.size)) if seen else None  # for ``steer``
+        cpu_end = waited if cpu_end is None else cpu_end
+        seen = cpu_end - launched > WAITED_S
+        self._cpu_seen = (cpu_end - submitted, int(used.size)) if seen else None  # for ``steer``
         if base is not None and used.size and seen:
-            self.measured.cpu.add(key, (waited - submitted) / base.cpu_s(used.size, float(used.sum())))
+            self.measured.cpu.add(key, (cpu_end - submitted) / base.cpu_s(used.size, float(used.sum())))
             self.observed = True
 
     def steer(self, T: int, spans: dict, expert_bytes: int, n: int, m: int, cap: int) -> int:

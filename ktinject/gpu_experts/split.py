@@ -19,6 +19,7 @@ Legend: T tokens, k experts per token, E experts, H hidden.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -30,6 +31,8 @@ from ktinject.gpu_experts import hostio, policy
 from ktinject.gpu_experts.streamed import resident
 from ktinject.operators.families import shared_output
 from ktinject.operators.routing import staging
+
+log = logging.getLogger(__name__)
 
 
 def overlap_enabled() -> bool:
@@ -71,7 +74,7 @@ class SplitLayers:
             extra = None if block.hot is None else block.hot(x, ids, weights)
             copied.synchronize()
         synced = time.perf_counter()
-        self._settle(i, T)  # the GPU has passed the layer before's combine: its CPU task is done
+        settled = self._settle(i, T)  # the GPU has passed the layer before's combine: its CPU task is done
         counts = torch.bincount(i_.reshape(-1), minlength=E).numpy()
         old = self._seen.get(i)
         self._seen[i] = counts.astype(np.float64) + (0.0 if old is None else 0.5 * old)
@@ -88,20 +91,28 @@ class SplitLayers:
         overlap = io and i < len(self.blocks) - 1 and overlap_enabled()
         if overlap:
             done = self._done_word(task)
-            done.zero_()  # the layer before's combine has read it (its routing sync passed it)
+            done.zero_()  # the layer before's wait kernel has seen it (this layer's routing sync passed it; one
+            # stream: a forward abandoned mid-way on another stream could still be waiting, and would then add this
+            # task's output to its own, already discarded, result)
         submitted = launched = time.perf_counter()
         task.submit()
+        if settled is not None:  # the layer before's times, fed back while this task runs
+            try:
+                self._observe(*settled)
+            except BaseException:
+                task.wait()
+                raise
         if overlap:
             try:
-                spans = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                spans[0].record()
                 streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first) if gpu else None
-                spans[1].record()
+                gpu_end = torch.cuda.Event(enable_timing=True)  # the GPU's part of the layer ends
+                gpu_end.record()
                 out = hostio.combine(o, streamed, extra, x.dtype, x.device, done=done)
             except BaseException:
                 task.wait()  # the pool must be done with the buffers before anyone reuses them
                 raise
-            self._pending = (i, T, cpu_counts, (entered, synced, submitted), spans, ahead, int(E - hot.sum()))
+            self._pending = (i, T, cpu_counts, (entered, synced, submitted), copied, gpu_end, ahead,
+                             int(E - hot.sum()))
             return out, shared
         try:
             if self.cuda:  # queued while the CPU works
@@ -129,38 +140,47 @@ class SplitLayers:
         routed.copy_(o, non_blocking=self.cuda)  # stream order protects `o` until the next layer's host sync
         return total(x, routed, extra, streamed), shared
 
-    def _settle(self, i: int = -1, T: int | None = None) -> None:
-        """The CPU task the host left running (overlap), waited for (raising its run's error) and, where it was
-        the layer before ``i`` of a T-token forward (not one of an abandoned forward), fed back as ``_observe``
-        does at a layer's end: the task's own start and end times from the native side; the GPU idle when its
-        streamed work (CUDA events) took no longer than the task."""
+    def _settle(self, i: int = -1, T: int | None = None) -> tuple | None:
+        """Wait for the CPU task the host left running (overlap). Where it was the layer before ``i`` of a T-token
+        forward: its run's error raised, and ``_observe``'s arguments returned for that layer (the caller feeds
+        them back once its own task is submitted): the layer ended when both parts did, the CPU's at the task's
+        native end time, the GPU's at the host time of its routing sync plus the GPU's time from the routing to
+        the end of its streamed work (CUDA events). A task of an abandoned forward (another layer, another T):
+        its error logged, not raised into this forward."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return
+            return None
         task = self._task()
-        task.wait()
-        j, Tj, cpu_counts, (entered, synced, submitted), spans, ahead, m = pending
+        j, Tj, cpu_counts, (entered, synced, submitted), routed, gpu_end, ahead, m = pending
         if j != i - 1 or Tj != T:
-            return
+            try:
+                task.wait()
+            except native.NativeError as e:
+                log.warning("prefill: the CPU task of layer %d of an abandoned %d-token forward failed: %s", j, Tj, e)
+            return None
+        task.wait()
         _, end = task.times()
-        idle = spans[0].elapsed_time(spans[1]) / 1e3 <= end - submitted
-        self._observe(j, T, cpu_counts, (entered, synced, submitted, submitted, end), idle, ahead, m)
+        ended = max(end, synced + routed.elapsed_time(gpu_end) / 1e3)
+        # waited: the layer's end (both parts), launched: the submit, so that the CPU's time is end - submitted
+        return j, T, cpu_counts, (entered, synced, submitted, submitted, ended), True, ahead, m, end
 
-    def _observe(self, i, T, cpu_counts, times, idle, ahead, m) -> None:
-        """Layer i's host times into the feedback (``Feedback.observe``) and, in ahead mode, the next layers' n
-        steered from them (m streamable experts)."""
+    def _observe(self, i, T, cpu_counts, times, idle, ahead, m, cpu_end=None) -> None:
+        """Layer i's host times into the feedback (``Feedback.observe``; ``cpu_end``: the CPU task's end where it
+        is not the layer's) and, in ahead mode, the next layers' n steered from them (m streamable experts)."""
         block = self.blocks[i]
         key = self._costs_key(block)
-        self.feedback.observe(i, T, key, self._costs.get(key), cpu_counts, times, idle)
+        self.feedback.observe(i, T, key, self._costs.get(key), cpu_counts, times, idle, cpu_end)
         if ahead and self.ring.spans is not None:
             self._n_ahead = self.feedback.steer(T, self.ring.spans, self.layouts[i].expert_bytes, self._n_ahead,
                                                 m, self.cap)
 
     # ---- small pieces kept across forwards ----------------------------------------------------------------------
     def _event(self, name: str = "_copied") -> torch.cuda.Event:
+        """A CUDA event kept for the streamer (timed: an overlapped layer's routing is where its GPU time starts);
+        the routing's event is a new one each layer while a layer's is pending (``_settle`` still reads it)."""
         ev = self.__dict__.get(name)
-        if ev is None:
-            ev = self.__dict__[name] = torch.cuda.Event()
+        if ev is None or (self._pending is not None and ev is self._pending[4]):
+            ev = self.__dict__[name] = torch.cuda.Event(enable_timing=True)
         return ev
 
     def _skip(self, E: int) -> torch.Tensor:
@@ -181,7 +201,7 @@ class SplitLayers:
         word = self.__dict__.get("_done")
         if word is None:
             word = self._done = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            task.signal(word.data_ptr())
+            task.signal(word)
         return word
 
 

@@ -154,14 +154,16 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
         for b in self.blocks:
             if b.prefill is self:
                 b.prefill = None
-        self._settle()  # a split layer's CPU task left running
-        if self._ready:
-            if self.cuda:
-                torch.cuda.synchronize(self.device)
-            for r in self.regions:
-                r.close()
-            self.ring = self.gate_up = self.down = self.work = self.bias = None
-            self._ready = False
+        try:
+            self._settle()  # a split layer's CPU task left running (an error of it is logged)
+        finally:
+            if self._ready:
+                if self.cuda:
+                    torch.cuda.synchronize(self.device)
+                for r in self.regions:
+                    r.close()
+                self.ring = self.gate_up = self.down = self.work = self.bias = None
+                self._ready = False
 
     # ---- costs and decisions ------------------------------------------------------------------------------------
     def costs_for(self, block, T: int | None = None) -> policy.Costs:

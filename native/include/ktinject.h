@@ -226,7 +226,7 @@ int ktk_forward(ktk_pool *pool, ktk_experts *ex, int T, int k,
  * KTK_ERR_SHAPE if misaligned. */
 int ktk_task_signal(ktk_task *task, volatile uint32_t *done);
 /* The latest run's start (a pool thread took it up) and end (before its signal word), CLOCK_MONOTONIC ns (the clock
- * of Python's time.perf_counter on Linux); 0, 0 before any run. KTK_ERR_STATE while queued or running. */
+ * of Python's time.perf_counter on Linux); 0, 0 before any run. KTK_ERR_STATE while queued, running or watched. */
 int ktk_task_times(ktk_task *task, int64_t *begin_ns, int64_t *end_ns);
 
 /* ---- stream-signalled tasks (CUDA graphs; the library itself never calls CUDA) ----

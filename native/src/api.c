@@ -362,6 +362,8 @@ int ktk_task_times(ktk_task *task, int64_t *begin_ns, int64_t *end_ns) {
     CHECK_NULL(task, "ktk_task_times");
     CHECK_NULL(begin_ns, "ktk_task_times (begin_ns)");
     CHECK_NULL(end_ns, "ktk_task_times (end_ns)");
+    if (task->watched)   /* a pool thread may start it (and write the times) whenever its go word is raised */
+        return ktki_error(KTK_ERR_STATE, "ktk_task_times: task is watched (ktk_task_unwatch first)");
     if (atomic_load_explicit(&task->state, memory_order_acquire) != KTKI_TASK_IDLE)
         return ktki_error(KTK_ERR_STATE, "ktk_task_times: task is queued or running (ktk_wait first)");
     *begin_ns = task->begin_ns;
