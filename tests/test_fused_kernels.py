@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ktinject.operators import decode_attention as DA
+from ktinject.gpu_experts import hostio
 from ktinject.operators import fused, fused_attn as FA, fused_dense as FD
 
 pytestmark = pytest.mark.gpu
@@ -360,9 +361,10 @@ def test_kernels_compile_for_sm90():
     def check(fn, ptrs, consts, warps=4, spill_free=True):
         """fn compiled with consts (and PDL off and on where fn has it and consts do not say): no spills, and
         griddepcontrol.wait exactly where PDL is on."""
-        pdls = (consts["PDL"],) if "PDL" in consts else (False, True)
+        has_pdl = "PDL" in fn.arg_names
+        pdls = (consts["PDL"],) if "PDL" in consts else (False, True) if has_pdl else (False,)
         for pdl in pdls:
-            c = {**consts, "PDL": pdl}
+            c = {**consts, "PDL": pdl} if has_pdl else dict(consts)
             sig = {n: "constexpr" if n in c else ptrs.get(n, "i32") for n in fn.arg_names}
             k = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
             waits = k.asm["ptx"].count("griddepcontrol.wait")
@@ -406,8 +408,12 @@ def test_kernels_compile_for_sm90():
               dict(K=8, KP=8, BLOCK=128, BLOCK_E=fused.ROUTER_BLOCK_E, BLOCK_H=fused.ROUTER_BLOCK_H, COUNT=True,
                    STAGE=True, GO=go, SCOPE=scope), fused.ROUTER_WARPS)
     for flag, wait in ((False, False), (True, False), (True, True)):
-        check(fused._copy_kernel(), dict(src="*fp32", dst="*bf16", flag="*i32", cnt="*i32"),
+        check(fused._copy_kernel()[0], dict(src="*fp32", dst="*bf16", flag="*i32", cnt="*i32"),
               dict(BLOCK=fused.COPY_BLOCK, FLAG=flag, WAIT=wait), fused.COPY_WARPS)
+    check(fused._copy_kernel()[1], dict(word="*i32"), {}, 1)
+    for has_s, has_e in ((True, True), (True, False), (False, False)):  # streamed prefill's sum (hostio)
+        check(hostio._kernels(), dict(o="*bf16", s="*fp32", e="*fp32", out="*bf16"),
+              dict(HAS_S=has_s, HAS_E=has_e, FRESH=True, BLOCK=hostio.BLOCK), hostio.WARPS)
 
 
 def test_pdl_launch_keywords(monkeypatch):

@@ -32,13 +32,6 @@ BLOCK, WARPS = fused.COPY_BLOCK, fused.COPY_WARPS
 
 def _build(triton, tl):
     @triton.jit
-    def wait_k(done):
-        # one program of one warp polls the pinned word: a poll is a PCIe read, and one per program of the sum
-        # (T * H / BLOCK of them) would compete with the ring's expert copies for the link
-        while tl.load(done, volatile=True, cache_modifier=".cv") != 1:
-            pass
-
-    @triton.jit
     def combine_k(o, s, e, out, N, HAS_S: tl.constexpr, HAS_E: tl.constexpr, FRESH: tl.constexpr,
                   BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -58,7 +51,7 @@ def _build(triton, tl):
         else:
             tl.store(out + i, routed, mask=m)
 
-    return wait_k, combine_k
+    return combine_k
 
 
 @functools.cache
@@ -106,13 +99,12 @@ def combine(o: torch.Tensor, streamed: torch.Tensor | None, extra: torch.Tensor 
         if t is not None and (t.shape != o.shape or t.dtype != torch.float32 or not t.is_contiguous()):
             raise ValueError(f"hostio.combine: the device parts must be contiguous float32 {list(o.shape)}, got "
                              f"{t.dtype} {list(t.shape)}")
-    wait_k, combine_k = _kernels()
+    if done is not None:
+        fused.wait_word(done, out.device)
     with fused.on_device(out):
-        if done is not None:
-            wait_k[(1,)](done, num_warps=1)
         if n:
             s = streamed if streamed is not None else (extra if extra is not None else o)
             e = extra if extra is not None else s
-            combine_k[_grid(n)](o, s, e, out, n, HAS_S=streamed is not None, HAS_E=extra is not None,
+            _kernels()[_grid(n)](o, s, e, out, n, HAS_S=streamed is not None, HAS_E=extra is not None,
                                 FRESH=done is not None, BLOCK=BLOCK, num_warps=WARPS)
     return out

@@ -282,7 +282,14 @@ def _build_copy(triton, tl):
             elif pid == 0:
                 tl.store(flag, 0)
 
-    return copy_k
+    @triton.jit
+    def wait_k(word):
+        # one program of one warp polls the pinned word: each poll is a read across PCIe, and one per program of a
+        # wide kernel would compete with other transfers (streamed prefill's expert copies) for the link
+        while tl.load(word, volatile=True, cache_modifier=".cv") != 1:
+            pass
+
+    return copy_k, wait_k
 
 
 @functools.cache
@@ -324,9 +331,22 @@ def copy(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor | None = None,
     dev = dst if dst.is_cuda else src
     cnt = workspace("copy_counter", 1, torch.int32, dev.device, zero=True) if wait else dst
     with on_device(dev):
-        _copy_kernel()[(max(1, -(-n // COPY_BLOCK)),)](src, dst, dst if flag is None else flag, cnt, n,
+        _copy_kernel()[0][(max(1, -(-n // COPY_BLOCK)),)](src, dst, dst if flag is None else flag, cnt, n,
                                                        BLOCK=COPY_BLOCK, FLAG=flag is not None, WAIT=bool(wait),
                                                        num_warps=COPY_WARPS, **pdl_kwargs(dev))
+
+
+def wait_word(word: torch.Tensor, device: torch.device) -> None:
+    """Queue on the current stream of ``device`` a kernel that waits until ``word`` (one int32 of page-locked host
+    memory) is 1, e.g. a native task's signal that its output is written (``native.Task.signal``): work queued after
+    it runs once the CPU is done, while the host goes on. The word is left as it is (its owner resets it). What the
+    CPU wrote before raising the word is read by later kernels past the caches (.cv) or by copies."""
+    if word.dtype != torch.int32 or word.numel() != 1 or word.device.type != "cpu":
+        raise ValueError(f"fused.wait_word: one int32 word of host memory, got {word.dtype} x {word.numel()} on "
+                         f"{word.device}")
+    device = torch.device(device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _copy_kernel()[1][(1,)](word, num_warps=1)
 
 
 #: experts a program, warps a program: one expert (128 programs of one warp at Qwen3-30B-A3B's router) measured

@@ -9,6 +9,8 @@ attribute names, so state-dict keys and router-logit recorders still work), hand
     device: shared experts (queued before the host blocks, so they overlap the CPU work)
     host:   wait for the copies; native task submit ... wait (releases the GIL)
     device: copy the routed output back (async), add the shared output
+    (on CUDA, every block but the model's last: the host does not wait; the device waits for the task's signal
+    word before the copy back, and the next block's forward waits for the task: ``cpu_overlap``)
 
 The router's fast path (softmax -> top-k routers in fewer kernels) and the host buffers are in ``routing.py``.
 
@@ -36,7 +38,7 @@ import torch
 from torch import nn
 
 from ktinject import fastpaths, native, stream_experts
-from ktinject.operators import deferral, fused, register
+from ktinject.operators import cpu_overlap, deferral, fused, register
 from ktinject.operators.base import Operator, OperatorError, tensor_bytes
 from ktinject.operators.families import (
     QUANTS, SHARED_ATTRS, BlockSpec, ExpertStream, experts_nbytes, free_experts, gpt_oss_biases, inspect_block,
@@ -164,6 +166,8 @@ class HybridMoE(nn.Module):
         d = self._defer_now(S, x.shape[0], ids.shape[1])
         if d:
             on_cuda = x.device.type == "cuda"
+            if on_cuda:
+                cpu_overlap.settle(x.device, self)  # (a prompt's task left running; decode steps leave none)
             self._mirror_skip(on_cuda)
             routed, extra, shared, prev = deferral.experts_deferred(self, x, ids, weights, d, pending,
                                                                      staging(pin=on_cuda), self.caller_collects)
@@ -243,7 +247,20 @@ class HybridMoE(nn.Module):
             shared = shared_output(self, self.spec.shared, x)  # queued on the GPU: overlaps the CPU experts
             extra = None if self.hot is None else self.hot(x, ids, weights)  # GPU-resident experts, likewise
             copied.synchronize()
+            cpu_overlap.settle(x.device, self)  # the block before's task, left running: done (the GPU waited for it)
         task = self._bound_task(h, i, w, o)
+        if on_cuda and cpu_overlap.usable(self, x, o):  # the host goes on while the CPU works (cpu_overlap.py)
+            done = cpu_overlap.word(task)
+            task.submit()
+            try:
+                fused.wait_word(done, x.device)
+                routed = torch.empty((T, H), dtype=x.dtype, device=x.device)
+                routed.copy_(o, non_blocking=True)  # after the wait; stream order protects `o` until then
+            except BaseException:
+                task.wait()
+                raise
+            cpu_overlap.leave(x.device, task, self)
+            return _combine(routed, extra), shared
         task.submit()
         try:
             if not on_cuda:

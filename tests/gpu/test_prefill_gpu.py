@@ -179,3 +179,30 @@ def test_no_memory_growth_across_prompts():
         torch.cuda.synchronize()
         sizes.append(torch.cuda.memory_allocated())
     assert max(sizes[2:]) <= sizes[2] + (1 << 20), sizes
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("quant", ["bf16", "int4"])
+def test_cpu_path_overlap_is_exact(family, quant, monkeypatch):
+    """The CPU path with the host not waiting for each block's task (operators/cpu_overlap.py) computes the same
+    bits as with it waiting: prompt logits and 8 greedy tokens, prefill "cpu"; and the task left running by a block
+    is waited for by the next one (nothing is left after a forward but the model's last block, which waits)."""
+    from ktinject.operators import cpu_overlap
+
+    model = build_tiny_model(family, dtype=torch.bfloat16)
+    ktinject.inject(model, gpu="cuda", quant=quant, prefill="cpu")
+    ids = tiny_prompts(2, 40, seed=3).to(DEV)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    got = {}
+    for on in ("0", "1", "0", "1"):
+        monkeypatch.setenv("KTINJECT_PREFILL_OVERLAP", on)
+        with torch.no_grad():
+            logits = model(ids).logits
+            assert not cpu_overlap._LEFT  # the last block waited; every other task was settled by the next block
+            seq = ktinject.generate(model, ids, **kw)
+        torch.cuda.synchronize()
+        if on in got:
+            assert torch.equal(got[on][0], logits) and torch.equal(got[on][1], seq)
+        got[on] = (logits, seq)
+    assert torch.equal(got["0"][0], got["1"][0]), "prompt logits differ with the overlap"
+    assert torch.equal(got["0"][1], got["1"][1]), "greedy tokens differ with the overlap"
