@@ -520,31 +520,39 @@ def test_ahead_estimate_from_measured_rates():
     assert policy.choose_mode(512, 8, 128, costs, None, ahead_s=1e-3) == "ahead"
 
 
-def test_trials_check_a_shared_mode_against_gpu_mode():
+def test_trials_check_a_shared_mode_against_the_pure_modes():
     """balance.Trials: a split / ahead choice runs as proposed for TRIALS forwards of its length's bucket, then gpu
-    mode for TRIALS, then whichever ran a layer fastest; gpu and cpu choices are taken as they are."""
+    mode for TRIALS, then cpu mode for TRIALS, then whichever ran a layer fastest; gpu and cpu choices are taken as
+    they are."""
     from ktinject.gpu_experts.balance import TRIALS, Trials
 
     assert TRIALS == 2
     t = Trials()
-    assert t.pick(512, "gpu", "gpu") == "gpu" and t.pick(512, "cpu", "gpu") == "cpu"
-    assert t.pick(512, "ahead", "gpu") == "ahead"  # nothing measured yet
+    assert t.pick(512, "gpu", "gpu", "cpu") == "gpu" and t.pick(512, "cpu", "gpu", "cpu") == "cpu"
+    assert t.pick(512, "ahead", "gpu", "cpu") == "ahead"  # nothing measured yet
     t.add(512, "ahead", 30e-3)  # a first forward: one-time costs
-    assert t.pick(600, "ahead", "gpu") == "ahead"
+    assert t.pick(600, "ahead", "gpu", "cpu") == "ahead"
     t.add(700, "ahead", 8e-3)
-    assert t.pick(600, "ahead", "gpu") == "gpu"  # same bucket (512..1023): the alternative's turn
+    assert t.pick(600, "ahead", "gpu", "cpu") == "gpu"  # same bucket (512..1023): the first alternative's turn
     t.add(512, "gpu", 9e-3)
-    assert t.pick(512, "ahead", "gpu") == "gpu"
+    assert t.pick(512, "ahead", "gpu", "cpu") == "gpu"
     t.add(512, "gpu", 9.5e-3)
-    assert t.pick(512, "ahead", "gpu") == "ahead"  # ahead's best (8 ms) beats gpu's (9)
+    assert t.pick(512, "ahead", "gpu", "cpu") == "cpu"  # then the second's
+    assert t.pick(512, "ahead", "gpu") == "ahead"  # (with gpu alone: ahead's best, 8 ms, beats gpu's, 9)
+    t.add(512, "cpu", 12e-3)
+    t.add(512, "cpu", 11e-3)
+    assert t.pick(512, "ahead", "gpu", "cpu") == "ahead"  # ahead's best (8 ms) beats gpu's (9) and cpu's (11)
+    t.add(512, "cpu", 7e-3)
+    assert t.pick(512, "ahead", "gpu", "cpu") == "cpu"  # now cpu's best is
     t.add(512, "gpu", 6e-3)
-    assert t.pick(1000, "ahead", "gpu") == "gpu"  # now gpu's best is
-    assert t.pick(2048, "ahead", "gpu") == "ahead" and Trials.bucket(2047) == 1024 and Trials.bucket(1) == 1
+    assert t.pick(1000, "ahead", "gpu", "cpu") == "gpu"  # and now gpu's
+    assert t.pick(2048, "ahead", "gpu", "cpu") == "ahead" and Trials.bucket(2047) == 1024 and Trials.bucket(1) == 1
 
 
 def test_auto_times_its_forwards_into_trials(monkeypatch):
     """A streamer in auto mode records each forward's time a layer under its mode (host clock off CUDA) when the
-    next forward starts; _decide's split choice runs twice, then gpu mode twice, then the faster."""
+    next forward starts; _decide's split choice runs twice, then gpu mode twice, then cpu mode twice, then the
+    fastest."""
     model = _tiny("qwen3_moe", prefill="cpu")
     ids = tiny_prompts(1, stream.AUTO_MIN_TOKENS + 16, seed=5)
     s = stream.attach(model, "gpu")
@@ -558,9 +566,12 @@ def test_auto_times_its_forwards_into_trials(monkeypatch):
             model(ids)
             assert s.last["mode"] in ("gpu", "gpu-used")  # the alternative's turn
         alternative = s.last["mode"]
-        model(ids)  # by now both were timed: the faster of the two
-        assert {m for (_, m) in s.feedback.trials.seconds} == {"split", alternative}
-        assert s.last["mode"] in ("split", alternative)
+        for _ in range(2):
+            model(ids)
+            assert s.last["mode"] == "cpu"  # then cpu mode's (the streamer declines; its span still timed)
+        model(ids)  # by now all three were timed: the fastest
+        assert {m for (_, m) in s.feedback.trials.seconds} == {"split", alternative, "cpu"}
+        assert s.last["mode"] in ("split", alternative, "cpu")
     stream.attach(model, "cpu")
 
 

@@ -10,7 +10,7 @@ prefill per mode that pays the one-time set-up (page-locking the experts, the co
 take turns (``--reps`` rounds, the median shown and every run listed), each timed prefill after an untimed one of
 the same mode and length, as a user's second prompt finds it (the first layer's copy fetched ahead). Before the
 rounds of a length, auto runs the forwards its trials need to settle (a split or ahead choice checked against gpu
-mode, ``balance.Trials``), printed apart: a user's first prompts of a new length pay them. Beside each figure:
+and cpu mode, ``balance.Trials``), printed apart: a user's first prompts of a new length pay them. Beside each figure:
 
   limit   the streaming limit: tokens / (packed bytes of all routed experts / H2D bandwidth), the bandwidth measured
           in this run (one 256 MiB copy from the page-locked experts to the GPU). With --layers below 48 both the
@@ -142,7 +142,7 @@ def run(args, quant: str, ours: dict | None = None) -> list[tuple[str, str, str]
         chose = ""
         if "auto" in modes and probe.cuda:  # auto's trials (balance.Trials) run their forwards of a new length
             use("auto")
-            settle = [time_prefill(model, n, device) for _ in range(2 * TRIALS)]  # before the timed rounds
+            settle = [time_prefill(model, n, device) for _ in range(3 * TRIALS)]  # before the timed rounds
             print(f"# {quant} auto prefill {n}, settling (untimed in the table): "
                   + ", ".join(f"{n / t:,.0f}" for t in settle) + f" tok/s; then {_chose(probe)}", flush=True)
         for _ in range(max(1, args.reps)):

@@ -144,13 +144,14 @@ class AheadBalance:
 
 
 class Trials:
-    """Where the model chose a mode that shares a layer with the CPU (split, ahead), auto checks it against streaming
-    whole layers: once the proposed mode has run TRIALS forwards of a like length (the same power-of-two bucket), the
-    next TRIALS run the alternative (gpu mode), and from then on the faster of the two by their best time a layer is
-    taken (the best: a forward's one-time costs, the first layer's copy not fetched ahead or a kernel compiled, and
+    """Where the model chose a mode that shares a layer with the CPU (split, ahead), auto checks it against the pure
+    modes: once the proposed mode has run TRIALS forwards of a like length (the same power-of-two bucket), the next
+    TRIALS run gpu mode (streaming whole layers), the next TRIALS cpu mode, and from then on the fastest by their
+    best time a layer is taken (the best: a forward's one-time costs, the first layer's copy not fetched ahead or a kernel compiled, and
     the host's noise only ever slow one down). On the H100 (2026-11-25, 12 Qwen3-30B-A3B layers) the model's ahead
-    lost 8-18% to gpu mode at int4 512 and bf16 / int8 2048 tokens where its estimate said 10%+ faster: auto's
-    promise, never below the faster pure path, needs the measurement."""
+    lost 8-18% to gpu mode at int4 512 and bf16 / int8 2048 tokens where its estimate said 10%+ faster, and on
+    2026-11-27, once the CPU path left its tasks running (operators/cpu_overlap.py), ahead lost 23% to cpu mode at 64
+    tokens (int8): auto's promise, never below the faster pure path, needs the measurement."""
 
     def __init__(self):
         self.seconds = _Samples()  # (bucket, mode) -> seconds a layer
@@ -163,19 +164,20 @@ class Trials:
         if seconds_per_layer > 0:
             self.seconds.add((self.bucket(T), mode), seconds_per_layer)
 
-    def pick(self, T: int, proposed: str, alternative: str) -> str:
+    def pick(self, T: int, proposed: str, *alternatives: str) -> str:
         """The mode for a forward of T tokens: ``proposed`` (the model's) unless it is split or ahead and, after
-        TRIALS forwards of it in T's bucket, ``alternative`` (the pure GPU mode) has run fewer than TRIALS or was
-        measured faster."""
+        TRIALS forwards of it in T's bucket, an ``alternatives`` (the pure modes: gpu, then cpu) has run fewer than
+        TRIALS (its turn) or was measured faster (the fastest by best time a layer; ties: the earlier named)."""
         if proposed not in ("split", "ahead"):
             return proposed
         b = self.bucket(T)
-        mine, other = self.seconds.get((b, proposed), ()), self.seconds.get((b, alternative), ())
-        if len(mine) < TRIALS:
-            return proposed
-        if len(other) < TRIALS:
-            return alternative  # explore
-        return proposed if min(mine) <= min(other) else alternative
+        best = {}
+        for mode in (proposed, *alternatives):
+            runs = self.seconds.get((b, mode), ())
+            if len(runs) < TRIALS:
+                return mode  # proposed first, then each alternative in turn (explore)
+            best.setdefault(mode, min(runs))
+        return min(best, key=best.get)
 
 
 class Feedback:
@@ -223,9 +225,10 @@ class Feedback:
         return again
 
     def forward_mode(self, T: int, mode: str) -> None:
-        """The forward that began runs ``mode``: its time is taken (not for cpu, which the streamer leaves)."""
-        if mode != "cpu":
-            self._span = [self._clock(), None, T, mode]
+        """The forward that began runs ``mode``: its time is taken (for cpu, which the streamer leaves to the native
+        path, up to its last block's start: one layer's experts short, a bias towards cpu in the trials of 1/L of
+        the experts' share)."""
+        self._span = [self._clock(), None, T, mode]
 
     def last_block(self) -> None:
         if self._span is not None:

@@ -235,7 +235,7 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             self._decisions[key] = "cpu" if not self.pinned else policy.choose_mode(T, k, streamable, costs,
                                                                                   self.cap, ahead_s)
         alternative = "gpu" if policy.prefetch_worthy(T, k, streamable) else "gpu-used"
-        return self.feedback.trials.pick(T, self._decisions[key], alternative)  # a shared mode checked by gpu mode
+        return self.feedback.trials.pick(T, self._decisions[key], alternative, "cpu")  # a shared mode checked
 
     def _ahead_n(self, block, T: int, k: int) -> int:
         """Ahead mode: experts a layer for the GPU in a forward of T tokens (the cost model's, at most a slot)."""
@@ -265,7 +265,8 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             if self.feedback.start_forward():  # the costs moved: decide again
                 self._decisions.clear()
             mode = self._decide(block, T, k)
-            self.feedback.forward_mode(T, mode)
+            if mode != "cpu" or (self.mode == "auto" and T >= AUTO_MIN_TOKENS):  # (cpu: trials' lengths only)
+                self.feedback.forward_mode(T, mode)
             if mode == "ahead" and self._forward != (T, "ahead"):  # sets kept from another length or long ago
                 self._sets.clear()
             self._forward = (T, mode)
@@ -289,6 +290,8 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             return None
         mode = self._mode_for(i, block, x.shape[0], ids.shape[1])
         if mode == "cpu":
+            if i == len(self.blocks) - 1:
+                self.feedback.last_block()  # (the span of a cpu forward, for the trials)
             return None
         self.setup()
         if mode in ("split", "ahead"):
