@@ -557,6 +557,7 @@ def test_auto_times_its_forwards_into_trials(monkeypatch):
     ids = tiny_prompts(1, stream.AUTO_MIN_TOKENS + 16, seed=5)
     s = stream.attach(model, "gpu")
     s.switch("auto")
+    monkeypatch.setattr(stream, "CPU_TRIAL_RATIO", 1e9)  # cpu's turn whatever the tiny model's costs say
     with torch.no_grad():
         monkeypatch.setattr(policy, "choose_mode", lambda *a, **kw: "split")
         for _ in range(2):
@@ -572,6 +573,16 @@ def test_auto_times_its_forwards_into_trials(monkeypatch):
         model(ids)  # by now all three were timed: the fastest
         assert {m for (_, m) in s.feedback.trials.seconds} == {"split", alternative, "cpu"}
         assert s.last["mode"] in ("split", alternative, "cpu")
+        # where the cost model puts cpu far behind the shared mode, its turn is skipped (a long prompt's cpu forward
+        # takes seconds)
+        monkeypatch.setattr(stream, "CPU_TRIAL_RATIO", 0.0)
+        s.switch("auto")
+        s.feedback.trials.seconds.clear()
+        for want in ("split", "split", alternative, alternative):
+            model(ids)
+            assert s.last["mode"] == want
+        model(ids)
+        assert s.last["mode"] in ("split", alternative)
     stream.attach(model, "cpu")
 
 

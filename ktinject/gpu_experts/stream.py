@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 #: auto leaves forwards of fewer tokens to the CPU without asking the cost model: decode steps (batches of rows) keep
 #: the path their captured graphs take, and below this the GPU's share would not pay for its launches anyway
 AUTO_MIN_TOKENS = 64
+#: auto's trials time cpu mode against a shared mode only where the cost model puts cpu within this factor of it
+CPU_TRIAL_RATIO = 1.5
 
 
 def blocks_of(model) -> list[HybridMoE]:
@@ -105,6 +107,7 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._costs: dict[tuple, policy.Costs] = {}
         self._decisions: dict[tuple, str] = {}
+        self._cpu_trials: dict[tuple, bool] = {}  # decision key -> whether auto's trials try cpu mode too
         self._forward: tuple[int, str] | None = None  # (T, mode) of the forward in progress
         self._last = -1
         self._ready = False
@@ -234,8 +237,13 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             ahead_s = self.feedback.balance.estimate(T, streamable, costs.layer_s, self.cap)  # once ahead ran
             self._decisions[key] = "cpu" if not self.pinned else policy.choose_mode(T, k, streamable, costs,
                                                                                   self.cap, ahead_s)
+            est = policy.estimates(T, k, streamable, costs, self.cap, ahead_s)
+            # cpu mode's trial forwards only where the model does not put it far behind: at 2,048 tokens and more
+            # a cpu forward takes seconds where the shared mode takes a fraction of one
+            self._cpu_trials[key] = est["cpu"] <= CPU_TRIAL_RATIO * min(est["split"], est["ahead"])
         alternative = "gpu" if policy.prefetch_worthy(T, k, streamable) else "gpu-used"
-        return self.feedback.trials.pick(T, self._decisions[key], alternative, "cpu")  # a shared mode checked
+        pure = (alternative, "cpu") if self._cpu_trials.get(key) else (alternative,)
+        return self.feedback.trials.pick(T, self._decisions[key], *pure)  # a shared mode checked by the pure ones
 
     def _ahead_n(self, block, T: int, k: int) -> int:
         """Ahead mode: experts a layer for the GPU in a forward of T tokens (the cost model's, at most a slot)."""

@@ -10,7 +10,7 @@ attribute names, so state-dict keys and router-logit recorders still work), hand
     host:   wait for the copies; native task submit ... wait (releases the GIL)
     device: copy the routed output back (async), add the shared output
     (on CUDA, every block but the model's last: the host does not wait; the device waits for the task's signal
-    word before the copy back, and the next block's forward waits for the task: ``cpu_overlap``)
+    word before the copy back, and the next MoE forward waits for the task first: ``cpu_overlap``)
 
 The router's fast path (softmax -> top-k routers in fewer kernels) and the host buffers are in ``routing.py``.
 
@@ -166,8 +166,7 @@ class HybridMoE(nn.Module):
         d = self._defer_now(S, x.shape[0], ids.shape[1])
         if d:
             on_cuda = x.device.type == "cuda"
-            if on_cuda:
-                cpu_overlap.settle(x.device, self)  # (a prompt's task left running; decode steps leave none)
+            cpu_overlap.settle()  # (a task a prompt's forward left running)
             self._mirror_skip(on_cuda)
             routed, extra, shared, prev = deferral.experts_deferred(self, x, ids, weights, d, pending,
                                                                      staging(pin=on_cuda), self.caller_collects)
@@ -218,6 +217,7 @@ class HybridMoE(nn.Module):
         on_cuda = x.device.type == "cuda"
         if T == 0:
             return x.new_zeros((0, H)), shared_output(self, self.spec.shared, x)
+        cpu_overlap.settle()  # the block before's task, left running (or an earlier forward's): its error raised
         if self.prefill is not None and not (on_cuda and stream_experts.active()):  # never inside graph capture
             taken = self.prefill(self, x, ids, weights)
             if taken is not None:
@@ -247,7 +247,6 @@ class HybridMoE(nn.Module):
             shared = shared_output(self, self.spec.shared, x)  # queued on the GPU: overlaps the CPU experts
             extra = None if self.hot is None else self.hot(x, ids, weights)  # GPU-resident experts, likewise
             copied.synchronize()
-            cpu_overlap.settle(x.device, self)  # the block before's task, left running: done (the GPU waited for it)
         task = self._bound_task(h, i, w, o)
         if on_cuda and cpu_overlap.usable(self, x, o):  # the host goes on while the CPU works (cpu_overlap.py)
             done = cpu_overlap.word(task)
@@ -259,7 +258,7 @@ class HybridMoE(nn.Module):
             except BaseException:
                 task.wait()
                 raise
-            cpu_overlap.leave(x.device, task, self)
+            cpu_overlap.leave(task, self)
             return _combine(routed, extra), shared
         task.submit()
         try:

@@ -185,24 +185,61 @@ def test_no_memory_growth_across_prompts():
 @pytest.mark.parametrize("quant", ["bf16", "int4"])
 def test_cpu_path_overlap_is_exact(family, quant, monkeypatch):
     """The CPU path with the host not waiting for each block's task (operators/cpu_overlap.py) computes the same
-    bits as with it waiting: prompt logits and 8 greedy tokens, prefill "cpu"; and the task left running by a block
-    is waited for by the next one (nothing is left after a forward but the model's last block, which waits)."""
+    bits as with it waiting: prompt logits, one-token rows (an eager decode-shaped forward) and 8 greedy tokens,
+    prefill "cpu"; tasks were left running (the counters) and none is left after a forward (the last block waits,
+    every other task is waited for by the next MoE forward)."""
+    from ktinject.graph import decoder_layers
     from ktinject.operators import cpu_overlap
 
     model = build_tiny_model(family, dtype=torch.bfloat16)
     ktinject.inject(model, gpu="cuda", quant=quant, prefill="cpu")
+    moe_blocks = len(stream.blocks_of(model))
     ids = tiny_prompts(2, 40, seed=3).to(DEV)
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
     got = {}
     for on in ("0", "1", "0", "1"):
         monkeypatch.setenv("KTINJECT_PREFILL_OVERLAP", on)
         with torch.no_grad():
+            left = cpu_overlap.COUNTS["left"]
             logits = model(ids).logits
-            assert not cpu_overlap._LEFT  # the last block waited; every other task was settled by the next block
+            assert not cpu_overlap._LEFT
+            assert cpu_overlap.COUNTS["left"] - left == (moe_blocks - 1 if on == "1" else 0), len(decoder_layers(model))
+            rows = model(ids[:, :1]).logits
             seq = ktinject.generate(model, ids, **kw)
         torch.cuda.synchronize()
         if on in got:
-            assert torch.equal(got[on][0], logits) and torch.equal(got[on][1], seq)
-        got[on] = (logits, seq)
-    assert torch.equal(got["0"][0], got["1"][0]), "prompt logits differ with the overlap"
-    assert torch.equal(got["0"][1], got["1"][1]), "greedy tokens differ with the overlap"
+            assert all(torch.equal(a, b) for a, b in zip(got[on], (logits, rows, seq)))
+        got[on] = (logits, rows, seq)
+    for name, a, b in zip(("prompt logits", "one-token rows", "greedy tokens"), got["0"], got["1"]):
+        assert torch.equal(a, b), f"{name} differ with the overlap"
+
+
+def test_cpu_path_overlap_raises_a_failed_task_in_the_same_forward(monkeypatch):
+    """A block's task left running that fails (an expert id out of range in the ids it is bound to: host side only,
+    the device's routing untouched) raises from the same forward, at the next MoE block; the model serves the next
+    forward."""
+    from ktinject import native
+    from ktinject.operators import cpu_overlap
+
+    model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    ktinject.inject(model, gpu="cuda", quant="bf16", prefill="cpu")
+    blocks = stream.blocks_of(model)
+    assert len(blocks) >= 2
+    ids = tiny_prompts(1, 24, seed=4).to(DEV)
+    first = blocks[0]
+    bind = first._bound_task
+
+    def bad_bind(h, i, w, o):
+        i = i.clone()
+        i[3, 0] = first.num_experts + 7
+        return bind(h, i, w, o)
+
+    monkeypatch.setenv("KTINJECT_PREFILL_OVERLAP", "1")
+    left = cpu_overlap.COUNTS["left"]
+    monkeypatch.setattr(first, "_bound_task", bad_bind)
+    with torch.no_grad(), pytest.raises(native.NativeError, match="out of range|ids"):
+        model(ids)
+    assert cpu_overlap.COUNTS["left"] > left and not cpu_overlap._LEFT
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits.float()).all()
