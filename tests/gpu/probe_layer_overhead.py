@@ -16,6 +16,7 @@ import torch
 
 import ktinject
 from ktinject.bench.model import bench_model
+from ktinject.bench import timing
 from ktinject.bench.prefill import time_prefill
 from ktinject.gpu_experts import stream
 
@@ -77,27 +78,23 @@ def main():
         return statistics.median(time_prefill(model, a.tokens, device) for _ in range(a.reps))
 
     full = timed()
-    saved = [b.skip.clone() for b in blocks]
-    for b in blocks:
-        b.skip.fill_(1)
-    muted = timed()
-    print(f"# {a.quant}, {L} layers, {a.tokens} tokens, cpu path: with experts {1e3 * full:.1f} ms "
-          f"({1e3 * full / L:.2f} a layer), experts muted {1e3 * muted:.1f} ms ({1e3 * muted / L:.2f} a layer)",
-          flush=True)
-    print("# " + host_split(model, lambda: time_prefill(model, a.tokens, device)), flush=True)
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts, record_shapes=False) as prof:
-        time_prefill(model, a.tokens, device)
-    ka = prof.key_averages()
-    print(ka.table(sort_by="self_cpu_time_total", row_limit=40), flush=True)
-    if device.type == "cuda":
-        print(ka.table(sort_by="self_device_time_total", row_limit=25), flush=True)
-    if a.trace:
-        prof.export_chrome_trace(a.trace)
-    for b, s in zip(blocks, saved):
-        b.skip.copy_(s)
+    with timing.muted(model):  # (the masks restored on the way out, an exception too)
+        muted = timed()
+        print(f"# {a.quant}, {L} layers, {a.tokens} tokens, cpu path: with experts {1e3 * full:.1f} ms "
+              f"({1e3 * full / L:.2f} a layer), experts muted {1e3 * muted:.1f} ms ({1e3 * muted / L:.2f} a layer)",
+              flush=True)
+        print("# " + host_split(model, lambda: time_prefill(model, a.tokens, device)), flush=True)
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=acts, record_shapes=False) as prof:
+            time_prefill(model, a.tokens, device)
+        ka = prof.key_averages()
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=40), flush=True)
+        if device.type == "cuda":
+            print(ka.table(sort_by="self_device_time_total", row_limit=25), flush=True)
+        if a.trace:
+            prof.export_chrome_trace(a.trace)
 
 
 if __name__ == "__main__":
