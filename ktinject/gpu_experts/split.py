@@ -140,25 +140,28 @@ class SplitLayers:
         routed.copy_(o, non_blocking=self.cuda)  # stream order protects `o` until the next layer's host sync
         return total(x, routed, extra, streamed), shared
 
-    def _settle(self, i: int = -1, T: int | None = None) -> tuple | None:
+    def _settle(self, i: int = -1, T: int | None = None, closing: bool = False) -> tuple | None:
         """Wait for the CPU task the host left running (overlap). Where it was the layer before ``i`` of a T-token
         forward: its run's error raised, and ``_observe``'s arguments returned for that layer (the caller feeds
         them back once its own task is submitted): the layer ended when both parts did, the CPU's at the task's
         native end time, the GPU's at the host time of its routing sync plus the GPU's time from the routing to
-        the end of its streamed work (CUDA events). A task of an abandoned forward (another layer, another T):
-        its error logged, not raised into this forward."""
+        the end of its streamed work (CUDA events). A task of another forward (one that stopped before its next
+        layer: an exception, an early exit) is waited for too and its error raised here, never dropped (that
+        forward's output may hold it); its times are not fed back. ``closing``: the streamer is closing, an error
+        is logged."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
         task = self._task()
         j, Tj, cpu_counts, (entered, synced, submitted), routed, gpu_end, ahead, m = pending
+        try:
+            task.wait()
+        except native.NativeError as e:
+            if not closing:
+                raise
+            log.warning("prefill: the CPU task of layer %d of a %d-token forward failed: %s", j, Tj, e)
         if j != i - 1 or Tj != T:
-            try:
-                task.wait()
-            except native.NativeError as e:
-                log.warning("prefill: the CPU task of layer %d of an abandoned %d-token forward failed: %s", j, Tj, e)
             return None
-        task.wait()
         _, end = task.times()
         ended = max(end, synced + routed.elapsed_time(gpu_end) / 1e3)
         # waited: the layer's end (both parts), launched: the submit, so that the CPU's time is end - submitted

@@ -158,7 +158,7 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             if b.prefill is self:
                 b.prefill = None
         try:
-            self._settle()  # a split layer's CPU task left running (an error of it is logged)
+            self._settle(closing=True)  # a split layer's CPU task left running (an error of it is logged)
         finally:
             if self._ready:
                 if self.cuda:
