@@ -6,21 +6,21 @@ streamer decides, ``streamed`` streams, this shares a layer).
               summed on the device
     _settle   the layer before's CPU task, left running (below), waited for and its times fed back
 
-Overlap (``OVERLAP``, KTINJECT_PREFILL_OVERLAP=0 turns it off): the host does not wait for a layer's CPU task. The
-task raises a pinned done word when its output is written (``native.Task.signal``) and the kernel that adds the
-CPU's output to the GPU's (``hostio.combine``) polls that word, so the host goes on to queue the next layer's dense
-part (attention: ~2 ms of launches a layer at 512 tokens on the H100, as long as the CPU's work at int8) while the
-CPU computes, where it used to wait first and launch after. The next layer's routing sync then waits for the GPU,
-which waits for the task: from then on the task's buffers (inputs, output, skip mask) are free, so nothing is
-rewritten under it. The task's times come from the native side (``Task.times``) at that next layer (``_settle``).
-Where it does not apply the host waits as before: the last MoE layer of a forward (its output ends the forward),
-without the pinned-buffer kernels (``hostio.usable``), off CUDA.
+Overlap (KTINJECT_PREFILL_OVERLAP=0 turns it off, with the CPU path's: ``operators/cpu_overlap.py``): the host does
+not wait for a layer's CPU task. The task raises a pinned done word when its output is written
+(``native.Task.signal``), a one-warp kernel waits for that word before the kernel that adds the CPU's output to the
+GPU's (``hostio.combine``), and the host goes on to queue the next layer's dense part (attention: ~2 ms of launches
+a layer at 512 tokens on the H100, as long as the CPU's work at int8) while the CPU computes, where it used to wait
+first and launch after. The next layer's routing sync then waits for the GPU, which waits for the task: from then on
+the task's buffers (inputs, output, skip mask) are free, so nothing is rewritten under it. The task's times come from
+the native side (``Task.times``) at that next layer (``_settle``), which also raises the task's error. Where it does
+not apply the host waits as before: the last MoE layer of a forward (its output ends the forward), without the
+pinned-buffer kernels (``hostio.usable``), off CUDA.
 Legend: T tokens, k experts per token, E experts, H hidden.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import numpy as np
@@ -29,15 +29,11 @@ import torch
 from ktinject import native, stream_experts
 from ktinject.gpu_experts import hostio, policy
 from ktinject.gpu_experts.streamed import resident
+from ktinject.operators import cpu_overlap
 from ktinject.operators.families import shared_output
 from ktinject.operators.routing import staging
 
 log = logging.getLogger(__name__)
-
-
-def overlap_enabled() -> bool:
-    """KTINJECT_PREFILL_OVERLAP (default 1), read per layer: the A/B switch of the overlap above."""
-    return os.environ.get("KTINJECT_PREFILL_OVERLAP", "1") != "0"
 
 
 class SplitLayers:
@@ -88,7 +84,7 @@ class SplitLayers:
         cpu_counts = np.where(skip.numpy() == 0, counts, 0)
         task = self._task()
         task.bind(block.native_experts, h, i_, w, skip=skip, out=o)
-        overlap = io and i < len(self.blocks) - 1 and overlap_enabled()
+        overlap = io and i < len(self.blocks) - 1 and cpu_overlap.enabled()
         if overlap:
             done = self._done_word(task)
             done.zero_()  # the layer before's wait kernel has seen it (this layer's routing sync passed it; one
