@@ -9,7 +9,8 @@
 #            MODES, default cpu,gpu,auto) --peer ... : llama-bench's prefill of the same lengths after ours
 #   decode   python -m ktinject.bench decode --quant DQUANTS (default int4) --defer 0 (three rounds) --peer ...
 #            (issue 18's targets judged in its output: tok/s, the GPU part)
-#   defer    ... decode --quant int4 --defer 0,3 --prompt 8192 (issue 20: d=3 against d=0 at an 8K context)
+#   defer    ... decode --quant int4 --defer 0,3 --prompt PROMPT (default 8192; issue 20: d=3 against d=0 at a
+#            long context, where attention makes the GPU part worth overlapping: 16384 gave 1.274x on 2026-11-27)
 #   noise    ... decode --quant int4 --noise 1,2,4 --noise-only (issue 18: one busy core, the spread of the runs)
 # A whole pass (build ~5.5 min, prefill ~2.5, decode ~2 a quant, defer ~2.5, noise ~3) takes two or three calls:
 # /tmp (the peer, the GGUFs) survives between them while the machine stays warm (30 s).
@@ -52,7 +53,7 @@ bench_step prefill "^\| .*(prefill [0-9]+ |target|peer)" \
 bench_step decode "^\| .*(defer 0: graph|llama|/ llama|peer|target|CPU experts alone  )" \
   python3 -m ktinject.bench decode --quant "${DQUANTS:-int4}" --defer 0 --tokens 64 "${peer[@]}"
 bench_step defer "^\| defer" \
-  python3 -m ktinject.bench decode --quant int4 --defer 0,3 --prompt 8192 --tokens 64 --defer-rounds 3
+  python3 -m ktinject.bench decode --quant int4 --defer 0,3 --prompt "${PROMPT:-8192}" --tokens 64 --defer-rounds 3
 bench_step noise "^\| (noise [0-9]+: |target)" \
   python3 -m ktinject.bench decode --quant int4 --noise 1,2,4 --noise-only --tokens 64
 echo "=== $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader)"
