@@ -226,8 +226,7 @@ class Feedback:
 
     def forward_mode(self, T: int, mode: str) -> None:
         """The forward that began runs ``mode``: its time is taken (for cpu, which the streamer leaves to the native
-        path, up to its last block's start: one layer's experts short, a bias towards cpu in the trials of 1/L of
-        the experts' share)."""
+        path, up to the end of its last block's native experts: ``PrefillStreamer.native_done``)."""
         self._span = [self._clock(), None, T, mode]
 
     def last_block(self) -> None:

@@ -298,8 +298,6 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             return None
         mode = self._mode_for(i, block, x.shape[0], ids.shape[1])
         if mode == "cpu":
-            if i == len(self.blocks) - 1:
-                self.feedback.last_block()  # (the span of a cpu forward, for the trials)
             return None
         self.setup()
         if mode in ("split", "ahead"):
@@ -309,6 +307,14 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
         if i == len(self.blocks) - 1:
             self.feedback.last_block()
         return out
+
+    def native_done(self, block) -> None:
+        """The block's native path has run this forward's experts (``HybridMoE._experts`` calls it where this
+        streamer declined): after the last block of a cpu forward its span ends (for the trials), its experts
+        included."""
+        if self._forward is not None and self._forward[1] == "cpu" and self._index.get(id(block)) == len(
+                self.blocks) - 1:
+            self.feedback.last_block()
 
     def _gpu(self, i, block, x, ids, weights, prefetch: bool):
         """Every non-resident expert on the GPU: all of the layer (copied ahead) or, before the routing is known to

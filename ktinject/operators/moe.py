@@ -80,7 +80,9 @@ class HybridMoE(nn.Module):
         self.expert_biases = None  # gpt-oss: (gate_up_bias [E, 2I], down_bias [E, H]) f32 host copies, for hot
         # prefill hook (ktinject.gpu_experts.stream, set by apply): called as prefill(block, x, ids, weights) for an
         # eager forward; returns (routed, shared) when it took the forward (experts streamed to the GPU, maybe split
-        # with the CPU), None to leave it to the path below. A plain attribute: not a submodule, no state-dict keys.
+        # with the CPU), None to leave it to the path below, which then calls prefill.native_done(block), where the
+        # hook has it, once the native task is done (its timing). A plain attribute: not a submodule, no state-dict
+        # keys.
         self.prefill = None
         self._ones: dict[tuple, torch.Tensor] = {}
         self.class_name = type(block).__name__
@@ -266,6 +268,9 @@ class HybridMoE(nn.Module):
                 shared = shared_output(self, self.spec.shared, x)
         finally:
             task.wait()  # always: the pool must be done with the buffers before anyone reuses them
+        done = getattr(self.prefill, "native_done", None)  # (a hook may be a plain function: MoeTrace's)
+        if done is not None:
+            done(self)
         if not on_cuda and self.hot is not None:  # the "GPU" bank is on the CPU: after the pool, not against it
             extra = self.hot(x, ids, weights)
         routed = torch.empty((T, H), dtype=x.dtype, device=x.device)
