@@ -87,9 +87,6 @@ def combine(o: torch.Tensor, streamed: torch.Tensor | None, extra: torch.Tensor 
     order: ((extra + streamed) + o as dtype), rounded once to dtype. ``done`` (one pinned int32 word): a kernel of
     one warp first waits until it is 1, the CPU task's signal that ``o`` is written (``native.Task.signal``), so
     the host need not wait for the task; the word is left as it is (its owner resets it before the next submit)."""
-    if done is not None and (done.dtype != torch.int32 or done.numel() != 1 or (
-            torch.device(device).type == "cuda" and not done.is_pinned())):
-        raise ValueError(f"hostio.combine: done must be one pinned int32 word, got {done.dtype} x {done.numel()}")
     out = torch.empty(o.shape, dtype=dtype, device=device)
     n = o.numel()
     if streamed is None and extra is None and done is None:  # nothing to add: o as dtype

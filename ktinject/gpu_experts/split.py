@@ -86,10 +86,10 @@ class SplitLayers:
         task.bind(block.native_experts, h, i_, w, skip=skip, out=o)
         overlap = io and i < len(self.blocks) - 1 and cpu_overlap.enabled()
         if overlap:
-            done = self._done_word(task)
-            done.zero_()  # the layer before's wait kernel has seen it (this layer's routing sync passed it; one
-            # stream: a forward abandoned mid-way on another stream could still be waiting, and would then add this
-            # task's output to its own, already discarded, result)
+            # the task's signal word, reset: the layer before's wait kernel has seen it (this layer's routing sync
+            # passed it; one stream: a forward abandoned mid-way on another stream could still be waiting, and would
+            # then add this task's output to its own, already discarded, result)
+            done = cpu_overlap.word(task)
         submitted = launched = time.perf_counter()
         task.submit()
         if settled is not None:  # the layer before's times, fed back while this task runs
@@ -194,14 +194,6 @@ class SplitLayers:
         if task is None:
             task = self._native_task = native.Task()
         return task
-
-    def _done_word(self, task: native.Task) -> torch.Tensor:
-        """Pinned int32 [1]: the task's signal word (``Task.signal``), made and registered on first use."""
-        word = self.__dict__.get("_done")
-        if word is None:
-            word = self._done = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            task.signal(word)
-        return word
 
 
 def total(x, routed, extra, streamed) -> torch.Tensor:

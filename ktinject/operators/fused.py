@@ -341,10 +341,11 @@ def wait_word(word: torch.Tensor, device: torch.device) -> None:
     memory) is 1, e.g. a native task's signal that its output is written (``native.Task.signal``): work queued after
     it runs once the CPU is done, while the host goes on. The word is left as it is (its owner resets it). What the
     CPU wrote before raising the word is read by later kernels past the caches (.cv) or by copies."""
-    if word.dtype != torch.int32 or word.numel() != 1 or word.device.type != "cpu":
-        raise ValueError(f"fused.wait_word: one int32 word of host memory, got {word.dtype} x {word.numel()} on "
-                         f"{word.device}")
     device = torch.device(device)
+    if word.dtype != torch.int32 or word.numel() != 1 or word.device.type != "cpu" or (
+            device.type == "cuda" and not word.is_pinned()):
+        raise ValueError(f"fused.wait_word: the word must be one pinned int32 word of host memory, got {word.dtype} "
+                         f"x {word.numel()} on {word.device}{'' if word.is_pinned() else ', not pinned'}")
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _copy_kernel()[1][(1,)](word, num_warps=1)
 
