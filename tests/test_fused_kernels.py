@@ -410,7 +410,9 @@ def test_kernels_compile_for_sm90():
     for flag, wait in ((False, False), (True, False), (True, True)):
         check(fused._copy_kernel()[0], dict(src="*fp32", dst="*bf16", flag="*i32", cnt="*i32"),
               dict(BLOCK=fused.COPY_BLOCK, FLAG=flag, WAIT=wait), fused.COPY_WARPS)
-    check(fused._copy_kernel()[1], dict(word="*i32"), {}, 1)
+    for reset in (False, True):
+        check(fused._copy_kernel()[1], dict(word="*i32"), dict(RESET=reset), 1)
+    check(fused._copy_kernel()[2], dict(word="*i32"), {}, 1)
     for has_s, has_e in ((True, True), (True, False), (False, False)):  # streamed prefill's sum (hostio)
         check(hostio._kernels(), dict(o="*bf16", s="*fp32", e="*fp32", out="*bf16"),
               dict(HAS_S=has_s, HAS_E=has_e, FRESH=True, BLOCK=hostio.BLOCK), hostio.WARPS)

@@ -92,6 +92,33 @@ def test_combine_waits_for_the_done_word(dev, T, H, parts):
     worker.join()
     assert torch.equal(got, want)
     assert int(done[0]) == 1  # left for its owner to reset
+    done.fill_(0)  # with reset: the same sum, and the kernel consumed the word
+    worker = threading.Thread(target=cpu_task)
+    worker.start()
+    got = hostio.combine(o, streamed, extra, torch.bfloat16, torch.device(dev), done=done, reset=True)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    worker.join()
+    assert torch.equal(got, want)
+    assert int(done[0]) == 0
+
+
+def test_raise_word_after_earlier_work_and_wait_word_reset(dev):
+    """fused.raise_word stores 1 once the stream reaches it (a watched task's go), its neighbours untouched;
+    wait_word with reset stores 0 back once it has seen 1; bad words are refused with what was given."""
+    from ktinject.operators import fused
+
+    words = _host(torch.zeros(4, dtype=torch.int32), dev)
+    fused.raise_word(words[1:2], torch.device(dev))
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    assert words.tolist() == [0, 1, 0, 0]
+    fused.wait_word(words[1:2], torch.device(dev), reset=True)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    assert words.tolist() == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="raise_word.*one pinned int32 word"):
+        fused.raise_word(torch.zeros(2, dtype=torch.int32), torch.device(dev))
 
 
 @pytest.mark.parametrize("T, H", SHAPES)

@@ -81,12 +81,13 @@ def to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def combine(o: torch.Tensor, streamed: torch.Tensor | None, extra: torch.Tensor | None, dtype: torch.dtype,
-            device: torch.device, done: torch.Tensor | None = None) -> torch.Tensor:
+            device: torch.device, done: torch.Tensor | None = None, reset: bool = False) -> torch.Tensor:
     """[T, H] of ``dtype`` on ``device``: the CPU experts' output ``o`` (pinned host, [T, H]) read in place, plus
     the float32 [T, H] ``streamed`` and ``extra`` (either may be None) on the device, summed in split.total's
     order: ((extra + streamed) + o as dtype), rounded once to dtype. ``done`` (one pinned int32 word): a kernel of
     one warp first waits until it is 1, the CPU task's signal that ``o`` is written (``native.Task.signal``), so
-    the host need not wait for the task; the word is left as it is (its owner resets it before the next submit)."""
+    the host need not wait for the task; the word is left as it is (its owner resets it before the next submit), or
+    with ``reset`` stored back to 0 by the waiting kernel (a watched task's done word: ``fused.wait_word``)."""
     out = torch.empty(o.shape, dtype=dtype, device=device)
     n = o.numel()
     if streamed is None and extra is None and done is None:  # nothing to add: o as dtype
@@ -97,7 +98,7 @@ def combine(o: torch.Tensor, streamed: torch.Tensor | None, extra: torch.Tensor 
             raise ValueError(f"hostio.combine: the device parts must be contiguous float32 {list(o.shape)}, got "
                              f"{t.dtype} {list(t.shape)}")
     if done is not None:
-        fused.wait_word(done, out.device)
+        fused.wait_word(done, out.device, reset=reset)
     with fused.on_device(out):
         if n:
             s = streamed if streamed is not None else (extra if extra is not None else o)

@@ -158,7 +158,8 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             if b.prefill is self:
                 b.prefill = None
         try:
-            self._settle(closing=True)  # a split layer's CPU task left running (an error of it is logged)
+            self.settle_gates(closing=True)  # gated layers' tasks, and a split layer's CPU task left running
+            self._settle(closing=True)  # (an error of them is logged)
         finally:
             if self._ready:
                 if self.cuda:
@@ -270,6 +271,7 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
         """This forward's mode, decided at its first block (a block index not after the last one seen, or another
         T, starts a forward)."""
         if self._forward is None or i <= self._last or self._forward[0] != T:
+            self.settle_gates()  # a stopped forward's gated tasks (their errors raised here)
             if self.feedback.start_forward():  # the costs moved: decide again
                 self._decisions.clear()
             mode = self._decide(block, T, k)

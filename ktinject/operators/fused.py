@@ -283,13 +283,20 @@ def _build_copy(triton, tl):
                 tl.store(flag, 0)
 
     @triton.jit
-    def wait_k(word):
+    def wait_k(word, RESET: tl.constexpr = False):
         # one program of one warp polls the pinned word: each poll is a read across PCIe, and one per program of a
         # wide kernel would compete with other transfers (streamed prefill's expert copies) for the link
         while tl.load(word, volatile=True, cache_modifier=".cv") != 1:
             pass
+        if RESET:  # consumed: 0 again before any later kernel's write (PCIe keeps the GPU's writes in order)
+            tl.store(word, 0)
 
-    return copy_k, wait_k
+    @triton.jit
+    def raise_k(word):
+        # after every earlier kernel of the stream: their writes to host memory are ahead of this one on the link
+        tl.atomic_xchg(word, 1, sem="release", scope="sys")
+
+    return copy_k, wait_k, raise_k
 
 
 @functools.cache
@@ -336,18 +343,34 @@ def copy(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor | None = None,
                                                        num_warps=COPY_WARPS, **pdl_kwargs(dev))
 
 
-def wait_word(word: torch.Tensor, device: torch.device) -> None:
-    """Queue on the current stream of ``device`` a kernel that waits until ``word`` (one int32 of page-locked host
-    memory) is 1, e.g. a native task's signal that its output is written (``native.Task.signal``): work queued after
-    it runs once the CPU is done, while the host goes on. The word is left as it is (its owner resets it). What the
-    CPU wrote before raising the word is read by later kernels past the caches (.cv) or by copies."""
-    device = torch.device(device)
+def _check_word(what: str, word: torch.Tensor, device: torch.device) -> None:
     if word.dtype != torch.int32 or word.numel() != 1 or word.device.type != "cpu" or (
             device.type == "cuda" and not word.is_pinned()):
-        raise ValueError(f"fused.wait_word: the word must be one pinned int32 word of host memory, got {word.dtype} "
+        raise ValueError(f"fused.{what}: the word must be one pinned int32 word of host memory, got {word.dtype} "
                          f"x {word.numel()} on {word.device}{'' if word.is_pinned() else ', not pinned'}")
+
+
+def wait_word(word: torch.Tensor, device: torch.device, reset: bool = False) -> None:
+    """Queue on the current stream of ``device`` a kernel that waits until ``word`` (one int32 of page-locked host
+    memory) is 1, e.g. a native task's signal that its output is written (``native.Task.signal``): work queued after
+    it runs once the CPU is done, while the host goes on. The word is left as it is (its owner resets it), or with
+    ``reset`` stored back to 0 by the kernel once seen (a watched task's done word: the host cannot tell when the
+    stream has seen it). What the CPU wrote before raising the word is read by later kernels past the caches (.cv)
+    or by copies."""
+    device = torch.device(device)
+    _check_word("wait_word", word, device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _copy_kernel()[1][(1,)](word, num_warps=1)
+        _copy_kernel()[1][(1,)](word, RESET=bool(reset), num_warps=1)
+
+
+def raise_word(word: torch.Tensor, device: torch.device) -> None:
+    """Queue on the current stream of ``device`` a kernel that stores 1 to ``word`` (one int32 of page-locked host
+    memory) once every kernel queued before it is done: a watched native task's go (``native.Task.watch``), raised
+    when its inputs have reached the host (their writes precede the word's on the link)."""
+    device = torch.device(device)
+    _check_word("raise_word", word, device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _copy_kernel()[2][(1,)](word, num_warps=1)
 
 
 #: experts a program, warps a program: one expert (128 programs of one warp at Qwen3-30B-A3B's router) measured

@@ -243,3 +243,104 @@ def test_cpu_path_overlap_raises_a_failed_task_in_the_same_forward(monkeypatch):
     monkeypatch.undo()
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits.float()).all()
+
+
+def _ahead(monkeypatch):
+    """An attach function for streamed_vs_cpu: auto's streamer with every forward in ahead mode."""
+    def setup(m):
+        s = stream.attach(m, "auto")
+        monkeypatch.setattr(s, "_decide", lambda *a: "ahead")
+        return s
+    return setup
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("quant", ["bf16", "int4"])
+def test_gated_ahead_layers_equal_cpu(family, quant, monkeypatch):
+    """Ahead layers whose CPU task starts from the GPU's go word (split.py's gated layers): every MoE layer but the
+    last is gated (the counter), nothing is left watched after the forward, and the result holds to the same bounds
+    against the cpu path as the ungated ahead path (KTINJECT_PREFILL_GATED=0) in the same run: each MoE call within
+    the native bound of the float64 reference on its own inputs (a task that read another layer's inputs or wrote
+    over another's output would miss it by far), the tokens where the routing matched within the native + streamed
+    bound, and routing flips (tokens whose experts changed somewhere: a near-tie moved by rounding, 4 MoE layers
+    here against 1-2 in test_gpu_and_auto_equal_cpu) at most a sixth of the tokens."""
+    from ktinject.gpu_experts import split
+
+    model = build_tiny_model(family, dtype=torch.bfloat16, num_hidden_layers=5)
+    ktinject.inject(model, gpu="cuda", quant=quant, prefill="cpu")
+    moe_blocks = len(stream.blocks_of(model))
+    assert moe_blocks >= 4  # both gates used, each settled two layers on
+    ids = tiny_prompts(2, 40, seed=5).to(DEV)
+    from ktinject import native
+
+    spin = native.default_pool().watch_spin_us
+    for gated in ("1", "0", "1"):
+        monkeypatch.setenv("KTINJECT_PREFILL_GATED", gated)
+        before = split.COUNTS["gated"]
+        r = streamed_vs_cpu(model, ids, _ahead(monkeypatch))
+        monkeypatch.undo()
+        assert r["last"]["mode"] == "ahead"
+        assert split.COUNTS["gated"] - before == (moe_blocks - 1 if gated == "1" else 0)
+        for streamed, own in r["calls"]:
+            assert streamed < NATIVE_TOL[quant] and own < NATIVE_TOL[quant], (gated, r["calls"])
+        flips = r["flips"]
+        assert flips.sum() <= flips.numel() // 6, (gated, int(flips.sum()), flips.nonzero().tolist())
+        assert r["tokens"][~flips].max() < NATIVE_TOL[quant] + STREAM_TOL, gated
+        assert native.default_pool().watch_spin_us == spin  # graph decode's window back after the forward
+    s = stream.attach(model, "auto")
+    assert not any(g.pending for pair in getattr(s, "_gates", {}).values() for g in pair)
+
+
+def test_gated_layers_survive_a_forward_stopped_midway_and_a_failed_task(monkeypatch):
+    """A gated forward that stops at its third MoE layer (an exception after two layers' tasks were armed) leaves
+    them to the next forward, which waits for them and then computes the same logits as a clean ahead forward would
+    (within the native bound of the cpu path); a gated task that fails (an expert id out of range in the ids it is
+    bound to) raises NativeError from its own forward, and the model serves the next one."""
+    from ktinject import native
+
+    model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16, num_hidden_layers=5)
+    ktinject.inject(model, gpu="cuda", quant="bf16", prefill="cpu")
+    assert len(stream.blocks_of(model)) >= 4  # layers 0-2 gated, stopped at 2
+    ids = tiny_prompts(1, 32, seed=6).to(DEV)
+    monkeypatch.setenv("KTINJECT_PREFILL_GATED", "1")
+    with torch.no_grad():
+        cpu = model(ids).logits.float()
+
+    def close(got):  # as the cpu path's but where a near-tie moved a token's experts (at most a sixth of them)
+        ok = token_errors(got, cpu) < NATIVE_TOL["bf16"] + STREAM_TOL
+        assert ok.float().mean() >= 5 / 6, token_errors(got, cpu)
+
+    s = _ahead(monkeypatch)(model)
+    stream_ = s._stream
+
+    def stop_at_2(i, *a, **kw):
+        if i == 2:
+            raise RuntimeError("stopped at layer 2")
+        return stream_(i, *a, **kw)
+
+    monkeypatch.setattr(s, "_stream", stop_at_2)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="stopped at layer 2"):
+        model(ids)
+    assert any(g.pending for pair in s._gates.values() for g in pair)
+    monkeypatch.setattr(s, "_stream", stream_)
+    with torch.no_grad():
+        got = model(ids).logits.float()
+    assert not any(g.pending for pair in s._gates.values() for g in pair)
+    assert s.__dict__.get("_spin_saved") is None  # the pool's watch window restored
+    close(got)
+
+    bind = native.Task.bind
+
+    def bad_bind(self, experts, hidden, ids_, weights, skip=None, out=None):
+        if any(self is g.task for pair in s._gates.values() for g in pair):
+            ids_ = ids_.clone()
+            ids_[3, 0] = experts.num_experts + 7
+        return bind(self, experts, hidden, ids_, weights, skip=skip, out=out)
+
+    monkeypatch.setattr(native.Task, "bind", bad_bind)
+    with torch.no_grad(), pytest.raises(native.NativeError, match="out of range|ids"):
+        model(ids)
+    monkeypatch.setattr(native.Task, "bind", bind)
+    with torch.no_grad():
+        close(model(ids).logits.float())
+    stream.attach(model, "cpu")
