@@ -42,7 +42,7 @@ import time
 import numpy as np
 import torch
 
-from ktinject import native, stream_experts
+from ktinject import cuda_driver, native, stream_experts
 from ktinject.gpu_experts import hostio, policy
 from ktinject.gpu_experts.streamed import resident
 from ktinject.operators import cpu_overlap, fused
@@ -77,6 +77,22 @@ class _Gate:
         self.skip = torch.zeros(E, dtype=torch.uint8, pin_memory=True)
         self.counts = torch.zeros(E, dtype=torch.int64, pin_memory=True)
         self.pending: list | None = None
+        self.go_dptr = None  # the go word's device address where stream memory operations are supported
+
+    def raise_go(self, device: torch.device) -> None:
+        """Queue go = 1 on the current stream: cuStreamWriteValue32 (its default flags fence the earlier copies and
+        kernels' writes to host memory before it, as graph decode's go), else a one-thread kernel (``fused.raise_word``:
+        a release at system scope after the earlier kernels, relying on the link keeping the GPU's writes in order)."""
+        if self.go_dptr is None:
+            self.go_dptr = (cuda_driver.host_device_pointer(self.go.data_ptr())
+                            if cuda_driver.stream_memops_supported(device.index) else 0)
+        if self.go_dptr:
+            cuda_driver.stream_write_value32(torch.cuda.current_stream(device).cuda_stream, self.go_dptr, 1)
+        else:
+            fused.raise_word(self.go, device)
+
+    def close(self) -> None:
+        self.task.close()
 
 
 class SplitLayers:
@@ -116,8 +132,8 @@ class SplitLayers:
             shared = shared_output(block, block.spec.shared, x)  # queued: overlaps what follows
             extra = None if block.hot is None else block.hot(x, ids, weights)
             copied.synchronize()
+            self.settle_gates(i, T)  # the gated layers before (passed too: the routing follows their sums)
         synced = time.perf_counter()
-        self.settle_gates(i, T)  # the gated layers before (passed too: the routing follows their sums)
         settled = self._settle(i, T)  # the GPU has passed the layer before's combine: its CPU task is done
         counts = torch.bincount(i_.reshape(-1), minlength=E).numpy()
         old = self._seen.get(i)
@@ -215,22 +231,29 @@ class SplitLayers:
         g.counts.copy_(counts, non_blocking=True)
         g.task.bind(block.native_experts, h, i_, w, skip=g.skip, out=o)
         self._quiet(g.task.pool)
+        g.words.zero_()  # (both 0 already: the pool took the last go, the last sum consumed the done word)
         g.task.watch(g.go.data_ptr(), g.done.data_ptr())
         g.pending = [i, T, None, None, None, int(E - hot.sum())]
         COUNTS["gated"] += 1
-        routed = torch.cuda.Event(enable_timing=True)
-        routed.record()
-        fused.raise_word(g.go, x.device)  # after the inputs' and the counts' copies on the stream
-        g.pending[2] = routed
-        shared = shared_output(block, block.spec.shared, x)
-        extra = None if block.hot is None else block.hot(x, ids, weights)
-        streamed = self._stream(i, block, x, ids, weights, gpu, None, True, first) if gpu else None
-        gpu_end = torch.cuda.Event(enable_timing=True)
-        gpu_end.record()
-        out = hostio.combine(o, streamed, extra, x.dtype, x.device, done=g.done, reset=True)
-        passed = torch.cuda.Event()
-        passed.record()
-        g.pending[3:5] = gpu_end, passed
+        try:
+            routed = torch.cuda.Event(enable_timing=True)
+            routed.record()
+            g.raise_go(x.device)  # after the inputs' and the counts' copies on the stream
+            g.pending[2] = routed
+            shared = shared_output(block, block.spec.shared, x)
+            extra = None if block.hot is None else block.hot(x, ids, weights)
+            streamed = self._stream(i, block, x, ids, weights, gpu, None, True, first) if gpu else None
+            gpu_end = torch.cuda.Event(enable_timing=True)
+            gpu_end.record()
+            out = hostio.combine(o, streamed, extra, x.dtype, x.device, done=g.done, reset=True)
+            passed = torch.cuda.Event()
+            passed.record()
+            g.pending[3:5] = gpu_end, passed
+        except BaseException:
+            # the pool must be done with the staging buffers (this thread's, any forward's) before anyone reuses
+            # them, and graph decode gets its spin window back
+            self.settle_gates(closing=True)
+            raise
         return out, shared
 
     def settle_gates(self, i: int = -1, T: int | None = None, closing: bool = False) -> None:
@@ -244,13 +267,20 @@ class SplitLayers:
             if not any(g.pending for g in gates):
                 self._quiet(None)
 
+    def close_gates(self) -> None:
+        """Settle every gate (errors logged) and free their tasks (the streamer closing)."""
+        self.settle_gates(closing=True)
+        for pair in self.__dict__.pop("_gates", {}).values():
+            for g in pair:
+                g.close()
+
     def _quiet(self, pool) -> None:
         """While gated layers run, the pool's watch spin window is KTINJECT_PREFILL_WATCH_SPIN_US (0: after a run
         only thread 0 polls for the next go; the others sleep until it starts the run): with its default window
         (graph decode's: every idle thread spins for 1 ms after a watched run) 14 spinning threads starved the
         host's launches of the next layers (gap probe, H100 host, int8 512 tokens: 5,640 tok/s against 6,583 with
         0, the GPU waiting ~1.6 ms a layer for the host's attention launches). ``pool`` None: the saved window
-        back (every gate settled)."""
+        back (every gate settled; a change of the window made meanwhile is undone)."""
         saved = self.__dict__.get("_spin_saved")
         if pool is None:
             if saved is not None:
@@ -265,16 +295,19 @@ class SplitLayers:
         error, logged when ``closing``), and feed back its times where its layer precedes ``i`` in this T-token
         forward. A gate whose sum was never queued (its forward stopped in between) waits for the whole device
         (a go already queued is raised and run) and has its words zeroed; its times are not fed back. A failed run
-        settles the other gate too (its error logged) before its own error is raised."""
-        pending, g.pending = g.pending, None
+        settles the other gate too (its error logged) before its own error is raised. The gate stays pending until
+        its wait has returned (an interrupt there leaves it to the next settle)."""
+        pending = g.pending
         if pending is None:
             return
         j, Tj, routed, gpu_end, passed, m = pending
+        # (interrupted here, the gate stays pending and watched: its go may still come, and its sum waits for it)
+        if passed is not None:
+            passed.synchronize()
+        else:
+            torch.cuda.synchronize(self.device)
+        g.pending = None  # its run is over, or never comes (its go was not queued)
         try:
-            if passed is not None:
-                passed.synchronize()
-            else:
-                torch.cuda.synchronize(self.device)
             g.task.unwatch()
         except native.NativeError as e:
             if passed is None:

@@ -158,7 +158,7 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             if b.prefill is self:
                 b.prefill = None
         try:
-            self.settle_gates(closing=True)  # gated layers' tasks, and a split layer's CPU task left running
+            self.close_gates()  # gated layers' tasks, and a split layer's CPU task left running
             self._settle(closing=True)  # (an error of them is logged)
         finally:
             if self._ready:

@@ -274,11 +274,22 @@ def test_gated_ahead_layers_equal_cpu(family, quant, monkeypatch):
     from ktinject import native
 
     spin = native.default_pool().watch_spin_us
+    closed = []  # what the streamer that ran holds when streamed_vs_cpu detaches it (before close settles anything)
+    close = stream.PrefillStreamer.close
+
+    def recording_close(self):
+        closed.append(([g.pending for pair in getattr(self, "_gates", {}).values() for g in pair if g.pending],
+                       native.default_pool().watch_spin_us))
+        return close(self)
+
     for gated in ("1", "0", "1"):
         monkeypatch.setenv("KTINJECT_PREFILL_GATED", gated)
         before = split.COUNTS["gated"]
-        r = streamed_vs_cpu(model, ids, _ahead(monkeypatch))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(stream.PrefillStreamer, "close", recording_close)
+            r = streamed_vs_cpu(model, ids, _ahead(monkeypatch))
         monkeypatch.undo()
+        assert closed and closed[-1] == ([], spin), closed  # nothing left by the forward, the window restored
         assert r["last"]["mode"] == "ahead"
         assert split.COUNTS["gated"] - before == (moe_blocks - 1 if gated == "1" else 0)
         for streamed, own in r["calls"]:
@@ -286,16 +297,14 @@ def test_gated_ahead_layers_equal_cpu(family, quant, monkeypatch):
         flips = r["flips"]
         assert flips.sum() <= flips.numel() // 6, (gated, int(flips.sum()), flips.nonzero().tolist())
         assert r["tokens"][~flips].max() < NATIVE_TOL[quant] + STREAM_TOL, gated
-        assert native.default_pool().watch_spin_us == spin  # graph decode's window back after the forward
-    s = stream.attach(model, "auto")
-    assert not any(g.pending for pair in getattr(s, "_gates", {}).values() for g in pair)
 
 
 def test_gated_layers_survive_a_forward_stopped_midway_and_a_failed_task(monkeypatch):
-    """A gated forward that stops at its third MoE layer (an exception after two layers' tasks were armed) leaves
-    them to the next forward, which waits for them and then computes the same logits as a clean ahead forward would
-    (within the native bound of the cpu path); a gated task that fails (an expert id out of range in the ids it is
-    bound to) raises NativeError from its own forward, and the model serves the next one."""
+    """A gated forward that stops at its third MoE layer (an exception after its task's go was queued) settles its
+    gates before the exception leaves it (nothing pending, the pool's spin window restored), and the next forward
+    computes what the cpu path does (within the native bound where no near-tie moved a token's experts); a gated
+    task that fails (an expert id out of range in the ids it is bound to) raises NativeError from its own forward,
+    and the model serves the next one."""
     from ktinject import native
 
     model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16, num_hidden_layers=5)
@@ -318,10 +327,12 @@ def test_gated_layers_survive_a_forward_stopped_midway_and_a_failed_task(monkeyp
             raise RuntimeError("stopped at layer 2")
         return stream_(i, *a, **kw)
 
+    spin = native.default_pool().watch_spin_us
     monkeypatch.setattr(s, "_stream", stop_at_2)
     with torch.no_grad(), pytest.raises(RuntimeError, match="stopped at layer 2"):
         model(ids)
-    assert any(g.pending for pair in s._gates.values() for g in pair)
+    assert not any(g.pending for pair in s._gates.values() for g in pair)
+    assert native.default_pool().watch_spin_us == spin
     monkeypatch.setattr(s, "_stream", stream_)
     with torch.no_grad():
         got = model(ids).logits.float()
