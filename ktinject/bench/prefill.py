@@ -1,7 +1,7 @@
 """Prefill tok/s with the routed experts on the CPU, streamed to the GPU, or split (auto), beside the streaming limit.
 
     python -m ktinject.bench prefill [--quant bf16,int8,int4] [--prefill 512,2048,8192] [--mode cpu,gpu,auto]
-                                     [--layers N] [--threads N] [--reps N] [--chunk N] [--tiny]
+                                     [--layers N] [--threads N] [--reps N] [--chunk N] [--bandwidth-gb G] [--tiny]
 
 Builds the bench model (Qwen3-30B-A3B shapes, ``ktinject.bench.model``) once per quant, injects it, and for each
 mode (the model's prefill streamer switched: ``ktinject.gpu_experts.stream.attach``) times prefills of each length
@@ -18,7 +18,10 @@ and cpu mode, ``balance.Trials``), printed apart: a user's first prompts of a ne
   chose   what auto decided for the last forward: its mode and, for split, experts per layer on the GPU (median)
 
 Then per quant the targets of issue 19 as lines: at the longest prompt gpu and auto >= 60% of the limit; at the
-shortest, auto >= cpu + 80% of gpu (both devices busy); auto never below the faster pure path.
+shortest, auto >= cpu + 80% of gpu (both devices busy); auto never below the faster pure path. And per length the
+host-memory bound (``--bandwidth-gb``): every expert byte is read from host memory once, by the CPU or by a copy,
+so tokens / (packed bytes / the host's read bandwidth measured now) bounds any mode; auto's share of it, and the
+512-token target's.
 ``--tiny`` runs the flow on the tiny qwen3_moe test model (a CPU-only machine streams to the CPU: the code path, not
 the speed). Legend: L layers, E experts.
 """
@@ -49,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="timed prefills per row, modes interleaved (the median is "
                    "shown, every run listed)")
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk in tokens (default: from GPU memory)")
+    p.add_argument("--bandwidth-gb", type=float, default=2.0, help="GB the host read-bandwidth probe reads, once per "
+                   "quant, for the memory-bound row (0: no probe; never with --tiny)")
     p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
     peer.add_arguments(p)
     return p
@@ -170,6 +175,7 @@ def run(args, quant: str, ours: dict | None = None) -> list[tuple[str, str, str]
         use("gpu")
         rows.append(_breakdown(model, probe, quant, max(lengths), device))
     rows += _targets(quant, rates, lengths, h2d, expert_bytes)
+    rows += _memory_bound(args, quant, rates, lengths, expert_bytes)
     stream.attach(model, "cpu")
     return rows
 
@@ -222,6 +228,32 @@ def _targets(quant: str, rates: dict, lengths: list[int], h2d: float, expert_byt
                         f"3% run-to-run allowance)"))
     for r in out:
         print(f"# {r[0]} | {r[1]} | {r[2]}", flush=True)
+    return out
+
+
+def _memory_bound(args, quant: str, rates: dict, lengths: list[int], expert_bytes: int) -> list[tuple]:
+    """Auto and the 512-token target beside the host's memory: at these lengths every expert of a layer is used, and
+    each of its bytes is read from host memory once, by the CPU's kernels or by a copy to the GPU, so n tokens take
+    at least expert_bytes / (read bandwidth) seconds. The bandwidth is the best read rate of all cores measured now
+    (``bench.memory``); the copies and the CPU read it at once, so this bound is only approached, not reached."""
+    if args.tiny or args.bandwidth_gb <= 0 or not any(("auto", n) in rates for n in lengths):
+        return []
+    from ktinject.bench.memory import measure_read_bandwidth
+
+    bw = measure_read_bandwidth(args.bandwidth_gb, args.threads).best_gbs * 1e9
+    out = []
+    for n in lengths:
+        if ("auto", n) not in rates:
+            continue
+        bound = n * bw / expert_bytes
+        note = (f"host read bandwidth {bw / 1e9:.1f} GB/s (all cores, measured now): every expert byte read once, by "
+                f"the CPU or a copy, bounds a prefill at {bound:,.0f} tok/s; auto {100 * rates['auto', n] / bound:.0f}%"
+                f" of it")
+        if all((m, n) in rates for m in ("cpu", "gpu")):
+            want = rates["cpu", n] + 0.8 * rates["gpu", n]
+            note += f", cpu + 0.8 gpu {100 * want / bound:.0f}%"
+        out.append((f"{quant} auto {n} against host memory", f"{bound:,.0f}", note))
+        print(f"# {out[-1][0]} | {out[-1][1]} tok/s | {note}", flush=True)
     return out
 
 
