@@ -228,7 +228,7 @@ class SplitLayers:
         skip[gpu] = 1
         flat = ids.reshape(-1)  # rows per expert on the device (torch.bincount would sync for its size)
         counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        g.counts.copy_(counts, non_blocking=True)
+        hostio.to_host(counts, g.counts)  # a kernel: a copy would queue behind the ring's expert copies
         g.task.bind(block.native_experts, h, i_, w, skip=g.skip, out=o)
         self._quiet(g.task.pool)
         g.words.zero_()  # (both 0 already: the pool took the last go, the last sum consumed the done word)
