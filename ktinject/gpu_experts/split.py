@@ -83,9 +83,9 @@ class _Gate:
         """Queue go = 1 on the current stream: cuStreamWriteValue32 (its default flags fence the earlier copies and
         kernels' writes to host memory before it, as graph decode's go), else a one-thread kernel (``fused.raise_word``:
         a release at system scope after the earlier kernels, relying on the link keeping the GPU's writes in order)."""
-        if self.go_dptr is None:
+        if self.go_dptr is None:  # (memops where supported, unless KTINJECT_STREAM_SYNC says hostfn)
             self.go_dptr = (cuda_driver.host_device_pointer(self.go.data_ptr())
-                            if cuda_driver.stream_memops_supported(device.index) else 0)
+                            if cuda_driver.default_sync_mode() == "memops" else 0)
         if self.go_dptr:
             cuda_driver.stream_write_value32(torch.cuda.current_stream(device).cuda_stream, self.go_dptr, 1)
         else:
@@ -108,7 +108,8 @@ class SplitLayers:
         the next layer's copy) is queued after the CPU's task is submitted, so that its launches (and any host sync
         in them) overlap the CPU's work, not precede it."""
         if ahead and self.cuda and self.grouped and i < len(self.blocks) - 1 and gated_enabled():
-            out = self._split_gated(i, block, x, ids, weights)
+            with torch.cuda.device(x.device):  # its events, go and stream: x's device whatever is current
+                out = self._split_gated(i, block, x, ids, weights)
             if out is not None:
                 return out
         entered = time.perf_counter()
@@ -216,6 +217,11 @@ class SplitLayers:
             gates[E] = (_Gate(E), _Gate(E))
         g = gates[E][i % 2]
         self._settle_gate(g, i, T)  # layer i - 2's run: ended, fed back
+        if g.task._watch:  # left watched by an interrupt between a settle's wait and its unwatch (its run is over)
+            try:
+                g.task.unwatch()
+            except native.NativeError as e:
+                log.warning("prefill: a gated CPU task left watched had failed: %s", e)
         h, i_, w = st.inputs("", x, ids, weights, non_blocking=True, to_host=hostio.to_host)
         hot = resident(block)
         gpu = self._set(i)
@@ -232,8 +238,8 @@ class SplitLayers:
         g.task.bind(block.native_experts, h, i_, w, skip=g.skip, out=o)
         self._quiet(g.task.pool)
         g.words.zero_()  # (both 0 already: the pool took the last go, the last sum consumed the done word)
+        g.pending = [i, T, None, None, None, int(E - hot.sum())]  # (before watch: a settle then unwatches)
         g.task.watch(g.go.data_ptr(), g.done.data_ptr())
-        g.pending = [i, T, None, None, None, int(E - hot.sum())]
         COUNTS["gated"] += 1
         try:
             routed = torch.cuda.Event(enable_timing=True)
@@ -251,8 +257,11 @@ class SplitLayers:
             g.pending[3:5] = gpu_end, passed
         except BaseException:
             # the pool must be done with the staging buffers (this thread's, any forward's) before anyone reuses
-            # them, and graph decode gets its spin window back
-            self.settle_gates(closing=True)
+            # them, and graph decode gets its spin window back; the original exception is the one raised
+            try:
+                self.settle_gates(closing=True)
+            except Exception:  # noqa: BLE001 - e.g. a CUDA error that is also the original's cause
+                log.exception("prefill: settling the gated layers after an error failed")
             raise
         return out, shared
 
@@ -308,7 +317,8 @@ class SplitLayers:
             torch.cuda.synchronize(self.device)
         g.pending = None  # its run is over, or never comes (its go was not queued)
         try:
-            g.task.unwatch()
+            if g.task._watch:  # (not where watch itself failed)
+                g.task.unwatch()
         except native.NativeError as e:
             if passed is None:
                 g.words.zero_()

@@ -355,3 +355,63 @@ def test_gated_layers_survive_a_forward_stopped_midway_and_a_failed_task(monkeyp
     with torch.no_grad():
         close(model(ids).logits.float())
     stream.attach(model, "cpu")
+
+
+def test_gated_layers_left_by_a_forward_stopped_outside_them_and_their_counts(monkeypatch):
+    """A forward stopped in a layer's attention (outside the gated code: its armed gates stay pending) leaves them
+    to the next forward, which settles them first and computes what the cpu path does; the rows per expert the
+    gated layers count on the device reach the streamer (``_seen`` of a fresh streamer after one forward equals the
+    bincount of each layer's routed ids); with stream memory operations reported unsupported the go word comes from
+    the one-thread kernel (``fused.raise_word``) and the results hold; close frees the gates' tasks."""
+    from ktinject import cuda_driver, native
+    from ktinject.graph import decoder_layers
+    from ktinject.testing import MoeTrace
+
+    model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16, num_hidden_layers=5)
+    ktinject.inject(model, gpu="cuda", quant="bf16", prefill="cpu")
+    blocks = stream.blocks_of(model)
+    assert len(blocks) >= 4
+    ids = tiny_prompts(1, 32, seed=7).to(DEV)
+    spin = native.default_pool().watch_spin_us
+    monkeypatch.setenv("KTINJECT_PREFILL_GATED", "1")
+    with torch.no_grad():
+        cpu = model(ids).logits.float()
+
+    def close(got):
+        assert ((token_errors(got, cpu) < NATIVE_TOL["bf16"] + STREAM_TOL).float().mean() >= 5 / 6)
+
+    # counts: a fresh streamer, one forward, its routed ids traced
+    s = _ahead(monkeypatch)(model)
+    with torch.no_grad(), MoeTrace(model) as trace:
+        close(model(ids).logits.float())
+    for j, (block, _, routed_ids, _, _) in enumerate(trace.calls[:len(blocks) - 1]):
+        want = torch.bincount(routed_ids.reshape(-1).cpu(), minlength=block.num_experts).double().numpy()
+        assert (s._seen[j] == want).all(), j
+
+    # stopped in the last MoE layer's attention: layers before it armed and pending
+    last = next(layer for layer in decoder_layers(model) if getattr(layer, "mlp", None) is blocks[-1])
+    attn = last.self_attn.forward
+
+    def stop(*a, **kw):
+        raise RuntimeError("stopped in attention")
+
+    monkeypatch.setattr(last.self_attn, "forward", stop)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="stopped in attention"):
+        model(ids)
+    assert any(g.pending for pair in s._gates.values() for g in pair)
+    monkeypatch.setattr(last.self_attn, "forward", attn)
+    with torch.no_grad():
+        close(model(ids).logits.float())
+    assert not any(g.pending for pair in s._gates.values() for g in pair)
+
+    # the kernel's go: fresh gates (their go address is decided at first use)
+    stream.attach(model, "cpu")
+    monkeypatch.setattr(cuda_driver, "default_sync_mode", lambda: "hostfn")
+    s = _ahead(monkeypatch)(model)
+    with torch.no_grad():
+        close(model(ids).logits.float())
+    gates = [g for pair in s._gates.values() for g in pair]
+    assert gates and all(g.go_dptr == 0 for g in gates)
+    stream.attach(model, "cpu")
+    assert all(g.task._p is None for g in gates)  # closed with the streamer
+    assert native.default_pool().watch_spin_us == spin
