@@ -124,9 +124,7 @@ class SplitLayers:
         hot = resident(block)
         gpu = first = None
         if ahead:
-            gpu = self._set(i)
-            del self._sets[i]  # the next ask (the next forward's prefetch) picks from the rows seen by then
-            first = self._take(i, gpu) if gpu else None
+            gpu, first = self._take_set(i)
         if self.cuda:
             copied = self._event()
             copied.record()
@@ -137,15 +135,11 @@ class SplitLayers:
         synced = time.perf_counter()
         settled = self._settle(i, T)  # the GPU has passed the layer before's combine: its CPU task is done
         counts = torch.bincount(i_.reshape(-1), minlength=E).numpy()
-        old = self._seen.get(i)
-        self._seen[i] = counts.astype(np.float64) + (0.0 if old is None else 0.5 * old)
+        self._see(i, counts)
         if not ahead:
             gpu = policy.choose_split(counts, ~hot, self.costs_for(block, T))
         self.last["gpu_experts"].append(len(gpu))
-        skip = self._skip(E)
-        skip.zero_()
-        skip.numpy()[hot] = 1
-        skip.numpy()[gpu] = 1
+        skip = _mask(self._skip(E), hot, gpu)
         cpu_counts = np.where(skip.numpy() == 0, counts, 0)
         task = self._task()
         task.bind(block.native_experts, h, i_, w, skip=skip, out=o)
@@ -224,14 +218,9 @@ class SplitLayers:
                 log.warning("prefill: a gated CPU task left watched had failed: %s", e)
         h, i_, w = st.inputs("", x, ids, weights, non_blocking=True, to_host=hostio.to_host)
         hot = resident(block)
-        gpu = self._set(i)
-        del self._sets[i]  # the next ask (the next forward's prefetch) picks from the rows seen by then
-        first = self._take(i, gpu) if gpu else None
+        gpu, first = self._take_set(i)
         self.last["gpu_experts"].append(len(gpu))
-        skip = g.skip.numpy()
-        skip[:] = 0
-        skip[hot] = 1
-        skip[gpu] = 1
+        _mask(g.skip, hot, gpu)
         flat = ids.reshape(-1)  # rows per expert on the device (torch.bincount would sync for its size)
         counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         hostio.to_host(counts, g.counts)  # a kernel: a copy would queue behind the ring's expert copies
@@ -331,8 +320,7 @@ class SplitLayers:
             g.words.zero_()
             return
         counts = g.counts.numpy()
-        old = self._seen.get(j)
-        self._seen[j] = counts.astype(np.float64) + (0.0 if old is None else 0.5 * old)
+        self._see(j, counts)
         if closing or Tj != T or not j < i:
             return
         start, end = g.task.times()
@@ -379,6 +367,19 @@ class SplitLayers:
                                                 m, self.cap)
 
     # ---- small pieces kept across forwards ----------------------------------------------------------------------
+    def _take_set(self, i: int) -> tuple[list[int], object]:
+        """Ahead mode's GPU experts of layer i (``_set``) and the ring item of their first part (``_take``; None
+        where the set is empty); the set is dropped: the next ask (the next forward's prefetch) picks from the rows
+        seen by then."""
+        gpu = self._set(i)
+        del self._sets[i]
+        return gpu, (self._take(i, gpu) if gpu else None)
+
+    def _see(self, i: int, counts: np.ndarray) -> None:
+        """Layer i's rows per expert [E] into the decaying history ahead mode picks its sets from (``_seen``)."""
+        old = self._seen.get(i)
+        self._seen[i] = counts.astype(np.float64) + (0.0 if old is None else 0.5 * old)
+
     def _event(self, name: str = "_copied") -> torch.cuda.Event:
         """A CUDA event kept for the streamer (timed: an overlapped layer's routing is where its GPU time starts);
         the routing's event is a new one each layer while a layer's is pending (``_settle`` still reads it)."""
@@ -399,6 +400,16 @@ class SplitLayers:
         if task is None:
             task = self._native_task = native.Task()
         return task
+
+
+def _mask(skip: torch.Tensor, hot: np.ndarray, gpu: list[int]) -> torch.Tensor:
+    """skip (uint8 [E], host) rewritten as the native skip mask of a shared layer: 1 for the resident experts
+    (``hot``, bool [E]) and the GPU's (``gpu``), 0 for the CPU's. Returns skip."""
+    m = skip.numpy()
+    m[:] = 0
+    m[hot] = 1
+    m[gpu] = 1
+    return skip
 
 
 def total(x, routed, extra, streamed) -> torch.Tensor:
