@@ -128,7 +128,52 @@ def test_problems_are_named():
     assert DL.problem(build_tiny_model("deepseek_v3").model.layers[0]) is None
 
 
+def test_the_lm_head_takes_the_decode_forward_where_it_is_a_linear():
+    """install_all gives the LM head the decode forward (the layers took theirs); off CUDA, for prefill shapes, with
+    a hook or autograd it is nn.Linear's own forward; uninstall_head gives that back; a head that is not a plain
+    nn.Linear keeps its forward."""
+    ref, fast = _pair("qwen3_moe")
+    head = fast.get_output_embeddings()
+    assert DL._HEAD_FORWARD in head.__dict__ and DL._HEAD_FORWARD not in ref.get_output_embeddings().__dict__
+    ids, mask, keep = _left_padded()
+    assert torch.equal(_logits(fast, ids, mask)[keep], _logits(ref, ids, mask)[keep])
+    x = torch.randn(3, 1, fast.config.hidden_size)
+    assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight, head.bias))
+    x.requires_grad_(True)
+    head(x).sum().backward()  # autograd: nn.Linear's forward, which records it
+    assert x.grad is not None
+    DL.uninstall_head(fast)
+    assert DL._HEAD_FORWARD not in head.__dict__ and "forward" not in head.__dict__
+    assert DL.install_head(fast) and DL.install_head(fast)  # a second install keeps the first's original
+    DL.uninstall_head(fast)
+    assert "forward" not in head.__dict__
+
+    class Scaled(torch.nn.Linear):
+        pass
+    fast.lm_head = Scaled(4, 4)
+    assert not DL.install_head(fast)
+    assert not DL.install_head(torch.nn.Linear(4, 4))  # no output embeddings to ask for
+
+
 _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("B", [pytest.param(b, marks=_CUDA) for b in (1, 3)])
+def test_lm_head_kernel_on_cuda(B, monkeypatch):
+    """The LM head's decode forward by the GEMV (KTINJECT_GEMV=triton: the kernel whatever the timing) against
+    F.linear in bf16: the same product in another summation order, an odd vocabulary."""
+    from ktinject.operators import fused_dense
+
+    monkeypatch.setenv("KTINJECT_GEMV", "triton")
+    head = torch.nn.Linear(200, 1001, bias=False).to("cuda", torch.bfloat16)
+    DL.fastpaths.swap_forward(head, DL.head_forward, DL._HEAD_FORWARD)
+    x = torch.randn(B, 1, 200, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        got, want = head(x), torch.nn.functional.linear(x, head.weight)
+    assert got.shape == want.shape == (B, 1, 1001)
+    assert fused_dense.choose(x.view(B, 200), head.weight, None, None) is not None  # the kernel ran
+    diff = (got.float() - want.float()).abs()
+    assert float(diff.max()) <= float(want.float().abs().max()) * 2 ** -7
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=_CUDA) for f in ("qwen3_moe", "qwen2_moe", "gpt_oss")])

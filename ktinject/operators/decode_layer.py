@@ -11,7 +11,10 @@ module) with fewer kernels on CUDA with Triton (``fused_dense``):
 - the closing residual add and the *next* layer's input norm are one kernel (``add_rms_norm``): the sum carries
   the normalized result (``norm.attach_prenormed``), which the next layer, or the model's final FusedRMSNorm,
   takes instead of normalizing again while it is valid (same norm and weight, neither tensor changed since);
-  the first layer normalizes its input itself.
+  the first layer normalizes its input itself;
+- the LM head (the model's output embeddings, an nn.Linear) of a decode step is ``fused_dense.linear``: cuBLAS or
+  the GEMV, whichever its timing in the chain picks; the GEMV starts during the last layer's collect (PDL) and
+  loads its first weight tiles while that waits for the CPU (``install_head``).
 
 Without CUDA or Triton the same steps run as torch ops and module calls, which is what HF's forward computes.
 Each piece keeps HF's behaviour where it cannot be fused: a norm with hooks or of another class is called as a
@@ -31,7 +34,7 @@ from torch import nn
 from ktinject import fastpaths
 from ktinject.operators import decode_attention, fused
 from ktinject.operators.routing import hooked as moe_hooked
-from ktinject.operators.fused_dense import add_rms_norm
+from ktinject.operators.fused_dense import add_rms_norm, linear
 from ktinject.operators.norm import FusedRMSNorm, attach_prenormed, fuse_problem, rounds_twice, take_prenormed
 
 log = logging.getLogger(__name__)
@@ -92,7 +95,43 @@ def install_all(model: nn.Module) -> int:
         else:
             link = final
         n += install(layer, link)
+    if n:
+        install_head(model)
     return n
+
+
+_HEAD_FORWARD = "_ktinject_head_hf_forward"
+
+
+def install_head(model: nn.Module) -> bool:
+    """Give the model's LM head (``get_output_embeddings()``, a plain nn.Linear) the decode forward below; False
+    where there is none such."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not nn.Linear:  # (a subclass may compute otherwise)
+        return False
+    fastpaths.swap_forward(head, head_forward, _HEAD_FORWARD)
+    return True
+
+
+def uninstall_head(model: nn.Module) -> None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is not None:
+        fastpaths.restore_forward(head, _HEAD_FORWARD)
+
+
+def head_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The LM head's logits of x [B, 1, H] (a decode step, B <= 16) by ``fused_dense.linear`` (the same product:
+    one rounding of a float32 sum, in its own order); anything else, or a head with hooks or autograd to record:
+    nn.Linear's forward."""
+    hf = self.__dict__[_HEAD_FORWARD]
+    if (x.dim() != 3 or x.shape[1] != 1 or x.shape[0] > 16 or x.dtype != self.weight.dtype
+            or self._forward_hooks or self._forward_pre_hooks or not fused.available(x)
+            or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+        return hf(x)
+    B, _, H = x.shape
+    return linear(x.reshape(B, H), self.weight, self.bias)[0].view(B, 1, -1)
 
 
 def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:

@@ -1,12 +1,12 @@
 """Which kernel runs the decode step's q/k/v projection (one row x [5120, 2048] at Qwen3-30B-A3B shapes), in turns in
 one process (not a test): cuBLAS (what ``fused_dense.choose`` measured fastest in isolation in some runs, L2
-flushed, before ``fused_dense.pick`` credited the kernel) against Triton configs, which launch with PDL and load
+flushed, before ``fused_dense`` timed its candidates after a stand-in kernel, as in the chain) against Triton configs, which launch with PDL and load
 their first weight tile while the collect kernel before them waits for the CPU. Each variant captures its own decode
 graph (the choice overridden in ``fused_dense._CHOICE``), then bare replays, muted replays (GPU part + handshakes)
 and ``ktinject.generate``, ms a token.
 
     python tests/gpu/probe_qkv_choice.py [--quant int4] [--layers 48] [--rounds 3] [--tokens 64] [--prompt 32]
-        [--configs cublas,4x2048x4,8x512x4]
+        [--configs cublas,4x2048x4,8x512x4] [--which qkv|o|head]
 """
 from __future__ import annotations
 
@@ -29,11 +29,16 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--configs", default="cublas,4x2048x4,8x512x4")
+    ap.add_argument("--which", default="qkv", choices=("qkv", "o", "head"),
+                    help="the projection overridden: q/k/v (one row, no residual), o_proj (residual + norm) or the "
+                         "LM head (the vocabulary's rows)")
     a = ap.parse_args()
     model, prompt, runner = decode_setup(a.quant, a.layers, prompt_len=a.prompt)  # (fused_dense measures its shapes)
     P = a.prompt
     print(f"# {a.quant}, {a.layers} layers, prompt {P}, {torch.cuda.get_device_name()}", flush=True)
-    keys = [k for k in fused_dense._CHOICE if k[0] == 1 and not k[5]]  # one row, no residual: q/k/v
+    vocab = model.config.vocab_size
+    keys = [k for k in fused_dense._CHOICE if k[0] == 1 and bool(k[5]) == (a.which == "o")  # key[5]: residual
+            and (k[1] == vocab) == (a.which == "head")]  # key[1]: rows of the weight
     print(f"# measured choices: {fused_dense._CHOICE}; overriding {keys}", flush=True)
     variants = a.configs.split(",")
     res: dict[str, list] = {v: [] for v in variants}
@@ -50,11 +55,11 @@ def main():
             t1 = gen_time(model, prompt, 1)
             gen = (gen_time(model, prompt, a.tokens + 1) - t1) / a.tokens
             res[v].append((bare, mute, gen))
-            print(f"round {r} qkv {v}: bare {bare * 1e3:.3f} ms, muted {mute * 1e3:.3f} ms, generate "
+            print(f"round {r} {a.which} {v}: bare {bare * 1e3:.3f} ms, muted {mute * 1e3:.3f} ms, generate "
                   f"{gen * 1e3:.3f} ms ({1 / gen:.1f} tok/s); steal +{steal_jiffies() - s0}", flush=True)
     for v, rows in res.items():
         med = [statistics.median(x[i] for x in rows) * 1e3 for i in range(3)]
-        print(f"qkv {v:9s} median: bare {med[0]:.3f} ms, muted {med[1]:.3f} ms, generate {med[2]:.3f} ms "
+        print(f"{a.which} {v:9s} median: bare {med[0]:.3f} ms, muted {med[1]:.3f} ms, generate {med[2]:.3f} ms "
               f"({1e3 / med[2]:.1f} tok/s)")
 
 
