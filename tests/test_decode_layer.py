@@ -148,6 +148,13 @@ def test_the_lm_head_takes_the_decode_forward_where_it_is_a_linear():
     DL.uninstall_head(fast)
     assert "forward" not in head.__dict__
 
+    hooked = torch.nn.Linear(4, 4)
+    hooked.forward = lambda x: x  # an instance forward (accelerate's offload hook): left alone, kept
+    fast.lm_head = hooked
+    assert not DL.install_head(fast)
+    DL.uninstall_head(fast)
+    assert "forward" in hooked.__dict__
+
     class Scaled(torch.nn.Linear):
         pass
     fast.lm_head = Scaled(4, 4)
@@ -158,22 +165,30 @@ def test_the_lm_head_takes_the_decode_forward_where_it_is_a_linear():
 _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("B", [pytest.param(b, marks=_CUDA) for b in (1, 3)])
-def test_lm_head_kernel_on_cuda(B, monkeypatch):
-    """The LM head's decode forward by the GEMV (KTINJECT_GEMV=triton: the kernel whatever the timing) against
-    F.linear in bf16: the same product in another summation order, an odd vocabulary."""
+@pytest.mark.parametrize("gemv", [pytest.param(g, marks=_CUDA) for g in ("triton", "auto")])
+def test_lm_head_kernel_on_cuda(gemv, monkeypatch):
+    """The LM head's decode forward against F.linear in bf16 (the same product in another summation order, an odd
+    vocabulary): by the GEMV (KTINJECT_GEMV=triton) or as measured (auto: cuBLAS or a config, a weight above
+    MEASURE_FROM), for a one-row step and for a prompt's last position (a strided view); a batch, nn.Linear's."""
     from ktinject.operators import fused_dense
 
-    monkeypatch.setenv("KTINJECT_GEMV", "triton")
-    head = torch.nn.Linear(200, 1001, bias=False).to("cuda", torch.bfloat16)
+    monkeypatch.setenv("KTINJECT_GEMV", gemv)
+    H, V = 200, 5001 + (fused_dense.MEASURE_FROM // 200 if gemv == "auto" else 0)
+    head = torch.nn.Linear(H, V, bias=False).to("cuda", torch.bfloat16)
     DL.fastpaths.swap_forward(head, DL.head_forward, DL._HEAD_FORWARD)
-    x = torch.randn(B, 1, 200, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        got, want = head(x), torch.nn.functional.linear(x, head.weight)
-    assert got.shape == want.shape == (B, 1, 1001)
-    assert fused_dense.choose(x.view(B, 200), head.weight, None, None) is not None  # the kernel ran
-    diff = (got.float() - want.float()).abs()
-    assert float(diff.max()) <= float(want.float().abs().max()) * 2 ** -7
+    prompt = torch.randn(1, 7, H, device="cuda", dtype=torch.bfloat16)
+    for x in (prompt[:, -1:, :], prompt[:, 2:3, :].contiguous(), torch.randn(3, 1, H, device="cuda",
+                                                                              dtype=torch.bfloat16)):
+        with torch.no_grad():
+            got, want = head(x), torch.nn.functional.linear(x, head.weight)
+        assert got.shape == want.shape == (x.shape[0], 1, V)
+        diff = (got.float() - want.float()).abs()
+        assert float(diff.max()) <= float(want.float().abs().max()) * 2 ** -7
+        if x.shape[0] > 1:
+            assert torch.equal(got, want)  # nn.Linear's own
+    key = [k for k in fused_dense._CHOICE if k[:3] == (1, V, H)]
+    assert gemv == "triton" or key  # measured once: cuBLAS or a config
+    assert gemv == "auto" or fused_dense.choose(prompt[0, :1], head.weight, None, None) is not None
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=_CUDA) for f in ("qwen3_moe", "qwen2_moe", "gpt_oss")])

@@ -494,17 +494,24 @@ def test_linear_pick_credits_pdl(times, credit, want):
 
 @pytest.mark.parametrize("times, K, want", [
     ({None: 9.0, (4, 2048, 4): 12.5, (8, 2048, 8): 12.0, (16, 1024, 8): 10.0}, 2048, (8, 2048, 8)),  # whole rows
-    ({None: 9.0, (4, 2048, 4): 12.5, (2, 4096, 4, True): 11.0}, 2048, (2, 4096, 4, True)),  # BK past K: whole too
+    ({None: 9.0, (4, 2048, 4): 19.0, (2, 2048, 2, True): 17.5}, 2048, (2, 2048, 2, True)),  # within 2x cuBLAS
+    ({None: 9.0, (4, 2048, 4): 19.0}, 2048, None),  # past 2x: the credit's rule, which does not cover it
+    ({None: 9.0, (4, 2048, 4): 12.5, (2, 4096, 4, True): 11.0}, 2048, (4, 2048, 4)),  # BK past K: lanes masked off
     ({None: 9.0, (4, 2048, 4): 12.5, (16, 1024, 8): 10.0}, 4096, (16, 1024, 8)),  # none whole at 4096: credit
     ({None: 9.0, (4, 2048, 4): 12.5}, 4096, None),  # ... which does not cover 3.5 us
+    ({(8, 2048, 8): 12.0, (16, 1024, 8): 10.0}, 2048, (8, 2048, 8)),  # no cuBLAS timing
     ({None: 9.0}, 2048, None),
 ])
 def test_linear_pick_takes_whole_rows_in_the_pdl_chain(times, K, want):
-    """fused_dense.pick with whole_row=K (one row, PDL on): the fastest config that loads whole rows before its
-    wait, whatever cuBLAS's time; where none does, the credit's rule (3 us here)."""
+    """fused_dense.pick with whole_row=K (one row, PDL on): the fastest config that loads whole rows (BK == K)
+    before its wait, whatever cuBLAS's time up to WHOLE_ROW_SLACK x; where none does, the credit's rule (3 us
+    here); decide gives it for weights up to WHOLE_ROW_BYTES (q/k/v), not for an LM head's."""
     from ktinject.operators import fused_dense
 
+    assert fused_dense.WHOLE_ROW_SLACK == 2.0 and fused_dense.PDL_CREDIT_US == 3.0
     assert fused_dense.pick(times, 3.0, K) == want
     ms = {c: t / 1e3 for c, t in times.items()}  # _measure's unit
-    assert fused_dense.PDL_CREDIT_US == 3.0 and fused_dense.decide(ms, True, K) == want
-    assert fused_dense.decide(ms, False, K) == fused_dense.pick(times)  # no credit, no whole-row rule
+    qkv, head = 5120 * K * 2, 151936 * K * 2
+    assert fused_dense.decide(ms, True, K, qkv) == want
+    assert fused_dense.decide(ms, True, K, head) == fused_dense.pick(times, 3.0)  # the credit alone
+    assert fused_dense.decide(ms, False, K, qkv) == fused_dense.pick(times)  # no credit, no whole-row rule

@@ -12,9 +12,9 @@ module) with fewer kernels on CUDA with Triton (``fused_dense``):
   the normalized result (``norm.attach_prenormed``), which the next layer, or the model's final FusedRMSNorm,
   takes instead of normalizing again while it is valid (same norm and weight, neither tensor changed since);
   the first layer normalizes its input itself;
-- the LM head (the model's output embeddings, an nn.Linear) of a decode step is ``fused_dense.linear``: cuBLAS or
-  the GEMV, whichever its timing in the chain picks; the GEMV starts during the last layer's collect (PDL) and
-  loads its first weight tiles while that waits for the CPU (``install_head``).
+- the LM head (the model's output embeddings, an nn.Linear) of a one-row decode step is ``fused_dense.linear``:
+  cuBLAS or the GEMV, whichever its timing picks; the GEMV starts during the last layer's collect (PDL) and loads
+  its first weight tiles while that waits for the CPU (``install_head``).
 
 Without CUDA or Triton the same steps run as torch ops and module calls, which is what HF's forward computes.
 Each piece keeps HF's behaviour where it cannot be fused: a norm with hooks or of another class is called as a
@@ -104,11 +104,12 @@ _HEAD_FORWARD = "_ktinject_head_hf_forward"
 
 
 def install_head(model: nn.Module) -> bool:
-    """Give the model's LM head (``get_output_embeddings()``, a plain nn.Linear) the decode forward below; False
-    where there is none such."""
+    """Give the model's LM head (``get_output_embeddings()``, a plain nn.Linear with its class's forward) the decode
+    forward below; False where there is none such (a subclass may compute otherwise; an instance forward, e.g.
+    accelerate's offload hook, moves weights first, and uninstalling would drop it)."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
-    if type(head) is not nn.Linear:  # (a subclass may compute otherwise)
+    if type(head) is not nn.Linear or ("forward" in head.__dict__ and _HEAD_FORWARD not in head.__dict__):
         return False
     fastpaths.swap_forward(head, head_forward, _HEAD_FORWARD)
     return True
@@ -122,16 +123,18 @@ def uninstall_head(model: nn.Module) -> None:
 
 
 def head_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """The LM head's logits of x [B, 1, H] (a decode step, B <= 16) by ``fused_dense.linear`` (the same product:
-    one rounding of a float32 sum, in its own order); anything else, or a head with hooks or autograd to record:
-    nn.Linear's forward."""
+    """The LM head's logits of x [1, 1, H] (a one-row decode step, or a prompt's last position) by
+    ``fused_dense.linear`` (the same product: one rounding of a float32 sum, in its own order); anything else (a
+    batch: the serving engine's steps of any size would each be timed on first use), a head with hooks, weights on
+    another device, autograd to record: nn.Linear's forward."""
     hf = self.__dict__[_HEAD_FORWARD]
-    if (x.dim() != 3 or x.shape[1] != 1 or x.shape[0] > 16 or x.dtype != self.weight.dtype
-            or self._forward_hooks or self._forward_pre_hooks or not fused.available(x)
-            or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+    w = self.weight
+    if (x.shape[:-1] != (1, 1) or x.dtype != w.dtype or x.device != w.device or self._forward_hooks
+            or self._forward_pre_hooks or not fused.available(x)
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return hf(x)
-    B, _, H = x.shape
-    return linear(x.reshape(B, H), self.weight, self.bias)[0].view(B, 1, -1)
+    # a prompt's last position is a view with its row stride: contiguous, one row
+    return linear(x.reshape(1, -1).contiguous(), w, self.bias)[0].view(1, 1, -1)
 
 
 def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:

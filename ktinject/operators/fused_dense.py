@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import statistics
 
@@ -235,6 +236,8 @@ _CHOICE: dict[tuple, tuple | None] = {}  # shape key -> config, or None for cuBL
 #: already) where no config loads whole rows (``pick``'s whole_row)
 PDL_CREDIT_US = 3.0
 MEASURE_FROM = 1 << 20  # weights smaller than this stay with cuBLAS unmeasured (launch-bound either way)
+WHOLE_ROW_BYTES = 64 << 20  # ``pick``'s whole-row rule up to this (an H100's registers and shared memory: ~62 MB)
+WHOLE_ROW_SLACK = 2.0  # ... for a config at most this many times cuBLAS's time alone (a guard for untried shapes)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
@@ -309,15 +312,16 @@ def _fastest_kernel(times: dict) -> tuple | None:
 def pick(times: dict, credit: float = 0.0, whole_row: int | None = None) -> tuple | None:
     """From ``times`` (config -> median time; None: cuBLAS), the fastest kernel config where its time less
     ``credit`` (PDL_CREDIT_US, same unit) is at most cuBLAS's, else None (cuBLAS). ``whole_row`` (K, for a one-row
-    projection in the PDL chain): the fastest config whose first tile is the whole row (BK >= K) where there is
-    one, whatever cuBLAS's time. Such a kernel loads all of its weights during the wait of the kernel before it
-    (the collect, waiting for the CPU), and no timing alone predicts the chain: on the H100 (2026-11-27, decode
-    graphs with the choice forced, probe_qkv_choice.py) q/k/v's muted replays took 2.10-2.12 ms with (4, 2048, 4)
-    or (8, 2048, 8) against 2.25-2.27 with cuBLAS, 2.20 with (16, 1024, 8) and 2.34 with (16, 2048, 16) (two
-    rounds), while timings alone picked cuBLAS in three processes of four even with 3 or 6 us of credit; the LM
-    head's (2, 2048, 2, RED) 2.33-2.35 against 2.38 with cuBLAS (three rounds)."""
+    projection in the PDL chain whose weights the SMs can hold, ``decide``): the fastest config whose first tile is
+    the whole row (BK == K) where there is one within WHOLE_ROW_SLACK x cuBLAS's time. Such a kernel loads all of
+    its weights during the wait of the kernel before it (the collect, waiting for the CPU), and no timing alone
+    predicts the chain: on the H100 (2026-11-27, decode graphs with the choice forced, probe_qkv_choice.py) q/k/v's
+    muted replays took 2.10-2.12 ms with (4, 2048, 4) or (8, 2048, 8) against 2.25-2.27 with cuBLAS, 2.20 with
+    (16, 1024, 8) and 2.34 with (16, 2048, 16) (two rounds), while timings alone picked cuBLAS in three processes
+    of four even with 3 or 6 us of credit."""
     if whole_row is not None:
-        whole = {c: t for c, t in times.items() if c is not None and c[1] >= whole_row}
+        cap = WHOLE_ROW_SLACK * times[None] if None in times else math.inf
+        whole = {c: t for c, t in times.items() if c is not None and c[1] == whole_row and t <= cap}
         if whole:
             return min(whole, key=whole.get)
     kernel = _fastest_kernel(times)
@@ -326,12 +330,14 @@ def pick(times: dict, credit: float = 0.0, whole_row: int | None = None) -> tupl
     return kernel
 
 
-def decide(times_ms: dict, one_row_pdl: bool, K: int) -> tuple | None:
-    """``pick`` for ``_measure``'s medians (ms): with PDL_CREDIT_US and whole rows of K for a one-row projection
-    without residual or norm where PDL is on (``one_row_pdl``), plain otherwise."""
+def decide(times_ms: dict, one_row_pdl: bool, K: int, weight_bytes: int) -> tuple | None:
+    """``pick`` for ``_measure``'s medians (ms): for a one-row projection without residual or norm where PDL is on
+    (``one_row_pdl``) with PDL_CREDIT_US, and whole rows of K where the weights are at most WHOLE_ROW_BYTES (what
+    the SMs can load during a wait: q/k/v, not an LM head, whose timing alone is its time in the chain); plain
+    otherwise."""
     if not one_row_pdl:
         return pick(times_ms)
-    return pick(times_ms, PDL_CREDIT_US / 1e3, K)
+    return pick(times_ms, PDL_CREDIT_US / 1e3, K if weight_bytes <= WHOLE_ROW_BYTES else None)
 
 
 def _measure(x, weight, bias, residual, norm, configs, reps: int = 15) -> tuple | None:
@@ -377,7 +383,7 @@ def _measure(x, weight, bias, residual, norm, configs, reps: int = 15) -> tuple 
     med = {c: statistics.median(a.elapsed_time(b) for a, b in times[c]) for c in cands}  # (dropped: not timed)
     one_row = x.shape[0] == 1 and residual is None and norm is None and fused.pdl(x)  # (as the credit's measure)
     credit = PDL_CREDIT_US / 1e3 if one_row else 0.0
-    best = decide(med, one_row, weight.shape[1])
+    best = decide(med, one_row, weight.shape[1], weight.numel() * weight.element_size())
     kernel = _fastest_kernel(med)
     log.info("fused_dense: linear %s x %s%s: cuBLAS %.1f us, best kernel %s %.1f us (PDL credit %.1f us); using %s",
              tuple(x.shape), tuple(weight.shape), " + norm" if norm else "", med[None] * 1e3, kernel,
