@@ -9,7 +9,7 @@ stage_setup
 export PYTHONPATH=/tmp/site:$PWD
 echo "=== $(steal)"
 (cd tests/gpu && timeout "${PROBE_S:-150}" python3 probe_qkv_choice.py --which head --rounds 3 --tokens 32 \
-  --configs "${HEAD_CONFIGS:-cublas,2x2048x2x1}" > "$OUT/head.log" 2>&1)
+  --configs "${HEAD_CONFIGS:-auto,cublas,2x2048x2x1}" > "$OUT/head.log" 2>&1)
 echo "probe rc=$?"; grep -E "median|round|choices" "$OUT/head.log" | cut -c1-330
 echo "=== $(steal)"
 timeout "${TESTS_S:-150}" python3 -m pytest -q -rs -x tests/test_decode_layer.py tests/gpu/test_graph_gpu.py \

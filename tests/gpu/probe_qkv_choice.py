@@ -1,12 +1,13 @@
-"""Which kernel runs the decode step's q/k/v projection (one row x [5120, 2048] at Qwen3-30B-A3B shapes), in turns in
-one process (not a test): cuBLAS (what ``fused_dense.choose`` measured fastest in isolation in some runs, L2
-flushed, before ``fused_dense`` timed its candidates after a stand-in kernel, as in the chain) against Triton configs, which launch with PDL and load
-their first weight tile while the collect kernel before them waits for the CPU. Each variant captures its own decode
-graph (the choice overridden in ``fused_dense._CHOICE``), then bare replays, muted replays (GPU part + handshakes)
-and ``ktinject.generate``, ms a token.
+"""Which kernel runs a decode-chain projection (not a test), in turns in one process: q/k/v (one row x [5120, 2048] at
+Qwen3-30B-A3B shapes), o_proj (with its residual and norm) or the LM head (``--which``). Variants: the choice as
+``fused_dense.choose`` measured it (``auto``), cuBLAS, or a Triton config (BNxBKxWARPS[x1 for RED]); the kernels
+launch with PDL and load their first weight tiles while the kernel before them runs (for q/k/v: the collect,
+waiting for the CPU), which timings alone do not see. Each variant captures its own decode graph (the choice
+overridden in ``fused_dense._CHOICE``), then bare replays, muted replays (GPU part + handshakes) and
+``ktinject.generate``, ms a token.
 
     python tests/gpu/probe_qkv_choice.py [--quant int4] [--layers 48] [--rounds 3] [--tokens 64] [--prompt 32]
-        [--configs cublas,4x2048x4,8x512x4] [--which qkv|o|head]
+        [--configs auto,cublas,4x2048x4,8x512x4] [--which qkv|o|head]
 """
 from __future__ import annotations
 
@@ -40,13 +41,14 @@ def main():
     keys = [k for k in fused_dense._CHOICE if k[0] == 1 and bool(k[5]) == (a.which == "o")  # key[5]: residual
             and (k[1] == vocab) == (a.which == "head")]  # key[1]: rows of the weight
     print(f"# measured choices: {fused_dense._CHOICE}; overriding {keys}", flush=True)
+    measured = {k: fused_dense._CHOICE[k] for k in keys}
     variants = a.configs.split(",")
     res: dict[str, list] = {v: [] for v in variants}
     for r in range(a.rounds):
         for v in variants:
-            cfg = None if v == "cublas" else tuple(int(x) for x in v.split("x"))
-            for k in keys:
-                fused_dense._CHOICE[k] = cfg
+            for k in keys:  # "auto": as measured (fused_dense.choose's pick); "cublas"; "BNxBKxWARPS[x1]"
+                fused_dense._CHOICE[k] = (measured[k] if v == "auto" else None if v == "cublas"
+                                          else tuple(int(x) for x in v.split("x")))
             invalidate_graphs(model)
             gen_time(model, prompt, 3)  # captures with this setting
             s0 = steal_jiffies()
