@@ -307,9 +307,8 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
         _add(rows, ("split: waiting for the CPU", "", _fmt_ms(None if step is None or mute is None else step - mute),
                      "bare replay - muted replay"))
         if device.type == "cuda":
-            from ktinject import stream_experts
-
             from ktinject import cuda_driver
+            from ktinject.bench import handshake
 
             L = cfg.num_hidden_layers
             one = native.Pool(1)
@@ -325,7 +324,7 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
                     cuda_driver.set_host_wait_mode(wait)
                     if spin_us is not None:
                         expert_pool.watch_spin_us = spin_us
-                    hc = stream_experts.handshake_cost(n=L, mode=mode, pool=pool)
+                    hc = handshake.handshake_cost(n=L, mode=mode, pool=pool)
                     _add(rows, (what, "", _fmt_ms(hc["per_handshake_us"] * L / 1e6),
                                  f"{hc['per_handshake_us']:.1f} us/handshake x {L} layers (empty tasks)"))
                 except Exception as e:  # noqa: BLE001

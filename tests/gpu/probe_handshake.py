@@ -24,7 +24,8 @@ import torch
 
 from ktinject import cuda_driver
 from ktinject.operators import fused
-from ktinject.stream_experts import StreamExperts, _tiny_experts
+from ktinject.bench.handshake import tiny_experts
+from ktinject.stream_experts import StreamExperts
 
 E, H, K, LAYERS = 128, 2048, 8, 48
 VARIANTS = ("memops", "router-go", "spin", "both", "both-sys", "no-cpu")
@@ -56,7 +57,7 @@ def step(variant: str, rs, x, W):
 
 def main(rounds: int) -> None:
     torch.manual_seed(0)
-    experts = _tiny_experts(E, H, 16)
+    experts = tiny_experts(E, H, 16)
     skip = torch.ones(E, dtype=torch.uint8)
     W = torch.randn(E, H, device="cuda") * 0.02
     from ktinject.bench.timing import profile_line

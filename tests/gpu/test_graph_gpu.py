@@ -324,7 +324,7 @@ def test_stream_experts_reset_after_an_abandoned_step(experts, mode):
 
 @pytest.mark.parametrize("mode", ["memops", "hostfn"])
 def test_handshake_cost(mode):
-    from ktinject.stream_experts import handshake_cost
+    from ktinject.bench.handshake import handshake_cost
 
     hc = handshake_cost(n=16, iters=20, mode=mode)
     print(f"{mode}: {hc['per_handshake_us']:.1f} us per handshake ({hc})")
