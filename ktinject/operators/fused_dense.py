@@ -256,12 +256,13 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     nw, eps, round2 = norm if norm is not None else (out, 0.0, False)
     cnt = fused.workspace("linear_counter", 1, torch.int32, x.device, zero=True) if norm is not None else out
     nprog = -(-N // BN)
+    bh = pow2(N, 16) if norm is not None else 16  # the norm's block only: one compile for the shapes without one
     with on_device(x):
         _kernels()[1][(nprog,)](x, weight, weight if bias is None else bias, r, out, nw, out if normed is None else
                                 normed, cnt, N, K, x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
                                 out.stride(0), float(eps), nprog, B=B, BB=1 if B == 1 else pow2(B, 16), BN=BN, BK=BK,
                                 BIAS=bias is not None, RES=residual is not None, NORM=norm is not None,
-                                ROUND2=bool(round2), BH=pow2(N, 16), PREC=fused.dot_precision(x.dtype),
+                                ROUND2=bool(round2), BH=bh, PREC=fused.dot_precision(x.dtype),
                                 RED=bool(red and red[0]) and B == 1, num_warps=warps, **fused.pdl_kwargs(x))
     return out, normed
 

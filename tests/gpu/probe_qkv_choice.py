@@ -41,6 +41,7 @@ def main():
     keys = [k for k in fused_dense._CHOICE if k[0] == 1 and bool(k[5]) == (a.which == "o")  # key[5]: residual
             and (k[1] == vocab) == (a.which == "head")]  # key[1]: rows of the weight
     print(f"# measured choices: {fused_dense._CHOICE}; overriding {keys}", flush=True)
+    assert keys, f"no measured {a.which} shape to override (its weights under MEASURE_FROM, or not on the kernel path)"
     measured = {k: fused_dense._CHOICE[k] for k in keys}
     variants = a.configs.split(",")
     res: dict[str, list] = {v: [] for v in variants}

@@ -86,6 +86,22 @@ def test_graph_equals_eager_and_hf(models, models_f32, batch, dtype):
           f"(all HF's argmax: {exact})")
 
 
+def test_graph_equals_eager_with_the_gemv_kernels(monkeypatch):
+    """KTINJECT_GEMV=triton: every one-row projection and the LM head by the Triton GEMV (a tiny model's weights are
+    under fused_dense.MEASURE_FROM, so the timing would leave them to cuBLAS): graph decode equals eager decode at
+    batch 1, its own model (the module's fixtures keep their graphs)."""
+    monkeypatch.setenv("KTINJECT_GEMV", "triton")
+    ref, inj = pair("qwen3_moe", torch.bfloat16)
+    try:
+        ids, mask = _prompts(1, 9, seed=7)
+        eager, _ = _generate(inj, ids, mask, graphs=False)
+        graph, runner = _generate(inj, ids, mask, graphs=True)
+        assert not runner.stats.capture_failures and runner.stats.replays == N - 1
+        assert torch.equal(graph, eager)
+    finally:
+        get_runner(inj).close()
+
+
 def test_in_graph_masks_pool_wake_and_attention(models_f32):
     """Decode graphs take the 2D padding mask (the 4D mask is built in the graph) and wake the expert pool before
     each replay: the same tokens as HF-built 4D masks; ktinject_sdpa and HF's sdpa both give HF's greedy tokens."""
