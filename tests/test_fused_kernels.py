@@ -515,3 +515,20 @@ def test_linear_pick_takes_whole_rows_in_the_pdl_chain(times, K, want):
     assert fused_dense.decide(ms, True, K, qkv) == want
     assert fused_dense.decide(ms, True, K, head) == fused_dense.pick(times, 3.0)  # the credit alone
     assert fused_dense.decide(ms, False, K, qkv) == fused_dense.pick(times)  # no credit, no whole-row rule
+
+
+def test_choices_line_names_each_measured_shape(monkeypatch):
+    """fused_dense.choices_line: the measured choice per shape of that many rows, largest weight first, for the
+    benchmarks' notes (the GPU part moves with them)."""
+    from ktinject.operators import fused_dense
+
+    monkeypatch.setattr(fused_dense, "_CHOICE", {})
+    assert fused_dense.choices_line(1) == "none measured"
+    dt = torch.bfloat16
+    fused_dense._CHOICE.update({(1, 5120, 2048, dt, False, False, False, "cuda:0"): (4, 2048, 4),
+                                (1, 2048, 4096, dt, False, True, True, "cuda:0"): (8, 2048, 8),
+                                (1, 151936, 2048, dt, False, False, False, "cuda:0"): None,
+                                (2, 5120, 2048, dt, False, False, False, "cuda:0"): (32, 128, 4)})
+    assert fused_dense.choices_line(1) == ("151936 x 2048: cuBLAS; 5120 x 2048: (4, 2048, 4); "
+                                           "2048 x 4096 + residual + norm: (8, 2048, 8)")
+    assert fused_dense.choices_line(2) == "5120 x 2048: (32, 128, 4)"

@@ -38,6 +38,7 @@ import time
 import torch
 
 from ktinject.bench import peer
+from ktinject.operators import fused_dense
 from ktinject.bench.memory import measure_read_bandwidth
 from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and the probe build the same model)
     set_generation_defaults, build_model, build_tiny,
@@ -303,7 +304,8 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
                         f"{100 * (graph['s_per_token'] / cpu_s - 1):+.1f}%",
                         "through ktinject.generate, against the median CPU pass (target: under 10%); "
                         + "; ".join(over)))
-        _add(rows, ("split: GPU + handshakes (experts muted)", "", _fmt_ms(mute), "graph replay, all experts skipped"))
+        _add(rows, ("split: GPU + handshakes (experts muted)", "", _fmt_ms(mute), "graph replay, all experts skipped; "
+                     f"projections of {B} row(s): {fused_dense.choices_line(B)}"))
         _add(rows, ("split: waiting for the CPU", "", _fmt_ms(None if step is None or mute is None else step - mute),
                      "bare replay - muted replay"))
         if device.type == "cuda":

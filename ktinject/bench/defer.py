@@ -29,7 +29,7 @@ import torch
 import ktinject
 from ktinject.bench.timing import profile_line, replay_iters
 from ktinject.cli import defer_list, defer_settings
-from ktinject.operators import deferral
+from ktinject.operators import deferral, fused_dense
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,8 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
     if profiles:
         add(("defer: CPU experts alone, a layer", "", "", "native pool profile of the last round's passes: "
              + profile_line(profiles[-1])))
-    add(("defer: GPU + handshakes (experts muted, d=0)", "", _ms(gpu_s), "graph replay, every routed expert skipped"))
+    add(("defer: GPU + handshakes (experts muted, d=0)", "", _ms(gpu_s), "graph replay, every routed expert skipped; "
+         f"projections of {B} row(s): {fused_dense.choices_line(B)}"))
     add(("defer: bound (CPU + GPU) / max(CPU, GPU)", "", "", "n/a" if bound is None else f"{bound:.3f}x"))
     base = statistics.median(gen[0])
     k = model.config.num_experts_per_tok

@@ -305,6 +305,18 @@ def choose(x, weight, bias, residual, norm=None) -> tuple | None:
     return _CHOICE[key]
 
 
+def choices_line(rows: int = 1) -> str:
+    """The measured choice of each shape of ``rows`` rows, for a benchmark's note ("N x K [+ residual][+ norm]:
+    cuBLAS | (BN, BK, warps[, RED])", by descending weight size), or "none measured": the GPU part of a decode step
+    moves with them."""
+    got = sorted(((k[1], k[2], k[5], k[6]), c) for k, c in _CHOICE.items() if k[0] == rows)
+    if not got:
+        return "none measured"
+    return "; ".join(f"{n} x {k}{' + residual' if res else ''}{' + norm' if norm else ''}: "
+                     f"{'cuBLAS' if c is None else c}" for (n, k, res, norm), c in sorted(got, key=lambda g:
+                                                                                          -g[0][0] * g[0][1]))
+
+
 def _fastest_kernel(times: dict) -> tuple | None:
     """The kernel config of ``times`` (config -> median time; None: cuBLAS) with the least time, or None."""
     return min((c for c in times if c is not None), key=times.get, default=None)
