@@ -385,6 +385,11 @@ class Task:
         _check(lib.ktk_task_watch_then(self.ptr, ffi.cast("uint32_t *", go), ffi.cast("uint32_t *", done), then))
         self._watch = (go, done, then_addr)
 
+    @property
+    def watched(self) -> bool:
+        """Whether watch() holds (no unwatch() or close() since)."""
+        return bool(self._watch)
+
     def unwatch(self) -> None:
         """Stop watching; raises the first error of a watched run since watch(), if any."""
         _, lib = _native()

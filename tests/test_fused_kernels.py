@@ -532,3 +532,5 @@ def test_choices_line_names_each_measured_shape(monkeypatch):
     assert fused_dense.choices_line(1) == ("151936 x 2048: cuBLAS; 5120 x 2048: (4, 2048, 4); "
                                            "2048 x 4096 + residual + norm: (8, 2048, 8)")
     assert fused_dense.choices_line(2) == "5120 x 2048: (32, 128, 4)"
+    fused_dense._CHOICE[(1, 5120, 2048, torch.float32, False, False, False, "cuda:0")] = None  # one shape twice
+    assert fused_dense.choices_line(1).count("5120 x 2048: ") == 2

@@ -211,7 +211,7 @@ class SplitLayers:
             gates[E] = (_Gate(E), _Gate(E))
         g = gates[E][i % 2]
         self._settle_gate(g, i, T)  # layer i - 2's run: ended, fed back
-        if g.task._watch:  # left watched by an interrupt between a settle's wait and its unwatch (its run is over)
+        if g.task.watched:  # left watched by an interrupt between a settle's wait and its unwatch (its run is over)
             try:
                 g.task.unwatch()
             except native.NativeError as e:
@@ -306,7 +306,7 @@ class SplitLayers:
             torch.cuda.synchronize(self.device)
         g.pending = None  # its run is over, or never comes (its go was not queued)
         try:
-            if g.task._watch:  # (not where watch itself failed)
+            if g.task.watched:  # (not where watch itself failed)
                 g.task.unwatch()
         except native.NativeError as e:
             if passed is None:

@@ -103,12 +103,17 @@ def install_all(model: nn.Module) -> int:
 _HEAD_FORWARD = "_ktinject_head_hf_forward"
 
 
+def _head(model: nn.Module) -> nn.Module | None:
+    """The model's output embeddings (HF's ``get_output_embeddings``), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
 def install_head(model: nn.Module) -> bool:
     """Give the model's LM head (``get_output_embeddings()``, a plain nn.Linear with its class's forward) the decode
     forward below; False where there is none such (a subclass may compute otherwise; an instance forward, e.g.
     accelerate's offload hook, moves weights first, and uninstalling would drop it)."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    head = _head(model)
     if type(head) is not nn.Linear or ("forward" in head.__dict__ and _HEAD_FORWARD not in head.__dict__):
         return False
     fastpaths.swap_forward(head, head_forward, _HEAD_FORWARD)
@@ -116,8 +121,7 @@ def install_head(model: nn.Module) -> bool:
 
 
 def uninstall_head(model: nn.Module) -> None:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    head = _head(model)
     if head is not None:
         fastpaths.restore_forward(head, _HEAD_FORWARD)
 

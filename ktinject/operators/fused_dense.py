@@ -309,12 +309,14 @@ def choices_line(rows: int = 1) -> str:
     """The measured choice of each shape of ``rows`` rows, for a benchmark's note ("N x K [+ residual][+ norm]:
     cuBLAS | (BN, BK, warps[, RED])", by descending weight size), or "none measured": the GPU part of a decode step
     moves with them."""
-    got = sorted(((k[1], k[2], k[5], k[6]), c) for k, c in _CHOICE.items() if k[0] == rows)
+    # one sort, by weight size only: two keys of one shape (another dtype or bias) would compare their choices,
+    # None against a tuple
+    got = sorted(((k[1], k[2], k[5], k[6], c) for k, c in _CHOICE.items() if k[0] == rows),
+                 key=lambda g: -g[0] * g[1])
     if not got:
         return "none measured"
     return "; ".join(f"{n} x {k}{' + residual' if res else ''}{' + norm' if norm else ''}: "
-                     f"{'cuBLAS' if c is None else c}" for (n, k, res, norm), c in sorted(got, key=lambda g:
-                                                                                          -g[0][0] * g[0][1]))
+                     f"{'cuBLAS' if c is None else c}" for n, k, res, norm, c in got)
 
 
 def _fastest_kernel(times: dict) -> tuple | None:
