@@ -1,0 +1,73 @@
+"""Kernel settings of the decode chain A/B'd inside decode graphs (not a test), in turns in one process: each
+variant sets module constants of ktinject.operators (``fused_attn.LENS_COUNT_LATE=0``, ``fused.ROUTER_BLOCK_H=2048``,
+...), captures its own decode graph, then muted replays (GPU part + handshakes), bare replays and
+``ktinject.generate``, ms a token; medians over the rounds.
+
+    python tests/gpu/probe_variants.py [--quant int4] [--layers 48] [--rounds 3] [--tokens 32]
+        --variant "base:" --variant "late:fused_attn.LENS_COUNT_LATE=1" ...
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+
+import torch
+
+from gpu_helpers import decode_setup, steal_jiffies
+from ktinject.bench.timing import gen_time, graph_replay, muted_replay
+from ktinject.generate import invalidate_graphs
+
+
+def settings(spec: str) -> tuple[str, list]:
+    """"name:mod.ATTR=int,mod.ATTR=int" -> (name, [(module, attr, value)])."""
+    name, _, body = spec.partition(":")
+    out = []
+    for item in filter(None, body.split(",")):
+        path, _, value = item.partition("=")
+        mod, _, attr = path.rpartition(".")
+        m = importlib.import_module(f"ktinject.operators.{mod}")
+        assert hasattr(m, attr), f"{mod} has no {attr}"
+        out.append((m, attr, type(getattr(m, attr))(int(value))))
+    return name, out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quant", default="int4")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--variant", action="append", required=True)
+    a = ap.parse_args()
+    model, prompt, runner = decode_setup(a.quant, a.layers, prompt_len=a.prompt)
+    P = a.prompt
+    print(f"# {a.quant}, {a.layers} layers, prompt {P}, {torch.cuda.get_device_name()}", flush=True)
+    variants = [settings(v) for v in a.variant]
+    defaults = {(m, attr): getattr(m, attr) for _, sets in variants for m, attr, _ in sets}
+    res: dict[str, list] = {name: [] for name, _ in variants}
+    for r in range(a.rounds):
+        for name, sets in variants:
+            for (m, attr), v in defaults.items():
+                setattr(m, attr, v)
+            for m, attr, v in sets:
+                setattr(m, attr, v)
+            invalidate_graphs(model)
+            gen_time(model, prompt, 3)  # captures with this setting
+            s0 = steal_jiffies()
+            mute = statistics.median(muted_replay(model, runner, 1, P, a.tokens) for _ in range(3))
+            bare = graph_replay(runner, 1, P, a.tokens)
+            t1 = gen_time(model, prompt, 1)
+            gen = (gen_time(model, prompt, a.tokens + 1) - t1) / a.tokens
+            res[name].append((bare, mute, gen))
+            print(f"round {r} {name}: muted {mute * 1e3:.3f} ms, bare {bare * 1e3:.3f} ms, generate "
+                  f"{gen * 1e3:.3f} ms ({1 / gen:.1f} tok/s); steal +{steal_jiffies() - s0}", flush=True)
+    for name, rows in res.items():
+        med = [statistics.median(x[i] for x in rows) * 1e3 for i in range(3)]
+        print(f"{name:12s} median: muted {med[1]:.3f} ms (all {' '.join(f'{x[1] * 1e3:.3f}' for x in rows)}), "
+              f"bare {med[0]:.3f} ms, generate {med[2]:.3f} ms ({1e3 / med[2]:.1f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()
