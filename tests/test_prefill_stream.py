@@ -662,3 +662,52 @@ def test_prepare_does_the_first_prompts_one_time_work():
     assert g._ready and not g._costs  # gpu mode needs no cost model
     s.close()
     g.close()
+
+
+def test_gated_spin_window_is_restored_unless_changed_meanwhile(monkeypatch):
+    """SplitLayers._quiet: the pool's watch spin window goes to KTINJECT_PREFILL_WATCH_SPIN_US while gated layers
+    run and back afterwards, but a window the user set meanwhile stays (theirs, not undone)."""
+    from ktinject.gpu_experts.split import SplitLayers
+
+    monkeypatch.setenv("KTINJECT_PREFILL_WATCH_SPIN_US", "7")
+    pool = SimpleNamespace(watch_spin_us=1000)
+    s = SplitLayers()
+    s._quiet(pool)
+    assert pool.watch_spin_us == 7
+    s._quiet(pool)  # a second gated layer: the first saved window is kept
+    s._quiet(None)
+    assert pool.watch_spin_us == 1000 and s._spin_saved is None
+    s._quiet(pool)
+    pool.watch_spin_us = 250  # changed while the gates run
+    s._quiet(None)
+    assert pool.watch_spin_us == 250
+    s._quiet(None)  # nothing saved: nothing to do
+    assert pool.watch_spin_us == 250
+
+
+def test_a_gated_layer_feeds_back_the_ungated_layer_before(monkeypatch):
+    """A forward whose layer i - 1 ran ungated with its CPU task left running (overlap) and whose layer i is gated:
+    the gated layer settles that task and its times reach the feedback (they were dropped), as _split does."""
+    from ktinject.gpu_experts import split
+
+    s = split.SplitLayers()
+    s._pending = ("layer 0's task",)
+    calls = []
+    monkeypatch.setattr(s, "_settle", lambda i=-1, T=None, closing=False: calls.append(("settle", i, T)) or
+                        (i - 1, T, "counts", "times", True, True, 3, 1.0))
+    monkeypatch.setattr(s, "_observe", lambda *a: calls.append(("observe",) + a))
+    monkeypatch.setattr(split.hostio, "usable", lambda device, o: True)
+    monkeypatch.setattr(split, "staging", lambda pin: SimpleNamespace(get=lambda *a: None))
+
+    class Stop(Exception):
+        pass
+
+    def gate(E):  # the gated layer's own work: not this test's
+        raise Stop
+
+    s.__dict__["_gates"] = {}
+    monkeypatch.setattr(split, "_Gate", gate)
+    block = SimpleNamespace(num_experts=4)
+    with pytest.raises(Stop):
+        s._split_gated(1, block, torch.zeros(5, 8), None, None)
+    assert calls == [("settle", 1, 5), ("observe", 0, 5, "counts", "times", True, True, 3, 1.0)]

@@ -204,8 +204,10 @@ class SplitLayers:
         o = st.get("out", T, H, stream_experts.host_dtype(x.dtype))
         if not hostio.usable(x.device, o):
             return None
-        if self._pending is not None:  # an ungated layer's task (not in a gated forward: another forward's)
-            self._settle(closing=False)
+        if self._pending is not None:  # an ungated layer's task: this forward's layer before (fed back) or another's
+            settled = self._settle(i, T)
+            if settled is not None:
+                self._observe(*settled)
         gates = self.__dict__.setdefault("_gates", {})
         if E not in gates:
             gates[E] = (_Gate(E), _Gate(E))
@@ -278,15 +280,17 @@ class SplitLayers:
         (graph decode's: every idle thread spins for 1 ms after a watched run) 14 spinning threads starved the
         host's launches of the next layers (gap probe, H100 host, int8 512 tokens: 5,640 tok/s against 6,583 with
         0, the GPU waiting ~1.6 ms a layer for the host's attention launches). ``pool`` None: the saved window
-        back (every gate settled; a change of the window made meanwhile is undone)."""
+        back (every gate settled), unless the window was changed meanwhile (by the user: theirs stays)."""
         saved = self.__dict__.get("_spin_saved")
         if pool is None:
             if saved is not None:
                 self._spin_saved = None
-                saved[0].watch_spin_us = saved[1]
+                if saved[0].watch_spin_us == saved[2]:
+                    saved[0].watch_spin_us = saved[1]
         elif saved is None:
-            self._spin_saved = (pool, pool.watch_spin_us)
-            pool.watch_spin_us = gated_watch_spin_us()
+            ours = gated_watch_spin_us()
+            self._spin_saved = (pool, pool.watch_spin_us, ours)
+            pool.watch_spin_us = ours
 
     def _settle_gate(self, g: _Gate, i: int = -1, T: int | None = None, closing: bool = False) -> None:
         """Wait for gate g's run (its sum's event: the stream has consumed its done word), unwatch it (raising its
