@@ -513,18 +513,38 @@ def test_linear_pick_credits_pdl(times, credit, want):
     ({None: 9.0}, 2048, None),
 ])
 def test_linear_pick_takes_whole_rows_in_the_pdl_chain(times, K, want):
-    """fused_dense.pick with whole_row=K (one row, PDL on): the fastest config that loads whole rows (BK == K)
-    before its wait, whatever cuBLAS's time up to WHOLE_ROW_SLACK x; where none does, the credit's rule (3 us
-    here); decide gives it for weights up to WHOLE_ROW_BYTES (q/k/v), not for an LM head's."""
+    """fused_dense.pick with first_tile=K (one row, PDL on): the fastest config whose first tile is the whole row
+    (BK == K), loaded before its wait, whatever cuBLAS's time up to WHOLE_ROW_SLACK x; where none is, the credit's
+    rule (3 us here); decide gives it for weights up to WHOLE_ROW_BYTES (q/k/v), not for an LM head's."""
     from ktinject.operators import fused_dense
 
     assert fused_dense.WHOLE_ROW_SLACK == 2.0 and fused_dense.PDL_CREDIT_US == 3.0
     assert fused_dense.pick(times, 3.0, K) == want
     ms = {c: t / 1e3 for c, t in times.items()}  # _measure's unit
     qkv, head = 5120 * K * 2, 151936 * K * 2
-    assert fused_dense.decide(ms, True, K, qkv) == want
+    if K <= fused_dense.FIRST_TILE_K:
+        assert fused_dense.decide(ms, True, K, qkv) == want
     assert fused_dense.decide(ms, True, K, head) == fused_dense.pick(times, 3.0)  # the credit alone
-    assert fused_dense.decide(ms, False, K, qkv) == fused_dense.pick(times)  # no credit, no whole-row rule
+    assert fused_dense.decide(ms, False, K, qkv) == fused_dense.pick(times)  # no credit, no first-tile rule
+
+
+@pytest.mark.parametrize("times, want", [
+    # o_proj's timings alone as one process measured them (us): (2, 4096, 4, RED) the fastest, BK 2048 taken
+    ({None: 14.0, (8, 2048, 8): 10.4, (4, 2048, 4): 10.6, (2, 4096, 4, True): 9.6, (8, 512, 4): 10.0}, (8, 2048, 8)),
+    ({None: 14.0, (16, 1024, 8): 9.0, (2, 4096, 4, True): 9.6}, (16, 1024, 8)),  # no BK 2048: the fastest
+    ({None: 9.0, (16, 1024, 8): 11.0}, None),  # ... which gets no credit with an epilogue
+    ({None: 9.0, (4, 2048, 4): 19.0, (16, 1024, 8): 10.0}, None),  # BK 2048 past 2x cuBLAS, the rest slower
+])
+def test_linear_decide_first_tile_of_o_proj(times, want):
+    """decide for a one-row projection with K = 4096 and its residual + norm fused (o_proj), PDL on: the fastest
+    config whose first tile is FIRST_TILE_K wide (2048; in decode graphs on the H100 those beat both BK = 4096
+    and narrower tiles), within WHOLE_ROW_SLACK x cuBLAS's time; else the fastest, without the PDL credit."""
+    from ktinject.operators import fused_dense
+
+    assert fused_dense.FIRST_TILE_K == 2048
+    ms = {c: t / 1e3 for c, t in times.items()}
+    assert fused_dense.decide(ms, True, 4096, 2048 * 4096 * 2, epilogue=True) == want
+    assert fused_dense.decide(ms, False, 4096, 2048 * 4096 * 2, epilogue=True) == fused_dense.pick(ms)
 
 
 def test_choices_line_names_each_measured_shape(monkeypatch):

@@ -233,11 +233,18 @@ _CHOICE: dict[tuple, tuple | None] = {}  # shape key -> config, or None for cuBL
 #: muted decode replays 2.319 / 2.331 ms with cuBLAS against 2.152-2.168 with the kernel (two configs, two rounds),
 #: ~3.5 us a layer, where the timing alone had picked cuBLAS in some runs and the kernel in others. Given to
 #: one-row projections without a residual or a norm (q/k/v's shape: o_proj's, with its norm fused, had the kernel
-#: already) where no config loads whole rows (``pick``'s whole_row)
+#: already) where no config has the first tile ``decide`` wants (``pick``'s first_tile)
 PDL_CREDIT_US = 3.0
 MEASURE_FROM = 1 << 20  # weights smaller than this stay with cuBLAS unmeasured (launch-bound either way)
-WHOLE_ROW_BYTES = 64 << 20  # ``pick``'s whole-row rule up to this (an H100's registers and shared memory: ~62 MB)
+WHOLE_ROW_BYTES = 64 << 20  # ``pick``'s first-tile rule up to this (an H100's registers and shared memory: ~62 MB)
 WHOLE_ROW_SLACK = 2.0  # ... for a config at most this many times cuBLAS's time alone (a guard for untried shapes)
+#: the first tile's width (BK) ``decide`` wants of a one-row projection in the PDL chain: the whole row up to this.
+#: In decode graphs with the choice forced (probe_qkv_choice.py, H100, muted replays, two sessions, in turns):
+#: o_proj (2048 x 4096 + residual + norm) with BK 2048 (8, 2048, 8) 2.062 / 2.075 ms, (4, 2048, 4) 2.072,
+#: (2, 2048, 2, RED) 2.089; BK 4096 (2, 4096, 4, RED) 2.164 / 2.148, (4, 4096, 4) 2.149, (8, 4096, 8) 2.157; BK 1024
+#: (16, 1024, 8) 2.103; BK 512 (8, 512, 4) 2.227; cuBLAS + the norm's kernel 2.382. Timings alone picked
+#: (2, 4096, 4, RED), (8, 512, 4) or (16, 1024, 8) in one process or another (the GPU part 2.07-2.22 ms with them).
+FIRST_TILE_K = 2048
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
@@ -324,35 +331,37 @@ def _fastest_kernel(times: dict) -> tuple | None:
     return min((c for c in times if c is not None), key=times.get, default=None)
 
 
-def pick(times: dict, credit: float = 0.0, whole_row: int | None = None) -> tuple | None:
+def pick(times: dict, credit: float = 0.0, first_tile: int | None = None) -> tuple | None:
     """From ``times`` (config -> median time; None: cuBLAS), the fastest kernel config where its time less
-    ``credit`` (PDL_CREDIT_US, same unit) is at most cuBLAS's, else None (cuBLAS). ``whole_row`` (K, for a one-row
-    projection in the PDL chain whose weights the SMs can hold, ``decide``): the fastest config whose first tile is
-    the whole row (BK == K) where there is one within WHOLE_ROW_SLACK x cuBLAS's time. Such a kernel loads all of
-    its weights during the wait of the kernel before it (the collect, waiting for the CPU), and no timing alone
-    predicts the chain: on the H100 (2026-11-27, decode graphs with the choice forced, probe_qkv_choice.py) q/k/v's
-    muted replays took 2.10-2.12 ms with (4, 2048, 4) or (8, 2048, 8) against 2.25-2.27 with cuBLAS, 2.20 with
+    ``credit`` (PDL_CREDIT_US, same unit) is at most cuBLAS's, else None (cuBLAS). ``first_tile`` (a width, for a
+    one-row projection in the PDL chain whose weights the SMs can hold, ``decide``): the fastest config whose
+    first tile is that wide (BK == first_tile) where there is one within WHOLE_ROW_SLACK x cuBLAS's time. Such a
+    kernel loads that much of its weights during the wait of the kernel before it, and no timing alone predicts the
+    chain: on the H100 (2026-11-27, decode graphs with the choice forced, probe_qkv_choice.py) q/k/v's muted replays
+    took 2.10-2.12 ms with (4, 2048, 4) or (8, 2048, 8) (BK = K) against 2.25-2.27 with cuBLAS, 2.20 with
     (16, 1024, 8) and 2.34 with (16, 2048, 16) (two rounds), while timings alone picked cuBLAS in three processes
-    of four even with 3 or 6 us of credit."""
-    if whole_row is not None:
+    of four even with 3 or 6 us of credit; o_proj's: FIRST_TILE_K."""
+    if first_tile is not None:
         cap = WHOLE_ROW_SLACK * times[None] if None in times else math.inf
-        whole = {c: t for c, t in times.items() if c is not None and c[1] == whole_row and t <= cap}
-        if whole:
-            return min(whole, key=whole.get)
+        wide = {c: t for c, t in times.items() if c is not None and c[1] == first_tile and t <= cap}
+        if wide:
+            return min(wide, key=wide.get)
     kernel = _fastest_kernel(times)
     if kernel is None or (None in times and times[kernel] - credit > times[None]):
         return None
     return kernel
 
 
-def decide(times_ms: dict, one_row_pdl: bool, K: int, weight_bytes: int) -> tuple | None:
-    """``pick`` for ``_measure``'s medians (ms): for a one-row projection without residual or norm where PDL is on
-    (``one_row_pdl``) with PDL_CREDIT_US, and whole rows of K where the weights are at most WHOLE_ROW_BYTES (what
-    the SMs can load during a wait: q/k/v, not an LM head, whose timing alone is its time in the chain); plain
-    otherwise."""
+def decide(times_ms: dict, one_row_pdl: bool, K: int, weight_bytes: int, epilogue: bool = False) -> tuple | None:
+    """``pick`` for ``_measure``'s medians (ms). A one-row projection where PDL is on (``one_row_pdl``): the first
+    tile min(K, FIRST_TILE_K) wide where the weights are at most WHOLE_ROW_BYTES (what the SMs can load during a
+    wait: q/k/v and o_proj, not an LM head, whose timing alone is its time in the chain), else PDL_CREDIT_US of
+    credit; no credit with a residual or norm fused (``epilogue``: cuBLAS's time then includes their kernel).
+    Plain otherwise."""
     if not one_row_pdl:
         return pick(times_ms)
-    return pick(times_ms, PDL_CREDIT_US / 1e3, K if weight_bytes <= WHOLE_ROW_BYTES else None)
+    return pick(times_ms, 0.0 if epilogue else PDL_CREDIT_US / 1e3,
+                min(K, FIRST_TILE_K) if weight_bytes <= WHOLE_ROW_BYTES else None)
 
 
 def _measure(x, weight, bias, residual, norm, configs, reps: int = 15) -> tuple | None:
@@ -396,9 +405,9 @@ def _measure(x, weight, bias, residual, norm, configs, reps: int = 15) -> tuple 
             times[c].append((t0, t1))
     torch.cuda.synchronize(x.device)
     med = {c: statistics.median(a.elapsed_time(b) for a, b in times[c]) for c in cands}  # (dropped: not timed)
-    one_row = x.shape[0] == 1 and residual is None and norm is None and fused.pdl(x)  # (as the credit's measure)
-    credit = PDL_CREDIT_US / 1e3 if one_row else 0.0
-    best = decide(med, one_row, weight.shape[1], weight.numel() * weight.element_size())
+    one_row, epilogue = x.shape[0] == 1 and fused.pdl(x), residual is not None or norm is not None
+    credit = PDL_CREDIT_US / 1e3 if one_row and not epilogue else 0.0
+    best = decide(med, one_row, weight.shape[1], weight.numel() * weight.element_size(), epilogue)
     kernel = _fastest_kernel(med)
     log.info("fused_dense: linear %s x %s%s: cuBLAS %.1f us, best kernel %s %.1f us (PDL credit %.1f us); using %s",
              tuple(x.shape), tuple(weight.shape), " + norm" if norm else "", med[None] * 1e3, kernel,
