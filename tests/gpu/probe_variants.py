@@ -1,10 +1,10 @@
 """Kernel settings of the decode chain A/B'd inside decode graphs (not a test), in turns in one process: each
-variant sets module constants of ktinject.operators (``fused_attn.LENS_COUNT_LATE=0``, ``fused.ROUTER_BLOCK_H=2048``,
+variant sets module constants of ktinject.operators (``fused_attn.KEYS_PER_SPLIT=64``, ``fused.ROUTER_BLOCK_H=512``,
 ...), captures its own decode graph, then muted replays (GPU part + handshakes), bare replays and
 ``ktinject.generate``, ms a token; medians over the rounds.
 
     python tests/gpu/probe_variants.py [--quant int4] [--layers 48] [--rounds 3] [--tokens 32]
-        --variant "base:" --variant "late:fused_attn.LENS_COUNT_LATE=1" ...
+        --variant "base:" --variant "x:fused.SOME_FLAG=0" ...
 """
 from __future__ import annotations
 
