@@ -11,8 +11,6 @@ operands as integers; ``dev`` patches both to what the GPU does (round to neares
 """
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
@@ -366,15 +364,13 @@ def test_kernels_compile_for_sm90():
         has_pdl = "PDL" in fn.arg_names
         pdls = (consts["PDL"],) if "PDL" in consts else (False, True) if has_pdl else (False,)
         # constexprs left out take their defaults (PDL aside: both ways)
-        defaults = {p.name: p._param.default for p in fn.params if p.is_constexpr and p.name != "PDL"
-                    and p._param.default is not inspect.Parameter.empty}
+        defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.name != "PDL" and p.has_default}
         for pdl in pdls:
             c = {**defaults, **consts, "PDL": pdl} if has_pdl else {**defaults, **consts}
             sig = {n: "constexpr" if n in c else ptrs.get(n, "i32") for n in fn.arg_names}
             k = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
             waits = k.asm["ptx"].count("griddepcontrol.wait")
             assert (waits > 0) == pdl, f"{fn.__name__} {c}: {waits} griddepcontrol.wait"
-            assert ("prefetch.global.L2" in k.asm["ptx"]) == bool(c.get("PF")), f"{fn.__name__} {c}: prefetch"
             if cuobjdump.exists() and spill_free:
                 cubin = Path(__import__("tempfile").mkdtemp()) / "k.cubin"
                 cubin.write_bytes(k.asm["cubin"])
@@ -395,28 +391,24 @@ def test_kernels_compile_for_sm90():
                                                     MASK_BOOL=mask_dt == "*u8", PREC=prec))
         check(attn, {**t, "mask": "*u8"}, dict(HK=2, G=3, GP=16, D=24, BD=32, BN=FA.key_block(dt),
                                                MAXS=FA.MAX_SPLITS, LENS=False, MASK=True, MASK_BOOL=True, PREC=prec))
-        for norm, pf in ((False, 0), (True, 0), (True, 2 if dt == "bf16" else 4)):
-            # rope_attention: q from qkv, the new k and v written by the last split (pf: lines of a key row
-            # prefetched into L2 before the PDL wait)
-            c = dict(HK=4, G=8, GP=16, D=128, BD=128, BN=FA.key_block(dt), MAXS=FA.MAX_SPLITS, LENS=True, MASK=True,
-                     MASK_BOOL=True, PREC=prec, ROPE=True, NORM=norm)
-            check(attn, {**t, "mask": "*u8"}, {**c, "PF": pf, "PDL": True} if pf else c)
+        for norm in (False, True):  # rope_attention: q from qkv, the new k and v written by the last split
+            check(attn, {**t, "mask": "*u8"}, dict(HK=4, G=8, GP=16, D=128, BD=128, BN=FA.key_block(dt),
+                                                   MAXS=FA.MAX_SPLITS, LENS=True, MASK=True, MASK_BOOL=True,
+                                                   PREC=prec, ROPE=True, NORM=norm))
         check(add_norm, t, dict(RES=True, NORM=True, ROUND2=True, BH=2048))
         for defer in (False, True):  # the collect + add + norm, with the previous layer's deferred output or not
             check(FD._kernels()[2], {**t, "host": "*fp32", "flag": "*i32", "host2": "*fp32", "flag2": "*i32"},
                   dict(ROUND2=True, BH=2048, DEF=defer))
         for B, BB, configs in ((1, 1, FD.CONFIGS_1), (4, 16, FD.CONFIGS_N)):
             for BN, BK, warps, *red in configs:  # (float32 products run in registers: spills there cost speed only)
-                for pf in ((False, True) if B == 1 and BK < 4096 else (False,)):  # K = 4096 below
-                    check(lin, {**t, "nw": f"*{dt}", "n_out": f"*{dt}"}, dict(
-                        B=B, BB=BB, BN=BN, BK=BK, BIAS=True, RES=True, NORM=True, ROUND2=False, BH=2048, PREC=prec,
-                        RED=bool(red and red[0]), PF=pf, **({"PDL": True} if pf else {})), warps, dt == "bf16")
-    for go, scope, pf in ((False, "gpu", False), (True, "gpu", False), (True, "sys", False), (True, "gpu", True)):
-        # (the token counters' scope: gpu in use; pf: the L2 prefetch, with PDL)
+                check(lin, {**t, "nw": f"*{dt}", "n_out": f"*{dt}"}, dict(
+                    B=B, BB=BB, BN=BN, BK=BK, BIAS=True, RES=True, NORM=True, ROUND2=False, BH=2048, PREC=prec,
+                    RED=bool(red and red[0])), warps, dt == "bf16")
+    for go, scope in ((False, "gpu"), (True, "gpu"), (True, "sys")):  # (the token counters' scope: gpu in use)
         check(fused._kernels(), dict(x="*bf16", w="*fp32", logits="*fp32", w_out="*fp32", i_out="*i64", cnt="*i32",
                                      counts="*i64", h_host="*bf16", w_host="*fp32", i_host="*i64", go="*i32"),
               dict(K=8, KP=8, BLOCK=128, BLOCK_E=fused.ROUTER_BLOCK_E, BLOCK_H=fused.ROUTER_BLOCK_H, COUNT=True,
-                   STAGE=True, GO=go, SCOPE=scope, PF=pf, **({"PDL": True} if pf else {})), fused.ROUTER_WARPS)
+                   STAGE=True, GO=go, SCOPE=scope), fused.ROUTER_WARPS)
     for flag, wait in ((False, False), (True, False), (True, True)):
         check(fused._copy_kernel()[0], dict(src="*fp32", dst="*bf16", flag="*i32", cnt="*i32"),
               dict(BLOCK=fused.COPY_BLOCK, FLAG=flag, WAIT=wait), fused.COPY_WARPS)
@@ -522,6 +514,8 @@ def test_linear_pick_takes_whole_rows_in_the_pdl_chain(times, K, want):
     assert fused_dense.pick(times, 3.0, K) == want
     ms = {c: t / 1e3 for c, t in times.items()}  # _measure's unit
     qkv, head = 5120 * K * 2, 151936 * K * 2
+    # decide's first tile: the whole row up to FIRST_TILE_K (K = 4096: BK 2048, as o_proj's)
+    assert fused_dense.decide(ms, True, K, qkv) == fused_dense.pick(times, 3.0, min(K, fused_dense.FIRST_TILE_K))
     if K <= fused_dense.FIRST_TILE_K:
         assert fused_dense.decide(ms, True, K, qkv) == want
     assert fused_dense.decide(ms, True, K, head) == fused_dense.pick(times, 3.0)  # the credit alone

@@ -711,3 +711,26 @@ def test_a_gated_layer_feeds_back_the_ungated_layer_before(monkeypatch):
     with pytest.raises(Stop):
         s._split_gated(1, block, torch.zeros(5, 8), None, None)
     assert calls == [("settle", 1, 5), ("observe", 0, 5, "counts", "times", True, True, 3, 1.0)]
+
+
+def test_settle_waits_for_the_gpu_part_before_timing_it(monkeypatch):
+    """SplitLayers._settle reads the GPU part's time (CUDA events) of the layer it settles only once that part has
+    ended: a gated layer settles an ungated one with no sync before it (elapsed_time on a pending event raises)."""
+    from ktinject.gpu_experts.split import SplitLayers
+
+    class Event:
+        done = False
+
+        def synchronize(self):
+            self.done = True
+
+        def elapsed_time(self, end):
+            assert end.done, "timed before the GPU part ended"
+            return 1000.0  # ms: the GPU part ends after the CPU task
+
+    s = SplitLayers()
+    task = SimpleNamespace(wait=lambda: None, times=lambda: (10.0, 10.001))
+    monkeypatch.setattr(s, "_task", lambda: task)
+    s._pending = (0, 5, "counts", (9.0, 9.5, 9.6), Event(), Event(), True, 3)
+    got = s._settle(1, 5)
+    assert got == (0, 5, "counts", (9.0, 9.5, 9.6, 9.6, 10.5), True, True, 3, 10.001) and s._pending is None

@@ -356,6 +356,8 @@ class SplitLayers:
         if j != i - 1 or Tj != T:
             return None
         _, end = task.times()
+        # (a gated layer settles here without a sync before it: the GPU part may still run; _split has synced)
+        gpu_end.synchronize()
         ended = max(end, synced + routed.elapsed_time(gpu_end) / 1e3)
         # waited: the layer's end (both parts), launched: the submit, so that the CPU's time is end - submitted
         return j, T, cpu_counts, (entered, synced, submitted, submitted, ended), True, ahead, m, end

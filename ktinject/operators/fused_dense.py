@@ -409,8 +409,10 @@ def _measure(x, weight, bias, residual, norm, configs, reps: int = 15) -> tuple 
     credit = PDL_CREDIT_US / 1e3 if one_row and not epilogue else 0.0
     best = decide(med, one_row, weight.shape[1], weight.numel() * weight.element_size(), epilogue)
     kernel = _fastest_kernel(med)
-    log.info("fused_dense: linear %s x %s%s: cuBLAS %.1f us, best kernel %s %.1f us (PDL credit %.1f us); using %s",
+    tile = (f", first tile {min(weight.shape[1], FIRST_TILE_K)} wanted"
+            if one_row and weight.numel() * weight.element_size() <= WHOLE_ROW_BYTES else "")
+    log.info("fused_dense: linear %s x %s%s: cuBLAS %.1f us, best kernel %s %.1f us (PDL credit %.1f us%s); using %s",
              tuple(x.shape), tuple(weight.shape), " + norm" if norm else "", med[None] * 1e3, kernel,
-             med[kernel] * 1e3 if kernel is not None else float("nan"), credit * 1e3,
+             med[kernel] * 1e3 if kernel is not None else float("nan"), credit * 1e3, tile,
              "cuBLAS" if best is None else best)
     return best

@@ -56,8 +56,10 @@ def main():
             invalidate_graphs(model)
             gen_time(model, prompt, 3)  # captures with this setting
             s0 = steal_jiffies()
-            mute = statistics.median(muted_replay(model, runner, 1, P, a.tokens) for _ in range(3))
+            mutes = [muted_replay(model, runner, 1, P, a.tokens) for _ in range(3)]
             bare = graph_replay(runner, 1, P, a.tokens)
+            assert None not in mutes and bare is not None, f"{name}: no decode graph (its capture failed?)"
+            mute = statistics.median(mutes)
             t1 = gen_time(model, prompt, 1)
             gen = (gen_time(model, prompt, a.tokens + 1) - t1) / a.tokens
             res[name].append((bare, mute, gen))

@@ -11,6 +11,7 @@ if [ -n "${TESTS:-}" ]; then
   timeout "${TESTS_S:-240}" python3 -m pytest -q -rs -x $TESTS > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; grep -E "passed|failed|^E  |Error" "$OUT/tests.log" | head -12
 fi
+[ $# -gt 0 ] || { echo "usage: bash tests/gpu/variants_stage.sh VARIANT..."; exit 2; }
 args=(); for v in "$@"; do args+=(--variant "$v"); done
 echo "=== probe $(steal)"
 (cd tests/gpu && timeout "${PROBE_S:-300}" python3 probe_variants.py --rounds "${ROUNDS:-3}" --tokens 32 "${args[@]}" \
