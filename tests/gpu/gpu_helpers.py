@@ -51,3 +51,35 @@ def decode_setup(quant: str, layers: int, threads: int | None = None, prompt_len
     runner = get_runner(model, prefill_chunk=2048)
     gen_time(model, prompt, 3)
     return model, prompt, runner
+
+
+def capture_and_time(model, runner, prompt, tokens: int, muted_runs: int = 1) -> tuple[float, float, float, int]:
+    """One variant of a decode-graph A/B (probe_qkv_choice.py, probe_variants.py): the graphs captured anew with the
+    variant's setting, then (bare replay, muted replay (median of ``muted_runs``), generate) seconds a token and the
+    host's steal jiffies over them."""
+    import statistics
+
+    from ktinject.bench.timing import gen_time, graph_replay, muted_replay
+    from ktinject.generate import invalidate_graphs
+
+    P = prompt.shape[1]
+    invalidate_graphs(model)
+    gen_time(model, prompt, 3)  # captures with this setting
+    s0 = steal_jiffies()
+    bare = graph_replay(runner, 1, P, tokens)
+    mutes = [muted_replay(model, runner, 1, P, tokens) for _ in range(muted_runs)]
+    if bare is None or None in mutes:
+        raise RuntimeError("no decode graph to replay (its capture failed?)")
+    t1 = gen_time(model, prompt, 1)
+    gen = (gen_time(model, prompt, tokens + 1) - t1) / tokens
+    return bare, statistics.median(mutes), gen, steal_jiffies() - s0
+
+
+def print_medians(res: dict, label: str = "") -> None:
+    """Per variant of ``res`` (name -> [(bare, muted, generate) seconds]), the medians over its rounds."""
+    import statistics
+
+    for name, rows in res.items():
+        med = [statistics.median(x[i] for x in rows) * 1e3 for i in range(3)]
+        print(f"{label}{name:12s} median: muted {med[1]:.3f} ms (all {' '.join(f'{x[1] * 1e3:.3f}' for x in rows)}), "
+              f"bare {med[0]:.3f} ms, generate {med[2]:.3f} ms ({1e3 / med[2]:.1f} tok/s)")

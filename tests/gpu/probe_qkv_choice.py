@@ -12,13 +12,10 @@ overridden in ``fused_dense._CHOICE``), then bare replays, muted replays (GPU pa
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
-from gpu_helpers import decode_setup, steal_jiffies
-from ktinject.bench.timing import gen_time, graph_replay, muted_replay
-from ktinject.generate import invalidate_graphs
+from gpu_helpers import capture_and_time, decode_setup, print_medians
 from ktinject.operators import fused_dense
 
 
@@ -50,20 +47,11 @@ def main():
             for k in keys:  # "auto": as measured (fused_dense.choose's pick); "cublas"; "BNxBKxWARPS[x1]"
                 fused_dense._CHOICE[k] = (measured[k] if v == "auto" else None if v == "cublas"
                                           else tuple(int(x) for x in v.split("x")))
-            invalidate_graphs(model)
-            gen_time(model, prompt, 3)  # captures with this setting
-            s0 = steal_jiffies()
-            bare = graph_replay(runner, 1, P, a.tokens)
-            mute = muted_replay(model, runner, 1, P, a.tokens)
-            t1 = gen_time(model, prompt, 1)
-            gen = (gen_time(model, prompt, a.tokens + 1) - t1) / a.tokens
+            bare, mute, gen, steal = capture_and_time(model, runner, prompt, a.tokens)
             res[v].append((bare, mute, gen))
             print(f"round {r} {a.which} {v}: bare {bare * 1e3:.3f} ms, muted {mute * 1e3:.3f} ms, generate "
-                  f"{gen * 1e3:.3f} ms ({1 / gen:.1f} tok/s); steal +{steal_jiffies() - s0}", flush=True)
-    for v, rows in res.items():
-        med = [statistics.median(x[i] for x in rows) * 1e3 for i in range(3)]
-        print(f"{a.which} {v:9s} median: bare {med[0]:.3f} ms, muted {med[1]:.3f} ms, generate {med[2]:.3f} ms "
-              f"({1e3 / med[2]:.1f} tok/s)")
+                  f"{gen * 1e3:.3f} ms ({1 / gen:.1f} tok/s); steal +{steal}", flush=True)
+    print_medians(res, f"{a.which} ")
 
 
 if __name__ == "__main__":

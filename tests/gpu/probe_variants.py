@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
 
 import torch
 
-from gpu_helpers import decode_setup, steal_jiffies
-from ktinject.bench.timing import gen_time, graph_replay, muted_replay
-from ktinject.generate import invalidate_graphs
+from gpu_helpers import capture_and_time, decode_setup, print_medians
 
 
 def settings(spec: str) -> tuple[str, list]:
@@ -53,22 +50,11 @@ def main():
                 setattr(m, attr, v)
             for m, attr, v in sets:
                 setattr(m, attr, v)
-            invalidate_graphs(model)
-            gen_time(model, prompt, 3)  # captures with this setting
-            s0 = steal_jiffies()
-            mutes = [muted_replay(model, runner, 1, P, a.tokens) for _ in range(3)]
-            bare = graph_replay(runner, 1, P, a.tokens)
-            assert None not in mutes and bare is not None, f"{name}: no decode graph (its capture failed?)"
-            mute = statistics.median(mutes)
-            t1 = gen_time(model, prompt, 1)
-            gen = (gen_time(model, prompt, a.tokens + 1) - t1) / a.tokens
+            bare, mute, gen, steal = capture_and_time(model, runner, prompt, a.tokens, muted_runs=3)
             res[name].append((bare, mute, gen))
             print(f"round {r} {name}: muted {mute * 1e3:.3f} ms, bare {bare * 1e3:.3f} ms, generate "
-                  f"{gen * 1e3:.3f} ms ({1 / gen:.1f} tok/s); steal +{steal_jiffies() - s0}", flush=True)
-    for name, rows in res.items():
-        med = [statistics.median(x[i] for x in rows) * 1e3 for i in range(3)]
-        print(f"{name:12s} median: muted {med[1]:.3f} ms (all {' '.join(f'{x[1] * 1e3:.3f}' for x in rows)}), "
-              f"bare {med[0]:.3f} ms, generate {med[2]:.3f} ms ({1e3 / med[2]:.1f} tok/s)")
+                  f"{gen * 1e3:.3f} ms ({1 / gen:.1f} tok/s); steal +{steal}", flush=True)
+    print_medians(res)
 
 
 if __name__ == "__main__":
