@@ -656,6 +656,17 @@ def test_activation_and_quantize_rows(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.stdout + r.stderr)[-4000:]
 
 
+@pytest.mark.parametrize("sanitizer, n", [("thread", 20000), ("address,undefined", 100000)])
+def test_pool_wakeups(tmp_path, sanitizer, n):
+    """native/tests/test_wakeup.c: n tight submit / wait rounds on 1- and 2-thread pools, then submits racing the
+    pool's destroy, under a watchdog (a task queued between the pool thread's look at the queue and its sleep was
+    left queued: ktk_wait hung within a few hundred rounds before the fix); under TSan / ASan+UBSan."""
+    exe = _build_c_test(tmp_path, "test_wakeup", sanitizer)
+    r = subprocess.run([str(exe), str(n)], capture_output=True, text=True, timeout=300,
+                       env={"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.stdout + r.stderr)[-4000:]
+
+
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
 @pytest.mark.parametrize("decode", [False, True, "two-phase", "one-token"])
 def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):

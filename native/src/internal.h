@@ -80,7 +80,7 @@ void *ktki_scratch(ktk_pool *pool, int slot, size_t bytes);
 int ktki_thread_scratch_reserve(ktk_pool *pool, size_t bytes);
 void *ktki_thread_scratch(ktk_pool *pool, int tid);
 /* Queue (tasks run one after another) and watch list. */
-void ktki_pool_enqueue(ktk_pool *pool, ktk_task *task);
+int ktki_pool_enqueue(ktk_pool *pool, ktk_task *task);   /* 0: the pool is being destroyed (not queued) */
 /* Run task's serial steps on the calling thread if the pool is idle and wait for its end; 1 if it ran, 0 if the
  * pool was busy. */
 int ktki_pool_run_inline(ktk_pool *pool, ktk_task *task);

@@ -213,14 +213,13 @@ static void pin_self(int cpu) {
 /* Until there may be something to do: a new phase, task or stop (the work event moved), or a raised go flag. Spins
  * for spin_ns; then, while hot, keeps spinning and yields every YIELD_NS; else sleeps on the work event (thread 0,
  * while tasks are watched, polls the go flags instead: watch.c). */
-static void idle(ktk_pool *p, int tid) {
+static void idle(ktk_pool *p, int tid, uint32_t seen) {
     ktki_event *ev = &p->work;
     const uint32_t done = atomic_load(&p->done_ev.seq);
     if (tid == atomic_load(&p->sit_out) && atomic_load(&p->running)) {   /* until the job ends: no wake-up per phase */
         ktki_event_wait(&p->done_ev, done, 0);
         return;
     }
-    const uint32_t seen = atomic_load_explicit(&ev->seq, memory_order_acquire);
     const int64_t t0 = ktki_now_ns();
     int64_t yield_at = t0 + YIELD_NS;
     for (uint32_t i = 1;; i++) {
@@ -251,11 +250,16 @@ static void idle(ktk_pool *p, int tid) {
     atomic_fetch_sub(&ev->waiters, 1);
 }
 
+/* The work event's sequence is read before looking for work, not after: an enqueue (queued++, then the event) that
+ * lands between this thread's look at the queue and its idle() moves the event past `seen`, so idle returns at once
+ * instead of sleeping with a task queued (a lost wake-up: a 1-thread pool's submit / wait loop hung within 2k-200k
+ * iterations). */
 static void thread_loop(ktk_pool *p, int tid) {
     for (;;) {
+        const uint32_t seen = atomic_load_explicit(&p->work.seq, memory_order_acquire);
         if (ktki_pool_run_chunk(p, tid) || ktki_pool_take_task(p, tid)) continue;
         if (atomic_load(&p->stop) && !atomic_load(&p->running) && !atomic_load(&p->queued)) return;
-        idle(p, tid);
+        idle(p, tid, seen);
     }
 }
 
@@ -271,7 +275,9 @@ static void *thread_main(void *argp) {
 }
 
 static void stop_and_join(ktk_pool *p) {
+    pthread_mutex_lock(&p->mu);   /* against an enqueue in flight: it sees stop, or its task is queued first */
     atomic_store(&p->stop, 1);   /* threads run what is queued first */
+    pthread_mutex_unlock(&p->mu);
     ktki_event_signal(&p->work);
     for (int i = 0; i < p->n; i++)
         if (p->started[i]) pthread_join(p->threads[i], NULL);

@@ -123,7 +123,10 @@ int ktki_submit(ktk_task *t) {
     int expected = KTKI_TASK_IDLE;
     if (!atomic_compare_exchange_strong(&t->state, &expected, KTKI_TASK_QUEUED))
         return ktki_error(KTK_ERR_STATE, "ktk_submit: task is already queued or running (ktk_wait first)");
-    ktki_pool_enqueue(t->pool, t);
+    if (!ktki_pool_enqueue(t->pool, t)) {   /* the pool's destroy began after the check above */
+        atomic_store(&t->state, KTKI_TASK_IDLE);
+        return ktki_error(KTK_ERR_STATE, "ktk_submit: the task's pool is destroyed");
+    }
     return KTK_OK;
 }
 

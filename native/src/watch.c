@@ -39,6 +39,15 @@ static int try_running(ktk_pool *p) {
     return atomic_compare_exchange_strong(&p->running, &free_, 1);
 }
 
+/* The pool released (running 0) by a job's end or a failed take: where a task was queued meanwhile, the threads that
+ * found the pool busy and went idle are woken to take it (the job may have ended on a caller's thread, which does
+ * not take queued tasks). running is stored seq_cst and queued read after it; an enqueue increments queued before
+ * its event: either this sees the task or the enqueuer's event comes after the pool is free. */
+static void release_running(ktk_pool *p) {
+    atomic_store(&p->running, 0);
+    if (atomic_load(&p->queued)) ktki_event_signal(&p->work);
+}
+
 /* A watched task's run ends (done flag, IDLE) before watch_running is cleared, which unwatch waits for; any other
  * releases the pool first, so that its caller, back from waiting, finds the pool free for its next forward. */
 void ktki_pool_end_job(ktk_pool *p) {
@@ -51,10 +60,10 @@ void ktki_pool_end_job(ktk_pool *p) {
         ktki_pool_mark_hot(p);   /* ... idle threads stay awake for the next layer's go */
         atomic_store_explicit(&p->last_watched, ktki_now_ns(), memory_order_relaxed);
         atomic_store(&p->watch_running, NULL);
-        atomic_store_explicit(&p->running, 0, memory_order_release);
+        release_running(p);
         if (then) ktki_event_signal(&p->work);   /* the chained task: this thread or any other takes it at once */
     } else {
-        atomic_store_explicit(&p->running, 0, memory_order_release);
+        release_running(p);
         ktki_task_end(t, 0);   /* t may be gone from here on */
     }
     ktki_event_signal(&p->done_ev);
@@ -81,7 +90,7 @@ static ktk_task *scan(ktk_pool *p, int tid, int take) {
                 atomic_store_explicit(&p->watch_next, (s + j + 1) % n, memory_order_relaxed);
                 found = t;
             } else {
-                atomic_store(&p->running, 0);
+                release_running(p);
             }
         } else {
             break;   /* another job runs */
@@ -199,15 +208,20 @@ void ktki_pool_unwatch(ktk_pool *p, ktk_task *t) {
 }
 
 /* ---- queue, inline runs, wake ---- */
-void ktki_pool_enqueue(ktk_pool *p, ktk_task *t) {
+int ktki_pool_enqueue(ktk_pool *p, ktk_task *t) {
     t->next = NULL;
     pthread_mutex_lock(&p->mu);
+    if (atomic_load(&p->stop)) {   /* (set under mu: the threads may have exited on an empty queue already) */
+        pthread_mutex_unlock(&p->mu);
+        return 0;
+    }
     if (p->tail) p->tail->next = t;
     else p->head = t;
     p->tail = t;
     atomic_fetch_add(&p->queued, 1);
     pthread_mutex_unlock(&p->mu);
     ktki_event_signal(&p->work);
+    return 1;
 }
 
 /* Thread id n (its scratch) is shared by callers of inline runs: held (ext) while one runs steps or a chunk. */
