@@ -356,6 +356,15 @@ def test_client_disconnect_frees_the_slot(served):
     ("completions", {"prompt": 5}, "prompt", "prompt"),
     ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p", "1"),
     ("completions", {"prompt": [1, 10**9]}, "prompt", "vocabulary"),
+    # (found by a review: each was a 500, a stall of every stream, or a server-side template)
+    ("completions", {"prompt": "hi", "top_k": 10**400}, "top_k", "less than or equal"),
+    ("completions", b'{"prompt": "hi \\ud800 there"}', "prompt", "cannot be tokenized"),  # a lone surrogate
+    ("completions", {"prompt": "word " * 400000}, "prompt", "characters"),
+    ("completions", {"prompt": "hi", "stop": ["x" * 5000]}, "stop", "1024 characters"),
+    ("completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, "chat_template_kwargs",
+     "chat_template"),
 ])
 def test_bad_input_gets_400_naming_the_field(served, path, body, param, words):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else \
@@ -426,7 +435,7 @@ def test_api_key(served):
 
 
 def test_tools_reach_the_chat_template(served):
-    tok = served.engine.tokenizer
+    tok = served.engine.request_tokenizer  # (requests are rendered on the engine's copy for them)
     saved = tok.chat_template
     tok.chat_template = TOOLS_TEMPLATE + saved
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

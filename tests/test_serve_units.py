@@ -253,6 +253,24 @@ def test_sampling_params_name_the_bad_field():
         assert e.value.param == field
 
 
+def test_tiny_temperatures_are_greedy_and_top_k_is_bounded():
+    """A temperature too small for float32 logits / temperature to stay finite samples greedily (it gave noise), and
+    a top_k past TOP_K_MAX is refused (a 400-digit one failed the whole prefill forward it shared)."""
+    from ktinject.serve import sampling
+    from ktinject.serve.engine import RequestError
+
+    for t in (0.0, 1e-300, 5e-324, sampling.GREEDY_BELOW / 2):
+        assert SamplingParams(max_tokens=1, temperature=t).greedy
+    assert not SamplingParams(max_tokens=1, temperature=sampling.GREEDY_BELOW).greedy
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(max_tokens=1, temperature=1e-300)] * 3
+    assert sample(logits, params, [random.Random(0)] * 3) == logits.argmax(-1).tolist()
+    assert SamplingParams(max_tokens=1, top_k=sampling.TOP_K_MAX).top_k == sampling.TOP_K_MAX
+    with pytest.raises(RequestError) as e:
+        SamplingParams(max_tokens=1, top_k=10 ** 400)
+    assert e.value.param == "top_k"
+
+
 # ---- text ----------------------------------------------------------------------------------------------------
 class CharTokenizer:
     """Token i decodes to VOCAB[i]; '\\xff' stands for an incomplete byte (decodes to U+FFFD until its pair)."""
@@ -334,3 +352,17 @@ def test_request_checks_name_the_field():
     msgs = chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                                   {"type": "text", "text": "b"}]}]})
     assert msgs.template_messages() == [{"role": "system", "content": "ab"}]
+
+
+def test_held_text_matches_a_plain_search(seed=0):
+    """TextStream._held (the longest end of the text that begins a stop string) against the plain definition, on
+    random texts and stop strings over a small alphabet (many partial matches)."""
+    rng = random.Random(seed)
+    for _ in range(2000):
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
+        stops = tuple("".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3)))
+        ts = TextStream(CharTokenizer(), stop=stops)
+        ts.text = text
+        want = max((n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])),
+                   default=0)
+        assert ts._held() == want, (text, stops)

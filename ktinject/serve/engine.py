@@ -9,7 +9,9 @@ sampling ``sampling.py``; text and stop strings ``text.py``.
 """
 from __future__ import annotations
 
+import copy
 import itertools
+import logging
 import threading
 import uuid
 from typing import Callable
@@ -22,6 +24,7 @@ from ktinject.serve.sampling import SamplingParams
 from ktinject.serve.scheduler import QueueFull
 from ktinject.serve.text import TextStream
 
+log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineConfig", "EngineUnavailable", "Output", "QueueFull", "RequestError", "Result",
            "SamplingParams"]
 
@@ -36,6 +39,12 @@ class Engine(EngineLoop):
         super().__init__(model, tokenizer, config)
         self.name = name
         self._ids = itertools.count()
+        # request_tokenizer: requests are tokenized and rendered on a copy of the tokenizer, with a lock of its own:
+        # under the engine thread's lock (which it takes for every token's text) one long prompt or template
+        # stalled every stream. (A fast tokenizer is not safe from two threads at once: each copy has one user.)
+        self.request_tokenizer = _copy_tokenizer(tokenizer)
+        self._req_lock = threading.Lock()
+        self._max_token_chars: int | None = None
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> "Engine":
@@ -134,26 +143,65 @@ class Engine(EngineLoop):
 
     # ---- tokenizer (any thread) ----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens added as the tokenizer does). RequestError where it cannot be
+        tokenized, or is too long for the context whatever its tokens (checked before tokenizing it)."""
         self._need_tokenizer()
-        with self._tok_lock:
-            return list(self.tokenizer(text, add_special_tokens=True).input_ids)
+        self._check_chars(text, "prompt")
+        try:
+            with self._req_lock:
+                return list(self.request_tokenizer(text, add_special_tokens=True).input_ids)
+        except Exception as e:  # noqa: BLE001 - text the tokenizer refuses (a lone surrogate): the client's input
+            raise RequestError(f"the prompt cannot be tokenized: {type(e).__name__}: {str(e)[:200]}",
+                               param="prompt") from e
 
     def render_chat(self, messages: list[dict], tools: list | None = None, **template_kwargs) -> list[int]:
         """Token ids of ``messages`` through the tokenizer's chat template, with the generation prompt; ``tools``
         and ``template_kwargs`` (``enable_thinking``, ...) go to the template. RequestError when it fails."""
         self._need_tokenizer()
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not getattr(self.request_tokenizer, "chat_template", None):
             raise RequestError("this model's tokenizer has no chat template: use /v1/completions",
                                param="messages")
+        self._check_chars(str(messages) + str(tools or ""), "messages")
         try:
-            with self._tok_lock:
-                text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                          add_generation_prompt=True, **template_kwargs)
-                return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+            with self._req_lock:
+                text = self.request_tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                         add_generation_prompt=True, **template_kwargs)
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation: the client's input
             raise RequestError(f"the chat template rejected the messages: {type(e).__name__}: {e}",
                                param="messages") from e
+        self._check_chars(text, "messages")
+        try:
+            with self._req_lock:
+                return list(self.request_tokenizer(text, add_special_tokens=False).input_ids)
+        except Exception as e:  # noqa: BLE001
+            raise RequestError(f"the messages cannot be tokenized: {type(e).__name__}: {str(e)[:200]}",
+                               param="messages") from e
+
+    def _check_chars(self, text: str, param: str) -> None:
+        """RequestError where ``text`` has more characters than max_context tokens of the longest token can hold:
+        too long for the context whatever it tokenizes to (so a huge prompt is refused before it is tokenized)."""
+        if self._max_token_chars is None:
+            with self._req_lock:
+                vocab = self.request_tokenizer.get_vocab()  # byte-level keys: no shorter than their text
+            self._max_token_chars = max((len(k) for k in vocab), default=1) or 1
+        limit = self.config.max_context * self._max_token_chars
+        if len(text) > limit:
+            raise RequestError(f"{param} is {len(text):,} characters: more than the context of "
+                               f"{self.config.max_context:,} tokens can hold (at most {self._max_token_chars} "
+                               f"characters a token)", param=param, code="context_length_exceeded")
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
             raise RequestError("this engine has no tokenizer: send token ids", param="prompt")
+
+
+def _copy_tokenizer(tokenizer):
+    """A copy of ``tokenizer`` for the request side (the engine thread keeps the original), or the tokenizer itself
+    where it cannot be copied (logged; its two users then stall each other as before)."""
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception as e:  # noqa: BLE001 - a tokenizer class that does not deep-copy
+        log.warning("serve: the tokenizer cannot be copied (%s: %s); requests share the engine's", type(e).__name__, e)
+        return tokenizer

@@ -32,7 +32,7 @@ class _Common(_Model):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=1 << 31)  # (sampling.TOP_K_MAX)
     seed: int | None = None
     stop: Any = None
     stream: bool = False
@@ -105,10 +105,17 @@ class ChatRequest(_Common):
 
     def template_kwargs(self) -> dict:
         kw = dict(self.chat_template_kwargs or {})
-        bad = [k for k in kw if k in ("tools", "tokenize", "add_generation_prompt", "messages", "conversation")]
+        bad = [k for k in kw if k in _TEMPLATE_OWN]
         if bad:
             raise RequestError(f"chat_template_kwargs may not set {bad[0]}", param="chat_template_kwargs")
         return kw
+
+
+#: apply_chat_template's own arguments, never the client's: the template itself (a client's Jinja would run on the
+#: server, as long as it likes, and replace the model's prompt format), the conversation, tokenization and output
+_TEMPLATE_OWN = frozenset(("chat_template", "tools", "tokenize", "add_generation_prompt", "continue_final_message",
+                           "messages", "conversation", "padding", "truncation", "max_length", "return_tensors",
+                           "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"))
 
 
 class CompletionRequest(_Common):

@@ -22,6 +22,14 @@ import torch
 from ktinject.serve.request import RequestError
 
 
+#: temperatures below this sample greedily (float32 logits / 1e-5 stay finite for |logits| up to ~3e33; vLLM's bound)
+GREEDY_BELOW = 1e-5
+#: stop strings a request may give, and their longest (each is searched in the text at every token)
+STOP_MAX, STOP_MAX_CHARS = 16, 1024
+#: the largest top_k accepted (any larger keeps every token of any vocabulary; float64 holds it exactly)
+TOP_K_MAX = 1 << 31
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What a request asks of its tokens. ``temperature`` 0 is greedy; ``top_p`` in (0, 1]; ``top_k`` 0 = all;
@@ -43,16 +51,22 @@ class SamplingParams:
             problems.append(("temperature", f"must be in [0, 100] (0 = greedy), got {self.temperature!r}"))
         if not 0 < self.top_p <= 1:
             problems.append(("top_p", f"must be in (0, 1], got {self.top_p!r}"))
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            problems.append(("top_k", f"must be an integer >= 0 (0 = no limit), got {self.top_k!r}"))
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= TOP_K_MAX:
+            problems.append(("top_k", f"must be an integer in [0, {TOP_K_MAX}] (0 = no limit), got "
+                                      f"{str(self.top_k)[:40]}"))
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append(("stop", "stop strings must be non-empty strings"))
+        elif len(self.stop) > STOP_MAX or any(len(s) > STOP_MAX_CHARS for s in self.stop):
+            problems.append(("stop", f"at most {STOP_MAX} stop strings of at most {STOP_MAX_CHARS} characters each, "
+                                     f"got {len(self.stop)} (longest {max(map(len, self.stop))})"))
         if problems:
             raise RequestError(problems[0][1], param=problems[0][0])
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small that logits / temperature overflows float32 (and the sampled row would be
+        noise, not near-greedy): below GREEDY_BELOW the argmax is what sampling converges to."""
+        return self.temperature < GREEDY_BELOW
 
     def rng(self) -> random.Random:
         """The request's random stream (a fresh one per request)."""

@@ -75,11 +75,15 @@ class TextStream:
         return out
 
     def _held(self) -> int:
-        """Length of the longest end of the text that is the beginning of a stop string (it may still become one)."""
-        best = 0
+        """Length of the longest end of the text that is the beginning of a stop string (it may still become one).
+        Only the positions of the text's last len(s) - 1 characters that hold s's first character are tried (a
+        slice of s per length tried took O(len(s)^2) a token: long stop strings slowed every stream)."""
+        best, t = 0, self.text
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:n]):
-                    best = n
+            i = t.find(s[0], max(0, len(t) - len(s) + 1))
+            while i >= 0 and len(t) - i > best:  # t[i:] is shorter than s: a candidate beginning of it
+                if s.startswith(t[i:]):
+                    best = len(t) - i
                     break
+                i = t.find(s[0], i + 1)
         return best
