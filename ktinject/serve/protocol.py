@@ -14,9 +14,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ktinject.serve.request import RequestError
-from ktinject.serve.sampling import SamplingParams
+from ktinject.serve.sampling import STOP_MAX, SamplingParams
 
-MAX_STOP = 16
+MAX_STOP = STOP_MAX  # (sampling's: the engine checks the same for its direct callers)
 
 
 class _Model(BaseModel):
