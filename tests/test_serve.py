@@ -343,7 +343,6 @@ def test_client_disconnect_frees_the_slot(served):
      "integer"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature",
      "number"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, "model", "gpt-4"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens", "1"),
     ("chat/completions", {"messages": []}, "messages", "at least 1"),
     ("chat/completions", {}, "messages", "required"),
@@ -458,3 +457,22 @@ def test_stream_is_server_sent_events_ending_with_done(served):
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     last = json.loads(events[-2][6:])
     assert last["object"] == "chat.completion.chunk" and last["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path", ["chat/completions", "completions"])
+def test_include_usage_puts_usage_null_in_every_chunk_but_the_last(served, path):
+    body = {"model": NAME, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}, **NO_EOS,
+            **({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})}
+    with httpx.stream("POST", f"{served.url}/v1/{path}", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+    assert chunks[-1]["usage"]["completion_tokens"] == 3 and chunks[-1]["choices"] == []
+
+
+def test_unknown_model_is_404_model_not_found(served):
+    for path, body in (("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}),
+                       ("completions", {"model": "gpt-4", "prompt": "hi"})):
+        r = httpx.post(f"{served.url}/v1/{path}", json=body)
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["code"] == "model_not_found" and "gpt-4" in err["message"], r.text
+    assert httpx.get(f"{served.url}/v1/models/gpt-4").status_code == 404

@@ -198,8 +198,8 @@ def _checked(fn, *args):
 
 def _check_model(name: str | None, names: tuple[str, ...]) -> None:
     if name is not None and name not in names:
-        raise ApiError(400, f"model {name!r} is not served here; this server serves {names[0]!r}", param="model",
-                       code="model_not_found")
+        raise ApiError(404, f"model {name!r} is not served here; this server serves {names[0]!r}", param="model",
+                       code="model_not_found")  # (OpenAI's and vLLM's status for it)
 
 
 async def _cancel_on_disconnect(request, req) -> None:
@@ -245,15 +245,20 @@ async def _stream(req, queue, gone: asyncio.Task, rid: str, model: str, chat: bo
     def sse(body: dict) -> str:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+    def chunk_sse(body: dict) -> str:  # with include_usage every chunk has "usage": null but the last (OpenAI's)
+        if include_usage:
+            body.setdefault("usage", None)
+        return sse(body)
+
     def chunk(text: str | None, finish: str | None = None, use: dict | None = None) -> str:
         if chat:
             delta = None if text is None else ({"content": text} if text or finish is None else {})
-            return sse(protocol.chat_chunk(rid, model, created, delta, finish, use))
-        return sse(protocol.completion_chunk(rid, model, created, text, finish, use))
+            return chunk_sse(protocol.chat_chunk(rid, model, created, delta, finish, use))
+        return chunk_sse(protocol.completion_chunk(rid, model, created, text, finish, use))
 
     try:
         if chat:
-            yield sse(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+            yield chunk_sse(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
         while True:
             out = await _next(queue, gone)
             if out is None:

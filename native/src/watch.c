@@ -53,6 +53,8 @@ static void release_running(ktk_pool *p) {
 void ktki_pool_end_job(ktk_pool *p) {
     ktk_task *t = p->job;
     ktki_pool_profile_job_end(p);
+    /* no thread sits out what comes next (a stale value kept one asleep through the next job's phases) */
+    atomic_store_explicit(&p->sit_out, -1, memory_order_relaxed);
     if (p->job_watched) {
         volatile uint32_t *then = t->then;
         ktki_task_end(t, 1);
