@@ -360,8 +360,13 @@ def decide(times_ms: dict, one_row_pdl: bool, K: int, weight_bytes: int, epilogu
     Plain otherwise."""
     if not one_row_pdl:
         return pick(times_ms)
-    return pick(times_ms, 0.0 if epilogue else PDL_CREDIT_US / 1e3,
-                min(K, FIRST_TILE_K) if weight_bytes <= WHOLE_ROW_BYTES else None)
+    return pick(times_ms, 0.0 if epilogue else PDL_CREDIT_US / 1e3, first_tile(K, weight_bytes))
+
+
+def first_tile(K: int, weight_bytes: int) -> int | None:
+    """The first tile's width ``decide`` wants of a one-row projection in the PDL chain: min(K, FIRST_TILE_K), or
+    None where the weights are past WHOLE_ROW_BYTES (more than the SMs load during a wait)."""
+    return min(K, FIRST_TILE_K) if weight_bytes <= WHOLE_ROW_BYTES else None
 
 
 def _measure(x, weight, bias, residual, norm, configs, reps: int = 15) -> tuple | None:
@@ -407,10 +412,11 @@ def _measure(x, weight, bias, residual, norm, configs, reps: int = 15) -> tuple 
     med = {c: statistics.median(a.elapsed_time(b) for a, b in times[c]) for c in cands}  # (dropped: not timed)
     one_row, epilogue = x.shape[0] == 1 and fused.pdl(x), residual is not None or norm is not None
     credit = PDL_CREDIT_US / 1e3 if one_row and not epilogue else 0.0
-    best = decide(med, one_row, weight.shape[1], weight.numel() * weight.element_size(), epilogue)
+    K, nbytes = weight.shape[1], weight.numel() * weight.element_size()
+    best = decide(med, one_row, K, nbytes, epilogue)
     kernel = _fastest_kernel(med)
-    tile = (f", first tile {min(weight.shape[1], FIRST_TILE_K)} wanted"
-            if one_row and weight.numel() * weight.element_size() <= WHOLE_ROW_BYTES else "")
+    wide = first_tile(K, nbytes) if one_row else None
+    tile = f", first tile {wide} wanted" if wide is not None else ""
     log.info("fused_dense: linear %s x %s%s: cuBLAS %.1f us, best kernel %s %.1f us (PDL credit %.1f us%s); using %s",
              tuple(x.shape), tuple(weight.shape), " + norm" if norm else "", med[None] * 1e3, kernel,
              med[kernel] * 1e3 if kernel is not None else float("nan"), credit * 1e3, tile,

@@ -14,10 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ktinject.serve.request import RequestError
-from ktinject.serve.sampling import STOP_MAX, SamplingParams
-
-MAX_STOP = STOP_MAX  # (sampling's: the engine checks the same for its direct callers)
-
+from ktinject.serve.sampling import STOP_MAX, TOP_K_MAX, SamplingParams
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -32,7 +29,7 @@ class _Common(_Model):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, le=1 << 31)  # (sampling.TOP_K_MAX)
+    top_k: int | None = Field(None, ge=0, le=TOP_K_MAX)
     seed: int | None = None
     stop: Any = None
     stream: bool = False
@@ -163,8 +160,8 @@ def stop_strings(stop) -> tuple[str, ...]:
     items = [stop] if isinstance(stop, str) else stop
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
         raise RequestError("stop: expected a non-empty string or a list of non-empty strings", param="stop")
-    if len(items) > MAX_STOP:
-        raise RequestError(f"stop: at most {MAX_STOP} stop strings, got {len(items)}", param="stop")
+    if len(items) > STOP_MAX:  # (counted before duplicates go: SamplingParams counts what is left)
+        raise RequestError(f"stop: at most {STOP_MAX} stop strings, got {len(items)}", param="stop")
     return tuple(dict.fromkeys(items))
 
 
