@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ktinject.serve.request import RequestError
 from ktinject.serve.sampling import STOP_MAX, TOP_K_MAX, SamplingParams
 
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
