@@ -320,6 +320,12 @@ class ReadBandwidth:
     loads: str = ""                 # load width of the native loop ("" when it could not be built)
     repeats: int = 0
     best_variant: Variant | None = None  # the best native variant (None without the native loop)
+    tried: list[Variant] = field(default_factory=list)  # every native variant timed, in order
+
+    def top(self, n: int) -> list[Variant]:
+        """The n native variants that read fastest (best first): a limit timed again later takes the best of
+        several, since the single best of many noisy variants is partly luck."""
+        return sorted(self.tried, key=lambda v: -self.variants[v.name])[:n]
 
     def summary(self) -> str:
         """One line: the limit, where it came from, and what every variant gave."""
@@ -426,6 +432,7 @@ def measure_read_bandwidth(gb: float = 1.0, threads: int | None = None, repeats:
         for v in (Variant(s, pf, c) for c in chunks for s in streams for pf in prefetch):
             loop.seconds(v)  # warm-up
             res.variants[v.name] = max(loop.gbs(v) for _ in range(repeats))
+            res.tried.append(v)
             if res.best_variant is None or res.variants[v.name] > res.variants[res.best_variant.name]:
                 res.best_variant = v
         res.torch_gbs = loop.torch_gbs(repeats)
