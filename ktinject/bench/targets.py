@@ -5,9 +5,10 @@ the whole model (48 layers) at batch 1 on the GPU machine; other runs get no ver
 
 - int4 >= 90 and int8 >= 55 tok/s through ``generate`` (the median of the ``--defer 0`` rounds where they ran, else
   the one graph run, said so);
-- bf16 >= 80% of the run's roofline (bytes of experts a token / the read bandwidth measured in the run): the median
-  of the graph runs timed in turns with read-loop passes against the bandwidth of those passes where the run has
-  them (``bench.decode``: the roofline alongside), else the one graph run against the start-of-run probe;
+- bf16 >= 80% of the run's roofline (bytes of experts a token / the read bandwidth measured at the run's start,
+  the best of every read variant); the share of the roofline alongside (``bench.decode``) is printed beside it but
+  does not judge: its short read passes moved 66-198 GB/s within seconds on the H200 host (2026-11-29), from below
+  to far above what the decode read, and a verdict on it would be that noise;
 - the GPU part of a step (muted replay) <= 2 ms, the card named;
 - with ``--noise``: one busy core keeps >= 85% of the quiet speed, and each level's runs lie within 15% of their
   median (3 runs or more a level).
@@ -78,17 +79,13 @@ def target_rows(quant: str, rows, args) -> list[tuple[str, str, str, str]]:
     along_rate = None if along is None else _number(along[1])
     turns = _cell(rows, "ktinject graph, in turns with the read loop", 1)
     graph = _cell(rows, "ktinject graph", 1)
-    if quant == "bf16" and along_rate and turns is not None:
-        share = turns / along_rate
-        start = f"; {100 * turns / roof_rate:.0f}% of the start-of-run probe's best ({roof[1]} tok/s)" if roof_rate else ""
-        out.append((f"target: bf16 >= {100 * ROOFLINE_SHARE:.0f}% of the roofline", f"{turns:,.1f}", "",
-                    f"{'met' if share >= ROOFLINE_SHARE else 'NOT met'}: {100 * share:.0f}% (median of the graph runs "
-                    f"in turns with the read loop vs the roofline alongside, {along[1]} tok/s{start})"))
-    elif quant == "bf16" and roof_rate and graph is not None:
+    if quant == "bf16" and roof_rate and graph is not None:
         share = graph / roof_rate
+        beside = (f"; the runs in turns with the read loop: {100 * turns / along_rate:.0f}% of the roofline alongside "
+                  f"({turns:,.1f} vs {along[1]} tok/s)" if along_rate and turns is not None else "")
         out.append((f"target: bf16 >= {100 * ROOFLINE_SHARE:.0f}% of the roofline", f"{graph:,.1f}", "",
                     f"{'met' if share >= ROOFLINE_SHARE else 'NOT met'}: {100 * share:.0f}% (graph {graph:,.1f} vs "
-                    f"roofline {roof[1]} tok/s, this run)"))
+                    f"roofline {roof[1]} tok/s, this run{beside})"))
     gpu = _cell(rows, "split: GPU + handshakes (experts muted)", 2)
     if gpu is None:
         gpu = _cell(rows, "defer: GPU + handshakes (experts muted, d=0)", 2)
