@@ -327,7 +327,8 @@ def test_prometheus_text_has_the_gauges_counters_and_histogram():
 
 def test_request_checks_name_the_field():
     from ktinject.serve.engine import RequestError
-    pytest.importorskip("pydantic", reason="the request schemas need the serve extra (pip install -e \".[serve]\")")
+    pydantic = pytest.importorskip("pydantic", reason="the request schemas need the serve extra (pip install -e "
+                                   "\".[serve]\")")
     from ktinject.serve.protocol import ChatRequest, CompletionRequest, stop_strings
 
     def param(fn):
@@ -352,6 +353,18 @@ def test_request_checks_name_the_field():
     msgs = chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                                   {"type": "text", "text": "b"}]}]})
     assert msgs.template_messages() == [{"role": "system", "content": "ab"}]
+    # null is the default for every optional field (OpenAI's schema makes them nullable), never for a required one
+    nulls = {k: None for k in ("stream", "n", "ignore_eos", "stream_options", "temperature", "max_tokens", "stop")}
+    req = chat({"messages": [{"role": "user", "content": "x"}], **nulls})
+    req.check()
+    assert req.stream is False and req.n == 1 and req.ignore_eos is False and req.temperature is None
+    done = CompletionRequest.model_validate({"prompt": "x", "echo": None, "best_of": None, **nulls})
+    done.check()
+    assert done.echo is False and done.stream is False
+    with pytest.raises(pydantic.ValidationError, match="messages"):
+        chat({"messages": None})
+    with pytest.raises(pydantic.ValidationError, match="stream"):
+        chat({"messages": [{"role": "user", "content": "x"}], "stream": "yes"})  # a wrong type is still refused
 
 
 def test_held_text_matches_a_plain_search(seed=0):

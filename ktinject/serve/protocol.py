@@ -1,7 +1,7 @@
 """The OpenAI request bodies the server takes, checked, and the response bodies it writes.
 
 Requests are pydantic models in strict mode (a number sent as a string is an error, as OpenAI's API has it);
-unknown fields are ignored. Fields whose JSON type varies (``content``, ``stop``, ``prompt``) are checked here by
+unknown fields are ignored, and null for an optional field is its default. Fields whose JSON type varies (``content``, ``stop``, ``prompt``) are checked here by
 hand so that errors name the field plainly (``messages[1].content``). Parameters the engine does not implement
 (n > 1, logprobs, penalties, forced tool calls, JSON response formats, echo, suffix) are refused with 400 rather
 than ignored. Extensions, as in vLLM: ``top_k``, ``ignore_eos``, ``chat_template_kwargs``.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ktinject.serve.request import RequestError
 from ktinject.serve.sampling import STOP_MAX, TOP_K_MAX, SamplingParams
@@ -19,6 +19,16 @@ from ktinject.serve.sampling import STOP_MAX, TOP_K_MAX, SamplingParams
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        """null for a field that has a default means that default, as in OpenAI's API, whose schema makes them
+        nullable (clients send "stream": null, "n": null); a required field's null stays an error that names it."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
 class StreamOptions(_Model):
