@@ -43,14 +43,13 @@ from ktinject.bench.memory import measure_read_bandwidth
 from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and the probe build the same model)
     set_generation_defaults, build_model, build_tiny,
 )
-from ktinject.bench.targets import noise_targets, our_rate, target_rows
+from ktinject.bench.targets import ROOF_RUNS as ROOF_ROUNDS, noise_targets, our_rate, target_rows
 from ktinject.bench.timing import (  # the measurements (bench serve imports two of them from here too)
     cpu_expert_time, expert_bytes_per_token, gen_time, graph_replay, hf_decode, ktinject_decode, muted_replay,
     paired_overhead, profile_line, profile_replay, wrap_cpu_experts,
 )
 
 MUTED_RUNS = 5  # runs of muted replays whose median is the GPU part
-ROOF_ROUNDS = 3  # graph decode runs in turns with read-loop passes: the roofline alongside (bf16's target)
 ROOF_VARIANTS = 3  # the start-of-run probe's fastest read variants, each timed again every round
 
 

@@ -6,7 +6,8 @@ the whole model (48 layers) at batch 1 on the GPU machine; other runs get no ver
 - int4 >= 90 and int8 >= 55 tok/s through ``generate`` (the median of the ``--defer 0`` rounds where they ran, else
   the one graph run, said so);
 - bf16 >= 80% of the run's roofline (bytes of experts a token / the read bandwidth measured at the run's start,
-  the best of every read variant); the share of the roofline alongside (``bench.decode``) is printed beside it but
+  the best of every read variant), by the median of the graph runs in turns with the read loop (else the one graph
+  run); the share of the roofline alongside (``bench.decode``) is printed beside it but
   does not judge: its short read passes moved 66-198 GB/s within seconds on the H200 host (2026-11-29), from below
   to far above what the decode read, and a verdict on it would be that noise;
 - the GPU part of a step (muted replay) <= 2 ms, the card named;
@@ -21,6 +22,7 @@ import torch
 
 TARGET_TOK_S = {"int4": 90.0, "int8": 55.0}
 ROOFLINE_SHARE = 0.8
+ROOF_RUNS = 3  # graph decode runs in turns with read-loop passes (bench.decode's roofline alongside)
 GPU_PART_S = 2.0e-3
 NOISE_SHARE, SPREAD = 0.85, 0.15
 
@@ -79,13 +81,15 @@ def target_rows(quant: str, rows, args) -> list[tuple[str, str, str, str]]:
     along_rate = None if along is None else _number(along[1])
     turns = _cell(rows, "ktinject graph, in turns with the read loop", 1)
     graph = _cell(rows, "ktinject graph", 1)
-    if quant == "bf16" and roof_rate and graph is not None:
-        share = graph / roof_rate
-        beside = (f"; the runs in turns with the read loop: {100 * turns / along_rate:.0f}% of the roofline alongside "
-                  f"({turns:,.1f} vs {along[1]} tok/s)" if along_rate and turns is not None else "")
-        out.append((f"target: bf16 >= {100 * ROOFLINE_SHARE:.0f}% of the roofline", f"{graph:,.1f}", "",
-                    f"{'met' if share >= ROOFLINE_SHARE else 'NOT met'}: {100 * share:.0f}% (graph {graph:,.1f} vs "
-                    f"roofline {roof[1]} tok/s, this run{beside})"))
+    ours = turns if turns is not None else graph  # the median of the runs in turns with the read loop, else one
+    if quant == "bf16" and roof_rate and ours is not None:
+        share = ours / roof_rate
+        what = (f"median of {ROOF_RUNS} graph runs {ours:,.1f}" if turns is not None else f"graph {ours:,.1f}")
+        beside = (f"; {100 * turns / along_rate:.0f}% of the roofline alongside, {along[1]} tok/s"
+                  if along_rate and turns is not None else "")
+        out.append((f"target: bf16 >= {100 * ROOFLINE_SHARE:.0f}% of the roofline", f"{ours:,.1f}", "",
+                    f"{'met' if share >= ROOFLINE_SHARE else 'NOT met'}: {100 * share:.0f}% ({what} vs roofline "
+                    f"{roof[1]} tok/s, this run{beside})"))
     gpu = _cell(rows, "split: GPU + handshakes (experts muted)", 2)
     if gpu is None:
         gpu = _cell(rows, "defer: GPU + handshakes (experts muted, d=0)", 2)
