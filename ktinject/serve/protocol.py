@@ -27,8 +27,8 @@ class _Model(BaseModel):
         nullable (clients send "stream": null, "n": null); a required field's null stays an error that names it."""
         if not isinstance(data, dict):
             return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        optional = {key for name, f in cls.model_fields.items() if not f.is_required() for key in (name, f.alias) if key}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
 class StreamOptions(_Model):

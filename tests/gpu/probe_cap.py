@@ -19,7 +19,9 @@ import argparse
 import statistics
 import time
 
-from probe_cpu_decode import build, distinct, passes  # the sibling probe's layers and cache-cold passes
+import torch
+
+from probe_cpu_decode import H, K, build, distinct  # the sibling probe's layers (Qwen3-30B-A3B shapes)
 
 
 def pearson(xs: list[float], ys: list[float]) -> float:
@@ -38,6 +40,30 @@ def thirds(pairs: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(statistics.median(r for r, _ in c), statistics.median(d for _, d in c)) for c in cut if c]
 
 
+class Passes:
+    """Cache-cold decode passes over the layers, one timed forward pass a call: each pass routes every layer to
+    experts its previous pass did not use (bench.timing.fresh_ids), inputs made once."""
+
+    def __init__(self, layers, pool, batch: int, e: int, seed: int = 0):
+        self.layers, self.pool, self.e = layers, pool, e
+        self.gen = torch.Generator().manual_seed(seed)
+        self.xs = [torch.randn(batch, H, generator=self.gen).to(torch.bfloat16) for _ in layers]
+        self.w = torch.full((batch, K), 1.0 / K)
+        self.outs = [torch.empty(batch, H, dtype=torch.bfloat16) for _ in layers]
+        self.prev = [set() for _ in layers]
+
+    def seconds(self) -> float:
+        from ktinject.bench.timing import fresh_ids
+
+        batch = self.xs[0].shape[0]
+        ids = [fresh_ids(self.gen, self.e, K, batch, self.prev[i]) for i in range(len(self.layers))]
+        self.prev = [set(i.flatten().tolist()) for i in ids]
+        t0 = time.perf_counter()
+        for ex, x, i, o in zip(self.layers, self.xs, ids, self.outs):
+            ex.forward(x, i, self.w, out=o, pool=self.pool)
+        return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quant", default="bf16")
@@ -48,6 +74,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=15, help="native pool threads (the read loop: one per core)")
     ap.add_argument("--read-gb", type=float, default=1.0, help="read buffer (at least 4x the LLC)")
     args = ap.parse_args()
+    if args.windows < 3:
+        ap.error("--windows: at least 3 (the windows are compared in thirds)")
 
     from ktinject.bench.memory import ReadLoop, measure_read_bandwidth
     from ktinject.native import Pool
@@ -64,14 +92,16 @@ def main() -> None:
         raise SystemExit("the native read loop could not be built (no C compiler): nothing to compare")
     pool = Pool(args.threads)
     pairs = []
-    with ReadLoop(mem.nbytes, mem.threads, variant) as loop:
-        loop.seconds()
-        passes(layers, pool, args.batch, 1, args.experts)  # warm-up (threads, scratch)
-        for _ in range(args.windows):
-            read = loop.gbs()
-            dec = nbytes / passes(layers, pool, args.batch, 1, args.experts)[0] / 1e9
-            pairs.append((read, dec))
-    pool.close()
+    try:
+        with ReadLoop(mem.nbytes, mem.threads, variant) as loop:
+            decode = Passes(layers, pool, args.batch, args.experts)
+            loop.seconds()
+            decode.seconds()  # warm-up (threads, scratch)
+            for _ in range(args.windows):  # a read pass, then at once the decode pass it is paired with
+                read = loop.gbs()
+                pairs.append((read, nbytes / decode.seconds() / 1e9))
+    finally:
+        pool.close()
     reads, decs = [p[0] for p in pairs], [p[1] for p in pairs]
     print(f"# {args.windows} windows: read loop ({variant.name}, {mem.nbytes / 1e9:.2f} GB) "
           f"{min(reads):.0f}-{max(reads):.0f} GB/s (median {statistics.median(reads):.0f}); decode "
