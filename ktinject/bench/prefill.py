@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import statistics
 import sys
 import time
