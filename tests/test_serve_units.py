@@ -341,6 +341,13 @@ def test_request_checks_name_the_field():
         "messages[0].role"
     assert param(lambda: chat({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
                  .template_messages()) == "messages[0].content[0]"
+    assert param(lambda: chat({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]})
+                 .template_messages()) == "messages[0].content[0].text"
+    for msg, got in (({"role": "user"}, "got nothing"), ({"role": "user", "content": None}, "got null")):
+        with pytest.raises(RequestError, match=f"messages\\[0\\].content: expected a string .*, {got} "):
+            chat({"messages": [msg]}).template_messages()
+    assert chat({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}).template_messages()[0][
+        "content"] == ""  # a message with tool_calls may have no content
     assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "n": 2}).check()) == "n"
     assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).check()) == \
         "logprobs"

@@ -107,7 +107,7 @@ class ChatRequest(_Common):
                                    f"{role!r}", param=f"messages[{i}].role")
             msg = {k: v for k, v in m.items() if k in ("name", "tool_calls", "tool_call_id", "reasoning_content")}
             msg["role"] = "system" if role == "developer" else role
-            msg["content"] = _content_text(m.get("content"), i, tool_calls="tool_calls" in m)
+            msg["content"] = _content_text(m.get("content", _ABSENT), i, tool_calls="tool_calls" in m)
             out.append(msg)
         return out
 
@@ -176,20 +176,28 @@ def stop_strings(stop) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
+_ABSENT = object()  # a message without "content" (its error says so, not "null")
+
+
 def _content_text(content, i: int, tool_calls: bool) -> str:
     where = f"messages[{i}].content"
     if isinstance(content, str):
         return content
-    if content is None:
+    if content is None or content is _ABSENT:
         if tool_calls:
             return ""
-        raise RequestError(f"{where}: missing", param=where)
+        raise RequestError(f"{where}: expected a string or a list of text parts, got "
+                           f"{'nothing' if content is _ABSENT else 'null'} (only a message with tool_calls may have no "
+                           f"content)", param=where)
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise RequestError(f"{where}[{j}]: only text parts are supported, got {kind!r}", param=f"{where}[{j}]")
+            if not isinstance(part.get("text"), str):
+                got = "nothing" if "text" not in part else "null" if part["text"] is None else type(part["text"]).__name__
+                raise RequestError(f"{where}[{j}].text: expected a string, got {got}", param=f"{where}[{j}].text")
             parts.append(part["text"])
         return "".join(parts)
     raise RequestError(f"{where}: expected a string or a list of text parts, got {type(content).__name__}",
