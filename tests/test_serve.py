@@ -433,6 +433,31 @@ def test_api_key(served):
         assert ok.status_code == 200 and ok.json()["data"][0]["id"] == NAME
 
 
+def test_request_bodies_over_the_limit_get_413(served):
+    """A body over max_body gets 413 by its Content-Length, or, sent in chunks without one, once that many bytes have
+    come; bodies within it, whole or in chunks, are served as before."""
+    from fastapi.testclient import TestClient
+
+    from ktinject.serve.api import create_app
+
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    json_type = {"content-type": "application/json"}
+
+    def chunks(data: bytes, size: int):
+        yield from (data[i:i + size] for i in range(0, len(data), size))
+
+    with TestClient(create_app(served.engine, NAME, max_body=1000)) as client:
+        assert client.post("/v1/completions", content=body, headers=json_type).status_code == 200
+        assert client.post("/v1/completions", content=chunks(body, 7), headers=json_type).status_code == 200
+        padded = json.dumps({"prompt": "hi", "max_tokens": 1, "user": "x" * 2000}).encode()
+        for content in (padded, chunks(padded, 300)):
+            r = client.post("/v1/completions", content=content, headers=json_type)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+            assert "1,000 bytes" in r.json()["error"]["message"]
+        assert client.post("/v1/completions", content=body, headers=json_type).status_code == 200  # still serving
+        assert client.get("/v1/models").status_code == 200  # GETs have no body to limit
+
+
 def test_tools_reach_the_chat_template(served):
     tok = served.engine.request_tokenizer  # (requests are rendered on the engine's copy for them)
     saved = tok.chat_template

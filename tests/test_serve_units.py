@@ -386,3 +386,47 @@ def test_held_text_matches_a_plain_search(seed=0):
         want = max((n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])),
                    default=0)
         assert ts._held() == want, (text, stops)
+
+
+def test_body_limit_middleware_reads_chunks_and_hands_the_body_on_whole():
+    """serve.api._BodyLimit at the ASGI level: a body in several messages reaches the app as one, later receives go
+    to the connection; over the limit by Content-Length (nothing read) or mid-stream: 413 and no app; a client gone
+    before its body is whole: nothing at all."""
+    pytest.importorskip("fastapi", reason="the server needs the serve extra (pip install -e \".[serve]\")")
+    import asyncio
+
+    from ktinject.serve.api import _BodyLimit
+
+    def run(messages, headers=(), limit=10):
+        got, sent, reads = [], [], []
+
+        async def receive():
+            reads.append(1)
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def app(scope, receive, send):
+            got.append(await receive())
+            got.append(await receive())
+
+        async def send(message):
+            sent.append(message)
+
+        def reply(status, message, **kw):
+            async def respond(scope, receive, send):
+                await send({"status": status, "message": message})
+            return respond
+
+        scope = {"type": "http", "method": "POST", "headers": list(headers)}
+        asyncio.run(_BodyLimit(app, limit, reply)(scope, receive, send))
+        return got, sent, len(reads)
+
+    part = lambda body, more: {"type": "http.request", "body": body, "more_body": more}  # noqa: E731
+    got, sent, _ = run([part(b"abc", True), part(b"def", True), part(b"g", False)])
+    assert got == [part(b"abcdefg", False), {"type": "http.disconnect"}] and sent == []
+    got, sent, reads = run([part(b"abcdef", True), part(b"ghijkl", True), part(b"m", False)])
+    assert got == [] and sent[0]["status"] == 413 and reads == 2  # stopped reading at the 11th byte
+    got, sent, reads = run([part(b"x" * 50, False)], headers=[(b"content-length", b"50")])
+    assert got == [] and sent[0]["status"] == 413 and reads == 0  # by its Content-Length: nothing read
+    got, sent, _ = run([part(b"abc", True), {"type": "http.disconnect"}])
+    assert got == [] and sent == []  # the client went away mid-body: no answer, no app
+    assert run([part(b"0123456789", False)])[0][0] == part(b"0123456789", False)  # exactly the limit: served

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for a row before new ones get 429 (default 128)")
     p.add_argument("--prefill-chunk", type=positive, default=512,
                    help="prompt tokens prefilled per step while other requests decode (default 512)")
+    p.add_argument("--max-request-mb", type=positive, default=64,
+                   help="largest request body in MiB; longer ones get 413 before they are read whole (default 64)")
     cli.add_model_options(p)
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs (for comparison)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs, the injection plan and tracebacks")
@@ -134,7 +136,7 @@ def serve(args: argparse.Namespace) -> int:
     url = _url(sock)
     print(f"Serving {name!r} at {url}/v1 (OpenAI API; {'API key required' if api_key else 'no API key'}); "
           f"Ctrl-C stops.", flush=True)
-    app = create_app(engine, aliases, api_key=api_key)
+    app = create_app(engine, aliases, api_key=api_key, max_body=args.max_request_mb << 20)
     server = uvicorn.Server(uvicorn.Config(app, log_level="debug" if args.verbose else "info",
                                            timeout_graceful_shutdown=5))
     # uvicorn stops on SIGINT / SIGTERM, then raises the signal again: a stop asked for is a clean exit

@@ -4,8 +4,8 @@ Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/complet
 events ending with ``data: [DONE]`` when ``stream`` is true), ``GET /health``, ``GET /metrics`` (Prometheus text).
 Every error is OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
 JSON, wrong types, unknown model, a prompt that does not fit the context, unsupported parameters), 401 without the
-API key, 404 for unknown paths, 429 when the queue is full, 503 when the engine is down. With an API key, every
-path but ``/health`` needs ``Authorization: Bearer KEY``.
+API key, 404 for unknown paths, 413 for a body over ``max_body`` bytes, 429 when the queue is full, 503 when the
+engine is down. With an API key, every path but ``/health`` needs ``Authorization: Bearer KEY``.
 
 Requests are tokenized in a worker thread (the chat template, under the engine's tokenizer lock), submitted to the
 engine, and their events come back through an asyncio queue. A client that goes away (its connection closes) is
@@ -38,9 +38,14 @@ class ApiError(Exception):
         self.status, self.type, self.param, self.code = status, type_, param, code
 
 
-def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key: str | None = None):
+MAX_BODY = 64 << 20  # bytes of a request body, by default: far above any prompt a context holds, far below RAM
+
+
+def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key: str | None = None,
+               max_body: int = MAX_BODY):
     """The FastAPI app serving ``engine`` (started by the caller) under ``model_names`` (the first one is listed
-    by /v1/models; the others are accepted aliases)."""
+    by /v1/models; the others are accepted aliases). A request body over ``max_body`` bytes gets 413 before it
+    is parsed (FastAPI reads a body whole into memory, and uvicorn sets no limit)."""
     names = (model_names,) if isinstance(model_names, str) else tuple(model_names or (engine.name,))
     created = int(time.time())
 
@@ -51,7 +56,8 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
 
     app = FastAPI(title="ktinject", description="OpenAI-compatible server of a ktinject model", docs_url=None,
                   redoc_url=None, openapi_url=None)
-    if api_key:
+    app.add_middleware(_BodyLimit, limit=max_body, reply=error)
+    if api_key:  # added last: runs first, so a request without the key is refused before its body is read
         app.add_middleware(_KeyCheck, key=api_key, reply=error)
     app.state.engine = engine
 
@@ -180,6 +186,46 @@ class _KeyCheck:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body longer than ``limit`` bytes gets 413 (by its Content-Length at once, else
+    once that many bytes have come), never a server holding gigabytes; a body within it is read here and handed
+    on whole, and later receives (the disconnect the API waits for) go to the client's connection as before."""
+
+    def __init__(self, app, limit: int, reply):
+        self.app, self.limit, self.reply = app, limit, reply
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        too_big = declared is not None and declared.isdigit() and int(declared) > self.limit
+        body = bytearray()
+        while not too_big:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client went away before its request was whole: nothing to answer
+            body += message.get("body", b"")
+            too_big = len(body) > self.limit
+            if not message.get("more_body", False):
+                break
+        if too_big:
+            response = self.reply(413, f"the request body is over {self.limit:,} bytes (the server's "
+                                       f"--max-request-mb)", code="request_too_large")
+            await response(scope, receive, send)
+            return
+        whole = {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        async def replay():
+            nonlocal whole
+            if whole is None:
+                return await receive()
+            message, whole = whole, None
+            return message
+
+        await self.app(scope, replay, send)
 
 
 async def _in_thread(fn, *args, **kwargs):
