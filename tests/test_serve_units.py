@@ -346,8 +346,18 @@ def test_request_checks_name_the_field():
     for msg, got in (({"role": "user"}, "got nothing"), ({"role": "user", "content": None}, "got null")):
         with pytest.raises(RequestError, match=f"messages\\[0\\].content: expected a string .*, {got} "):
             chat({"messages": [msg]}).template_messages()
-    assert chat({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}).template_messages()[0][
-        "content"] == ""  # a message with tool_calls may have no content
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    assert chat({"messages": [{"role": "assistant", "content": None, "tool_calls": calls}]}).template_messages() == [
+        {"role": "assistant", "content": "", "tool_calls": calls}]  # a message with tool_calls may have no content
+    # null keys of a message are left out (a template must not see tool_calls None), and do not excuse the content
+    assert chat({"messages": [{"role": "user", "content": "x", "name": None}]}).template_messages() == [
+        {"role": "user", "content": "x"}]
+    assert param(lambda: chat({"messages": [{"role": "user", "content": None, "tool_calls": None}]})
+                 .template_messages()) == "messages[0].content"
+    for bad, got in (({"text": "x"}, "got a part without a type"), (None, "got null"), (3, "got int"),
+                     ({"type": "image_url"}, "got type 'image_url'")):
+        with pytest.raises(RequestError, match=f"content\\[0\\]: only text parts are supported, {got}$"):
+            chat({"messages": [{"role": "user", "content": [bad]}]}).template_messages()
     assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "n": 2}).check()) == "n"
     assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).check()) == \
         "logprobs"
@@ -397,7 +407,7 @@ def test_body_limit_middleware_reads_chunks_and_hands_the_body_on_whole():
 
     from ktinject.serve.api import _BodyLimit
 
-    def run(messages, headers=(), limit=10):
+    def run(messages, headers=(), limit=10, path="/v1/completions"):
         got, sent, reads = [], [], []
 
         async def receive():
@@ -416,7 +426,7 @@ def test_body_limit_middleware_reads_chunks_and_hands_the_body_on_whole():
                 await send({"status": status, "message": message})
             return respond
 
-        scope = {"type": "http", "method": "POST", "headers": list(headers)}
+        scope = {"type": "http", "method": "POST", "headers": list(headers), "path": path}
         asyncio.run(_BodyLimit(app, limit, reply)(scope, receive, send))
         return got, sent, len(reads)
 
@@ -430,3 +440,7 @@ def test_body_limit_middleware_reads_chunks_and_hands_the_body_on_whole():
     got, sent, _ = run([part(b"abc", True), {"type": "http.disconnect"}])
     assert got == [] and sent == []  # the client went away mid-body: no answer, no app
     assert run([part(b"0123456789", False)])[0][0] == part(b"0123456789", False)  # exactly the limit: served
+    got, sent, reads = run([part(b"x", False)], headers=[(b"content-length", b"9" * 5000)])
+    assert sent[0]["status"] == 413 and reads == 0  # a 5,000-digit Content-Length: too big, not a 500
+    got, sent, reads = run([part(b"x" * 50, True), part(b"", False)], path="/health")
+    assert got[0] == part(b"x" * 50, True) and sent == [] and reads == 2  # not an endpoint with a body: untouched

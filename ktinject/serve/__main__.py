@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for a row before new ones get 429 (default 128)")
     p.add_argument("--prefill-chunk", type=positive, default=512,
                    help="prompt tokens prefilled per step while other requests decode (default 512)")
-    p.add_argument("--max-request-mb", type=positive, default=64,
-                   help="largest request body in MiB; longer ones get 413 before they are read whole (default 64)")
+    p.add_argument("--max-request-mb", type=positive, default=8,
+                   help="largest request body in MiB; longer ones get 413 before they are read whole (default 8)")
     cli.add_model_options(p)
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs (for comparison)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs, the injection plan and tracebacks")

@@ -38,7 +38,10 @@ class ApiError(Exception):
         self.status, self.type, self.param, self.code = status, type_, param, code
 
 
-MAX_BODY = 64 << 20  # bytes of a request body, by default: far above any prompt a context holds, far below RAM
+#: bytes of a request body, by default: a 128K-token prompt is ~0.5-1 MB of JSON, and parsing takes up to ~50x the
+#: body's size in Python objects (a 4 MiB body of empty messages peaked at 193 MiB)
+MAX_BODY = 8 << 20
+_BODY_PATHS = ("/v1/chat/completions", "/v1/completions")  # the endpoints that read a body
 
 
 def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key: str | None = None,
@@ -189,19 +192,20 @@ class _KeyCheck:
 
 
 class _BodyLimit:
-    """ASGI middleware: a request body longer than ``limit`` bytes gets 413 (by its Content-Length at once, else
-    once that many bytes have come), never a server holding gigabytes; a body within it is read here and handed
-    on whole, and later receives (the disconnect the API waits for) go to the client's connection as before."""
+    """ASGI middleware: a request body of the completion endpoints longer than ``limit`` bytes gets 413 (by its
+    Content-Length at once, else once that many bytes have come), never a server holding gigabytes; a body within it
+    is read here and handed on whole, and later receives (the disconnect the API waits for) go to the client's
+    connection as before. Other paths pass untouched (their bodies are never read: 404 / 405)."""
 
     def __init__(self, app, limit: int, reply):
         self.app, self.limit, self.reply = app, limit, reply
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in _BODY_PATHS:
             await self.app(scope, receive, send)
             return
-        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
-        too_big = declared is not None and declared.isdigit() and int(declared) > self.limit
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), b"")
+        too_big = declared.isdigit() and (len(declared) > 18 or int(declared) > self.limit)  # (no 4,300-digit int)
         body = bytearray()
         while not too_big:
             message = await receive()

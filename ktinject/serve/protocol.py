@@ -105,9 +105,11 @@ class ChatRequest(_Common):
             if role not in ("system", "developer", "user", "assistant", "tool"):
                 raise RequestError(f"messages[{i}].role: expected one of system, developer, user, assistant, tool; got "
                                    f"{role!r}", param=f"messages[{i}].role")
-            msg = {k: v for k, v in m.items() if k in ("name", "tool_calls", "tool_call_id", "reasoning_content")}
+            # null is absent here too (a template testing `tool_calls is defined` or its length must not see None)
+            msg = {k: v for k, v in m.items()
+                   if k in ("name", "tool_calls", "tool_call_id", "reasoning_content") and v is not None}
             msg["role"] = "system" if role == "developer" else role
-            msg["content"] = _content_text(m.get("content", _ABSENT), i, tool_calls="tool_calls" in m)
+            msg["content"] = _content_text(m.get("content", _ABSENT), i, tool_calls=bool(m.get("tool_calls")))
             out.append(msg)
         return out
 
@@ -193,8 +195,10 @@ def _content_text(content, i: int, tool_calls: bool) -> str:
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(f"{where}[{j}]: only text parts are supported, got {kind!r}", param=f"{where}[{j}]")
+                got = (f"type {part['type']!r}" if isinstance(part, dict) and part.get("type") is not None
+                       else "a part without a type" if isinstance(part, dict)
+                       else "null" if part is None else type(part).__name__)
+                raise RequestError(f"{where}[{j}]: only text parts are supported, got {got}", param=f"{where}[{j}]")
             if not isinstance(part.get("text"), str):
                 got = "nothing" if "text" not in part else "null" if part["text"] is None else type(part["text"]).__name__
                 raise RequestError(f"{where}[{j}].text: expected a string, got {got}", param=f"{where}[{j}].text")
