@@ -19,9 +19,7 @@ import argparse
 import statistics
 import time
 
-import torch
-
-from probe_cpu_decode import H, K, build, distinct  # the sibling probe's layers (Qwen3-30B-A3B shapes)
+from probe_cpu_decode import Passes, build, distinct  # the sibling probe's layers (Qwen3-30B-A3B shapes), passes
 
 
 def pearson(xs: list[float], ys: list[float]) -> float:
@@ -38,30 +36,6 @@ def thirds(pairs: list[tuple[float, float]]) -> list[tuple[float, float]]:
     n = len(s)
     cut = [s[: n // 3], s[n // 3: n - n // 3], s[n - n // 3:]]
     return [(statistics.median(r for r, _ in c), statistics.median(d for _, d in c)) for c in cut if c]
-
-
-class Passes:
-    """Cache-cold decode passes over the layers, one timed forward pass a call: each pass routes every layer to
-    experts its previous pass did not use (bench.timing.fresh_ids), inputs made once."""
-
-    def __init__(self, layers, pool, batch: int, e: int, seed: int = 0):
-        self.layers, self.pool, self.e = layers, pool, e
-        self.gen = torch.Generator().manual_seed(seed)
-        self.xs = [torch.randn(batch, H, generator=self.gen).to(torch.bfloat16) for _ in layers]
-        self.w = torch.full((batch, K), 1.0 / K)
-        self.outs = [torch.empty(batch, H, dtype=torch.bfloat16) for _ in layers]
-        self.prev = [set() for _ in layers]
-
-    def seconds(self) -> float:
-        from ktinject.bench.timing import fresh_ids
-
-        batch = self.xs[0].shape[0]
-        ids = [fresh_ids(self.gen, self.e, K, batch, self.prev[i]) for i in range(len(self.layers))]
-        self.prev = [set(i.flatten().tolist()) for i in ids]
-        t0 = time.perf_counter()
-        for ex, x, i, o in zip(self.layers, self.xs, ids, self.outs):
-            ex.forward(x, i, self.w, out=o, pool=self.pool)
-        return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -94,7 +68,7 @@ def main() -> None:
     pairs = []
     try:
         with ReadLoop(mem.nbytes, mem.threads, variant) as loop:
-            decode = Passes(layers, pool, args.batch, args.experts)
+            decode = Passes(layers, pool, args.batch, args.experts, seed=0)
             loop.seconds()
             decode.seconds()  # warm-up (threads, scratch)
             for _ in range(args.windows):  # a read pass, then at once the decode pass it is paired with

@@ -41,34 +41,39 @@ def build(layers: int, quant: str, e: int):
     return out
 
 
-def passes(layers, pool, batch: int, n: int, e: int, skip=None, hot: bool = False) -> list[float]:
-    from ktinject.bench.timing import fresh_ids
+class Passes:
+    """Decode passes over the layers, one timed pass a call; each routes every layer to experts its previous pass
+    did not use (bench.timing.fresh_ids: cache-cold), inputs made once. ``hot``: each layer's forward runs twice
+    and the second is timed (its experts come from the caches). Also used by probe_cap.py."""
 
-    gen = torch.Generator().manual_seed(batch)
-    xs = [torch.randn(batch, H, generator=gen).to(torch.bfloat16) for _ in layers]
-    w = torch.full((batch, K), 1.0 / K)
-    outs = [torch.empty(batch, H, dtype=torch.bfloat16) for _ in layers]
-    prev = [set() for _ in layers]
-    times = []
-    for p in range(n + 1):
-        ids = [fresh_ids(gen, e, K, batch, prev[i]) for i in range(len(layers))]
-        prev = [set(i.flatten().tolist()) for i in ids]
-        if hot:  # each layer's experts read just before its timed forward: they come from the caches
-            t = 0.0
-            for ex, x, i, o in zip(layers, xs, ids, outs):
-                ex.forward(x, i, w, skip=skip, out=o, pool=pool)
-                t0 = time.perf_counter()
-                ex.forward(x, i, w, skip=skip, out=o, pool=pool)
-                t += time.perf_counter() - t0
-            if p:
-                times.append(t)
-            continue
-        t0 = time.perf_counter()
-        for ex, x, i, o in zip(layers, xs, ids, outs):
-            ex.forward(x, i, w, skip=skip, out=o, pool=pool)
-        if p:
-            times.append(time.perf_counter() - t0)
-    return times
+    def __init__(self, layers, pool, batch: int, e: int, skip=None, seed: int | None = None):
+        self.layers, self.pool, self.e, self.skip = layers, pool, e, skip
+        self.gen = torch.Generator().manual_seed(batch if seed is None else seed)
+        self.xs = [torch.randn(batch, H, generator=self.gen).to(torch.bfloat16) for _ in layers]
+        self.w = torch.full((batch, K), 1.0 / K)
+        self.outs = [torch.empty(batch, H, dtype=torch.bfloat16) for _ in layers]
+        self.prev = [set() for _ in layers]
+
+    def seconds(self, hot: bool = False) -> float:
+        from ktinject.bench.timing import fresh_ids
+
+        batch = self.xs[0].shape[0]
+        ids = [fresh_ids(self.gen, self.e, K, batch, self.prev[i]) for i in range(len(self.layers))]
+        self.prev = [set(i.flatten().tolist()) for i in ids]
+        t = 0.0
+        for ex, x, i, o in zip(self.layers, self.xs, ids, self.outs):
+            if hot:
+                ex.forward(x, i, self.w, skip=self.skip, out=o, pool=self.pool)
+            t0 = time.perf_counter()
+            ex.forward(x, i, self.w, skip=self.skip, out=o, pool=self.pool)
+            t += time.perf_counter() - t0
+        return t
+
+
+def passes(layers, pool, batch: int, n: int, e: int, skip=None, hot: bool = False) -> list[float]:
+    """n timed passes after an untimed one (Passes)."""
+    p = Passes(layers, pool, batch, e, skip)
+    return [p.seconds(hot) for _ in range(n + 1)][1:]
 
 
 def show_profile(prof: dict, label: str) -> None:
