@@ -1,10 +1,11 @@
 """The OpenAI request bodies the server takes, checked, and the response bodies it writes.
 
-Requests are pydantic models in strict mode (a number sent as a string is an error, as OpenAI's API has it);
-unknown fields are ignored, and null for an optional field is its default. Fields whose JSON type varies (``content``, ``stop``, ``prompt``) are checked here by
-hand so that errors name the field plainly (``messages[1].content``). Parameters the engine does not implement
-(n > 1, logprobs, penalties, forced tool calls, JSON response formats, echo, suffix) are refused with 400 rather
-than ignored. Extensions, as in vLLM: ``top_k``, ``ignore_eos``, ``chat_template_kwargs``.
+Requests are pydantic models in strict mode (a number sent as a string is an error, as OpenAI's API has it); unknown
+fields are ignored, and null for an optional field is its default. Fields whose JSON type varies (``content``,
+``stop``, ``prompt``) are checked here by hand so that errors name the field plainly (``messages[1].content``).
+Parameters the engine does not implement (n > 1, logprobs, penalties, forced tool calls, JSON response formats, echo,
+suffix) are refused with 400 rather than ignored. Extensions, as in vLLM: ``top_k``, ``ignore_eos``,
+``chat_template_kwargs``.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ class _Model(BaseModel):
         nullable (clients send "stream": null, "n": null); a required field's null stays an error that names it."""
         if not isinstance(data, dict):
             return data
-        optional = {key for name, f in cls.model_fields.items() if not f.is_required() for key in (name, f.alias) if key}
+        optional = {key for name, f in cls.model_fields.items() if not f.is_required()
+                    for key in (name, f.alias) if key}
         return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
@@ -200,7 +202,8 @@ def _content_text(content, i: int, tool_calls: bool) -> str:
                        else "null" if part is None else type(part).__name__)
                 raise RequestError(f"{where}[{j}]: only text parts are supported, got {got}", param=f"{where}[{j}]")
             if not isinstance(part.get("text"), str):
-                got = "nothing" if "text" not in part else "null" if part["text"] is None else type(part["text"]).__name__
+                text = part.get("text")
+                got = "nothing" if "text" not in part else "null" if text is None else type(text).__name__
                 raise RequestError(f"{where}[{j}].text: expected a string, got {got}", param=f"{where}[{j}].text")
             parts.append(part["text"])
         return "".join(parts)
