@@ -95,7 +95,26 @@ def test_read_bandwidth_variants():
         top = bw.top(3)  # the fastest first, each a variant that ran
         assert top[0] == bw.best_variant and len(top) == 3 and len({v.name for v in top}) == 3
         assert [bw.variants[v.name] for v in top] == sorted(bw.variants.values(), reverse=True)[:3]
+        assert bw.peak_gbs >= max(bw.variants.values())  # a variant's figure is its median pass, the peak any pass
     assert sorted(memory.cpu_order()) == sorted(os.sched_getaffinity(0))
+    assert not bw.capped and "fastest single pass" in bw.summary()
+
+
+def test_read_bandwidth_buffer_is_many_llcs_but_bounded_by_memory(monkeypatch):
+    """The buffer: LLC_MULTIPLE x the LLC (LLC hits lift a smaller one's figure), held to MEM_SHARE of the memory
+    available (said in the summary), never below the gb asked."""
+    monkeypatch.setattr(memory, "llc_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(memory, "_native_lib", lambda: None)  # torch's sum only: quick
+    monkeypatch.setattr(memory, "_available_bytes", lambda: 1 << 30)
+    bw = memory.measure_read_bandwidth(0.001, threads=2, repeats=1, llc_multiple=8)
+    assert bw.nbytes == 8 << 20 and not bw.capped  # 8 x 1 MiB
+    monkeypatch.setattr(memory, "_available_bytes", lambda: 16 << 20)
+    bw = memory.measure_read_bandwidth(0.001, threads=2, repeats=1, llc_multiple=8)
+    assert bw.nbytes == 4 << 20 and bw.capped and "held to 25% of the memory available" in bw.summary()
+    bw = memory.measure_read_bandwidth(0.006, threads=2, repeats=1, llc_multiple=8)  # the room: the 6 MB asked
+    assert bw.nbytes == 4 << 20 and bw.capped and bw.best_gbs > 0  # in whole 2 MB pages
+    monkeypatch.undo()
+    assert memory._available_bytes() > 0
 
 
 def test_decode_timed_alongside_a_read_loop():

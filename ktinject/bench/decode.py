@@ -157,9 +157,10 @@ def _alongside_rows(model, prompt, args, quant: str, mem, per_tok: float, rows: 
     """The roofline of the stretch of time the decode runs in: ROOF_ROUNDS rounds of one pass of each of the
     start-of-run probe's ROOF_VARIANTS fastest read variants, then one graph decode run (the runner as captured);
     the limit is the best variant's median pass, the figure the median run. Beside the start-of-run roofline (the
-    best of 27 variants x 5 passes), not instead of it: on the H200 host (2026-11-29) these short passes moved
-    66-198 GB/s within seconds while bf16 decode read a steady 110-116 GB/s, so the pair says how far the host's
-    bandwidth moved during the run, and targets.py judges against the start-of-run figure (with the median run)."""
+    best of 27 variants' medians of 5 passes), not instead of it: three passes a variant are few, so the pair says
+    how far the host's bandwidth moved during the run, and targets.py judges against the start-of-run figure (with
+    the median run). (Over 4x the LLC, before bench.memory's 32x buffer, these passes moved 66-198 GB/s within
+    seconds on the H200 host while bf16 decode read a steady 110-116 GB/s: LLC hits, bench.memory's docstring.)"""
     from ktinject.bench.memory import ReadLoop
 
     variants = mem.top(ROOF_VARIANTS)

@@ -17,10 +17,10 @@ Random bf16 weights, built in memory for E' <= E experts (a DeepSeek-V3 layer is
            dispatcher's thresholds (see ktinject.bench.crossover).
   accuracy each quant against a float64 torch reference from the bf16 weights, decode (1 token) and prefill (32).
 Baseline: the same work in torch on the CPU, the transformers "eager" experts loop (bf16 weights, F.linear per
-expert). Limits: memory read bandwidth over a buffer of >= 4x the LLC, one pinned thread per core, the best of
-several native read-loop variants and a torch int64 sum (ktinject.bench.memory), for decode; a dense bf16 torch GEMM
-(oneDNN; AMX where the CPU has it) for prefill, a practical reference rather than a bound. Times: time.perf_counter,
-warm-up, median (the memory limit: best run). Decode's "of limit" divides by the best native variant timed in
+expert). Limits: memory read bandwidth over a buffer of >= 32x the LLC, one pinned thread per core, the best of
+several native read-loop variants and a torch int64 sum, each the median of its passes (ktinject.bench.memory), for
+decode; a dense bf16 torch GEMM (oneDNN; AMX where the CPU has it) for prefill, a practical reference rather than a
+bound. Times: time.perf_counter, warm-up, median. Decode's "of limit" divides by the best native variant timed in
 alternation with the decode calls (median of as many passes): on a shared host the load from elsewhere drifts over
 the minutes of a run, and a limit taken at the start compares a calm moment with a busy one.
 """
