@@ -100,6 +100,18 @@ def test_read_bandwidth_variants():
     assert not bw.capped and "fastest single pass" in bw.summary()
 
 
+def test_read_bandwidth_variants_are_timed_in_rounds(monkeypatch):
+    """Each round times every variant once (a drift of the host meets all alike); a variant's figure is its median."""
+    if memory._native_lib() is None:
+        pytest.skip("no C compiler for the read loop")
+    order, speed = [], iter(range(1, 1000))
+    monkeypatch.setattr(memory.ReadLoop, "gbs", lambda self, v=None: order.append(v.name) or float(next(speed)))
+    bw = memory.measure_read_bandwidth(0.004, threads=2, repeats=3, streams=(1, 4), prefetch=(0,), chunks=(0,),
+                                       llc_multiple=0)
+    assert order == ["1s/no-pf", "4s/no-pf"] * 3
+    assert bw.variants == {"1s/no-pf": 3.0, "4s/no-pf": 4.0} and bw.peak_gbs == 6.0  # medians of (1, 3, 5), (2, 4, 6)
+
+
 def test_read_bandwidth_buffer_is_many_llcs_but_bounded_by_memory(monkeypatch):
     """The buffer: LLC_MULTIPLE x the LLC (LLC hits lift a smaller one's figure), held to MEM_SHARE of the memory
     available (said in the summary), never below the gb asked."""

@@ -10,16 +10,19 @@ buffer of at least 32x the last-level cache (sysfs or CPUID, the larger; at most
 one thread per physical core, pinned in the native pool's order. Each thread reads its slice, or chunks of 256 KB or
 1 MB dealt round robin (all threads then read near each other, as the decode kernels do), as S interleaved
 sequential streams (S = 1, 4, 16) with 64-byte loads (AVX-512 where the CPU has it, else AVX2, else 64-bit words)
-xor-reduced, with software prefetch at a few distances (none, 1 KB, 4 KB ahead per stream). Every variant is timed
-`repeats` times after a warm-up; a variant's figure is the median of its passes, the limit is the best variant's
-(or torch's multi-threaded int64 sum over the same buffer, also the median of its passes, if that is faster).
+xor-reduced, with software prefetch at a few distances (none, 1 KB, 4 KB ahead per stream). After a warm-up pass
+of each, the variants are timed in `repeats` rounds of one pass each (interleaved: the host's bandwidth drifts over
+seconds on a shared machine, and variants timed one after another would be ranked by the moment they ran in); a
+variant's figure is the median of its passes, the limit is the best variant's (or torch's multi-threaded int64 sum
+over the same buffer, also the median of its passes, if that is faster).
 
 Why 32x and medians: the limit is the DRAM's sustained read speed, what a decode step's cache-cold expert reads can
 get. On the H200 host (300 MiB LLC; tests/gpu/probe_llc.py, 12 rounds of six variants, 2026-11-29) passes over 4x
 the LLC gave a median 184 GB/s and up to 359 (above what its DRAM can deliver: part of each pass came from the
 LLC), 8x 131, 16x 121, 32x 115 (the best variant's median 224, 136, 128, 119), while cache-cold bf16 decode read
 122 GB/s in the same rounds. The best single pass of 27 variants x 5 passes (this module's figure before) picked
-the host's fastest moments: 138-187 GB/s over 4 GB on the same host.
+the host's fastest moments: 138-187 GB/s over 4 GB on the same host; and with the medians of variants timed one
+after another, one variant at 138-146 GB/s stood among 26 at 79-127 (2026-11-29, two runs): a fast few seconds.
 Nothing is compiled at import.
 """
 from __future__ import annotations
@@ -452,12 +455,16 @@ def measure_read_bandwidth(gb: float = 1.0, threads: int | None = None, repeats:
         return res
     with ReadLoop(nbytes, threads) as loop:
         res.pinned, res.loads = loop.pinned, loop.loads
-        for v in (Variant(s, pf, c) for c in chunks for s in streams for pf in prefetch):
+        res.tried = [Variant(s, pf, c) for c in chunks for s in streams for pf in prefetch]
+        passes: dict[str, list[float]] = {v.name: [] for v in res.tried}
+        for v in res.tried:
             loop.seconds(v)  # warm-up
-            passes = [loop.gbs(v) for _ in range(repeats)]
-            res.variants[v.name] = statistics.median(passes)
-            res.peak_gbs = max(res.peak_gbs, *passes)
-            res.tried.append(v)
+        for _ in range(repeats):  # in rounds: a drift of the host's bandwidth meets every variant alike
+            for v in res.tried:
+                passes[v.name].append(loop.gbs(v))
+        for v in res.tried:
+            res.variants[v.name] = statistics.median(passes[v.name])
+            res.peak_gbs = max(res.peak_gbs, *passes[v.name])
             if res.best_variant is None or res.variants[v.name] > res.variants[res.best_variant.name]:
                 res.best_variant = v
         res.torch_gbs = loop.torch_gbs(repeats)
