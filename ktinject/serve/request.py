@@ -34,7 +34,13 @@ class EngineConfig:
     completion); ``max_queue``: requests waiting for a row before new ones get QueueFull; ``prefill_chunk``:
     prompt tokens per step while others decode; ``graphs``: CUDA graphs (None: on CUDA); ``warmup``: capture every
     bucket's graph and allocate the cache before serving; ``overlap``: queue each decode step before reading the
-    tokens of the one before (loop.py), False: one step at a time."""
+    tokens of the one before (loop.py), False: one step at a time; ``prefill_pad``: a prefill forward's width (its
+    longest chunk) rounded up to the next power of two up to this, to a multiple of it beyond (steps.padded_width),
+    None: 16 on CUDA, 1 (no rounding) on the CPU. Why: on CUDA every new matmul shape costs host memory once (kernels
+    loaded, plans: tests/gpu/probe_shape_heap.py, +32 MiB over the first 500 new row counts), and the prefill forwards
+    of a server take (rows) x (width) shapes of 1..max_batch x 1..prefill_chunk: without rounding, the heap of a
+    10-minute soak still grew +71 MiB after its warm-up, settling (H200, 2026-11-29); with it, a few hundred shapes
+    at most."""
 
     max_batch: int = 8
     max_context: int = 4096
@@ -43,11 +49,14 @@ class EngineConfig:
     graphs: bool | None = None
     warmup: bool = True
     overlap: bool = True
+    prefill_pad: int | None = None
 
     def __post_init__(self):
         for name in ("max_batch", "max_context", "prefill_chunk"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_pad is not None and (isinstance(self.prefill_pad, bool) or int(self.prefill_pad) < 1):
+            raise ValueError(f"prefill_pad must be None or >= 1, got {self.prefill_pad!r}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
 

@@ -9,14 +9,15 @@ forward of the running rows. No requests, no threads: ``loop.py`` decides what r
   step before (or of its prompt's last chunk) on the device, so a decode step never waits for the host to hand it
   its tokens; rows without a decoding request hold ``pad_id`` (the padding rows of a bucket);
 - ``prefill(jobs, sample)``: one forward of the jobs' prompt chunks in consecutive rows, right-padded to the
-  longest, and the first tokens of the prompts it ends (into their rows' ``next_tokens`` and to the host);
+  longest, rounded up (``padded_width``: a bounded set of shapes on CUDA), and the first tokens of the prompts it
+  ends (into their rows' ``next_tokens`` and to the host);
 - ``decode(n, b, sample)``: queues one token for rows 0..n-1 in the bucket b >= n (on CUDA a graph replay; rows
   n..b-1 are padding whose cache lengths are put back), its sampling into ``next_tokens`` and one copy of the n new
   tokens to pinned host memory, and returns at once: a ``Decoded`` whose ``tokens()`` waits for them;
 - ``move_row`` / ``reset_rows``: the scheduler's row moves and freed rows, queued on the device without waiting
   (the step in flight still reads the old layout; stream order puts them after it);
 - ``after_decode()``: the dynamic hot-expert placement's step, where there is one.
-Legend: B rows of a prefill forward, S its longest chunk, n running rows, b bucket, V vocabulary.
+Legend: B rows of a prefill forward, S its width (longest chunk, rounded up), n running rows, b bucket, V vocabulary.
 """
 from __future__ import annotations
 
@@ -31,6 +32,19 @@ from ktinject.serve.scheduler import PrefillJob
 log = logging.getLogger("ktinject.serve")
 
 
+def padded_width(width: int, pad: int, room: int) -> int:
+    """A prefill forward's width: ``width`` (its longest chunk) up to the next power of two while that is <= ``pad``,
+    else up to a multiple of ``pad``; never past ``room`` (what the rows' cache has left, >= width) nor below width.
+    ``pad`` 1: the width as is. So at most log2(pad) + prefill_chunk / pad widths (EngineConfig.prefill_pad: why)."""
+    if pad <= 1:
+        return width
+    if width <= pad:
+        out = 1 << (width - 1).bit_length()
+    else:
+        out = -(-width // pad) * pad
+    return max(width, min(out, room))
+
+
 class ModelSteps:
     """The forwards of a serving engine over ``model`` with ``config`` (an EngineConfig); ``pad_id`` fills padding."""
 
@@ -38,6 +52,7 @@ class ModelSteps:
         self.model, self.config, self.pad_id = model, config, pad_id
         self.runner = self.kv = self.next_tokens = None
         self._rebalancer = None
+        self.pad = 1  # prefill widths rounded (padded_width); setup() sets it from the config and the device
         self._host: list[_HostSlot] = []  # two: a step in flight and the one whose tokens the host reads
         self._slot = 0
 
@@ -57,6 +72,7 @@ class ModelSteps:
         self.kv = self.runner.kv
         self.next_tokens = torch.full((self.kv.slots,), self.pad_id, dtype=torch.long, device=self.device)
         cuda = self.device.type == "cuda"
+        self.pad = cfg.prefill_pad if cfg.prefill_pad is not None else (16 if cuda else 1)
         # the host waits for a step's tokens as it waits for the GPU elsewhere: sleeping where the runner
         # leaves the cores to the native expert threads ("block"), else spinning
         blocking = cuda and self.runner.host_wait == "block"
@@ -97,12 +113,12 @@ class ModelSteps:
         r0, B = jobs[0].row, len(jobs)
         self.reset_rows([j.row for j in jobs if j.fresh])
         sizes = [j.end - j.start for j in jobs]
-        S = max(sizes)
+        S = padded_width(max(sizes), self.pad, self.kv.max_len - max(j.start for j in jobs))
         ids = torch.full((B, S), self.pad_id, dtype=torch.long)  # [B, S]
         for i, j in enumerate(jobs):
             ids[i, :sizes[i]] = torch.tensor(j.seq.prompt[j.start:j.end])
         ends = sorted({n - 1 for n, j in zip(sizes, jobs) if j.last})
-        keep = 1 if B == 1 else torch.tensor(ends, device=self.device)
+        keep = 1 if B == 1 and sizes[0] == S else torch.tensor(ends or [S - 1], device=self.device)
         out = kv_cache.forward(self.model, self.kv.rows(r0, r0 + B), ids.to(self.device), logits_to_keep=keep)
         if min(sizes) < S:
             self.kv.lengths[:, r0:r0 + B] = torch.tensor([j.end for j in jobs], device=self.device)
@@ -110,7 +126,7 @@ class ModelSteps:
         if sample is None or not done:
             return []
         if B == 1:
-            logits = out.logits[:, -1]  # [1, V]
+            logits = out.logits[:, -1]  # [1, V]: the one position kept
         else:
             logits = torch.stack([out.logits[i, ends.index(sizes[i] - 1)] for i in done])  # [k, V]
         first = self.next_tokens[r0 + done[0]:r0 + B]
