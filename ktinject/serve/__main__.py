@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for a row before new ones get 429 (default 128)")
     p.add_argument("--prefill-chunk", type=positive, default=512,
                    help="prompt tokens prefilled per step while other requests decode (default 512)")
+    p.add_argument("--prefill-pad", type=positive, metavar="N",
+                   help="a prefill forward's width rounded up to a power of two up to N, a multiple of N beyond "
+                        "(default 16 on a GPU: a bounded set of shapes keeps host memory flat; 1 on the CPU: none)")
     p.add_argument("--max-request-mb", type=positive, default=8,
                    help="largest request body in MiB; longer ones get 413 before they are read whole (default 8)")
     cli.add_model_options(p)
@@ -127,7 +130,8 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or ("ktinject-demo" if args.model is None else Path(model_dir).name)
     aliases = (name,) + tuple(a for a in (args.model, str(model_dir)) if a and a != name)
     config = EngineConfig(max_batch=args.max_batch, max_context=_max_context(args, model), max_queue=args.max_queue,
-                          prefill_chunk=args.prefill_chunk, graphs=False if args.no_graphs else None)
+                          prefill_chunk=args.prefill_chunk, graphs=False if args.no_graphs else None,
+                          prefill_pad=args.prefill_pad)
     engine = Engine(model, tokenizer, config, name=name).start()
     graphs = "on" if engine.runner.graphs_enabled() else "off"
     print(f"Loaded {Path(model_dir).name} in {seconds:.1f} s (gpu={gpu}, quant={args.quant}); "

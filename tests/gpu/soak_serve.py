@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=200, help="longest completion")
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--prefill-pad", type=int, help="EngineConfig.prefill_pad (default: 16 on CUDA, 1 on the CPU)")
     p.add_argument("--http", action=argparse.BooleanOptionalAction, default=None,
                    help="through the HTTP API (default: where fastapi, uvicorn and httpx are installed)")
     p.add_argument("--rss-tolerance-mib", type=float, default=64.0)
@@ -92,7 +93,7 @@ def _engine(args):
         model, tokenizer, _ = load_model(args.model or demo_model_dir(), quant=args.quant, progress=False, gpu=device)
         name = "soak"
     config = EngineConfig(max_batch=args.streams, max_context=args.max_context, max_queue=4 * args.streams,
-                          prefill_chunk=args.prefill_chunk)
+                          prefill_chunk=args.prefill_chunk, prefill_pad=args.prefill_pad)
     return Engine(model, tokenizer, config, name=name).start(), device
 
 
