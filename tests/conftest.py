@@ -20,3 +20,21 @@ def demo_env(tmp_path_factory):
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     return dict(os.environ, KTINJECT_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                 PYTHONPATH=path, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+
+
+@pytest.fixture(scope="module")
+def demo_engine_model(tmp_path_factory):
+    """(model, tokenizer) of the demo model on the CPU for a serve engine, with one torch thread while the module
+    runs: the engine shares the 2 CI cores with the client threads, and torch's OpenMP workers spin-wait for each
+    other (10-50x slower steps whenever another thread takes a core)."""
+    import torch
+
+    from ktinject.chat import load_model
+    from ktinject.demo import demo_model_dir
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"  # shared with demo_env
+    model, tokenizer, _ = load_model(demo_model_dir(cache), progress=False, gpu="cpu")
+    yield model, tokenizer
+    torch.set_num_threads(threads)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from ktinject.serve.engine import Engine, EngineConfig
 from ktinject.serve.sampling import SamplingParams
@@ -15,18 +14,11 @@ WORDS = "the small robot wanted to learn to paint by the sea in a quiet town".sp
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from ktinject.chat import load_model
-    from ktinject.demo import demo_model_dir
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_serve.py: the 2 CI cores are shared with the client threads
-    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"  # shared with the demo_env fixture (conftest.py)
-    model, tokenizer, _ = load_model(demo_model_dir(cache), progress=False, gpu="cpu")
+def engine(demo_engine_model):
+    model, tokenizer = demo_engine_model
     eng = Engine(model, tokenizer, EngineConfig(max_batch=4, max_context=256, prefill_chunk=16), name="demo").start()
     yield eng
     eng.stop()
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

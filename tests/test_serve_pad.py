@@ -4,7 +4,6 @@ changing any request's tokens. The demo model on the CPU, no HTTP."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ktinject import kv_cache
 from ktinject.serve.engine import Engine, EngineConfig
@@ -31,19 +30,6 @@ def test_prefill_pad_is_checked():
     assert EngineConfig(prefill_pad=16).prefill_pad == 16 and EngineConfig().prefill_pad is None
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from ktinject.chat import load_model
-    from ktinject.demo import demo_model_dir
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_serve.py: the 2 CI cores are shared with the client threads
-    cache = tmp_path_factory.getbasetemp() / "ktinject-cache"  # shared with the demo_env fixture (conftest.py)
-    model, tokenizer, _ = load_model(demo_model_dir(cache), progress=False, gpu="cpu")
-    yield model, tokenizer
-    torch.set_num_threads(threads)
-
-
 def _tokens(model, tokenizer, pad: int, prompts: list[list[int]], monkeypatch) -> tuple[list, set]:
     """Each prompt's 8 greedy tokens, one request at a time, on an engine with prefill_pad = pad; the widths of
     its prefill forwards."""
@@ -66,10 +52,10 @@ def _tokens(model, tokenizer, pad: int, prompts: list[list[int]], monkeypatch) -
     return out, widths
 
 
-def test_padded_prefill_gives_the_tokens_of_the_unpadded(demo, monkeypatch):
+def test_padded_prefill_gives_the_tokens_of_the_unpadded(demo_engine_model, monkeypatch):
     """Prompts whose chunks (of 16) are 1 or >= 4 tokens: a width of >= 4 (SDPA, the native experts) gives each
     row the numbers it gets alone (tests/test_batch_invariance.py), so padding 5 -> 8 or 10 -> 16 moves nothing."""
-    model, tokenizer = demo
+    model, tokenizer = demo_engine_model
     prompts = [tokenizer.encode(" ".join(WORDS[i % len(WORDS)] for i in range(n)))[:n] for n in (4, 5, 9, 17, 26, 40)]
     sizes = [len(p) for p in prompts]
     plain, w1 = _tokens(model, tokenizer, 1, prompts, monkeypatch)
