@@ -18,19 +18,21 @@ WORDS = "the small robot wanted to learn to paint by the sea in a quiet town".sp
     (17, 16, 99, 32), (33, 16, 99, 48), (300, 16, 999, 304), (512, 16, 999, 512),
     (17, 16, 20, 20), (5, 16, 6, 6), (5, 16, 5, 5),   # never past the room the rows' cache has left
     (5, 1, 99, 5), (37, 1, 99, 37), (37, 8, 99, 40), (3, 8, 99, 4),
+    (17, 24, 99, 24), (20, 24, 99, 24), (12, 24, 99, 16), (25, 24, 99, 48),   # a pad that is not a power of two
+    (100, 16, 100, 100),   # room: a step's whole chunk of 100 is not padded past it
 ])
 def test_padded_width(width, pad, room, want):
     assert padded_width(width, pad, room) == want
 
 
 def test_prefill_pad_is_checked():
-    for bad in (0, -3, True):
+    for bad in (0, -3, True, 2.5, "16"):
         with pytest.raises(ValueError, match="prefill_pad"):
             EngineConfig(prefill_pad=bad)
     assert EngineConfig(prefill_pad=16).prefill_pad == 16 and EngineConfig().prefill_pad is None
 
 
-def _tokens(model, tokenizer, pad: int, prompts: list[list[int]], monkeypatch) -> tuple[list, set]:
+def _tokens(model, tokenizer, pad: int, prompts: list[list[int]], monkeypatch, chunk: int = 16) -> tuple[list, set]:
     """Each prompt's 8 greedy tokens, one request at a time, on an engine with prefill_pad = pad; the widths of
     its prefill forwards."""
     widths = set()
@@ -41,7 +43,7 @@ def _tokens(model, tokenizer, pad: int, prompts: list[list[int]], monkeypatch) -
         return forward(model, cache, ids, **kw)
 
     monkeypatch.setattr(kv_cache, "forward", spy)
-    eng = Engine(model, tokenizer, EngineConfig(max_batch=4, max_context=128, prefill_chunk=16, prefill_pad=pad),
+    eng = Engine(model, tokenizer, EngineConfig(max_batch=4, max_context=128, prefill_chunk=chunk, prefill_pad=pad),
                  name="demo").start()
     try:
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -62,3 +64,13 @@ def test_padded_prefill_gives_the_tokens_of_the_unpadded(demo_engine_model, monk
     padded, w16 = _tokens(model, tokenizer, 16, prompts, monkeypatch)
     assert padded == plain, sizes
     assert w16 <= {1, 2, 4, 8, 16} and len(w16) < len(w1), (w1, w16)  # the warm-up's 8 and the rounded widths
+
+
+def test_padding_never_takes_a_forward_past_the_prefill_chunk(demo_engine_model, monkeypatch):
+    """A chunk of 12 (not a multiple of the pad) stays 12 wide: a prefill forward keeps within the step's budget."""
+    model, tokenizer = demo_engine_model
+    prompts = [tokenizer.encode(" ".join(WORDS[i % len(WORDS)] for i in range(n)))[:n] for n in (26, 7)]
+    plain, _ = _tokens(model, tokenizer, 1, prompts, monkeypatch, chunk=12)
+    padded, widths = _tokens(model, tokenizer, 16, prompts, monkeypatch, chunk=12)
+    assert padded == plain and max(widths) == 12 and 8 in widths, widths  # 26 = 12 + 12 + 2; 7 -> 8
+

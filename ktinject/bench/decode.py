@@ -247,7 +247,7 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
 
     quick = bool(args.noise and args.noise_only) or bool(args.defer)  # the interference or deferral rows alone
     if not quick:
-        mem = measure_read_bandwidth(4.0, args.threads)  # ~ the 3.6 GB of experts a Qwen3-30B token reads
+        mem = measure_read_bandwidth(4.0, args.threads)  # >= 4 GB (a Qwen3-30B token: 3.6 GB), >= 32x the LLC
         print(f"# {mem.summary()}", flush=True)
         bw = mem.best_gbs * 1e9
         per_tok = expert_bytes_per_token(cfg, B, quant)

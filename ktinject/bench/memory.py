@@ -328,7 +328,7 @@ class ReadBandwidth:
     torch_gbs: float                # torch int64 sum over the same buffer (median of its passes)
     variants: dict[str, float] = field(default_factory=dict)  # native variant -> GB/s (median of its passes)
     peak_gbs: float = 0.0           # the fastest single pass of any variant (printed; not the limit)
-    capped: bool = False            # the buffer was held to MEM_SHARE of the memory available, below LLC_MULTIPLE
+    capped: bool = False            # the buffer was held below LLC_MULTIPLE x the LLC by the memory available
     nbytes: int = 0
     threads: int = 0
     llc: int = 0
@@ -349,11 +349,11 @@ class ReadBandwidth:
         native = (f"native {self.loads} read loop [GB/s, streams/thread / prefetch ahead / chunks dealt round robin]: {var}; "
                   if self.variants else "native read loop unavailable; ")
         pinned = " pinned as the pool" if self.pinned else ""
-        llc = f"{self.nbytes / self.llc:.0f}x the LLC of {self.llc / 2**20:.0f} MiB" if self.llc else "LLC unknown"
-        capped = f", held to {MEM_SHARE:.0%} of the memory available: LLC hits may lift it" if self.capped else ""
+        capped = " (held there by the memory available: LLC hits may lift it)" if self.capped else ""
+        peak = f"; fastest single pass {self.peak_gbs:.1f}" if self.variants else ""
         return (f"memory read {self.best_gbs:.1f} GB/s ({self.best}, median of {self.repeats} passes) over "
-                f"{self.nbytes / 1e9:.2f} GB ({llc}{capped}), {self.threads} threads{pinned}; fastest single pass "
-                f"{self.peak_gbs:.1f}; {native}torch int64 sum {self.torch_gbs:.1f}")
+                f"{self.nbytes / 1e9:.2f} GB ({self.nbytes / self.llc:.0f}x the LLC of {self.llc / 2**20:.0f} MiB"
+                f"{capped}), {self.threads} threads{pinned}{peak}; {native}torch int64 sum {self.torch_gbs:.1f}")
 
 
 def _torch_sum_gbs(buf: torch.Tensor, threads: int, repeats: int) -> float:
@@ -434,7 +434,7 @@ def measure_read_bandwidth(gb: float = 1.0, threads: int | None = None, repeats:
                            streams=STREAMS, prefetch=PREFETCH, chunks=CHUNKS,
                            llc_multiple: float = LLC_MULTIPLE) -> ReadBandwidth:
     """Sustained read bandwidth over a buffer of max(gb GB, llc_multiple x the LLC), at most MEM_SHARE of the memory
-    available (never below gb GB or 2 MB), with `threads` threads (default: one per physical core): every native
+    available unless gb GB asks more (whole 2 MB pages, at least one), with `threads` threads (default: one per physical core): every native
     variant (streams x prefetch x chunks) and torch's int64 sum, each the median of `repeats` passes; the limit is
     the best of those medians. See the module docstring."""
     order = cpu_order()
@@ -451,7 +451,7 @@ def measure_read_bandwidth(gb: float = 1.0, threads: int | None = None, repeats:
                     100 * MEM_SHARE)
     if _native_lib() is None:
         buf = torch.ones(nbytes // 8, dtype=torch.int64)
-        res.torch_gbs = res.best_gbs = res.peak_gbs = _torch_sum_gbs(buf, threads, repeats)
+        res.torch_gbs = res.best_gbs = _torch_sum_gbs(buf, threads, repeats)
         return res
     with ReadLoop(nbytes, threads) as loop:
         res.pinned, res.loads = loop.pinned, loop.loads
@@ -474,18 +474,34 @@ def measure_read_bandwidth(gb: float = 1.0, threads: int | None = None, repeats:
 
 
 def _available_bytes() -> int:
-    """MemAvailable of /proc/meminfo (Linux), else the physical memory, else 8 GB."""
+    """Memory this process may still take: MemAvailable of /proc/meminfo (else the physical memory, else 8 GB), and
+    at most what its cgroup (v2: memory.max - memory.current) leaves, in a container the smaller figure."""
+    avail = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            avail = 8 << 30
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 8 << 30
+        with open("/proc/self/cgroup") as f:
+            rel = next((line.strip().split("::", 1)[1] for line in f if line.startswith("0::")), None)
+        if rel is not None:
+            base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
+            with open(os.path.join(base, "memory.max")) as f:
+                limit = f.read().strip()
+            if limit != "max":
+                with open(os.path.join(base, "memory.current")) as f:
+                    avail = min(avail, max(0, int(limit) - int(f.read().strip())))
+    except (OSError, ValueError):
+        pass
+    return avail
 
 
 def _physical_cores(order: list[int]) -> int:

@@ -51,8 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="timed prefills per row, modes interleaved (the median is "
                    "shown, every run listed)")
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk in tokens (default: from GPU memory)")
-    p.add_argument("--bandwidth-gb", type=float, default=2.0, help="GB the host read-bandwidth probe reads, once per "
-                   "quant, for the memory-bound row (0: no probe; never with --tiny)")
+    p.add_argument("--bandwidth-gb", type=float, default=2.0, help="the host read-bandwidth probe's buffer, at least "
+                   "(bench.memory: >= 32x the LLC), once per quant, for the memory-bound row (0: no probe; never with "
+                   "--tiny)")
     p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
     peer.add_arguments(p)
     return p

@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="requests per stream, back to back")
     p.add_argument("--prefill-chunk", type=int, default=512, help="the engine's prefill tokens per step")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (native pool and torch); default: cores")
-    p.add_argument("--bandwidth-gb", type=float, default=4.0, help="buffer of the CPU read-bandwidth probe (GB)")
+    p.add_argument("--bandwidth-gb", type=float, default=4.0, help="the CPU read-bandwidth probe's buffer, at "
+                   "least (GB; bench.memory: >= 32x the LLC)")
     p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
     p.add_argument("--no-graphs", action="store_true", help="decode steps eagerly (for comparison)")
     p.add_argument("--overlap", default="on",

@@ -40,7 +40,8 @@ class EngineConfig:
     loaded, plans: tests/gpu/probe_shape_heap.py, +32 MiB over the first 500 new row counts), and the prefill forwards
     of a server take (rows) x (width) shapes of 1..max_batch x 1..prefill_chunk: without rounding, the heap of a
     10-minute soak still grew +71 MiB after its warm-up, settling (H200, 2026-11-29); with it, a few hundred shapes
-    at most."""
+    at most. The cost: up to 15 pad tokens a row (never past the step's prefill_chunk) go through the model like a
+    shared forward's padding, routed to experts (the hot-expert counts see them) but unseen by the row's tokens."""
 
     max_batch: int = 8
     max_context: int = 4096
@@ -55,8 +56,8 @@ class EngineConfig:
         for name in ("max_batch", "max_context", "prefill_chunk"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.prefill_pad is not None and (isinstance(self.prefill_pad, bool) or int(self.prefill_pad) < 1):
-            raise ValueError(f"prefill_pad must be None or >= 1, got {self.prefill_pad!r}")
+        if self.prefill_pad is not None and (type(self.prefill_pad) is not int or self.prefill_pad < 1):
+            raise ValueError(f"prefill_pad must be None or an int >= 1, got {self.prefill_pad!r}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
 

@@ -34,13 +34,13 @@ log = logging.getLogger("ktinject.serve")
 
 def padded_width(width: int, pad: int, room: int) -> int:
     """A prefill forward's width: ``width`` (its longest chunk) up to the next power of two while that is <= ``pad``,
-    else up to a multiple of ``pad``; never past ``room`` (what the rows' cache has left, >= width) nor below width.
-    ``pad`` 1: the width as is. So at most log2(pad) + prefill_chunk / pad widths (EngineConfig.prefill_pad: why)."""
+    else up to a multiple of ``pad``; never past ``room`` (>= width: what the rows' cache has left, and the step's
+    prefill_chunk over the rows) nor below width. ``pad`` 1: the width as is. So about log2(pad) + prefill_chunk /
+    pad widths, and a few where room cuts them (EngineConfig.prefill_pad: why)."""
     if pad <= 1:
         return width
-    if width <= pad:
-        out = 1 << (width - 1).bit_length()
-    else:
+    out = 1 << (width - 1).bit_length()
+    if out > pad:
         out = -(-width // pad) * pad
     return max(width, min(out, room))
 
@@ -113,7 +113,8 @@ class ModelSteps:
         r0, B = jobs[0].row, len(jobs)
         self.reset_rows([j.row for j in jobs if j.fresh])
         sizes = [j.end - j.start for j in jobs]
-        S = padded_width(max(sizes), self.pad, self.kv.max_len - max(j.start for j in jobs))
+        room = min(self.kv.max_len - max(j.start for j in jobs), max(self.config.prefill_chunk // B, max(sizes)))
+        S = padded_width(max(sizes), self.pad, room)  # padding never takes a forward past the step's chunk
         ids = torch.full((B, S), self.pad_id, dtype=torch.long)  # [B, S]
         for i, j in enumerate(jobs):
             ids[i, :sizes[i]] = torch.tensor(j.seq.prompt[j.start:j.end])

@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--windows", type=int, default=60)
     ap.add_argument("--threads", type=int, default=15, help="native pool threads (the read loop: one per core)")
-    ap.add_argument("--read-gb", type=float, default=1.0, help="read buffer (at least 4x the LLC)")
+    ap.add_argument("--read-gb", type=float, default=1.0, help="read buffer, at least (bench.memory: >= 32x the LLC)")
     args = ap.parse_args()
     if args.windows < 3:
         ap.error("--windows: at least 3 (the windows are compared in thirds)")

@@ -27,12 +27,17 @@ def meminfo(key: str) -> str:
     return "?"
 
 
+def p90(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=10)[-1] if len(xs) > 1 else xs[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--multiples", default="4,8,16,32")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--threads", type=int, default=16, help="read-loop threads (one per core)")
     ap.add_argument("--layers", type=int, default=16, help="decode layers (0: no decode passes)")
+    ap.add_argument("--pool-threads", type=int, default=15, help="the native pool's threads for the decode passes")
     args = ap.parse_args()
 
     from ktinject.bench.memory import ReadLoop, Variant, llc_bytes
@@ -46,7 +51,7 @@ def main() -> None:
     variants = [Variant(*v) for v in VARIANTS]
     layers = build(args.layers, "bf16", 128) if args.layers else []
     print(f"# AnonHugePages after allocating {meminfo('AnonHugePages')}", flush=True)
-    pool = Pool(15) if layers else None
+    pool = Pool(args.pool_threads) if layers else None
     cold = Passes(layers, pool, 1, 128, seed=0) if layers else None
     nbytes = distinct(1, 128) * layers[0].nbytes / 128 * len(layers) if layers else 0
     got = {(m, v.name): [] for m in loops for v in variants}
@@ -74,13 +79,13 @@ def main() -> None:
     for m, loop in loops.items():
         allv = [g for v in variants for g in got[m, v.name]]
         cells = ", ".join(f"{v.name} {statistics.median(got[m, v.name]):.0f}/"
-                          f"{sorted(got[m, v.name])[int(0.9 * (len(got[m, v.name]) - 1))]:.0f}/"
+                          f"{p90(got[m, v.name]):.0f}/"
                           f"{max(got[m, v.name]):.0f} [{min(got[m, v.name]):.0f}]" for v in variants)
         best = max(statistics.median(got[m, v.name]) for v in variants)
         print(f"#   {m}x LLC ({loop.nbytes / 1e9:.2f} GB): all variants median {statistics.median(allv):.0f}, "
               f"max {max(allv):.0f}; best variant's median {best:.0f}; {cells}", flush=True)
     if dec:
-        print(f"#   bf16 decode batch 1 ({nbytes / 1e6:.0f} MB a pass, 15 threads): cache-cold median "
+        print(f"#   bf16 decode batch 1 ({nbytes / 1e6:.0f} MB a pass, {args.pool_threads} threads): cache-cold median "
               f"{statistics.median(dec):.0f} GB/s ({min(dec):.0f}-{max(dec):.0f}); each layer's forward again at once "
               f"(cache-hot) {statistics.median(hot):.0f} ({min(hot):.0f}-{max(hot):.0f})", flush=True)
 
