@@ -66,6 +66,40 @@ def test_server_starts_answers_and_stops_on_ctrl_c(demo_env):
             proc.wait()
 
 
+def test_sigterm_ends_running_requests_with_an_answer(demo_env):
+    """Stopped while a stream and a plain request run: the stream gets an error event and [DONE], the plain request
+    a 503 in OpenAI's error shape (not uvicorn's 500 or a cut-off stream after its graceful wait), the process exits
+    0 at once, without tracebacks."""
+    proc = subprocess.Popen([sys.executable, "-m", "ktinject.serve", "--gpu", "cpu", "--port", "0", "--max-batch", "2",
+                             "--max-context", "2048"], env=demo_env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url = _read_until(proc, r"Serving 'ktinject-demo' at (http://127\.0\.0\.1:\d+)/v1", timeout=240).group(1)
+        body = {"model": "ktinject-demo", "prompt": "hi", "max_tokens": 2000, "ignore_eos": True}
+        plain: dict = {}
+        waiter = threading.Thread(target=lambda: plain.update(r=httpx.post(f"{url}/v1/completions", json=body,
+                                                                               timeout=60)))
+        waiter.start()
+        lines = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True), timeout=60) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 6:  # tokens are coming: stop the server
+                    t0 = time.monotonic()
+                    proc.send_signal(signal.SIGTERM)
+        waiter.join(60)
+        assert proc.wait(30) == 0 and time.monotonic() - t0 < 10
+        events = [x for x in lines if x.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and '"code":"cancelled"' in events[-2].replace(" ", ""), events[-3:]
+        assert plain["r"].status_code == 503 and plain["r"].json()["error"]["code"] == "cancelled", plain["r"].text
+        assert "the engine stopped" in plain["r"].json()["error"]["message"]
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "Exception in ASGI" not in err, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_port_in_use_fails_before_loading(demo_env):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

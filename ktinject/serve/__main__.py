@@ -141,8 +141,8 @@ def serve(args: argparse.Namespace) -> int:
     print(f"Serving {name!r} at {url}/v1 (OpenAI API; {'API key required' if api_key else 'no API key'}); "
           f"Ctrl-C stops.", flush=True)
     app = create_app(engine, aliases, api_key=api_key, max_body=args.max_request_mb << 20)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="debug" if args.verbose else "info",
-                                           timeout_graceful_shutdown=5))
+    server = _stopping_server(uvicorn, engine)(uvicorn.Config(app, log_level="debug" if args.verbose else "info",
+                                                              timeout_graceful_shutdown=5))
     # uvicorn stops on SIGINT / SIGTERM, then raises the signal again: a stop asked for is a clean exit
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
@@ -154,6 +154,25 @@ def serve(args: argparse.Namespace) -> int:
         sock.close()
     print(f"{PROG}: stopped", flush=True)
     return 0 if engine.failure is None else 1
+
+
+def _stopping_server(uvicorn, engine):
+    """uvicorn's Server, whose first Ctrl-C / SIGTERM also ends every request the engine holds, at once and while the
+    event loop still runs: waiting and streaming clients get their answer ("the engine stopped": 503, or a stream's
+    error event and [DONE]) during uvicorn's graceful wait, instead of being cut off when it gives up (a 500, a
+    stream without its end, tracebacks; the engine decoding on through the wait)."""
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                held = engine.counts()
+                if held["running"] or held["waiting"]:
+                    print(f"{PROG}: stopping; ending {held['running']} running and {held['waiting']} waiting "
+                          f"request(s)", flush=True)
+                engine.stop(timeout=0)  # asks; the engine thread ends them at its next step (its own thread)
+            super().handle_exit(sig, frame)
+
+    return Server
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,7 +139,10 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
         queue: asyncio.Queue = asyncio.Queue()
 
         def sink(out: Output):  # the engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the event loop closed (the server stopped): nobody waits for it
+                pass
 
         prefix = "chatcmpl" if chat else "cmpl"
         try:
