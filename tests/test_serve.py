@@ -357,13 +357,28 @@ def test_client_disconnect_frees_the_slot(served):
     ("completions", {"prompt": [1, 10**9]}, "prompt", "vocabulary"),
     # (found by a review: each was a 500, a stall of every stream, or a server-side template)
     ("completions", {"prompt": "hi", "top_k": 10**400}, "top_k", "less than or equal"),
-    ("completions", b'{"prompt": "hi \\ud800 there"}', "prompt", "cannot be tokenized"),  # a lone surrogate
+    ("completions", b'{"prompt": "hi \\ud800 there"}', "prompt", "unpaired surrogate U+D800"),  # a lone one
     ("completions", {"prompt": "word " * 400000}, "prompt", "characters"),
     ("completions", {"prompt": "hi", "stop": ["x" * 5000]}, "stop", "1024 characters"),
     ("completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                           "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, "chat_template_kwargs",
      "chat_template"),
+    # (found by an adversarial test: messages that did not say what was wrong, or named another field)
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', "messages[0].content",
+     "unpaired surrogate U+DFFF"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 600},
+     "max_completion_tokens", "plus max_completion_tokens (600)"),
+    ("completions", {"prompt": [5] * 600, "max_tokens": 1}, "prompt", "the prompt has 600 tokens"),
+    ("completions", b'', None, "empty"),
+    ("completions", b'{"prompt": "hi", "temperature": NaN}', "temperature", "finite"),
+    ("completions", {"prompt": "hi", "seed": -2**63 - 1}, "seed", "greater than or equal"),
+    ("completions", {"prompt": "hi", "seed": 2**64}, "seed", "less than"),
+    ("completions", {"prompt": "hi", "echo": True}, "echo", "got true"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice",
+     'got "required"'),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": -1}, "top_logprobs",
+     "greater than or equal"),
 ])
 def test_bad_input_gets_400_naming_the_field(served, path, body, param, words):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else \
@@ -373,6 +388,26 @@ def test_bad_input_gets_400_naming_the_field(served, path, body, param, words):
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
     assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("kind", ["application/jsonx", "text/json", "application/x-www-form-urlencoded"])
+def test_a_body_under_another_content_type_is_told_so(served, kind):
+    r = httpx.post(f"{served.url}/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": kind})
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+    assert kind in r.json()["error"]["message"]
+
+
+def test_top_logprobs_0_and_negative_seeds(served):
+    """top_logprobs 0 (sent by some clients without logprobs) is no request for logprobs; a negative seed is a
+    stream of its own (random.Random takes |seed|: -7 and 7 were the same)."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 1.0,
+            "top_logprobs": 0, **NO_EOS}
+    texts = {}
+    for seed in (7, -7, 7):
+        r = httpx.post(f"{served.url}/v1/chat/completions", json={**body, "seed": seed}, timeout=60)
+        assert r.status_code == 200, r.text
+        texts.setdefault(seed, []).append(r.json()["choices"][0]["message"]["content"])
+    assert texts[7][0] == texts[7][1] and texts[-7][0] != texts[7][0]
 
 
 def test_context_overflow_names_both_numbers_and_the_engine_keeps_serving(served):

@@ -71,14 +71,21 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e: RequestValidationError):
         kind = request.headers.get("content-type", "")
-        if "json" not in kind.lower() and any(tuple(x.get("loc", ())) == ("body",) for x in e.errors()):
+        whole = any(tuple(x.get("loc", ())) == ("body",) for x in e.errors())  # the body as such, not a field
+        if whole and not _json_type(kind):  # FastAPI parses JSON only under these types
             got = f"Content-Type {kind!r}" if kind else "no Content-Type"
             return error(400, f"send the request body as JSON with 'Content-Type: application/json' (got {got})")
+        if whole and any(x.get("type") == "missing" for x in e.errors()):
+            return error(400, "the request body is empty (or null): expected a JSON object")
         message, param = _validation_message(e.errors())
         return error(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e: StarletteHTTPException):
+        if e.status_code == 400 and e.detail == "There was an error parsing the body":  # json.loads raised a
+            # ValueError / RecursionError other than a syntax error: say what it can be
+            return error(400, "the request body could not be parsed as JSON: it must be UTF-8, its integers at most "
+                              "4,300 digits and its nesting a few hundred levels at most")
         if e.status_code == 404:
             return error(404, f"no such endpoint: {request.method} {request.url.path}", code="not_found")
         if e.status_code == 405:
@@ -133,7 +140,8 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
         return await _serve(engine, body, prompt, request, names[0], chat=False)
 
     async def _serve(engine, body, prompt: list[int], request, model_name: str, chat: bool):
-        max_tokens = _checked(engine.check_length, len(prompt), body.limit, "messages" if chat else "prompt")
+        max_tokens = _checked(engine.check_length, len(prompt), body.limit, "messages" if chat else "prompt",
+                              body.limit_param)
         params = _checked(body.sampling, engine.default_params(), max_tokens)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -336,6 +344,12 @@ async def _stream(req, queue, gone: asyncio.Task, rid: str, model: str, chat: bo
     finally:
         gone.cancel()
         req.cancel()
+
+
+def _json_type(content_type: str) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON: application/json or application/*+json."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def _validation_message(errors) -> tuple[str, str | None]:

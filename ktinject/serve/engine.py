@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import logging
 import threading
 import uuid
@@ -18,7 +19,7 @@ from typing import Callable
 
 from ktinject.serve.loop import EngineLoop
 from ktinject.serve.request import (
-    EngineConfig, EngineUnavailable, Output, Request, RequestError, Result,
+    EngineConfig, EngineUnavailable, Output, Request, RequestError, Result, check_unicode,
 )
 from ktinject.serve.sampling import SamplingParams
 from ktinject.serve.scheduler import QueueFull
@@ -86,9 +87,10 @@ class Engine(EngineLoop):
         return {"temperature": float(gc.temperature if gc.temperature is not None else 1.0),
                 "top_p": float(gc.top_p if gc.top_p is not None else 1.0), "top_k": int(gc.top_k or 0)}
 
-    def check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str = "prompt") -> int:
+    def check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str = "prompt",
+                     limit_param: str = "max_tokens") -> int:
         """The request's max_tokens (None: what the context leaves); RequestError when it does not fit."""
-        return self.config.check_length(prompt_len, max_tokens, prompt_param)
+        return self.config.check_length(prompt_len, max_tokens, prompt_param, limit_param)
 
     def submit(self, prompt_ids, params: SamplingParams, sink: Callable[[Output], None] | None = None,
                request_id: str | None = None) -> Request:
@@ -147,6 +149,7 @@ class Engine(EngineLoop):
         tokenized, or is too long for the context whatever its tokens (checked before tokenizing it)."""
         self._need_tokenizer()
         self._check_chars(text, "prompt")
+        check_unicode(text, "prompt")
         try:
             with self._req_lock:
                 return list(self.request_tokenizer(text, add_special_tokens=True).input_ids)
@@ -162,14 +165,27 @@ class Engine(EngineLoop):
             raise RequestError("this model's tokenizer has no chat template: use /v1/completions",
                                param="messages")
         self._check_chars(str(messages) + str(tools or ""), "messages")
+        for value, param in ((tools, "tools"), (template_kwargs, "chat_template_kwargs"), (messages, "messages")):
+            if value:  # surrogates anywhere in them (the texts themselves: protocol.py names their fields)
+                check_unicode(json.dumps(value, ensure_ascii=False, default=str), param)
         try:
             with self._req_lock:
                 text = self.request_tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                          add_generation_prompt=True, **template_kwargs)
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation: the client's input
-            raise RequestError(f"the chat template rejected the messages: {type(e).__name__}: {e}",
-                               param="messages") from e
+            param = "messages"
+            if template_kwargs:  # which part: the conversation alone may render (then the kwargs are to blame)
+                try:
+                    with self._req_lock:
+                        self.request_tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                                   add_generation_prompt=True)
+                    param = "chat_template_kwargs"
+                except Exception:  # noqa: BLE001 - the conversation fails as well: name the messages
+                    pass
+            raise RequestError(f"the chat template rejected the {param.replace('_', ' ')}: {type(e).__name__}: "
+                               f"{str(e)[:200]}", param=param) from e
         self._check_chars(text, "messages")
+        check_unicode(text, "messages")
         try:
             with self._req_lock:
                 return list(self.request_tokenizer(text, add_special_tokens=False).input_ids)

@@ -9,17 +9,18 @@ suffix) are refused with 400 rather than ignored. Extensions, as in vLLM: ``top_
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ktinject.serve.request import RequestError
+from ktinject.serve.request import RequestError, check_unicode
 from ktinject.serve.sampling import STOP_MAX, TOP_K_MAX, SamplingParams
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -43,7 +44,7 @@ class _Common(_Model):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, le=TOP_K_MAX)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # int64 or uint64, as clients send them
     stop: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -64,7 +65,7 @@ class _Common(_Model):
             raise RequestError("logit_bias is not supported", param="logit_bias")
         for name, (value, fine) in extra.items():
             if value is not None and value is not False and not fine(value):
-                raise RequestError(f"{name} is not supported (got {value!r})", param=name)
+                raise RequestError(f"{name} is not supported (got {_json(value)})", param=name)
 
     def sampling(self, defaults: dict, max_tokens: int) -> SamplingParams:
         pick = {k: getattr(self, k) if getattr(self, k) is not None else defaults[k]
@@ -80,15 +81,15 @@ class ChatRequest(_Common):
     tool_choice: Any = None
     response_format: Any = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict | None = None
 
     def check(self) -> None:
-        self.check_unsupported({"logprobs": (self.logprobs, _no), "top_logprobs": (self.top_logprobs, _no),
+        self.check_unsupported({"logprobs": (self.logprobs, _no), "top_logprobs": (self.top_logprobs, _zero),
                                 "response_format": (self.response_format, _text_format)})
         if self.tool_choice not in (None, "none", "auto"):
-            raise RequestError("tool_choice: only 'auto' and 'none' are supported (the model decides; its tool calls "
-                               "come back as text)", param="tool_choice")
+            raise RequestError(f"tool_choice: only \"auto\" and \"none\" are supported, got {_json(self.tool_choice)} "
+                               "(the model decides; its tool calls come back as text)", param="tool_choice")
         for i, tool in enumerate(self.tools or []):
             fn = tool.get("function")
             if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -98,6 +99,10 @@ class ChatRequest(_Common):
     @property
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def template_messages(self) -> list[dict]:
         """The messages as the chat template takes them: text content, roles checked."""
@@ -111,7 +116,10 @@ class ChatRequest(_Common):
             msg = {k: v for k, v in m.items()
                    if k in ("name", "tool_calls", "tool_call_id", "reasoning_content") and v is not None}
             msg["role"] = "system" if role == "developer" else role
-            msg["content"] = _content_text(m.get("content", _ABSENT), i, tool_calls=bool(m.get("tool_calls")))
+            msg["content"] = check_unicode(_content_text(m.get("content", _ABSENT), i,
+                                                         tool_calls=bool(m.get("tool_calls"))), f"messages[{i}].content")
+            if isinstance(msg.get("name"), str):
+                check_unicode(msg["name"], f"messages[{i}].name")
             out.append(msg)
         return out
 
@@ -145,6 +153,10 @@ class CompletionRequest(_Common):
     def limit(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def limit_param(self) -> str:
+        return "max_tokens"
+
     def prompt_value(self) -> str | list[int]:
         """The one prompt: a string, or token ids."""
         p = self.prompt
@@ -153,7 +165,7 @@ class CompletionRequest(_Common):
         if isinstance(p, str):
             if not p:
                 raise RequestError("prompt: the prompt is empty", param="prompt")
-            return p
+            return check_unicode(p, "prompt")
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             return p
         if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
@@ -163,6 +175,19 @@ class CompletionRequest(_Common):
 
 def _no(value) -> bool:
     return False
+
+
+def _zero(value) -> bool:
+    return value == 0
+
+
+def _json(value) -> str:
+    """A client's value as JSON (true, {"type": ...}), as it was sent, for messages; cut at 80 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _text_format(value) -> bool:
@@ -177,6 +202,8 @@ def stop_strings(stop) -> tuple[str, ...]:
         raise RequestError("stop: expected a non-empty string or a list of non-empty strings", param="stop")
     if len(items) > STOP_MAX:  # (counted before duplicates go: SamplingParams counts what is left)
         raise RequestError(f"stop: at most {STOP_MAX} stop strings, got {len(items)}", param="stop")
+    for s in items:
+        check_unicode(s, "stop")
     return tuple(dict.fromkeys(items))
 
 

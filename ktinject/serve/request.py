@@ -24,6 +24,17 @@ class RequestError(ValueError):
         self.param, self.code = param, code
 
 
+def check_unicode(text: str, param: str) -> str:
+    """``text`` if it is valid Unicode; else RequestError naming ``param`` and the first unpaired surrogate (JSON's
+    "\\ud800" escapes decode to one: no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{param}: an unpaired surrogate U+{ord(text[e.start]):04X} at character {e.start} (not "
+                           f"valid Unicode text)", param=param) from None
+    return text
+
+
 class EngineUnavailable(RuntimeError):
     """The engine is stopping or has stopped (the API answers 503)."""
 
@@ -65,21 +76,23 @@ class EngineConfig:
     def buckets(self) -> tuple[int, ...]:
         return tuple(sorted({b for b in BUCKETS if b < self.max_batch} | {self.max_batch}))
 
-    def check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str = "prompt") -> int:
-        """The request's max_tokens (None: what the context leaves); RequestError when it does not fit."""
+    def check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str = "prompt",
+                     limit_param: str = "max_tokens") -> int:
+        """The request's max_tokens (None: what the context leaves); RequestError when it does not fit, naming the
+        prompt where it alone leaves no room, else the limit (``limit_param``: max_tokens / max_completion_tokens)."""
         ctx = self.max_context
         if prompt_len < 1:
             raise RequestError("the prompt is empty (0 tokens)", param=prompt_param)
+        if prompt_len >= ctx:
+            raise RequestError(f"the prompt has {prompt_len} tokens, which leaves no room for a completion in the "
+                               f"context of {ctx} tokens (--max-context)", param=prompt_param,
+                               code="context_length_exceeded")
         if max_tokens is None:
-            if prompt_len >= ctx:
-                raise RequestError(f"the prompt has {prompt_len} tokens, which leaves no room for a completion in "
-                                   f"the context of {ctx} tokens (--max-context)", param=prompt_param,
-                                   code="context_length_exceeded")
             return ctx - prompt_len
         if prompt_len + max_tokens > ctx:
-            raise RequestError(f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
+            raise RequestError(f"the prompt ({prompt_len} tokens) plus {limit_param} ({max_tokens}) is "
                                f"{prompt_len + max_tokens} tokens, more than the context of {ctx} tokens "
-                               f"(--max-context)", param="max_tokens", code="context_length_exceeded")
+                               f"(--max-context)", param=limit_param, code="context_length_exceeded")
         return max_tokens
 
 

@@ -69,8 +69,10 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     def rng(self) -> random.Random:
-        """The request's random stream (a fresh one per request)."""
-        return random.Random(self.seed if self.seed is not None else random.SystemRandom().getrandbits(64))
+        """The request's random stream (a fresh one per request). A seed is taken as 64 bits (a negative one as its
+        two's complement): random.Random seeds with |seed|, so -7 and 7 would give the same stream."""
+        seed = self.seed % 2**64 if self.seed is not None else random.SystemRandom().getrandbits(64)
+        return random.Random(seed)
 
 
 class Sampler:
