@@ -390,6 +390,21 @@ def test_bad_input_gets_400_naming_the_field(served, path, body, param, words):
     assert err["type"] == "invalid_request_error"
 
 
+def test_a_body_of_very_many_json_objects_is_refused_unparsed(served):
+    """~3 MB of tiny objects: 400 at once (parsing them on the event loop would stall every stream), and the
+    engine goes on serving."""
+    from ktinject.serve import api
+
+    n = api.CONTAINERS_PER_TOKEN * served.engine.config.max_context + 1
+    body = b'{"prompt": "hi", "x": [' + b"{}," * n + b'{}]}'
+    t0 = time.monotonic()
+    r = httpx.post(f"{served.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_complex", r.text
+    assert f"{n + 3:,} JSON objects" in r.json()["error"]["message"] and time.monotonic() - t0 < 5
+    ok = httpx.post(f"{served.url}/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize("kind", ["application/jsonx", "text/json", "application/x-www-form-urlencoded"])
 def test_a_body_under_another_content_type_is_told_so(served, kind):
     r = httpx.post(f"{served.url}/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": kind})

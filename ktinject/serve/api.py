@@ -42,6 +42,11 @@ class ApiError(Exception):
 #: body's size in Python objects (a 4 MiB body of empty messages peaked at 193 MiB)
 MAX_BODY = 8 << 20
 _BODY_PATHS = ("/v1/chat/completions", "/v1/completions")  # the endpoints that read a body
+#: a body with more '{' and '[' than max(MIN_CONTAINERS, CONTAINERS_PER_TOKEN x --max-context) gets 400 before it is
+#: parsed: parsing runs on the event loop, and 8 MiB of tiny objects ("[{},{},...]") took ~0.5 s there, stalling
+#: every stream (json.loads and pydantic hold the GIL: a thread would not help); a request that fits the context
+#: has far fewer (the count includes braces inside strings: 64 a token of context is generous for code)
+MIN_CONTAINERS, CONTAINERS_PER_TOKEN = 10_000, 64
 
 
 def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key: str | None = None,
@@ -59,7 +64,8 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
 
     app = FastAPI(title="ktinject", description="OpenAI-compatible server of a ktinject model", docs_url=None,
                   redoc_url=None, openapi_url=None)
-    app.add_middleware(_BodyLimit, limit=max_body, reply=error)
+    app.add_middleware(_BodyLimit, limit=max_body, reply=error,
+                       containers=max(MIN_CONTAINERS, CONTAINERS_PER_TOKEN * engine.config.max_context))
     if api_key:  # added last: runs first, so a request without the key is refused before its body is read
         app.add_middleware(_KeyCheck, key=api_key, reply=error)
     app.state.engine = engine
@@ -206,10 +212,11 @@ class _BodyLimit:
     """ASGI middleware: a request body of the completion endpoints longer than ``limit`` bytes gets 413 (by its
     Content-Length at once, else once that many bytes have come), never a server holding gigabytes; a body within it
     is read here and handed on whole, and later receives (the disconnect the API waits for) go to the client's
-    connection as before. Other paths pass untouched (their bodies are never read: 404 / 405)."""
+    connection as before; one with more than ``containers`` '{' and '[' gets 400 unparsed (MIN_CONTAINERS: why).
+    Other paths pass untouched (their bodies are never read: 404 / 405)."""
 
-    def __init__(self, app, limit: int, reply):
-        self.app, self.limit, self.reply = app, limit, reply
+    def __init__(self, app, limit: int, reply, containers: int | None = None):
+        self.app, self.limit, self.reply, self.containers = app, limit, reply, containers
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in _BODY_PATHS:
@@ -229,6 +236,13 @@ class _BodyLimit:
         if too_big:
             response = self.reply(413, f"the request body is over {self.limit:,} bytes (the server's "
                                        f"--max-request-mb)", code="request_too_large")
+            await response(scope, receive, send)
+            return
+        n = body.count(b"{") + body.count(b"[")
+        if self.containers is not None and n > self.containers:
+            response = self.reply(400, f"the request body has {n:,} JSON objects and arrays (counting '{{' and '[' "
+                                       f"in its strings too), more than the {self.containers:,} this server parses",
+                                  code="request_too_complex")
             await response(scope, receive, send)
             return
         whole = {"type": "http.request", "body": bytes(body), "more_body": False}
