@@ -303,3 +303,21 @@ def test_decode_roofline_alongside_rows(monkeypatch):
     assert roof[0] == "roofline alongside: 1.00 GB bf16 experts/token at 100.0 GB/s" and roof[1] == "100.0"
     assert f"median read of {variants[0].name} " in roof[3]
     assert graph[1] == "50.0" and graph[3] == "median of 3 runs (50.0, 50.0, 50.0); 50% of the roofline alongside"
+
+
+def test_serve_verdicts_at_8_streams():
+    from ktinject.bench.serve import verdicts
+
+    rows = [{"quant": "int4", "streams": 8, "overlap": "on", "decode": 426.0, "roofline": 548.7, "batch1": 255.9,
+             "measured": 559.9},
+            {"quant": "bf16", "streams": 8, "overlap": "on", "decode": 126.3, "roofline": 148.3, "batch1": 95.0},
+            {"quant": "bf16", "streams": 8, "overlap": "off", "decode": 1.0, "roofline": 148.3, "batch1": 95.0},
+            {"quant": "bf16", "streams": 1, "overlap": "on", "decode": 88.8, "roofline": 120.9, "batch1": 95.0},
+            {"quant": "int8", "streams": 8, "overlap": "on", "decode": 200.0, "roofline": 210.0, "batch1": 190.0}]
+    lines = verdicts(rows)
+    assert len(lines) == 3
+    assert "int4 at 8 streams" in lines[0] and "NOT met (78% of 548.7 tok/s, 1.66x" in lines[0]
+    assert "76% of the measured roofline" in lines[0]
+    assert "bf16 at 8 streams" in lines[1] and ": met (85%" in lines[1]
+    assert "NOT met (95% of 210.0 tok/s, 1.05x" in lines[2]  # the roofline share met, 1.2x batch 1 not
+

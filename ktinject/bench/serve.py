@@ -266,6 +266,26 @@ def _line(r: dict) -> str:
             f"{r['decode'] / r['batch1']:.2f}x |")
 
 
+#: issue 21's targets at 8 streams: decode >= this share of the roofline of the steps that ran, and >= this many
+#: times the batch-1 figure (judged on CUDA runs of the Qwen3-30B-A3B shapes, printed under the table)
+TARGET_STREAMS, TARGET_ROOF, TARGET_BATCH1 = 8, 0.80, 1.2
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """One line per quant with a TARGET_STREAMS row (overlap on): the serving targets met or not, with the figures."""
+    out = []
+    for r in rows:
+        if r["streams"] != TARGET_STREAMS or r["overlap"] != "on":
+            continue
+        share, ratio = r["decode"] / r["roofline"], r["decode"] / r["batch1"]
+        ok = share >= TARGET_ROOF and ratio >= TARGET_BATCH1
+        measured = f"; {100 * r['decode'] / r['measured']:.0f}% of the measured roofline" if "measured" in r else ""
+        out.append(f"target: {r['quant']} at {TARGET_STREAMS} streams >= {TARGET_ROOF:.0%} of the roofline and >= "
+                   f"{TARGET_BATCH1}x batch 1: {'met' if ok else 'NOT met'} ({100 * share:.0f}% of "
+                   f"{r['roofline']:.1f} tok/s, {ratio:.2f}x of {r['batch1']:.1f}{measured})")
+    return out
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     quants = [q.strip() for q in args.quant.split(",") if q.strip()]
@@ -284,6 +304,9 @@ def main(argv=None) -> int:
     print("|" + "---|" * HEAD.count(" | ") + "---|")
     for r in rows:
         print(_line(r))
+    if torch.cuda.is_available() and not args.tiny:
+        for line in verdicts(rows):
+            print(line)
     layers = "tiny model" if args.tiny else f"{args.layers} of {WHOLE} layers" + (
         "" if args.layers == WHOLE else f" (tok/s and rooflines of those layers; a whole model's: x{args.layers / WHOLE:.2f})")
     print(f"\n({args.rounds} requests per stream back to back, prompts {','.join(map(str, args.prompts))} tokens "
