@@ -9,6 +9,10 @@ experts each pass), each ~10-40 ms. If the decode's GB/s follows the loop's from
 near 1; the decode faster in the loop's fast windows), the host's bandwidth bounds it; if it stays flat while the
 loop swings, the kernels' access pattern does, and the loop's fast windows are bandwidth left unused.
 
+Result (H200 host, 2026-11-29, the loop over 4x the LLC as bench.memory had it then): decode flat at 101-126 GB/s
+(bf16, batch 1) and 111-140 (int4, batch 8) while the loop moved 94-373 and 83-358, correlation +0.23 both: the
+loop's fast passes were LLC hits (tests/gpu/probe_llc.py), and bench.memory's buffer is now >= 32x the LLC.
+
     python tests/gpu/probe_cap.py [--quant bf16] [--layers 16] [--batch 1] [--windows 60] [--threads 15]
 
 No GPU needed (the GPU machine's CPU is the one that matters). Legend: L layers, B batch, E experts.
