@@ -379,6 +379,12 @@ def test_client_disconnect_frees_the_slot(served):
      'got "required"'),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": -1}, "top_logprobs",
      "greater than or equal"),
+    # (from a review: a lone surrogate quoted back in an error message was a 500, UTF-8 cannot carry it)
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "\\ud800"}}',
+     "response_format", "\\ud800"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "\\ud800"}}',
+     "tool_choice", "\\ud800"),
+    ("completions", b'{"prompt": "hi", "suffix": "\\ud800"}', "suffix", "\\ud800"),
 ])
 def test_bad_input_gets_400_naming_the_field(served, path, body, param, words):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else \

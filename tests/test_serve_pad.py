@@ -1,6 +1,7 @@
 """The serve engine's prefill widths (``EngineConfig.prefill_pad``, ``steps.padded_width``): rounded up so that a
 server's prefill forwards take a bounded set of shapes (on CUDA each new one costs host memory once), without
-changing any request's tokens. The demo model on the CPU, no HTTP."""
+changing any request's tokens; and Engine.stop() ending the waiting requests at once. The demo model on the CPU,
+no HTTP."""
 from __future__ import annotations
 
 import pytest
@@ -74,3 +75,29 @@ def test_padding_never_takes_a_forward_past_the_prefill_chunk(demo_engine_model,
     padded, widths = _tokens(model, tokenizer, 16, prompts, monkeypatch, chunk=12)
     assert padded == plain and max(widths) == 12 and 8 in widths, widths  # 26 = 12 + 12 + 2; 7 -> 8
 
+
+
+def test_stop_ends_waiting_requests_at_once(demo_engine_model):
+    """Engine.stop() ends the requests waiting for a row on the caller's thread, before it returns (an engine step
+    may take seconds: a server's graceful wait must not run out on them); the running one ends at the next step."""
+    import threading
+
+
+    model, tokenizer = demo_engine_model
+    eng = Engine(model, tokenizer, EngineConfig(max_batch=1, max_context=512, prefill_chunk=16), name="demo").start()
+    got: dict[str, list] = {"a": [], "b": []}
+    started = threading.Event()
+
+    def sink_a(out):
+        got["a"].append(out)
+        started.set()
+
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    eng.submit(tokenizer.encode("the small robot"), params, sink_a)
+    assert started.wait(60)
+    b = eng.submit(tokenizer.encode("in a quiet town"), params, got["b"].append)  # no row free: it waits
+    eng.stop(timeout=0)
+    assert [o.finish_reason for o in got["b"]] == ["cancelled"] and got["b"][0].error == "the engine stopped"
+    assert b.done
+    eng.stop()  # joins
+    assert not eng.alive and got["a"][-1].finish_reason == "cancelled"

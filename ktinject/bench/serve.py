@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import statistics
 import sys
 import threading
@@ -279,10 +280,13 @@ def verdicts(rows: list[dict]) -> list[str]:
             continue
         share, ratio = r["decode"] / r["roofline"], r["decode"] / r["batch1"]
         ok = share >= TARGET_ROOF and ratio >= TARGET_BATCH1
-        measured = f"; {100 * r['decode'] / r['measured']:.0f}% of the measured roofline" if "measured" in r else ""
+        m = r.get("measured", float("nan"))
+        measured = f"; {100 * r['decode'] / m:.1f}% of the measured roofline" if math.isfinite(m) and m > 0 else ""
         out.append(f"target: {r['quant']} at {TARGET_STREAMS} streams >= {TARGET_ROOF:.0%} of the roofline and >= "
-                   f"{TARGET_BATCH1}x batch 1: {'met' if ok else 'NOT met'} ({100 * share:.0f}% of "
-                   f"{r['roofline']:.1f} tok/s, {ratio:.2f}x of {r['batch1']:.1f}{measured})")
+                   f"{TARGET_BATCH1}x batch 1: {'met' if ok else 'NOT met'} ({100 * share:.1f}% of "
+                   f"{r['roofline']:.1f} tok/s, {ratio:.3f}x of {r['batch1']:.1f}{measured})")
+    if not out:
+        out.append(f"target: not judged (no run of {TARGET_STREAMS} streams with overlap on)")
     return out
 
 

@@ -141,13 +141,14 @@ def serve(args: argparse.Namespace) -> int:
     print(f"Serving {name!r} at {url}/v1 (OpenAI API; {'API key required' if api_key else 'no API key'}); "
           f"Ctrl-C stops.", flush=True)
     app = create_app(engine, aliases, api_key=api_key, max_body=args.max_request_mb << 20)
+    # graceful wait: the requests end at the engine's next step, which may take seconds on a large model's prefill
     server = _stopping_server(uvicorn, engine)(uvicorn.Config(app, log_level="debug" if args.verbose else "info",
-                                                              timeout_graceful_shutdown=5))
+                                                              timeout_graceful_shutdown=30))
     # uvicorn stops on SIGINT / SIGTERM, then raises the signal again: a stop asked for is a clean exit
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # the stop asked for (uvicorn raises the signal again after it)
         pass
     finally:
         engine.stop()
@@ -164,13 +165,17 @@ def _stopping_server(uvicorn, engine):
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            if not self.should_exit:
-                held = engine.counts()
-                if held["running"] or held["waiting"]:
-                    print(f"{PROG}: stopping; ending {held['running']} running and {held['waiting']} waiting "
-                          f"request(s)", flush=True)
-                engine.stop(timeout=0)  # asks; the engine thread ends them at its next step (its own thread)
+            held = engine.counts()
+            busy = held["running"] or held["waiting"]
+            if self.should_exit and not busy:
+                return  # a second Ctrl-C with nothing left to end: no forced exit (its tracebacks), just the first
+            first = not self.should_exit
+            if first:  # waiting requests end here; those in rows at the engine's next step (its own thread)
+                engine.stop(timeout=0)
             super().handle_exit(sig, frame)
+            if first and busy:  # a log line, not print(): a signal landing inside a write to stdout must not raise
+                log.warning("stopping: ending %d running and %d waiting request(s)", held["running"],
+                            held["waiting"])
 
     return Server
 

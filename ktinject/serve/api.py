@@ -47,6 +47,7 @@ _BODY_PATHS = ("/v1/chat/completions", "/v1/completions")  # the endpoints that 
 #: every stream (json.loads and pydantic hold the GIL: a thread would not help); a request that fits the context
 #: has far fewer (the count includes braces inside strings: 64 a token of context is generous for code)
 MIN_CONTAINERS, CONTAINERS_PER_TOKEN = 10_000, 64
+MAX_CONTAINERS = 250_000  # ~40 ms of parsing: above ~44K of context, 64 a token would let no 8 MiB body trip it
 
 
 def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key: str | None = None,
@@ -65,7 +66,8 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
     app = FastAPI(title="ktinject", description="OpenAI-compatible server of a ktinject model", docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.add_middleware(_BodyLimit, limit=max_body, reply=error,
-                       containers=max(MIN_CONTAINERS, CONTAINERS_PER_TOKEN * engine.config.max_context))
+                       containers=max(MIN_CONTAINERS, min(MAX_CONTAINERS,
+                                                          CONTAINERS_PER_TOKEN * engine.config.max_context)))
     if api_key:  # added last: runs first, so a request without the key is refused before its body is read
         app.add_middleware(_KeyCheck, key=api_key, reply=error)
     app.state.engine = engine
@@ -82,7 +84,7 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
             got = f"Content-Type {kind!r}" if kind else "no Content-Type"
             return error(400, f"send the request body as JSON with 'Content-Type: application/json' (got {got})")
         if whole and any(x.get("type") == "missing" for x in e.errors()):
-            return error(400, "the request body is empty (or null): expected a JSON object")
+            return error(400, "the request body is empty: expected a JSON object")
         message, param = _validation_message(e.errors())
         return error(400, message, param=param)
 
@@ -90,8 +92,8 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
     async def _http(request, e: StarletteHTTPException):
         if e.status_code == 400 and e.detail == "There was an error parsing the body":  # json.loads raised a
             # ValueError / RecursionError other than a syntax error: say what it can be
-            return error(400, "the request body could not be parsed as JSON: it must be UTF-8, its integers at most "
-                              "4,300 digits and its nesting a few hundred levels at most")
+            return error(400, "the request body could not be parsed as JSON: text that does not decode, an integer "
+                              "of more than 4,300 digits or nesting deeper than a few hundred levels")
         if e.status_code == 404:
             return error(404, f"no such endpoint: {request.method} {request.url.path}", code="not_found")
         if e.status_code == 405:

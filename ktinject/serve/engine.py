@@ -61,10 +61,17 @@ class Engine(EngineLoop):
         return self
 
     def stop(self, timeout: float | None = 30) -> None:
-        """Finish: every request still held ends with ``cancelled``; the thread exits."""
+        """Finish: every request still held ends with ``cancelled``; the thread exits. Those waiting for a row end
+        here at once (a step of the engine may take seconds); those in rows at the engine's next step."""
         with self._cond:
             self._stopping = True
+            waiting = [r for r in self.sched.waiting if not r.done]
+            self.sched.waiting.clear()
+            for req in waiting:
+                req.done = True
             self._cond.notify_all()
+        for req in waiting:
+            self._send(req, Output(req.id, "", [], "cancelled", req.prompt_len, 0, "the engine stopped"))
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -167,20 +174,25 @@ class Engine(EngineLoop):
         self._check_chars(str(messages) + str(tools or ""), "messages")
         for value, param in ((tools, "tools"), (template_kwargs, "chat_template_kwargs"), (messages, "messages")):
             if value:  # surrogates anywhere in them (the texts themselves: protocol.py names their fields)
-                check_unicode(json.dumps(value, ensure_ascii=False, default=str), param)
+                check_unicode(json.dumps(value, ensure_ascii=False, default=str), param, where=False)
         try:
             with self._req_lock:
                 text = self.request_tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                          add_generation_prompt=True, **template_kwargs)
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation: the client's input
-            param = "messages"
-            if template_kwargs:  # which part: the conversation alone may render (then the kwargs are to blame)
+            param = "messages"  # which part: the conversation may render without the kwargs, or the tools
+            for without, name in (({"kw": {}, "tools": tools}, "chat_template_kwargs"),
+                                  ({"kw": template_kwargs, "tools": None}, "tools")):
+                if (name == "chat_template_kwargs" and not template_kwargs) or (name == "tools" and not tools):
+                    continue
                 try:
                     with self._req_lock:
-                        self.request_tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                                   add_generation_prompt=True)
-                    param = "chat_template_kwargs"
-                except Exception:  # noqa: BLE001 - the conversation fails as well: name the messages
+                        self.request_tokenizer.apply_chat_template(messages, tools=without["tools"] or None,
+                                                                   tokenize=False, add_generation_prompt=True,
+                                                                   **without["kw"])
+                    param = name
+                    break
+                except Exception:  # noqa: BLE001 - fails that way as well: not this part alone
                     pass
             raise RequestError(f"the chat template rejected the {param.replace('_', ' ')}: {type(e).__name__}: "
                                f"{str(e)[:200]}", param=param) from e

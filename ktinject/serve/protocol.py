@@ -184,7 +184,7 @@ def _zero(value) -> bool:
 def _json(value) -> str:
     """A client's value as JSON (true, {"type": ...}), as it was sent, for messages; cut at 80 characters."""
     try:
-        text = json.dumps(value, ensure_ascii=False)
+        text = json.dumps(value)  # ASCII: a lone surrogate stays an escape (UTF-8 cannot carry it)
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -245,6 +245,7 @@ def usage(prompt: int, completion: int) -> dict:
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a surrogate in it: escaped, never a 500
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 

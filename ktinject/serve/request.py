@@ -24,14 +24,16 @@ class RequestError(ValueError):
         self.param, self.code = param, code
 
 
-def check_unicode(text: str, param: str) -> str:
+def check_unicode(text: str, param: str, where: bool = True) -> str:
     """``text`` if it is valid Unicode; else RequestError naming ``param`` and the first unpaired surrogate (JSON's
-    "\\ud800" escapes decode to one: no tokenizer takes it)."""
+    "\\ud800" escapes decode to one: no tokenizer takes it), and where it is when ``where`` (``text`` the client's
+    own string, not a rendering of its JSON)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise RequestError(f"{param}: an unpaired surrogate U+{ord(text[e.start]):04X} at character {e.start} (not "
-                           f"valid Unicode text)", param=param) from None
+        at = f" at character {e.start}" if where else ""
+        raise RequestError(f"{param}: an unpaired surrogate U+{ord(text[e.start]):04X}{at} (not valid Unicode text)",
+                           param=param) from None
     return text
 
 
