@@ -5,7 +5,8 @@
         gbs = loop.gbs()
 
 A small native read loop (compiled here with the system C compiler, loaded with ctypes: no cffi needed) reads a
-buffer of at least 32x the last-level cache (sysfs or CPUID, the larger; at most a quarter of the memory available;
+buffer of at least 32x the last-level cache (sysfs or CPUID, the larger; at most a quarter of the memory available
+unless `gb` asks more;
 2 MB aligned, MADV_HUGEPAGE like the packed expert weights, filled with distinct words by the reading threads) with
 one thread per physical core, pinned in the native pool's order. Each thread reads its slice, or chunks of 256 KB or
 1 MB dealt round robin (all threads then read near each other, as the decode kernels do), as S interleaved
@@ -446,9 +447,8 @@ def measure_read_bandwidth(gb: float = 1.0, threads: int | None = None, repeats:
     res = ReadBandwidth(0.0, "torch int64 sum", 0.0, nbytes=nbytes, threads=threads, llc=llc, repeats=repeats,
                         capped=want > room)
     if res.capped:
-        log.warning("read bandwidth: a buffer of %.2f GB (%.0fx the LLC) instead of %.0fx: %.0f%% of the memory "
-                    "available; LLC hits may lift the figure", nbytes / 1e9, nbytes / llc, llc_multiple,
-                    100 * MEM_SHARE)
+        log.warning("read bandwidth: a buffer of %.2f GB (%.0fx the LLC) instead of %.0fx, held there by the memory "
+                    "available; LLC hits may lift the figure", nbytes / 1e9, nbytes / llc, llc_multiple)
     if _native_lib() is None:
         buf = torch.ones(nbytes // 8, dtype=torch.int64)
         res.torch_gbs = res.best_gbs = _torch_sum_gbs(buf, threads, repeats)

@@ -234,8 +234,9 @@ def _targets(quant: str, rates: dict, lengths: list[int], h2d: float, expert_byt
 def _memory_bound(args, quant: str, rates: dict, lengths: list[int], expert_bytes: int) -> list[tuple]:
     """Auto and the 512-token target beside the host's memory: at these lengths every expert of a layer is used, and
     each of its bytes is read from host memory once, by the CPU's kernels or by a copy to the GPU, so n tokens take
-    at least expert_bytes / (read bandwidth) seconds. The bandwidth is the best read rate of all cores measured now
-    (``bench.memory``); the copies and the CPU read it at once, so this bound is only approached, not reached."""
+    at least expert_bytes / (read bandwidth) seconds. The bandwidth is the sustained read rate of all cores measured
+    now (``bench.memory``: the best variant's median pass over >= 32x the LLC); the copies and the CPU read it at
+    once, so this bound is only approached, not reached."""
     if args.tiny or args.bandwidth_gb <= 0 or not any(("auto", n) in rates for n in lengths):
         return []
     from ktinject.bench.memory import measure_read_bandwidth

@@ -30,6 +30,8 @@ Per quant and stream count:
               model's routing need not be uniform (a random router spreads a batch's tokens over more experts than
               uniform draws would); "experts/layer" is their mean beside the uniform expectation
   batch 1     ``ktinject.generate`` (HF's loop, graph replay) at batch 1, prompt 32, the reference figure
+Under the table on CUDA runs, a verdict line per quant: issue 21's targets at 8 streams (overlap on), decode >= 80%
+of the roofline and >= 1.2x batch 1 (``verdicts``).
 Legend: B batch (streams decoding together), N streams, L layers.
 """
 from __future__ import annotations

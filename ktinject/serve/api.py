@@ -3,9 +3,9 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streamed as server-sent
 events ending with ``data: [DONE]`` when ``stream`` is true), ``GET /health``, ``GET /metrics`` (Prometheus text).
 Every error is OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
-JSON, wrong types, unknown model, a prompt that does not fit the context, unsupported parameters), 401 without the
-API key, 404 for unknown paths, 413 for a body over ``max_body`` bytes, 429 when the queue is full, 503 when the
-engine is down. With an API key, every path but ``/health`` needs ``Authorization: Bearer KEY``.
+JSON, wrong types, a prompt that does not fit the context, unsupported parameters, a body of too many JSON objects),
+401 without the API key, 404 for unknown paths and models, 413 for a body over ``max_body`` bytes, 429 when the queue
+is full, 503 when the engine is down or stopping. With an API key, every path but ``/health`` needs ``Authorization: Bearer KEY``.
 
 Requests are tokenized in a worker thread (the chat template, under the engine's tokenizer lock), submitted to the
 engine, and their events come back through an asyncio queue. A client that goes away (its connection closes) is

@@ -53,7 +53,7 @@ class EngineConfig:
     loaded, plans: tests/gpu/probe_shape_heap.py, +32 MiB over the first 500 new row counts), and the prefill forwards
     of a server take (rows) x (width) shapes of 1..max_batch x 1..prefill_chunk: without rounding, the heap of a
     10-minute soak still grew +71 MiB after its warm-up, settling (H200, 2026-11-29); with it, a few hundred shapes
-    at most. The cost: up to 15 pad tokens a row (never past the step's prefill_chunk) go through the model like a
+    at most. The cost: up to pad - 1 tokens a row (never past the step's prefill_chunk) go through the model like a
     shared forward's padding, routed to experts (the hot-expert counts see them) but unseen by the row's tokens."""
 
     max_batch: int = 8
