@@ -6,9 +6,8 @@
 
 A small native read loop (compiled here with the system C compiler, loaded with ctypes: no cffi needed) reads a
 buffer of at least 32x the last-level cache (sysfs or CPUID, the larger; at most a quarter of the memory available
-unless `gb` asks more;
-2 MB aligned, MADV_HUGEPAGE like the packed expert weights, filled with distinct words by the reading threads) with
-one thread per physical core, pinned in the native pool's order. Each thread reads its slice, or chunks of 256 KB or
+unless `gb` asks more; 2 MB aligned, MADV_HUGEPAGE like the packed expert weights, filled with distinct words by the
+reading threads) with one thread per physical core, pinned in the native pool's order. Each thread reads its slice, or chunks of 256 KB or
 1 MB dealt round robin (all threads then read near each other, as the decode kernels do), as S interleaved
 sequential streams (S = 1, 4, 16) with 64-byte loads (AVX-512 where the CPU has it, else AVX2, else 64-bit words)
 xor-reduced, with software prefetch at a few distances (none, 1 KB, 4 KB ahead per stream). After a warm-up pass
@@ -435,9 +434,9 @@ def measure_read_bandwidth(gb: float = 1.0, threads: int | None = None, repeats:
                            streams=STREAMS, prefetch=PREFETCH, chunks=CHUNKS,
                            llc_multiple: float = LLC_MULTIPLE) -> ReadBandwidth:
     """Sustained read bandwidth over a buffer of max(gb GB, llc_multiple x the LLC), at most MEM_SHARE of the memory
-    available unless gb GB asks more (whole 2 MB pages, at least one), with `threads` threads (default: one per physical core): every native
-    variant (streams x prefetch x chunks) and torch's int64 sum, each the median of `repeats` passes; the limit is
-    the best of those medians. See the module docstring."""
+    available unless gb GB asks more (whole 2 MB pages, at least one), with `threads` threads (default: one per
+    physical core): every native variant (streams x prefetch x chunks) and torch's int64 sum, each the median of
+    `repeats` passes; the limit is the best of those medians. See the module docstring."""
     order = cpu_order()
     threads = threads or _physical_cores(order)
     llc = llc_bytes()

@@ -5,7 +5,8 @@ events ending with ``data: [DONE]`` when ``stream`` is true), ``GET /health``, `
 Every error is OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
 JSON, wrong types, a prompt that does not fit the context, unsupported parameters, a body of too many JSON objects),
 401 without the API key, 404 for unknown paths and models, 413 for a body over ``max_body`` bytes, 429 when the queue
-is full, 503 when the engine is down or stopping. With an API key, every path but ``/health`` needs ``Authorization: Bearer KEY``.
+is full, 503 when the engine is down or stopping. With an API key, every path but ``/health`` needs
+``Authorization: Bearer KEY``.
 
 Requests are tokenized in a worker thread (the chat template, under the engine's tokenizer lock), submitted to the
 engine, and their events come back through an asyncio queue. A client that goes away (its connection closes) is

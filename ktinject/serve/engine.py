@@ -65,13 +65,10 @@ class Engine(EngineLoop):
         here at once (a step of the engine may take seconds); those in rows at the engine's next step."""
         with self._cond:
             self._stopping = True
-            waiting = [r for r in self.sched.waiting if not r.done]
+            waiting = list(self.sched.waiting)
             self.sched.waiting.clear()
-            for req in waiting:
-                req.done = True
             self._cond.notify_all()
-        for req in waiting:
-            self._send(req, Output(req.id, "", [], "cancelled", req.prompt_len, 0, "the engine stopped"))
+        self._tell_ended(waiting)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -155,8 +152,8 @@ class Engine(EngineLoop):
         """Token ids of ``text`` (special tokens added as the tokenizer does). RequestError where it cannot be
         tokenized, or is too long for the context whatever its tokens (checked before tokenizing it)."""
         self._need_tokenizer()
-        self._check_chars(text, "prompt")
         check_unicode(text, "prompt")
+        self._check_chars(text, "prompt")
         try:
             with self._req_lock:
                 return list(self.request_tokenizer(text, add_special_tokens=True).input_ids)
@@ -175,25 +172,25 @@ class Engine(EngineLoop):
         for value, param in ((tools, "tools"), (template_kwargs, "chat_template_kwargs"), (messages, "messages")):
             if value:  # surrogates anywhere in them (the texts themselves: protocol.py names their fields)
                 check_unicode(json.dumps(value, ensure_ascii=False, default=str), param, where=False)
-        try:
+
+        def render(tools, kwargs) -> str:
             with self._req_lock:
-                text = self.request_tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                         add_generation_prompt=True, **template_kwargs)
+                return self.request_tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                                  add_generation_prompt=True, **kwargs)
+
+        try:
+            text = render(tools, template_kwargs)
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation: the client's input
-            param = "messages"  # which part: the conversation may render without the kwargs, or the tools
-            for without, name in (({"kw": {}, "tools": tools}, "chat_template_kwargs"),
-                                  ({"kw": template_kwargs, "tools": None}, "tools")):
-                if (name == "chat_template_kwargs" and not template_kwargs) or (name == "tools" and not tools):
-                    continue
+            param = "messages"  # which part: the conversation may render without the kwargs, or without the tools
+            parts = ([("chat_template_kwargs", tools, {})] if template_kwargs else []) + \
+                ([("tools", None, template_kwargs)] if tools else [])
+            for name, part_tools, part_kwargs in parts:
                 try:
-                    with self._req_lock:
-                        self.request_tokenizer.apply_chat_template(messages, tools=without["tools"] or None,
-                                                                   tokenize=False, add_generation_prompt=True,
-                                                                   **without["kw"])
-                    param = name
-                    break
+                    render(part_tools, part_kwargs)
                 except Exception:  # noqa: BLE001 - fails that way as well: not this part alone
-                    pass
+                    continue
+                param = name
+                break
             raise RequestError(f"the chat template rejected the {param.replace('_', ' ')}: {type(e).__name__}: "
                                f"{str(e)[:200]}", param=param) from e
         self._check_chars(text, "messages")

@@ -313,8 +313,13 @@ class EngineLoop:
             self._stopping = True
             held = list(self.sched.waiting) + list(self.sched.running) + list(self._ending) + \
                 ([self.sched.prefilling] if self.sched.prefilling else [])
+        self._tell_ended(held)
+
+    def _tell_ended(self, reqs) -> None:
+        """Each of ``reqs`` not yet done ends (``cancelled``, "the engine stopped"; ``error`` after a failure) and is
+        told so (any thread; the caller took them out of the scheduler)."""
         why = "the engine stopped" if self.failure is None else f"the engine failed: {self.failure}"
-        for req in held:
+        for req in reqs:
             if not req.done:
                 req.done = True
                 self._send(req, Output(req.id, "", [], "cancelled" if self.failure is None else "error",

@@ -116,8 +116,8 @@ class ChatRequest(_Common):
             msg = {k: v for k, v in m.items()
                    if k in ("name", "tool_calls", "tool_call_id", "reasoning_content") and v is not None}
             msg["role"] = "system" if role == "developer" else role
-            msg["content"] = check_unicode(_content_text(m.get("content", _ABSENT), i,
-                                                         tool_calls=bool(m.get("tool_calls"))), f"messages[{i}].content")
+            text = _content_text(m.get("content", _ABSENT), i, tool_calls=bool(m.get("tool_calls")))
+            msg["content"] = check_unicode(text, f"messages[{i}].content")
             if isinstance(msg.get("name"), str):
                 check_unicode(msg["name"], f"messages[{i}].name")
             out.append(msg)
@@ -165,7 +165,7 @@ class CompletionRequest(_Common):
         if isinstance(p, str):
             if not p:
                 raise RequestError("prompt: the prompt is empty", param="prompt")
-            return check_unicode(p, "prompt")
+            return p  # (its characters: Engine.encode checks them, as for every prompt)
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             return p
         if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
