@@ -234,14 +234,35 @@ def test_packed_nbytes_and_roundtrip(G):
         for bias in (False, True):
             ex = kn.Experts(E, H, I, quant="int4", group_size=G, activation="gptoss" if bias else "silu", bias=bias)
             assert ex.nbytes == kn.Experts.packed_nbytes(E, H, I, "int4", bias, group_size=G) == ex.export().numel()
-    # 2048 x 768 at G = 64: half a byte per weight + a float per 64 weights = 4.5 bits (no padding there)
-    assert kn.Experts.packed_nbytes(1, 2048, 768, "int4") * 8 == 3 * 2048 * 768 * 4.5
+    # 2048 x 768 at G = 64: half a byte per weight + a float per 64 weights = 4.5 bits (no padding there); the
+    # default there is G = 128 (both sizes multiples of 128): 4.25 bits
+    assert kn.Experts.packed_nbytes(1, 2048, 768, "int4", group_size=64) * 8 == 3 * 2048 * 768 * 4.5
+    assert kn.Experts.packed_nbytes(1, 2048, 768, "int4") * 8 == 3 * 2048 * 768 * 4.25
     ex, hidden, ids, weights, skip, od, _, _ = int4_problem(INT4_CASES[2][0], G, 12, "gptoss", True)
     ex2 = kn.Experts(ex.num_experts, ex.hidden, ex.intermediate, quant="int4", group_size=G, activation="gptoss",
                      bias=True)
     ex2.load_packed(ex.export())
     assert torch.equal(run(ex, hidden, ids, weights, skip, od), run(ex2, hidden, ids, weights, skip, od))
     assert "group_size=%d" % G in repr(ex2)
+
+
+@pytest.mark.parametrize("H, I, G", [(2048, 768, 128), (256, 128, 128), (192, 96, 64), (2880, 2880, 64),
+                                     (128, 37, 64), (1, 1, 64)])
+def test_default_group_size(H, I, G):
+    """128 where both input sizes are multiples of 128, else 64; an explicit group size is kept."""
+    assert kn.default_group_size(H, I) == G
+    assert kn.Experts(1, H, I, quant="int4").group_size == G
+    assert kn.Experts(1, H, I, quant="int4", group_size=32).group_size == 32
+    assert kn.Experts.packed_nbytes(1, H, I, "int4") == kn.Experts.packed_nbytes(1, H, I, "int4", group_size=G)
+
+
+def test_default_group_size_env(monkeypatch):
+    monkeypatch.setenv("KTINJECT_INT4_GROUP", "64")
+    assert kn.Experts(1, 2048, 768, quant="int4").group_size == 64
+    assert kn.Experts(1, 2048, 768, quant="int4", group_size=128).group_size == 128
+    monkeypatch.setenv("KTINJECT_INT4_GROUP", "100")
+    expect(kn.ERR_SHAPE, r"KTINJECT_INT4_GROUP='100' \(expected one of 32, 64, 128", kn.Experts, 1, 256, 128,
+           quant="int4")
 
 
 def test_from_gpt_oss_int4():
@@ -265,7 +286,7 @@ def expect(code: int, match: str, fn, *a, **kw):
 def test_errors():
     expect(kn.ERR_SHAPE, r"group_size = 48 \(expected one of 32, 64, 128", kn.Experts, 2, 8, 8, quant="int4",
            group_size=48)
-    expect(kn.ERR_SHAPE, "group_size = None", kn.Experts, 2, 8, 8, quant="int4", group_size=None)
+    expect(kn.ERR_SHAPE, "group_size = '64'", kn.Experts, 2, 8, 8, quant="int4", group_size="64")
     expect(kn.ERR_SHAPE, "group_size = 16", kn.Experts.packed_nbytes, 2, 8, 8, "int4", group_size=16)
     expect(kn.ERR_DTYPE, r"quant = 'int3' \(expected one of bf16, int8, int4\)", kn.Experts, 2, 8, 8, quant="int3")
     expect(kn.ERR_DTYPE, "quant = 'q4'.*bf16, int8, int4", kn.Experts.packed_nbytes, 2, 8, 8, "q4")

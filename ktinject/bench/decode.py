@@ -278,7 +278,10 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
                    if fused.available(probe) else "decode kernels: torch ops (no Triton)")
     else:
         kernels = "CPU only"
-    print(f"# injected ({quant}) in {time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, "
+    stored = quant
+    if quant == "int4":
+        stored += f", groups of {native.default_group_size(cfg.hidden_size, cfg.moe_intermediate_size)}"
+    print(f"# injected ({stored}) in {time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, "
           f"{pool.threads} threads{'' if pinned else ', not pinned'}; {kernels}", flush=True)
     if args.defer:
         from ktinject.bench import defer

@@ -15,8 +15,8 @@ attribute names, so state-dict keys and router-logit recorders still work), hand
 The router's fast path (softmax -> top-k routers in fewer kernels) and the host buffers are in ``routing.py``.
 
 Rule keyword arguments: ``quant``: ``bf16`` (default), ``int8`` (W8A8: int8 weights with per-output-channel
-scales, activations quantized per token on the fly) or ``int4`` (W4A8: int4 weights with a scale per group of 64
-inputs, ~4.5 bits a weight; int8 activations; dequantized to bf16 for AMX when an expert has many rows);
+scales, activations quantized per token on the fly) or ``int4`` (W4A8: int4 weights with a scale per group of 128
+inputs where the block's sizes are multiples of 128, else 64: ~4.25 / ~4.5 bits a weight; int8 activations; dequantized to bf16 for AMX when an expert has many rows);
 ``defer``: d (an int, default 0) of each token's k experts, the lowest-weighted, or (a float m, 0 < m < 1) its
 lowest-weighted experts up to a share m of its routing weight, deferred in decode steps to the next MoE block, which
 adds their output to its own while the CPU has computed them during that block's attention

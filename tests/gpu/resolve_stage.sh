@@ -3,6 +3,7 @@
 # root; logs under $OUT:
 #   STEP=decode bash tests/gpu/resolve_stage.sh  # ~330 s: bench decode bf16 (roofline verdict), int4/int8 --defer 0
 #                                                #   (three runs each), --noise 1,2,4 (three rounds)
+#   STEP=int4   bash tests/gpu/resolve_stage.sh  # ~270 s: int4 decode, group size default / 64 / default
 #   STEP=serve  bash tests/gpu/resolve_stage.sh  # ~300 s: bench serve int4,bf16 at 1 and 8 streams, the serve GPU
 #                                                #   tests, probe_prefill_heap.py, then the 10-minute soak started
 #                                                #   detached (setsid: it outlives the call while the machine is held)
@@ -20,6 +21,11 @@ case $STEP in
     b decode --quant bf16 --tokens 32 --hf-tokens 0 | tee "$OUT/bf16.log" | grep -E '^# memory|target|roofline'
     b decode --quant int4,int8 --defer 0 --tokens 64 | tee "$OUT/int.log" | grep -E 'target|defer 0: graph'
     b decode --quant int4 --noise 1,2,4 --noise-only | tee "$OUT/noise.log" | grep -E 'median of|target' ;;
+  int4)  # the int4 group size's A/B/A in one call: default (128 at these sizes), 64, default
+    for g in "" 64 ""; do
+      KTINJECT_INT4_GROUP=$g b decode --quant int4 --defer 0 --tokens 64 | tee -a "$OUT/int4-ab.log" \
+        | grep -E '^# injected|defer 0: graph|target: int4'
+    done ;;
   serve)
     b serve --quant int4,bf16 --streams 1,8 --layers 16 | tee "$OUT/serve.log" | grep -E '^# memory|^\| (int4|bf16)'
     timeout 150 python3 -m pytest -q -rs tests/gpu/test_serve_gpu.py 2>&1 | tail -3
