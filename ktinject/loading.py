@@ -200,7 +200,7 @@ class _Loader:
         version = getattr(native, "version", None)
         key = packcache.cache_key(
             files=packcache.file_signature(self.ckpt.signature_files()), rules=rules,
-            blocks={n: [repr(st.spec), st.quant] for n, st in moe.items()},
+            blocks={n: [repr(st.spec), st.quant, st.group_size] for n, st in moe.items()},
             native=version() if callable(version) else repr(version))
         return PackCache(root, key, self.ckpt.dir)
 

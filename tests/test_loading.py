@@ -149,6 +149,22 @@ def test_cache_is_used_bit_identical_and_invalidated(tmp_path_factory, tmp_path,
     assert fifth._ktinject_load_stats["cache"] == "written"
 
 
+def test_cache_key_holds_the_int4_group(tmp_path_factory, tmp_path, monkeypatch):
+    """An int4 entry packed in one group size is never read back as another (KTINJECT_INT4_GROUP changes the key)."""
+    d = copy_ckpt(saved(tmp_path_factory, "deepseek_v3"), tmp_path / "ckpt")
+    cache = tmp_path / "cache"
+
+    def load(group: str):
+        monkeypatch.setenv("KTINJECT_INT4_GROUP", group)
+        model = ktinject.from_pretrained(d, quant="int4", gpu="cpu", cache_dir=cache, progress=False)
+        groups = {b.native_experts.group_size for b in _hybrids(model)}
+        return model._ktinject_load_stats["cache"], groups
+
+    assert load("32") == ("written", {32})
+    assert load("64") == ("written", {64})
+    assert load("64") == ("hit", {64})
+
+
 def test_cache_default_place_and_policy(tmp_path_factory, tmp_path, monkeypatch):
     d = copy_ckpt(saved(tmp_path_factory, "gpt_oss"), tmp_path / "ckpt")
     # default: no cache for bf16 experts (as many bytes as the checkpoint's: no faster to read back)

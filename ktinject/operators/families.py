@@ -98,6 +98,11 @@ class ExpertStream:
     def nbytes(self) -> int:
         return packed_nbytes(self.spec, self.quant)
 
+    @property
+    def group_size(self) -> int:
+        """The int4 group the experts will be packed in (``native.default_group_size``), 0 for bf16 / int8."""
+        return native.default_group_size(self.spec.hidden, self.spec.intermediate) if self.quant == "int4" else 0
+
     def new_experts(self, block: nn.Module):
         """Empty native experts for ``block`` (its experts module may be on the meta device)."""
         return new_experts(self.spec, block.experts, self.quant)
