@@ -238,6 +238,26 @@ def test_decode_target_rows_judge_what_the_run_measured():
     assert target_rows("int4", turns[:1], args)[0][3] == "met (one run; --defer 0 gives the median of 3)"
 
 
+def test_defer_targets_judge_int4_and_explain_a_low_bound():
+    from types import SimpleNamespace
+
+    from ktinject.bench.targets import defer_targets
+
+    args = SimpleNamespace(tiny=False, layers=48, batch=1, prompt=16384)
+    (what, _, _, verdict), = defer_targets("int4", {0: 1.0, 1: 1.1, 3: 1.28}, 1.40, args)
+    assert what == "target: int4 deferral >= 1.25x of d=0 and >= 80% of the bound"
+    assert verdict == "met: d=3: 1.280x of d=0, 91% of the bound 1.400x (prompt 16384 tokens)"
+    # the best setting judged; 1.26x is under 80% of a 1.6x bound
+    assert defer_targets("int4", {0: 1.0, 0.3: 1.26}, 1.6, args)[0][3].startswith("NOT met: d=0.3: 1.260x")
+    low = defer_targets("int4", {0: 1.0, 3: 1.18}, 1.21, SimpleNamespace(tiny=False, layers=48, batch=1, prompt=32))
+    assert low[0][3].startswith("NOT met") and "the bound is below 1.25x here" in low[0][3]
+    assert defer_targets("bf16", {0: 1.0, 2: 1.05}, 1.1, args)[0][0] == "report: bf16 deferral, best setting"
+    assert defer_targets("int4", {0: 1.0}, 1.4, args) == []  # no d > 0
+    assert defer_targets("int4", {0: 1.0, 3: 1.3}, None, args) == []  # no GPU: no bound
+    assert defer_targets("int4", {0: 1.0, 3: 1.3}, 1.4, SimpleNamespace(tiny=False, layers=16, batch=1,
+                                                                          prompt=32)) == []
+
+
 def test_decode_noise_targets():
     from types import SimpleNamespace
 

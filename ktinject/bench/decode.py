@@ -287,7 +287,7 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
         from ktinject.bench import defer
 
         defer.rows(model, prompt, args, lambda row: _add(rows, row),
-                   defer.Timers(cpu_expert_time, graph_replay, muted_replay))
+                   defer.Timers(cpu_expert_time, graph_replay, muted_replay), quant=quant)
         return rows
 
     if not quick:

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 import ktinject
+from ktinject.bench.targets import defer_targets
 from ktinject.bench.timing import profile_line, replay_iters
 from ktinject.cli import defer_list, defer_settings
 from ktinject.operators import deferral, fused_dense
@@ -88,9 +89,10 @@ def share_bound(cpu_s: float, gpu_s: float, share: float) -> float:
     return (cpu_s + gpu_s) / ((1 - share) * cpu_s + max(gpu_s, share * cpu_s))
 
 
-def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
+def rows(model, prompt: torch.Tensor, args, add, timers: Timers, quant: str = "bf16") -> None:
     """The deferral rows of one injected model (``args.defer``, ``args.tokens``, ``args.defer_rounds``), each given
-    to ``add((what, tok/s, ms/token, note))``."""
+    to ``add((what, tok/s, ms/token, note))``, then issue 20's target judged (``targets.defer_targets``; ``quant``:
+    the experts' format)."""
     from ktinject.generate import get_runner
 
     B, P = prompt.shape
@@ -141,9 +143,10 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
     add(("defer: bound (CPU + GPU) / max(CPU, GPU)", "", "", "n/a" if bound is None else f"{bound:.3f}x"))
     base = statistics.median(gen[0])
     k = model.config.num_experts_per_tok
+    speedups = {}
     for d in ds:
         s = statistics.median(gen[d])
-        up = base / s
+        up = speedups[d] = base / s
         note = [f"{up:.3f}x of d=0"]
         imm, dfr = slots[d]
         share = dfr / max(1, imm + dfr)  # measured: what a weight share defers depends on the tokens
@@ -163,3 +166,5 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers) -> None:
             steps = replay_iters(runner, P, args.tokens) + 1  # graph_replay's warm-up too
             add((f"defer {d}: the pool inside bare replays", "", _ms(prof["jobs"] * prof["job_us"] / 1e6 / steps),
                  "CPU jobs a step, summed (go seen -> done raised); " + profile_line(prof)))
+    for row in defer_targets(quant, speedups, bound, args) if graphs else ():
+        add(row)

@@ -12,6 +12,11 @@ the whole model (48 layers) at batch 1 on the GPU machine; other runs get no ver
 - the GPU part of a step (muted replay) <= 2 ms, the card named;
 - with ``--noise``: one busy core keeps >= 85% of the quiet speed, and each level's runs lie within 15% of their
   median (3 runs or more a level).
+
+And issue 20's deferral target (``--defer 0,...`` with graphs, whole model, batch 1): int4 at its best d > 0 at
+least 1.25x of d = 0 and at least 80% of the bound (CPU + GPU) / max(CPU, GPU) of the run; bf16 is reported the
+same way, unjudged. Where the bound itself is below 1.25x the verdict says so: overlap cannot reach it there, and a
+longer context (``--prompt 16384``) gives the GPU part more to hide.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ ROOFLINE_SHARE = 0.8
 ROOF_RUNS = 3  # graph decode runs in turns with read-loop passes (bench.decode's roofline alongside)
 GPU_PART_S = 2.0e-3
 NOISE_SHARE, SPREAD = 0.85, 0.15
+DEFER_SPEEDUP, DEFER_BOUND_SHARE = 1.25, 0.8
 
 #: the rows whose tok/s is ktinject's decode figure (targets, the peer comparison), in order of preference: the
 #: median of the rounds at d = 0 (``--defer 0,...``), the median of the runs in turns with the read loop, the one run
@@ -118,3 +124,22 @@ def noise_targets(times: dict[int, list[float]], args) -> list[tuple[str, str, s
                 f"{'met' if spreads[worst] <= SPREAD else 'NOT met'}: the widest {100 * spreads[worst]:.0f}% (noise "
                 f"{worst}, {len(times[worst])} runs)"))
     return out
+
+
+def defer_targets(quant: str, speedups: dict, bound: float | None, args) -> list[tuple[str, str, str, str]]:
+    """Issue 20's deferral target from ``speedups`` (setting d -> median tok/s over d = 0's, d = 0 included) and the
+    run's ``bound``: judged for int4 (bf16 reported), whole model at batch 1 with graphs, else none."""
+    later = {d: up for d, up in speedups.items() if d}
+    if not _whole_model(args) or not later or not bound or quant not in ("int4", "bf16"):
+        return []
+    best = max(later, key=later.get)
+    up = later[best]
+    what = (f"d={best}: {up:.3f}x of d=0, {100 * up / bound:.0f}% of the bound {bound:.3f}x "
+            f"(prompt {args.prompt} tokens)")
+    if quant != "int4":
+        return [(f"report: {quant} deferral, best setting", "", "", what)]
+    met = up >= DEFER_SPEEDUP and up >= DEFER_BOUND_SHARE * bound
+    why = (f"; the bound is below {DEFER_SPEEDUP:g}x here (the GPU part is under a quarter of the CPU's): a longer "
+           f"context (--prompt 16384) gives overlap more to hide" if bound < DEFER_SPEEDUP else "")
+    return [(f"target: int4 deferral >= {DEFER_SPEEDUP:g}x of d=0 and >= {100 * DEFER_BOUND_SHARE:.0f}% of the bound",
+             "", "", f"{'met' if met else 'NOT met'}: {what}{why}")]
