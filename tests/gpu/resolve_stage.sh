@@ -4,6 +4,7 @@
 #   STEP=decode bash tests/gpu/resolve_stage.sh  # ~330 s: bench decode bf16 (roofline verdict), int4/int8 --defer 0
 #                                                #   (three runs each), --noise 1,2,4 (three rounds)
 #   STEP=int4   bash tests/gpu/resolve_stage.sh  # ~270 s: int4 decode, group size default / 64 / default
+#   STEP=defer  bash tests/gpu/resolve_stage.sh  # ~250 s: int4 deferral at a 16K context (issue 20's verdict line)
 #   STEP=serve  bash tests/gpu/resolve_stage.sh  # ~330 s: bench serve int4,bf16 at 1 and 8 streams, then the
 #                                                #   10-minute soak started detached (setsid: it outlives the call
 #                                                #   while the machine is held), the serve GPU tests beside its first
@@ -27,6 +28,9 @@ case $STEP in
       KTINJECT_INT4_GROUP=$g b decode --quant int4 --defer 0 --tokens 64 | tee -a "$OUT/int4-ab.log" \
         | grep -E '^# injected|defer 0: graph|target: int4'
     done ;;
+  defer)  # issue 20 at a 16K context: d = 3 and mass 0.3 (39% of the slots, +0.8% perplexity on the demo model)
+    T=400 b decode --quant int4 --defer 0,3,0.3 --prompt 16384 --tokens 64 | tee "$OUT/defer.log" \
+      | grep -E '^# injected|defer (0|3|0.3): graph|bound|target' ;;
   serve)
     b serve --quant int4,bf16 --streams 1,8 --layers 16 | tee "$OUT/serve.log" | grep -E '^# memory|^\| (int4|bf16)'
     setsid nohup python3 tests/gpu/soak_serve.py --minutes 10 --disconnects 100 > /tmp/ktinject-soak.log 2>&1 \
