@@ -51,8 +51,8 @@ def _quant_args(quant: Any, group_size: Any, hidden: int, intermediate: int) -> 
     returns the group size."""
     if quant not in QUANTS:
         raise NativeError(ERR_DTYPE, f"quant = {quant!r} (expected one of {', '.join(QUANTS)})")
-    if group_size is None:
-        return default_group_size(hidden, intermediate)
+    if group_size is None:  # (the group means nothing to bf16 / int8: no environment read for them)
+        return default_group_size(hidden, intermediate) if quant == "int4" else 64
     if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
         raise NativeError(ERR_SHAPE, f"group_size = {group_size!r} (expected one of "
                                      f"{', '.join(map(str, GROUP_SIZES))}: int4 inputs per scale)")

@@ -33,7 +33,7 @@ from ktinject.formats.safetensors import read_header
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # 2: int4 packs in default_group_size's group (128 where the sizes allow; 64 before)
+FORMAT = 3  # 2: int4 in default_group_size's group (128 where the sizes allow; 64 before); 3: each block's layout in the manifest
 _MANIFEST = "manifest.json"
 
 
@@ -124,6 +124,14 @@ def file_signature(paths: Iterable[Path]) -> list[tuple[str, int, int]]:
     return out
 
 
+def experts_config(experts) -> str:
+    """What the packed bytes of ``experts`` (a native.Experts) are laid out for, as the manifest records it."""
+    e = experts
+    group = f" group {e.group_size}" if e.quant == "int4" else ""
+    return (f"{e.quant}{group}, E={e.num_experts} H={e.hidden} I={e.intermediate}, {e.activation}, "
+            f"bias={e.bias}")
+
+
 def cache_key(**parts: Any) -> str:
     """A short hex digest of ``parts`` (JSON-serialisable values; keys sorted)."""
     blob = json.dumps({"format": FORMAT, **parts}, sort_keys=True, default=repr).encode()
@@ -138,7 +146,7 @@ class PackCache:
         self.root, self.key, self.checkpoint = Path(root), key, str(Path(checkpoint).resolve())
         self.dir = self.root / key
         self._tmp: Path | None = None
-        self._written: dict[str, tuple[str, int]] = {}
+        self._written: dict[str, tuple[str, int, str]] = {}
         self._manifest: dict[str, Any] | None = None
         self._buffers = BufferPool()
 
@@ -150,7 +158,7 @@ class PackCache:
                 manifest = json.loads((self.dir / _MANIFEST).read_text())
                 if manifest.get("key") != self.key or manifest.get("format") != FORMAT:
                     return False
-                for name, (fname, nbytes) in manifest["blocks"].items():
+                for name, (fname, nbytes, _config) in manifest["blocks"].items():
                     if (self.dir / fname).stat().st_size < nbytes:
                         log.warning("packed-expert cache %s: %s is truncated; repacking", self.dir, fname)
                         return False
@@ -164,7 +172,11 @@ class PackCache:
 
     def load(self, name: str, experts) -> int:
         """Fill ``experts`` with the packed bytes of block ``name``; returns bytes read."""
-        path = self.dir / self._manifest["blocks"][name][0]
+        fname, _, config = self._manifest["blocks"][name]
+        path = self.dir / fname
+        if config != experts_config(experts):  # same bytes, other layout (int4 groups of 64 and 128 can): never
+            raise CacheError(f"packed-expert cache file {path} holds experts packed as {config}, block {name!r} is "
+                             f"{experts_config(experts)}; delete {self.dir}")
         try:
             buf = read_tensor(path, "packed", self._buffers)
         except (OSError, ValueError) as e:
@@ -203,7 +215,7 @@ class PackCache:
         fname = f"{name}.safetensors"
         data = experts.export()
         write_tensor(self._tmp / fname, "packed", data, {"block": name, "key": self.key})
-        self._written[name] = (fname, data.numel())
+        self._written[name] = (fname, data.numel(), experts_config(experts))
         return data.numel()
 
     def commit(self, meta: dict[str, Any]) -> None:

@@ -9,6 +9,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _default_int4_group():
+    """Tests see the default int4 group rule, module-scoped models too (an A/B script's KTINJECT_INT4_GROUP in the
+    shell does not leak in); a test that wants it sets it itself (monkeypatch)."""
+    saved = os.environ.pop("KTINJECT_INT4_GROUP", None)
+    yield
+    if saved is not None:
+        os.environ["KTINJECT_INT4_GROUP"] = saved
+
+
 @pytest.fixture(scope="session")
 def demo_env(tmp_path_factory):
     """Environment for subprocesses: this process's, offline, this checkout importable, unbuffered output, and the

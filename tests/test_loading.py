@@ -163,6 +163,16 @@ def test_cache_key_holds_the_int4_group(tmp_path_factory, tmp_path, monkeypatch)
     assert load("32") == ("written", {32})
     assert load("64") == ("written", {64})
     assert load("64") == ("hit", {64})
+    # a manifest whose block layout is not the experts' (same bytes can be another layout) is refused, not read
+    from ktinject.packcache import CacheError
+
+    entry, = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    manifest = json.loads((entry / "manifest.json").read_text())
+    for block in manifest["blocks"].values():
+        block[2] = block[2].replace("group 64", "group 128")
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CacheError, match="holds experts packed as int4 group 128, .* is int4 group 64.*delete"):
+        load("64")
 
 
 def test_cache_default_place_and_policy(tmp_path_factory, tmp_path, monkeypatch):

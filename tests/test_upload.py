@@ -52,7 +52,8 @@ def test_raw_view_describes_the_packed_matrix(quant, E, H, I):
         for which in ("gate", "up", "down"):
             r = experts_raw(ex, e, which)
             N, K = ex.shape(which)
-            assert (r.quant, r.N, r.K, r.Np, r.Kp) == (quant, N, K, _up(N, 16), _up(K, 64))
+            kq = max(64, ex.group_size) if quant == "int4" else 64
+            assert (r.quant, r.N, r.K, r.Np, r.Kp) == (quant, N, K, _up(N, 16), _up(K, kq))
             assert r.expert == base + e * r.expert_bytes and r.expert_bytes * E == nbytes
             assert r.data_bytes == r.Np * r.Kp * {"bf16": 2, "int8": 1, "int4": 0.5}[quant]
             assert r.expert <= r.data and r.data + r.data_bytes <= r.expert + r.expert_bytes

@@ -279,8 +279,9 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     else:
         kernels = "CPU only"
     stored = quant
-    if quant == "int4":
-        stored += f", groups of {native.default_group_size(cfg.hidden_size, cfg.moe_intermediate_size)}"
+    groups = {m.native_experts.group_size for m in model.modules() if hasattr(m, "native_experts")}
+    if quant == "int4" and groups:
+        stored += f", groups of {'/'.join(map(str, sorted(groups)))}"
     print(f"# injected ({stored}) in {time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, "
           f"{pool.threads} threads{'' if pinned else ', not pinned'}; {kernels}", flush=True)
     if args.defer:

@@ -200,7 +200,7 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
     @staticmethod
     def _costs_key(block) -> tuple:
         ex = block.native_experts
-        return ex.quant, ex.num_experts, ex.hidden, ex.intermediate
+        return ex.quant, ex.num_experts, ex.hidden, ex.intermediate, ex.group_size if ex.quant == "int4" else 0
 
     def prepare(self) -> float:
         """The one-time work of the first streamed prompt done now (the set-up; in auto mode the cost model's

@@ -20,7 +20,8 @@ dtype (both are one float32 product per quantized weight, rounded once). If the 
 ``StagingPool``: a few pinned host buffers that a worker thread fills with a plain memcpy of the packed bytes (no
 conversion), copied the same way.
 
-Legend: N output rows, K input columns, Np = round_up(N, 16), Kp = round_up(K, 64), I intermediate, H hidden.
+Legend: N output rows, K input columns, Np = round_up(N, 16), Kp = round_up(K, 64) (int4: round_up(K, max(64, G)),
+G the group), I intermediate, H hidden.
 """
 from __future__ import annotations
 

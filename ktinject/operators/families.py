@@ -88,6 +88,17 @@ class ExpertStream:
 
     spec: BlockSpec
     quant: str
+    #: the int4 group, decided once here (``native.default_group_size`` when not given; 0 for bf16 / int8), so the
+    #: plan's bytes, the pack cache's key and the experts built agree whatever the environment does meanwhile
+    group_size: int | None = None
+
+    def __post_init__(self):
+        g = self.group_size
+        if self.quant != "int4":
+            g = 0
+        elif g is None:
+            g = native.default_group_size(self.spec.hidden, self.spec.intermediate)
+        object.__setattr__(self, "group_size", g)
 
     def leaf(self, rest: str) -> str | None:
         """The experts leaf named by ``rest`` (a tensor name relative to the block), or None for other tensors."""
@@ -96,16 +107,11 @@ class ExpertStream:
 
     @property
     def nbytes(self) -> int:
-        return packed_nbytes(self.spec, self.quant)
-
-    @property
-    def group_size(self) -> int:
-        """The int4 group the experts will be packed in (``native.default_group_size``), 0 for bf16 / int8."""
-        return native.default_group_size(self.spec.hidden, self.spec.intermediate) if self.quant == "int4" else 0
+        return packed_nbytes(self.spec, self.quant, self.group_size or None)
 
     def new_experts(self, block: nn.Module):
         """Empty native experts for ``block`` (its experts module may be on the meta device)."""
-        return new_experts(self.spec, block.experts, self.quant)
+        return new_experts(self.spec, block.experts, self.quant, self.group_size or None)
 
 
 def _fail(name: str, module: nn.Module, why: str) -> OperatorError:
@@ -189,14 +195,15 @@ def inspect_block(module: nn.Module, name: str) -> BlockSpec:
     return BlockSpec(router, shared, returns_scores, layout, E, H, I, cls in KNOWN_BLOCKS)
 
 
-def packed_nbytes(spec: BlockSpec, quant: str) -> int:
+def packed_nbytes(spec: BlockSpec, quant: str, group_size: int | None = None) -> int:
     """Bytes the native experts will hold (the packed, padded layout: ``native.Experts.packed_nbytes``).
 
     About 2 B/weight for bf16, 1 B/weight plus per-row scales for int8, 0.5 B/weight plus a scale per 128 (or 64)
     weights for int4; gpt-oss adds f32 biases. Pure: no library load, works for meta-device modules."""
     if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r}; use one of {', '.join(QUANTS)}")
-    return native.Experts.packed_nbytes(spec.num_experts, spec.hidden, spec.intermediate, quant, bias=spec.has_bias)
+    return native.Experts.packed_nbytes(spec.num_experts, spec.hidden, spec.intermediate, quant, bias=spec.has_bias,
+                                        group_size=group_size)
 
 
 def experts_nbytes(module: nn.Module) -> int:
@@ -216,9 +223,10 @@ def _activation(spec: BlockSpec, experts_module: nn.Module) -> dict:
             "limit": float(getattr(experts_module, "limit", GPT_OSS_LIMIT))}
 
 
-def new_experts(spec: BlockSpec, experts_module: nn.Module, quant: str):
+def new_experts(spec: BlockSpec, experts_module: nn.Module, quant: str, group_size: int | None = None):
     """Empty ``native.Experts`` for the block (filled expert by expert, e.g. by the streaming loader)."""
     return native.Experts(spec.num_experts, spec.hidden, spec.intermediate, quant=quant, bias=spec.has_bias,
+                          group_size=group_size,
                           **_activation(spec, experts_module))
 
 
