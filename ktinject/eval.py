@@ -131,6 +131,12 @@ def load(model_dir, config: str, gpu: str, **inject_kwargs):
     return model
 
 
+def _label(name: str, model) -> str:
+    """The configuration's row name; int4 says its group size (``native.default_group_size`` picks it by shape)."""
+    groups = sorted({m.native_experts.group_size for m in model.modules() if hasattr(m, "native_experts")})
+    return f"{name} (groups of {'/'.join(map(str, groups))})" if name == "int4" and groups else name
+
+
 def run(model_dir, text: str, configs, gpu: str = "cpu", window: int = 256, max_tokens: int | None = None,
         defers=(), **inject_kwargs) -> list[tuple[str, Scores]]:
     """[(name, Scores)]: the float32 reference first, then each configuration; with ``defers`` (deferral settings:
@@ -149,12 +155,13 @@ def run(model_dir, text: str, configs, gpu: str = "cpu", window: int = 256, max_
     rows = [("hf-float32 (reference)", ref_scores)]
     for name in configs:
         model = load(model_dir, name, gpu, **inject_kwargs)
-        rows.append((name, score(model, chunks, ref_top)[0]))
+        label = _label(name, model)
+        rows.append((label, score(model, chunks, ref_top)[0]))
         for d in defer_settings(defers) if defers and not name.startswith("hf") else ():
             from ktinject.operators.deferral import set_defer
 
             set_defer(model, d)
-            rows.append((f"{name}, decode steps, defer {d}", score_decode(model, chunks, ref_top)[0]))
+            rows.append((f"{label}, decode steps, defer {d}", score_decode(model, chunks, ref_top)[0]))
         del model
     rows.append(("unigram (fit on this text)", Scores(nll=math.log(unigram_perplexity(chunks)) * ref_scores.n,
                                                        n=ref_scores.n)))
