@@ -94,6 +94,11 @@ class Experts:
         _check(lib.ktk_experts_create(cfg, out))
         self._p = ffi.gc(out[0], lib.ktk_experts_destroy)
 
+    @staticmethod
+    def checked_group_size(quant: str, group_size: int | None, hidden: int, intermediate: int) -> int:
+        """The group size these arguments give (None: ``default_group_size``), or NativeError naming the bad one."""
+        return _quant_args(quant, group_size, hidden, intermediate)
+
     def __repr__(self) -> str:
         group = f", group_size={self.group_size}" if self.quant == "int4" else ""
         return (f"Experts(E={self.num_experts}, H={self.hidden}, I={self.intermediate}, quant={self.quant!r}{group}, "

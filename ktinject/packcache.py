@@ -162,7 +162,7 @@ class PackCache:
                     if (self.dir / fname).stat().st_size < nbytes:
                         log.warning("packed-expert cache %s: %s is truncated; repacking", self.dir, fname)
                         return False
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):  # (a manifest of another shape too)
                 return False
             self._manifest = manifest
         return True
@@ -251,6 +251,6 @@ class PackCache:
                 manifest = json.loads((other / _MANIFEST).read_text())
             except (OSError, ValueError):
                 continue
-            if manifest.get("checkpoint") == self.checkpoint:
+            if isinstance(manifest, dict) and manifest.get("checkpoint") == self.checkpoint:
                 log.info("removing stale packed-expert cache %s", other)
                 shutil.rmtree(other, ignore_errors=True)

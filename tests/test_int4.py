@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -254,6 +255,25 @@ def test_default_group_size(H, I, G):
     assert kn.Experts(1, H, I, quant="int4").group_size == G
     assert kn.Experts(1, H, I, quant="int4", group_size=32).group_size == 32
     assert kn.Experts.packed_nbytes(1, H, I, "int4") == kn.Experts.packed_nbytes(1, H, I, "int4", group_size=G)
+
+
+def test_expert_stream_decides_the_group_once(monkeypatch):
+    """A streamed block's group is fixed when its stream is made (the plan's bytes, the cache key and the experts
+    agree whatever the environment does later); a given group is checked at once; bf16 / int8 have none."""
+    import dataclasses
+
+    from ktinject.operators.families import BlockSpec, ExpertStream
+
+    spec = BlockSpec("gate", None, False, "hf", 4, 256, 128, True)
+    s = ExpertStream(spec, "int4")
+    monkeypatch.setenv("KTINJECT_INT4_GROUP", "32")
+    assert s.group_size == 128 and s.new_experts(SimpleNamespace(experts=None)).group_size == 128
+    assert s.nbytes == kn.Experts.packed_nbytes(4, 256, 128, "int4", group_size=128)
+    assert ExpertStream(spec, "int4").group_size == 32  # a new stream reads it
+    assert ExpertStream(spec, "bf16").group_size == 0
+    assert dataclasses.replace(ExpertStream(spec, "bf16"), quant="int4").group_size == 32  # 0 carried over: decided
+    with pytest.raises(kn.NativeError, match="group_size = 96"):
+        ExpertStream(spec, "int4", 96)
 
 
 def test_default_group_size_env(monkeypatch):

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 import ktinject
-from ktinject.bench.targets import defer_targets
+from ktinject.bench.targets import defer_failed, defer_targets
 from ktinject.bench.timing import profile_line, replay_iters
 from ktinject.cli import defer_list, defer_settings
 from ktinject.operators import deferral, fused_dense
@@ -107,6 +107,8 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers, quant: str = "b
         entries[d] = _entry(runner, B, chain.setting) if graphs else None
         if graphs and entries[d] is None:
             add((f"defer {d}", "failed", "", f"no graph captured: {runner.stats.capture_failures[-1:]}"))
+            for row in defer_failed(quant, f"no decode graph captured at defer {d}", args):
+                add(row)
             return
     gen: dict[int | float, list[float]] = {d: [] for d in ds}
     bare: dict[int | float, list[float]] = {d: [] for d in ds}
@@ -166,5 +168,5 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers, quant: str = "b
             steps = replay_iters(runner, P, args.tokens) + 1  # graph_replay's warm-up too
             add((f"defer {d}: the pool inside bare replays", "", _ms(prof["jobs"] * prof["job_us"] / 1e6 / steps),
                  "CPU jobs a step, summed (go seen -> done raised); " + profile_line(prof)))
-    for row in defer_targets(quant, speedups, bound, args) if graphs else ():
+    for row in defer_targets(quant, speedups, bound, args, cpu_s, gpu_s) if graphs else ():
         add(row)

@@ -68,11 +68,17 @@ def _compile():
     if not cc:
         log.warning("no C compiler found: memory bandwidth from torch alone")
         return None
+    try:
+        code = importlib.resources.files(__package__).joinpath("readloop.c").read_text()
+    except OSError as e:
+        log.warning("the read loop's source readloop.c is missing from the installation (package data of "
+                    "ktinject.bench: %s): memory bandwidth from torch alone", e)
+        return None
     tmp = tempfile.mkdtemp(prefix="ktb_read_")
     src, so = os.path.join(tmp, "read.c"), os.path.join(tmp, "read.so")
-    with open(src, "w") as f:
-        f.write(importlib.resources.files(__package__).joinpath("readloop.c").read_text())
     try:
+        with open(src, "w") as f:
+            f.write(code)
         subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", src, "-o", so], check=True, capture_output=True,
                        text=True, timeout=120)
         lib = ctypes.CDLL(so)

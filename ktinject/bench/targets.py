@@ -20,6 +20,7 @@ longer context (``--prompt 16384``) gives the GPU part more to hide.
 """
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -126,20 +127,44 @@ def noise_targets(times: dict[int, list[float]], args) -> list[tuple[str, str, s
     return out
 
 
-def defer_targets(quant: str, speedups: dict, bound: float | None, args) -> list[tuple[str, str, str, str]]:
-    """Issue 20's deferral target from ``speedups`` (setting d -> median tok/s over d = 0's, d = 0 included) and the
-    run's ``bound``: judged for int4 (bf16 reported), whole model at batch 1 with graphs, else none."""
+DEFER_TARGET = (f"target: int4 deferral >= {DEFER_SPEEDUP:g}x of d=0 and >= {100 * DEFER_BOUND_SHARE:.0f}% of the "
+                f"bound")
+LONG_CONTEXT = 16384  # the context the deferral runs take when the bound is short at the default one
+
+
+def _floor_pct(x: float) -> str:
+    """A share as a percentage rounded down to a tenth (79.97% is not printed as a met 80%)."""
+    return f"{math.floor(1000 * x) / 10:.1f}%"
+
+
+def defer_targets(quant: str, speedups: dict, bound: float | None, args, cpu_s: float | None = None,
+                  gpu_s: float | None = None) -> list[tuple[str, str, str, str]]:
+    """Issue 20's deferral target from ``speedups`` (setting -> median tok/s over d = 0's, d = 0 included) and the
+    run's ``bound`` (from ``cpu_s`` and ``gpu_s``, the CPU's and the GPU's part of a step, which word the advice):
+    judged for int4 (bf16 reported), whole model at batch 1 with graphs, else none."""
     later = {d: up for d, up in speedups.items() if d}
     if not _whole_model(args) or not later or not bound or quant not in ("int4", "bf16"):
         return []
     best = max(later, key=later.get)
     up = later[best]
-    what = (f"d={best}: {up:.3f}x of d=0, {100 * up / bound:.0f}% of the bound {bound:.3f}x "
-            f"(prompt {args.prompt} tokens)")
+    what = (f"defer {best}: {up:.3f}x of d=0, {_floor_pct(up / bound)} of the bound {bound:.3f}x (prompt "
+            f"{args.prompt} tokens)")
     if quant != "int4":
         return [(f"report: {quant} deferral, best setting", "", "", what)]
     met = up >= DEFER_SPEEDUP and up >= DEFER_BOUND_SHARE * bound
-    why = (f"; the bound is below {DEFER_SPEEDUP:g}x here (the GPU part is under a quarter of the CPU's): a longer "
-           f"context (--prompt 16384) gives overlap more to hide" if bound < DEFER_SPEEDUP else "")
-    return [(f"target: int4 deferral >= {DEFER_SPEEDUP:g}x of d=0 and >= {100 * DEFER_BOUND_SHARE:.0f}% of the bound",
-             "", "", f"{'met' if met else 'NOT met'}: {what}{why}")]
+    why = ""
+    if bound < DEFER_SPEEDUP:
+        why = f"; the bound is below {DEFER_SPEEDUP:g}x here"
+        if cpu_s is not None and gpu_s is not None:
+            if gpu_s < cpu_s:
+                why += (f" (the GPU part, {gpu_s * 1e3:.2f} ms, is under a quarter of the CPU's {cpu_s * 1e3:.2f}): "
+                        + (f"a longer context (--prompt {LONG_CONTEXT}) gives overlap more to hide"
+                           if args.prompt < LONG_CONTEXT else "out of reach at this context"))
+            else:
+                why += f" (the CPU part, {cpu_s * 1e3:.2f} ms, is under a quarter of the GPU's {gpu_s * 1e3:.2f})"
+    return [(DEFER_TARGET, "", "", f"{'met' if met else 'NOT met'}: {what}{why}")]
+
+
+def defer_failed(quant: str, why: str, args) -> list[tuple[str, str, str, str]]:
+    """The deferral target's row where the run could not measure it (int4, whole model, batch 1), else none."""
+    return [(DEFER_TARGET, "", "", f"NOT met: {why}")] if quant == "int4" and _whole_model(args) else []

@@ -96,8 +96,10 @@ class ExpertStream:
         g = self.group_size
         if self.quant != "int4":
             g = 0
-        elif g is None:
+        elif not g:  # None (or a bf16 stream's 0 carried over by dataclasses.replace): decided here
             g = native.default_group_size(self.spec.hidden, self.spec.intermediate)
+        else:  # given: checked now, not when the experts are built
+            g = native.Experts.checked_group_size(self.quant, g, self.spec.hidden, self.spec.intermediate)
         object.__setattr__(self, "group_size", g)
 
     def leaf(self, rest: str) -> str | None:

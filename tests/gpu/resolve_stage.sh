@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The runs that judge issues 18 and 21 on the GPU machine, in four device calls (carry .whl), from the repository
-# root; logs under $OUT:
+# The runs that judge issues 18, 20 and 21 on the GPU machine, one device call a step (carry .whl), from the
+# repository root; logs under $OUT. The next session's order: decode, defer, serve, then soak at once (~25 minutes):
 #   STEP=decode bash tests/gpu/resolve_stage.sh  # ~330 s: bench decode bf16 (roofline verdict), int4/int8 --defer 0
 #                                                #   (three runs each), --noise 1,2,4 (three rounds)
 #   STEP=int4   bash tests/gpu/resolve_stage.sh  # ~270 s: int4 decode, group size default / 64 / default
@@ -14,7 +14,7 @@
 #                                                #   log to $OUT as it goes (a cut call still brings the rows back)
 set -uo pipefail
 . tests/gpu/stage_lib.sh
-[ "${STEP:?STEP=decode|serve|soak}" = soak ] || stage_setup
+[ "${STEP:?STEP=decode|int4|defer|serve|soak}" = soak ] || stage_setup
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
 b() { echo "=== bench $* $(steal) $(date -u +%T)"; timeout "${T:-300}" python3 -m ktinject.bench "$@" 2>&1 | grep -v Warning; }
@@ -46,6 +46,6 @@ case $STEP in
     done
     cp /tmp/ktinject-soak.log "$OUT/soak.log" 2>/dev/null || echo "no soak log (the machine was released?)"
     grep -E '^#' "$OUT/soak.log" | tail -14 ;;
-  *) echo "STEP=decode|serve|soak"; exit 2 ;;
+  *) echo "STEP=decode|int4|defer|serve|soak"; exit 2 ;;
 esac
 echo "=== $(steal) $(date -u +%T) commit $(git rev-parse --short HEAD 2>/dev/null)"
