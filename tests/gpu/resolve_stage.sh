@@ -1,26 +1,30 @@
 #!/usr/bin/env bash
 # The runs that judge issues 18, 20 and 21 on the GPU machine, one device call a step (carry .whl), from the
-# repository root; logs under $OUT. The next session's order: decode, defer, serve, then soak at once (~25 minutes):
-#   STEP=decode bash tests/gpu/resolve_stage.sh  # ~330 s: bench decode bf16 (roofline verdict), int4/int8 --defer 0
-#                                                #   (three runs each), --noise 1,2,4 (three rounds)
-#   STEP=int4   bash tests/gpu/resolve_stage.sh  # ~270 s: int4 decode, group size default / 64 / default
-#   STEP=defer  bash tests/gpu/resolve_stage.sh  # ~250 s: int4 deferral at a 16K context (issue 20's verdict line)
+# repository root; logs under $OUT. Order (~24 minutes of the 30): serve, soak at once, decode, defer; bf16 and int4
+# when there is time (the machine is released 30 s after a call: the soak call must follow the serve call at once,
+# or the soak dies with the machine):
 #   STEP=serve  bash tests/gpu/resolve_stage.sh  # ~330 s: bench serve int4,bf16 at 1 and 8 streams, then the
 #                                                #   10-minute soak started detached (setsid: it outlives the call
 #                                                #   while the machine is held), the serve GPU tests beside its first
 #                                                #   minute (correctness only: the soak judges memory, not speed)
-#   STEP=soak   bash tests/gpu/resolve_stage.sh  # AT ONCE after (the machine is released 30 s after a call, and the
-#                                                #   soak with it): waits for the soak's verdict (~560 s), copying its
+#   STEP=soak   bash tests/gpu/resolve_stage.sh  # AT ONCE after: waits for the soak's verdict (~560 s), copying its
 #                                                #   log to $OUT as it goes (a cut call still brings the rows back)
+#   STEP=decode bash tests/gpu/resolve_stage.sh  # ~220 s: bench decode int4/int8 --defer 0 (three runs each),
+#                                                #   int4 --noise 1,2,4 (three rounds)
+#   STEP=defer  bash tests/gpu/resolve_stage.sh  # ~250 s: int4 deferral at a 16K context (issue 20's verdict line)
+#   STEP=bf16   bash tests/gpu/resolve_stage.sh  # ~120 s: bench decode bf16 (the roofline verdict)
+#   STEP=int4   bash tests/gpu/resolve_stage.sh  # ~270 s: int4 decode, group size default / 64 / default
 set -uo pipefail
 . tests/gpu/stage_lib.sh
-[ "${STEP:?STEP=decode|int4|defer|serve|soak}" = soak ] || stage_setup
+case "${STEP:-}" in serve|soak|decode|defer|bf16|int4) ;; *) echo "STEP=serve|soak|decode|defer|bf16|int4"; exit 2 ;; esac
+[ "$STEP" = soak ] || stage_setup
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
 b() { echo "=== bench $* $(steal) $(date -u +%T)"; timeout "${T:-300}" python3 -m ktinject.bench "$@" 2>&1 | grep -v Warning; }
 case $STEP in
+  bf16)
+    b decode --quant bf16 --tokens 32 --hf-tokens 0 | tee "$OUT/bf16.log" | grep -E '^# memory|target|roofline' ;;
   decode)
-    b decode --quant bf16 --tokens 32 --hf-tokens 0 | tee "$OUT/bf16.log" | grep -E '^# memory|target|roofline'
     b decode --quant int4,int8 --defer 0 --tokens 64 | tee "$OUT/int.log" | grep -E 'target|defer 0: graph'
     b decode --quant int4 --noise 1,2,4 --noise-only | tee "$OUT/noise.log" | grep -E 'median of|target' ;;
   int4)  # the int4 group size's A/B/A in one call: default (128 at these sizes), 64, default
@@ -46,6 +50,5 @@ case $STEP in
     done
     cp /tmp/ktinject-soak.log "$OUT/soak.log" 2>/dev/null || echo "no soak log (the machine was released?)"
     grep -E '^#' "$OUT/soak.log" | tail -14 ;;
-  *) echo "STEP=decode|int4|defer|serve|soak"; exit 2 ;;
 esac
 echo "=== $(steal) $(date -u +%T) commit $(git rev-parse --short HEAD 2>/dev/null)"
