@@ -19,7 +19,8 @@ from ktinject.gpu_experts.upload import (
     PackedRegion, StagingPool, Uploader, expert_layout, unpack_experts, unpack_matrix,
 )
 
-SHAPES = [(3, 37, 21), (2, 64, 16), (2, 130, 70), (1, 16, 64), (2, 1, 1)]  # (E, H, I)
+# (E, H, I); the last takes int4 groups of 128 by default
+SHAPES = [(3, 37, 21), (2, 64, 16), (2, 130, 70), (1, 16, 64), (2, 1, 1), (2, 256, 128)]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
