@@ -171,6 +171,41 @@ def test_bad_quant_names_choices():
         inject(model, gpu="cpu", quant="int3")
 
 
+def test_int4_group_size_rule_kwarg(tmp_path):
+    """moe's group_size kwarg: the blocks hold that group and the plan counts its bytes; it needs int4 and one of
+    the native group sizes, and says so."""
+    import ktinject
+    from ktinject import inject, native
+    from ktinject.operators.base import OperatorError
+
+    def rules(kwargs: str):
+        path = tmp_path / "rules.yaml"
+        path.write_text(f"- match: {{class: Qwen3MoeSparseMoeBlock}}\n  replace: moe\n  kwargs: {kwargs}\n"
+                        "- include: common.yaml\n")
+        return path
+
+    model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    cfg = model.config
+    default = ktinject.plan(model, rules("{quant: int4}"), gpu="cpu")
+    plan = inject(model, rules("{quant: int4, group_size: 32}"), gpu="cpu")
+    blocks = [m for m in model.modules() if hasattr(m, "native_experts")]
+    assert blocks and {b.native_experts.group_size for b in blocks} == {32}
+    # the plan counts the group's bytes (gpu="cpu": the block's dense tensors are in the same figure)
+    packed = {g: native.Experts.packed_nbytes(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, "int4",
+                                              group_size=g) for g in (32, None)}
+    assert packed[32] > packed[None]
+    moe = [(a.nbytes["cpu"], b.nbytes["cpu"]) for a, b in zip(plan.operator_entries(), default.operator_entries())
+           if a.operator == "moe"]
+    assert moe and all(a - b == packed[32] - packed[None] for a, b in moe)
+    assert torch.isfinite(model(tiny_prompts(1, 8, vocab=cfg.vocab_size)).logits).all()
+    for kwargs, match in (("{quant: bf16, group_size: 64}", "group_size 64 .* applies to quant int4 only"),
+                          ("{group_size: 64}", "applies to quant int4 only .* quant is bf16"),
+                          ("{quant: int4, group_size: 48}", "group_size 48 .* use one of 32, 64, 128"),
+                          ("{quant: int4, group_size: true}", "group_size True .* use one of 32, 64, 128")):
+        with pytest.raises(OperatorError, match=match):
+            inject(build_tiny_model("qwen3_moe", dtype=torch.bfloat16), rules(kwargs), gpu="cpu")
+
+
 # ------------------------------------------------------------------------------------------------------ GPU
 
 

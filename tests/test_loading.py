@@ -173,6 +173,14 @@ def test_cache_key_holds_the_int4_group(tmp_path_factory, tmp_path, monkeypatch)
     (entry / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CacheError, match="holds experts packed as int4 group 128, .* is int4 group 64.*delete"):
         load("64")
+    # the rules' group_size streams in that group too (and keys its own entry)
+    monkeypatch.delenv("KTINJECT_INT4_GROUP")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("- match: {class: DeepseekV3MoE}\n  replace: moe\n  kwargs: {quant: int4, group_size: 32}\n"
+                     "- include: common.yaml\n")
+    model = ktinject.from_pretrained(d, rules, gpu="cpu", cache_dir=cache, progress=False)
+    assert model._ktinject_load_stats["cache"] == "written"
+    assert {b.native_experts.group_size for b in _hybrids(model)} == {32}
 
 
 def test_cache_default_place_and_policy(tmp_path_factory, tmp_path, monkeypatch):

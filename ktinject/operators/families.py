@@ -232,7 +232,7 @@ def new_experts(spec: BlockSpec, experts_module: nn.Module, quant: str, group_si
                           **_activation(spec, experts_module))
 
 
-def pack_experts(module: nn.Module, spec: BlockSpec, quant: str, name: str):
+def pack_experts(module: nn.Module, spec: BlockSpec, quant: str, name: str, group_size: int | None = None):
     """Hand the block's routed experts to a new ``native.Experts`` (repacked, maybe quantized)."""
     ex = module.experts
     if ex.gate_up_proj.device.type == "meta":
@@ -242,9 +242,9 @@ def pack_experts(module: nn.Module, spec: BlockSpec, quant: str, name: str):
     if spec.layout == "gpt_oss":
         return native.Experts.from_gpt_oss(
             _cpu(ex.gate_up_proj), _cpu(ex.gate_up_proj_bias), _cpu(ex.down_proj), _cpu(ex.down_proj_bias),
-            alpha=act["alpha"], limit=act["limit"], quant=quant,
+            alpha=act["alpha"], limit=act["limit"], quant=quant, group_size=group_size,
         )
-    return native.Experts.from_hf(_cpu(ex.gate_up_proj), _cpu(ex.down_proj), quant=quant)
+    return native.Experts.from_hf(_cpu(ex.gate_up_proj), _cpu(ex.down_proj), quant=quant, group_size=group_size)
 
 
 def gpt_oss_biases(experts_module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,9 @@ The router's fast path (softmax -> top-k routers in fewer kernels) and the host 
 
 Rule keyword arguments: ``quant``: ``bf16`` (default), ``int8`` (W8A8: int8 weights with per-output-channel
 scales, activations quantized per token on the fly) or ``int4`` (W4A8: int4 weights with a scale per group of 128
-inputs where the block's sizes are multiples of 128, else 64: ~4.25 / ~4.5 bits a weight; int8 activations; dequantized to bf16 for AMX when an expert has many rows);
+inputs where the block's sizes are multiples of 128, else 64: ~4.25 / ~4.5 bits a weight; int8 activations;
+dequantized to bf16 for AMX when an expert has many rows); ``group_size`` (with int4 only: 32, 64 or 128 inputs a
+scale instead of that default; smaller groups follow the weights more closely and read more bytes);
 ``defer``: d (an int, default 0) of each token's k experts, the lowest-weighted, or (a float m, 0 < m < 1) its
 lowest-weighted experts up to a share m of its routing weight, deferred in decode steps to the next MoE block, which
 adds their output to its own while the CPU has computed them during that block's attention
@@ -56,6 +58,21 @@ def _quant(kwargs: Mapping[str, Any], name: str) -> str:
     if quant not in QUANTS:
         raise OperatorError(f"moe: quant {quant!r} for {name!r} is not supported; use one of {', '.join(QUANTS)}")
     return quant
+
+
+def _group(kwargs: Mapping[str, Any], name: str) -> int | None:
+    """The ``group_size`` kwarg (int4 only: inputs per scale), checked; None: ``native.default_group_size``."""
+    group = kwargs.get("group_size")
+    if group is None:
+        return None
+    quant = _quant(kwargs, name)
+    if quant != "int4":
+        raise OperatorError(f"moe: group_size {group!r} for {name!r} applies to quant int4 only (this rule's quant is "
+                            f"{quant}); drop it or set quant: int4")
+    if isinstance(group, bool) or group not in native.GROUP_SIZES:
+        raise OperatorError(f"moe: group_size {group!r} for {name!r} is not supported; use one of "
+                            f"{', '.join(map(str, native.GROUP_SIZES))} (int4 inputs per scale)")
+    return int(group)
 
 
 class HybridMoE(nn.Module):
@@ -311,12 +328,13 @@ class MoEOperator(Operator):
     Two ways in, one way out: ``build`` packs the experts of a loaded block, the streaming loader fills native
     experts from the checkpoint itself (``expert_stream`` says what to fill); both end in ``build_packed``."""
 
-    kwargs_allowed = frozenset({"quant", "defer"}) | HOT_KWARGS | PREFILL_KWARGS
+    kwargs_allowed = frozenset({"quant", "group_size", "defer"}) | HOT_KWARGS | PREFILL_KWARGS
 
     @classmethod
     def check(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> None:
         spec = inspect_block(module, name)
         _quant(kwargs, name)
+        _group(kwargs, name)
         _defer(kwargs, module, spec, name)
         if not spec.known:
             log.warning("moe: %s (%s) is not a verified block class; driving it as one with router %r, shared "
@@ -326,7 +344,7 @@ class MoEOperator(Operator):
     @classmethod
     def placement(cls, module: nn.Module, kwargs: Mapping[str, Any], device: torch.device) -> dict[str, int]:
         spec = inspect_block(module, "<placement>")
-        host = packed_nbytes(spec, _quant(kwargs, "<placement>"))
+        host = packed_nbytes(spec, _quant(kwargs, "<placement>"), _group(kwargs, "<placement>"))
         on_device = tensor_bytes(module) - experts_nbytes(module) + router_f32_extra(getattr(module, spec.router))
         out: dict[str, int] = {"cpu": host}
         out[str(torch.device(device))] = out.get(str(torch.device(device)), 0) + on_device
@@ -334,13 +352,13 @@ class MoEOperator(Operator):
 
     @classmethod
     def expert_stream(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> ExpertStream:
-        return ExpertStream(inspect_block(module, name), _quant(kwargs, name))
+        return ExpertStream(inspect_block(module, name), _quant(kwargs, name), _group(kwargs, name))
 
     @classmethod
     def build(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any], device: torch.device) -> nn.Module:
         spec = inspect_block(module, name)
         quant = _quant(kwargs, name)
-        experts = pack_experts(module, spec, quant, name)
+        experts = pack_experts(module, spec, quant, name, _group(kwargs, name))
         biases = gpt_oss_biases(module.experts) if spec.has_bias else None
         free_experts(module)
         return _hybrid(module, name, spec, quant, device, experts, biases, _defer(kwargs, module, spec, name))
