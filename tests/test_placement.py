@@ -233,7 +233,7 @@ def test_hot_expert_settings_defaults_and_errors(tmp_path):
     from ktinject.operators.moe import MoEOperator
 
     make = settings.HotExpertSettings.make
-    assert set(settings.OPTIONS) == MoEOperator.kwargs_allowed - {"quant", "defer", "prefill"}  # the same options
+    assert set(settings.OPTIONS) == MoEOperator.kwargs_allowed - {"quant", "group_size", "defer", "prefill"}
     assert make("12GiB") == settings.HotExpertSettings(12 * 2**30, "dynamic", None, 64)
     stats = expert_stats.save_stats(expert_stats.ExpertStats(("a",), torch.ones(1, 4)), tmp_path / "s.json")
     assert make("1GiB", stats=str(stats)).strategy == "frequency"
