@@ -31,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="statistics file to write (safetensors; .json for JSON)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's)")
-    p.add_argument("--quant", choices=["bf16", "int8", "int4"], default="bf16")
+    p.add_argument("--quant", choices=["bf16", "int8", "int4"],
+                   help="expert weight format (default: the rules' quant, else bf16)")
     p.add_argument("--gpu", help='device for the dense part (default "cuda" if available, else "cpu")')
     p.add_argument("--threads", type=int, help="CPU threads for experts")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")

@@ -67,15 +67,16 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     """The options that say which model to load and how (README's tables list them for each program)."""
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
     p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
-    p.add_argument("--quant", choices=["bf16", "int8", "int4"], default="bf16",
-                   help="expert weight format (default bf16)")
-    p.add_argument("--defer", metavar="D|M", type=defer_setting, default=0,
+    # quant, defer and prefill default to None: the rules' own kwargs then hold (an option given overrides them)
+    p.add_argument("--quant", choices=["bf16", "int8", "int4"],
+                   help="expert weight format (default: the rules' quant, else bf16)")
+    p.add_argument("--defer", metavar="D|M", type=defer_setting,
                    help="expert deferral: the D lowest-weighted of each token's experts (an int), or its "
                         "lowest-weighted experts up to a share M of its routing weight (a float, 0 < M < 1), run one "
-                        "MoE layer late in decode steps (default 0: off)")
-    p.add_argument("--prefill", choices=["auto", "cpu", "gpu"], default="auto",
-                   help="where a prompt's routed experts run: auto (default: split between the CPU and the GPU, "
-                        "experts streamed over PCIe), cpu, or gpu")
+                        "MoE layer late in decode steps (default: the rules' defer, else 0: off)")
+    p.add_argument("--prefill", choices=["auto", "cpu", "gpu"],
+                   help="where a prompt's routed experts run: auto (split between the CPU and the GPU, experts "
+                        "streamed over PCIe), cpu, or gpu (default: the rules' prefill, else auto)")
     p.add_argument("--threads", type=positive,
                    help="CPU threads for experts (default: one per physical core, less one from 8 cores up)")
     p.add_argument("--gpu-experts-budget", metavar="SIZE",
@@ -149,7 +150,20 @@ def device(args: argparse.Namespace) -> str:
     return gpu
 
 
-def load_model(model_dir, rules=None, quant="bf16", progress=True, **options):
+def experts_format(model) -> str:
+    """What the model's routed experts are stored as, for the load line: "int4 (groups of 128)", "bf16", or "no MoE
+    blocks"; several formats (rules per layer) joined by " + "."""
+    seen = []
+    for m in model.modules():
+        ex = getattr(m, "native_experts", None)
+        if ex is not None:
+            what = f"{ex.quant} (groups of {ex.group_size})" if ex.quant == "int4" else ex.quant
+            if what not in seen:
+                seen.append(what)
+    return " + ".join(seen) or "no MoE blocks"
+
+
+def load_model(model_dir, rules=None, quant=None, progress=True, **options):
     """Load a checkpoint through ktinject; returns (model, tokenizer, plan). ``options``: from_pretrained's keywords
     (device variables, hot-expert options)."""
     from transformers import AutoTokenizer

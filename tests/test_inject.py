@@ -199,11 +199,34 @@ def test_int4_group_size_rule_kwarg(tmp_path):
     assert moe and all(a - b == packed[32] - packed[None] for a, b in moe)
     assert torch.isfinite(model(tiny_prompts(1, 8, vocab=cfg.vocab_size)).logits).all()
     for kwargs, match in (("{quant: bf16, group_size: 64}", "group_size 64 .* applies to quant int4 only"),
-                          ("{group_size: 64}", "applies to quant int4 only .* quant is bf16"),
+                          ("{group_size: 64}", "applies to quant int4 only .* in effect is bf16"),
                           ("{quant: int4, group_size: 48}", "group_size 48 .* use one of 32, 64, 128"),
                           ("{quant: int4, group_size: true}", "group_size True .* use one of 32, 64, 128")):
         with pytest.raises(OperatorError, match=match):
             inject(build_tiny_model("qwen3_moe", dtype=torch.bfloat16), rules(kwargs), gpu="cpu")
+    # the call's quant overrides the rule's (and so decides whether group_size applies)
+    model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    inject(model, rules("{quant: int8, group_size: 32}"), gpu="cpu", quant="int4")
+    assert {m.native_experts.group_size for m in model.modules() if hasattr(m, "native_experts")} == {32}
+    with pytest.raises(OperatorError, match="in effect is int8"):
+        inject(build_tiny_model("qwen3_moe", dtype=torch.bfloat16), rules("{quant: int4, group_size: 32}"),
+               gpu="cpu", quant="int8")
+
+
+def test_cli_model_options_leave_the_rules_alone():
+    """The chat's / server's --quant, --defer and --prefill default to None: the rules' kwargs hold unless given; the
+    load line says what the experts are."""
+    from ktinject import cli, inject
+    from ktinject.chat import build_parser
+
+    args = build_parser().parse_args([])
+    assert (args.quant, args.defer, args.prefill) == (None, None, None)
+    args = build_parser().parse_args(["--quant", "int4", "--defer", "1", "--prefill", "cpu"])
+    assert (args.quant, args.defer, args.prefill) == ("int4", 1, "cpu")
+    model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    inject(model, gpu="cpu", quant="int4")
+    assert cli.experts_format(model) == "int4 (groups of 64)"
+    assert cli.experts_format(torch.nn.Linear(2, 2)) == "no MoE blocks"
 
 
 # ------------------------------------------------------------------------------------------------------ GPU

@@ -35,7 +35,7 @@ from ktinject.operators.base import OperatorError, tensor_bytes
 
 log = logging.getLogger(__name__)
 
-QUANTS = ("bf16", "int8", "int4")  # int4: group-wise (native.default_group_size: 128 inputs a scale, or 64)
+QUANTS = ("bf16", "int8", "int4")  # int4: group-wise (32, 64 or 128 inputs a scale; native.default_group_size)
 # gpt-oss's clamped SwiGLU when its experts module does not say (transformers' GptOssExperts defaults)
 GPT_OSS_ALPHA = 1.702
 GPT_OSS_LIMIT = 7.0
@@ -200,8 +200,8 @@ def inspect_block(module: nn.Module, name: str) -> BlockSpec:
 def packed_nbytes(spec: BlockSpec, quant: str, group_size: int | None = None) -> int:
     """Bytes the native experts will hold (the packed, padded layout: ``native.Experts.packed_nbytes``).
 
-    About 2 B/weight for bf16, 1 B/weight plus per-row scales for int8, 0.5 B/weight plus a scale per 128 (or 64)
-    weights for int4; gpt-oss adds f32 biases. Pure: no library load, works for meta-device modules."""
+    About 2 B/weight for bf16, 1 B/weight plus per-row scales for int8, 0.5 B/weight plus a scale per group (32, 64
+    or 128) of weights for int4; gpt-oss adds f32 biases. Pure: no library load, works for meta-device modules."""
     if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r}; use one of {', '.join(QUANTS)}")
     return native.Experts.packed_nbytes(spec.num_experts, spec.hidden, spec.intermediate, quant, bias=spec.has_bias,

@@ -18,7 +18,8 @@ Rule keyword arguments: ``quant``: ``bf16`` (default), ``int8`` (W8A8: int8 weig
 scales, activations quantized per token on the fly) or ``int4`` (W4A8: int4 weights with a scale per group of 128
 inputs where the block's sizes are multiples of 128, else 64: ~4.25 / ~4.5 bits a weight; int8 activations;
 dequantized to bf16 for AMX when an expert has many rows); ``group_size`` (with int4 only: 32, 64 or 128 inputs a
-scale instead of that default; smaller groups follow the weights more closely and read more bytes);
+scale instead of that default, which it overrides, as it does KTINJECT_INT4_GROUP; smaller groups follow the weights
+more closely and read more bytes);
 ``defer``: d (an int, default 0) of each token's k experts, the lowest-weighted, or (a float m, 0 < m < 1) its
 lowest-weighted experts up to a share m of its routing weight, deferred in decode steps to the next MoE block, which
 adds their output to its own while the CPU has computed them during that block's attention
@@ -67,8 +68,9 @@ def _group(kwargs: Mapping[str, Any], name: str) -> int | None:
         return None
     quant = _quant(kwargs, name)
     if quant != "int4":
-        raise OperatorError(f"moe: group_size {group!r} for {name!r} applies to quant int4 only (this rule's quant is "
-                            f"{quant}); drop it or set quant: int4")
+        raise OperatorError(f"moe: group_size {group!r} for {name!r} applies to quant int4 only (the quant in effect "
+                            f"is {quant}: the rule's, else bf16, unless quant= / --quant given to the call overrides "
+                            f"it); drop it or set quant: int4")
     if isinstance(group, bool) or group not in native.GROUP_SIZES:
         raise OperatorError(f"moe: group_size {group!r} for {name!r} is not supported; use one of "
                             f"{', '.join(map(str, native.GROUP_SIZES))} (int4 inputs per scale)")

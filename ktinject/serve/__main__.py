@@ -134,7 +134,7 @@ def serve(args: argparse.Namespace) -> int:
                           prefill_pad=args.prefill_pad)
     engine = Engine(model, tokenizer, config, name=name).start()
     graphs = "on" if engine.runner.graphs_enabled() else "off"
-    print(f"Loaded {Path(model_dir).name} in {seconds:.1f} s (gpu={gpu}, quant={args.quant}); "
+    print(f"Loaded {Path(model_dir).name} in {seconds:.1f} s (gpu={gpu}, quant={cli.experts_format(model)}); "
           f"KV cache {config.max_batch} x {config.max_context} tokens = {_kv_bytes(engine) / 2**30:.2f} GiB, "
           f"CUDA graphs {graphs} for batches {', '.join(map(str, config.buckets))}.", flush=True)
     url = _url(sock)
