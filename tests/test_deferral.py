@@ -273,7 +273,7 @@ def test_from_pretrained_and_chat_take_defer():
     ktinject.inject(loaded, gpu="cpu", defer=1)
     prompt, feed = tiny_prompts(2, 5, seed=8, vocab=2048), tiny_prompts(2, 4, seed=9, vocab=2048)
     assert torch.equal(decode_logits(streamed, prompt, feed), decode_logits(loaded, prompt, feed))
-    assert chat.parse_args(["--defer", "2"]).defer == 2 and chat.parse_args([]).defer == 0
+    assert chat.parse_args(["--defer", "2"]).defer == 2 and chat.parse_args([]).defer is None  # None: the rules'
     mass = chat.parse_args(["--defer", "0.3"]).defer
     assert mass == 0.3 and isinstance(mass, float)
     for bad in ("-1", "1.0", "x", "nan"):
