@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ktinject.cli import defer_list, defer_settings
+from ktinject.cli import defer_list, defer_settings, experts_format
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,7 @@ def load(model_dir, config: str, gpu: str, **inject_kwargs):
 
 def _label(name: str, model) -> str:
     """The configuration's row name; int4 says its group size (``native.default_group_size`` picks it by shape)."""
-    groups = sorted({m.native_experts.group_size for m in model.modules() if hasattr(m, "native_experts")})
-    return f"{name} (groups of {'/'.join(map(str, groups))})" if name == "int4" and groups else name
+    return experts_format(model) if name == "int4" else name
 
 
 def run(model_dir, text: str, configs, gpu: str = "cpu", window: int = 256, max_tokens: int | None = None,

@@ -51,6 +51,7 @@ from ktinject.bench.timing import (  # the measurements (bench serve imports two
     cpu_expert_time, expert_bytes_per_token, gen_time, graph_replay, hf_decode, ktinject_decode, muted_replay,
     paired_overhead, profile_line, profile_replay, wrap_cpu_experts,
 )
+from ktinject.cli import experts_format
 
 MUTED_RUNS = 5  # runs of muted replays whose median is the GPU part
 ROOF_VARIANTS = 3  # the start-of-run probe's fastest read variants, each timed again every round
@@ -278,11 +279,7 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
                    if fused.available(probe) else "decode kernels: torch ops (no Triton)")
     else:
         kernels = "CPU only"
-    stored = quant
-    groups = {m.native_experts.group_size for m in model.modules() if hasattr(m, "native_experts")}
-    if quant == "int4" and groups:
-        stored += f", groups of {'/'.join(map(str, sorted(groups)))}"
-    print(f"# injected ({stored}) in {time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, "
+    print(f"# injected {experts_format(model)} in {time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, "
           f"{pool.threads} threads{'' if pinned else ', not pinned'}; {kernels}", flush=True)
     if args.defer:
         from ktinject.bench import defer
