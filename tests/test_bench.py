@@ -231,6 +231,9 @@ def test_decode_target_rows_judge_what_the_run_measured():
     assert target_rows("int4", int4, args5)[0][3] == "NOT met (median of 5 runs)"
     assert got["target: GPU part (muted replay) <= 2 ms"][3].startswith("met")
     assert target_rows("int4", int4, SimpleNamespace(tiny=False, layers=12, batch=1)) == []  # not the whole model
+    # a long context (bench decode --defer ... --prompt 16384) is not what the speed and GPU-part targets measure
+    assert target_rows("int4", int4, SimpleNamespace(tiny=False, layers=48, batch=1, prompt=16384)) == []
+    assert len(target_rows("int4", int4, SimpleNamespace(tiny=False, layers=48, batch=1, prompt=512))) == 2
     # without --defer rounds, the median of the runs in turns with the read loop, not the one graph run
     turns = [("ktinject graph", "95.0", "", ""), ("ktinject graph, in turns with the read loop", "88.0", "", "")]
     assert target_rows("int4", turns, args)[0][1:] == ("88.0", "", "NOT met (median of 3 runs, in turns with the read "
