@@ -284,8 +284,9 @@ class Pool:
         parallel phase of a job in order, ``wall_us`` (its publication to its last chunk's end), ``busy_us`` (time
         of all threads in its chunks), ``chunks`` (means per job) and ``use`` = busy / (wall x threads); and the
         forwards of at most 16 tokens (decode steps): ``decode_jobs``, the sums of their active experts
-        ``decode_experts`` (the distinct experts they read) and of their tokens ``decode_tokens`` (with expert
-        deferral a step makes two forwards a layer). Phases are numbered in each job's order, so jobs of different
+        ``decode_experts`` (the distinct experts they read) and of their tokens ``decode_tokens``; the split tasks'
+        (expert deferral) immediate parts: ``top_jobs`` that raised their done word and ``top_us`` (mean, their
+        job's start to that word: what the GPU waits for). Phases are numbered in each job's order, so jobs of different
         shapes (one token, whose gather runs inline, and several) add different phases into one slot: profile one
         kind of forward at a time. ``use`` counts the pool's threads, not a caller that helps (it can exceed 1)."""
         ffi, lib = _native()
@@ -305,7 +306,9 @@ class Pool:
         d = lib.KTK_PROFILE_DECODE
         return {"jobs": v[0], "job_us": v[1] / jobs / 1e3, "phases": phases,
                 "serial_us": (v[1] - sum(v[3 + 4 * i] for i in range(lib.KTK_PROFILE_PHASES))) / jobs / 1e3,
-                "decode_jobs": v[d], "decode_experts": v[d + 1], "decode_tokens": v[d + 2]}
+                "decode_jobs": v[d], "decode_experts": v[d + 1], "decode_tokens": v[d + 2],
+                "top_jobs": v[lib.KTK_PROFILE_TOP], "top_us": v[lib.KTK_PROFILE_TOP + 1] / max(1, v[lib.KTK_PROFILE_TOP])
+                / 1e3}
 
     def close(self) -> None:
         """Close tasks made on this pool, then stop and join the threads (after running queued work)."""

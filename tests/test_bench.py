@@ -204,6 +204,17 @@ def test_serve_measured_roofline_matches_uniform_when_routing_is():
     assert abs(got / roofline(cfg, "int4", 100e9, steps) - 1) < 1e-9
 
 
+def test_profile_line_says_when_a_split_job_raised_its_done_word():
+    from ktinject.bench.timing import profile_line
+
+    prof = {"jobs": 96, "job_us": 179.4, "serial_us": 10.1, "top_jobs": 96, "top_us": 145.2,
+            "phases": [{"wall_us": 169.2, "chunks": 148, "use": 0.96}]}
+    assert profile_line(prof) == ("96 forwards, 179.4 us each, the immediate part done at 145.2 us (96 forwards), "
+                                  "serial 10.1 us; phase 0: 169.2 us, 148 chunks, threads busy 96%")
+    assert profile_line(dict(prof, top_jobs=0)) == ("96 forwards, 179.4 us each, serial 10.1 us; phase 0: 169.2 us, "
+                                                    "148 chunks, threads busy 96%")
+
+
 def test_decode_target_rows_judge_what_the_run_measured():
     from types import SimpleNamespace
 

@@ -191,14 +191,17 @@ def test_watch_then_runs_the_chained_task():
 # ---- both parts in one run (ktk_task_split: graph decode's one job a layer) ----------------------------------------
 @pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("T,k,defer", [(1, 8, 3), (1, 4, 0.3), (3, 4, 1), (8, 6, 0.4), (5, 3, 2), (1, 3, 0.01)])
-@pytest.mark.parametrize("gemv,pipe", [("1", "1"), ("1", "0"), ("0", "0")])
-def test_split_equals_the_two_parts(monkeypatch, quant, T, k, defer, gemv, pipe):
+@pytest.mark.parametrize("gemv,pipe,phases", [("1", "1", "one"), ("1", "1", "cut"), ("1", "1", "two"), ("1", "0", "one"),
+                                              ("0", "0", "one")])
+def test_split_equals_the_two_parts(monkeypatch, quant, T, k, defer, gemv, pipe, phases):
     """A split task's out and out2 are the "top" and "rest" tasks' outputs, bit for bit, on the decode pipeline
-    (one phase, the immediate part's done word raised inside it), the two-phase decode path and the item path; its
-    done word is 1 after the run; slots_run counts both parts and slots_rest the deferred one. (1, 3, 0.01): a step
-    deferring no slot, so out2 is zeros.)"""
+    (one phase, the immediate part's done word raised inside it; KTINJECT_DEFER_PHASES=cut: chunks cut at the
+    parts' boundary; two: a phase a part), the
+    two-phase decode path and the item path; its done word is 1 after the run; slots_run counts both parts and
+    slots_rest the deferred one. (1, 3, 0.01): a step deferring no slot, so out2 is zeros.)"""
     monkeypatch.setenv("KTINJECT_GEMV", gemv)
     monkeypatch.setenv("KTINJECT_PIPE", pipe)
+    monkeypatch.setenv("KTINJECT_DEFER_PHASES", phases)
     E, H = 12, 72
     ex = _experts(E, H, quant=quant, seed=T + k)
     gen = torch.Generator().manual_seed(T * k)
@@ -221,6 +224,40 @@ def test_split_equals_the_two_parts(monkeypatch, quant, T, k, defer, gemv, pipe)
         assert task.slots_run() == 2 * (n_top + n_rest) and task.slots_rest() == 2 * n_rest
     if defer == 0.01:
         assert not out2.any()
+
+
+def test_split_phases_variable_and_profile(monkeypatch):
+    """KTINJECT_DEFER_PHASES other than one / cut / two fails a split forward with a message naming it (a plain forward never
+    reads it); the pool's profile times a split job's immediate part (top_us: the job's start to its done word,
+    within the job's time), one a run, none for a plain task."""
+    E, H = 12, 72
+    ex = _experts(E, H, quant="int4", seed=3)
+    gen = torch.Generator().manual_seed(3)
+    x, ids, w = torch.randn(1, H, generator=gen).bfloat16(), torch.randperm(E, generator=gen)[:8].view(1, 8), \
+        torch.rand(1, 8, generator=gen).softmax(-1)
+    flags = torch.zeros(4, dtype=torch.int32)
+    with native.Pool(2) as pool, native.Task(pool) as task, native.Task(pool) as plain:
+        task.bind(ex, x, ids, w)
+        task.split(3, None, flags.data_ptr())
+        plain.bind(ex, x, ids, w)
+        for phases in ("one", "cut", "two"):
+            monkeypatch.setenv("KTINJECT_DEFER_PHASES", phases)
+            with pool.profiling() as prof:
+                for _ in range(3):
+                    task.submit()
+                    task.wait()
+            assert prof["jobs"] == prof["top_jobs"] == 3, prof
+            assert 0 < prof["top_us"] <= prof["job_us"], prof
+        with pool.profiling() as prof:
+            plain.submit()
+            plain.wait()
+        assert prof["jobs"] == 1 and prof["top_jobs"] == 0
+        monkeypatch.setenv("KTINJECT_DEFER_PHASES", "2")
+        plain.submit()
+        plain.wait()
+        task.submit()
+        with pytest.raises(native.NativeError, match="KTINJECT_DEFER_PHASES=2: expected one, cut or two"):
+            task.wait()
 
 
 def test_split_errors():

@@ -683,3 +683,9 @@ def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):
                             "KTINJECT_GEMV": "1" if decode else "0",
                             "KTINJECT_PIPE": "0" if decode == "two-phase" else "1", "KTINJECT_TILES": "1"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.stdout + r.stderr)[-4000:]
+    for phases in ("cut", "two") if decode is True else ():  # the split task's other layouts, the same build
+        r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
+                           env={"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1",
+                                "KTINJECT_GEMV": "1", "KTINJECT_PIPE": "1", "KTINJECT_TILES": "1",
+                                "KTINJECT_DEFER_PHASES": phases})
+        assert r.returncode == 0 and r.stdout.strip() == "ok", (phases, (r.stdout + r.stderr)[-4000:])

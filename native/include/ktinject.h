@@ -117,11 +117,14 @@ int ktk_pool_wake(ktk_pool *pool);
  * end), then for the i-th parallel phase of a job (i < KTK_PROFILE_PHASES; later phases count as the last) at
  * 2 + 4 i: phases, wall ns, ns the threads spent in its chunks, chunks; then at KTK_PROFILE_DECODE the forwards of
  * at most KTK_PROFILE_DECODE_T tokens (decode steps, not prompts), their active experts (the distinct experts they
- * read) and their tokens. Serial steps (routing, one-item phases) are a job's time outside its phases. Returns the
- * count copied, or -KTK_ERR_NULL for a NULL pool (or a NULL out with n > 0). */
+ * read) and their tokens; then at KTK_PROFILE_TOP the split tasks' (expert deferral) immediate parts: how many
+ * raised their done word and the ns from their job's start to it (the part the GPU waits for). Serial steps
+ * (routing, one-item phases) are a job's time outside its phases. Returns the count copied, or -KTK_ERR_NULL for a
+ * NULL pool (or a NULL out with n > 0). */
 #define KTK_PROFILE_PHASES 6
 #define KTK_PROFILE_DECODE (2 + 4 * KTK_PROFILE_PHASES)
-#define KTK_PROFILE_LEN (KTK_PROFILE_DECODE + 3)
+#define KTK_PROFILE_TOP (KTK_PROFILE_DECODE + 3)
+#define KTK_PROFILE_LEN (KTK_PROFILE_TOP + 2)
 #define KTK_PROFILE_DECODE_T 16
 int ktk_pool_set_profile(ktk_pool *pool, int on);
 int ktk_pool_profile(ktk_pool *pool, int64_t *out, int n);

@@ -253,6 +253,16 @@ static int int4_path_env(void) {
     return -1;
 }
 
+/* KTINJECT_DEFER_PHASES (read at each split forward on the decode pipeline; A/B measurements): how a split task's
+ * two parts run (pipe.c says why each): one (default) as one phase, cut as one phase whose chunks neither cross
+ * the parts' boundary nor are sized by the deferred part's units, two as a phase each; -1 for anything else. */
+enum { SPLIT_ONE = 1, SPLIT_CUT, SPLIT_TWO };
+static int defer_phases_env(void) {
+    const char *v = getenv("KTINJECT_DEFER_PHASES");
+    if (!v || !*v || !strcmp(v, "one")) return SPLIT_ONE;
+    return !strcmp(v, "cut") ? SPLIT_CUT : !strcmp(v, "two") ? SPLIT_TWO : -1;
+}
+
 /* KTINJECT_GEMV (read at each forward; tests and A/B measurements): 1 runs few-row forwards on the gemv decode
  * path wherever the kernels have gemv, 0 never; unset or anything else: the table's default (gemv_default). */
 static int gemv_enabled(const ktk_kernels *k) {
@@ -278,6 +288,9 @@ static int start(fctx *c, ktk_pool *pool, ktk_task *t) {
         return ktki_error(KTK_ERR_SHAPE, "KTINJECT_INT4_PATH=%.40s: expected auto, direct or dequant",
                           getenv("KTINJECT_INT4_PATH"));
     c->nparts = t->slots == KTK_SLOTS_SPLIT ? 2 : 1;
+    if ((c->pipe_phases = c->nparts == 2 ? defer_phases_env() : SPLIT_ONE) < 0)
+        return ktki_error(KTK_ERR_SHAPE, "KTINJECT_DEFER_PHASES=%.40s: expected one, cut or two",
+                          getenv("KTINJECT_DEFER_PHASES"));
     const size_t n = (size_t)c->T * c->k, E = (size_t)c->E * c->nparts;   /* routing keys (slot_key) */
     const size_t T1 = (size_t)c->T + 1;
     uint8_t *rs = ktki_scratch(pool, KTKI_SCR_ROUTE, 4 * a64(E * 4 + 4) + 3 * a64(n * 4) + a64(T1 * 4));
@@ -360,13 +373,24 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
             if (c->R > 0) return items(ph, c, ktki_fwd_gather_item, (c->T + c->gtok - 1) / c->gtok);
             break;
         case 1:
-            if (c->pipe)
-                return guided(ph, c, ktki_pipe_range, ktki_pipe_units(c), c->cw_gu, 1);
+            if (c->pipe) {   /* every part's units, or (a split task in two phases) part 0's */
+                const int64_t n = c->pipe_phases == SPLIT_TWO ? ktki_pipe_part_units(c, 0) : ktki_pipe_units(c);
+                c->pipe_base = 0;
+                if (n <= 0) break;
+                guided(ph, c, ktki_pipe_range, n, c->cw_gu, 1);
+                if (c->pipe_phases == SPLIT_CUT) ph->cut = ktki_pipe_part_units(c, 0);
+                return KTKI_PHASE;
+            }
             if (c->R > 0 && c->gemv) return guided(ph, c, gate_up_decode, (int64_t)c->A * c->UI, c->cw_gu, 1);
             if (c->R > 0) return items(ph, c, gate_up_item, c->ngu);
             break;
         case 2:
-            if (c->pipe) break;   /* h quantized, down and out written inside the pipeline's phase */
+            if (c->pipe) {   /* h quantized, down and out written inside the pipeline's phase; part 1's phase */
+                const int64_t n = c->pipe_phases == SPLIT_TWO ? ktki_pipe_part_units(c, 1) : 0;
+                c->pipe_base = ktki_pipe_part_units(c, 0);
+                if (n > 0) return guided(ph, c, ktki_pipe_range, n, c->cw_gu, 1);
+                break;
+            }
             if (c->R > 0 && c->a8)
                 return items(ph, c, ktki_fwd_quantize_h_item, (c->R + c->hq_rows - 1) / c->hq_rows);
             break;

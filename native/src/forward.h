@@ -54,6 +54,8 @@ typedef struct {
     int step;                          /* ktki_forward_step: the next phase */
     /* decode pipeline (pipe.c): gate/up and down of every expert in one phase */
     int pipe, UHc;                     /* on; groups of PIPE_DN_BLOCKS blocks of H */
+    int pipe_phases;                   /* how a split task's parts run (forward.c: KTINJECT_DEFER_PHASES) */
+    int64_t pipe_base;                 /* the unit the open phase's item 0 is */
     _Atomic int32_t *gu_left;          /* [A] gate/up units of the expert not yet done */
     _Atomic int32_t *h_ready;          /* [A] its h row is complete (and quantized) */
     _Atomic int32_t *dn_left;          /* [nparts][UHc] the part's expert groups whose down of that column group
@@ -79,8 +81,9 @@ int ktki_fwd_route(fctx *c);
 
 /* pipe.c: the decode pipeline */
 int ktki_pipe_plan(fctx *c);                   /* counters and yd; 0 when out of memory */
-int64_t ktki_pipe_units(const fctx *c);        /* units of its one phase */
-void ktki_pipe_range(void *ctx, int64_t u0, int64_t u1, int tid);
+int64_t ktki_pipe_units(const fctx *c);        /* units of every part */
+int64_t ktki_pipe_part_units(const fctx *c, int p);   /* units of part p */
+void ktki_pipe_range(void *ctx, int64_t u0, int64_t u1, int tid);   /* items [u0, u1) of the open phase */
 
 /* acts.c */
 int ktki_fwd_tile_rows(const ktk_kernels *k, int quant);   /* rows from which x, h also go in tile order */

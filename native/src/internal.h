@@ -59,6 +59,8 @@ typedef struct {
     int64_t nitems;
     int maxc, guided;
     int minc;              /* guided: at least this many items a chunk (0 or 1: one) */
+    int64_t cut;           /* guided: no chunk crosses item cut, and chunks before it are sized by the items left
+                              before it (0: none; a split task's parts in one phase) */
 } ktki_phase;
 int ktki_pool_create(int nthreads, int pin, ktk_pool **out);
 void ktki_pool_destroy(ktk_pool *pool);   /* stops the threads; memory freed once no task holds it */

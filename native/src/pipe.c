@@ -18,7 +18,13 @@
  * A split task (ktk_task_split: expert deferral, one job a layer) has two parts, the immediate slots' experts then
  * the deferred ones', each with its units in the order above, part 0's before part 1's: the thread that sums
  * part 0's last column group raises the task's done_top, and the threads go straight on to part 1's units (no
- * second job: no second routing, gather, phase start or tail).
+ * second job: no second routing, gather, phase start or tail). But in one phase the guided chunks near part 0's
+ * end are sized by what is left of both parts (~7 down units a chunk where a plain forward's last are 1), so part
+ * 0's tail, which the GPU waits for, is long. KTINJECT_DEFER_PHASES (forward.c): cut keeps one phase but no chunk
+ * crosses the boundary and part 0's are sized by its own units left (ktki_phase.cut); two runs each part as a phase
+ * of its own: none of part 1's units then reads memory beside part 0's tail, at the price of part 1's ramp after
+ * the done word. Which one the GPU waits least for is measured on the GPU machine (tests/gpu/probe_defer_top.py:
+ * a job's start to the done word, the profile's top_us).
  * Legend: A active experts, R rows, T tokens, UI / UH 16-wide blocks of I / H, UHc groups of PIPE_DN_BLOCKS blocks.
  */
 #include <sched.h>
@@ -44,7 +50,7 @@ static void part_group(const fctx *c, int p, int eg, int *a0, int *n) {
 }
 
 /* Units of part p: its gate/up units, then its down units */
-static int64_t part_units(const fctx *c, int p) {
+int64_t ktki_pipe_part_units(const fctx *c, int p) {
     return (int64_t)(c->pa[p + 1] - c->pa[p]) * c->UI + (int64_t)part_groups(c, p) * c->UHc;
 }
 
@@ -77,7 +83,7 @@ int ktki_pipe_plan(fctx *c) {
 
 int64_t ktki_pipe_units(const fctx *c) {
     int64_t n = 0;
-    for (int p = 0; p < c->nparts; p++) n += part_units(c, p);
+    for (int p = 0; p < c->nparts; p++) n += ktki_pipe_part_units(c, p);
     return n;
 }
 
@@ -192,12 +198,15 @@ static void part_range(fctx *c, int p, int64_t u0, int64_t u1, int tid) {
     }
 }
 
-/* A guided chunk [u0, u1) of the phase: part 0's units, then part 1's (a split task). */
+/* A guided chunk [u0, u1) of the open phase, units [pipe_base + u0, pipe_base + u1): part 0's units, then part 1's
+ * (a split task). */
 void ktki_pipe_range(void *ctx, int64_t u0, int64_t u1, int tid) {
     fctx *c = ctx;
     int64_t base = 0;
+    u0 += c->pipe_base;
+    u1 += c->pipe_base;
     for (int p = 0; p < c->nparts && u0 < u1; p++) {
-        const int64_t end = base + part_units(c, p);
+        const int64_t end = base + ktki_pipe_part_units(c, p);
         if (u0 < end) {
             const int64_t v1 = u1 < end ? u1 : end;
             part_range(c, p, u0 - base, v1 - base, tid);

@@ -106,6 +106,7 @@ static void advance(ktk_pool *p, int tid) {
         atomic_store_explicit(&p->maxc, ph.maxc < 1 ? 1 : ph.maxc, memory_order_relaxed);
         atomic_store_explicit(&p->guided, ph.guided, memory_order_relaxed);
         atomic_store_explicit(&p->minc, ph.minc < 1 ? 1 : ph.minc, memory_order_relaxed);
+        atomic_store_explicit(&p->cut, ph.cut, memory_order_relaxed);
         atomic_store_explicit(&p->total, ph.nitems, memory_order_relaxed);
         if (atomic_load_explicit(&p->prof_job, memory_order_relaxed)) ktki_prof_phase_open(p);
         publish(p, 0, ph.nitems < CLAIM_MAX ? ph.nitems : CLAIM_MAX);
@@ -138,13 +139,16 @@ static int claim(ktk_pool *p, int tid, int64_t *i0, int64_t *i1, int64_t *n) {
     for (;;) {
         const int64_t size = (int64_t)(w >> CLAIM_BITS) & CLAIM_MAX, next = (int64_t)w & CLAIM_MAX;
         if (next >= size || tid == atomic_load_explicit(&p->sit_out, memory_order_relaxed)) return 0;
-        int64_t c = atomic_load_explicit(&p->maxc, memory_order_relaxed);
+        int64_t c = atomic_load_explicit(&p->maxc, memory_order_relaxed), left = size - next;
         if (atomic_load_explicit(&p->guided, memory_order_relaxed)) {
-            const int64_t g = (size - next) / (2 * (int64_t)p->n), lo = atomic_load_explicit(&p->minc,
-                                                                                              memory_order_relaxed);
+            /* a cut in this window: the chunks before it are sized by (and end at) what is left before it */
+            const int64_t cut = atomic_load_explicit(&p->cut, memory_order_relaxed) -
+                                atomic_load_explicit(&p->base, memory_order_relaxed);
+            if (cut > next && cut < size) left = cut - next;
+            const int64_t g = left / (2 * (int64_t)p->n), lo = atomic_load_explicit(&p->minc, memory_order_relaxed);
             c = g < lo ? (lo < c ? lo : c) : g < c ? g : c;   /* never above maxc: scratch is sized for it */
         }
-        if (c > size - next) c = size - next;
+        if (c > left) c = left;
         if (atomic_compare_exchange_weak_explicit(&p->claim, &w, w + (uint64_t)c, memory_order_acquire,
                                                   memory_order_acquire)) {
             *i0 = next;

@@ -39,6 +39,7 @@ struct ktk_pool {
     _Atomic(void *) ctx;
     _Atomic int64_t base, total;   /* window start, items of the phase */
     _Atomic int maxc, guided, minc;
+    _Atomic int64_t cut;           /* the phase's cut (ktki_phase), 0: none */
     /* the job: claimed by a CAS of running 0 -> 1; job, job_watched written by the claimer before it publishes */
     _Atomic int running __attribute__((aligned(64)));
     ktk_task *job;
@@ -90,6 +91,7 @@ void ktki_pool_end_job(ktk_pool *p);
 void ktki_prof_phase_open(ktk_pool *p);        /* a parallel phase of the profiled job opens (its publisher) */
 void ktki_prof_phase_close(ktk_pool *p);       /* its last chunk ended on this thread */
 void ktki_pool_profile_job_end(ktk_pool *p);   /* the job's time into the profile, where profiled */
+void ktki_pool_profile_top(ktk_pool *p);       /* a split task's done_top raised now, where profiled */
 void ktki_pool_mark_hot(ktk_pool *p);
 int ktki_pool_take_task(ktk_pool *p, int tid);   /* 1 if it took a queued task or a raised go flag and ran steps */
 int ktki_pool_go_raised(ktk_pool *p, int tid);   /* 1 if the pool is free and a watched go flag is raised */

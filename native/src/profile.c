@@ -43,6 +43,13 @@ void ktki_pool_profile_decode(ktk_pool *p, int experts, int tokens) {
     atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_DECODE + 2], tokens, memory_order_relaxed);
 }
 
+/* A split task's immediate part raised its done word (task.c), in the running job. */
+void ktki_pool_profile_top(ktk_pool *p) {
+    if (!atomic_load_explicit(&p->prof_job, memory_order_relaxed)) return;
+    atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_TOP], 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_TOP + 1], ktki_now_ns() - p->prof_job_t0, memory_order_relaxed);
+}
+
 void ktki_pool_profile_job_end(ktk_pool *p) {
     if (!atomic_load_explicit(&p->prof_job, memory_order_relaxed)) return;
     atomic_fetch_add_explicit(&p->prof_sum[0], 1, memory_order_relaxed);

@@ -105,8 +105,10 @@ int ktki_task_split(ktk_task *t, int d, float share, void *out2, volatile uint32
 }
 
 void ktki_task_raise_top(ktk_task *t) {
-    if (t->done_top && !atomic_exchange_explicit(&t->top_raised, 1, memory_order_acq_rel))
+    if (t->done_top && !atomic_exchange_explicit(&t->top_raised, 1, memory_order_acq_rel)) {
         __atomic_store_n(t->done_top, 1u, __ATOMIC_RELEASE);
+        ktki_pool_profile_top(t->pool);
+    }
 }
 
 int ktki_task_signal(ktk_task *t, volatile uint32_t *done) {

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The runs that judge issues 18, 20 and 21 on the GPU machine, one device call a step (carry .whl), from the
-# repository root; logs under $OUT. Order (~24 minutes of the 30): serve, soak at once, decode, defer; bf16 and int4
-# when there is time (the machine is released 30 s after a call: the soak call must follow the serve call at once,
-# or the soak dies with the machine):
+# repository root; logs under $OUT. Issues 18 and 21 were resolved on 2026-11-29 (serve, soak, decode at 6d51039);
+# what is left is defer (issue 20). The serve and soak steps, when run again, go in that order with no pause between
+# (the machine is released 30 s after a call: the soak call must follow the serve call at once, or the soak dies
+# with the machine):
 #   STEP=serve  bash tests/gpu/resolve_stage.sh  # ~330 s: bench serve int4,bf16 at 1 and 8 streams, then the
 #                                                #   10-minute soak started detached (setsid: it outlives the call
 #                                                #   while the machine is held), the serve GPU tests beside its first
@@ -11,7 +12,10 @@
 #                                                #   log to $OUT as it goes (a cut call still brings the rows back)
 #   STEP=decode bash tests/gpu/resolve_stage.sh  # ~220 s: bench decode int4/int8 --defer 0 (three runs each),
 #                                                #   int4 --noise 1,2,4 (three rounds)
-#   STEP=defer  bash tests/gpu/resolve_stage.sh  # ~250 s: int4 deferral at a 16K context (issue 20's verdict line)
+#   STEP=defer  bash tests/gpu/resolve_stage.sh  # ~300 s: the split layer's layouts on the CPU
+#                                                #   (tests/gpu/probe_defer_top.py, ~40 s: KTINJECT_DEFER_PHASES
+#                                                #   one / cut / two, when the immediate part is done), then int4
+#                                                #   deferral at a 16K context in the best layout (issue 20's verdict)
 #   STEP=bf16   bash tests/gpu/resolve_stage.sh  # ~120 s: bench decode bf16 (the roofline verdict)
 #   STEP=int4   bash tests/gpu/resolve_stage.sh  # ~270 s: int4 decode, group size default / 64 / default
 set -uo pipefail
@@ -33,8 +37,12 @@ case $STEP in
         | grep -E '^# injected|defer 0: graph|target: int4'
     done ;;
   defer)  # issue 20 at a 16K context: d = 3 and mass 0.3 (39% of the slots, +0.8% perplexity on the demo model)
+    echo "=== probe_defer_top $(steal)"
+    L=16 P=20 G_US=105 timeout 150 python3 tests/gpu/probe_defer_top.py 2>&1 | grep -v Warning | tee "$OUT/defer-top.log"
+    best=$(sed -n 's/^best=\([a-z]*\).*/\1/p' "$OUT/defer-top.log"); export KTINJECT_DEFER_PHASES=${best:-one}
+    echo "KTINJECT_DEFER_PHASES=$KTINJECT_DEFER_PHASES"
     T=400 b decode --quant int4 --defer 0,3,0.3 --prompt 16384 --tokens 64 | tee "$OUT/defer.log" \
-      | grep -E '^# injected|defer (0|3|0.3): graph|bound|target' ;;
+      | grep -E '^# injected|defer (0|3|0.3): (graph|the pool)|bound|target' ;;
   serve)
     b serve --quant int4,bf16 --streams 1,8 --layers 16 | tee "$OUT/serve.log" | grep -E '^# memory|^\| (int4|bf16)'
     setsid nohup python3 tests/gpu/soak_serve.py --minutes 10 --disconnects 100 > /tmp/ktinject-soak.log 2>&1 \
