@@ -285,8 +285,9 @@ class Pool:
         of all threads in its chunks), ``chunks`` (means per job) and ``use`` = busy / (wall x threads); and the
         forwards of at most 16 tokens (decode steps): ``decode_jobs``, the sums of their active experts
         ``decode_experts`` (the distinct experts they read) and of their tokens ``decode_tokens``; the split tasks'
-        (expert deferral) immediate parts: ``top_jobs`` that raised their done word and ``top_us`` (mean, their
-        job's start to that word: what the GPU waits for). Phases are numbered in each job's order, so jobs of different
+        (expert deferral) immediate parts: ``top_jobs`` that raised their done word during the job and ``top_us``
+        (mean, the job's start to that word: what the GPU waits for; failed or empty runs raise it after the job,
+        uncounted). Phases are numbered in each job's order, so jobs of different
         shapes (one token, whose gather runs inline, and several) add different phases into one slot: profile one
         kind of forward at a time. ``use`` counts the pool's threads, not a caller that helps (it can exceed 1)."""
         ffi, lib = _native()

@@ -236,6 +236,8 @@ def test_split_phases_variable_and_profile(monkeypatch):
     x, ids, w = torch.randn(1, H, generator=gen).bfloat16(), torch.randperm(E, generator=gen)[:8].view(1, 8), \
         torch.rand(1, 8, generator=gen).softmax(-1)
     flags = torch.zeros(4, dtype=torch.int32)
+    monkeypatch.setenv("KTINJECT_GEMV", "1")  # the decode pipeline, whose layouts the variable picks
+    monkeypatch.setenv("KTINJECT_PIPE", "1")
     with native.Pool(2) as pool, native.Task(pool) as task, native.Task(pool) as plain:
         task.bind(ex, x, ids, w)
         task.split(3, None, flags.data_ptr())
@@ -248,6 +250,7 @@ def test_split_phases_variable_and_profile(monkeypatch):
                     task.wait()
             assert prof["jobs"] == prof["top_jobs"] == 3, prof
             assert 0 < prof["top_us"] <= prof["job_us"], prof
+            assert len(prof["phases"]) == (2 if phases == "two" else 1), prof  # a phase a part, or one
         with pool.profiling() as prof:
             plain.submit()
             plain.wait()
@@ -255,9 +258,11 @@ def test_split_phases_variable_and_profile(monkeypatch):
         monkeypatch.setenv("KTINJECT_DEFER_PHASES", "2")
         plain.submit()
         plain.wait()
-        task.submit()
-        with pytest.raises(native.NativeError, match="KTINJECT_DEFER_PHASES=2: expected one, cut or two"):
-            task.wait()
+        with pool.profiling() as prof:
+            task.submit()
+            with pytest.raises(native.NativeError, match="KTINJECT_DEFER_PHASES=2: expected one, cut or two"):
+                task.wait()
+        assert int(flags[0]) == 1 and prof["top_jobs"] == 0  # a failed run raises the word, uncounted
 
 
 def test_split_errors():

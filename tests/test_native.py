@@ -673,9 +673,11 @@ def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):
     """native/tests/stress_pool.c against all native sources, under ThreadSanitizer / ASan+UBSan, with pool threads
     delayed by the test hook; decode: 3 tokens x 4 experts of 8 (every expert <= 4 rows) on the gemv decode path
     (KTINJECT_GEMV=1, where the kernels have gemv) as the one-phase pipeline (down units waiting for their experts'
-    h, one thread summing each column group), two-phase: the same as two phases (KTINJECT_PIPE=0); one-token:
-    1 token x 4 experts, the pipeline; else 33 tokens x 2, claim windows of 7 items (phases of several)."""
-    flags = {False: ["-DCLAIM_BITS=3"], True: ["-DSTRESS_T=3", "-DSTRESS_K=4"],
+    h, one thread summing each column group), in claim windows of 7 items, its split task also in the layouts cut
+    (chunks stop at the parts' boundary, which windows shift) and two (KTINJECT_DEFER_PHASES); two-phase: the same
+    as two phases (KTINJECT_PIPE=0); one-token: 1 token x 4 experts, the pipeline in one window; else 33 tokens x 2,
+    claim windows of 7 items (phases of several)."""
+    flags = {False: ["-DCLAIM_BITS=3"], True: ["-DSTRESS_T=3", "-DSTRESS_K=4", "-DCLAIM_BITS=3"],
              "two-phase": ["-DSTRESS_T=3", "-DSTRESS_K=4"], "one-token": ["-DSTRESS_T=1", "-DSTRESS_K=4"]}[decode]
     exe = _build_c_test(tmp_path, "stress_pool", sanitizer, flags)
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,

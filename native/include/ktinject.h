@@ -118,7 +118,8 @@ int ktk_pool_wake(ktk_pool *pool);
  * 2 + 4 i: phases, wall ns, ns the threads spent in its chunks, chunks; then at KTK_PROFILE_DECODE the forwards of
  * at most KTK_PROFILE_DECODE_T tokens (decode steps, not prompts), their active experts (the distinct experts they
  * read) and their tokens; then at KTK_PROFILE_TOP the split tasks' (expert deferral) immediate parts: how many
- * raised their done word and the ns from their job's start to it (the part the GPU waits for). Serial steps
+ * raised their done word during their job and the ns from its start to it (the part the GPU waits for; a run that
+ * fails, or has nothing to compute, raises it at its end, not counted). Serial steps
  * (routing, one-item phases) are a job's time outside its phases. Returns the count copied, or -KTK_ERR_NULL for a
  * NULL pool (or a NULL out with n > 0). */
 #define KTK_PROFILE_PHASES 6

@@ -48,8 +48,8 @@ void ktki_event_signal(ktki_event *ev);                                /* seq++,
 
 /* ---- pool (pool.c) ---- */
 /* A job (one task's forward) is a chain of serial steps and parallel phases. A phase is [0, nitems): chunks of it
- * are claimed by whichever threads come (at most maxc items each; guided: remaining / (2 x threads), at least minc or 1)
- * and run as range(ctx, i0, i1, tid), or item(ctx, i, tid) for each i; tid indexes per-thread scratch (0..n). */
+ * are claimed by whichever threads come (at most maxc items each; guided: remaining / (2 x threads), at least minc or 1,
+ * remaining counted up to the cut where one is set) and run as range(ctx, i0, i1, tid), or item(ctx, i, tid) for each i; tid indexes per-thread scratch (0..n). */
 typedef void (*ktki_item_fn)(void *ctx, int64_t item, int tid);
 typedef void (*ktki_range_fn)(void *ctx, int64_t i0, int64_t i1, int tid);
 typedef struct {

@@ -6,7 +6,8 @@
  * up tasks and started phases, so every phase waited for a thread that had lost its core, work left or not: one busy
  * process took graph decode on 16 cores / 15 pinned threads from ~65 to 3.9 tok/s. Now:
  * - a phase is [0, nitems), claimed in chunks from one 64-bit word (generation | items | next unclaimed); chunks are
- *   fixed (maxc) or guided (remaining / (2 x threads), within [max(1, minc), maxc]): no thread has a fixed share;
+ *   fixed (maxc) or guided (remaining / (2 x threads), within [max(1, minc), maxc]; a phase's cut, where set, is a
+ *   boundary no chunk crosses, the items before it sized by what is left before it): no thread has a fixed share;
  * - a phase ends when its items are done (a count), not when threads arrive: a thread that comes late finds nothing
  *   to claim and holds nothing; one that loses its core mid-chunk delays that chunk only;
  * - the thread that finishes a phase's last chunk runs the job's next serial step and publishes the next phase, or

@@ -104,12 +104,15 @@ int ktki_task_split(ktk_task *t, int d, float share, void *out2, volatile uint32
     return KTK_OK;
 }
 
-void ktki_task_raise_top(ktk_task *t) {
+/* profiled: raised inside the job (forward.c, pipe.c: its pool is still running it), timed in the pool's profile */
+static void raise_top(ktk_task *t, int profiled) {
     if (t->done_top && !atomic_exchange_explicit(&t->top_raised, 1, memory_order_acq_rel)) {
         __atomic_store_n(t->done_top, 1u, __ATOMIC_RELEASE);
-        ktki_pool_profile_top(t->pool);
+        if (profiled) ktki_pool_profile_top(t->pool);
     }
 }
+
+void ktki_task_raise_top(ktk_task *t) { raise_top(t, 1); }
 
 int ktki_task_signal(ktk_task *t, volatile uint32_t *done) {
     if (busy(t)) return ktki_error(KTK_ERR_STATE, "ktk_task_signal: task is queued or running (ktk_wait first)");
@@ -182,7 +185,9 @@ int ktki_task_step(ktk_task *t, ktki_phase *ph) {
 }
 
 void ktki_task_end(ktk_task *t, int watched) {
-    if (t->slots == KTK_SLOTS_SPLIT) ktki_task_raise_top(t);   /* a run that failed (or ran as two phases) */
+    /* a run that failed, or had no row to compute (R == 0: its zeros written in a serial step), raises it here;
+     * not profiled: the pool may already be running another job (watch.c releases it first for a submitted task) */
+    if (t->slots == KTK_SLOTS_SPLIT) raise_top(t, 0);
     t->end_ns = ktki_now_ns();
     if (watched) {
         keep_sticky(t, t->result, t->msg);

@@ -15,6 +15,9 @@ import statistics
 
 import torch
 
+os.environ.update(KTINJECT_GEMV="1", KTINJECT_PIPE="1")  # the decode pipeline, whose layouts these are (where a
+# kernel table has no gemv default, as on CPUs without AMX, the layouts would all run the two-phase path)
+
 from ktinject.native import Experts, Task, default_pool
 
 H, I, E, K = 2048, 768, 128, 8
