@@ -265,7 +265,7 @@ int ktk_task_select_share(ktk_task *task, int slots, float share);
 /* Both parts in one run (expert deferral in graph decode: one native job a layer instead of two): the task computes
  * each token's immediate slots into its bound out and its deferred slots into out2 (same shape and dtype), by count
  * (d, share 0) or by weight share (d 0, share > 0) as above, and stores 1 to *done_top (release; NULL: none) as soon
- * as out is complete, before the deferred part's down products (the decode pipeline: also before its gate/up); the
+ * as out is complete, before the deferred part's gate/up and down products (every path runs part 0's first); the
  * run's end (its done word when watched; ktk_wait) follows out2. A run that fails before out is complete raises
  * *done_top at its end. ktk_task_bind undoes it. KTK_ERR_STATE as ktk_task_select; KTK_ERR_SHAPE for d / share as
  * above (exactly one given) or out2 the bound out or hidden (a rejected call changes nothing); KTK_ERR_NULL for

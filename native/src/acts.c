@@ -186,8 +186,8 @@ ktk_act ktki_fwd_rows(const fctx *c, int h, int a, int r0, int r1, int tid) {
 void ktki_fwd_quantize_h_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
     (void)tid;
-    const int r1 = (int)((item + 1) * c->hq_rows < c->R ? (item + 1) * c->hq_rows : c->R);
-    ktki_fwd_quantize_h_rows(c, (int)(item * c->hq_rows), r1);
+    const int64_t r0 = c->hq_r0 + item * c->hq_rows;   /* rows [hq_r0, hq_r1): every row, or a split part's */
+    ktki_fwd_quantize_h_rows(c, (int)r0, (int)(r0 + c->hq_rows < c->hq_r1 ? r0 + c->hq_rows : c->hq_r1));
 }
 
 void ktki_fwd_quantize_h_rows(const fctx *c, int r0, int r1) {

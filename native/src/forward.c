@@ -14,6 +14,9 @@
  * One-token forwards keep gather and h's quantization as phases (one item each): run inline on the task's thread
  * instead, they measured 0.4-3.8% slower (interleaved A/B, Qwen3-30B-A3B layer, 15 threads; cause not established).
  * Decode forwards (the gemv path below) run gate/up, h's quantization and down as one phase instead (pipe.c).
+ * A split task (expert deferral) runs those phases for its immediate part's experts, raises its done word, then
+ * runs them for the deferred part's (gate/up of both parts first had the word at ~87% of a one-token job with 5 of
+ * 8 slots immediate: 613 of 706 us, int4, 2-core AVX-512 VM; now ~63%: 440 of 700).
  * int4 weights take int8 activations; when an expert has >= KTK_INT4_DEQUANT_MIN_ROWS_ANY rows (or
  * KTINJECT_INT4_PATH=dequant), x and h also get exact bf16 copies of their int8 values and each thread a workspace,
  * so the kernel may dequantize the weights to bf16 for many rows (kernels.h; the ISA picks by row count).
@@ -60,13 +63,17 @@ static int plan(fctx *c) {
     c->gu = ktki_scratch(c->pool, KTKI_SCR_ITEMS, (size_t)(c->gemv ? 1 : chunks * ngroups + 1) * sizeof(gu_item));
     if (!c->gu) return 0;
     c->ngu = 0;
-    for (int a = 0; a < (c->gemv ? 0 : c->A); a++)
+    c->gu_part1 = -1;
+    for (int a = 0; a < (c->gemv ? 0 : c->A); a++) {
+        if (a == c->pa[1] && c->gu_part1 < 0) c->gu_part1 = c->ngu;   /* items in expert order: part 0's first */
         for (int g = 0; g < ngroups; g++)
             for (int r0 = c->off[a]; r0 < c->off[a + 1]; r0 += RT) {
                 int r1 = r0 + RT < c->off[a + 1] ? r0 + RT : c->off[a + 1];
                 int cb1 = (g + 1) * c->cw_gu < c->UI ? (g + 1) * c->cw_gu : c->UI;
                 c->gu[c->ngu++] = (gu_item){a, r0, r1, g * c->cw_gu, cb1};
             }
+    }
+    if (c->gu_part1 < 0) c->gu_part1 = c->ngu;
     if (!ktki_fwd_plan_acts(c)) return 0;
     if (c->pipe && !ktki_pipe_plan(c)) return 0;
     size_t per_thread = (size_t)c->H * 4;
@@ -113,14 +120,17 @@ void ktki_fwd_gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1
 
 static void gate_up_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
-    const gu_item it = c->gu[item];
+    const gu_item it = c->gu[c->gu_base + item];
     float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)RT * (it.cb1 - it.cb0) * 16;
     ktki_fwd_gate_up_run(c, it.a, it.r0, it.r1, it.cb0, it.cb1, gs, us, tid);
 }
 
-/* Decode path, gate/up: units [u0, u1) of (expert a, block b) = a * UI + b, a guided chunk (pool), split at experts. */
+/* Decode path, gate/up: units [u0, u1) of (expert a, block b) = a * UI + b, past gu_base, a guided chunk (pool),
+ * split at experts. */
 static void gate_up_decode(void *ctx, int64_t u0, int64_t u1, int tid) {
     fctx *c = ctx;
+    u0 += c->gu_base;
+    u1 += c->gu_base;
     float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)DECODE_ROWS * c->cw_gu * 16;
     for (int64_t u = u0; u < u1;) {
         const int a = (int)(u / c->UI), cb0 = (int)(u % c->UI);
@@ -210,7 +220,7 @@ static void down_part(const fctx *c, int part, int cb0, int cb1, int t0, int t1,
     for (int t = t0; t < t1; t++) ktki_fwd_write_out(c, part, t, j0, jn, acc + (int64_t)(t - t0) * bw);
 }
 
-/* Every part's down, or the one the phase is for (a split task's two down phases: c->dpart) */
+/* Every part's down, or the one the phase is for (a split task off the pipeline: c->dpart) */
 static void down_run(const fctx *c, int cb0, int cb1, int t0, int t1, float *y, float *acc, int tid) {
     for (int p = 0; p < c->nparts; p++)
         if (c->dpart < 0 || c->dpart == p) down_part(c, p, cb0, cb1, t0, t1, y, acc, tid);
@@ -288,6 +298,7 @@ static int start(fctx *c, ktk_pool *pool, ktk_task *t) {
         return ktki_error(KTK_ERR_SHAPE, "KTINJECT_INT4_PATH=%.40s: expected auto, direct or dequant",
                           getenv("KTINJECT_INT4_PATH"));
     c->nparts = t->slots == KTK_SLOTS_SPLIT ? 2 : 1;
+    c->dpart = c->nparts == 2 ? 0 : -1;   /* off the pipeline a split task runs part 0's phases, then part 1's */
     if ((c->pipe_phases = c->nparts == 2 ? defer_phases_env() : SPLIT_ONE) < 0)
         return ktki_error(KTK_ERR_SHAPE, "KTINJECT_DEFER_PHASES=%.40s: expected one, cut or two",
                           getenv("KTINJECT_DEFER_PHASES"));
@@ -381,9 +392,14 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
                 if (c->pipe_phases == SPLIT_CUT) ph->cut = ktki_pipe_part_units(c, 0);
                 return KTKI_PHASE;
             }
-            if (c->R > 0 && c->gemv) return guided(ph, c, gate_up_decode, (int64_t)c->A * c->UI, c->cw_gu, 1);
-            if (c->R > 0) return items(ph, c, gate_up_item, c->ngu);
-            break;
+            if (c->R == 0) break;
+            if (c->gemv) {   /* every expert's units, or the part's */
+                const int a0 = c->dpart < 0 ? 0 : c->pa[c->dpart], a1 = c->dpart < 0 ? c->A : c->pa[c->dpart + 1];
+                c->gu_base = (int64_t)a0 * c->UI;
+                return guided(ph, c, gate_up_decode, (int64_t)(a1 - a0) * c->UI, c->cw_gu, 1);
+            }
+            c->gu_base = c->dpart == 1 ? c->gu_part1 : 0;
+            return items(ph, c, gate_up_item, (c->dpart == 0 ? c->gu_part1 : c->ngu) - c->gu_base);
         case 2:
             if (c->pipe) {   /* h quantized, down and out written inside the pipeline's phase; part 1's phase */
                 const int64_t n = c->pipe_phases == SPLIT_TWO ? ktki_pipe_part_units(c, 1) : 0;
@@ -391,8 +407,11 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
                 if (n > 0) return guided(ph, c, ktki_pipe_range, n, c->cw_gu, 1);
                 break;
             }
-            if (c->R > 0 && c->a8)
-                return items(ph, c, ktki_fwd_quantize_h_item, (c->R + c->hq_rows - 1) / c->hq_rows);
+            if (c->R > 0 && c->a8) {   /* every row, or the part's */
+                c->hq_r0 = c->dpart < 0 ? 0 : c->off[c->pa[c->dpart]];
+                c->hq_r1 = c->dpart < 0 ? c->R : c->off[c->pa[c->dpart + 1]];
+                return items(ph, c, ktki_fwd_quantize_h_item, (c->hq_r1 - c->hq_r0 + c->hq_rows - 1) / c->hq_rows);
+            }
             break;
         case 3:
             if (c->R == 0) {   /* every slot skipped (GPU-resident, deferred to the other part): zeros, here */
@@ -400,13 +419,13 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
                 break;
             }
             if (c->pipe) break;
-            c->dpart = c->nparts == 2 ? 0 : -1;   /* a split task: the immediate part's down first, */
             return down_phase(ph, c);
-        case 4:   /* ... its done word, then the deferred part's down */
-            if (c->pipe || c->R == 0 || c->nparts != 2) break;
+        case 4:   /* a split task off the pipeline: part 0 done, its done word; then part 1's gate/up, h and down */
+            if (c->pipe || c->R == 0 || c->dpart != 0) break;
             ktki_task_raise_top(t);
             c->dpart = 1;
-            return down_phase(ph, c);
+            c->step = 1;
+            break;
         default:
             return KTK_OK;
         }

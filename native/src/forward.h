@@ -33,7 +33,9 @@ typedef struct {
     int A, R, maxrows;                 /* active experts, rows, most rows of one expert */
     int nparts, pa[3];                 /* 1, or 2 for a split task (ktk_task_split): part p = actives [pa[p], pa[p+1]),
                                           immediate slots then deferred ones (their rows in the same order) */
-    int dpart;                         /* the part a two-phase down phase computes (-1: every part) */
+    int dpart;                         /* off the pipeline, the part the open phases compute (-1: every part) */
+    int64_t gu_base, gu_part1;         /* the open gate/up phase's first unit or item; part 1's first item */
+    int hq_r0, hq_r1;                  /* the open quantization phase's rows */
     int32_t *start, *act_e, *off, *tok;  /* [E x nparts] (routing keys), [A], [A+1], [R] */
     int32_t *tg;                       /* [A]: first 16-row group of the expert in xt / ht, or -1 (no tiles) */
     int32_t *toff, *trow;              /* [T+1], [R]: the rows of token t are trow[toff[t] .. toff[t+1]) */
