@@ -226,6 +226,42 @@ def test_split_equals_the_two_parts(monkeypatch, quant, T, k, defer, gemv, pipe,
         assert not out2.any()
 
 
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("case", ["many rows", "no immediate row"])
+@pytest.mark.parametrize("gemv,tiles", [("0", "0"), ("0", "1"), ("1", "0")])
+def test_split_off_the_pipeline_by_part(monkeypatch, quant, case, gemv, tiles):
+    """Off the pipeline a split task runs each part's gate/up, h and down in turn (part 0's gate/up items, its
+    quantized rows, then part 1's): the same bits as the two parts alone where an expert's rows span several item
+    chunks (700 tokens on 4 experts: ~525 rows each, RT = 256), with and without AMX tile order, and where every
+    immediate expert is skipped (GPU-resident) while deferred ones run (part 0 empty, R > 0: its zeros)."""
+    monkeypatch.setenv("KTINJECT_GEMV", gemv)
+    monkeypatch.setenv("KTINJECT_PIPE", "0")
+    monkeypatch.setenv("KTINJECT_TILES", tiles)
+    gen = torch.Generator().manual_seed(5)
+    if case == "many rows":
+        T, E = 700, 4
+        ids = torch.tensor([[0, 1, 2 + t % 2] for t in range(T)])
+    else:
+        T, E = 3, 12
+        ids = torch.tensor([[3 * t, 3 * t + 1, 3 * t + 2, 9 + t] for t in range(T)])
+    H = 72
+    ex = _experts(E, H, I=100, quant=quant, seed=3)
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    w = torch.rand(T, ids.shape[1], generator=gen).sort(-1, descending=True).values  # the last slot is deferred
+    skip = torch.zeros(E, dtype=torch.uint8)
+    if case == "no immediate row":
+        skip[:9] = 1  # every immediate expert GPU-resident: only the deferred slots (experts 9..11) run here
+    (top, _), (rest, n_rest) = (_run_part(ex, x, ids, w, p, 1, skip) for p in ("top", "rest"))
+    flags = torch.zeros(4, dtype=torch.int32)
+    with native.Pool(3) as pool, native.Task(pool) as task:
+        out = task.bind(ex, x, ids, w, skip=skip, out=torch.full((T, H), 7.0, dtype=torch.bfloat16))
+        out2 = task.split(1, torch.full((T, H), 7.0, dtype=torch.bfloat16), flags.data_ptr())
+        task.submit()
+        task.wait()
+        assert int(flags[0]) == 1 and torch.equal(out, top) and torch.equal(out2, rest)
+    assert n_rest == T and out2.any() and (out.any() if case == "many rows" else not out.any())
+
+
 def test_split_phases_variable_and_profile(monkeypatch):
     """KTINJECT_DEFER_PHASES other than one / cut / two fails a split forward with a message naming it (a plain forward never
     reads it); the pool's profile times a split job's immediate part (top_us: the job's start to its done word,

@@ -122,7 +122,7 @@ int ktk_pool_wake(ktk_pool *pool);
  * fails, or has nothing to compute, raises it at its end, not counted). Serial steps
  * (routing, one-item phases) are a job's time outside its phases. Returns the count copied, or -KTK_ERR_NULL for a
  * NULL pool (or a NULL out with n > 0). */
-#define KTK_PROFILE_PHASES 6
+#define KTK_PROFILE_PHASES 8
 #define KTK_PROFILE_DECODE (2 + 4 * KTK_PROFILE_PHASES)
 #define KTK_PROFILE_TOP (KTK_PROFILE_DECODE + 3)
 #define KTK_PROFILE_LEN (KTK_PROFILE_TOP + 2)

@@ -330,6 +330,7 @@ int ktki_pool_create(int nthreads, int pin, ktk_pool **out) {
     p->started = calloc((size_t)nthreads, sizeof *p->started);
     p->per_thread = calloc((size_t)nthreads + 1, sizeof *p->per_thread);
     void *prof = NULL;   /* the profile's per-thread sums (ktk_pool_set_profile): 128 bytes a thread */
+    _Static_assert(2 * KTK_PROFILE_PHASES <= 16, "per-thread profile: 16 sums a thread, 2 a phase");
     if (posix_memalign(&prof, 64, (size_t)(nthreads + 1) * 16 * sizeof(int64_t)) == 0) {
         memset(prof, 0, (size_t)(nthreads + 1) * 16 * sizeof(int64_t));
         p->prof_thr = prof;
