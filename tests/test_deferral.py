@@ -314,6 +314,18 @@ def test_bench_decode_defer_rows_on_the_tiny_model(capsys):
     for bad in ("4", "x", "1.0", "0.0"):
         with pytest.raises(SystemExit, match="--defer"):
             bench_defer.parse(bad, 4)
+    assert bench_decode.main(["--tiny", "--defer", "1", "--defer-layouts", "one,two", "--tokens", "2",
+                              "--defer-rounds", "1", "--hf-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    for row in ("defer 0: eager decode", "defer 1 (one): eager decode", "defer 1 (two): eager decode",
+                "defer layouts"):
+        assert f"| {row}" in out, row
+    assert bench_defer.layouts("cut, two,cut") == ["cut", "two"]
+    for bad in ("three", ",", "one,2"):
+        with pytest.raises(SystemExit, match="--defer-layouts .*one, cut, two"):
+            bench_defer.layouts(bad)
+    with pytest.raises(SystemExit, match="--defer-layouts"):  # before the model is built
+        bench_decode.main(["--tiny", "--defer", "1", "--defer-layouts", "both"])
 
 
 def test_forget_drops_stream_work_and_waits_for_eager_work():

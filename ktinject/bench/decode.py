@@ -127,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
                         "setting against the bound (CPU + GPU) / max(CPU, GPU), instead of the other rows "
                         "(ktinject.bench.defer)")
     p.add_argument("--defer-rounds", type=int, default=3, help="rounds in which every --defer setting is timed")
+    p.add_argument("--defer-layouts", default=None,
+                   help="with --defer on a GPU: the deferring layers' split layouts to time in turns, of one, cut, "
+                        "two (KTINJECT_DEFER_PHASES; default: that variable's, else one)")
     p.add_argument("--compare", action="store_true",
                    help="also time the graph decode with one speed-up undone at a time: HF's sdpa attention, 4D "
                         "masks built by HF every step, the pool's watch spin off")
@@ -446,6 +449,9 @@ def main(argv=None) -> int:
     if bad or not quants:
         raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of bf16, int8, int4")
     peer.check_arguments(args)
+    if args.defer_layouts is not None:
+        from ktinject.bench.defer import layouts
+        layouts(args.defer_layouts)  # a bad name stops here, not after the model's build
     rows, ours = [], {}
     for i, q in enumerate(quants):
         got = run(args, q, first=i == 0)  # the model goes with run's frame before the next build

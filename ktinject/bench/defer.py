@@ -12,13 +12,16 @@ bare replays, with a CPU pass per round, so the host's drift spreads over all of
 Speed-up: against d = 0 of the same rounds; share of the bound: speed-up / bound. The share of the slots deferred
 is counted by the native tasks over the timed generate runs (``deferral.slots_run``); the limit 1 + s
 (``share_bound``) takes d / k for a count and that measured share for a weight share. Without CUDA (``--tiny`` on
-a CPU) the eager decode is timed and the GPU columns say n/a.
+a CPU) the eager decode is timed and the GPU columns say n/a. ``--defer-layouts one,cut,two`` times each d > 0 in
+each layout of the deferring layers' split tasks (``KTINJECT_DEFER_PHASES``, set between runs: the native code reads
+it at each forward, so one captured graph serves all) in the same rounds; the targets take each setting's best.
 Legend: B batch, P prompt tokens, d deferred slots per token, m deferred share of the routing weight.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -81,6 +84,39 @@ def seconds_per_token(model, prompt: torch.Tensor, tokens: int) -> float:
     return (run(tokens + 1) - first) / tokens
 
 
+#: a split task's layouts (``KTINJECT_DEFER_PHASES``, read by the native code at each forward: native/src/pipe.c)
+LAYOUTS = ("one", "cut", "two")
+LAYOUT_ENV = "KTINJECT_DEFER_PHASES"
+
+
+def layouts(text: str | None) -> list[str]:
+    """``--defer-layouts`` as a list (default: the environment's layout, else one); SystemExit naming a bad one."""
+    got = [t.strip() for t in (text or os.environ.get(LAYOUT_ENV) or LAYOUTS[0]).split(",") if t.strip()]
+    bad = [t for t in got if t not in LAYOUTS]
+    if bad or not got:
+        raise SystemExit(f"--defer-layouts {text!r}: expected a comma-separated list of {', '.join(LAYOUTS)}")
+    return list(dict.fromkeys(got))
+
+
+@contextlib.contextmanager
+def _layout_env():
+    """Yields use(layout): sets the split layout the native code reads at each forward (None: leaves it); the
+    environment's value is restored at the end."""
+    before = os.environ.get(LAYOUT_ENV)
+
+    def use(layout: str | None) -> None:
+        if layout is not None:
+            os.environ[LAYOUT_ENV] = layout
+
+    try:
+        yield use
+    finally:
+        if before is None:
+            os.environ.pop(LAYOUT_ENV, None)
+        else:
+            os.environ[LAYOUT_ENV] = before
+
+
 def share_bound(cpu_s: float, gpu_s: float, share: float) -> float:
     """The speed-up deferral can give when a ``share`` of the CPU's expert work is deferred: a layer takes g + c
     without it (GPU, CPU, one after the other); with it the immediate part, then the deferred part beside the next
@@ -110,26 +146,35 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers, quant: str = "b
             for row in defer_failed(quant, f"no decode graph captured at defer {d}", args):
                 add(row)
             return
-    gen: dict[int | float, list[float]] = {d: [] for d in ds}
-    bare: dict[int | float, list[float]] = {d: [] for d in ds}
-    slots = {d: [0, 0] for d in ds}  # (immediate, deferred) rows of the deferring blocks in the timed generate runs
+    given = getattr(args, "defer_layouts", None)
+    lays = layouts(given) if graphs or given else [None]  # a split task's layout: graph decode's
+    if not graphs and len(lays) > 1:
+        add(("defer layouts", "", "", "eager decode runs two tasks a layer, not a split one: the layouts time the "
+             "same path here (they apply to graph decode)"))
+    variants = [(0, lays[0])] + [(d, lay) for d in ds if d for lay in lays]
+    gen: dict[tuple, list[float]] = {v: [] for v in variants}
+    bare: dict[tuple, list[float]] = {v: [] for v in variants}
+    slots = {v: [0, 0] for v in variants}  # (immediate, deferred) rows of the deferring blocks in the timed runs
     cpu: list[float] = []
     profiles: list[dict] = []
-    for _ in range(max(1, args.defer_rounds)):
-        cpu += timers.cpu_expert_time(model, B, passes=2, profile=profiles)
-        for d in ds:
-            deferral.set_defer(model, d)
-            deferral.slots_run(model, reset=True)
-            gen[d].append(seconds_per_token(model, prompt, args.tokens))
-            slots[d] = [a + b for a, b in zip(slots[d], deferral.slots_run(model))]
-            if graphs:
-                bare[d].append(timers.graph_replay(runner, B, P, args.tokens, entry=entries[d]))
-    inside = {}  # d -> the pools' profile inside bare replays: where the CPU's part of a step goes per setting
-    for d in ds if graphs else ():
-        with contextlib.ExitStack() as stack:
-            profs = [stack.enter_context(p.profiling()) for p in entries[d].pools]
-            timers.graph_replay(runner, B, P, args.tokens, entry=entries[d])
-        inside[d] = profs
+    inside = {}  # variant -> the pools' profile inside bare replays: where the CPU's part of a step goes
+    with _layout_env() as use:
+        for _ in range(max(1, args.defer_rounds)):
+            cpu += timers.cpu_expert_time(model, B, passes=2, profile=profiles)
+            for v in variants:
+                use(v[1])
+                deferral.set_defer(model, v[0])
+                deferral.slots_run(model, reset=True)
+                gen[v].append(seconds_per_token(model, prompt, args.tokens))
+                slots[v] = [a + b for a, b in zip(slots[v], deferral.slots_run(model))]
+                if graphs:
+                    bare[v].append(timers.graph_replay(runner, B, P, args.tokens, entry=entries[v[0]]))
+        for v in variants if graphs else ():
+            use(v[1])
+            with contextlib.ExitStack() as stack:
+                profs = [stack.enter_context(p.profiling()) for p in entries[v[0]].pools]
+                timers.graph_replay(runner, B, P, args.tokens, entry=entries[v[0]])
+            inside[v] = profs
     deferral.set_defer(model, 0)
     cpu_s = statistics.median(cpu)
     muted = {d: timers.muted_replay(model, runner, B, P, args.tokens, entry=entries[d]) for d in ds} if graphs else {}
@@ -143,14 +188,16 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers, quant: str = "b
     add(("defer: GPU + handshakes (experts muted, d=0)", "", _ms(gpu_s), "graph replay, every routed expert skipped; "
          f"projections of {B} row(s): {fused_dense.choices_line(B)}"))
     add(("defer: bound (CPU + GPU) / max(CPU, GPU)", "", "", "n/a" if bound is None else f"{bound:.3f}x"))
-    base = statistics.median(gen[0])
+    base = statistics.median(gen[variants[0]])
     k = model.config.num_experts_per_tok
-    speedups = {}
-    for d in ds:
-        s = statistics.median(gen[d])
-        up = speedups[d] = base / s
+    speedups: dict[int | float, float] = {}  # d -> the best layout's speed-up (the targets judge settings)
+    for v in variants:
+        d, lay = v
+        s = statistics.median(gen[v])
+        up = base / s
+        speedups[d] = max(speedups.get(d, 0.0), up)
         note = [f"{up:.3f}x of d=0"]
-        imm, dfr = slots[d]
+        imm, dfr = slots[v]
         share = dfr / max(1, imm + dfr)  # measured: what a weight share defers depends on the tokens
         if d:
             note.append(f"{100 * share:.1f}% of slots deferred")
@@ -161,12 +208,13 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers, quant: str = "b
                 note.append(f"at most {share_bound(cpu_s, gpu_s, s_bound):.3f}x "
                             + (f"with {d} of {k} deferred" if isinstance(d, int) else "at that share"))
         if graphs:
-            note.append(f"bare replay {_ms(statistics.median(bare[d]))} ms, muted {_ms(muted[d])} ms")
-        note.append("runs " + ", ".join(f"{B / t:.1f}" for t in gen[d]) + " tok/s")
-        add((f"defer {d}: {'graph' if graphs else 'eager'} decode", f"{B / s:,.1f}", _ms(s), "; ".join(note)))
-        for prof in inside.get(d, ()):  # the CPU jobs' sum a step: beside the bare replay, what overlaps and what not
+            note.append(f"bare replay {_ms(statistics.median(bare[v]))} ms, muted {_ms(muted[d])} ms")
+        note.append("runs " + ", ".join(f"{B / t:.1f}" for t in gen[v]) + " tok/s")
+        name = f"defer {d}" + (f" ({lay})" if d and len(lays) > 1 else "")
+        add((f"{name}: {'graph' if graphs else 'eager'} decode", f"{B / s:,.1f}", _ms(s), "; ".join(note)))
+        for prof in inside.get(v, ()):  # the CPU jobs' sum a step: beside the bare replay, what overlaps and what not
             steps = replay_iters(runner, P, args.tokens) + 1  # graph_replay's warm-up too
-            add((f"defer {d}: the pool inside bare replays", "", _ms(prof["jobs"] * prof["job_us"] / 1e6 / steps),
+            add((f"{name}: the pool inside bare replays", "", _ms(prof["jobs"] * prof["job_us"] / 1e6 / steps),
                  "CPU jobs a step, summed (go seen -> done raised); " + profile_line(prof)))
     for row in defer_targets(quant, speedups, bound, args, cpu_s, gpu_s) if graphs else ():
         add(row)

@@ -12,11 +12,12 @@
 #                                                #   log to $OUT as it goes (a cut call still brings the rows back)
 #   STEP=decode bash tests/gpu/resolve_stage.sh  # ~220 s: bench decode int4/int8 --defer 0 (three runs each),
 #                                                #   int4 --noise 1,2,4 (three rounds)
-#   STEP=defer  bash tests/gpu/resolve_stage.sh  # ~300 s: the split layer's layouts on the CPU
+#   STEP=defer  bash tests/gpu/resolve_stage.sh  # ~470 s: the split layer's layouts on the CPU
 #                                                #   (tests/gpu/probe_defer_top.py, ~40 s: KTINJECT_DEFER_PHASES
 #                                                #   one / cut / two, when the immediate part is done), then int4
-#                                                #   deferral at a 16K context in the best layout (issue 20's
-#                                                #   verdict), and the deferral GPU tests in that layout
+#                                                #   deferral at a 16K context, each layout in turn in the same
+#                                                #   rounds (issue 20's verdict takes the best), then the deferral
+#                                                #   GPU tests in the layout the probe picked
 #   STEP=bf16   bash tests/gpu/resolve_stage.sh  # ~120 s: bench decode bf16 (the roofline verdict)
 #   STEP=int4   bash tests/gpu/resolve_stage.sh  # ~270 s: int4 decode, group size default / 64 / default
 set -uo pipefail
@@ -40,11 +41,12 @@ case $STEP in
   defer)  # issue 20 at a 16K context: d = 3 and mass 0.3 (39% of the slots, +0.8% perplexity on the demo model)
     echo "=== probe_defer_top $(steal)"
     L=16 P=20 G_US=105 timeout 150 python3 tests/gpu/probe_defer_top.py 2>&1 | grep -v Warning | tee "$OUT/defer-top.log"
-    best=$(sed -n 's/^best=\([a-z]*\).*/\1/p' "$OUT/defer-top.log"); export KTINJECT_DEFER_PHASES=${best:-one}
-    echo "KTINJECT_DEFER_PHASES=$KTINJECT_DEFER_PHASES"
-    T=400 b decode --quant int4 --defer 0,3,0.3 --prompt 16384 --tokens 64 | tee "$OUT/defer.log" \
-      | grep -E '^# injected|defer (0|3|0.3): (graph|the pool)|bound|target'
-    timeout 150 python3 -m pytest -q -rs tests/gpu/test_deferral_gpu.py 2>&1 | tail -3 ;;
+    best=$(sed -n 's/^best=\([a-z]*\).*/\1/p' "$OUT/defer-top.log")
+    T=420 b decode --quant int4 --defer 0,3,0.3 --defer-layouts one,cut,two --prompt 16384 --tokens 64 \
+      | tee "$OUT/defer.log" | grep -E '^# injected|defer (0|3|0.3)( \([a-z]+\))?: (graph|the pool)|bound|target'
+    echo "=== deferral GPU tests, KTINJECT_DEFER_PHASES=${best:-one}"
+    KTINJECT_DEFER_PHASES=${best:-one} timeout 150 python3 -m pytest -q -rs tests/gpu/test_deferral_gpu.py 2>&1 \
+      | tail -3 ;;
   serve)
     b serve --quant int4,bf16 --streams 1,8 --layers 16 | tee "$OUT/serve.log" | grep -E '^# memory|^\| (int4|bf16)'
     setsid nohup python3 tests/gpu/soak_serve.py --minutes 10 --disconnects 100 > /tmp/ktinject-soak.log 2>&1 \
