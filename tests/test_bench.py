@@ -264,6 +264,9 @@ def test_defer_targets_judge_int4_and_explain_a_low_bound():
     (what, _, _, verdict), = defer_targets("int4", {0: 1.0, 1: 1.1, 3: 1.28}, 1.40, args)
     assert what == DEFER_TARGET == "target: int4 deferral >= 1.25x of d=0 and >= 80% of the bound"
     assert verdict == "met: defer 3: 1.280x of d=0, 91.4% of the bound 1.400x (prompt 16384 tokens)"
+    # with --defer-layouts the settings come named with the layout judged
+    assert defer_targets("int4", {0: 1.0, "3 (cut)": 1.28, "0.3 (cut)": 1.1}, 1.40, args)[0][3].startswith(
+        "met: defer 3 (cut): 1.280x of d=0")
     # the best setting judged, a mass setting named as the other rows name it; 1.2795x is under 80% of a 1.6x bound
     # and is not printed as 80%
     assert defer_targets("int4", {0: 1.0, 0.3: 1.2795}, 1.6, args)[0][3].startswith(

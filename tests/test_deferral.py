@@ -318,7 +318,7 @@ def test_bench_decode_defer_rows_on_the_tiny_model(capsys):
                               "--defer-rounds", "1", "--hf-tokens", "0"]) == 0
     out = capsys.readouterr().out
     for row in ("defer 0: eager decode", "defer 1 (one): eager decode", "defer 1 (two): eager decode",
-                "defer layouts"):
+                "defer layouts", "defer layouts: judged"):
         assert f"| {row}" in out, row
     assert bench_defer.layouts("cut, two,cut") == ["cut", "two"]
     for bad in ("three", ",", "one,2"):

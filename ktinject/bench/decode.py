@@ -449,9 +449,9 @@ def main(argv=None) -> int:
     if bad or not quants:
         raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of bf16, int8, int4")
     peer.check_arguments(args)
-    if args.defer_layouts is not None:
+    if args.defer:
         from ktinject.bench.defer import layouts
-        layouts(args.defer_layouts)  # a bad name stops here, not after the model's build
+        layouts(args.defer_layouts)  # a bad name (or KTINJECT_DEFER_PHASES) stops here, not after the model's build
     rows, ours = [], {}
     for i, q in enumerate(quants):
         got = run(args, q, first=i == 0)  # the model goes with run's frame before the next build
