@@ -16,13 +16,16 @@
 #                                                #   each in the split layouts one, cut and two in turn in the same
 #                                                #   rounds (KTINJECT_DEFER_PHASES; issue 20's verdict judges the
 #                                                #   layout of the best mean), then the deferral GPU tests in cut
+#   STEP=deferbf16 bash tests/gpu/resolve_stage.sh  # ~300 s: bf16 deferral at 16K, reported as issue 20 asks
+#                                                #   (LAYOUT=one|cut|two: the layout the int4 run judged best)
 #   STEP=probe  bash tests/gpu/resolve_stage.sh  # ~90 s: tests/gpu/probe_defer_top.py, the layouts on the CPU alone
 #                                                #   (when a split layer's immediate part is done)
 #   STEP=bf16   bash tests/gpu/resolve_stage.sh  # ~120 s: bench decode bf16 (the roofline verdict)
 #   STEP=int4   bash tests/gpu/resolve_stage.sh  # ~270 s: int4 decode, group size default / 64 / default
 set -uo pipefail
 . tests/gpu/stage_lib.sh
-case "${STEP:-}" in serve|soak|decode|defer|probe|bf16|int4) ;; *) echo "STEP=serve|soak|decode|defer|probe|bf16|int4"; exit 2 ;; esac
+case "${STEP:-}" in serve|soak|decode|defer|deferbf16|probe|bf16|int4) ;;
+  *) echo "STEP=serve|soak|decode|defer|deferbf16|probe|bf16|int4"; exit 2 ;; esac
 [ "$STEP" = soak ] || stage_setup
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
@@ -43,6 +46,9 @@ case $STEP in
       | tee "$OUT/defer.log" | grep -E '^# injected|defer (0|3|0.3)( \([a-z]+\))?: (graph|the pool)|layouts|bound|target'
     echo "=== deferral GPU tests, KTINJECT_DEFER_PHASES=cut $(steal)"
     KTINJECT_DEFER_PHASES=cut timeout 120 python3 -m pytest -q -rs tests/gpu/test_deferral_gpu.py 2>&1 | tail -3 ;;
+  deferbf16)
+    T=420 b decode --quant bf16 --defer 0,3,0.3 --defer-layouts "${LAYOUT:-one}" --prompt 16384 --tokens 32 \
+      | tee "$OUT/defer-bf16.log" | grep -E '^# injected|defer (0|3|0.3)( \([a-z]+\))?: graph|bound|report' ;;
   probe)
     L=16 P=20 G_US=105 timeout 150 python3 tests/gpu/probe_defer_top.py 2>&1 | grep -v Warning | tee "$OUT/defer-top.log" ;;
   serve)
