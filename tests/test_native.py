@@ -675,17 +675,19 @@ def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):
     (KTINJECT_GEMV=1, where the kernels have gemv) as the one-phase pipeline (down units waiting for their experts'
     h, one thread summing each column group), in claim windows of 7 items, its split task also in the layouts cut
     (chunks stop at the parts' boundary, which windows shift) and two (KTINJECT_DEFER_PHASES); two-phase: the same
-    as two phases (KTINJECT_PIPE=0); one-token: 1 token x 4 experts, the pipeline in one window; else 33 tokens x 2,
-    claim windows of 7 items (phases of several)."""
+    as two phases (KTINJECT_PIPE=0); one-token: 1 token x 4 experts, I = 200, the pipeline in one window, in the
+    three layouts (with chunks of several units: one crossing cut's boundary aborts, KTK_CHECK_CUT); else 33 tokens
+    x 2, claim windows of 7 items (phases of several)."""
     flags = {False: ["-DCLAIM_BITS=3"], True: ["-DSTRESS_T=3", "-DSTRESS_K=4", "-DCLAIM_BITS=3"],
-             "two-phase": ["-DSTRESS_T=3", "-DSTRESS_K=4"], "one-token": ["-DSTRESS_T=1", "-DSTRESS_K=4"]}[decode]
+             "two-phase": ["-DSTRESS_T=3", "-DSTRESS_K=4"],
+             "one-token": ["-DSTRESS_T=1", "-DSTRESS_K=4", "-DSTRESS_I=200", "-DKTK_CHECK_CUT"]}[decode]
     exe = _build_c_test(tmp_path, "stress_pool", sanitizer, flags)
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                        env={"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1",
                             "KTINJECT_GEMV": "1" if decode else "0",
                             "KTINJECT_PIPE": "0" if decode == "two-phase" else "1", "KTINJECT_TILES": "1"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.stdout + r.stderr)[-4000:]
-    for phases in ("cut", "two") if decode is True else ():  # the split task's other layouts, the same build
+    for phases in ("cut", "two") if decode in (True, "one-token") else ():  # the split's other layouts, same build
         r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                            env={"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1",
                                 "KTINJECT_GEMV": "1", "KTINJECT_PIPE": "1", "KTINJECT_TILES": "1",

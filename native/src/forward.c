@@ -266,7 +266,6 @@ static int int4_path_env(void) {
 /* KTINJECT_DEFER_PHASES (read and checked at each split forward, used on the decode pipeline; A/B measurements): how
  * a split task's two parts run (pipe.c says why each): one (default) as one phase, cut as one phase whose chunks neither cross
  * the parts' boundary nor are sized by the deferred part's units, two as a phase each; -1 for anything else. */
-enum { SPLIT_ONE = 1, SPLIT_CUT, SPLIT_TWO };
 static int defer_phases_env(void) {
     const char *v = getenv("KTINJECT_DEFER_PHASES");
     if (!v || !*v || !strcmp(v, "one")) return SPLIT_ONE;

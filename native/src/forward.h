@@ -56,7 +56,7 @@ typedef struct {
     int step;                          /* ktki_forward_step: the next phase */
     /* decode pipeline (pipe.c): gate/up and down of every expert in one phase */
     int pipe, UHc;                     /* on; groups of PIPE_DN_BLOCKS blocks of H */
-    int pipe_phases;                   /* how a split task's parts run (forward.c: KTINJECT_DEFER_PHASES) */
+    int pipe_phases;                   /* how a split task's parts run: SPLIT_* (forward.c: KTINJECT_DEFER_PHASES) */
     int64_t pipe_base;                 /* the unit the open phase's item 0 is */
     _Atomic int32_t *gu_left;          /* [A] gate/up units of the expert not yet done */
     _Atomic int32_t *h_ready;          /* [A] its h row is complete (and quantized) */
@@ -67,6 +67,8 @@ typedef struct {
 } fctx;
 
 static inline size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+enum { SPLIT_ONE = 1, SPLIT_CUT, SPLIT_TWO };   /* a split task's parts: one phase, one cut at their boundary, two */
 
 /* forward.c, for pipe.c */
 /* Gate/up of expert a (active index), rows [r0, r1), blocks [cb0, cb1) -> h; gs, us: the thread's scratch. */

@@ -28,6 +28,8 @@
  * Legend: A active experts, R rows, T tokens, UI / UH 16-wide blocks of I / H, UHc groups of PIPE_DN_BLOCKS blocks.
  */
 #include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "forward.h"
@@ -205,6 +207,14 @@ void ktki_pipe_range(void *ctx, int64_t u0, int64_t u1, int tid) {
     int64_t base = 0;
     u0 += c->pipe_base;
     u1 += c->pipe_base;
+#ifdef KTK_CHECK_CUT   /* the pool stress test's builds: a chunk of a cut phase never crosses the parts' boundary */
+    const int64_t cut = ktki_pipe_part_units(c, 0);
+    if (c->nparts == 2 && c->pipe_phases == SPLIT_CUT && u0 < cut && u1 > cut) {
+        fprintf(stderr, "pipe: chunk [%lld, %lld) crosses the cut at %lld\n", (long long)u0, (long long)u1,
+                (long long)cut);
+        abort();
+    }
+#endif
     for (int p = 0; p < c->nparts && u0 < u1; p++) {
         const int64_t end = base + ktki_pipe_part_units(c, p);
         if (u0 < end) {

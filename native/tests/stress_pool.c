@@ -19,7 +19,11 @@
 
 #define E 8
 #define H 40
+#ifdef STRESS_I   /* a wider I: gate/up chunks of several units, so a cut phase's chunks could cross its boundary */
+#define I STRESS_I
+#else
 #define I 24
+#endif
 #ifdef STRESS_T   /* -DSTRESS_T=3 -DSTRESS_K=4 with KTINJECT_GEMV=1: the decode path (every expert <= 4 rows) */
 #define T STRESS_T
 #define K STRESS_K
