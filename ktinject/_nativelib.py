@@ -287,7 +287,8 @@ class Pool:
         ``decode_experts`` (the distinct experts they read) and of their tokens ``decode_tokens``; the split tasks'
         (expert deferral) immediate parts: ``top_jobs`` that raised their done word during the job and ``top_us``
         (mean, the job's start to that word: what the GPU waits for; failed or empty runs raise it after the job,
-        uncounted). Phases are numbered in each job's order, so jobs of different
+        uncounted); ``head_us`` (mean, a job's start to its first parallel phase: routing, gather, planning; the
+        rest of ``serial_us`` is between and after its phases). Phases are numbered in each job's order, so jobs of different
         shapes (one token, whose gather runs inline, and several) add different phases into one slot: profile one
         kind of forward at a time. ``use`` counts the pool's threads, not a caller that helps (it can exceed 1)."""
         ffi, lib = _native()
@@ -309,7 +310,7 @@ class Pool:
                 "serial_us": (v[1] - sum(v[3 + 4 * i] for i in range(lib.KTK_PROFILE_PHASES))) / jobs / 1e3,
                 "decode_jobs": v[d], "decode_experts": v[d + 1], "decode_tokens": v[d + 2],
                 "top_jobs": v[lib.KTK_PROFILE_TOP], "top_us": v[lib.KTK_PROFILE_TOP + 1] / max(1, v[lib.KTK_PROFILE_TOP])
-                / 1e3}
+                / 1e3, "head_us": v[lib.KTK_PROFILE_HEAD] / jobs / 1e3}
 
     def close(self) -> None:
         """Close tasks made on this pool, then stop and join the threads (after running queued work)."""

@@ -213,6 +213,8 @@ def test_profile_line_says_when_a_split_job_raised_its_done_word():
                                   "serial 10.1 us; phase 0: 169.2 us, 148 chunks, threads busy 96%")
     assert profile_line(dict(prof, top_jobs=0)) == ("96 forwards, 179.4 us each, serial 10.1 us; phase 0: 169.2 us, "
                                                     "148 chunks, threads busy 96%")
+    assert profile_line(dict(prof, top_jobs=0, head_us=6.3)).startswith("96 forwards, 179.4 us each, serial 10.1 us "
+                                                                         "(head 6.3); phase 0")
 
 
 def test_decode_target_rows_judge_what_the_run_measured():

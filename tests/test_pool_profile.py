@@ -29,6 +29,7 @@ def test_profile_counts_jobs_and_phases(monkeypatch):
         assert torch.equal(out, plain)
         assert prof["jobs"] == 3
         assert prof["job_us"] > 0 and prof["serial_us"] >= 0
+        assert 0 < prof["head_us"] <= prof["serial_us"] + 1e-6  # routing, gather: before the first phase
         assert prof["phases"], prof  # gate/up and down at least (5 tokens x 2 experts: several items each)
         for ph in prof["phases"]:
             assert ph["wall_us"] > 0 and ph["chunks"] >= 1 and ph["busy_us"] >= 0

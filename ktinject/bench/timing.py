@@ -184,13 +184,14 @@ def fresh_ids(gen: torch.Generator, num_experts: int, k: int, batch: int, avoid:
 
 def profile_line(prof: dict) -> str:
     """A native pool's profile (``Pool.profile()``) in one line: a forward's time, its serial part (routing,
-    one-item steps, hand-offs), where split (expert deferral) when its immediate part was done, and each parallel
-    phase's wall time, chunks and how busy the threads were."""
+    one-item steps, hand-offs) and of it the head before the first phase, where split (expert deferral) when its
+    immediate part was done, and each parallel phase's wall time, chunks and how busy the threads were."""
     phases = "; ".join(f"phase {i}: {p['wall_us']:.1f} us, {p['chunks']:.0f} chunks, threads busy "
                        f"{100 * p['use']:.0f}%" for i, p in enumerate(prof["phases"]))
     top = (f", the immediate part done at {prof['top_us']:.1f} us ({prof['top_jobs']} forwards)"
            if prof.get("top_jobs") else "")
-    return (f"{prof['jobs']} forwards, {prof['job_us']:.1f} us each{top}, serial {prof['serial_us']:.1f} us"
+    head = f" (head {prof['head_us']:.1f})" if "head_us" in prof else ""
+    return (f"{prof['jobs']} forwards, {prof['job_us']:.1f} us each{top}, serial {prof['serial_us']:.1f} us{head}"
             + (f"; {phases}" if phases else ""))
 
 

@@ -119,13 +119,15 @@ int ktk_pool_wake(ktk_pool *pool);
  * at most KTK_PROFILE_DECODE_T tokens (decode steps, not prompts), their active experts (the distinct experts they
  * read) and their tokens; then at KTK_PROFILE_TOP the split tasks' (expert deferral) immediate parts: how many
  * raised their done word during their job and the ns from its start to it (the part the GPU waits for; a run that
- * fails, or has nothing to compute, raises it at its end, not counted). Serial steps
+ * fails, or has nothing to compute, raises it at its end, not counted); then at KTK_PROFILE_HEAD the ns from the
+ * jobs' starts to their first parallel phase (routing, gather, planning: the serial head of a job). Serial steps
  * (routing, one-item phases) are a job's time outside its phases. Returns the count copied, or -KTK_ERR_NULL for a
  * NULL pool (or a NULL out with n > 0). */
 #define KTK_PROFILE_PHASES 8
 #define KTK_PROFILE_DECODE (2 + 4 * KTK_PROFILE_PHASES)
 #define KTK_PROFILE_TOP (KTK_PROFILE_DECODE + 3)
-#define KTK_PROFILE_LEN (KTK_PROFILE_TOP + 2)
+#define KTK_PROFILE_HEAD (KTK_PROFILE_TOP + 2)
+#define KTK_PROFILE_LEN (KTK_PROFILE_HEAD + 1)
 #define KTK_PROFILE_DECODE_T 16
 int ktk_pool_set_profile(ktk_pool *pool, int on);
 int ktk_pool_profile(ktk_pool *pool, int64_t *out, int n);

@@ -6,6 +6,9 @@
 /* A new parallel phase of the running job opens now (its publisher runs the job: no other writer). */
 void ktki_prof_phase_open(ktk_pool *p) {
     p->prof_phase_t0 = ktki_now_ns();
+    if (p->prof_phase == 0)   /* the job's head: its start (go seen, or submitted) to its first parallel phase */
+        atomic_fetch_add_explicit(&p->prof_sum[KTK_PROFILE_HEAD], p->prof_phase_t0 - p->prof_job_t0,
+                                  memory_order_relaxed);
     atomic_store_explicit(&p->prof_cur, p->prof_phase++, memory_order_relaxed);   /* published with the phase */
 }
 
