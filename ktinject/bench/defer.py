@@ -190,13 +190,12 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers, quant: str = "b
     add(("defer: GPU + handshakes (experts muted, d=0)", "", _ms(gpu_s), "graph replay, every routed expert skipped; "
          f"projections of {B} row(s): {fused_dense.choices_line(B)}"))
     add(("defer: bound (CPU + GPU) / max(CPU, GPU)", "", "", "n/a" if bound is None else f"{bound:.3f}x"))
-    base = statistics.median(gen[variants[0]])
+    med = {v: statistics.median(gen[v]) for v in variants}
     k = model.config.num_experts_per_tok
-    ups = {v: base / statistics.median(gen[v]) for v in variants}
+    ups = {v: med[variants[0]] / s for v, s in med.items()}
     for v in variants:
         d, lay = v
-        s = statistics.median(gen[v])
-        up = ups[v]
+        s, up = med[v], ups[v]
         note = [f"{up:.3f}x of d=0"]
         imm, dfr = slots[v]
         share = dfr / max(1, imm + dfr)  # measured: what a weight share defers depends on the tokens

@@ -120,17 +120,17 @@ void ktki_fwd_gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1
 
 static void gate_up_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
-    const gu_item it = c->gu[c->gu_base + item];
+    const gu_item it = c->gu[c->base + item];
     float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)RT * (it.cb1 - it.cb0) * 16;
     ktki_fwd_gate_up_run(c, it.a, it.r0, it.r1, it.cb0, it.cb1, gs, us, tid);
 }
 
-/* Decode path, gate/up: units [u0, u1) of (expert a, block b) = a * UI + b, past gu_base, a guided chunk (pool),
+/* Decode path, gate/up: units [u0, u1) of (expert a, block b) = a * UI + b, past base, a guided chunk (pool),
  * split at experts. */
 static void gate_up_decode(void *ctx, int64_t u0, int64_t u1, int tid) {
     fctx *c = ctx;
-    u0 += c->gu_base;
-    u1 += c->gu_base;
+    u0 += c->base;
+    u1 += c->base;
     float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)DECODE_ROWS * c->cw_gu * 16;
     for (int64_t u = u0; u < u1;) {
         const int a = (int)(u / c->UI), cb0 = (int)(u % c->UI);
@@ -138,6 +138,12 @@ static void gate_up_decode(void *ctx, int64_t u0, int64_t u1, int tid) {
         ktki_fwd_gate_up_run(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
         u += cb1 - cb0;
     }
+}
+
+/* Off the pipeline, the active experts [*a0, *a1) the open phases compute: every one, or the split part c->dpart's. */
+static void part_span(const fctx *c, int *a0, int *a1) {
+    *a0 = c->dpart < 0 ? 0 : c->pa[c->dpart];
+    *a1 = c->dpart < 0 ? c->A : c->pa[c->dpart + 1];
 }
 
 /* ---- down + combine ---- */
@@ -385,7 +391,7 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
         case 1:
             if (c->pipe) {   /* every part's units, or (a split task in two phases) part 0's */
                 const int64_t n = c->pipe_phases == SPLIT_TWO ? ktki_pipe_part_units(c, 0) : ktki_pipe_units(c);
-                c->pipe_base = 0;
+                c->base = 0;
                 if (n <= 0) break;
                 guided(ph, c, ktki_pipe_range, n, c->cw_gu, 1);
                 if (c->pipe_phases == SPLIT_CUT) ph->cut = ktki_pipe_part_units(c, 0);
@@ -393,22 +399,25 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
             }
             if (c->R == 0) break;
             if (c->gemv) {   /* every expert's units, or the part's */
-                const int a0 = c->dpart < 0 ? 0 : c->pa[c->dpart], a1 = c->dpart < 0 ? c->A : c->pa[c->dpart + 1];
-                c->gu_base = (int64_t)a0 * c->UI;
+                int a0, a1;
+                part_span(c, &a0, &a1);
+                c->base = (int64_t)a0 * c->UI;
                 return guided(ph, c, gate_up_decode, (int64_t)(a1 - a0) * c->UI, c->cw_gu, 1);
             }
-            c->gu_base = c->dpart == 1 ? c->gu_part1 : 0;
-            return items(ph, c, gate_up_item, (c->dpart == 0 ? c->gu_part1 : c->ngu) - c->gu_base);
+            c->base = c->dpart == 1 ? c->gu_part1 : 0;
+            return items(ph, c, gate_up_item, (c->dpart == 0 ? c->gu_part1 : c->ngu) - c->base);
         case 2:
             if (c->pipe) {   /* h quantized, down and out written inside the pipeline's phase; part 1's phase */
                 const int64_t n = c->pipe_phases == SPLIT_TWO ? ktki_pipe_part_units(c, 1) : 0;
-                c->pipe_base = ktki_pipe_part_units(c, 0);
+                c->base = ktki_pipe_part_units(c, 0);
                 if (n > 0) return guided(ph, c, ktki_pipe_range, n, c->cw_gu, 1);
                 break;
             }
             if (c->R > 0 && c->a8) {   /* every row, or the part's */
-                c->hq_r0 = c->dpart < 0 ? 0 : c->off[c->pa[c->dpart]];
-                c->hq_r1 = c->dpart < 0 ? c->R : c->off[c->pa[c->dpart + 1]];
+                int a0, a1;
+                part_span(c, &a0, &a1);
+                c->hq_r0 = c->off[a0];
+                c->hq_r1 = c->off[a1];
                 return items(ph, c, ktki_fwd_quantize_h_item, (c->hq_r1 - c->hq_r0 + c->hq_rows - 1) / c->hq_rows);
             }
             break;

@@ -34,7 +34,8 @@ typedef struct {
     int nparts, pa[3];                 /* 1, or 2 for a split task (ktk_task_split): part p = actives [pa[p], pa[p+1]),
                                           immediate slots then deferred ones (their rows in the same order) */
     int dpart;                         /* off the pipeline, the part the open phases compute (-1: every part) */
-    int64_t gu_base, gu_part1;         /* the open gate/up phase's first unit or item; part 1's first item */
+    int64_t base;                      /* the unit or item the open phase's item 0 is (a split part's first) */
+    int64_t gu_part1;                  /* the item path: part 1's first gate/up item */
     int hq_r0, hq_r1;                  /* the open quantization phase's rows */
     int32_t *start, *act_e, *off, *tok;  /* [E x nparts] (routing keys), [A], [A+1], [R] */
     int32_t *tg;                       /* [A]: first 16-row group of the expert in xt / ht, or -1 (no tiles) */
@@ -57,7 +58,6 @@ typedef struct {
     /* decode pipeline (pipe.c): gate/up and down of every expert in one phase */
     int pipe, UHc;                     /* on; groups of PIPE_DN_BLOCKS blocks of H */
     int pipe_phases;                   /* how a split task's parts run: SPLIT_* (forward.c: KTINJECT_DEFER_PHASES) */
-    int64_t pipe_base;                 /* the unit the open phase's item 0 is */
     _Atomic int32_t *gu_left;          /* [A] gate/up units of the expert not yet done */
     _Atomic int32_t *h_ready;          /* [A] its h row is complete (and quantized) */
     _Atomic int32_t *dn_left;          /* [nparts][UHc] the part's expert groups whose down of that column group

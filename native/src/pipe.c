@@ -200,13 +200,13 @@ static void part_range(fctx *c, int p, int64_t u0, int64_t u1, int tid) {
     }
 }
 
-/* A guided chunk [u0, u1) of the open phase, units [pipe_base + u0, pipe_base + u1): part 0's units, then part 1's
+/* A guided chunk [u0, u1) of the open phase, units [base + u0, base + u1): part 0's units, then part 1's
  * (a split task). */
 void ktki_pipe_range(void *ctx, int64_t u0, int64_t u1, int tid) {
     fctx *c = ctx;
     int64_t base = 0;
-    u0 += c->pipe_base;
-    u1 += c->pipe_base;
+    u0 += c->base;
+    u1 += c->base;
 #ifdef KTK_CHECK_CUT   /* the pool stress test's builds: a chunk of a cut phase never crosses the parts' boundary */
     const int64_t cut = ktki_pipe_part_units(c, 0);
     if (c->nparts == 2 && c->pipe_phases == SPLIT_CUT && u0 < cut && u1 > cut) {
