@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--defer-rounds", type=int, default=3, help="rounds in which every --defer setting is timed")
     p.add_argument("--defer-layouts", default=None,
                    help="with --defer on a GPU: the deferring layers' split layouts to time in turns, of one, cut, "
-                        "two (KTINJECT_DEFER_PHASES; default: that variable's, else one)")
+                        "two (KTINJECT_DEFER_PHASES; default: that variable's, else cut)")
     p.add_argument("--compare", action="store_true",
                    help="also time the graph decode with one speed-up undone at a time: HF's sdpa attention, 4D "
                         "masks built by HF every step, the pool's watch spin off")

@@ -15,7 +15,7 @@
 #   STEP=defer  bash tests/gpu/resolve_stage.sh  # ~400 s: int4 deferral at a 16K context, d = 3 and mass 0.3,
 #                                                #   each in the split layouts one, cut and two in turn in the same
 #                                                #   rounds (KTINJECT_DEFER_PHASES; issue 20's verdict judges the
-#                                                #   layout of the best mean), then the deferral GPU tests in cut
+#                                                #   layout of the best mean), then the deferral GPU tests
 #   STEP=deferbf16 bash tests/gpu/resolve_stage.sh  # ~300 s: bf16 deferral at 16K, reported as issue 20 asks
 #                                                #   (LAYOUT=one|cut|two: the layout the int4 run judged best)
 #   STEP=probe  bash tests/gpu/resolve_stage.sh  # ~90 s: tests/gpu/probe_defer_top.py, the layouts on the CPU alone
@@ -44,10 +44,10 @@ case $STEP in
   defer)  # issue 20 at a 16K context: d = 3 and mass 0.3 (39% of the slots, +0.8% perplexity on the demo model)
     T=420 b decode --quant int4 --defer 0,3,0.3 --defer-layouts one,cut,two --prompt 16384 --tokens 64 \
       | tee "$OUT/defer.log" | grep -E '^# injected|defer (0|3|0.3)( \([a-z]+\))?: (graph|the pool)|layouts|bound|target'
-    echo "=== deferral GPU tests, KTINJECT_DEFER_PHASES=cut $(steal)"
-    KTINJECT_DEFER_PHASES=cut timeout 120 python3 -m pytest -q -rs tests/gpu/test_deferral_gpu.py 2>&1 | tail -3 ;;
+    echo "=== deferral GPU tests (the default layout, cut) $(steal)"
+    timeout 120 python3 -m pytest -q -rs tests/gpu/test_deferral_gpu.py 2>&1 | tail -3 ;;
   deferbf16)
-    T=420 b decode --quant bf16 --defer 0,3,0.3 --defer-layouts "${LAYOUT:-one}" --prompt 16384 --tokens 32 \
+    T=420 b decode --quant bf16 --defer 0,3,0.3 --defer-layouts "${LAYOUT:-cut}" --prompt 16384 --tokens 32 \
       | tee "$OUT/defer-bf16.log" | grep -E '^# injected|defer (0|3|0.3)( \([a-z]+\))?: graph|bound|report' ;;
   probe)
     L=16 P=20 G_US=105 timeout 150 python3 tests/gpu/probe_defer_top.py 2>&1 | grep -v Warning | tee "$OUT/defer-top.log" ;;
