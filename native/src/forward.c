@@ -272,9 +272,9 @@ static int int4_path_env(void) {
 /* KTINJECT_DEFER_PHASES (read and checked at each split forward, used on the decode pipeline; A/B measurements): how
  * a split task's two parts run (pipe.c says why each): one as one phase, cut (default) as one phase whose chunks
  * neither cross the parts' boundary nor are sized by the deferred part's units, two as a phase each; -1 for anything
- * else. cut is the default since the H200 host's graph decode at 16K (2026-11-29, all three in the same rounds):
- * bare replays d = 3 13.47 / 11.90 / 12.48 ms and mass 0.3 13.29 / 12.43 / 12.39 (one / cut / two), the immediate
- * part done at 166 / 141 / 150 us of a layer's job. */
+ * else. cut is the default since the H200 host's graph decode at 16K (2026-11-29, all three in the same rounds, two
+ * calls): bare replays d = 3 13.47 / 11.90 / 12.48 ms and 11.46 / 10.65 / 10.50 (one / cut / two), the immediate
+ * part done at 166 / 141 / 150 us and 139 / 117 / 118 us of a layer's job: cut or two, and two pays part 1's ramp. */
 static int defer_phases_env(void) {
     const char *v = getenv("KTINJECT_DEFER_PHASES");
     if (!v || !*v || !strcmp(v, "cut")) return SPLIT_CUT;
