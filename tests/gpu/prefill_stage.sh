@@ -6,6 +6,7 @@
 #          on CUDA events, no memory growth over 20 prompts) and tests/test_prefill_stream.py (CPU tensors)
 #   bench  python -m ktinject.bench prefill on 12 of the 48 Qwen3-30B-A3B layers (percentages of the streaming limit
 #          do not depend on the layer count; tok/s x 12/48 = the whole model's), cpu / gpu / auto at 512, 2048, 8192
+#          (LENGTHS=512 for fewer)
 # Logs: $OUT/prefill-<step>.log; the rows that matter and a summary line per step last.
 set -uo pipefail
 OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
@@ -28,7 +29,7 @@ if [[ $want == *" tests "* ]]; then
   grep -E "passed|failed|error|copies .* ms" "$OUT/prefill-tests.log" | tail -8
 fi
 if [[ $want == *" bench "* ]]; then
-  run_step bench 420 python3 -m ktinject.bench prefill --layers 12 --quant "$quants" --prefill 512,2048,8192 \
+  run_step bench 420 python3 -m ktinject.bench prefill --layers 12 --quant "$quants" --prefill "${LENGTHS:-512,2048,8192}" \
     --mode cpu,gpu,auto
   grep -E "^# (bf16|int8|int4)|^\| .*(target|per layer)" "$OUT/prefill-bench.log" | head -60
 fi
