@@ -673,8 +673,8 @@ def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):
     """native/tests/stress_pool.c against all native sources, under ThreadSanitizer / ASan+UBSan, with pool threads
     delayed by the test hook; decode: 3 tokens x 4 experts of 8 (every expert <= 4 rows) on the gemv decode path
     (KTINJECT_GEMV=1, where the kernels have gemv) as the one-phase pipeline (down units waiting for their experts'
-    h, one thread summing each column group), in claim windows of 7 items, its split task also in the layouts cut
-    (chunks stop at the parts' boundary, which windows shift) and two (KTINJECT_DEFER_PHASES); two-phase: the same
+    h, one thread summing each column group), in claim windows of 7 items, its split task in the default layout cut
+    (chunks stop at the parts' boundary, which windows shift), then also in one and two (KTINJECT_DEFER_PHASES); two-phase: the same
     as two phases (KTINJECT_PIPE=0); one-token: 1 token x 4 experts, I = 200, the pipeline in one window, in the
     three layouts (with chunks of several units: one crossing cut's boundary aborts, KTK_CHECK_CUT); else 33 tokens
     x 2, claim windows of 7 items (phases of several)."""
@@ -687,7 +687,7 @@ def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):
                             "KTINJECT_GEMV": "1" if decode else "0",
                             "KTINJECT_PIPE": "0" if decode == "two-phase" else "1", "KTINJECT_TILES": "1"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.stdout + r.stderr)[-4000:]
-    for phases in ("cut", "two") if decode in (True, "one-token") else ():  # the split's other layouts, same build
+    for phases in ("one", "two") if decode in (True, "one-token") else ():  # the split's other layouts, same build
         r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                            env={"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1",
                                 "KTINJECT_GEMV": "1", "KTINJECT_PIPE": "1", "KTINJECT_TILES": "1",

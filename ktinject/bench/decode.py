@@ -449,6 +449,8 @@ def main(argv=None) -> int:
     if bad or not quants:
         raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of bf16, int8, int4")
     peer.check_arguments(args)
+    if args.tokens < 1:
+        raise SystemExit(f"--tokens {args.tokens}: at least 1 decode token to time")
     if args.defer:
         from ktinject.bench.defer import layouts
         layouts(args.defer_layouts)  # a bad name (or KTINJECT_DEFER_PHASES) stops here, not after the model's build

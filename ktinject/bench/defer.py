@@ -88,6 +88,8 @@ def seconds_per_token(model, prompt: torch.Tensor, tokens: int) -> float:
     time between the host's receipt of the 2nd and the last of ``tokens`` + 2 new tokens, per step. Not a whole
     generate less a short one: at a 16K prompt the prefill's own noise (~1 s) swamps 64 decode steps (~0.8 s), and
     one run on the H200 host read 840 tok/s that way."""
+    if tokens < 1:
+        raise ValueError(f"tokens = {tokens}: at least 1 decode step to time")
     clock = _Clock()
     ktinject.generate(model, prompt, max_new_tokens=tokens + 2, min_new_tokens=tokens + 2, do_sample=False,
                       streamer=clock)

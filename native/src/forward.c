@@ -274,7 +274,9 @@ static int int4_path_env(void) {
  * neither cross the parts' boundary nor are sized by the deferred part's units, two as a phase each; -1 for anything
  * else. cut is the default since the H200 host's graph decode at 16K (2026-11-29, all three in the same rounds, two
  * calls): bare replays d = 3 13.47 / 11.90 / 12.48 ms and 11.46 / 10.65 / 10.50 (one / cut / two), the immediate
- * part done at 166 / 141 / 150 us and 139 / 117 / 118 us of a layer's job: cut or two, and two pays part 1's ramp. */
+ * part done at 166 / 141 / 150 us and 139 / 117 / 118 us of a layer's job. Between cut and two int4 is a toss-up
+ * (mass 0.3: 1.284x / 1.304x in the second call, 1.240x / 1.259x in the first); bf16, cut and two in the same
+ * rounds, d = 3: 1.079x / 0.957x (two pays part 1's ramp after the done word on a 590 us job). */
 static int defer_phases_env(void) {
     const char *v = getenv("KTINJECT_DEFER_PHASES");
     if (!v || !*v || !strcmp(v, "cut")) return SPLIT_CUT;

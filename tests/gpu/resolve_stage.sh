@@ -19,8 +19,8 @@
 #   STEP=deferbf16 bash tests/gpu/resolve_stage.sh  # ~300 s: bf16 deferral at 16K, reported as issue 20 asks
 #                                                #   (LAYOUT=one|cut|two: the layout the int4 run judged best)
 #   STEP=defermass bash tests/gpu/resolve_stage.sh  # ~220 s: int4 deferral at 16K by weight mass 0.25 / 0.28 /
-#                                                #   0.3 beside d = 3, in the default layout (the masses whose
-#                                                #   demo-model perplexity cost is within issue 20's 1% at int4)
+#                                                #   0.3 beside d = 3, in the default layout (demo-model
+#                                                #   perplexity at int4: 0.25 / 0.28 within issue 20's 1%, 0.3 +1.06%)
 #   STEP=probe  bash tests/gpu/resolve_stage.sh  # ~90 s: tests/gpu/probe_defer_top.py, the layouts on the CPU alone
 #                                                #   (when a split layer's immediate part is done)
 #   STEP=bf16   bash tests/gpu/resolve_stage.sh  # ~120 s: bench decode bf16 (the roofline verdict)
