@@ -37,6 +37,31 @@ def steal_jiffies() -> int:
         return int(f.readline().split()[8])
 
 
+def steal_line() -> str:
+    """The host's steal time and all its CPU time so far, as probes print them: "steal S of T jiffies"."""
+    with open("/proc/stat") as f:
+        v = f.readline().split()
+    return f"steal {v[8]} of {sum(int(x) for x in v[1:9])} jiffies"
+
+
+def int4_layers(n: int, gen: torch.Generator, H: int = 2048, I: int = 768, E: int = 128):
+    """n layers of int4 experts of Qwen3-30B-A3B shapes (the CPU probes' layers), the same random weights (drawn
+    from ``gen``) packed once and loaded into each layer's own memory, so that passes over the layers are
+    cache-cold."""
+    from ktinject.native import Experts
+
+    gu = (torch.randn(E, 2 * I, H, generator=gen) * 0.02).to(torch.bfloat16)
+    dn = (torch.randn(E, H, I, generator=gen) * 0.02).to(torch.bfloat16)
+    first = Experts.from_hf(gu, dn, quant="int4")
+    packed = first.export()
+    layers = [first]
+    for _ in range(n - 1):
+        ex = Experts(E, H, I, quant="int4", group_size=first.group_size)
+        ex.load_packed(packed)
+        layers.append(ex)
+    return layers
+
+
 def decode_setup(quant: str, layers: int, threads: int | None = None, prompt_len: int = 32):
     """The probes' decode set-up: the bench model (Qwen3-30B-A3B shapes, ``layers`` layers) injected with
     ``quant``, a random prompt, its graph runner, and one generate run (captures the decode graph).

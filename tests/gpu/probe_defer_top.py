@@ -18,28 +18,15 @@ import torch
 os.environ.update(KTINJECT_GEMV="1", KTINJECT_PIPE="1")  # the decode pipeline, whose layouts these are (where a
 # kernel table has no gemv default, as on CPUs without AMX, the layouts would all run the two-phase path)
 
-from ktinject.native import Experts, Task, default_pool
+from gpu_helpers import int4_layers, steal_line
+from ktinject.native import Task, default_pool
 
-H, I, E, K = 2048, 768, 128, 8
+H, E, K = 2048, 128, 8
 L, PASSES, G_US = int(os.environ.get("L", 6)), int(os.environ.get("P", 12)), float(os.environ.get("G_US", 105))
 DEFERS = [float(d) if "." in d else int(d) for d in os.environ.get("DEFERS", "3,0.3").split(",")]
 
-
-def steal() -> str:
-    f = open("/proc/stat").readline().split()
-    return f"steal {f[8]} of {sum(int(v) for v in f[1:9])} jiffies"
-
-
 gen = torch.Generator().manual_seed(0)
-gu = (torch.randn(E, 2 * I, H, generator=gen) * 0.02).to(torch.bfloat16)
-dn = (torch.randn(E, H, I, generator=gen) * 0.02).to(torch.bfloat16)
-first = Experts.from_hf(gu, dn, quant="int4")
-packed = first.export()
-layers = [first]
-for _ in range(L - 1):
-    ex = Experts(E, H, I, quant="int4", group_size=first.group_size)
-    ex.load_packed(packed)
-    layers.append(ex)
+layers = int4_layers(L, gen, H=H, E=E)
 x = torch.randn(1, H).to(torch.bfloat16)
 w = torch.softmax(torch.randn(1, K, generator=gen), -1)
 word = torch.zeros(16, dtype=torch.int32)
@@ -58,7 +45,7 @@ for name, (d, _) in variants.items():
         ts.append((t, ids))
     tasks[name] = ts
 pool = default_pool()
-print(f"{L} layers, {PASSES} passes, {pool.threads} threads, int4 groups of {first.group_size}; {steal()}", flush=True)
+print(f"{L} layers, {PASSES} passes, {pool.threads} threads, int4 groups of {layers[0].group_size}; {steal_line()}", flush=True)
 got = {name: {"job": [], "top": []} for name in variants}
 for rnd in range(PASSES):
     for name, (_, phases) in variants.items():
@@ -72,7 +59,7 @@ for rnd in range(PASSES):
         if rnd >= 2:  # the first two passes warm up
             got[name]["job"].append(prof["job_us"])
             got[name]["top"].append(prof["top_us"] if prof["top_jobs"] else float("nan"))
-print(steal())
+print(steal_line())
 base = statistics.median(got["d0"]["job"]) + G_US
 for name, v in got.items():
     job, top = statistics.median(v["job"]), statistics.median(v["top"])

@@ -7,16 +7,12 @@ down units' balanced groups (pipe.c) compared three groupings through a KTINJECT
 """
 import os, statistics, sys, time
 import torch
-from ktinject.native import Experts, Task
-H, I, E, K = 2048, 768, 128, 8
+from gpu_helpers import int4_layers, steal_line
+from ktinject.native import Task
+H, E, K = 2048, 128, 8
 L = int(os.environ.get("L", 6)); PASSES = int(os.environ.get("P", 12))
 gen = torch.Generator().manual_seed(0)
-gu = (torch.randn(E, 2 * I, H, generator=gen) * 0.02).to(torch.bfloat16)
-dn = (torch.randn(E, H, I, generator=gen) * 0.02).to(torch.bfloat16)
-first = Experts.from_hf(gu, dn, quant="int4"); packed = first.export()
-layers = [first]
-for _ in range(L - 1):
-    ex = Experts(E, H, I, quant="int4"); ex.load_packed(packed); layers.append(ex)
+layers = int4_layers(L, gen, H=H, E=E)
 x = torch.randn(1, H).to(torch.bfloat16)
 w = torch.softmax(torch.randn(1, K), -1).sort(descending=True).values.float()
 out = torch.zeros(1, H, dtype=torch.bfloat16); out2 = torch.zeros_like(out)
@@ -31,12 +27,7 @@ for mode in ("d0", "d3"):
         if mode == "d3": t.split(3, out2, word.data_ptr())
         ts.append((t, ids))
     tasks[mode] = ts
-def steal():
-    f = open("/proc/stat").readline().split()
-    return f"steal {f[8]} of {sum(int(v) for v in f[1:9])} jiffies"
-
-
-print(steal(), flush=True)
+print(steal_line(), flush=True)
 times = {v: [] for v in VARIANTS}
 for rnd in range(PASSES):
     for m in VARIANTS:
@@ -46,7 +37,7 @@ for rnd in range(PASSES):
         for t, ids in tasks[m]:
             t.submit(); t.wait()
         times[m].append((time.perf_counter() - t0) / L * 1e6)
-print(steal())
+print(steal_line())
 for d, v in times.items():
     print(f"{d}: us a layer: median {statistics.median(v[2:]):.1f}, min {min(v):.1f}, "
           f"quartiles {statistics.quantiles(v[2:], n=4)[0]:.1f}-{statistics.quantiles(v[2:], n=4)[2]:.1f}")
