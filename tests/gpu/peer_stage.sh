@@ -22,6 +22,7 @@ stage_setup
 want="$*"; [ -z "$want" ] && want="build prefill decode"
 LB=/tmp/lbuild/bin/llama-bench
 models=/tmp/q.gguf; [ "${Q8:-0}" = 1 ] && models+=,/tmp/q8.gguf
+bench_models=${PEER_MODELS:-$models}  # the GGUFs llama-bench times (PEER_MODELS=/tmp/q8.gguf: Q8_0 alone)
 steps=()
 if [[ " $want " == *" build "* ]]; then
   t0=$SECONDS
@@ -37,7 +38,7 @@ if [[ " $want " == *" build "* ]]; then
   ls -la $LB /tmp/q*.gguf 2>&1
   steps+=("build $((SECONDS - t0))s")
 fi
-peer=(--peer $LB --peer-model "$models" --peer-reps "${PEER_REPS:-3}")
+peer=(--peer $LB --peer-model "$bench_models" --peer-reps "${PEER_REPS:-3}")
 bench_step() {  # bench_step NAME ROWS CMD...: run when NAME was asked for, log, print the rows matching ROWS
   local name=$1 rows=$2 t0=$SECONDS; shift 2
   [[ " $want " == *" $name "* ]] || return 0
