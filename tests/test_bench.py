@@ -307,7 +307,7 @@ def test_decode_noise_targets():
     assert noise_targets({0: quiet, 1: busy}, SimpleNamespace(tiny=True, layers=48, batch=1)) == []
 
 
-def test_prefill_memory_bound_rows(monkeypatch):
+def test_prefill_memory_reference_rows(monkeypatch):
     """bench prefill's host-memory row: tokens x read bandwidth / packed bytes, auto's and the 512 target's shares of
     it, per length where auto ran; none with --tiny or --bandwidth-gb 0."""
     from types import SimpleNamespace
@@ -317,13 +317,13 @@ def test_prefill_memory_bound_rows(monkeypatch):
     monkeypatch.setattr(memory, "measure_read_bandwidth", lambda gb, threads: SimpleNamespace(best_gbs=100.0))
     args = SimpleNamespace(tiny=False, bandwidth_gb=1.0, threads=None)
     rates = {("cpu", 512): 3000.0, ("gpu", 512): 4000.0, ("auto", 512): 5000.0, ("cpu", 2048): 1.0}
-    rows = prefill._memory_bound(args, "int8", rates, [512, 2048], expert_bytes=int(10.24e9))
+    rows = prefill._memory_reference(args, "int8", rates, [512, 2048], expert_bytes=int(10.24e9))
     assert [r[0] for r in rows] == ["int8 auto 512 against host memory"]
     assert rows[0][1] == "5,000"  # 512 x 100 GB/s / 10.24 GB
     assert "auto 100% of it" in rows[0][2] and "cpu + 0.8 gpu 124%" in rows[0][2] and "100.0 GB/s" in rows[0][2]
-    assert prefill._memory_bound(SimpleNamespace(tiny=True, bandwidth_gb=1.0, threads=None), "int8", rates, [512],
+    assert prefill._memory_reference(SimpleNamespace(tiny=True, bandwidth_gb=1.0, threads=None), "int8", rates, [512],
                                  1) == []
-    assert prefill._memory_bound(SimpleNamespace(tiny=False, bandwidth_gb=0.0, threads=None), "int8", rates, [512],
+    assert prefill._memory_reference(SimpleNamespace(tiny=False, bandwidth_gb=0.0, threads=None), "int8", rates, [512],
                                  1) == []
 
 
