@@ -30,7 +30,6 @@ one tensor's dtype conversion. Legend: E experts, H hidden, I expert intermediat
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from collections import Counter, deque
@@ -43,13 +42,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ktinject import apply, native, operators, packcache
+from ktinject.env import env_int
 from ktinject.formats import open_checkpoint
 from ktinject.formats.base import BufferPool, LoadError, Reader, ReadJob
 from ktinject.formats.hf_keys import Piece, check_expert_piece, expert_matrices, map_checkpoint
 from ktinject.gpu_experts.policy import mode_from_plan
 from ktinject.gpu_experts.settings import HotExpertSettings
 from ktinject.operators.families import empty_biases, set_bias
-from ktinject.packcache import PackCache
+from ktinject.packcache import CorruptCache, PackCache
 from ktinject.plan import plan as make_plan, unmatched_note
 
 log = logging.getLogger(__name__)
@@ -182,6 +182,7 @@ class _Loader:
         self.bytes_read = 0
         self.cache = self._cache(cache_dir)
         self.hit = self.cache is not None and self.cache.hit
+        self.repacked: list[str] = []  # blocks whose cached bytes failed their digest
 
     def _is_expert(self, target: str) -> tuple[str, str] | None:
         unit = _unit_of(target, self.units)
@@ -198,11 +199,11 @@ class _Loader:
         rules = sorted({repr(_rule_content(e.rule)) for e in self.plan.entries}
                        | {repr(_rule_content(r)) for r in self.plan.unmatched_rules})
         version = getattr(native, "version", None)
-        key = packcache.cache_key(
-            files=packcache.file_signature(self.ckpt.signature_files()), rules=rules,
-            blocks={n: [repr(st.spec), st.quant, st.group_size] for n, st in moe.items()},
-            native=version() if callable(version) else repr(version))
-        return PackCache(root, key, self.ckpt.dir)
+        origin = {"files": packcache.file_signature(self.ckpt.signature_files()),
+                  "native": version() if callable(version) else repr(version)}
+        key = packcache.cache_key(**origin, rules=rules,
+                                  blocks={n: [repr(st.spec), st.quant, st.group_size] for n, st in moe.items()})
+        return PackCache(root, key, self.ckpt.dir, origin)
 
     # -- run
 
@@ -211,7 +212,7 @@ class _Loader:
         moe = [u for u in self.units.values() if u.stream is not None]
         total = sum(j.nbytes for j in jobs) + sum(u.stream.nbytes for u in moe if u.from_cache)
         writing = self.cache is not None and not self.hit and self.cache.begin(sum(u.stream.nbytes for u in moe))
-        window = int(os.environ.get("KTINJECT_READAHEAD_MB", "256")) << 20
+        self.window = window = env_int("KTINJECT_READAHEAD_MB", 256, minimum=1) << 20
         t0 = time.perf_counter()
         self.bar = bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
                               disable=not self.progress, leave=False)
@@ -229,6 +230,8 @@ class _Loader:
             self._check_no_meta()
             if writing:
                 self.cache.commit({"blocks_total": len(moe)})
+            if self.repacked:  # the next start writes a whole new entry
+                self.cache.drop()
         except BaseException:
             if writing:
                 self.cache.abort()
@@ -248,20 +251,37 @@ class _Loader:
             unit = self.units.get(piece.unit) if piece.unit is not None else None
             if piece.expert_leaf is not None and unit.from_cache and not piece.expert_leaf.endswith("_bias"):
                 continue
-            ref = piece.ref
-            if piece.expert_leaf is not None and piece.expert is None:  # [E, ...]: expert slices
-                step = ref.nbytes // ref.shape[0]
-                new = [ReadJob((piece, e, ref.shape[1:]), ref.file, ref.offset + e * step, step, reuse=True)
-                       for e in range(ref.shape[0])]
-            else:  # the read buffer is reused unless it becomes the tensor itself (same dtype, on the CPU)
-                copied = (self.devices.get(id(piece.meta), _CPU).type != "cpu"
-                          or self.ckpt.torch_dtype(ref) != self.dtypes.get(piece.target, piece.meta.dtype))
-                new = [ReadJob((piece, piece.expert, ref.shape), ref.file, ref.offset, ref.nbytes,
-                               reuse=piece.expert_leaf is not None or copied)]
+            new = self._piece_jobs(piece)
             jobs.extend(new)
             if unit is not None:
                 unit.left += len(new)
         return jobs
+
+    def _piece_jobs(self, piece: Piece) -> list[ReadJob]:
+        ref = piece.ref
+        if piece.expert_leaf is not None and piece.expert is None:  # [E, ...]: expert slices
+            step = ref.nbytes // ref.shape[0]
+            return [ReadJob((piece, e, ref.shape[1:]), ref.file, ref.offset + e * step, step, reuse=True)
+                    for e in range(ref.shape[0])]
+        # the read buffer is reused unless it becomes the tensor itself (same dtype, on the CPU)
+        copied = (self.devices.get(id(piece.meta), _CPU).type != "cpu"
+                  or self.ckpt.torch_dtype(ref) != self.dtypes.get(piece.target, piece.meta.dtype))
+        return [ReadJob((piece, piece.expert, ref.shape), ref.file, ref.offset, ref.nbytes,
+                        reuse=piece.expert_leaf is not None or copied)]
+
+    def _repack(self, unit: _Unit) -> None:
+        """Pack ``unit``'s experts from the checkpoint after its cached block failed its digest (biases again too:
+        from the cache they went to the float32 copies only)."""
+        unit.from_cache = False
+        jobs = [j for p in self.pieces if p.unit == unit.entry.name and p.expert_leaf is not None
+                for j in self._piece_jobs(p)]
+        self.bar.total += sum(j.nbytes for j in jobs)
+        for job, buf in self.ckpt.stream(jobs, self.window, self.buffers):
+            piece, expert, shape = job.what
+            x = buf.view(self.ckpt.torch_dtype(piece.ref)).view(shape)
+            self.bytes_read += job.nbytes
+            _pack(unit, piece, expert, x.to(self.dtypes.get(piece.target, piece.meta.dtype)), buf, self.buffers)
+            self.bar.update(job.nbytes)
 
     def _dispatch(self, job: ReadJob, buf: torch.Tensor) -> None:
         piece, expert, shape = job.what
@@ -297,9 +317,16 @@ class _Loader:
         else:
             unit.start()
             if unit.from_cache:
-                n = self.cache.load(entry.name, unit.experts)
-                self.bytes_read += n
-                self.bar.update(n)
+                try:
+                    n = self.cache.load(entry.name, unit.experts)
+                except CorruptCache as e:
+                    log.warning("%s; packing block %r from the checkpoint instead (the entry is removed after this "
+                                "load, the next one writes it anew)", e, entry.name)
+                    self.repacked.append(entry.name)
+                    self._repack(unit)
+                else:
+                    self.bytes_read += n
+                    self.bar.update(n)
             elif self.cache is not None and self.cache.writing:
                 self.cache.put(entry.name, unit.experts)
             self.resident["cpu"] += unit.experts.nbytes
@@ -332,6 +359,8 @@ class _Loader:
         gbs = self.bytes_read / max(seconds, 1e-9) / 1e9
         per_device = ", ".join(f"{d} {b / 1e9:.3f} GB" for d, b in sorted(self.resident.items()))
         cache = "hit" if self.hit else ("written" if wrote else "off")
+        if self.repacked:
+            cache = f"corrupted: {len(self.repacked)} blocks repacked"
         self.model._ktinject_load_stats = {
             "seconds": seconds, "bytes_read": self.bytes_read, "gb_per_s": gbs, "resident": dict(self.resident),
             "cache": cache, "cache_dir": str(self.cache.dir) if self.cache is not None else None,
@@ -345,7 +374,7 @@ class _Packer:
     (expert, matrix)); at most 2 jobs per thread in flight, so the memory they hold stays small."""
 
     def __init__(self):
-        workers = int(os.environ.get("KTINJECT_PACK_THREADS", "0")) or max(1, min(16, native.physical_cores()))
+        workers = env_int("KTINJECT_PACK_THREADS", 0, minimum=0) or max(1, min(16, native.physical_cores()))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="ktinject-pack") if workers > 1 else None
         self.pending: deque = deque()
         self.limit = 2 * workers

@@ -241,6 +241,8 @@ class Experts:
         T = hidden.shape[0]
         ids = _tensor("ids", ids, (torch.int64,), (T, None))
         k = ids.shape[1]
+        if k == 0 and T:
+            raise NativeError(ERR_SHAPE, f"ids has shape [{T}, 0]: each token needs at least one expert (k >= 1)")
         weights = _tensor("weights", weights, _OUT_DTYPES, (T, k))
         if skip is not None:
             skip = _tensor("skip", skip, (torch.uint8, torch.bool), (self.num_experts,))
@@ -313,6 +315,8 @@ class Task:
         if not isinstance(experts, Experts):
             raise NativeError(ERR_NULL, f"experts: expected ktinject.native.Experts, got {type(experts).__name__}")
         args, keep = experts._forward_args(hidden, ids, weights, skip, out)
+        if args[0] == 0:
+            raise NativeError(ERR_SHAPE, "Task.bind: hidden has no tokens (T = 0); a task runs at least one")
         _check(lib.ktk_task_bind(self.ptr, experts._p, *args))
         self._bound = (experts,) + keep
         return keep[-1]

@@ -5,8 +5,12 @@ load, each MoE block's packed bytes (``native.Experts.export``) are written to `
 (one uint8 tensor ``packed``) plus a ``manifest.json``; a later start with the same key reads them back with
 ``Experts.load_packed`` instead of the checkpoint's expert tensors. The key hashes everything the packed bytes
 depend on: the checkpoint files (name, size, mtime), the rules' content, the per-block sizes and quantization, the
-native library's version and this file format, so any change misses (and the stale entry for the same checkpoint
-is removed when the new one is written). A cache directory is written under a temporary name and renamed into
+native library's version and this file format, so any change misses. When a new entry is written, the entries of
+the same checkpoint made from other files (the checkpoint changed) or by another native library or format are
+removed; entries of the same files in other packings (int8 beside int4, other rules) stay. Each block's bytes are
+checked against the SHA-256 digest the manifest records (64 MiB pieces hashed in parallel: ~1.4 GB/s a core with
+the CPU's SHA instructions) before they reach the experts: a corrupted file is repacked, never computed with. A
+cache directory is written under a temporary name and renamed into
 place when complete (atomic): a crash leaves no half cache behind. The root is ``cache_dir`` if given, else
 ``$KTINJECT_CACHE``, else ``<checkpoint>/.ktinject-cache`` when the checkpoint directory is writable (for the
 built-in demo model, which lies inside the package: ``$XDG_CACHE_HOME/ktinject/packed``, by default under
@@ -23,6 +27,7 @@ import os
 import shutil
 import struct
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -33,12 +38,17 @@ from ktinject.formats.safetensors import read_header
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # 2: int4 in default_group_size's group (128 where the sizes allow; 64 before); 3: each block's layout in the manifest
+FORMAT = 4  # 2: int4 in default_group_size's group (128 where the sizes allow; 64 before); 3: each block's layout in
+#   the manifest; 4: each block's digest and the checkpoint's files in the manifest
 _MANIFEST = "manifest.json"
 
 
 class CacheError(RuntimeError):
     """A cache file is unreadable or does not fit the experts it should fill."""
+
+
+class CorruptCache(CacheError):
+    """A block's bytes differ from the digest its manifest recorded (the loader drops the entry and repacks)."""
 
 
 # ---------------------------------------------------------------------------------------------- safetensors I/O
@@ -73,6 +83,27 @@ def write_tensor(path: Path, name: str, data: torch.Tensor, metadata: dict[str, 
         os.fsync(fh.fileno())
 
 
+
+
+_PIECE = 64 << 20  # bytes a digest piece: hashed in parallel (hashlib lets go of the GIL on large buffers)
+
+
+def digest(data: torch.Tensor) -> str:
+    """SHA-256 over the SHA-256 digests of ``data``'s 64 MiB pieces (a contiguous uint8 CPU tensor), as hex: what
+    the manifest records per block. The pieces are hashed by up to 16 threads."""
+    view = memoryview(data.numpy()).cast("B")
+    starts = range(0, len(view), _PIECE)
+
+    def piece(i: int) -> bytes:
+        return hashlib.sha256(view[i:i + _PIECE]).digest()
+
+    workers = max(1, min(16, os.cpu_count() or 1, len(starts)))
+    if workers == 1:
+        parts = [piece(i) for i in starts]
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            parts = list(pool.map(piece, starts))
+    return hashlib.sha256(b"".join(parts)).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -142,11 +173,15 @@ class PackCache:
     """One cache entry: ``root/key/``. ``hit`` says whether it is complete; ``load`` fills experts from it;
     ``begin`` / ``put`` / ``commit`` / ``abort`` write a new one atomically."""
 
-    def __init__(self, root: Path, key: str, checkpoint: Path):
+    def __init__(self, root: Path, key: str, checkpoint: Path, origin: dict[str, Any] | None = None):
+        """``origin``: what the entry was made from apart from the packing (the checkpoint's file signature, the
+        native library's version), recorded in the manifest: entries of the same checkpoint with another origin are
+        stale."""
         self.root, self.key, self.checkpoint = Path(root), key, str(Path(checkpoint).resolve())
+        self.origin = json.loads(json.dumps(origin or {}, default=repr))  # as the manifest will read back
         self.dir = self.root / key
         self._tmp: Path | None = None
-        self._written: dict[str, tuple[str, int, str]] = {}
+        self._written: dict[str, tuple[str, int, str, str]] = {}
         self._manifest: dict[str, Any] | None = None
         self._buffers = BufferPool()
 
@@ -158,7 +193,7 @@ class PackCache:
                 manifest = json.loads((self.dir / _MANIFEST).read_text())
                 if manifest.get("key") != self.key or manifest.get("format") != FORMAT:
                     return False
-                for name, (fname, nbytes, _config) in manifest["blocks"].items():
+                for name, (fname, nbytes, _config, _digest) in manifest["blocks"].items():
                     if (self.dir / fname).stat().st_size < nbytes:
                         log.warning("packed-expert cache %s: %s is truncated; repacking", self.dir, fname)
                         return False
@@ -172,7 +207,7 @@ class PackCache:
 
     def load(self, name: str, experts) -> int:
         """Fill ``experts`` with the packed bytes of block ``name``; returns bytes read."""
-        fname, _, config = self._manifest["blocks"][name]
+        fname, _, config, want = self._manifest["blocks"][name]
         path = self.dir / fname
         if config != experts_config(experts):  # same bytes, other layout (int4 groups of 64 and 128 can): never
             raise CacheError(f"packed-expert cache file {path} holds experts packed as {config}, block {name!r} is "
@@ -185,6 +220,10 @@ class PackCache:
             if buf.numel() != experts.nbytes:
                 raise CacheError(f"packed-expert cache file {path} holds {buf.numel()} bytes, block {name!r} "
                                  f"needs {experts.nbytes}; delete {self.dir}")
+            got = digest(buf)
+            if got != want:
+                raise CorruptCache(f"packed-expert cache file {path} is corrupted: its bytes' SHA-256 is {got[:16]}..., "
+                                   f"the manifest recorded {want[:16]}...")
             experts.load_packed(buf)
         finally:
             self._buffers.put(buf)  # the next block (same size) reads into the same memory
@@ -215,13 +254,13 @@ class PackCache:
         fname = f"{name}.safetensors"
         data = experts.export()
         write_tensor(self._tmp / fname, "packed", data, {"block": name, "key": self.key})
-        self._written[name] = (fname, data.numel(), experts_config(experts))
+        self._written[name] = (fname, data.numel(), experts_config(experts), digest(data))
         return data.numel()
 
     def commit(self, meta: dict[str, Any]) -> None:
         """Write the manifest and move the entry into place; drop stale entries of the same checkpoint."""
-        manifest = {"format": FORMAT, "key": self.key, "checkpoint": self.checkpoint, "blocks": self._written,
-                    **meta}
+        manifest = {"format": FORMAT, "key": self.key, "checkpoint": self.checkpoint, "origin": self.origin,
+                    "blocks": self._written, **meta}
         (self._tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1, default=repr))
         if self.dir.exists() and not self.hit:  # an incomplete entry (manifest lost): replace it
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -237,8 +276,14 @@ class PackCache:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
+    def drop(self) -> None:
+        """Remove this entry (a block failed its check): the load repacks and writes it anew."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._manifest = None
+
     def _drop_stale(self) -> None:
-        """Remove other entries of the same checkpoint, and temporary directories of dead writers."""
+        """Remove entries of the same checkpoint with another origin (its files changed, another native library or
+        cache format), and temporary directories of dead writers. Other packings of the same files stay."""
         for other in self.root.iterdir():
             if other.name.startswith(".") and ".tmp-" in other.name:
                 pid = other.name.rsplit(".tmp-", 1)[1].split("-")[0]
@@ -251,6 +296,7 @@ class PackCache:
                 manifest = json.loads((other / _MANIFEST).read_text())
             except (OSError, ValueError):
                 continue
-            if isinstance(manifest, dict) and manifest.get("checkpoint") == self.checkpoint:
+            if isinstance(manifest, dict) and manifest.get("checkpoint") == self.checkpoint and \
+                    (manifest.get("format") != FORMAT or manifest.get("origin") != self.origin):
                 log.info("removing stale packed-expert cache %s", other)
                 shutil.rmtree(other, ignore_errors=True)

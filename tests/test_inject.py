@@ -38,6 +38,21 @@ def test_second_inject_is_an_error():
         inject(model, gpu="cpu")
 
 
+def test_top_k_above_the_expert_count_is_named():
+    """A config routing each token to more experts than the block has fails at inject, naming the keys, not at the
+    first forward inside torch.topk."""
+    from ktinject import inject
+    from ktinject.operators.base import OperatorError
+
+    from ktinject.testing import tiny_config
+
+    model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16,
+                             num_experts_per_tok=tiny_config("qwen3_moe").num_experts + 3)
+    with pytest.raises(OperatorError, match=r"routes each token to top_k = \d+ experts but has \d+; check the "
+                                            r"config's num_experts_per_tok"):
+        inject(model, gpu="cpu")
+
+
 def test_tensor_devices_honored(tmp_path):
     """Every tensor outside operators ends on the plan's device (meta stands in for a second device)."""
     from ktinject import inject

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -131,10 +133,12 @@ def test_cache_is_used_bit_identical_and_invalidated(tmp_path_factory, tmp_path,
     assert again._ktinject_load_stats["cache"] == "written"
     assert torch.equal(logits(again), expected)
 
-    # quant changes -> miss (and the stale entry of this checkpoint is replaced)
+    # quant changes -> miss; the other packing of the same files stays (int4 and int8 starts take turns)
     third = ktinject.from_pretrained(d, quant="int8", gpu="cpu", cache_dir=cache, progress=False)
     assert third._ktinject_load_stats["cache"] == "written"
-    assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] != [entries[0].name]
+    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 2
+    assert ktinject.from_pretrained(d, gpu="cpu", cache_dir=cache, progress=False)._ktinject_load_stats["cache"] \
+        == "hit"
     # rules change -> miss
     rules = tmp_path / "rules.yaml"
     rules.write_text("- match: {class: DeepseekV3MoE}\n  replace: moe\n  kwargs: {quant: int8}\n"
@@ -147,6 +151,34 @@ def test_cache_is_used_bit_identical_and_invalidated(tmp_path_factory, tmp_path,
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
     fifth = ktinject.from_pretrained(d, rules, gpu="cpu", cache_dir=cache, progress=False)
     assert fifth._ktinject_load_stats["cache"] == "written"
+    # ... and the entries made from the old files are removed
+    assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == [Path(fifth._ktinject_load_stats[
+        "cache_dir"]).name]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # gpt-oss: expert biases read again as well
+def test_corrupted_cache_block_is_repacked_not_used(tmp_path_factory, tmp_path, caplog, family):
+    """A cache block whose bytes changed but whose size did not (bit rot, a partial overwrite) fails its digest:
+    that block is packed from the checkpoint, the logits are the cold load's, and the entry is written anew."""
+    d = copy_ckpt(saved(tmp_path_factory, family), tmp_path / "ckpt")
+    cache = tmp_path / "cache"
+    cold = ktinject.from_pretrained(d, quant="int8", gpu="cpu", cache_dir=cache, progress=False)
+    expected = logits(cold)
+    entry, = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    block = sorted(entry.glob("*.safetensors"))[1]
+    raw = bytearray(block.read_bytes())
+    raw[-200:-100] = bytes(100)  # inside the packed bytes, size unchanged
+    block.write_bytes(bytes(raw))
+    with caplog.at_level("WARNING", logger="ktinject.loading"):
+        warm = ktinject.from_pretrained(d, quant="int8", gpu="cpu", cache_dir=cache, progress=False)
+    assert warm._ktinject_load_stats["cache"] == "corrupted: 1 blocks repacked"
+    assert f"{block} is corrupted" in caplog.text and "packing block" in caplog.text
+    assert torch.equal(logits(warm), expected)
+    assert not entry.exists()  # removed after the load ...
+    again = [ktinject.from_pretrained(d, quant="int8", gpu="cpu", cache_dir=cache, progress=False)
+             for _ in range(2)]  # ... and written anew
+    assert [m._ktinject_load_stats["cache"] for m in again] == ["written", "hit"]
+    assert torch.equal(logits(again[1]), expected)
 
 
 def test_cache_key_holds_the_int4_group(tmp_path_factory, tmp_path, monkeypatch):
@@ -166,7 +198,10 @@ def test_cache_key_holds_the_int4_group(tmp_path_factory, tmp_path, monkeypatch)
     # a manifest whose block layout is not the experts' (same bytes can be another layout) is refused, not read
     from ktinject.packcache import CacheError
 
-    entry, = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    # (both entries stay: other packings of the same files are not stale)
+    entries = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 2
+    entry, = [p for p in entries if "group 64" in (p / "manifest.json").read_text()]
     manifest = json.loads((entry / "manifest.json").read_text())
     for block in manifest["blocks"].values():
         block[2] = block[2].replace("group 64", "group 128")
@@ -342,6 +377,53 @@ def test_missing_and_corrupted_shards(tmp_path_factory, tmp_path):
         _load(d)
     shard.unlink()
     with pytest.raises(LoadError, match=rf"shard .*{shard.name} is missing.*e\.g\. model\."):
+        _load(d)
+
+
+def test_overlapping_offsets_and_bad_index_entries(tmp_path_factory, tmp_path):
+    """Header offsets that overlap (two tensors reading the same bytes) are refused as the safetensors library
+    refuses them; an index whose weight_map is not an object, or names a file outside the checkpoint, is named."""
+    d = copy_ckpt(saved(tmp_path_factory, "olmoe"), tmp_path / "ckpt")
+    shard = sorted(d.glob("model-*.safetensors"))[0]
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    a, b = names[0], names[1]
+    if header[a]["data_offsets"][1] - header[a]["data_offsets"][0] == \
+            header[b]["data_offsets"][1] - header[b]["data_offsets"][0]:
+        header[b]["data_offsets"] = header[a]["data_offsets"]  # b reads a's bytes
+    else:
+        header[b]["data_offsets"] = [header[a]["data_offsets"][0], header[a]["data_offsets"][0] + header[b][
+            "data_offsets"][1] - header[b]["data_offsets"][0]]
+    body = json.dumps(header).encode()  # (offsets count from the data's start: the header may change length)
+    shard.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n:])
+    with pytest.raises(LoadError, match=rf"{shard.name}.*overlaps tensor"):
+        _load(d)
+    shard.write_bytes(raw)
+    index = d / "model.safetensors.index.json"
+    good = json.loads(index.read_text())
+    bad = dict(good, weight_map=list(good["weight_map"]))
+    index.write_text(json.dumps(bad))
+    with pytest.raises(LoadError, match=r"\"weight_map\" is a list, expected an object"):
+        _load(d)
+    key = next(iter(good["weight_map"]))
+    index.write_text(json.dumps(dict(good, weight_map={**good["weight_map"], key: "../../etc/passwd"})))
+    with pytest.raises(LoadError, match=rf"tensor '{re.escape(key)}' is mapped to '../../etc/passwd'.*no directories"):
+        _load(d)
+
+
+def test_bad_environment_numbers_are_named(tmp_path_factory, monkeypatch):
+    d = saved(tmp_path_factory, "olmoe")
+    monkeypatch.setenv("KTINJECT_READAHEAD_MB", "abc")
+    with pytest.raises(ValueError, match=r"KTINJECT_READAHEAD_MB='abc' is not an integer"):
+        _load(d)
+    monkeypatch.setenv("KTINJECT_READAHEAD_MB", "0")
+    with pytest.raises(ValueError, match=r"KTINJECT_READAHEAD_MB=0 is below 1"):
+        _load(d)
+    monkeypatch.delenv("KTINJECT_READAHEAD_MB")
+    monkeypatch.setenv("KTINJECT_PACK_THREADS", "x")
+    with pytest.raises(ValueError, match=r"KTINJECT_PACK_THREADS='x'"):
         _load(d)
 
 

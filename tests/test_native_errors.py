@@ -119,6 +119,11 @@ def test_forward_bad_ids_and_k(ex):
     expect(kn.ERR_RANGE, r"= -3, expected 0 <= id < E = 4", ex, x, ids, w)
     x, ids, w = args(k=5)
     expect(kn.ERR_SHAPE, r"k = 5 experts per token \(expected 1 <= k <= min\(E = 4", ex, x, ids.clamp(0, 3), w)
+    x, ids, w = args(k=0)  # (the empty ids had been reported as a NULL pointer)
+    expect(kn.ERR_SHAPE, r"ids has shape \[\d+, 0\]: each token needs at least one expert", ex, x, ids, w)
+    x, ids, w = args()
+    with pytest.raises(kn.NativeError, match=r"Task.bind: hidden has no tokens \(T = 0\)"):
+        kn.Task(kn.Pool(1)).bind(ex, x[:0], ids[:0], w[:0])
 
 
 def test_experts_bad_config_and_set():

@@ -5,6 +5,7 @@ Legend: L MoE layers, E experts, B batch, S sequence, V vocabulary.
 """
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -443,3 +444,24 @@ def test_rebalancer_follows_recent_counts_with_margin():
 
         placement.place(model, budget, "uniform")
         Rebalancer(blocks)
+
+
+@pytest.mark.parametrize("doc, match", [
+    ({"layers": ["a", "b"], "counts": [[1, 2], [3]]}, r'"counts" is not a table of integers'),
+    ({"counts": [[1, 2]]}, r'"layers" must be a list of MoE layer names, got NoneType'),
+    ({"layers": ["a"], "counts": [[1e30, 2]]}, r'"counts" is not a table of integers'),
+    ({"layers": ["a"], "counts": [[1.5, 2]]}, r'"counts" is not a table of integers'),
+    ({"layers": "ab", "counts": [[1, 2], [3, 4]]}, r'"layers" must be a list.*got str'),
+    ({"layers": ["a"], "counts": [[1, 2], [3, 4]]}, r"a row per layer \(1\), got torch.int64 \[2, 2\]"),
+    ({"layers": ["a"], "counts": [[-1, 2]]}, r"negative count \(-1\)"),
+])
+def test_load_stats_checks_what_it_reads(tmp_path, doc, match):
+    """A stats file edited by hand (or cut short) gets an error naming the file and the field, never a count that
+    is silently truncated, a layer list made of a string's letters, or a raw torch error."""
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({"format": expert_stats.STATS_FORMAT, "version": 1, **doc}))
+    with pytest.raises(ValueError, match=rf"{path}: .*{match}"):
+        expert_stats.load_stats(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"not a ktinject expert stats file \(format 'list'"):
+        expert_stats.load_stats(path)

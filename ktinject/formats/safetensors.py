@@ -44,19 +44,46 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         raise ValueError("header is not a JSON object")
     data_start = 8 + n
     data_len = size - data_start
+    spans = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
         try:
             begin, end = (int(x) for x in info["data_offsets"])
             info["shape"] = [int(x) for x in info["shape"]]
-            str(info["dtype"])
+            if not isinstance(info["dtype"], str):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"header entry of tensor {key!r} is malformed: {info!r}") from None
         if not 0 <= begin <= end <= data_len:
             raise ValueError(f"tensor {key!r} spans bytes {begin}..{end} of the data but the file holds only "
                              f"{data_len} data bytes (truncated?)")
+        spans.append((begin, end, key))
+    # as the safetensors library insists: the tensors tile the data, so no two share (or overlap) bytes
+    spans.sort()
+    at, prev = 0, None
+    for begin, end, key in spans:
+        if begin != at:
+            what = f"overlaps tensor {prev!r} (which ends at {at})" if begin < at else \
+                f"leaves bytes {at}..{begin} unused after {prev or 'the header'}"
+            raise ValueError(f"tensor {key!r} starts at data byte {begin} and {what}: offsets corrupted")
+        at, prev = end, key
     return header, data_start
+
+
+def _shard_names(weight_map: Any, index: Path) -> list[str]:
+    """The shard file names an index's ``weight_map`` ({tensor: file}) lists, checked: plain names of files beside
+    the index (a path elsewhere would read outside the checkpoint)."""
+    if not isinstance(weight_map, dict):
+        raise LoadError(f"{index}: \"weight_map\" is a {type(weight_map).__name__}, expected an object "
+                        f"{{tensor name: shard file}}")
+    names = set()
+    for key, fname in weight_map.items():
+        if not isinstance(fname, str) or not fname or Path(fname).name != fname or fname in (".", ".."):
+            raise LoadError(f"{index}: tensor {key!r} is mapped to {fname!r}, expected the name of a shard file "
+                            "beside the index (no directories)")
+        names.add(fname)
+    return sorted(names)
 
 
 class SafetensorsReader(Reader):
@@ -84,7 +111,7 @@ class SafetensorsReader(Reader):
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise LoadError(f"{index}: not a readable safetensors index ({e})") from None
             self.dir = path
-            files = [path / f for f in dict.fromkeys(sorted(set(weight_map.values())))]
+            files = [path / f for f in _shard_names(weight_map, index)]
         elif (path / _SINGLE).is_file():
             self.dir, files, weight_map, index = path, [path / _SINGLE], None, None
         else:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ktinject import cuda_driver, native, stream_experts
+from ktinject.env import env_int
 from ktinject.gpu_experts import hostio, policy
 from ktinject.gpu_experts.streamed import resident
 from ktinject.operators import cpu_overlap, fused
@@ -56,7 +57,7 @@ COUNTS = {"gated": 0}  # gated layers run since import (tests, probes)
 def gated_watch_spin_us() -> int:
     """KTINJECT_PREFILL_WATCH_SPIN_US (default 0): the pool's watch spin window while gated layers run (see
     ``SplitLayers._quiet``)."""
-    return max(0, int(os.environ.get("KTINJECT_PREFILL_WATCH_SPIN_US", "0")))
+    return env_int("KTINJECT_PREFILL_WATCH_SPIN_US", 0, minimum=0)
 
 
 def gated_enabled() -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ktinject.operators.moe import HybridMoE
@@ -95,22 +95,52 @@ def save_stats(stats: ExpertStats, path) -> Path:
 
 
 def load_stats(path) -> ExpertStats:
-    """Read a file written by ``save_stats`` (either format, detected from its content)."""
+    """Read a file written by ``save_stats`` (either format, detected from its content), checked: a list of layer
+    names and a [layers, experts] table of non-negative integer counts; a ValueError naming the file and what is
+    wrong otherwise."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"expert stats file not found: {path}")
     with open(path, "rb") as f:
         head = f.read(1)
-    if head == b"{":
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        if doc.get("format") != STATS_FORMAT:
-            raise ValueError(f"{path}: not a ktinject expert stats file (format {doc.get('format')!r})")
-        return ExpertStats(tuple(doc["layers"]), torch.tensor(doc["counts"], dtype=torch.int64))
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != STATS_FORMAT:
-            raise ValueError(f"{path}: not a ktinject expert stats file (format {meta.get('format')!r})")
-        return ExpertStats(tuple(json.loads(meta["layers"])), f.get_tensor("counts"))
+    if head.isspace() or head in (b"{", b"["):  # JSON (safetensors starts with its header's length)
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != STATS_FORMAT:
+            got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise ValueError(f"{path}: not a ktinject expert stats file (format {got!r}, expected {STATS_FORMAT!r})")
+        layers, counts = doc.get("layers"), doc.get("counts")
+        try:
+            if not all(type(c) is int for row in counts for c in row):  # (torch would truncate 1.5, take True)
+                raise TypeError("a count that is not an integer")
+            counts = torch.tensor(counts, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise ValueError(f"{path}: \"counts\" is not a table of integers [layers, experts] ({e})") from None
+        return _checked(path, layers, counts)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != STATS_FORMAT:
+                raise ValueError(f"{path}: not a ktinject expert stats file (format {meta.get('format')!r}, "
+                                 f"expected {STATS_FORMAT!r})")
+            layers, counts = json.loads(meta.get("layers", "null")), f.get_tensor("counts")
+    except (OSError, json.JSONDecodeError, SafetensorError) as e:
+        raise ValueError(f"{path}: not a readable expert stats file (JSON or safetensors: {e})") from None
+    return _checked(path, layers, counts)
+
+
+def _checked(path: Path, layers, counts: torch.Tensor) -> ExpertStats:
+    if not isinstance(layers, list) or not all(isinstance(n, str) for n in layers):
+        raise ValueError(f"{path}: \"layers\" must be a list of MoE layer names, got {type(layers).__name__}")
+    if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dim() != 2 or \
+            counts.shape[0] != len(layers):
+        raise ValueError(f"{path}: \"counts\" must be integers [layers, experts] with a row per layer "
+                         f"({len(layers)}), got {counts.dtype} {list(counts.shape)}")
+    if counts.numel() and int(counts.min()) < 0:
+        raise ValueError(f"{path}: \"counts\" holds a negative count ({int(counts.min())})")
+    return ExpertStats(tuple(layers), counts.to(torch.int64))
 
 
 def aligned_counts(stats: ExpertStats, names: Sequence[str], num_experts: int) -> torch.Tensor:

@@ -388,6 +388,11 @@ def _hybrid(module: nn.Module, name: str, spec: BlockSpec, quant: str, device: t
     """The one place a HybridMoE is made, whichever way its experts were packed."""
     if spec.has_bias and biases is None:  # GPU-resident gpt-oss experts need them; the native copy cannot give them
         raise OperatorError(f"moe: {name!r} has gpt-oss experts (with biases) but no expert_biases were given")
+    k = getattr(getattr(module, spec.router, None), "top_k", None)
+    if isinstance(k, int) and not 1 <= k <= experts.num_experts:  # (else torch.topk fails at the first forward)
+        raise OperatorError(f"moe: {name!r} routes each token to top_k = {k} experts but has {experts.num_experts}; "
+                            "check the config's num_experts_per_tok against its expert count (num_experts, "
+                            "num_local_experts or n_routed_experts)")
     hybrid = HybridMoE(module, spec, experts, device, quant)
     hybrid.expert_biases = biases
     hybrid.defer = defer
