@@ -44,6 +44,21 @@ def check_fresh(model: nn.Module) -> None:
                           f"freshly loaded model instead")
 
 
+def check_devices(plan) -> None:
+    """InjectError naming the variable when the plan puts something on a CUDA device this machine lacks (before
+    anything is built: torch would fail deep inside an operator's constructor)."""
+    asked = [(f"{name}={str(device)!r}", f"pass {name}='cpu'", device) for name, device in plan.devices.items()]
+    asked += [(f"{e.rule.where}: device {str(e.device)!r}", "write device: cpu", e.device) for e in plan.entries
+              if e.device not in plan.devices.values()]
+    for what, fix, device in asked:
+        if device.type != "cuda":
+            continue
+        if not torch.cuda.is_available():
+            raise InjectError(f"{what}: CUDA is not available on this machine ({fix} for a CPU-only run)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise InjectError(f"{what}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def swap(model: nn.Module, name: str, new: nn.Module) -> None:
     """Put ``new`` at the dotted path ``name`` ("" is the root: not replaceable in place)."""
     if not name:

@@ -100,7 +100,10 @@ def resolve(args: argparse.Namespace, demo_line: str) -> tuple[Path, str | None]
     else:
         model = Path(args.model).expanduser()
         if not model.is_dir():
-            raise CliError(f"model directory not found: {args.model}")
+            hub = args.model.count("/") == 1 and not args.model.startswith((".", "/", "~"))  # "org/name"
+            hint = (" (a Hugging Face Hub id? ktinject downloads nothing: fetch it first, e.g. `hf download "
+                    f"{args.model} --local-dir DIR`, and pass --model DIR)") if hub else ""
+            raise CliError(f"model directory not found: {args.model}{hint}")
         if not (model / "config.json").is_file():
             raise CliError(f"not a Hugging Face model directory (no config.json): {args.model}")
     if args.rules is None:

@@ -133,14 +133,30 @@ def load(model_dir, config: str, gpu: str, **inject_kwargs):
 
 def _label(name: str, model) -> str:
     """The configuration's row name; int4 says its group size (``native.default_group_size`` picks it by shape)."""
-    return experts_format(model) if name == "int4" else name
+    if name.startswith("hf-"):
+        return f"HF {name[3:]}"
+    return f"ktinject {experts_format(model) if name == 'int4' else name}"
 
 
 def run(model_dir, text: str, configs, gpu: str = "cpu", window: int = 256, max_tokens: int | None = None,
-        defers=(), **inject_kwargs) -> list[tuple[str, Scores]]:
+        defers=(), on_row=None, **inject_kwargs) -> list[tuple[str, Scores]]:
     """[(name, Scores)]: the float32 reference first, then each configuration; with ``defers`` (deferral settings:
     ints, slots per token, and floats, shares of the routing weight), each injected configuration scored token by
-    token again with expert deferral 0 and each of those."""
+    token again with expert deferral 0 and each of those. ``on_row(name, scores, seconds, done, total)`` is called
+    as each row is scored (the CLI's progress lines)."""
+    import time
+
+    total = 2 + len(configs) + sum(len(defer_settings(defers)) for c in configs if defers and
+                                   not c.startswith("hf"))
+    rows: list[tuple[str, Scores]] = []
+    t0 = [time.perf_counter()]
+
+    def add(name: str, scores: Scores) -> None:
+        rows.append((name, scores))
+        if on_row is not None:
+            on_row(name, scores, time.perf_counter() - t0[0], len(rows), total)
+        t0[0] = time.perf_counter()
+
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -151,28 +167,42 @@ def run(model_dir, text: str, configs, gpu: str = "cpu", window: int = 256, max_
     ref = load(model_dir, "hf-float32", gpu)
     ref_scores, ref_top = score(ref, chunks)
     del ref
-    rows = [("hf-float32 (reference)", ref_scores)]
+    add("HF float32 (reference)", ref_scores)
     for name in configs:
         model = load(model_dir, name, gpu, **inject_kwargs)
         label = _label(name, model)
-        rows.append((label, score(model, chunks, ref_top)[0]))
+        add(label, score(model, chunks, ref_top)[0])
         for d in defer_settings(defers) if defers and not name.startswith("hf") else ():
             from ktinject.operators.deferral import set_defer
 
             set_defer(model, d)
-            rows.append((f"{label}, decode steps, defer {d}", score_decode(model, chunks, ref_top)[0]))
+            setting = f"mass {d}" if isinstance(d, float) else f"defer {d}"
+            add(f"{label}{_STEPS}{setting}", score_decode(model, chunks, ref_top)[0])
         del model
-    rows.append(("unigram (fit on this text)", Scores(nll=math.log(unigram_perplexity(chunks)) * ref_scores.n,
-                                                       n=ref_scores.n)))
+    add("unigram fit on this text", Scores(nll=math.log(unigram_perplexity(chunks)) * ref_scores.n, n=ref_scores.n))
     return rows
 
 
+_STEPS = ", decode steps, "  # deferral rows: "<configuration>, decode steps, defer d" (a count) or "... mass m"
+
+
 def table(rows) -> str:
+    """The rows as a Markdown table: perplexity against the reference (the first row) and, for deferral rows, against
+    the same configuration's decode-step row at defer 0."""
     ref = rows[0][1].perplexity
-    out = ["| configuration | perplexity | vs reference | next-token agreement |", "|---|---:|---:|---:|"]
-    for name, s in rows:
-        agree = "" if name.startswith("unigram") else f"{s.agreement:.2%}"
-        out.append(f"| {name} | {s.perplexity:.3f} | {s.perplexity / ref - 1:+.2%} | {agree} |")
+    base = {name.split(_STEPS)[0]: s.perplexity for name, s in rows if name.endswith(f"{_STEPS}defer 0")}
+    deferral = bool(base)
+    head = "| configuration | perplexity | vs float32 |" + (" vs the same at defer 0 |" if deferral else "")
+    out = [head + " next-token agreement with float32 |", "|---|---:|---:|" + ("---:|" if deferral else "") + "---:|"]
+    for i, (name, s) in enumerate(rows):
+        vs = "" if i == 0 else f"{s.perplexity / ref - 1:+.2%}"
+        cells = [name, f"{s.perplexity:.2f}", vs]
+        if deferral:
+            stem = name.split(_STEPS)[0] if _STEPS in name else None
+            zero = name.endswith(f"{_STEPS}defer 0")
+            cells.append(f"{s.perplexity / base[stem] - 1:+.2%}" if stem in base and not zero else "")
+        cells.append("" if i == 0 or name.startswith("unigram") else f"{s.agreement:.2%}")
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + f"\n\n{rows[0][1].n} predicted tokens"
 
 
@@ -205,7 +235,11 @@ def main(argv=None) -> int:
         defers = defer_list(a.defer)
     except argparse.ArgumentTypeError as e:
         p.error(f"--defer {a.defer!r}: {e}")
-    rows = run(model_dir, text, configs, a.gpu, a.window, a.max_tokens, defers, **kw)
+    def progress(name, scores, seconds, done, total):  # stderr: the table on stdout stays clean
+        print(f"[{done}/{total}] {name}: perplexity {scores.perplexity:.2f} ({seconds:.1f} s)", file=sys.stderr,
+              flush=True)
+
+    rows = run(model_dir, text, configs, a.gpu, a.window, a.max_tokens, defers, on_row=progress, **kw)
     print(f"model {model_dir}, gpu {a.gpu}, window {a.window}")
     print(table(rows))
     return 0

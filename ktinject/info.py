@@ -79,6 +79,11 @@ def info(model=None) -> dict:
         why = _decode_attention_missing(model)
         if why:
             st.update(active=False, reason=why)
+    st = paths.get("graph_decode")
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    device = getattr(getattr(emb, "weight", None), "device", None)
+    if st is not None and st["active"] is None and device is not None and device.type != "cuda":
+        st.update(active=False, reason=f"the model is on {device.type}, graphs need CUDA")  # known before a run
     out["fast_paths"] = paths
     return out
 

@@ -45,6 +45,7 @@ def inject(model: nn.Module, rules=None, *, quant: str | None = None, defer: int
     """
     apply.check_fresh(model)
     the_plan = plan(model, rules, quant=quant, defer=defer, **devices)
+    apply.check_devices(the_plan)
     options = dict(gpu_experts_budget=gpu_experts_budget, placement=placement, stats=stats,
                    rebalance_every=rebalance_every)
     if checkpoint is not None:

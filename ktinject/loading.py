@@ -104,6 +104,7 @@ def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: b
     (also set as ``model._ktinject_plan``)."""
     if getattr(model, "_ktinject_plan", None) is not None:
         raise LoadError(f"{type(model).__name__} was already injected; load into a fresh meta-device model")
+    apply.check_devices(plan)
     hot = HotExpertSettings.from_plan(plan, **hot_options)  # bad options fail before a byte is read
     prefill = mode_from_plan(plan, prefill)
     reader = open_checkpoint(checkpoint)

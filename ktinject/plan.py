@@ -18,6 +18,7 @@ that say ``device: fast``. A rule device that is not a variable is read as a tor
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 import logging
 import re
 from collections import Counter
@@ -31,7 +32,7 @@ from torch import nn
 from ktinject import operators
 from ktinject._callmod import callable_module
 from ktinject.operators.base import OperatorError
-from ktinject.rules import Rule, RuleError, RuleSet, class_path, load_rules, rules_for_model
+from ktinject.rules import FAMILIES, Rule, RuleError, RuleSet, class_path, load_rules, rules_for_model
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +85,27 @@ def plan(model: nn.Module, rules: Any = None, *, quant: str | None = None, defer
     ``model``. ``quant`` and ``defer`` override the kwarg of that name of every operator that accepts one.
     ``devices`` sets device variables (``gpu="cpu"``)."""
     ruleset = rules_for_model(model) if rules is None else load_rules(rules)
+    _check_device_names(devices, ruleset)
     devs = resolve_devices(devices)
     overrides = {key: v for key, v in (("quant", quant), ("defer", defer)) if v is not None}
     ops = _operators(ruleset, overrides)
     rule_devices = [_rule_device(rule, devs) for rule in ruleset.rules]
     walk = _Walk(ruleset, ops, rule_devices, devs["gpu"], overrides)
-    walk.run(model)
+    try:
+        walk.run(model)
+    except OperatorError as e:
+        note = _family_note(rules, model)
+        if note is None:
+            raise
+        raise OperatorError(f"{e}\n{note}") from e
     unmatched = tuple(r for i, r in enumerate(ruleset.rules) if i not in walk.matched)
+    moe_rules = [r for r in ruleset.rules if r.replace == "moe"]
+    if moe_rules and all(r in unmatched for r in moe_rules):
+        # every routed expert would stay where the model is (on a real model and a GPU: all of them on the GPU)
+        notes = "; ".join(unmatched_note(r, model) for r in moe_rules)
+        family = _family_note(rules, model)
+        raise RuleError(f"no module of {type(model).__name__} matched a moe rule, so no experts would move to the "
+                        f"CPU: {notes}" + (f"\n{family}" if family else ""))
     for rule in unmatched:
         log.warning("%s", unmatched_note(rule, model))
     return Plan(
@@ -100,6 +115,18 @@ def plan(model: nn.Module, rules: Any = None, *, quant: str | None = None, defer
         unmatched_rules=unmatched,
         unclaimed_nbytes=MappingProxyType(dict(walk.unclaimed)),
     )
+
+
+def _family_note(rules: Any, model: nn.Module) -> str | None:
+    """A line for rules given as a packaged family's name or file that is not the model's family (a common way to
+    reach a module the rules cannot take)."""
+    name = Path(str(rules)).name.removesuffix(".yaml") if isinstance(rules, (str, Path)) else None
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if name not in FAMILIES or name == model_type:
+        return None
+    mine = "its packaged rules: rules=None" if model_type in FAMILIES else \
+        "ktinject runs Mixture-of-Experts families only" if model_type is not None else ""
+    return f"(these are the {name} rules, and the model's config.model_type is {model_type!r}; {mine})"
 
 
 def unmatched_note(rule: Rule, model: nn.Module) -> str:
@@ -133,6 +160,26 @@ def _as_device(value: Any, what: str) -> torch.device:
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+#: the keyword options of inject / from_pretrained / load_into: every other keyword is a device variable, so a
+#: misspelled option arrives here as one (suggestions are drawn from these)
+OPTIONS = ("quant", "defer", "prefill", "gpu_experts_budget", "placement", "stats", "rebalance_every", "checkpoint",
+           "cache_dir", "progress", "dtype")
+
+
+def _check_device_names(devices: Mapping[str, Any], ruleset: RuleSet) -> None:
+    """TypeError for a device variable no rule uses (``gpu`` and ``cpu`` always count): a misspelled option
+    (``prefil="cpu"``) would otherwise be taken silently, or fail as 'not a torch device'."""
+    used = {"gpu", "cpu"} | {r.device for r in ruleset.rules if r.device is not None}
+    for name, value in devices.items():
+        if name in used:
+            continue
+        close = difflib.get_close_matches(name, [*OPTIONS, *sorted(used)], n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}=...? " if close else ""
+        raise TypeError(f"unexpected keyword argument {name}={value!r}: {hint}Keywords other than the options "
+                        f"({', '.join(OPTIONS)}) name device variables, and no rule uses a device {name!r} (the "
+                        f"rules use {', '.join(sorted(used))})")
 
 
 def resolve_devices(overrides: Mapping[str, Any]) -> dict[str, torch.device]:
@@ -250,6 +297,14 @@ class _Walk:
             self.tensor_devices[tensor_name] = device
             placed[str(device)] += tensor.numel() * tensor.element_size()
 
+    @staticmethod
+    def _fits(op, module: nn.Module, name: str, rule: Rule) -> bool:
+        try:
+            op.check(module, name, MappingProxyType(dict(rule.kwargs)))
+        except OperatorError:
+            return False
+        return True
+
     def _operator_entry(self, name: str, module: nn.Module, rule: Rule, device: torch.device) -> None:
         op = self.ops[rule.replace]
         kwargs = dict(rule.kwargs)
@@ -259,6 +314,12 @@ class _Walk:
         try:
             op.check(module, name, kwargs)
         except OperatorError as e:
+            given = {k: v for k, v in self.overrides.items() if k in op.kwargs_allowed}
+            if given and self._fits(op, module, name, rule):  # the rule alone is fine: the argument is at fault
+                args = ", ".join(f"{k}={v!r}" for k, v in given.items())
+                raise OperatorError(f"{args} (an argument of inject / from_pretrained, or the chat's and the "
+                                    f"server's --{next(iter(given))}) does not fit module {name!r} ({cls_name}): "
+                                    f"{e}") from e
             raise OperatorError(f"{rule.where}: operator {rule.replace!r} cannot take module {name!r} "
                                 f"({cls_name}): {e}") from e
         nbytes = {str(k): int(v) for k, v in op.placement(module, kwargs, device).items()}

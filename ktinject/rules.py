@@ -255,8 +255,9 @@ def rules_for_model(model_or_config: Any) -> RuleSet:
     if model_type not in FAMILIES:
         raise RuleError(
             f"no packaged rule file for model_type {model_type!r}; supported families: "
-            f"{', '.join(supported_families())}. Write a rule file for it (see ktinject/rules.py) and pass it "
-            f"explicitly: plan(model, 'my_rules.yaml')"
+            f"{', '.join(supported_families())}. ktinject moves the routed experts of Mixture-of-Experts models to "
+            f"the CPU; for another MoE family write a rule file (README: Rule format) and pass it: "
+            f"inject(model, 'my_rules.yaml'), or --rules my_rules.yaml to the chat and the server"
         )
     return load_rules(FAMILIES[model_type])
 

@@ -276,3 +276,42 @@ def test_cuda_inject(family):
                          min_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.shape == (4, 40) and out.device.type == "cuda"
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"prefil": "cpu"}, r"unexpected keyword argument prefil='cpu': did you mean prefill=\.\.\.\?"),
+    ({"qaunt": "int8"}, r"qaunt='int8': did you mean quant="),
+    ({"gpu_expert_budget": "12GiB"}, r"did you mean gpu_experts_budget="),
+    ({"accelerator": "cpu"}, r"no rule uses a device 'accelerator' \(the rules use cpu, gpu\)"),
+])
+def test_misspelled_options_are_not_taken_as_device_variables(kwargs, match):
+    """Keywords beyond inject's options are device variables; one that no rule uses is a misspelled option, named
+    with the closest option (it was taken silently, or failed as 'not a torch device')."""
+    from ktinject import inject
+
+    with pytest.raises(TypeError, match=match):
+        inject(build_tiny_model("qwen3_moe"), gpu="cpu", **kwargs)
+
+
+def test_argument_errors_name_the_argument_and_other_families_are_named():
+    from ktinject import inject
+    from ktinject.operators.base import OperatorError
+
+    with pytest.raises(OperatorError, match=r"^quant='int3' \(an argument of inject / from_pretrained, or the chat's "
+                                            r"and the server's --quant\) does not fit module"):
+        inject(build_tiny_model("qwen3_moe"), gpu="cpu", quant="int3")
+    from ktinject.rules import RuleError
+
+    with pytest.raises(RuleError, match=r"(?s)no module of MixtralForCausalLM matched a moe rule, so no experts would "
+                                        r"move.*did you mean 'MixtralSparseMoeBlock'\?.*these are the qwen3_moe rules, "
+                                        r"and the model's config.model_type is 'mixtral'; its packaged rules: rules=None"):
+        inject(build_tiny_model("mixtral"), "qwen3_moe", gpu="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
+def test_cuda_device_without_cuda_is_named():
+    from ktinject import inject
+    from ktinject.inject import InjectError
+
+    with pytest.raises(InjectError, match=r"gpu='cuda': CUDA is not available on this machine \(pass gpu='cpu'"):
+        inject(build_tiny_model("qwen3_moe"), gpu="cuda")

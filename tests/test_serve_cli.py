@@ -132,18 +132,18 @@ def section(title: str) -> str:
 
 
 def test_readme_serving_examples_run_against_the_server(demo_env, tmp_path):
-    """The Serving section's curl command and openai-client script, as written, against the demo model served under
-    the examples' model name (only the port differs: the examples say 8000, the test takes a free one)."""
+    """The Serving section's curl command and openai-client script, as written, against the demo server the section
+    starts (``--gpu cpu``; only the port differs: the examples say 8000, the test takes a free one)."""
     text = section("Serving")
     curl = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if b.startswith("curl "))
     script = re.findall(r"```python\n(.*?)```", text, re.S)[0]
     assert "127.0.0.1:8000" in curl and "127.0.0.1:8000" in script
     proc = subprocess.Popen([sys.executable, "-m", "ktinject.serve", "--gpu", "cpu", "--port", "0", "--max-batch", "2",
-                             "--max-context", "512", "--served-model-name", "Qwen3-30B-A3B"],
+                             "--max-context", "512"],
                             env={k: v for k, v in demo_env.items() if k != "KTINJECT_API_KEY"}, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        port = _read_until(proc, r"Serving 'Qwen3-30B-A3B' at http://127\.0\.0\.1:(\d+)/v1", timeout=240).group(1)
+        port = _read_until(proc, r"Serving 'ktinject-demo' at http://127\.0\.0\.1:(\d+)/v1", timeout=240).group(1)
         here = lambda block: block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")  # noqa: E731
         r = subprocess.run(["bash", "-c", here(curl)], capture_output=True, text=True, timeout=120)
         events = [line for line in r.stdout.splitlines() if line.startswith("data: ")]

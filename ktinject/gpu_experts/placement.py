@@ -111,6 +111,7 @@ class Placement:
     nbytes: int
     expected_share: float | None
     rebalancer: Any = None
+    device: str = "GPU"  # where the banks live: "GPU", or the device's name when it is not CUDA (a CPU-only run)
 
     @property
     def resident(self) -> int:
@@ -120,7 +121,7 @@ class Placement:
         per = sorted({len(x) for x in self.experts})
         share = "n/a" if self.expected_share is None else f"{100 * self.expected_share:.1f}%"
         dyn = f", re-placed every {self.rebalancer.every} tokens" if self.rebalancer is not None else ""
-        return (f"hot experts ({self.strategy}{dyn}): {self.resident} on the GPU in {len(self.layers)} layers "
+        return (f"hot experts ({self.strategy}{dyn}): {self.resident} on {'the ' + self.device if self.device == 'GPU' else self.device} in {len(self.layers)} layers "
                 f"({per[0] if per else 0}..{per[-1] if per else 0} per layer), {human_bytes(self.nbytes)} of "
                 f"{human_bytes(self.budget)}; expected share of routed pairs {share}")
 
@@ -222,6 +223,9 @@ def apply_settings(model, settings: HotExpertSettings, *, dtype: torch.dtype | N
             nbytes += b.hot.nbytes
     assert nbytes <= max(budget, 0) or not jobs, f"placement: {nbytes} bytes exceed the budget {budget}"
     result = Placement(strategy, budget, names, chosen, nbytes, hit_share(counts, chosen) if informed else None)
+    where = {b.hot.device for _, b in blocks if b.hot is not None}
+    if where and all(d.type != "cuda" for d in where):
+        result.device = ", ".join(sorted(map(str, where))) + " (no GPU: the banks are only exercised there)"
     if strategy == "dynamic" and jobs:
         result.rebalancer = Rebalancer([b for _, b in blocks], every=settings.rebalance_every, **rebalance)
         model.__dict__[_REBALANCER_ATTR] = result.rebalancer
