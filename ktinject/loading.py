@@ -197,12 +197,12 @@ class _Loader:
         root = packcache.cache_root(cache_dir, self.ckpt.dir, worth_it) if moe else None
         if root is None:
             return None
-        rules = sorted({repr(_rule_content(e.rule)) for e in self.plan.entries}
-                       | {repr(_rule_content(r)) for r in self.plan.unmatched_rules})
         version = getattr(native, "version", None)
         origin = {"files": packcache.file_signature(self.ckpt.signature_files()),
                   "native": version() if callable(version) else repr(version)}
-        key = packcache.cache_key(**origin, rules=rules,
+        # the packed bytes depend on the checkpoint, the native library and each block's spec, quant and group, not
+        # on the rest of the rules (devices, hot experts, prefill, defer): editing those reuses the entry
+        key = packcache.cache_key(**origin,
                                   blocks={n: [repr(st.spec), st.quant, st.group_size] for n, st in moe.items()})
         return PackCache(root, key, self.ckpt.dir, origin)
 
@@ -276,13 +276,15 @@ class _Loader:
         unit.from_cache = False
         jobs = [j for p in self.pieces if p.unit == unit.entry.name and p.expert_leaf is not None
                 for j in self._piece_jobs(p)]
-        self.bar.total += sum(j.nbytes for j in jobs)
+        self.bar.total += sum(j.nbytes for j in jobs) - unit.stream.nbytes  # (counted as the cache's bytes)
         for job, buf in self.ckpt.stream(jobs, self.window, self.buffers):
             piece, expert, shape = job.what
             x = buf.view(self.ckpt.torch_dtype(piece.ref)).view(shape)
             self.bytes_read += job.nbytes
-            _pack(unit, piece, expert, x.to(self.dtypes.get(piece.target, piece.meta.dtype)), buf, self.buffers)
+            self.packer.submit(_pack, unit, piece, expert, x.to(self.dtypes.get(piece.target, piece.meta.dtype)),
+                               buf, self.buffers)
             self.bar.update(job.nbytes)
+        self.packer.drain()
 
     def _dispatch(self, job: ReadJob, buf: torch.Tensor) -> None:
         piece, expert, shape = job.what
@@ -416,11 +418,6 @@ def _pack(unit: _Unit, piece: Piece, expert: int, x: torch.Tensor, buf: torch.Te
             raise LoadError(f"tensor {piece.ref.key!r} in {piece.ref.file}: packing expert {expert} ({which}) "
                             f"of {piece.unit!r} failed: {e}") from e
     buffers.put(buf)  # set() copied what it needed
-
-
-def _rule_content(rule) -> tuple:
-    return (rule.match_name, rule.match_class, rule.replace, sorted((k, repr(v)) for k, v in rule.kwargs.items()),
-            rule.device, rule.recursive)
 
 
 def _target_dtypes(model: nn.Module) -> dict[str, torch.dtype]:

@@ -5,9 +5,10 @@ load, each MoE block's packed bytes (``native.Experts.export``) are written to `
 (one uint8 tensor ``packed``) plus a ``manifest.json``; a later start with the same key reads them back with
 ``Experts.load_packed`` instead of the checkpoint's expert tensors. The key hashes everything the packed bytes
 depend on: the checkpoint files (name, size, mtime), the rules' content, the per-block sizes and quantization, the
-native library's version and this file format, so any change misses. When a new entry is written, the entries of
-the same checkpoint made from other files (the checkpoint changed) or by another native library or format are
-removed; entries of the same files in other packings (int8 beside int4, other rules) stay. Each block's bytes are
+native library's version and this file format, so any change misses (the rest of the rules, devices, hot experts,
+prefill, defer, does not change the packed bytes and is not in the key). When a new entry is written, the entries
+of the same checkpoint made from other files (the checkpoint changed) or by another native library or format are
+removed, and of its other packings (int8 beside int4, another group size) the ``KEEP`` most recently used stay. Each block's bytes are
 checked against the SHA-256 digest the manifest records (64 MiB pieces hashed in parallel: ~1.4 GB/s a core with
 the CPU's SHA instructions) before they reach the experts: a corrupted file is repacked, never computed with. A
 cache directory is written under a temporary name and renamed into
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 FORMAT = 4  # 2: int4 in default_group_size's group (128 where the sizes allow; 64 before); 3: each block's layout in
 #   the manifest; 4: each block's digest and the checkpoint's files in the manifest
 _MANIFEST = "manifest.json"
+KEEP = 3  # entries (packings) kept per checkpoint, the most recently used: each is a full copy of the experts
 
 
 class CacheError(RuntimeError):
@@ -48,7 +50,8 @@ class CacheError(RuntimeError):
 
 
 class CorruptCache(CacheError):
-    """A block's bytes differ from the digest its manifest recorded (the loader drops the entry and repacks)."""
+    """A block's file is unreadable, of another size or layout than its experts', or its bytes differ from the digest
+    its manifest recorded: the loader packs that block from the checkpoint and drops the entry."""
 
 
 # ---------------------------------------------------------------------------------------------- safetensors I/O
@@ -200,6 +203,10 @@ class PackCache:
             except (OSError, ValueError, KeyError, TypeError, AttributeError):  # (a manifest of another shape too)
                 return False
             self._manifest = manifest
+            try:  # used now: the manifest's mtime orders the entries kept (_drop_stale)
+                os.utime(self.dir / _MANIFEST)
+            except OSError:
+                pass
         return True
 
     def has(self, name: str) -> bool:
@@ -210,16 +217,16 @@ class PackCache:
         fname, _, config, want = self._manifest["blocks"][name]
         path = self.dir / fname
         if config != experts_config(experts):  # same bytes, other layout (int4 groups of 64 and 128 can): never
-            raise CacheError(f"packed-expert cache file {path} holds experts packed as {config}, block {name!r} is "
-                             f"{experts_config(experts)}; delete {self.dir}")
+            raise CorruptCache(f"packed-expert cache file {path} holds experts packed as {config}, block {name!r} "
+                               f"is {experts_config(experts)}")
         try:
             buf = read_tensor(path, "packed", self._buffers)
-        except (OSError, ValueError) as e:
-            raise CacheError(f"packed-expert cache file {path} is unreadable ({e}); delete {self.dir}") from e
+        except (OSError, ValueError) as e:  # (also: removed by another process meanwhile)
+            raise CorruptCache(f"packed-expert cache file {path} is unreadable ({e})") from e
         try:
             if buf.numel() != experts.nbytes:
-                raise CacheError(f"packed-expert cache file {path} holds {buf.numel()} bytes, block {name!r} "
-                                 f"needs {experts.nbytes}; delete {self.dir}")
+                raise CorruptCache(f"packed-expert cache file {path} holds {buf.numel()} bytes, block {name!r} "
+                                   f"needs {experts.nbytes}")
             got = digest(buf)
             if got != want:
                 raise CorruptCache(f"packed-expert cache file {path} is corrupted: its bytes' SHA-256 is {got[:16]}..., "
@@ -283,7 +290,9 @@ class PackCache:
 
     def _drop_stale(self) -> None:
         """Remove entries of the same checkpoint with another origin (its files changed, another native library or
-        cache format), and temporary directories of dead writers. Other packings of the same files stay."""
+        cache format), all but the ``KEEP`` most recently used of its other packings, and temporary directories
+        of dead writers."""
+        kept: list[tuple[int, Path]] = []
         for other in self.root.iterdir():
             if other.name.startswith(".") and ".tmp-" in other.name:
                 pid = other.name.rsplit(".tmp-", 1)[1].split("-")[0]
@@ -296,7 +305,16 @@ class PackCache:
                 manifest = json.loads((other / _MANIFEST).read_text())
             except (OSError, ValueError):
                 continue
-            if isinstance(manifest, dict) and manifest.get("checkpoint") == self.checkpoint and \
-                    (manifest.get("format") != FORMAT or manifest.get("origin") != self.origin):
+            if not isinstance(manifest, dict) or manifest.get("checkpoint") != self.checkpoint:
+                continue
+            if manifest.get("format") != FORMAT or manifest.get("origin") != self.origin:
                 log.info("removing stale packed-expert cache %s", other)
                 shutil.rmtree(other, ignore_errors=True)
+            else:
+                try:
+                    kept.append(((other / _MANIFEST).stat().st_mtime_ns, other))
+                except OSError:
+                    continue
+        for _, other in sorted(kept, reverse=True)[KEEP - 1:]:  # (this entry is the newest)
+            log.info("removing the least recently used packed-expert cache %s (%d packings are kept)", other, KEEP)
+            shutil.rmtree(other, ignore_errors=True)

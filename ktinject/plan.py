@@ -100,7 +100,7 @@ def plan(model: nn.Module, rules: Any = None, *, quant: str | None = None, defer
         raise OperatorError(f"{e}\n{note}") from e
     unmatched = tuple(r for i, r in enumerate(ruleset.rules) if i not in walk.matched)
     moe_rules = [r for r in ruleset.rules if r.replace == "moe"]
-    if moe_rules and all(r in unmatched for r in moe_rules):
+    if moe_rules and all(r in unmatched for r in moe_rules) and _has_moe_block(model, ops.get("moe")):
         # every routed expert would stay where the model is (on a real model and a GPU: all of them on the GPU)
         notes = "; ".join(unmatched_note(r, model) for r in moe_rules)
         family = _family_note(rules, model)
@@ -115,6 +115,23 @@ def plan(model: nn.Module, rules: Any = None, *, quant: str | None = None, defer
         unmatched_rules=unmatched,
         unclaimed_nbytes=MappingProxyType(dict(walk.unclaimed)),
     )
+
+
+def _has_moe_block(model: nn.Module, op) -> bool:
+    """Whether some module of ``model`` (one with an ``experts`` child, as every family's sparse block has) is one
+    the moe operator could take: a model whose layers are all dense (first_k_dense_replace, mlp_only_layers) has
+    none, and moe rules that match nothing are then no mistake."""
+    if op is None:
+        return False
+    for name, module in model.named_modules():
+        if "experts" not in module._modules:
+            continue
+        try:
+            op.check(module, name, MappingProxyType({}))
+        except OperatorError:
+            continue
+        return True
+    return False
 
 
 def _family_note(rules: Any, model: nn.Module) -> str | None:
@@ -175,6 +192,9 @@ def _check_device_names(devices: Mapping[str, Any], ruleset: RuleSet) -> None:
     for name, value in devices.items():
         if name in used:
             continue
+        if name in OPTIONS:  # an option of another entry point (cache_dir, progress, dtype: from_pretrained)
+            raise TypeError(f"unexpected keyword argument {name}={value!r}: this call does not take {name} (of "
+                            f"inject, from_pretrained and load_into, see which one names it in its docstring)")
         close = difflib.get_close_matches(name, [*OPTIONS, *sorted(used)], n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}=...? " if close else ""
         raise TypeError(f"unexpected keyword argument {name}={value!r}: {hint}Keywords other than the options "
@@ -320,8 +340,11 @@ class _Walk:
                 raise OperatorError(f"{args} (an argument of inject / from_pretrained, or the chat's and the "
                                     f"server's --{next(iter(given))}) does not fit module {name!r} ({cls_name}): "
                                     f"{e}") from e
+            why = str(e)
+            same = f"{rule.replace}: cannot take module {name!r} ({cls_name}): "
+            why = f"{rule.replace}: {why[len(same):]}" if why.startswith(same) else why  # (said once is enough)
             raise OperatorError(f"{rule.where}: operator {rule.replace!r} cannot take module {name!r} "
-                                f"({cls_name}): {e}") from e
+                                f"({cls_name}): {why}") from e
         nbytes = {str(k): int(v) for k, v in op.placement(module, kwargs, device).items()}
         self._pending.append((PlanEntry(name, cls_name, rule, rule.replace, device, kwargs, nbytes), None))
         for sub in module.modules():  # the operator owns the subtree: never walk it again under another name

@@ -248,10 +248,11 @@ def test_eval_defer_rows_on_the_demo_model():
 
     rows = dict(kt_eval.run(demo.demo_model_dir(), demo.heldout_text(), ["bf16"], gpu="cpu", window=96,
                             max_tokens=768, defers=(0.3, 1)))
-    assert list(rows)[2:5] == [f"bf16, decode steps, defer {d}" for d in (0, 1, 0.3)]  # counts, then shares
-    base, d0 = rows["bf16"], rows["bf16, decode steps, defer 0"]
-    for d in (1, 0.3):
-        dd = rows[f"bf16, decode steps, defer {d}"]
+    steps = [f"ktinject bf16, decode steps, {s}" for s in ("defer 0", "defer 1", "mass 0.3")]
+    assert list(rows)[2:5] == steps  # counts, then shares
+    base, d0 = rows["ktinject bf16"], rows[steps[0]]
+    for name in steps[1:]:
+        dd = rows[name]
         assert d0.n == dd.n == base.n
         assert dd.agreement < d0.agreement  # deferral acted ...
         assert dd.perplexity < d0.perplexity * 1.05  # ... and costs little (4096 tokens: -0.14%; defer 2: +3%)

@@ -131,7 +131,7 @@ class RMSNormOperator(Operator):
     def check(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> None:
         problem = fuse_problem(module)
         if problem:
-            raise OperatorError(f"rmsnorm: {problem}")  # (plan names the rule and the module)
+            raise OperatorError(f"rmsnorm: cannot take module {name!r} ({type(module).__name__}): {problem}")
 
     @classmethod
     def placement(cls, module: nn.Module, kwargs: Mapping[str, Any], device: torch.device) -> dict[str, int]:
