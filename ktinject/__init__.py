@@ -5,6 +5,7 @@ Nothing happens at import: no native library load, no threads, no CUDA. The publ
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,10 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
+        # a subpackage or module (ktinject.operators, ktinject.gpu_experts, ...), imported on first use like the names
+        # above, as `import ktinject` then `ktinject.operators.known()` suggests
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
         raise AttributeError(f"module 'ktinject' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value

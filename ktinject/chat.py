@@ -285,7 +285,9 @@ def _main(args: argparse.Namespace) -> int:
     placed = model.__dict__.get("_ktinject_placement")
     if placed is not None:
         print(placed)
-    print(f"Loaded {model_dir.name} in {seconds:.2f} s (gpu={gpu}, quant={cli.experts_format(model)}).")
+    defer = cli.defer_format(model)
+    print(f"Loaded {model_dir.name} in {seconds:.2f} s (gpu={gpu}, quant={cli.experts_format(model)}"
+          f"{', ' + defer if defer else ''}).")
     chat = Chat(model, tokenizer, args)
     if args.prompt is not None:
         chat.reply(args.prompt)

@@ -166,6 +166,17 @@ def experts_format(model) -> str:
     return " + ".join(seen) or "no MoE blocks"
 
 
+def defer_format(model) -> str:
+    """The expert-deferral setting of the model's MoE blocks for the load line ("", "defer=2", "defer=0.28"; several
+    joined by " + "): empty when none defers."""
+    seen = []
+    for m in model.modules():
+        d = getattr(m, "defer", 0) if hasattr(m, "native_experts") else 0
+        if d and d not in seen:
+            seen.append(d)
+    return f"defer={' + '.join(map(str, seen))}" if seen else ""
+
+
 def load_model(model_dir, rules=None, quant=None, progress=True, **options):
     """Load a checkpoint through ktinject; returns (model, tokenizer, plan). ``options``: from_pretrained's keywords
     (device variables, hot-expert options)."""
