@@ -26,7 +26,8 @@ max(CPU, GPU) of this run (``ktinject.bench.defer``).
 ktinject's rows, in the same run, and compares each quant with its GGUF type (``ktinject.bench.peer``).
 Last, per quant, issue 18's targets that the run measured, each judged met / NOT met in the bench's own output
 (``ktinject.bench.targets``, which lists them; whole model at batch 1 only).
-``--tiny`` runs the same flow on the tiny qwen3_moe test model (CPU-only machines too: GPU rows say n/a).
+``--tiny`` runs the same flow on the tiny qwen3_moe test model (CPU-only machines too: GPU rows say n/a; no roofline
+rows: the read-bandwidth probe reads GBs and a roofline of the tiny model means nothing).
 The measurements themselves are in ``bench/timing.py``. Legend: B batch, P prompt tokens, N new tokens, L layers.
 """
 from __future__ import annotations
@@ -250,7 +251,8 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     prompt = torch.randint(3, cfg.vocab_size, (B, P), device=device)
 
     quick = bool(args.noise and args.noise_only) or bool(args.defer)  # the interference or deferral rows alone
-    if not quick:
+    mem = per_tok = None
+    if not quick and not args.tiny:  # (--tiny: a roofline of the tiny model means nothing, and the probe reads GBs)
         mem = measure_read_bandwidth(4.0, args.threads)  # >= 4 GB (a Qwen3-30B token: 3.6 GB), >= 32x the LLC
         print(f"# {mem.summary()}", flush=True)
         bw = mem.best_gbs * 1e9
@@ -306,7 +308,8 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
             _add(rows, ("ktinject graph", _fmt_rate(B / graph["s_per_token"]), _fmt_ms(graph["s_per_token"]),
                          "ktinject.generate, " + note))
             try:
-                _alongside_rows(model, prompt, args, quant, mem, per_tok, rows)
+                if mem is not None:
+                    _alongside_rows(model, prompt, args, quant, mem, per_tok, rows)
             except Exception as e:  # noqa: BLE001 - an extra measurement failing (e.g. its 4 GB) hides nothing else
                 _add(rows, ("roofline alongside", "failed", "", f"{type(e).__name__}: {e}"))
             step = graph_replay(r, B, P, args.tokens)
