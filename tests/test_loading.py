@@ -417,9 +417,16 @@ def test_overlapping_offsets_and_bad_index_entries(tmp_path_factory, tmp_path):
     index.write_text(json.dumps(bad))
     with pytest.raises(LoadError, match=r"\"weight_map\" is a list, expected an object"):
         _load(d)
+    # shards in a subdirectory of the checkpoint (transformers joins the names to the directory too): loaded
+    (d / "shards").mkdir()
+    for f in sorted(d.glob("model-*.safetensors")):
+        f.rename(d / "shards" / f.name)
+    index.write_text(json.dumps(dict(good, weight_map={k: f"shards/{v}" for k, v in good["weight_map"].items()})))
+    assert torch.equal(logits(_load(d)), logits(_load(saved(tmp_path_factory, "olmoe"))))
     key = next(iter(good["weight_map"]))
     index.write_text(json.dumps(dict(good, weight_map={**good["weight_map"], key: "../../etc/passwd"})))
-    with pytest.raises(LoadError, match=rf"tensor '{re.escape(key)}' is mapped to '../../etc/passwd'.*no directories"):
+    with pytest.raises(LoadError, match=rf"tensor '{re.escape(key)}' is mapped to '../../etc/passwd'.*inside the "
+                                        r"checkpoint directory \(relative, no '\.\.'\)"):
         _load(d)
 
 

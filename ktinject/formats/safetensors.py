@@ -72,17 +72,18 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
 
 
 def _shard_names(weight_map: Any, index: Path) -> list[str]:
-    """The shard file names an index's ``weight_map`` ({tensor: file}) lists, checked: plain names of files beside
-    the index (a path elsewhere would read outside the checkpoint)."""
+    """The shard files an index's ``weight_map`` ({tensor: file}) lists, checked: relative paths inside the
+    checkpoint directory (an absolute path or '..' would read outside it)."""
     if not isinstance(weight_map, dict):
         raise LoadError(f"{index}: \"weight_map\" is a {type(weight_map).__name__}, expected an object "
                         f"{{tensor name: shard file}}")
     names = set()
     for key, fname in weight_map.items():
-        if not isinstance(fname, str) or not fname or Path(fname).name != fname or fname in (".", ".."):
-            raise LoadError(f"{index}: tensor {key!r} is mapped to {fname!r}, expected the name of a shard file "
-                            "beside the index (no directories)")
-        names.add(fname)
+        parts = Path(fname).parts if isinstance(fname, str) else ()
+        if not parts or Path(fname).is_absolute() or ".." in parts:
+            raise LoadError(f"{index}: tensor {key!r} is mapped to {fname!r}, expected the path of a shard file "
+                            "inside the checkpoint directory (relative, no '..')")
+        names.add(Path(fname).as_posix())  # ("./a" and "a": one file)
     return sorted(names)
 
 
@@ -127,7 +128,7 @@ class SafetensorsReader(Reader):
 
     def _read_shard(self, f: Path, weight_map, index) -> list[TensorRef]:
         if not f.is_file():
-            keys = [k for k, v in (weight_map or {}).items() if v == f.name]
+            keys = [k for k, v in (weight_map or {}).items() if self.dir / v == f]
             raise LoadError(f"shard {f} is missing: {index} lists {len(keys)} tensors in it, e.g. "
                             f"{', '.join(keys[:3])}")
         try:
@@ -151,9 +152,9 @@ class SafetensorsReader(Reader):
         return refs
 
     def _check_index(self, weight_map: dict[str, str], index: Path) -> None:
-        found = {r.key: r.file.name for r in self.refs}
+        found = {r.key: r.file for r in self.refs}
         for key, fname in weight_map.items():
-            if found.get(key) != fname:
+            if found.get(key) != self.dir / fname:
                 where = f"it is in {found[key]}" if key in found else "no shard has it"
                 raise LoadError(f"tensor {key!r}: {index} puts it in {self.dir / fname}, but {where}")
         seen: dict[str, Path] = {}
