@@ -23,7 +23,10 @@ HF's greedy tokens.
 Calls the runner cannot serve go to HF's generate unchanged: beam search, assisted decoding, a caller's own
 ``past_key_values`` or ``cache_implementation``, ``use_cache=False``, ``inputs_embeds``, encoder-decoder models.
 A batch size without a bucket is padded up to the next bucket with copies of its first row (when the result is
-a plain tensor and there is no streamer), else decoded eagerly.
+a plain tensor and nothing else would see the copies: no streamer, logits processor, stopping criterion,
+prefix_allowed_tokens_fn or sampling), else decoded eagerly. With ``return_dict_in_generate`` the returned cache is
+a DynamicCache copied from the runner's (which the next call reuses): the caller's to keep and continue from, as
+HF's is.
 """
 from __future__ import annotations
 
@@ -239,14 +242,45 @@ def _hooked(model, runner: GraphRunner, defer_cache=None):
         model.__dict__.update(saved)
 
 
-def generate(model, input_ids=None, attention_mask=None, **kwargs):
+def _hf_positional(model, args: tuple, kwargs: dict) -> None:
+    """Put ``args`` into ``kwargs`` under the names HF's ``generate`` gives its positional parameters (inputs,
+    generation_config, logits_processor, ...), as a call to ``model.generate(*args)`` binds them."""
+    names = [p.name for p in inspect.signature(type(model).generate).parameters.values()
+             if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name != "self"]
+    if len(args) > len(names):
+        raise TypeError(f"generate() takes at most {len(names)} positional arguments after the model "
+                        f"({', '.join(names)}), {len(args)} were given")
+    for name, value in zip(names, args):
+        if name in kwargs:
+            raise TypeError(f"generate() got multiple values for argument {name!r}")
+        kwargs[name] = value
+
+
+def _owned_cache(model, cache):
+    """A DynamicCache holding what the runner's ``cache`` holds for the rows of this call (their lengths are equal:
+    generate's rows start together), for the caller to keep: the runner's cache is reused (overwritten) by the next
+    call and cannot grow past its length, where HF's returned cache can."""
+    from transformers import DynamicCache
+
+    out = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        if not layer.is_initialized:
+            continue
+        n = int(layer.row_lengths.max())
+        out.update(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone(), i)
+    return out
+
+
+def generate(model, *args, **kwargs):
     """``model.generate(input_ids, attention_mask=..., **kwargs)`` with graph-replayed decode steps.
 
-    Same arguments and results as Hugging Face's ``generate``."""
+    Same arguments (positional ones too: inputs, generation_config, ...) and results as Hugging Face's ``generate``;
+    a cache it returns (``return_dict_in_generate``) is the caller's, as HF's is."""
+    _hf_positional(model, args, kwargs)
+    attention_mask = kwargs.pop("attention_mask", None)
+    input_ids = kwargs.pop("inputs", None)
     if input_ids is None:
-        input_ids = kwargs.pop("inputs", None)
-        if input_ids is None:
-            input_ids = kwargs.pop("input_ids", None)
+        input_ids = kwargs.pop("input_ids", None)
     runner = get_runner(model)
     gc = _generation_config(model, kwargs)
     reason = _plain_reason(model, input_ids, kwargs, gc)
@@ -257,7 +291,9 @@ def generate(model, input_ids=None, attention_mask=None, **kwargs):
     batch, prompt_len = input_ids.shape
     rows = batch * max(int(gc.num_return_sequences or 1), 1)
     pad = 0
-    plain_result = not gc.return_dict_in_generate and kwargs.get("streamer") is None
+    # padding rows must stay invisible: not in the result, a streamer, per-row callbacks or the sampler's draws
+    plain_result = not gc.return_dict_in_generate and kwargs.get("streamer") is None and not gc.do_sample and \
+        not any(kwargs.get(k) for k in ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn"))
     if rows == batch and plain_result:
         pad = runner.padded_batch(rows) - rows
     if pad:
@@ -274,6 +310,9 @@ def generate(model, input_ids=None, attention_mask=None, **kwargs):
     defer = cache if runner.defer_stop and runner.graphs_enabled() and not gc.return_dict_in_generate else None
     with _hooked(model, runner, defer):
         out = _hf_generate(model, input_ids, attention_mask=attention_mask, **kwargs)
+    field = compat.cache_kwarg()  # the output's field has the keyword's name ("cache" from transformers 5.24)
+    if gc.return_dict_in_generate and getattr(out, field, None) is cache:
+        setattr(out, field, _owned_cache(model, cache))
     return out[:batch] if pad else out
 
 

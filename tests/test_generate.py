@@ -1,6 +1,8 @@
 """ktinject.generate on the CPU (eager, static cache): the same tokens as Hugging Face's generate."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -198,3 +200,55 @@ def test_deferred_stop_only_for_the_calls_runner_cache():
     finally:
         gen._DEFERRED.pop(id(ours))
     assert not cls.is_supported(cuda, ours, True, is_assistant=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_returned_cache_is_the_callers_and_continues_like_hf(family):
+    """With return_dict_in_generate the cache handed back is the caller's own (HF's DynamicCache), not the runner's
+    reusable one: a later call leaves it alone, and continuing from it equals generating from scratch, also past
+    the length the runner's cache had (it raised an index error there)."""
+    from ktinject import compat
+
+    m = build_tiny_model(family, max_position_embeddings=2048)
+    ktinject.inject(m, gpu="cpu")
+    field = compat.cache_kwarg()
+    a, b, more = tiny_prompts(1, 9, seed=1), tiny_prompts(1, 12, seed=7), tiny_prompts(1, 4, seed=3)
+    first = ktinject.generate(m, a, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    other = ktinject.generate(m, b, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    assert getattr(first, field) is not getattr(other, field)
+    assert getattr(first, field) is not get_runner(m).kv
+    again = torch.cat([first.sequences, more], dim=1)
+    for n in (6, 300):  # 300: past the runner's 256-token cache on the CPU
+        got = ktinject.generate(m, again, **{field: copy.deepcopy(getattr(first, field))}, max_new_tokens=n,
+                                do_sample=False)
+        assert torch.equal(got, ktinject.generate(m, again, max_new_tokens=n, do_sample=False)), (family, n)
+
+
+def test_positional_arguments_bind_as_hf_binds_them():
+    """model.generate(ids, generation_config) is HF's signature: the second positional argument is the generation
+    config (it landed in attention_mask)."""
+    from transformers import GenerationConfig
+
+    m = build_tiny_model("qwen3_moe")
+    ktinject.inject(m, gpu="cpu")
+    ids = tiny_prompts(1, 7, seed=1)
+    gc = GenerationConfig(max_new_tokens=5, do_sample=False)
+    assert torch.equal(ktinject.generate(m, ids, gc), _hf(m, ids, gc))
+    with pytest.raises(TypeError, match="multiple values for argument 'generation_config'"):
+        ktinject.generate(m, ids, gc, generation_config=gc)
+
+
+def test_padding_rows_never_reach_per_row_callbacks():
+    """A batch padded up to a bucket (the default with CUDA graphs) must not show its padding rows to a
+    prefix_allowed_tokens_fn, a stopping criterion or the sampler: such calls are not padded."""
+    m = build_tiny_model("qwen3_moe")
+    ktinject.inject(m, gpu="cpu")
+    get_runner(m, pad_batches=True)
+    ids = tiny_prompts(3, 6, seed=2)
+    allowed = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    kw = dict(max_new_tokens=4, prefix_allowed_tokens_fn=lambda b, s: allowed[b])
+    assert torch.equal(ktinject.generate(m, ids, **kw), _hf(m, ids, **kw))
+    torch.manual_seed(0)
+    sampled = ktinject.generate(m, ids, max_new_tokens=4, do_sample=True, top_k=0)
+    torch.manual_seed(0)
+    assert torch.equal(sampled, _hf(m, ids, max_new_tokens=4, do_sample=True, top_k=0))
