@@ -157,12 +157,11 @@ def experts_format(model) -> str:
     """What the model's routed experts are stored as, for the load line: "int4 (groups of 128)", "bf16", or "no MoE
     blocks"; several formats (rules per layer) joined by " + "."""
     seen = []
-    for m in model.modules():
-        ex = getattr(m, "native_experts", None)
-        if ex is not None:
-            what = f"{ex.quant} (groups of {ex.group_size})" if ex.quant == "int4" else ex.quant
-            if what not in seen:
-                seen.append(what)
+    for m in _moe_blocks(model):
+        ex = m.native_experts
+        what = f"{ex.quant} (groups of {ex.group_size})" if ex.quant == "int4" else ex.quant
+        if what not in seen:
+            seen.append(what)
     return " + ".join(seen) or "no MoE blocks"
 
 
@@ -170,11 +169,15 @@ def defer_format(model) -> str:
     """The expert-deferral setting of the model's MoE blocks for the load line ("", "defer=2", "defer=0.28"; several
     joined by " + "): empty when none defers."""
     seen = []
-    for m in model.modules():
-        d = getattr(m, "defer", 0) if hasattr(m, "native_experts") else 0
-        if d and d not in seen:
-            seen.append(d)
+    for m in _moe_blocks(model):
+        if m.defer and m.defer not in seen:
+            seen.append(m.defer)
     return f"defer={' + '.join(map(str, seen))}" if seen else ""
+
+
+def _moe_blocks(model):
+    """The model's injected MoE blocks (the modules holding native experts)."""
+    return (m for m in model.modules() if getattr(m, "native_experts", None) is not None)
 
 
 def load_model(model_dir, rules=None, quant=None, progress=True, **options):

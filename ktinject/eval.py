@@ -23,6 +23,7 @@ import argparse
 import logging
 import math
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -144,18 +145,17 @@ def run(model_dir, text: str, configs, gpu: str = "cpu", window: int = 256, max_
     ints, slots per token, and floats, shares of the routing weight), each injected configuration scored token by
     token again with expert deferral 0 and each of those. ``on_row(name, scores, seconds, done, total)`` is called
     as each row is scored (the CLI's progress lines)."""
-    import time
-
-    total = 2 + len(configs) + sum(len(defer_settings(defers)) for c in configs if defers and
-                                   not c.startswith("hf"))
+    settings = defer_settings(defers) if defers else []
+    total = 2 + len(configs) + len(settings) * sum(not c.startswith("hf") for c in configs)
     rows: list[tuple[str, Scores]] = []
-    t0 = [time.perf_counter()]
+    t0 = time.perf_counter()
 
     def add(name: str, scores: Scores) -> None:
+        nonlocal t0
         rows.append((name, scores))
         if on_row is not None:
-            on_row(name, scores, time.perf_counter() - t0[0], len(rows), total)
-        t0[0] = time.perf_counter()
+            on_row(name, scores, time.perf_counter() - t0, len(rows), total)
+        t0 = time.perf_counter()
 
     from transformers import AutoTokenizer
 
@@ -172,7 +172,7 @@ def run(model_dir, text: str, configs, gpu: str = "cpu", window: int = 256, max_
         model = load(model_dir, name, gpu, **inject_kwargs)
         label = _label(name, model)
         add(label, score(model, chunks, ref_top)[0])
-        for d in defer_settings(defers) if defers and not name.startswith("hf") else ():
+        for d in settings if not name.startswith("hf") else ():
             from ktinject.operators.deferral import set_defer
 
             set_defer(model, d)

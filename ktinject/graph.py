@@ -109,6 +109,11 @@ class RunnerStats:
     capture_failures: list = field(default_factory=list)
 
 
+def no_cuda_reason(device: torch.device) -> str:
+    """Why decode steps of a model on ``device`` (not CUDA) run eagerly (``ktinject.info`` says it before a run)."""
+    return f"the model is on {device.type}, graphs need CUDA"
+
+
 class GraphRunner:
     """Decode-step graphs of one model, per batch bucket, with static caches and an eager fallback.
 
@@ -271,7 +276,7 @@ class GraphRunner:
         ``ktinject.fastpaths`` for what counts as expected."""
         if not self.graphs_enabled():
             return None, ("graphs are off (use_graphs=False)" if self.use_graphs is False else
-                          f"the model is on {self.device.type}, graphs need CUDA", True)
+                          no_cuda_reason(self.device), True)
         ids = kwargs.get("input_ids")
         cache = compat.cache_from(kwargs)
         if ids is None or ids.dim() != 2 or ids.shape[1] != 1 or not ids.is_cuda:

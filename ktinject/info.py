@@ -83,7 +83,9 @@ def info(model=None) -> dict:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     device = getattr(getattr(emb, "weight", None), "device", None)
     if st is not None and st["active"] is None and device is not None and device.type != "cuda":
-        st.update(active=False, reason=f"the model is on {device.type}, graphs need CUDA")  # known before a run
+        from ktinject.graph import no_cuda_reason
+
+        st.update(active=False, reason=no_cuda_reason(device))  # known before a run
     out["fast_paths"] = paths
     return out
 

@@ -278,19 +278,21 @@ class _Loader:
                 for j in self._piece_jobs(p)]
         self.bar.total += sum(j.nbytes for j in jobs) - unit.stream.nbytes  # (counted as the cache's bytes)
         for job, buf in self.ckpt.stream(jobs, self.window, self.buffers):
-            piece, expert, shape = job.what
-            x = buf.view(self.ckpt.torch_dtype(piece.ref)).view(shape)
-            self.bytes_read += job.nbytes
-            self.packer.submit(_pack, unit, piece, expert, x.to(self.dtypes.get(piece.target, piece.meta.dtype)),
-                               buf, self.buffers)
+            piece, expert, x, dtype = self._read(job, buf)
+            self.packer.submit(_pack, unit, piece, expert, x.to(dtype), buf, self.buffers)
             self.bar.update(job.nbytes)
         self.packer.drain()
 
-    def _dispatch(self, job: ReadJob, buf: torch.Tensor) -> None:
+    def _read(self, job: ReadJob, buf: torch.Tensor) -> tuple:
+        """(piece, expert, its bytes as the checkpoint's tensor, the dtype transformers would hold it in); the bytes
+        count as read."""
         piece, expert, shape = job.what
-        x = buf.view(self.ckpt.torch_dtype(piece.ref)).view(shape)
-        dtype = self.dtypes.get(piece.target, piece.meta.dtype)  # as transformers would hold it
         self.bytes_read += job.nbytes
+        return piece, expert, buf.view(self.ckpt.torch_dtype(piece.ref)).view(shape), \
+            self.dtypes.get(piece.target, piece.meta.dtype)
+
+    def _dispatch(self, job: ReadJob, buf: torch.Tensor) -> None:
+        piece, expert, x, dtype = self._read(job, buf)
         if piece.expert_leaf is not None:
             unit = self.units[piece.unit]
             unit.start()

@@ -4,15 +4,15 @@ Packing (and quantizing) routed experts into the native layout costs CPU time on
 load, each MoE block's packed bytes (``native.Experts.export``) are written to ``<root>/<key>/<block>.safetensors``
 (one uint8 tensor ``packed``) plus a ``manifest.json``; a later start with the same key reads them back with
 ``Experts.load_packed`` instead of the checkpoint's expert tensors. The key hashes everything the packed bytes
-depend on: the checkpoint files (name, size, mtime), the rules' content, the per-block sizes and quantization, the
-native library's version and this file format, so any change misses (the rest of the rules, devices, hot experts,
+depend on: the checkpoint files (name, size, mtime), each block's spec, quantization and int4 group, the native
+library's version and this file format, so any change misses (the rest of the rules, devices, hot experts,
 prefill, defer, does not change the packed bytes and is not in the key). When a new entry is written, the entries
 of the same checkpoint made from other files (the checkpoint changed) or by another native library or format are
-removed, and of its other packings (int8 beside int4, another group size) the ``KEEP`` most recently used stay. Each block's bytes are
-checked against the SHA-256 digest the manifest records (64 MiB pieces hashed in parallel: ~1.4 GB/s a core with
-the CPU's SHA instructions) before they reach the experts: a corrupted file is repacked, never computed with. A
-cache directory is written under a temporary name and renamed into
-place when complete (atomic): a crash leaves no half cache behind. The root is ``cache_dir`` if given, else
+removed, and of its other packings (int8 beside int4, another group size) the ``KEEP`` most recently used stay.
+Each block's bytes are checked against the SHA-256 digest the manifest records (64 MiB pieces hashed in parallel:
+~1.4 GB/s a core with the CPU's SHA instructions) before they reach the experts: a corrupted file is repacked,
+never computed with. A cache directory is written under a temporary name and renamed into place when complete
+(atomic): a crash leaves no half cache behind. The root is ``cache_dir`` if given, else
 ``$KTINJECT_CACHE``, else ``<checkpoint>/.ktinject-cache`` when the checkpoint directory is writable (for the
 built-in demo model, which lies inside the package: ``$XDG_CACHE_HOME/ktinject/packed``, by default under
 ``~/.cache``); ``False`` or ``KTINJECT_CACHE=off`` disables it. By default (``cache_dir=None``, no ``$KTINJECT_CACHE``) it is used only for
@@ -229,8 +229,8 @@ class PackCache:
                                    f"needs {experts.nbytes}")
             got = digest(buf)
             if got != want:
-                raise CorruptCache(f"packed-expert cache file {path} is corrupted: its bytes' SHA-256 is {got[:16]}..., "
-                                   f"the manifest recorded {want[:16]}...")
+                raise CorruptCache(f"packed-expert cache file {path} is corrupted: its bytes' SHA-256 is "
+                                   f"{got[:16]}..., the manifest recorded {want[:16]}...")
             experts.load_packed(buf)
         finally:
             self._buffers.put(buf)  # the next block (same size) reads into the same memory

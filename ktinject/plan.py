@@ -18,11 +18,11 @@ that say ``device: fast``. A rule device that is not a variable is read as a tor
 from __future__ import annotations
 
 import difflib
-from pathlib import Path
 import logging
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -121,17 +121,17 @@ def _has_moe_block(model: nn.Module, op) -> bool:
     """Whether some module of ``model`` (one with an ``experts`` child, as every family's sparse block has) is one
     the moe operator could take: a model whose layers are all dense (first_k_dense_replace, mlp_only_layers) has
     none, and moe rules that match nothing are then no mistake."""
-    if op is None:
+    return op is not None and any(_takes(op, module, name, {}) for name, module in model.named_modules()
+                                  if "experts" in module._modules)
+
+
+def _takes(op, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> bool:
+    """Whether operator ``op`` can take ``module`` with ``kwargs`` (its check passes)."""
+    try:
+        op.check(module, name, MappingProxyType(dict(kwargs)))
+    except OperatorError:
         return False
-    for name, module in model.named_modules():
-        if "experts" not in module._modules:
-            continue
-        try:
-            op.check(module, name, MappingProxyType({}))
-        except OperatorError:
-            continue
-        return True
-    return False
+    return True
 
 
 def _family_note(rules: Any, model: nn.Module) -> str | None:
@@ -317,14 +317,6 @@ class _Walk:
             self.tensor_devices[tensor_name] = device
             placed[str(device)] += tensor.numel() * tensor.element_size()
 
-    @staticmethod
-    def _fits(op, module: nn.Module, name: str, rule: Rule) -> bool:
-        try:
-            op.check(module, name, MappingProxyType(dict(rule.kwargs)))
-        except OperatorError:
-            return False
-        return True
-
     def _operator_entry(self, name: str, module: nn.Module, rule: Rule, device: torch.device) -> None:
         op = self.ops[rule.replace]
         kwargs = dict(rule.kwargs)
@@ -335,7 +327,7 @@ class _Walk:
             op.check(module, name, kwargs)
         except OperatorError as e:
             given = {k: v for k, v in self.overrides.items() if k in op.kwargs_allowed}
-            if given and self._fits(op, module, name, rule):  # the rule alone is fine: the argument is at fault
+            if given and _takes(op, module, name, rule.kwargs):  # the rule alone is fine: the argument is at fault
                 args = ", ".join(f"{k}={v!r}" for k, v in given.items())
                 raise OperatorError(f"{args} (an argument of inject / from_pretrained, or the chat's and the "
                                     f"server's --{next(iter(given))}) does not fit module {name!r} ({cls_name}): "

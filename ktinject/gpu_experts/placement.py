@@ -111,7 +111,7 @@ class Placement:
     nbytes: int
     expected_share: float | None
     rebalancer: Any = None
-    device: str = "GPU"  # where the banks live: "GPU", or the device's name when it is not CUDA (a CPU-only run)
+    device: str = "the GPU"  # where the banks live (the device's name when it is not CUDA: a CPU-only run)
 
     @property
     def resident(self) -> int:
@@ -121,7 +121,7 @@ class Placement:
         per = sorted({len(x) for x in self.experts})
         share = "n/a" if self.expected_share is None else f"{100 * self.expected_share:.1f}%"
         dyn = f", re-placed every {self.rebalancer.every} tokens" if self.rebalancer is not None else ""
-        return (f"hot experts ({self.strategy}{dyn}): {self.resident} on {'the ' + self.device if self.device == 'GPU' else self.device} in {len(self.layers)} layers "
+        return (f"hot experts ({self.strategy}{dyn}): {self.resident} on {self.device} in {len(self.layers)} layers "
                 f"({per[0] if per else 0}..{per[-1] if per else 0} per layer), {human_bytes(self.nbytes)} of "
                 f"{human_bytes(self.budget)}; expected share of routed pairs {share}")
 
