@@ -317,6 +317,21 @@ def routing_flips(a: MoeTrace, b: MoeTrace, shape: tuple[int, int]) -> torch.Ten
     return out
 
 
+def routing_flip_events(a: MoeTrace, b: MoeTrace) -> tuple[int, int]:
+    """(events, routed): how many (MoE call, token) pairs the two traced forwards routed to other experts, out of
+    how many. What a rounding difference between two paths causes directly: a near-tie moved. ``routing_flips``
+    also marks the later tokens of a row, which an early event in a row makes most of the row: a bound on those
+    depends on where the near-ties fall, which moves with the weights (a router kept in float32 or rounded to bf16
+    by the transformers release that builds it), not on the paths' agreement."""
+    if len(a.calls) != len(b.calls):
+        raise ValueError(f"routing_flip_events: {len(a.calls)} and {len(b.calls)} MoE calls: not the same forward")
+    events = routed = 0
+    for ca, cb in zip(a.calls, b.calls):
+        events += int((ca[2].sort(-1).values != cb[2].sort(-1).values).any(-1).sum())
+        routed += ca[2].shape[0]
+    return events, routed
+
+
 def token_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """float [B, S]: max |got - ref| over each token's logits / max |ref| over all of them."""
     got, ref = got.float().cpu(), ref.float().cpu()
@@ -327,7 +342,7 @@ def streamed_vs_cpu(model, ids: torch.Tensor, attach) -> dict:
     """One forward of ``model`` (injected, prefill "cpu") on ``ids`` [B, S] through its cpu path, then one with the
     streamer ``attach(model)`` sets up (detached afterwards). Returns cpu / streamed logits, ``calls`` (streamed,
     native) errors per streamed MoE call (``streamed_call_errors``), ``flips`` bool [B, S] (``routing_flips``),
-    ``tokens`` float [B, S] (``token_errors`` of streamed against cpu) and the streamer's ``last``."""
+    ``events`` (flip events, routed token-calls) (``routing_flip_events``), ``tokens`` float [B, S] (``token_errors`` of streamed against cpu) and the streamer's ``last``."""
     from ktinject.gpu_experts import stream
 
     stream.attach(model, "cpu")
@@ -342,7 +357,8 @@ def streamed_vs_cpu(model, ids: torch.Tensor, attach) -> dict:
         finally:
             stream.attach(model, "cpu")
     return dict(cpu=cpu, streamed=got, calls=streamed_call_errors(trace), last=last,
-                flips=routing_flips(cpu_trace, trace, tuple(ids.shape)), tokens=token_errors(got, cpu))
+                flips=routing_flips(cpu_trace, trace, tuple(ids.shape)), events=routing_flip_events(cpu_trace, trace),
+                tokens=token_errors(got, cpu))
 
 
 def slot_ranks(weights: torch.Tensor) -> torch.Tensor:

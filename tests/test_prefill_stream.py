@@ -229,8 +229,8 @@ def test_bf16_model_streamed_equals_cpu(family, quant):
     assert r["last"]["mode"] == "gpu" and len(r["calls"]) == len(stream.blocks_of(model))
     for streamed, native in r["calls"]:
         assert streamed < STREAM_TOL and native < NATIVE_TOL[quant]
-    flips = r["flips"]
-    assert flips.sum() <= flips.numel() // 8, flips.nonzero().tolist()
+    flips, (events, routed) = r["flips"], r["events"]
+    assert events <= routed // 20, (events, routed)  # near-ties moved by rounding: rare (routing_flip_events)
     assert r["tokens"][~flips].max() < NATIVE_TOL[quant] + STREAM_TOL
     noise = token_errors(r["cpu"], f32).median()
     assert token_errors(r["streamed"], f32).median() <= 1.5 * noise + 2e-3

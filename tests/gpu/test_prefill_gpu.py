@@ -27,6 +27,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 STREAM_TOL = 1.5e-2  # max |out - ref| / max |ref| (tests/test_prefill_stream.py)
 NATIVE_TOL = {"bf16": 1.5e-2, "int8": 4e-2, "int4": 4e-2}
 MARGIN = 0.15
+# routing flip events (testing.routing_flip_events) allowed: one in this many routed token-calls. A path that read
+# another layer's inputs or computed wrong rows flips far more; rounding between two correct paths moves a few
+# near-ties, and where they fall depends on the weights, which the transformers release building the model changes.
+FLIP_SHARE = 20
 DEV = torch.device("cuda")
 
 
@@ -128,7 +132,8 @@ def test_gpu_and_auto_equal_cpu(family, quant, monkeypatch):
         call_tol = NATIVE_TOL[quant] if mode == "auto" or last["mode"] in ("split", "ahead") else STREAM_TOL
         for streamed, native in r["calls"]:
             assert streamed < call_tol and native < NATIVE_TOL[quant], (mode, last, r["calls"])
-        assert flips.sum() <= flips.numel() // 8, (mode, flips.nonzero().tolist())
+        events, routed = r["events"]
+        assert events <= routed // FLIP_SHARE, (mode, events, routed)
         assert r["tokens"][~flips].max() < NATIVE_TOL[quant] + STREAM_TOL, (mode, last)
         noise = token_errors(r["cpu"], f32).median()
         assert token_errors(r["streamed"], f32).median() <= 1.5 * noise + 2e-3, (mode, last)
@@ -262,8 +267,8 @@ def test_gated_ahead_layers_equal_cpu(family, quant, monkeypatch):
     against the cpu path as the ungated ahead path (KTINJECT_PREFILL_GATED=0) in the same run: each MoE call within
     the native bound of the float64 reference on its own inputs (a task that read another layer's inputs or wrote
     over another's output would miss it by far), the tokens where the routing matched within the native + streamed
-    bound, and routing flips (tokens whose experts changed somewhere: a near-tie moved by rounding, 4 MoE layers
-    here against 1-2 in test_gpu_and_auto_equal_cpu) at most a sixth of the tokens."""
+    bound, and routing flip events (a token's experts changed in one MoE call: a near-tie moved by rounding) at most
+    one in FLIP_SHARE of the routed token-calls."""
     from ktinject.gpu_experts import split
 
     model = build_tiny_model(family, dtype=torch.bfloat16, num_hidden_layers=5)
@@ -294,8 +299,8 @@ def test_gated_ahead_layers_equal_cpu(family, quant, monkeypatch):
         assert split.COUNTS["gated"] - before == (moe_blocks - 1 if gated == "1" else 0)
         for streamed, own in r["calls"]:
             assert streamed < NATIVE_TOL[quant] and own < NATIVE_TOL[quant], (gated, r["calls"])
-        flips = r["flips"]
-        assert flips.sum() <= flips.numel() // 6, (gated, int(flips.sum()), flips.nonzero().tolist())
+        flips, (events, routed) = r["flips"], r["events"]
+        assert events <= routed // FLIP_SHARE, (gated, events, routed)
         assert r["tokens"][~flips].max() < NATIVE_TOL[quant] + STREAM_TOL, gated
 
 
