@@ -146,7 +146,7 @@ class StreamExperts:
         self._collect_kernel = self.mode == "memops" and fused.available(self.out)
         # ... which also waits for done itself where one program does the copy: that saved 0.7-2.2 us a layer at
         # T = 1 (H 2048), but several programs polling host memory cost 2-25 us more than the wait node at T = 2-8
-        # (tests/gpu/probe_handshake.py, both machines)
+        # (probe_handshake.py at 6d55765, both machines)
         self._spin = self._collect_kernel and self.T * self.hidden <= fused.COPY_BLOCK
         self.pending = False  # finish(lazy=True) left the collect to the caller (collect_add_rms_norm / flush)
         self.staged_ids = None  # the ids tensor of a routing whose kernel wrote h, ids and w itself (see start)

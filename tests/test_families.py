@@ -1,7 +1,7 @@
 """Every supported MoE family, end to end: injected bf16 vs HF's own bf16, both vs float32.
 
 The injected models run with gpu="cpu" by default; KTINJECT_TEST_GPU=cuda runs them with gpu="cuda" (the GPU
-machine: tests/gpu/run_gpu_machine.sh families-cuda); TRUTH and YARDSTICK stay on the CPU either way.
+machine: benchmarks/run_gpu_machine.sh families-cuda); TRUTH and YARDSTICK stay on the CPU either way.
 
 Per family, one tiny random model (ktinject.testing) in three forms with the same weights:
   TRUTH     HF float32 with the same (bf16-rounded) weights;

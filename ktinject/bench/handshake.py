@@ -1,6 +1,6 @@
-"""The decode handshake's cost alone (``python -m ktinject.bench decode`` prints it; tests/gpu/test_graph_gpu.py and
-probe_handshake.py use it): a CUDA graph of n ``StreamExperts`` start / finish pairs whose tasks compute nothing,
-against the same graph's copies without the handshakes. Legend: n layers, E experts, H hidden, k experts per token.
+"""The decode handshake's cost alone (``python -m ktinject.bench decode`` prints it; tests/gpu/test_graph_gpu.py uses
+it): a CUDA graph of n ``StreamExperts`` start / finish pairs whose tasks compute nothing, against the same graph's
+copies without the handshakes. Legend: n layers, E experts, H hidden, k experts per token.
 """
 from __future__ import annotations
 

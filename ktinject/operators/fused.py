@@ -374,11 +374,11 @@ def raise_word(word: torch.Tensor, device: torch.device) -> None:
 
 
 #: experts a program, warps a program: one expert (128 programs of one warp at Qwen3-30B-A3B's router) measured
-#: 7.3 us a layer against 8.9 for (2, 4 warps) on the H100 (tests/gpu/probe_prefetch.py; 6.6 / 7.6 on the H200):
+#: 7.3 us a layer against 8.9 for (2, 4 warps) on the H100 (probe_prefetch.py at 6d55765; 6.6 / 7.6 on the H200):
 #: the top-k's k rounds of argmax are shuffles within one warp, no shared-memory round trips
 ROUTER_BLOCK_E, ROUTER_WARPS = 1, 1
 ROUTER_BLOCK_H = 1024  # hidden elements a step: half of Qwen3-30B-A3B's router row loaded before the wait (PDL)
-_ROUTER_SCOPE = "gpu"  # the per-token counters' scope (probe_handshake.py tries "sys"); the go counter's: "sys"
+_ROUTER_SCOPE = "gpu"  # the per-token counters' scope (probe_handshake.py at 6d55765 tried "sys"); the go one's: "sys"
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, counts: torch.Tensor | None = None,

@@ -219,7 +219,7 @@ def collect_add_rms_norm(host: torch.Tensor, flag: torch.Tensor, x: torch.Tensor
 
 
 #: candidate (BN, BK, warps[, RED]) for one row and for a few rows. One row: cold GEMVs of Qwen3-30B-A3B's qkv
-#: (5120 x 2048) and o_proj (2048 x 4096 + residual + norm), tests/gpu/probe_prefetch.py, H100: qkv best (4, 2048,
+#: (5120 x 2048) and o_proj (2048 x 4096 + residual + norm), probe_prefetch.py at 6d55765, H100: qkv best (4, 2048,
 #: 4) 9.0 us, (8, 512, 4) 9.2, (16, 512, 4) 9.5; o_proj (2, 4096, 4, RED) 9.6, (2, 2048, 2, RED) 9.8, (8, 2048, 8)
 #: 9.9, (16, 1024, 8) 10.3; (32, 256, 4) and (32, 512, 8), once listed, were never the best. Wide tiles also load
 #: more of the weights before a launch's wait (fused.pdl)
@@ -229,7 +229,7 @@ CONFIGS_N = ((32, 128, 4), (64, 128, 4), (16, 256, 4))
 _CHOICE: dict[tuple, tuple | None] = {}  # shape key -> config, or None for cuBLAS
 #: what a one-row kernel gains inside the decode chain over its time alone, where PDL is on: it starts while the
 #: kernel before it (the collect, waiting for the CPU) runs and loads its first weight tile then, which a timing in
-#: isolation does not see. Measured for Qwen3-30B-A3B's q/k/v (tests/gpu/probe_qkv_choice.py, H100, 2026-11-27):
+#: isolation does not see. Measured for Qwen3-30B-A3B's q/k/v (benchmarks/probe_qkv_choice.py, H100, 2026-11-27):
 #: muted decode replays 2.319 / 2.331 ms with cuBLAS against 2.152-2.168 with the kernel (two configs, two rounds),
 #: ~3.5 us a layer, where the timing alone had picked cuBLAS in some runs and the kernel in others. Given to
 #: one-row projections without a residual or a norm (q/k/v's shape: o_proj's, with its norm fused, had the kernel

@@ -1,9 +1,9 @@
 """Soak test of ktinject.serve (issue 21): N concurrent streams for M minutes, clients disconnecting mid-stream,
 memory sampled throughout; pass = no error and no leak.
 
-    python tests/gpu/soak_serve.py                      # CUDA, demo model, 16 streams, 10 minutes, 100 disconnects
-    python tests/gpu/soak_serve.py --gpu cpu --minutes 1.5 --disconnects 20    # a short run on a CPU
-    python tests/gpu/soak_serve.py --bench-layers 8 --quant int4               # Qwen3-30B-A3B shapes, 8 layers
+    python benchmarks/soak_serve.py                      # CUDA, demo model, 16 streams, 10 minutes, 100 disconnects
+    python benchmarks/soak_serve.py --gpu cpu --minutes 1.5 --disconnects 20    # a short run on a CPU
+    python benchmarks/soak_serve.py --bench-layers 8 --quant int4               # Qwen3-30B-A3B shapes, 8 layers
 
 Each of ``--streams`` client threads sends requests back to back until the time is up: prompts of 1..--prompt-max
 tokens, 8..--max-tokens new tokens, greedy or seeded sampling, some with a stop string. ``--disconnects`` of them,

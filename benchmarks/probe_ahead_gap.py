@@ -11,7 +11,7 @@ the layer before's combine to this layer's routing copied (CUDA events):
     submitted(L) -> start(L)   the pool's wake
     start(L) -> end(L)         the CPU's experts
 
-    python tests/gpu/probe_ahead_gap.py [--layers 12] [--quant int8] [--tokens 512] [--reps 5]
+    python benchmarks/probe_ahead_gap.py [--layers 12] [--quant int8] [--tokens 512] [--reps 5]
 (KTINJECT_SPIN_US, KTINJECT_PREFILL_GATED etc. from the environment: one setting a process.)
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 64, k 8), where the weights take no time, so what is left is Python's argument checks, routing, and the pool's
 phases (wake-up, claims, barrier). Also the Python side alone (Experts._forward_args).
 
-    python tests/gpu/probe_overhead.py [--threads 1,2,4,8,15] [--quants bf16,int8,int4]
+    python benchmarks/probe_overhead.py [--threads 1,2,4,8,15] [--quants bf16,int8,int4]
 
 Prints the median of 7 timed calls of 2000 forwards each, in microseconds per forward."""
 from __future__ import annotations

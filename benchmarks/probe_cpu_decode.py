@@ -5,7 +5,7 @@ batch 1, 2, 4, 8, for each quant and thread count; a fit of the time per layer a
 Beside it: the per-forward cost with every expert masked (Python + the pool's hand-off, no weights read) and the
 read bandwidth of the run's best read loop (bench.memory).
 
-    python tests/gpu/probe_cpu_decode.py [--layers 16] [--quant int4,int8] [--threads 15,8] [--batch 1,2,4,8]
+    python benchmarks/probe_cpu_decode.py [--layers 16] [--quant int4,int8] [--threads 15,8] [--batch 1,2,4,8]
 
 No GPU needed; on the GPU machine it shows that host. Legend: L layers, B batch (tokens of a step), k experts per
 token, E experts.
@@ -44,7 +44,7 @@ def build(layers: int, quant: str, e: int):
 class Passes:
     """Decode passes over the layers, one timed pass a call; each routes every layer to experts its previous pass
     did not use (bench.timing.fresh_ids: cache-cold), inputs made once. ``hot``: each layer's forward runs twice
-    and the second is timed (its experts come from the caches). Also used by probe_cap.py."""
+    and the second is timed (its experts come from the caches)."""
 
     def __init__(self, layers, pool, batch: int, e: int, skip=None, seed: int | None = None):
         self.layers, self.pool, self.e, self.skip = layers, pool, e, skip

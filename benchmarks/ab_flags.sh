@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Interleaved A/B of native build flags (e.g. the kernels' prefetch distance) on the GPU machine's CPU, one device
-# call, from the repository root, carry .whl:
-#   VARIANTS="base: pf4k:-DPF_BYTES=4096" bash tests/gpu/ab_flags.sh
+# Interleaved A/B of native build flags (e.g. the kernels' prefetch distance) on a GPU machine's CPU, from the
+# repository root (~4 minutes with two variants and two rounds):
+#   VARIANTS="base: pf4k:-DPF_BYTES=4096" bash benchmarks/ab_flags.sh
 # Each variant (NAME:FLAGS, flags joined by commas) is this tree built with KTINJECT_CFLAGS=FLAGS in its own copy
-# (/tmp/ab-NAME); tests/gpu/probe_cpu_decode.py runs ROUNDS times for each, in turns, host steal read beside each.
-# Logs under $OUT. PROBE_ARGS replaces the probe's arguments.
+# (/tmp/ab-NAME); benchmarks/probe_cpu_decode.py runs ROUNDS (default 2) times for each, in turns, host steal read
+# beside each. Logs under $OUT (default /tmp/ktinject-out). PROBE_ARGS replaces the probe's arguments.
 set -uo pipefail
-. tests/gpu/stage_lib.sh
+. benchmarks/stage_lib.sh
 stage_setup
 names=()
 for v in ${VARIANTS:?VARIANTS=\"NAME:FLAGS ...\"}; do
@@ -23,7 +23,7 @@ for r in $(seq "${ROUNDS:-2}"); do
   for name in "${names[@]}"; do
     echo "=== round $r $name $(steal)"
     # shellcheck disable=SC2086
-    (cd "/tmp/ab-$name" && PYTHONPATH=/tmp/site:/tmp/ab-$name timeout 200 python3 tests/gpu/probe_cpu_decode.py $args 2>&1 \
+    (cd "/tmp/ab-$name" && PYTHONPATH=/tmp/site:/tmp/ab-$name timeout 200 python3 benchmarks/probe_cpu_decode.py $args 2>&1 \
       | grep -v Warning)
   done
 done 2>&1 | tee "$OUT/ab.log" | grep -E "^===|B=|fit|read bandwidth"

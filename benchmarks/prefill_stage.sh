@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Streamed GPU prefill (issue 19) on the GPU machine, from the repository root (carry .whl for transformers 5.24):
-#   bash tests/gpu/prefill_stage.sh [tests] [bench] [QUANTS]     (default: tests bench bf16,int8,int4; ~6-8 minutes)
+# Streamed GPU prefill on a GPU machine, from the repository root (the wheels of a ./.whl folder, where there is one,
+# installed first, as run_gpu_machine.sh does):
+#   bash benchmarks/prefill_stage.sh [tests] [bench] [QUANTS]     (default: tests bench bf16,int8,int4; ~6-8 minutes)
 #   tests  tests/gpu/test_prefill_gpu.py (unpack bit-exact on CUDA, one layer vs float64 for every quant and awkward
 #          shape, gpu / auto / forced split == cpu for qwen3_moe, deepseek_v3, gpt_oss, copies overlapping compute
 #          on CUDA events, no memory growth over 20 prompts) and tests/test_prefill_stream.py (CPU tensors)
 #   bench  python -m ktinject.bench prefill on 12 of the 48 Qwen3-30B-A3B layers (percentages of the streaming limit
 #          do not depend on the layer count; tok/s x 12/48 = the whole model's), cpu / gpu / auto at 512, 2048, 8192
 #          (LENGTHS=512 for fewer)
-# Logs: $OUT/prefill-<step>.log; the rows that matter and a summary line per step last.
+# Logs: $OUT/prefill-<step>.log ($OUT: /tmp/ktinject-out by default); the rows that matter, a summary line a step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
-OUT=$OUT bash tests/gpu/run_gpu_machine.sh build > "$OUT/prefill-setup.log" 2>&1  # carried wheels, native build
+OUT=$OUT bash benchmarks/run_gpu_machine.sh build > "$OUT/prefill-setup.log" 2>&1  # ./.whl wheels, native build
 grep -q "^build rc=0" "$OUT/prefill-setup.log" || { tail -30 "$OUT/prefill-setup.log"; exit 1; }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 [ -d .whl ] && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}

@@ -1,7 +1,7 @@
 """Where a short prefill's split between the CPU and the GPU pays: tok/s of cpu, gpu, and split / ahead with a forced
 number n of GPU experts a layer, interleaved in one process, with per-layer CPU and GPU times of the split layers.
 
-    python tests/gpu/probe_split.py [--layers 12] [--quant bf16,int8,int4] [--tokens 512] [--n 16,32,...] [--reps 3]
+    python benchmarks/probe_split.py [--layers 12] [--quant bf16,int8,int4] [--tokens 512] [--n 16,32,...] [--reps 3]
 
 For each quant one model build; per rep every config once in turn (cpu, gpu, split n..., ahead n...), so host
 speed drifts hit all configs alike. Per config: median tok/s (x layers/48 = whole model), its runs, and for split /

@@ -4,7 +4,7 @@ experts, per layer; the host's time a layer split between attention, the MoE blo
 muted forward under torch.profiler (CPU and CUDA activities): the ops by host time and by GPU time (``--trace
 FILE``: its chrome trace too).
 
-    python tests/gpu/probe_layer_overhead.py [--layers 12] [--quant int8] [--tokens 512] [--reps 5]
+    python benchmarks/probe_layer_overhead.py [--layers 12] [--quant int8] [--tokens 512] [--reps 5]
 """
 from __future__ import annotations
 

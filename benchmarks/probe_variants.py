@@ -3,7 +3,7 @@ variant sets module constants of ktinject.operators (``fused_attn.KEYS_PER_SPLIT
 ...), captures its own decode graph, then muted replays (GPU part + handshakes), bare replays and
 ``ktinject.generate``, ms a token; medians over the rounds.
 
-    python tests/gpu/probe_variants.py [--quant int4] [--layers 48] [--rounds 3] [--tokens 32]
+    python benchmarks/probe_variants.py [--quant int4] [--layers 48] [--rounds 3] [--tokens 32]
         --variant "base:" --variant "x:fused.SOME_FLAG=0" ...
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import importlib
 
 import torch
 
-from gpu_helpers import capture_and_time, decode_setup, print_medians
+from helpers import capture_and_time, decode_setup, print_medians
 
 
 def settings(spec: str) -> tuple[str, list]:

@@ -3,7 +3,7 @@ handshakes only) of the captured decode graph under torch.profiler, the kernels'
 trace, and per layer kernel: the median duration, the median gap before it (the previous kernel's end to its
 start; negative where PDL overlaps them) and where the step's time goes outside the layers.
 
-    python tests/gpu/probe_gpu_timeline.py [--quant int4] [--layers 48] [--trace FILE]
+    python benchmarks/probe_gpu_timeline.py [--quant int4] [--layers 48] [--trace FILE]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from gpu_helpers import decode_setup
+from helpers import decode_setup
 from ktinject.bench.timing import _decode_graph, muted, muted_replay, reset_lengths
 
 

@@ -1,6 +1,6 @@
 """Pieces of the decode step at Qwen3-30B-A3B shapes (B 1, H 2048, 32 q heads, 4 KV heads, D 128, bf16, a
 1024-slot cache), the torch ops against the Triton kernels that replace them (operators/fused*.py), each timed
-inside a CUDA graph of 48 copies (probe_ops.timed: GPU time only, no CPU pool involved; gaps between the kernels
+inside a CUDA graph of 48 copies (helpers.timed: GPU time only, no CPU pool involved; gaps between the kernels
 of one piece included, as in the decode graph):
 
 - q/k norm + rotary + the cache write: torch ops (decode_attention.qk_norm_rope, the cache's two scatters and
@@ -13,13 +13,13 @@ of one piece included, as in the decode graph):
   weights in L2);
 - the router: HF's Qwen3MoeTopKRouter against fused.router_topk (one kernel) with counts and host staging.
 
-    PYTHONPATH=$PWD:$PWD/tests/gpu python tests/gpu/probe_fused.py"""
+    python benchmarks/probe_fused.py"""
 from __future__ import annotations
 
 import itertools
 
 import torch
-from probe_ops import timed
+from helpers import timed
 
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
@@ -146,7 +146,7 @@ def router(E=128, H=2048, k=8) -> None:
 
 
 def main() -> None:
-    """python tests/gpu/probe_fused.py [PIECE ...]: all pieces, or the ones named (rope, attention, norms,
+    """python benchmarks/probe_fused.py [PIECE ...]: all pieces, or the ones named (rope, attention, norms,
     projections, router)."""
     import sys
 

@@ -2,7 +2,7 @@
 (H 7168, I 2048) with 32 experts and 4096 * 32 / 256 = 512 tokens, top-8 random routing (128 rows per expert, as
 4096 tokens over the real 256 experts; the same work as `python -m ktinject.bench kernels`).
 
-    python tests/gpu/probe_prefill.py [--threads N] [--quants bf16,int8,int4] [--reps 7] [--configs "A=1;A=0 B=2"]
+    python benchmarks/probe_prefill.py [--threads N] [--quants bf16,int8,int4] [--reps 7] [--configs "A=1;A=0 B=2"]
 
 Each config (';'-separated, each a space-separated list of VAR=VALUE, '' = none) is applied to os.environ before its
 forward; the native module reads such variables at each forward (KTINJECT_TILES, KTINJECT_INT4_PATH). Prints the

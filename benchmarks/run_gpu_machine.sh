@@ -1,12 +1,29 @@
 #!/usr/bin/env bash
-# Build, check and benchmark on the GPU machine (H100 + 16 Xeon cores with AMX; no network, no cffi).
-# Through the device tool, from the repository root:  bash tests/gpu/run_gpu_machine.sh STAGE...   (carry: .whl)
-# Stages (in the order given): build info harness native gpu (CUDA- and AMX-marked tests) families (on AMX)
-#                              families-cuda (tests/test_families.py with gpu="cuda") bench-kernels bench-decode bench-prefill
-#                              bench-load bench-hot defer (expert-deferral GPU tests) bench-defer all
-#                              serve (serving GPU tests + batch invariance) bench-serve soak soak-bg soak-log
-#                              (the serve stages: tests/gpu/serve_stage.sh says what each does)
-# Each stage's log goes to $OUT/<stage>.log; a summary line per stage is printed last.
+# Build, check and benchmark on a GPU machine (the reference one: an H200 + 16 Xeon cores with AMX, no network).
+# From the repository root:   bash benchmarks/run_gpu_machine.sh STAGE...
+# If a ./.whl folder of wheels exists (e.g. a newer transformers for a machine without network), they are installed
+# into /tmp/site first and put on PYTHONPATH. Stages (in the order given):
+#   build          pip install -e . (the native library built in place)
+#   info           python -m ktinject.info
+#   harness        the native kernel harness (native/tests/test_kernels.c) and its one-thread bench
+#   native         tests/test_native.py, tests/test_native_errors.py
+#   gpu            every CUDA- and AMX-marked test (pytest -m "gpu or amx" tests)
+#   families       tests/test_families.py + tests/test_placement.py with KTINJECT_ISA=amx
+#   families-cuda  tests/test_families.py with gpu="cuda"
+#   bench-kernels bench-decode bench-prefill bench-load bench-hot bench-serve   python -m ktinject.bench <what>
+#   defer          the expert-deferral GPU tests (tests/gpu/test_deferral_gpu.py)
+#   bench-defer    bench decode --defer $DEFER (default 0,1,2,3) per quant of $QUANTS (default "int4 bf16"), each cut
+#                  off after $BENCH_S seconds (130); $TOKENS (32) decode tokens a timing, $ROUNDS (3) rounds
+#   serve          tests/gpu/test_serve_gpu.py (concurrent greedy requests through batched CUDA graphs = alone) and,
+#                  on this CPU, tests/test_batch_invariance.py + the scheduler's unit tests                 (~1 minute)
+#   soak           benchmarks/soak_serve.py for $SOAK_MIN minutes (default 5): 16 streams, $SOAK_DISCONNECTS
+#                  (default 100) clients gone mid-stream, the demo model on CUDA with graphs ($SOAK_ARGS adds
+#                  options, e.g. "--bench-layers 8 --quant int4"); ends with "soak PASSED" or "soak FAILED"
+#   soak-bg        the same, detached ($SOAK_MIN default 10), logging to /tmp/ktinject-soak.log
+#   soak-log       copies that log to $OUT and prints its end and verdict
+# e.g.  bash benchmarks/run_gpu_machine.sh build info native gpu bench-decode bench-prefill
+# Each stage's log goes to $OUT/<stage>.log ($OUT defaults to /tmp/ktinject-out); a summary line per stage is
+# printed last.
 set -uo pipefail
 OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -47,11 +64,11 @@ for s in "$@"; do
              tests/test_serve_units.py ;;
     bench-serve) stage bench-serve python3 -m ktinject.bench serve ;;
     # shellcheck disable=SC2086  # SOAK_ARGS: several options
-    soak) stage soak python3 tests/gpu/soak_serve.py --minutes "${SOAK_MIN:-5}" --disconnects "${SOAK_DISCONNECTS:-100}" \
+    soak) stage soak python3 benchmarks/soak_serve.py --minutes "${SOAK_MIN:-5}" --disconnects "${SOAK_DISCONNECTS:-100}" \
             ${SOAK_ARGS:-} ;;
-    soak-bg)  # detached (a device command lasts at most 10 minutes); soak-log in a later command collects it
+    soak-bg)  # detached (the soak outlives this command); soak-log in a later command collects it
       # shellcheck disable=SC2086
-      nohup python3 tests/gpu/soak_serve.py --minutes "${SOAK_MIN:-10}" --disconnects "${SOAK_DISCONNECTS:-100}" \
+      nohup python3 benchmarks/soak_serve.py --minutes "${SOAK_MIN:-10}" --disconnects "${SOAK_DISCONNECTS:-100}" \
         ${SOAK_ARGS:-} > /tmp/ktinject-soak.log 2>&1 < /dev/null &
       echo "soak started (pid $!) for ${SOAK_MIN:-10} minutes: /tmp/ktinject-soak.log; the soak-log stage collects it"
       summary+=("soak-bg started pid $!") ;;

@@ -6,7 +6,7 @@ waiting for the CPU), which timings alone do not see. Each variant captures its 
 overridden in ``fused_dense._CHOICE``), then bare replays, muted replays (GPU part + handshakes) and
 ``ktinject.generate``, ms a token.
 
-    python tests/gpu/probe_qkv_choice.py [--quant int4] [--layers 48] [--rounds 3] [--tokens 64] [--prompt 32]
+    python benchmarks/probe_qkv_choice.py [--quant int4] [--layers 48] [--rounds 3] [--tokens 64] [--prompt 32]
         [--configs auto,cublas,4x2048x4,8x512x4] [--which qkv|o|head]
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from gpu_helpers import capture_and_time, decode_setup, print_medians
+from helpers import capture_and_time, decode_setup, print_medians
 from ktinject.operators import fused_dense
 
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Interleaved A/B of bench serve (int4, 8 streams, 16 layers) on the GPU machine, from the repository root, carry
-# .whl:   BASE=<commit> bash tests/gpu/ab_serve.sh      (~3 minutes per round: base then this tree, ROUNDS rounds)
+# Interleaved A/B of bench serve (int4, 8 streams, 16 layers) on a GPU machine, from the repository root:
+#   BASE=<commit> bash benchmarks/ab_serve.sh      (~3 minutes per round: base then this tree, ROUNDS rounds, default 1)
 # BASE is built in a worktree (/tmp/base, in place); this tree with pip -e. Host steal beside each run. SERVE_ARGS
-# replaces the bench's arguments. Logs under $OUT.
+# replaces the bench's arguments. Logs under $OUT (default /tmp/ktinject-out).
 set -uo pipefail
 : "${BASE:?BASE=<commit> to compare against}"
-. tests/gpu/stage_lib.sh
+. benchmarks/stage_lib.sh
 stage_setup
 stage_base "$BASE"
 args=${SERVE_ARGS:---quant int4 --streams 8 --layers 16}
