@@ -1,7 +1,8 @@
-"""README.md says what the code does: its Python API block runs as written, its chat options table lists the chat's
-options with their choices and defaults."""
+"""The README and the docs say what the code does: the README's Python API block runs as written, and the chat
+page's options table (docs/chat.md) lists the chat's options with their choices and defaults."""
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -9,13 +10,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+CHAT_DOC = REPO / "docs" / "chat.md"
 
 
-def section(title: str) -> str:
-    """The text of the README section ``## title`` (up to the next ``## `` heading)."""
-    text = README.read_text()
+def section(title: str, path: Path = README) -> str:
+    """The text of the section ``## title`` of ``path`` (up to the next ``## `` heading)."""
+    text = path.read_text()
     head = f"\n## {title}\n"
-    assert head in text, f"README.md has no '## {title}' section"
+    assert head in text, f"{path.relative_to(REPO)} has no '## {title}' section"
     return text.split(head, 1)[1].split("\n## ", 1)[0]
 
 
@@ -32,9 +34,9 @@ def test_python_api_block_runs_as_written(demo_env, tmp_path):
 
 
 def readme_options() -> dict[str, tuple[str, str]]:
-    """{option: (its argument as written, the row's meaning)} from the README's chat options table."""
+    """{option: (its argument as written, the row's meaning)} from the chat page's options table."""
     out = {}
-    for row in section("Chat").splitlines():
+    for row in section("Options", CHAT_DOC).splitlines():
         if not row.startswith("| `"):
             continue
         first, meaning = row.strip("| ").split(" | ", 1)
@@ -48,20 +50,20 @@ def test_chat_options_table_matches_the_parser():
     from ktinject.chat import build_parser
 
     table = readme_options()
-    fix = "; update the option table under '## Chat' in README.md"
+    fix = "; update the option table under '## Options' in docs/chat.md"
     listed = set()
     for action in build_parser()._actions:
-        if "-h" in action.option_strings:
+        if "-h" in action.option_strings or "--version" in action.option_strings:  # every program's, not the chat's
             continue
         names = [n for n in action.option_strings if n in table]
-        assert names, f"{'/'.join(action.option_strings)} is missing from README.md's chat options table{fix}"
+        assert names, f"{'/'.join(action.option_strings)} is missing from docs/chat.md's options table{fix}"
         listed.update(names)
         argument, meaning = table[names[0]]
         if action.choices:
             assert argument.split("|") == list(action.choices), \
-                f"{names[0]}: README lists {argument!r}, the parser's choices are {'|'.join(action.choices)}{fix}"
-        if action.default not in (None, False):
+                f"{names[0]}: docs/chat.md lists {argument!r}, the parser's choices are {'|'.join(action.choices)}{fix}"
+        if action.default not in (None, False, argparse.SUPPRESS):  # SUPPRESS: --version, --help
             assert re.search(rf"default:? `?{re.escape(str(action.default))}\b", meaning), \
-                f"{names[0]}: README does not say its default, {action.default}{fix}"
+                f"{names[0]}: docs/chat.md does not say its default, {action.default}{fix}"
     stale = sorted(set(table) - listed)
-    assert not stale, f"README.md's chat options table lists {stale}, which the chat does not have{fix}"
+    assert not stale, f"docs/chat.md's options table lists {stale}, which the chat does not have{fix}"

@@ -1,5 +1,6 @@
 """``python -m ktinject.serve`` as a user starts it (a subprocess on a free port, the demo model, the CPU), its
-argument errors, the README's Serving section against the parser, and ``python -m ktinject.bench serve --tiny``."""
+argument errors, the docs' Serving page (docs/serving.md) against the parser, and ``python -m ktinject.bench serve
+--tiny``."""
 from __future__ import annotations
 
 import queue
@@ -19,7 +20,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+SERVING_DOC = REPO / "docs" / "serving.md"  # the Serving guide (was the README's Serving section)
 
 
 def _read_until(proc, pattern: str, timeout: float) -> re.Match:
@@ -125,10 +126,10 @@ def test_model_errors_are_one_line_as_in_the_chat(demo_env, tmp_path):
 
 
 def section(title: str) -> str:
-    text = README.read_text()
-    head = f"\n## {title}\n"
-    assert head in text, f"README.md has no '## {title}' section"
-    return text.split(head, 1)[1].split("\n## ", 1)[0]
+    """The serving page of the docs (docs/serving.md: its examples and its options table; ``title`` is the page's)."""
+    text = SERVING_DOC.read_text()
+    assert text.startswith(f"# {title}\n"), f"docs/serving.md should start with '# {title}'"
+    return text
 
 
 def test_readme_serving_examples_run_against_the_server(demo_env, tmp_path):
@@ -172,8 +173,9 @@ def test_readme_serving_table_lists_every_option():
             first = row.strip("| ").split(" | ", 1)[0]
             listed |= {span.split(" ")[0] for span in re.findall(r"`([^`]+)`", first)}
     options = {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
-    assert options <= listed, f"README's Serving table misses {sorted(options - listed)}"
-    assert listed <= options | {"-v"}, f"README's Serving table lists unknown options {sorted(listed - options)}"
+    assert options <= listed, f"docs/serving.md's options table misses {sorted(options - listed)}"
+    assert listed <= options | {"-v"}, \
+        f"docs/serving.md's options table lists unknown options {sorted(listed - options)}"
 
 
 def test_bench_serve_tiny(monkeypatch, capsys):
