@@ -176,6 +176,9 @@ def package(src: Path) -> None:
             if name == "generation_config.json":  # the chat's default: sampled, fortune-like replies
                 cfg = json.loads((dest / name).read_text())
                 cfg.update(do_sample=True, temperature=0.7, top_p=0.9)
+                # every training document ends with <|endoftext|> (the pad token), a chat answer with <|im_end|>
+                # first: the model ends a reply with either, so both stop generation
+                cfg["eos_token_id"] = [cfg["eos_token_id"], cfg["pad_token_id"]]
                 (dest / name).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             (dest / name).chmod(0o644)
             sums[name] = hashlib.sha256((dest / name).read_bytes()).hexdigest()

@@ -4,7 +4,16 @@ Glue only: load with ktinject, apply the tokenizer's chat template, stream the r
 prefill and decode speed after each reply. Without --model it uses the built-in demo model (a tiny MoE trained on fortunes).
 
 Commands: /clear forgets the conversation, /stats prints session totals and which fast paths run, /exit (or
-Ctrl-D) quits; Ctrl-C stops the current reply, not the program. --prompt TEXT answers once and exits.
+Ctrl-D) quits; Ctrl-C stops the current reply, not the program. --prompt TEXT answers once and exits, the reply alone
+on stdout (the banner, the load line and the speed line go to stderr), so it can be piped.
+
+A reply ends at the model's end-of-turn tokens (``ktinject.stops``: the generation config's and the tokenizer's
+end-of-sequence ids, the chat template's end-of-turn token, the end-of-text tokens). What does not fit the model's
+context (max_position_embeddings) is refused as the server refuses it: a message that leaves no room for a reply, or
+one that with an explicit --max-new-tokens runs past the context (one-shot: an error, exit code 2; interactive: the
+message is refused and the session goes on); without --max-new-tokens the reply gets what the context leaves, up to
+512 tokens (said when that is less). Old exchanges are dropped from the history to make room, and the chat says how
+many.
 
 torch, transformers and the model code are imported inside the functions that need them (seconds of imports), so
 --help and the checks of the arguments and paths answer at once; the hot-expert options are checked by the same
@@ -24,19 +33,29 @@ from dataclasses import dataclass, field
 
 from ktinject import cli
 from ktinject.cli import CliError, load_model, positive
+from ktinject.stops import context_limit, stop_token_ids
 
-__all__ = ["Chat", "CliError", "build_parser", "load_model", "main", "parse_args"]  # CliError, load_model: re-exported
+__all__ = ["Chat", "CliError", "ContextError", "build_parser", "load_model", "main", "parse_args"]  # CliError,
+# load_model: re-exported
 
 PROG = "ktinject.chat"
 HELP = ("commands: /clear (forget the conversation), /stats (session totals, fast paths), /exit (or Ctrl-D); "
         "Ctrl-C stops a reply")
+DEFAULT_MAX_NEW_TOKENS = 512  # without --max-new-tokens: this, or what the context leaves if that is less
+
+
+class ContextError(CliError):
+    """A message the model's context cannot hold with its reply: refused (one-shot: exit code 2)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The chat's options; README.md's "Chat" table lists each of them (tests/test_readme.py checks it)."""
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description="Chat with a MoE model through ktinject.")
+    cli.add_version(p)
     cli.add_model_options(p)
-    p.add_argument("--max-new-tokens", type=positive, default=512, help="reply length limit (default 512)")
+    p.add_argument("--max-new-tokens", type=positive,
+                   help=f"reply length limit (default {DEFAULT_MAX_NEW_TOKENS}, or what the model's context leaves); "
+                        f"a prompt that leaves less room is refused")
     p.add_argument("--temperature", type=_temperature,
                    help="sampling temperature >= 0; 0 = greedy (default: the model's)")
     p.add_argument("--top-p", type=_top_p, help="nucleus sampling threshold in (0, 1] (default: the model's)")
@@ -86,13 +105,15 @@ class Totals:
 
 @dataclass
 class Chat:
-    """One conversation: the history, generation settings, and speed totals."""
+    """One conversation: the history, generation settings, and speed totals. ``notes``: where the chat says what it
+    changed (history dropped, a reply limited by the context); stderr by default."""
 
     model: object
     tokenizer: object
     args: argparse.Namespace
     messages: list[dict] = field(default_factory=list)
     totals: Totals = field(default_factory=Totals)
+    notes: object = None
 
     def __post_init__(self):
         self.clear()
@@ -100,13 +121,27 @@ class Chat:
     def clear(self) -> None:
         self.messages = [{"role": "system", "content": self.args.system}] if self.args.system else []
 
-    def reply(self, text: str, out=sys.stdout) -> str:
-        """Stream the answer to ``text`` to ``out``, add both to the history, print the speed line."""
+    @property
+    def stop_ids(self) -> list[int]:
+        """The token ids that end a reply (``ktinject.stops.stop_token_ids``)."""
+        ids = self.__dict__.get("_stop_ids")
+        if ids is None:
+            ids = self.__dict__["_stop_ids"] = stop_token_ids(self.tokenizer,
+                                                              getattr(self.model, "generation_config", None))
+        return ids
+
+    def reply(self, text: str, out=sys.stdout, status=None) -> str:
+        """Stream the answer to ``text`` to ``out``, add both to the history, print the speed line (to ``status``,
+        default ``out``). ContextError (history and totals as they were) where the message cannot fit the context."""
         import torch
         from transformers import StoppingCriteriaList
 
         self.messages.append({"role": "user", "content": text})
-        ids = self._encode()
+        try:
+            ids, max_new = self._encode()
+        except ContextError:
+            self.messages.pop()
+            raise
         device = self.model.get_input_embeddings().weight.device
         stop = _StopFlag()
         streamer = _make_streamer(self.tokenizer, out)
@@ -114,27 +149,59 @@ class Chat:
         with _sigint_sets(stop):
             output = self.model.generate(
                 input_ids=ids.to(device), attention_mask=torch.ones_like(ids, device=device),
-                streamer=streamer, stopping_criteria=StoppingCriteriaList([stop]), **self._sampling())
+                streamer=streamer, stopping_criteria=StoppingCriteriaList([stop]), **self._sampling(max_new))
         t_end = time.perf_counter()
         answer = "".join(streamer.parts)
         print(" [stopped]" if stop.stop else "", file=out, flush=True)
         self.messages.append({"role": "assistant", "content": answer})
         new = int(output.shape[-1] - ids.shape[-1])
-        print(self._account(ids.shape[-1], new, t0, streamer.t_first, t_end), file=out, flush=True)
+        print(self._account(ids.shape[-1], new, t0, streamer.t_first, t_end), file=status or out, flush=True)
         return answer
 
-    def _encode(self):
-        limit = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
-        while True:
-            text = self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
-            ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-            first = 1 if self.messages[0]["role"] == "system" else 0
-            if ids.shape[-1] + self.args.max_new_tokens <= limit or len(self.messages) - first <= 1:
-                return ids
-            del self.messages[first:first + 2]  # forget the oldest exchange
+    def _tokens(self, add_generation_prompt: bool = True):
+        text = self.tokenizer.apply_chat_template(self.messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
 
-    def _sampling(self) -> dict:
-        kw: dict = {"max_new_tokens": self.args.max_new_tokens}
+    def _note(self, text: str) -> None:
+        print(f"({text})", file=self.notes or sys.stderr, flush=True)
+
+    def _encode(self):
+        """(prompt ids, reply token limit) of the conversation; the oldest exchanges dropped (and said) until the
+        prompt and the reply fit the model's context. ContextError where the last message cannot fit by itself."""
+        limit = context_limit(self.model)
+        asked = self.args.max_new_tokens
+        want = asked or DEFAULT_MAX_NEW_TOKENS
+        first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+        dropped = 0
+        while True:
+            ids = self._tokens()
+            n = ids.shape[-1]
+            if limit is None or n + want <= limit or len(self.messages) - first <= 1:
+                break
+            del self.messages[first:first + 2]  # forget the oldest exchange
+            dropped += 2
+        if dropped:
+            self._note(f"dropped the oldest {dropped} messages ({dropped // 2} exchange{'s' * (dropped > 2)}) of the "
+                       f"conversation to fit the model's context of {limit} tokens; {len(self.messages)} kept")
+        if limit is None or n + want <= limit:
+            return ids, want
+        system = " with the system prompt" if first else ""
+        if n >= limit:
+            raise ContextError(f"the message is {n} tokens{system} (chat template included), which leaves no room "
+                               f"for a reply in the model's context of {limit} tokens: shorten it")
+        if asked is not None:
+            raise ContextError(f"the message ({n} tokens{system}, chat template included) plus --max-new-tokens "
+                               f"({asked}) is {n + asked} tokens, more than the model's context of {limit} tokens: "
+                               f"shorten it or lower --max-new-tokens to at most {limit - n}")
+        self._note(f"the reply is limited to {limit - n} tokens: the message's {n} tokens fill the rest of the "
+                   f"model's context of {limit}")
+        return ids, limit - n
+
+    def _sampling(self, max_new_tokens: int) -> dict:
+        kw: dict = {"max_new_tokens": max_new_tokens}
+        if self.stop_ids:
+            kw["eos_token_id"] = self.stop_ids
         if self.tokenizer.pad_token_id is not None:
             kw["pad_token_id"] = self.tokenizer.pad_token_id
         t, p = self.args.temperature, self.args.top_p
@@ -159,7 +226,7 @@ class Chat:
 
     def stats(self) -> str:
         tot = self.totals
-        context = self._encode().shape[-1] if self.messages else 0
+        context = self._tokens(add_generation_prompt=False).shape[-1] if self.messages else 0
         return "\n".join([
             f"turns: {tot.turns}, history: {len(self.messages)} messages, {context} tokens",
             f"prefill: {tot.prompt_tokens} tokens in {tot.prefill_s:.2f} s, {_rate(tot.prompt_tokens, tot.prefill_s)}",
@@ -260,7 +327,10 @@ def _loop(chat: Chat) -> None:
         if not line:
             continue
         if not line.startswith("/"):
-            chat.reply(line)
+            try:
+                chat.reply(line)
+            except ContextError as e:
+                print(f"(not sent: {e})", file=sys.stderr, flush=True)
             continue
         command = line.split()[0]
         if command in ("/exit", "/quit"):
@@ -279,18 +349,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    # one-shot: stdout carries the reply alone (piped), everything about it goes to stderr
+    status = sys.stderr if args.prompt is not None else sys.stdout
     model_dir, model, tokenizer, gpu, seconds = cli.load(
         args, "Using the ktinject demo model at {path}: a tiny MoE trained on fortune cookies, so expect fortunes.",
-        _setup)
+        _setup, out=status)
     placed = model.__dict__.get("_ktinject_placement")
     if placed is not None:
-        print(placed)
+        print(placed, file=status)
     defer = cli.defer_format(model)
     print(f"Loaded {model_dir.name} in {seconds:.2f} s (gpu={gpu}, quant={cli.experts_format(model)}"
-          f"{', ' + defer if defer else ''}).")
+          f"{', ' + defer if defer else ''}).", file=status, flush=True)
     chat = Chat(model, tokenizer, args)
     if args.prompt is not None:
-        chat.reply(args.prompt)
+        chat.reply(args.prompt, status=sys.stderr)
     else:
         _loop(chat)
     return 0

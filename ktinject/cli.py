@@ -1,5 +1,7 @@
 """What the command-line programs share (``python -m ktinject.chat``, ``python -m ktinject.serve``): the options that
-load a model, their checks before anything heavy loads, and the one-line error.
+load a model, their checks before anything heavy loads, and the one-line error; and ``main``, the ``ktinject``
+command: ``ktinject chat|serve|eval|info|bench|calibrate [options]`` runs ``python -m ktinject.<name> [options]``,
+``ktinject --version`` prints the version.
 
 ``add_model_options(parser)`` adds --model, --rules, --quant, --defer, --prefill, --threads, --gpu-experts-budget,
 --placement, --expert-stats, --rebalance-every and --gpu; ``resolve(args, demo_line)`` checks the model directory and the rules
@@ -14,6 +16,7 @@ torch and transformers are imported inside the functions that need them, so --he
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -23,6 +26,61 @@ from ktinject.gpu_experts.settings import DEFAULT_REBALANCE_EVERY, STRATEGIES, H
 
 class CliError(Exception):
     """A user error: printed as one line on stderr, exit code 2."""
+
+
+def version() -> str:
+    """The installed distribution's version (importlib.metadata), else the package's ``__version__``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("ktinject")
+    except metadata.PackageNotFoundError:
+        from ktinject import __version__
+
+        return __version__
+
+
+def add_version(p: argparse.ArgumentParser) -> None:
+    """--version: prints ``ktinject VERSION`` and exits."""
+    p.add_argument("--version", action="version", version=f"ktinject {version()}",
+                   help="print the version and exit")
+
+
+#: the ``ktinject`` command's subcommands: name -> (module whose main(argv) runs it, what it does)
+COMMANDS = {
+    "chat": ("ktinject.chat", "chat with a model in the terminal"),
+    "serve": ("ktinject.serve.__main__", "serve a model with an OpenAI-compatible API"),
+    "eval": ("ktinject.eval", "perplexity and next-token agreement of the injected formats"),
+    "info": ("ktinject.info", "the CPU, the ISA chosen, the native library and the versions"),
+    "bench": ("ktinject.bench.__main__", "benchmarks (ktinject bench NAME --help)"),
+    "calibrate": ("ktinject.calibrate", "expert statistics for hot-expert placement"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ktinject COMMAND [options]``: COMMAND's ``main`` with the options (``python -m ktinject.COMMAND``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(
+        prog="ktinject", description="ktinject: MoE models with the routed experts on the CPU.",
+        epilog="commands:\n" + "\n".join(f"  {name:10s} {what}" for name, (_, what) in COMMANDS.items())
+        + "\n\n`ktinject COMMAND --help` shows a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version(p)
+    p.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help=", ".join(COMMANDS))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the command's options")
+    split = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
+    ns = p.parse_args(argv[:split + 1])  # the options before COMMAND, and COMMAND; the rest is COMMAND's
+    module = importlib.import_module(COMMANDS[ns.command][0])
+    rest = argv[split + 1:]
+    if ns.command == "info":  # no options of its own
+        if rest in (["-h"], ["--help"]):
+            print(f"usage: ktinject info\n\n{COMMANDS['info'][1]}")
+            return 0
+        if rest:
+            p.error(f"info takes no options, got {' '.join(rest)}")
+        module.main()
+        return 0
+    return int(module.main(rest) or 0)
 
 
 def positive(text: str) -> int:
@@ -89,16 +147,20 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", help='device for the dense part (default "cuda" if available, else "cpu")')
 
 
-def resolve(args: argparse.Namespace, demo_line: str) -> tuple[Path, str | None]:
+def resolve(args: argparse.Namespace, demo_line: str, out=None) -> tuple[Path, str | None]:
     """(model directory, rules: a file path, a packaged name or None), checked before anything heavy loads. Without
-    --model: the demo model, after printing ``demo_line`` (``{path}`` is its directory)."""
+    --model: the demo model, after printing ``demo_line`` (``{path}`` is its directory) to ``out`` (stdout)."""
     if args.model is None:
         from ktinject.demo import demo_model_dir
 
         model = demo_model_dir()
-        print(demo_line.format(path=model))
+        print(demo_line.format(path=model), file=out or sys.stdout, flush=True)
     else:
         model = Path(args.model).expanduser()
+        if model.is_file():
+            hint = f" (its directory: --model {model.parent})" if (model.parent / "config.json").is_file() else ""
+            raise CliError(f"--model {args.model} is a file, not a model directory: pass the checkpoint's "
+                           f"directory, the one with config.json{hint}")
         if not model.is_dir():
             hub = args.model.count("/") == 1 and not args.model.startswith((".", "/", "~"))  # "org/name"
             hint = (" (a Hugging Face Hub id? ktinject downloads nothing: fetch it first, e.g. `hf download "
@@ -192,12 +254,13 @@ def load_model(model_dir, rules=None, quant=None, progress=True, **options):
     return model.eval(), tokenizer, model._ktinject_plan
 
 
-def load(args: argparse.Namespace, demo_line: str, setup) -> tuple[Path, object, object, str, float]:
+def load(args: argparse.Namespace, demo_line: str, setup, out=None) -> tuple[Path, object, object, str, float]:
     """The model of ``args``: paths and hot-expert options checked (``resolve``, ``hot_options``), then
     ``setup(args)`` (the program's logging; returns the device, see ``device``), then ``load_model``; the plan printed
-    with -v. (model directory, model, tokenizer, device, seconds the load took). A load failure (bad rules,
-    unsupported model, unreadable checkpoint) is a one-line CliError, unless -v (the traceback then)."""
-    model_dir, rules = resolve(args, demo_line)
+    with -v; ``out``: where the demo line and the plan go (stdout). (model directory, model, tokenizer, device, seconds
+    the load took). A load failure (bad rules, unsupported model, unreadable checkpoint) is a one-line CliError, unless
+    -v (the traceback then)."""
+    model_dir, rules = resolve(args, demo_line, out)
     hot = hot_options(args)
     gpu = setup(args)
     t0 = time.perf_counter()
@@ -209,7 +272,7 @@ def load(args: argparse.Namespace, demo_line: str, setup) -> tuple[Path, object,
             raise
         raise CliError(f"cannot load {model_dir}: {type(e).__name__}: {e} (-v shows the traceback)") from e
     if args.verbose and plan is not None:
-        print(plan)
+        print(plan, file=out or sys.stdout)
     return model_dir, model, tokenizer, gpu, time.perf_counter() - t0
 
 
@@ -225,3 +288,7 @@ def run(prog: str, main, *args) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

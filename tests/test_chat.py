@@ -22,16 +22,98 @@ def chat(env, *args, stdin: str | None = None, timeout: float = 180) -> subproce
 
 
 def test_prompt_answers_once(demo_env):
+    """One-shot: the reply alone on stdout (so it can be piped); the banner, the load line and the speed line on
+    stderr."""
     r = chat(demo_env, "--prompt", "hi", "--max-new-tokens", "8", "--gpu", "cpu")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
-    assert "demo model" in r.stdout.splitlines()[0] and "fortune" in r.stdout.splitlines()[0]
-    reply = r.stdout.split(" s (gpu=cpu, quant=bf16).\n", 1)[1].split("\n[prefill", 1)[0]
-    assert reply.strip(), r.stdout
-    speed = SPEED.search(r.stdout)
-    assert speed, r.stdout
+    err = r.stderr.splitlines()
+    assert "demo model" in err[0] and "fortune" in err[0], r.stderr
+    assert any(line.startswith("Loaded demo_model in ") for line in err), r.stderr
+    speed = SPEED.search(r.stderr)
+    assert speed, r.stderr
     assert int(speed.group(1)) > 0 and int(speed.group(2)) == 8
-    assert ">>>" not in r.stdout  # no interactive loop
+    assert r.stdout.strip(), r.stdout  # the reply
+    for needle in ("demo model", "Loaded", "[prefill", ">>>"):  # nothing else on stdout, no interactive loop
+        assert needle not in r.stdout, r.stdout
+
+
+def test_prompt_reply_is_all_of_stdout(demo_env):
+    """Greedy one-shot at full length: stdout is the reply and its newline, ended at the turn's end."""
+    r = chat(demo_env, "--prompt", "Hello!", "--temperature", "0", "--max-new-tokens", "200", "--gpu", "cpu")
+    assert r.returncode == 0, r.stderr
+    reply = r.stdout
+    assert reply.endswith("\n") and reply.strip(), reply
+    assert "user\n" not in reply and "<|im_" not in reply, reply
+    assert int(SPEED.search(r.stderr).group(2)) < 200  # it ended at the end of the turn
+
+
+SEA = "the sea " * 1340  # about 4,000 tokens: twice the demo model's context of 2,048
+
+
+def _error_after_load(r: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit code 2, the error the last line of stderr (after the banner and the load line), nothing on stdout."""
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and r.stdout == "", (r.stdout, r.stderr)
+    last = r.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("ktinject.chat: error: "), r.stderr
+    for needle in needles:
+        assert needle in last, last
+
+
+def test_prompt_longer_than_the_context_is_refused(demo_env):
+    r = chat(demo_env, "--prompt", SEA, "--gpu", "cpu")
+    _error_after_load(r, "leaves no room for a reply in the model's context of 2048 tokens")
+    assert "[prefill" not in r.stderr
+
+
+def test_prompt_plus_max_new_tokens_past_the_context_is_refused(demo_env):
+    """As the server refuses max_tokens past the context; without --max-new-tokens the reply gets what is left."""
+    prompt = "the sea " * 600  # about 1,800 tokens
+    r = chat(demo_env, "--prompt", prompt, "--max-new-tokens", "400", "--gpu", "cpu")
+    _error_after_load(r, "plus --max-new-tokens (400)", "more than the model's context of 2048 tokens",
+                    "lower --max-new-tokens to at most")
+    r = chat(demo_env, "--prompt", prompt, "--temperature", "0", "--gpu", "cpu")
+    assert r.returncode == 0, r.stderr
+    left = re.search(r"\(the reply is limited to (\d+) tokens: the message's (\d+) tokens fill the rest of the "
+                     r"model's context of 2048\)", r.stderr)
+    assert left and int(left.group(1)) + int(left.group(2)) == 2048, r.stderr
+    assert int(SPEED.search(r.stderr).group(2)) <= int(left.group(1))
+
+
+def test_interactive_refuses_what_cannot_fit_and_says_what_it_drops(demo_env):
+    """A message too long for the context is refused and the session goes on; old exchanges dropped to make room
+    are counted."""
+    long = "the sea " * 250  # about 750 tokens
+    script = f"{SEA}\nhi\n{long}\n{long}\n{long}\n/stats\n/exit\n"
+    r = chat(demo_env, "--gpu", "cpu", "--max-new-tokens", "4", "--temperature", "0", stdin=script, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert re.search(r"\(not sent: the message is \d+ tokens .*leaves no room for a reply in the model's context "
+                     r"of 2048 tokens", r.stderr), r.stderr
+    turns = SPEED.findall(r.stdout)
+    assert len(turns) == 4, r.stdout  # every message but the refused one
+    dropped = re.findall(r"\(dropped the oldest (\d+) messages \((\d+) exchanges?\) of the conversation to fit "
+                         r"the model's context of 2048 tokens; (\d+) kept\)", r.stderr)
+    assert dropped, r.stderr
+    removed = sum(int(d[0]) for d in dropped)
+    assert all(int(d[0]) == 2 * int(d[1]) for d in dropped)
+    stats = re.search(r"turns: (\d+), history: (\d+) messages, (\d+) tokens", r.stdout)
+    assert stats and stats.group(1) == "4" and int(stats.group(2)) == 8 - removed, r.stdout
+    assert int(stats.group(3)) <= 2048
+
+
+def test_model_file_is_not_a_directory(demo_env, tmp_path):
+    from ktinject.demo import demo_model_dir
+
+    config = demo_model_dir() / "config.json"
+    _one_error_line(chat(demo_env, "--model", str(config)), f"--model {config} is a file, not a model directory",
+                    f"its directory: --model {config.parent}")
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"GGUF")
+    r = chat(demo_env, "--model", str(weights))
+    _one_error_line(r, "is a file, not a model directory")
+    assert "not found" not in r.stderr
 
 
 def test_interactive_history_stats_clear(demo_env):

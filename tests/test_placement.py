@@ -410,7 +410,7 @@ def test_chat_gpu_experts_budget(tmp_path, extra):
     r = chat(*extra)
     assert r.returncode == 0, r.stderr
     strategy = "uniform" if "uniform" in extra else "dynamic"
-    assert f"hot experts ({strategy}" in r.stdout and "[prefill" in r.stdout
+    assert f"hot experts ({strategy}" in r.stderr and "[prefill" in r.stderr  # one-shot: stdout is the reply alone
     r = chat("--gpu-experts-budget", "lots")
     assert r.returncode == 2 and "byte size 'lots'" in r.stderr
 

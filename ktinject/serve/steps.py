@@ -259,16 +259,11 @@ def pad_id(model, tokenizer) -> int:
 
 
 def eos_ids(model, tokenizer) -> frozenset[int]:
-    """The tokens that end a sequence: the generation config's end-of-sequence ids and the tokenizer's."""
-    ids = set()
-    gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
-    for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
-        if e is not None:
-            ids.add(int(e))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return frozenset(ids)
+    """The tokens that end a completion (``ktinject.stops.stop_token_ids``): the generation config's end-of-sequence
+    ids and the tokenizer's, the chat template's end-of-turn token, the end-of-text tokens."""
+    from ktinject.stops import stop_token_ids
+
+    return frozenset(stop_token_ids(tokenizer, getattr(model, "generation_config", None)))
 
 
 def _rebalancer(model):
