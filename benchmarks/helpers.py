@@ -20,7 +20,7 @@ def decode_setup(quant: str, layers: int, threads: int | None = None, prompt_len
     Returns (model, prompt, runner)."""
     from ktinject.bench.model import bench_model
     from ktinject.bench.timing import gen_time
-    from ktinject.generate import get_runner
+    from ktinject.decode.generate import get_runner
 
     model, device = bench_model(False, layers, threads)
     ktinject.inject(model, gpu=str(device), quant=quant)
@@ -37,7 +37,7 @@ def capture_and_time(model, runner, prompt, tokens: int, muted_runs: int = 1) ->
     import statistics
 
     from ktinject.bench.timing import gen_time, graph_replay, muted_replay
-    from ktinject.generate import invalidate_graphs
+    from ktinject.decode.generate import invalidate_graphs
 
     P = prompt.shape[1]
     invalidate_graphs(model)

@@ -2,9 +2,9 @@
 # Streamed GPU prefill on a GPU machine, from the repository root (the wheels of a ./.whl folder, where there is one,
 # installed first, as run_gpu_machine.sh does):
 #   bash benchmarks/prefill_stage.sh [tests] [bench] [QUANTS]     (default: tests bench bf16,int8,int4; ~6-8 minutes)
-#   tests  tests/gpu/test_prefill_gpu.py (unpack bit-exact on CUDA, one layer vs float64 for every quant and awkward
+#   tests  tests/gpu_experts/test_prefill_gpu.py (unpack bit-exact on CUDA, one layer vs float64 for every quant and awkward
 #          shape, gpu / auto / forced split == cpu for qwen3_moe, deepseek_v3, gpt_oss, copies overlapping compute
-#          on CUDA events, no memory growth over 20 prompts) and tests/test_prefill_stream.py (CPU tensors)
+#          on CUDA events, no memory growth over 20 prompts) and tests/gpu_experts/test_prefill_stream.py (CPU tensors)
 #   bench  python -m ktinject.bench prefill on 12 of the 48 Qwen3-30B-A3B layers (percentages of the streaming limit
 #          do not depend on the layer count; tok/s x 12/48 = the whole model's), cpu / gpu / auto at 512, 2048, 8192
 #          (LENGTHS=512 for fewer)
@@ -26,7 +26,7 @@ run_step() {  # run_step NAME LIMIT CMD...
   done_steps+=("$name rc=$rc $((SECONDS - t0))s")
 }
 if [[ $want == *" tests "* ]]; then
-  run_step tests 200 python3 -m pytest -q -rs -s tests/gpu/test_prefill_gpu.py tests/test_prefill_stream.py
+  run_step tests 200 python3 -m pytest -q -rs -s tests/gpu_experts/test_prefill_gpu.py tests/gpu_experts/test_prefill_stream.py
   grep -E "passed|failed|error|copies .* ms" "$OUT/prefill-tests.log" | tail -8
 fi
 if [[ $want == *" bench "* ]]; then

@@ -27,8 +27,10 @@ import ktinject
 from ktinject import native
 from ktinject.bench.model import bench_model
 from ktinject.bench.prefill import time_prefill
-from ktinject.generate import get_runner
-from ktinject.gpu_experts import balance, split, stream
+from ktinject.decode.generate import get_runner
+from ktinject.gpu_experts.prefill import feedback as balance
+from ktinject.gpu_experts.prefill import split
+from ktinject.gpu_experts.prefill import streamer as stream
 
 
 def main():

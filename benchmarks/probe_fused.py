@@ -24,7 +24,10 @@ from helpers import timed
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from ktinject.operators import decode_attention as DA, fused, fused_attn, fused_dense
+from ktinject.decode import attention as DA
+from ktinject.operators.kernels import common as fused
+from ktinject.operators.kernels import attention as fused_attn
+from ktinject.operators.kernels import dense as fused_dense
 
 BF, DEV = torch.bfloat16, "cuda"
 

@@ -37,7 +37,7 @@ def main():
     P = prompt.shape[1]
     entry = _decode_graph(runner, 1)
     print(f"# muted replay {muted_replay(model, runner, 1, P, 20) * 1e3:.3f} ms ({torch.cuda.get_device_name()})")
-    from ktinject.operators import fused_dense
+    from ktinject.operators.kernels import dense as fused_dense
     for key, config in fused_dense._CHOICE.items():  # (B, N, K, dtype, bias, residual, norm, device) -> config
         print(f"# linear {key[:3]} residual {key[5]} norm {key[6]}: {'cuBLAS' if config is None else config}")
     from torch.profiler import ProfilerActivity, profile

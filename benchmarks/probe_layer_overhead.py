@@ -18,7 +18,7 @@ import ktinject
 from ktinject.bench.model import bench_model
 from ktinject.bench import timing
 from ktinject.bench.prefill import time_prefill
-from ktinject.gpu_experts import stream
+from ktinject.gpu_experts.prefill import streamer as stream
 
 
 def host_split(model, run) -> str:
@@ -26,7 +26,7 @@ def host_split(model, run) -> str:
     MLP (the MoE block: routing, its copies, the native task, the host's wait for the routing) and the rest of the
     layer (norms, residual adds), from perf_counter hooks on one run (medians over the layers; the hooks' own cost
     is a few us)."""
-    from ktinject.graph import decoder_layers
+    from ktinject.decode.graph_runner import decoder_layers
 
     spans: dict[str, list[float]] = {"layer": [], "attention": [], "mlp": []}
     hooks, starts = [], {}

@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from helpers import capture_and_time, decode_setup, print_medians
-from ktinject.operators import fused_dense
+from ktinject.operators.kernels import dense as fused_dense
 
 
 def main():

@@ -21,8 +21,9 @@ import ktinject
 from ktinject import native
 from ktinject.bench.model import bench_model
 from ktinject.bench.prefill import time_prefill
-from ktinject.gpu_experts import policy, stream
-from ktinject.gpu_experts.balance import AheadBalance
+from ktinject.gpu_experts.prefill import policy
+from ktinject.gpu_experts.prefill import streamer as stream
+from ktinject.gpu_experts.prefill.feedback import AheadBalance
 
 
 class _Fixed(AheadBalance):
@@ -175,7 +176,7 @@ def timeline(model, s, device, tokens: int, mode: str, n: int, layers=(3, 4, 5, 
     """One forward of ``mode`` with n GPU experts a layer, its timeline printed: per layer, host times (entry of
     _split, routing sync returned, CPU task submitted / waited) and device times (each copy's span, the streamed
     compute's span) in ms from the forward's start (device times mapped to the host clock by a synchronized event)."""
-    from ktinject.gpu_experts import ring as ring_mod
+    from ktinject.gpu_experts.prefill import ring as ring_mod
 
     marks: list[tuple[str, int, object]] = []  # (what, layer, host seconds or (start, end) events)
     cur = {"L": -1}

@@ -6,16 +6,16 @@
 #   build          pip install -e . (the native library built in place)
 #   info           python -m ktinject.info
 #   harness        the native kernel harness (native/tests/test_kernels.c) and its one-thread bench
-#   native         tests/test_native.py, tests/test_native_errors.py
+#   native         tests/native/test_native.py, tests/native/test_native_errors.py
 #   gpu            every CUDA- and AMX-marked test (pytest -m "gpu or amx" tests)
-#   families       tests/test_families.py + tests/test_placement.py with KTINJECT_ISA=amx
-#   families-cuda  tests/test_families.py with gpu="cuda"
+#   families       tests/operators/test_families.py + tests/gpu_experts/test_placement.py with KTINJECT_ISA=amx
+#   families-cuda  tests/operators/test_families.py with gpu="cuda"
 #   bench-kernels bench-decode bench-prefill bench-load bench-hot bench-serve   python -m ktinject.bench <what>
-#   defer          the expert-deferral GPU tests (tests/gpu/test_deferral_gpu.py)
+#   defer          the expert-deferral GPU tests (tests/operators/test_deferral_gpu.py)
 #   bench-defer    bench decode --defer $DEFER (default 0,1,2,3) per quant of $QUANTS (default "int4 bf16"), each cut
 #                  off after $BENCH_S seconds (130); $TOKENS (32) decode tokens a timing, $ROUNDS (3) rounds
-#   serve          tests/gpu/test_serve_gpu.py (concurrent greedy requests through batched CUDA graphs = alone) and,
-#                  on this CPU, tests/test_batch_invariance.py + the scheduler's unit tests                 (~1 minute)
+#   serve          tests/serve/test_serve_gpu.py (concurrent greedy requests through batched CUDA graphs = alone) and,
+#                  on this CPU, tests/serve/test_batch_invariance.py + the scheduler's unit tests                 (~1 minute)
 #   soak           benchmarks/soak_serve.py for $SOAK_MIN minutes (default 5): 16 streams, $SOAK_DISCONNECTS
 #                  (default 100) clients gone mid-stream, the demo model on CUDA with graphs ($SOAK_ARGS adds
 #                  options, e.g. "--bench-layers 8 --quant int4"); ends with "soak PASSED" or "soak FAILED"
@@ -45,23 +45,23 @@ for s in "$@"; do
     build) stage build pip install -q --no-build-isolation --no-deps -e . ;;
     info) stage info python3 -m ktinject.info ;;
     harness) stage harness bash -c 'cc -O2 -pthread native/tests/test_kernels.c native/src/kernels/*/*.c -lm -o /tmp/tk && /tmp/tk && /tmp/tk bench 16' ;;
-    native) stage native python3 -m pytest -q -x tests/test_native.py tests/test_native_errors.py ;;
+    native) stage native python3 -m pytest -q -x tests/native/test_native.py tests/native/test_native_errors.py ;;
     gpu) stage gpu python3 -m pytest -q -rs -m "gpu or amx" tests ;;
-    families-cuda) stage families-cuda env KTINJECT_TEST_GPU=cuda python3 -m pytest -q -rs tests/test_families.py ;;
-    families) stage families env KTINJECT_ISA=amx python3 -m pytest -q -rs tests/test_families.py tests/test_placement.py ;;
+    families-cuda) stage families-cuda env KTINJECT_TEST_GPU=cuda python3 -m pytest -q -rs tests/operators/test_families.py ;;
+    families) stage families env KTINJECT_ISA=amx python3 -m pytest -q -rs tests/operators/test_families.py tests/gpu_experts/test_placement.py ;;
     bench-kernels) stage bench-kernels python3 -m ktinject.bench kernels ;;
     bench-decode) stage bench-decode python3 -m ktinject.bench decode ;;
     bench-prefill) stage bench-prefill python3 -m ktinject.bench prefill ;;
     bench-load) stage bench-load python3 -m ktinject.bench load ;;
     bench-hot) stage bench-hot python3 -m ktinject.bench hot ;;
-    defer) stage defer python3 -m pytest -q -rs -s tests/gpu/test_deferral_gpu.py ;;
+    defer) stage defer python3 -m pytest -q -rs -s tests/operators/test_deferral_gpu.py ;;
     bench-defer)  # expert deferral, one model build per quant, each cut off after BENCH_S seconds
       for q in ${QUANTS:-int4 bf16}; do
         stage "bench-defer-$q" timeout "${BENCH_S:-130}" python3 -m ktinject.bench decode --quant "$q" \
           --defer "${DEFER:-0,1,2,3}" --tokens "${TOKENS:-32}" --defer-rounds "${ROUNDS:-3}"
       done ;;
-    serve) stage serve python3 -m pytest -q -rs tests/gpu/test_serve_gpu.py tests/test_batch_invariance.py \
-             tests/test_serve_units.py ;;
+    serve) stage serve python3 -m pytest -q -rs tests/serve/test_serve_gpu.py tests/serve/test_batch_invariance.py \
+             tests/serve/test_serve_units.py ;;
     bench-serve) stage bench-serve python3 -m ktinject.bench serve ;;
     # shellcheck disable=SC2086  # SOAK_ARGS: several options
     soak) stage soak python3 benchmarks/soak_serve.py --minutes "${SOAK_MIN:-5}" --disconnects "${SOAK_DISCONNECTS:-100}" \

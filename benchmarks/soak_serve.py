@@ -87,7 +87,7 @@ def _engine(args):
         set_generation_defaults(model)
         ktinject.inject(model, gpu=device, quant=args.quant)
     else:
-        from ktinject.chat import load_model
+        from ktinject.cli.chat import load_model
         from ktinject.demo import demo_model_dir
 
         model, tokenizer, _ = load_model(args.model or demo_model_dir(), quant=args.quant, progress=False, gpu=device)

@@ -11,14 +11,14 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (loaded lazily, PEP 562)
 _EXPORTS = {
-    "plan": "ktinject.plan",
-    "Plan": "ktinject.plan",
-    "inject": "ktinject.inject",
-    "load_rules": "ktinject.rules",
-    "RuleError": "ktinject.rules",
-    "from_pretrained": "ktinject.loading",
-    "generate": "ktinject.generate",
-    "info": "ktinject.info",
+    "plan": "ktinject.injection.plan",
+    "Plan": "ktinject.injection.plan",
+    "inject": "ktinject.injection.inject",
+    "load_rules": "ktinject.injection.rules",
+    "RuleError": "ktinject.injection.rules",
+    "from_pretrained": "ktinject.injection.loading",
+    "generate": "ktinject.decode.generate",
+    "info": "ktinject.cli.info",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

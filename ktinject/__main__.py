@@ -1,6 +1,6 @@
 """``python -m ktinject COMMAND [options]``: the ``ktinject`` command (``ktinject.cli.main``)."""
 import sys
 
-from ktinject.cli import main
+from ktinject.cli.main import main
 
 sys.exit(main())

@@ -12,7 +12,7 @@ call sites never guess with ``try``/``except``. Checked against each release's s
 - ``Cache.update``: 5.24 passes the attention's kwargs (``kwargs=``) along; both ends accept ``update(k, v,
   layer_idx)``, which is what ktinject calls. No entry needed.
 - ``CacheLayerMixin.dtype``: removed in 5.24 (the keys tensor's dtype is the one to read). ktinject reads neither.
-- ``StaticLayer`` (the base of ``ktinject.kv_cache``'s layers: ``__init__(max_cache_len)``, ``lazy_initialization``,
+- ``StaticLayer`` (the base of ``ktinject.decode.kv_cache``'s layers: ``__init__(max_cache_len)``, ``lazy_initialization``,
   ``get_mask_sizes``, ``cumulative_length`` read by HF as the cache length): unchanged from 5.17 to 5.24 in what
   ktinject relies on; ``Cache(layers=[...])`` likewise.
 - ``DeferredStopCheck`` (generation/utils): same signature 5.17-5.24; looked up by name with ``getattr``.

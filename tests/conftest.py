@@ -39,7 +39,7 @@ def demo_engine_model(tmp_path_factory):
     other (10-50x slower steps whenever another thread takes a core)."""
     import torch
 
-    from ktinject.chat import load_model
+    from ktinject.cli.chat import load_model
     from ktinject.demo import demo_model_dir
 
     threads = torch.get_num_threads()

@@ -1,4 +1,4 @@
-"""The transformers compatibility layer (ktinject.compat) and the fast-path report (ktinject.fastpaths), on the
+"""The transformers compatibility layer (ktinject.compat) and the fast-path report (ktinject.operators.fast_path_report), on the
 installed transformers release: CI runs this file on the newest release and on the lowest declared one.
 
 Every family's decode goes through ktinject with no FutureWarning / DeprecationWarning raised from transformers'
@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import ktinject
-from ktinject import compat, fastpaths
-from ktinject.testing import FAMILIES, build_tiny_model, tiny_prompts
+from ktinject import compat
+from ktinject.operators import fast_path_report as fastpaths
+from ktinject.tiny_models import FAMILIES, build_tiny_model, tiny_prompts
 
-# families whose attention class takes the one-token decode forward with full rotary (operators/decode_attention.py)
+# families whose attention class takes the one-token decode forward with full rotary (decode/attention.py)
 DECODE_ATTENTION = {"qwen3_moe", "qwen2_moe", "mixtral"}
 # families whose tiny router is softmax -> top-k -> renormalize (operators/routing.py, _SOFTMAX_TOPK_ROUTERS)
 FAST_ROUTER = {"qwen3_moe", "mixtral"}  # Qwen2-MoE, OLMoE: only with norm_topk_prob (off in their tiny configs)
@@ -111,7 +112,7 @@ def test_report_outside_a_model_and_info_errors():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_cuda_generate_replays_graphs_and_reports_them(family, caplog):
-    from ktinject.generate import get_runner
+    from ktinject.decode.generate import get_runner
 
     model = build_tiny_model(family, dtype=torch.bfloat16)
     ktinject.inject(model, gpu="cuda")

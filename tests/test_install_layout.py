@@ -3,7 +3,7 @@
 A ``git clone`` of the repository is a directory named ``ktinject`` with no ``__init__.py`` at its top. Run from its
 parent, the current directory comes first on ``sys.path``, so Python saw the clone as a namespace-package portion
 ``ktinject``. setuptools' default editable install (an import hook on ``sys.meta_path``, consulted only after the
-path finder) then lost to it: ``ktinject.rules`` was the clone's ``rules/`` folder (``python -m ktinject.chat``:
+path finder) then lost to it: ``ktinject.injection.rules`` was the clone's ``rules/`` folder (``python -m ktinject.chat``:
 "cannot import name 'FAMILIES'") and ``ktinject.plan`` did not exist (the README snippet). With every package where
 its name says (pyproject.toml: ``package-dir = {"" = "."}``, ``ktinject/rulefiles`` a symlink to ``../rules``), an
 editable install is a ``.pth`` entry on ``sys.path`` instead, where the regular package beats a namespace portion,
@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import importlib.resources, importlib.util
 import ktinject
-from ktinject.rules import FAMILIES
-import ktinject.rules
+from ktinject.injection.rules import FAMILIES
+import ktinject.injection.rules
 print(ktinject.__file__)
-print(ktinject.rules.__file__)
-print(importlib.util.find_spec("ktinject.plan").origin)
+print(ktinject.injection.rules.__file__)
+print(importlib.util.find_spec("ktinject.injection.plan").origin)
 print(callable(getattr(ktinject, "__getattr__", None)))  # ktinject.plan, ktinject.inject, ... resolve through it
 print((importlib.resources.files("ktinject.rulefiles") / "common.yaml").is_file())
 """

@@ -142,7 +142,7 @@ def test_lazy_cycle_edges_are_still_needed():
 def test_operators_do_not_import_the_layers_above():
     """Operators are the bottom floor: ktinject.gpu_experts, apply, inject and loading build on them, never the
     reverse (at module level or inside functions)."""
-    above = ("ktinject.gpu_experts", "ktinject.apply", "ktinject.inject", "ktinject.loading", "ktinject.formats")
+    above = ("ktinject.gpu_experts", "ktinject.injection.apply", "ktinject.inject", "ktinject.injection.loading", "ktinject.injection.formats")
     bad = [f"{m} imports {t} (line {line})" for m in MODULES if m.startswith("ktinject.operators")
            for t, _, line in sum(_imports(m), []) if t.startswith(above)]
     assert not bad, "; ".join(bad)

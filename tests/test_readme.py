@@ -47,7 +47,7 @@ def readme_options() -> dict[str, tuple[str, str]]:
 
 
 def test_chat_options_table_matches_the_parser():
-    from ktinject.chat import build_parser
+    from ktinject.cli.chat import build_parser
 
     table = readme_options()
     fix = "; update the option table under '## Options' in docs/chat.md"

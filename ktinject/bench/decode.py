@@ -23,7 +23,7 @@ speed and the spread of the runs.
 ``--defer 0,1,2,0.3`` times expert deferral instead: graph decode per setting against the bound (CPU + GPU) /
 max(CPU, GPU) of this run (``ktinject.bench.defer``).
 ``--peer PATH --peer-model GGUF[,GGUF]`` times llama.cpp's llama-bench (experts on the CPU) on those GGUFs after
-ktinject's rows, in the same run, and compares each quant with its GGUF type (``ktinject.bench.peer``).
+ktinject's rows, in the same run, and compares each quant with its GGUF type (``ktinject.bench.llamacpp``).
 Last, per quant, issue 18's targets that the run measured, each judged met / NOT met in the bench's own output
 (``ktinject.bench.targets``, which lists them; whole model at batch 1 only).
 ``--tiny`` runs the same flow on the tiny qwen3_moe test model (CPU-only machines too: GPU rows say n/a; no roofline
@@ -41,8 +41,8 @@ import time
 
 import torch
 
-from ktinject.bench import peer
-from ktinject.operators import fused_dense
+from ktinject.bench import llamacpp as peer
+from ktinject.operators.kernels import dense as fused_dense
 from ktinject.bench.memory import measure_read_bandwidth
 from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and the probe build the same model)
     set_generation_defaults, build_model, build_tiny,
@@ -52,14 +52,14 @@ from ktinject.bench.timing import (  # the measurements (bench serve imports two
     cpu_expert_time, expert_bytes_per_token, gen_time, graph_replay, hf_decode, ktinject_decode, muted_replay,
     paired_overhead, profile_line, profile_replay, wrap_cpu_experts,
 )
-from ktinject.cli import experts_format
+from ktinject.cli.options import experts_format
 
 MUTED_RUNS = 5  # runs of muted replays whose median is the GPU part
 ROOF_VARIANTS = 3  # the start-of-run probe's fastest read variants, each timed again every round
 
 
 def _fast_decode(model, on: bool) -> None:
-    from ktinject.operators import decode_attention
+    from ktinject.decode import attention as decode_attention
 
     for m in model.modules():
         if on and type(m).__name__ in decode_attention.SUPPORTED:
@@ -71,7 +71,7 @@ def _fast_decode(model, on: bool) -> None:
 def compare_rows(model, prompt, new_tokens: int, rows: list) -> None:
     """Graph decode (through generate, and bare replay) with one speed-up undone at a time (each captures anew)."""
     from ktinject import native
-    from ktinject.generate import get_runner
+    from ktinject.decode.generate import get_runner
 
     B, P = prompt.shape
     attn = model.config._attn_implementation
@@ -277,7 +277,7 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     pool = native.default_pool()
     pinned = os.environ.get("KTINJECT_PIN") == "1" if os.environ.get("KTINJECT_PIN") in ("0", "1") else pool.pin
     if device.type == "cuda":
-        from ktinject.operators import fused
+        from ktinject.operators.kernels import common as fused
 
         probe = torch.empty(1, device=device)
         kernels = ("decode kernels: Triton, programmatic dependent launch " + ("on" if fused.pdl(probe) else "off")

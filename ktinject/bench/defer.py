@@ -33,8 +33,9 @@ import torch
 import ktinject
 from ktinject.bench.targets import defer_failed, defer_targets
 from ktinject.bench.timing import profile_line, replay_iters
-from ktinject.cli import defer_list, defer_settings
-from ktinject.operators import deferral, fused_dense
+from ktinject.cli.options import defer_list, defer_settings
+from ktinject.operators import deferral
+from ktinject.operators.kernels import dense as fused_dense
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def rows(model, prompt: torch.Tensor, args, add, timers: Timers, quant: str = "b
     """The deferral rows of one injected model (``args.defer``, ``args.tokens``, ``args.defer_rounds``), each given
     to ``add((what, tok/s, ms/token, note))``, then issue 20's target judged (``targets.defer_targets``; ``quant``:
     the experts' format)."""
-    from ktinject.generate import get_runner
+    from ktinject.decode.generate import get_runner
 
     B, P = prompt.shape
     ds = parse(args.defer, model.config.num_experts_per_tok)

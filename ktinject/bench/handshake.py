@@ -1,4 +1,4 @@
-"""The decode handshake's cost alone (``python -m ktinject.bench decode`` prints it; tests/gpu/test_graph_gpu.py uses
+"""The decode handshake's cost alone (``python -m ktinject.bench decode`` prints it; tests/decode/test_graph_gpu.py uses
 it): a CUDA graph of n ``StreamExperts`` start / finish pairs whose tasks compute nothing, against the same graph's
 copies without the handshakes. Legend: n layers, E experts, H hidden, k experts per token.
 """
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ktinject.stream_experts import StreamExperts
+from ktinject.operators.handshake import StreamExperts
 
 
 def handshake_cost(n: int = 48, iters: int = 50, mode: str | None = None, device="cuda", pool=None) -> dict:

@@ -44,12 +44,12 @@ from torch.nn import functional as F
 import ktinject
 from ktinject import native
 from ktinject.bench.model import build_model, build_tiny, set_generation_defaults
-from ktinject.generate import get_runner
-from ktinject.gpu_experts import placement
-from ktinject.gpu_experts import stats as expert_stats
-from ktinject.gpu_experts.bank import HotExperts
-from ktinject.gpu_experts.settings import parse_bytes
-from ktinject.plan import human_bytes
+from ktinject.decode.generate import get_runner
+from ktinject.gpu_experts.hot import placement
+from ktinject.gpu_experts.hot import stats as expert_stats
+from ktinject.gpu_experts.hot.bank import HotExperts
+from ktinject.gpu_experts.hot.settings import parse_bytes
+from ktinject.injection.plan import human_bytes
 
 
 # ---- skewed routing -----------------------------------------------------------------------------------------

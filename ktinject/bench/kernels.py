@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ktinject.bench import crossover
 from ktinject.bench.memory import ReadLoop, measure_read_bandwidth
-from ktinject.info import cpu_model
+from ktinject.cli.info import cpu_model
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,8 @@ def child(phase: str, d: Path, cache: Path, quant: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import ktinject
-    from ktinject import native, plan  # noqa: F401
+    from ktinject import native
+    from ktinject.injection import plan  # noqa: F401
 
     with torch.device("meta"):
         AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d))  # imports the modeling code
@@ -144,7 +145,7 @@ def child(phase: str, d: Path, cache: Path, quant: str) -> dict:
     base = _hwm()
     t0 = time.perf_counter()
     if phase == "hf+inject":
-        from ktinject.inject import inject
+        from ktinject.injection.inject import inject
 
         model = AutoModelForCausalLM.from_pretrained(d)
         inject(model, gpu=dev, quant=quant)

@@ -85,7 +85,7 @@ def build_model(layers: int, device: torch.device, seed: int = 0) -> nn.Module:
 
 
 def build_tiny(device: torch.device) -> nn.Module:
-    from ktinject.testing import build_tiny_model
+    from ktinject.tiny_models import build_tiny_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return build_tiny_model("qwen3_moe", dtype=dtype).to(device)

@@ -4,7 +4,7 @@
                                      [--layers N] [--threads N] [--reps N] [--chunk N] [--bandwidth-gb G] [--tiny]
 
 Builds the bench model (Qwen3-30B-A3B shapes, ``ktinject.bench.model``) once per quant, injects it, and for each
-mode (the model's prefill streamer switched: ``ktinject.gpu_experts.stream.attach``) times prefills of each length
+mode (the model's prefill streamer switched: ``ktinject.gpu_experts.prefill.streamer.attach``) times prefills of each length
 through ``ktinject.generate`` (one new token; chunks as generate picks them: from free GPU memory), after a warm-up
 prefill per mode that pays the one-time set-up (page-locking the experts, the cost model's measurements). The modes
 take turns (``--reps`` rounds, the median shown and every run listed), each timed prefill after an untimed one of
@@ -37,9 +37,9 @@ import time
 
 import torch
 
-from ktinject.bench import peer
+from ktinject.bench import llamacpp as peer
 from ktinject.bench.model import bench_model
-from ktinject.gpu_experts.balance import TRIALS
+from ktinject.gpu_experts.prefill.feedback import TRIALS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -111,8 +111,8 @@ def run(args, quant: str, ours: dict | None = None) -> list[tuple[str, str, str]
     (mode, tok/s of the 48-layer model) for the peer's rows: auto where it ran, else the fastest mode."""
     import ktinject
     from ktinject import native
-    from ktinject.generate import get_runner, prefill_chunk
-    from ktinject.gpu_experts import stream
+    from ktinject.decode.generate import get_runner, prefill_chunk
+    from ktinject.gpu_experts.prefill import streamer as stream
 
     t0 = time.perf_counter()
     model, device = bench_model(args.tiny, args.layers, args.threads)
@@ -184,7 +184,7 @@ def run(args, quant: str, ours: dict | None = None) -> list[tuple[str, str, str]
 def _breakdown(model, streamer, quant: str, n: int, device) -> tuple[str, str, str]:
     """One traced gpu-mode prefill of n tokens: per layer (median) the copy, the dequantization, the whole expert
     compute (dequantization + grouped GEMMs + weighting) and the wall time, from CUDA events."""
-    from ktinject.gpu_experts.ring import intervals
+    from ktinject.gpu_experts.prefill.ring import intervals
 
     streamer.ring.trace = []
     try:

@@ -90,7 +90,7 @@ def gen_time(model, ids, new_tokens: int) -> float:
 
 def ktinject_decode(model, prompt, new_tokens: int, graphs: bool, **runner_kwargs) -> dict:
     """Seconds per decode token through ktinject.generate (prefill subtracted), graphs on or off."""
-    from ktinject.generate import get_runner
+    from ktinject.decode.generate import get_runner
 
     runner = get_runner(model, use_graphs=graphs, prefill_chunk=2048, **runner_kwargs)
     gen_time(model, prompt, 3)  # warm-up: caches, pinned buffers, graph capture

@@ -9,7 +9,7 @@ flash or flex kernel), ``eager``, ``flash_attention_2``, ``flash_attention_3``, 
 (leave the model's setting alone); ``fuse_norms`` (default true): the RMSNorms inside the attention module (q/k
 norms, MLA norms) become one ``torch.rms_norm`` kernel each (``ktinject.operators.norm``); ``fast_decode`` (default true):
 modules of the standard grouped-query classes get a decode-step forward with fewer GPU kernels
-(``ktinject.operators.decode_attention``; other steps and classes run HF's forward). Models that do not support SDPA (gpt-oss: attention sinks) keep their setting
+(``ktinject.decode.attention``; other steps and classes run HF's forward). Models that do not support SDPA (gpt-oss: attention sinks) keep their setting
 when ``sdpa`` is asked for, with an info message.
 
 ``sdpa`` installs ``ktinject_sdpa`` (registered with transformers' AttentionInterface and AttentionMaskInterface on
@@ -78,8 +78,8 @@ class AttentionOperator(Operator):
             from ktinject.operators.norm import fuse_children
 
             fuse_children(module)
-        if kwargs.get("fast_decode", True):  # one-token steps with fewer GPU kernels (operators/decode_attention.py)
-            from ktinject.operators import decode_attention
+        if kwargs.get("fast_decode", True):  # one-token steps with fewer GPU kernels (decode/attention.py)
+            from ktinject.decode import attention as decode_attention
 
             decode_attention.install(module)
         return module

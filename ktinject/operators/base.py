@@ -1,4 +1,4 @@
-"""The operator protocol shared by plan (which asks) and ktinject.apply (which builds).
+"""The operator protocol shared by plan (which asks) and ktinject.injection.apply (which builds).
 
 Legend for tensor shapes in operators: T tokens, E experts, H hidden, I expert intermediate, k experts per token.
 """
@@ -42,7 +42,7 @@ class Operator:
         raise NotImplementedError
 
     # Operators whose routed experts live in native memory also take them already packed, so that the streaming
-    # loader (ktinject.loading) can fill them from the checkpoint without the module's expert tensors ever existing.
+    # loader (ktinject.injection.loading) can fill them from the checkpoint without the module's expert tensors ever existing.
     @classmethod
     def expert_stream(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> Any:
         """What the loader packs for ``module`` (``families.ExpertStream``), or None (the default): the loader then

@@ -12,7 +12,7 @@ device's stream would not be ordered after this one's wait). Every MoE forward s
 it runs (this path, graph decode's warm-up and capture, the deferral path, streamed prefill), and a failed run's
 error is raised there, never dropped: a forward that stopped before its next block (an exception, an early exit)
 leaves it to the next MoE forward. KTINJECT_PREFILL_OVERLAP=0 turns this off, with streamed prefill's
-(``gpu_experts/split.py``). One stream, one forward at a time (as the staging buffers assume).
+(``gpu_experts/prefill/split.py``). One stream, one forward at a time (as the staging buffers assume).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import os
 import torch
 
 from ktinject import native
-from ktinject.operators import fused
+from ktinject.operators.kernels import common as fused
 
 _LEFT: list = []  # [(task, block)]: the task left running, at most one (one forward at a time)
 COUNTS = {"left": 0, "settled": 0}  # tasks left running / waited for by settle, since import (tests, probes)

@@ -1,7 +1,7 @@
 """Expert deferral in decode steps (KTransformers' third technique): part of each MoE layer's routed experts runs one
 layer late, so that the CPU computes them while the GPU runs the next layer's attention.
 
-What ``defer`` computes (tests/test_deferral.py checks the eager path against a plain torch rendering of this):
+What ``defer`` computes (tests/operators/test_deferral.py checks the eager path against a plain torch rendering of this):
 - Only forwards of one token per row (decode, S == 1) defer; prefill (S > 1) never does, and defer = 0 is the path
   without deferral, bit for bit. The MoE blocks b_0 .. b_{n-1} of the model, in forward order, form a chain.
 - Block b_i routes its input x_i as always: ids [T,k], weights w [T,k] (HF's weights, never renormalized over
@@ -36,7 +36,7 @@ Mechanics: the native task selects its slots itself (``Task.select``: "top" the 
 deferred ones; no GPU kernels, no extra copies); ``link`` gives every HybridMoE its place in the chain at
 injection; within a forward a deferring block ``put``s its deferred work and the next block ``take``s it. Eagerly
 the deferred task is submitted right after the immediate one and waited for by the next block; in a captured decode
-step the immediate task's end raises the deferred task's go flag (``ktinject.stream_experts``), and the next block's
+step the immediate task's end raises the deferred task's go flag (``ktinject.operators.handshake``), and the next block's
 collect of its own output takes the deferred output in the same kernel, inside the decoder layer's residual add +
 norm (``LazyCollect``: one launch instead of two collects, an add and the add + norm). A forward cut short
 leaves work in flight: the next forward's first block drains it. ``set_defer`` changes the setting on an injected
@@ -49,7 +49,8 @@ import logging
 
 import torch
 
-from ktinject import native, stream_experts
+from ktinject import native
+from ktinject.operators import handshake as stream_experts
 from ktinject.operators.base import OperatorError
 from ktinject.operators.families import shared_output
 

@@ -27,7 +27,7 @@ adds their output to its own while the CPU has computed them during that block's
 model-wide, applied once every block is built (``ktinject.gpu_experts``).
 
 Each forward also counts the routed (token, slot) pairs per expert into ``counts`` [E] on the device (statistics),
-and GPU-resident experts (``hot``, a ``ktinject.gpu_experts.bank.HotExperts``, set by placement) run on the device
+and GPU-resident experts (``hot``, a ``ktinject.gpu_experts.hot.bank.HotExperts``, set by placement) run on the device
 between the host submit and wait, while the native experts skip them through ``skip``.
 
 Legend: B batch, S sequence, T tokens (B*S), E experts, H hidden, I expert intermediate, k experts per token.
@@ -40,8 +40,11 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ktinject import fastpaths, native, stream_experts
-from ktinject.operators import cpu_overlap, deferral, fused, register
+from ktinject import native
+from ktinject.operators import fast_path_report as fastpaths
+from ktinject.operators import handshake as stream_experts
+from ktinject.operators import cpu_overlap, deferral, register
+from ktinject.operators.kernels import common as fused
 from ktinject.operators.base import Operator, OperatorError, tensor_bytes
 from ktinject.operators.families import (
     QUANTS, SHARED_ATTRS, BlockSpec, ExpertStream, experts_nbytes, free_experts, gpt_oss_biases, inspect_block,
@@ -95,9 +98,9 @@ class HybridMoE(nn.Module):
         self.skip = torch.zeros(spec.num_experts, dtype=torch.uint8, pin_memory=pin)
         self.counts = torch.zeros(spec.num_experts, dtype=torch.int64, device=self.device)  # [E] routed pairs
         self.collect_stats = True
-        self.hot = None  # HotExperts: GPU-resident experts (ktinject.gpu_experts.placement.place)
+        self.hot = None  # HotExperts: GPU-resident experts (ktinject.gpu_experts.hot.placement.place)
         self.expert_biases = None  # gpt-oss: (gate_up_bias [E, 2I], down_bias [E, H]) f32 host copies, for hot
-        # prefill hook (ktinject.gpu_experts.stream, set by apply): called as prefill(block, x, ids, weights) for an
+        # prefill hook (ktinject.gpu_experts.prefill.streamer, set by apply): called as prefill(block, x, ids, weights) for an
         # eager forward; returns (routed, shared) when it took the forward (experts streamed to the GPU, maybe split
         # with the CPU), None to leave it to the path below, which then calls prefill.native_done(block), where the
         # hook has it, once the native task is done (its timing). A plain attribute: not a submodule, no state-dict
@@ -314,12 +317,12 @@ def _combine(routed: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
     return routed if extra is None else (extra + routed).to(routed.dtype)
 
 
-#: the model-wide hot-expert options a moe rule may carry (``ktinject.gpu_experts.settings.OPTIONS``): the operator
-#: only accepts them; ``ktinject.apply`` validates them (naming the rule) and places the experts once every block
+#: the model-wide hot-expert options a moe rule may carry (``ktinject.gpu_experts.hot.settings.OPTIONS``): the operator
+#: only accepts them; ``ktinject.injection.apply`` validates them (naming the rule) and places the experts once every block
 #: is built, so this module never depends on the GPU-expert code
 HOT_KWARGS = frozenset({"gpu_experts_budget", "placement", "stats", "rebalance_every"})
 #: the model-wide prefill option ("auto" | "cpu" | "gpu": where a prompt's routed experts run, ``ktinject.gpu_experts.
-#: policy``): accepted here, validated (naming the rule) and acted on by ``ktinject.apply`` (``gpu_experts.stream``)
+#: policy``): accepted here, validated (naming the rule) and acted on by ``ktinject.injection.apply`` (``gpu_experts.stream``)
 PREFILL_KWARGS = frozenset({"prefill"})
 
 

@@ -5,7 +5,7 @@ step of a Qwen3-30B-A3B-shaped model runs four per layer (input, post-attention,
 kernels per token. ``torch.rms_norm`` is one kernel on CUDA. The arithmetic is the same normalization in float32;
 the fused kernel rounds once at the end where HF rounds the normalized value to the input dtype and then multiplies
 by the weight in that dtype (GptOssRMSNorm multiplies in float32 first, as the fused kernel does), so in bf16 the
-two differ by about one bf16 ulp, and the fused result is the closer one to float64 (tests/test_norm.py).
+two differ by about one bf16 ulp, and the fused result is the closer one to float64 (tests/operators/test_norm.py).
 
 Only the classes in ``KNOWN`` are taken (all ``weight * x * rsqrt(mean(x^2) + eps)``, eps in ``variance_epsilon``);
 another class is refused with its name, since e.g. Gemma's norm scales by ``1 + weight``. The fused module keeps
@@ -75,7 +75,7 @@ def rounds_twice(module: nn.Module) -> bool:
     return not isinstance(module, FusedRMSNorm) and type(module).__name__ != "GptOssRMSNorm"
 
 
-# The decoder layer's decode forward (operators/decode_layer.py) ends with the residual add; the kernel that adds
+# The decoder layer's decode forward (decode/layer.py) ends with the residual add; the kernel that adds
 # can normalize the sum for the next norm too. The sum carries that result, and the norm takes it instead of
 # normalizing again when it is still valid: the same norm module, weight and eps, neither tensor changed since.
 _PRENORMED = "_ktinject_prenormed"

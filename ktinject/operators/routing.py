@@ -1,7 +1,7 @@
 """Routing and staging for the "moe" operator: the router's fast path and the host buffers that native experts read.
 
 Kept apart from ``moe.py`` (the ``HybridMoE`` block and its experts' paths) because other modules use them without
-the operator: the decode layer asks ``hooked``, streamed prefill (``ktinject.gpu_experts.stream``) and expert
+the operator: the decode layer asks ``hooked``, streamed prefill (``ktinject.gpu_experts.prefill.streamer``) and expert
 deferral share the thread's ``staging`` buffers.
 
 - ``staging``: this thread's grow-only host buffers (pinned on CUDA): a forward's x, ids and weights go in, the
@@ -21,8 +21,8 @@ import threading
 import torch
 from torch import nn
 
-from ktinject import stream_experts
-from ktinject.operators import fused
+from ktinject.operators import handshake as stream_experts
+from ktinject.operators.kernels import common as fused
 
 
 class Staging:
@@ -92,7 +92,7 @@ def router_f32_extra(router: nn.Module) -> int:
 # unsorted or in descending order (the native experts sum in expert order whatever the slots; the hot experts' sum is
 # order-free up to rounding). The experts are HF's except at near-ties: logits an ulp or so apart, which HF's float32
 # probabilities may round equal and then rank by index, and which the Triton logits kernel (another summation order than
-# cuBLAS) may round the other way. Eligibility is by class (and flag): tests/test_router.py checks each class against
+# cuBLAS) may round the other way. Eligibility is by class (and flag): tests/operators/test_router.py checks each class against
 # the installed transformers.
 _SOFTMAX_TOPK_ROUTERS = {"Qwen3MoeTopKRouter": "norm_topk_prob", "Qwen2MoeTopKRouter": "norm_topk_prob",
                          "OlmoeTopKRouter": "norm_topk_prob", "MixtralTopKRouter": None}

@@ -27,7 +27,7 @@ the last one into it, so the bucket always fits the running batch). The forwards
 padding): ``steps.py``. Text and stop strings: ``text.py``.
 
 Batch invariance (greedy tokens alone = among others): on the CPU a row's logits are bit-identical in any batch
-(tests/test_batch_invariance.py: the router's logits row by row, the native experts per row, torch's bf16 GEMMs
+(tests/serve/test_batch_invariance.py: the router's logits row by row, the native experts per row, torch's bf16 GEMMs
 and SDPA at the demo model's shapes, chunks cut at fixed places). Not covered: GPU kernels picked by batch size
 (cuBLAS), torch's CPU bf16 GEMM at larger shapes (oneDNN rounds one row otherwise than two or more at H = 2048), and
 expert kernels that change arithmetic with an expert's rows (int4 dequantized to bf16 from 32 rows on AMX).

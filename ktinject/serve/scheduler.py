@@ -1,6 +1,6 @@
 """Which request holds which KV-cache row, and what the engine does next: pure bookkeeping, no torch.
 
-Rows (slots of ``ktinject.kv_cache``, ``max_batch`` of them, allocated once) are kept compact:
+Rows (slots of ``ktinject.decode.kv_cache``, ``max_batch`` of them, allocated once) are kept compact:
 
 - rows 0..n-1 hold the n *running* requests (prompt in the cache, decoding), so one decode step of the bucket
   b >= n covers exactly them, plus b - n padding rows;

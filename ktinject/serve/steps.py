@@ -62,7 +62,7 @@ class ModelSteps:
 
     def setup(self) -> None:
         """The runner, its cache and, on CUDA, every bucket's graph (see the module docstring)."""
-        from ktinject.generate import get_runner
+        from ktinject.decode.generate import get_runner
 
         cfg = self.config
         self.runner = get_runner(self.model, buckets=cfg.buckets, max_cache_len=cfg.max_context,
@@ -95,7 +95,7 @@ class ModelSteps:
         """The streamed prefill's one-time work (page-locking the experts, the ring, auto's measurements) at start,
         after the cache and the graphs took their memory, not inside the first long prompt's forward, where it
         would stall every running stream."""
-        from ktinject.gpu_experts import stream
+        from ktinject.gpu_experts.prefill import streamer as stream
 
         streamer = stream.streamer_of(self.model)
         if cuda and streamer is not None and streamer.mode != "cpu":
@@ -108,7 +108,7 @@ class ModelSteps:
         into those rows' ``next_tokens``; returns them (waits: a request's first token is sent at once).
         A padded row's extra tokens come after its own, so its tokens never see them, and its cache length is set
         back to its own end afterwards."""
-        from ktinject import kv_cache
+        from ktinject.decode import kv_cache
 
         r0, B = jobs[0].row, len(jobs)
         self.reset_rows([j.row for j in jobs if j.fresh])
@@ -259,9 +259,9 @@ def pad_id(model, tokenizer) -> int:
 
 
 def eos_ids(model, tokenizer) -> frozenset[int]:
-    """The tokens that end a completion (``ktinject.stops.stop_token_ids``): the generation config's end-of-sequence
+    """The tokens that end a completion (``ktinject.decode.stop_tokens.stop_token_ids``): the generation config's end-of-sequence
     ids and the tokenizer's, the chat template's end-of-turn token, the end-of-text tokens."""
-    from ktinject.stops import stop_token_ids
+    from ktinject.decode.stop_tokens import stop_token_ids
 
     return frozenset(stop_token_ids(tokenizer, getattr(model, "generation_config", None)))
 
@@ -269,7 +269,7 @@ def eos_ids(model, tokenizer) -> frozenset[int]:
 def _rebalancer(model):
     """The dynamic hot-expert placement's Rebalancer (stepped once per decode step), or None."""
     try:
-        from ktinject.gpu_experts import placement
+        from ktinject.gpu_experts.hot import placement
     except ImportError:
         return None
     get = getattr(placement, "rebalancer", None)

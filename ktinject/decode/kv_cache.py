@@ -1,0 +1,274 @@
+"""ktinject's decode KV cache: a fixed number of rows (slots) x a maximum length, with a position per row.
+
+HF's ``StaticCache`` keeps one position counter per layer, so every row of a batch sits at the same position, and
+its sliding-window layers keep a Python int (no CUDA graph can replay them). ``KVCache`` keeps, per layer, K and V
+of shape [slots, heads, L, D] (allocated once, on the first write, from the written tensors' shapes: MLA latents of
+DeepSeek in transformers 5.24 and full K/V alike) and one int64 length per row, on the device. A forward of B rows
+writes its S new tokens of row b at ``lengths[b] .. lengths[b] + S - 1`` and advances ``lengths[b]`` by S, all in
+device ops: the lengths are graph inputs (static tensors), so one captured decode step serves rows at different
+positions. Sliding-window layers keep the whole history and get their window from the mask, so gpt-oss decodes as a
+graph too. ``attention_masks`` builds the masks a step needs from the lengths (and an optional 2D padding mask),
+inside the graph; models take a 4D mask (or a dict of them per layer type) as is.
+
+It is an HF ``Cache`` (its layers subclass ``StaticLayer``), so HF's own code paths (``generate``'s prefill, masks
+built by HF for a batch whose rows share one position) work on it unchanged. ``rows(a, b)`` is a view of rows
+[a, b) that shares storage: ``generate`` of B rows uses ``rows(0, B)``, a server prefills a request into its slot
+through ``rows(s, s + 1)``. Rows can be reset, copied, exported and imported (``reset_rows``, ``copy_row``,
+``export_row``, ``import_row``). The cache outlives ``generate()`` when the caller keeps it.
+Legend: N slots, B rows of a forward, H heads, L max length, D head dim, S new tokens per row.
+"""
+from __future__ import annotations
+
+import torch
+
+from ktinject import compat
+
+MASK_TYPES = ("full_attention", "sliding_attention")
+
+
+def _static_layer_class():
+    from transformers.cache_utils import StaticLayer
+
+    return StaticLayer
+
+
+def _cache_class():
+    from transformers.cache_utils import Cache
+
+    return Cache
+
+
+def _classes():
+    """(KVLayer, KVCache), defined on first use against the installed transformers (nothing at import)."""
+    global _CLASSES
+    if _CLASSES is None:
+        _CLASSES = _define(_static_layer_class(), _cache_class())
+    return _CLASSES
+
+
+_CLASSES = None
+
+
+def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined against the installed transformers
+    class KVLayer(StaticLayer):
+        """One layer: K [N, H, L, Dk], V [N, H, L, Dv] and lengths [N] (int64, device). ``source``: (parent layer,
+        first row, end row) for a view of some rows of a parent's storage."""
+
+        def __init__(self, max_len: int, lengths: torch.Tensor, source=None):
+            super().__init__(max_cache_len=max_len)
+            self.row_lengths = lengths  # [rows] int64 (a slice of the parent's for a view)
+            self.cumulative_length = lengths[0]  # HF reads this 0-d tensor as "the" length (row 0's)
+            self.source = source
+            self._arange = torch.arange(max_len, device=lengths.device)
+            if source is not None and source[0].is_initialized:
+                self._take_view()
+
+        def _take_view(self) -> None:
+            parent, a, b = self.source
+            self.keys, self.values = parent.keys[a:b], parent.values[a:b]
+            self.device = parent.device
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            if self.source is not None:
+                if not self.source[0].is_initialized:
+                    self.source[0].lazy_initialization(key_states, value_states)
+                self._take_view()
+                return
+            N, H, L = self.row_lengths.shape[0], key_states.shape[1], self.max_cache_len
+            self.device = key_states.device
+            self.keys = torch.zeros((N, H, L, key_states.shape[-1]), dtype=key_states.dtype, device=self.device)
+            self.values = torch.zeros((N, H, L, value_states.shape[-1]), dtype=value_states.dtype,
+                                      device=self.device)
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            """Write k/v [B, H, S, D] of rows 0..B-1 at their own positions; (K, V) [B, H, L, D] of those rows."""
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            B, H, S = key_states.shape[:3]
+            idx = (self.row_lengths[:B, None] + self._arange[:S]).view(B, 1, S, 1)  # [B, 1, S, 1]
+            self.keys[:B].scatter_(2, idx.expand(B, H, S, self.keys.shape[-1]), key_states.to(self.keys.dtype))
+            self.values[:B].scatter_(2, idx.expand(B, H, S, self.values.shape[-1]),
+                                     value_states.to(self.values.dtype))
+            self.row_lengths[:B].add_(S)
+            return self.keys[:B], self.values[:B]
+
+        def get_seq_length(self, *args, **kwargs):
+            return self.cumulative_length if self.is_initialized else 0
+
+        def reset(self) -> None:
+            self.row_lengths.zero_()  # the stored K/V need no zeroing: masks never reach past a row's length
+
+        def crop(self, tokens_to_remove: int) -> None:
+            if tokens_to_remove > 0:
+                raise ValueError("KVCache layers are cropped by a negative count of tokens to remove")
+            self.row_lengths.sub_(-tokens_to_remove).clamp_(min=0)
+
+    class KVCache(Cache):
+        """The cache (see the module docstring): ``KVCache.new(config, slots, max_len, device)``."""
+
+        def __init__(self, layers, slots: int, max_len: int, lengths: torch.Tensor, parent=None, first: int = 0):
+            super().__init__(layers=layers)
+            self.slots, self.max_len = slots, max_len
+            self.lengths = lengths  # [slots, layers] int64: column i is layer i's row_lengths
+            self.parent, self.first = parent, first
+
+        @classmethod
+        def new(cls, config, slots: int, max_len: int, device) -> "KVCache":
+            n = config.get_text_config(decoder=True).num_hidden_layers if hasattr(config, "get_text_config") \
+                else config.num_hidden_layers
+            if slots < 1 or max_len < 1:
+                raise ValueError(f"KVCache needs slots >= 1 and max_len >= 1, got {slots} and {max_len}")
+            lengths = torch.zeros((n, slots), dtype=torch.int64, device=device)
+            return cls([KVLayer(max_len, lengths[i]) for i in range(n)], slots, max_len, lengths)
+
+        def rows(self, a: int, b: int) -> "KVCache":
+            """A view of rows [a, b) sharing this cache's storage (writes land here)."""
+            if not 0 <= a < b <= self.slots:
+                raise IndexError(f"rows({a}, {b}) of a KVCache with {self.slots} slots")
+            base = self.parent or self
+            a0 = self.first + a
+            layers = [KVLayer(self.max_len, base.lengths[i, a0:a0 + b - a], (base.layers[i], a0, a0 + b - a))
+                      for i in range(len(base.layers))]
+            return KVCache(layers, b - a, self.max_len, base.lengths[:, a0:a0 + b - a], base, a0)
+
+        @property
+        def row_lengths(self) -> torch.Tensor:
+            """[slots] int64: tokens held per row (layer 0's count; every layer agrees after a whole forward)."""
+            return self.lengths[0]
+
+        @property
+        def initialized(self) -> bool:
+            return all(layer.is_initialized for layer in self.layers)
+
+        def reset_rows(self, rows) -> None:
+            """Forget rows (an index, a list or a tensor of row indices)."""
+            self.lengths[:, torch.as_tensor(rows, device=self.lengths.device)] = 0
+
+        def copy_row(self, src: int, dst: int, length: int | None = None) -> None:
+            """Row ``dst`` becomes a copy of row ``src`` (K, V and length); ``length``: copy only that many
+            positions (the row's length read on the host when None: positions past it are never read)."""
+            n = int(self.lengths[0, src]) if length is None else int(length)
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.keys[dst, :, :n].copy_(layer.keys[src, :, :n])
+                    layer.values[dst, :, :n].copy_(layer.values[src, :, :n])
+            self.lengths[:, dst].copy_(self.lengths[:, src])
+
+        def export_row(self, row: int, start: int = 0, end: int | None = None) -> list:
+            """[(K [H, n, Dk], V [H, n, Dv]) per layer] of positions [start, end) of ``row`` (copies)."""
+            end = int(self.lengths[0, row]) if end is None else end
+            return [(layer.keys[row, :, start:end].clone(), layer.values[row, :, start:end].clone())
+                    for layer in self.layers]
+
+        def import_row(self, row: int, kv: list, start: int = 0) -> None:
+            """Write ``export_row``'s blocks at positions ``start``.. of ``row``; its length becomes their end."""
+            if len(kv) != len(self.layers):
+                raise ValueError(f"import_row: {len(kv)} layers given, the cache has {len(self.layers)}")
+            end = start + kv[0][0].shape[1]
+            if end > self.max_len:
+                raise ValueError(f"import_row: positions up to {end} do not fit a cache of {self.max_len}")
+            for layer, (k, v) in zip(self.layers, kv):
+                if not layer.is_initialized:
+                    layer.lazy_initialization(k[None], v[None])
+                layer.keys[row, :, start:end].copy_(k)
+                layer.values[row, :, start:end].copy_(v)
+            self.lengths[:, row] = end
+
+        def save_lengths(self) -> torch.Tensor:
+            return self.lengths.clone()
+
+        def restore_lengths(self, saved: torch.Tensor) -> None:
+            self.lengths.copy_(saved)
+
+    return KVLayer, KVCache
+
+
+def new(config, slots: int, max_len: int, device) -> "KVCache":
+    """A KVCache of ``slots`` rows x ``max_len`` tokens for a model of ``config`` (K/V allocated on first write)."""
+    return _classes()[1].new(config, slots, max_len, torch.device(device))
+
+
+def is_kv_cache(obj) -> bool:
+    return _CLASSES is not None and isinstance(obj, _CLASSES[1])
+
+
+def decode_slots(cache, layer_idx: int, B: int, like: torch.Tensor):
+    """(K [B, H, L, D], V [B, H, L, D], lengths [B] int64) of rows 0..B-1 of a KVCache layer, for a kernel that
+    writes a decode step's k/v at each row's length and advances the lengths itself (operators/kernels/attention.py);
+    None (use ``cache.update``) for other caches, a layer not allocated yet, or K/V not of ``like``'s dtype and
+    device."""
+    if not is_kv_cache(cache) or not 0 <= layer_idx < len(cache.layers):
+        return None
+    layer = cache.layers[layer_idx]
+    if not layer.is_initialized or layer.keys.dtype != like.dtype or layer.keys.device != like.device or (
+            layer.values.dtype != like.dtype or B > layer.keys.shape[0]):
+        return None
+    return layer.keys[:B], layer.values[:B], layer.row_lengths[:B]
+
+
+# ---- masks ---------------------------------------------------------------------------------------------------
+def mask_layout(config) -> tuple[bool, int | None, int | None]:
+    """(the model takes a dict of masks per layer type, its full layers' window, its sliding layers' window).
+
+    Models with ``layer_types`` naming sliding layers (gpt-oss, Qwen2-MoE) take {"full_attention": ...,
+    "sliding_attention": ...}; the others one mask, windowed when the config has a sliding window (Mixtral, Qwen3
+    with use_sliding_window: HF then builds its mask with create_sliding_window_causal_mask)."""
+    window = getattr(config, "sliding_window", None) or None
+    types = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" in types:
+        return True, None, window
+    return False, window, window
+
+
+def attention_masks(config, lengths: torch.Tensor, S: int, L: int, pad2d: torch.Tensor | None = None,
+                    float_dtype: torch.dtype | None = None):
+    """The masks of a forward of S tokens per row on rows whose lengths before it are ``lengths`` [B]: [B, 1, S, L],
+    True (or 0.0) where query s of row b may see key j: j <= lengths[b] + s, within the window for sliding layers,
+    and ``pad2d`` [B, n <= L] (1 = real token; positions past n count as real) allows j. Bool masks, or additive
+    float masks of ``float_dtype`` (eager attention). A dict per layer type where the model takes one."""
+    takes_dict, full_window, sliding_window = mask_layout(config)
+    B, dev = lengths.shape[0], lengths.device
+    j = torch.arange(L, device=dev)  # [L]
+    q = lengths[:, None] + torch.arange(S, device=dev)  # [B, S]: each query's own position
+    causal = j <= q[:, :, None]  # [B, S, L]
+    if pad2d is not None:
+        pad = pad2d.to(device=dev, dtype=torch.bool)[:, :L]
+        if pad.shape[1] < L:
+            pad = torch.nn.functional.pad(pad, (0, L - pad.shape[1]), value=True)
+        causal = causal & pad[:, None, :]
+
+    def finish(window):
+        m = causal if window is None else causal & (j > q[:, :, None] - window)
+        m = m[:, None]  # [B, 1, S, L]
+        if float_dtype is None:
+            return m
+        return torch.where(m, torch.zeros((), dtype=float_dtype, device=dev),
+                           torch.full((), torch.finfo(float_dtype).min, dtype=float_dtype, device=dev))
+
+    if takes_dict:
+        return {"full_attention": finish(full_window), "sliding_attention": finish(sliding_window)}
+    return finish(full_window)
+
+
+def mask_float_dtype(model) -> torch.dtype | None:
+    """None (bool masks) for SDPA-style attention, the model's dtype for eager attention's additive masks."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == "eager":
+        return next(p.dtype for p in model.parameters() if p.is_floating_point())
+    return None
+
+
+def forward(model, cache, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+            pad2d: torch.Tensor | None = None, **kwargs):
+    """``model(input_ids, ...)`` on ``cache`` (rows 0..B-1 of it) with this step's masks built from the rows'
+    lengths: rows at different positions in one forward. ``position_ids`` default: the rows' lengths onward (no
+    padding). Returns the model's output."""
+    B, S = input_ids.shape
+    lengths = cache.row_lengths[:B]
+    if position_ids is None:
+        position_ids = lengths[:, None] + torch.arange(S, device=lengths.device)
+    masks = attention_masks(model.config, lengths, S, cache.max_len, pad2d, mask_float_dtype(model))
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=masks, use_cache=True,
+                 **compat.cache_arg(cache), **kwargs)

@@ -1,0 +1,123 @@
+"""The hot-expert options, validated once: every entry point (``inject``, ``from_pretrained``, the chat's flags,
+moe rule kwargs) turns its options into a ``HotExpertSettings`` here, so they share names, defaults and errors.
+
+    option (keyword / rule kwarg)   chat flag               meaning
+    gpu_experts_budget              --gpu-experts-budget    GPU bytes for resident experts: an int or '12GiB'
+    placement                       --placement             frequency | uniform | dynamic | none
+    stats                           --expert-stats          statistics file (python -m ktinject.calibrate) or
+                                                            an ExpertStats
+    rebalance_every                 --rebalance-every       dynamic: tokens between re-rankings
+
+Defaults: ``placement`` is ``frequency`` when ``stats`` are given, else ``dynamic`` (without statistics there is
+nothing to rank by before decoding; ``dynamic`` learns the ranking from the routing while it decodes);
+``rebalance_every`` is 64 tokens. Nothing is placed unless a budget or a placement is given.
+
+Pure: no torch, no model; the module a CLI may import before anything heavy loads.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+STRATEGIES = ("frequency", "uniform", "dynamic", "none")
+DEFAULT_REBALANCE_EVERY = 64
+#: option names as the keywords of inject / from_pretrained and the moe rules' kwargs (HotExpertSettings fields in
+#: the same order: budget, strategy, stats, rebalance_every)
+OPTIONS = ("gpu_experts_budget", "placement", "stats", "rebalance_every")
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(value: Any) -> int:
+    """Bytes from an int/float or a string like '12GiB', '512 MiB', '1.5GB', '0' (GiB/MiB binary, GB/MB decimal)."""
+    if isinstance(value, bool):
+        raise ValueError(f"byte size {value!r}: expected a number or a string like '12GiB'")
+    if isinstance(value, (int, float)):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*", str(value))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"byte size {value!r}: expected a number with an optional unit (B, KiB, MiB, GiB, TiB, "
+                             f"KB, MB, GB, TB), e.g. '12GiB'")
+        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(f"byte size {value!r}: must be a non-negative number of bytes")
+    return int(n)
+
+
+def check_strategy(strategy: str) -> str:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"placement strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
+    return strategy
+
+
+def default_strategy(stats: Any) -> str:
+    """The placement used when none is named: ``frequency`` with statistics, else ``dynamic``."""
+    return "frequency" if stats is not None else "dynamic"
+
+
+@dataclass(frozen=True)
+class HotExpertSettings:
+    """Validated hot-expert options. ``budget`` bytes; ``strategy`` one of STRATEGIES; ``stats`` None, a file path
+    or an ExpertStats (``ktinject.gpu_experts.hot.stats``); ``rebalance_every`` tokens (used by ``dynamic``)."""
+
+    budget: int
+    strategy: str
+    stats: Any = None
+    rebalance_every: int = DEFAULT_REBALANCE_EVERY
+
+    @classmethod
+    def make(cls, gpu_experts_budget: Any = None, placement: str | None = None, stats: Any = None,
+             rebalance_every: Any = None, *, where: str = "") -> HotExpertSettings:
+        """Settings from the options as the entry points take them (None: the default); ValueError naming the
+        option (and ``where`` it was written, e.g. a rule) and what to write instead."""
+        at = f"{where}: " if where else ""
+        try:
+            budget = 0 if gpu_experts_budget is None else parse_bytes(gpu_experts_budget)
+        except ValueError as e:
+            raise ValueError(f"{at}gpu_experts_budget: expected bytes or a size like '12GiB', got "
+                             f"{gpu_experts_budget!r} ({e})") from None
+        if stats is not None and not isinstance(stats, (str, Path)) and not hasattr(stats, "counts"):
+            raise ValueError(f"{at}stats: expected a statistics file (python -m ktinject.calibrate) or an "
+                             f"ExpertStats, got {type(stats).__name__}")
+        if isinstance(stats, (str, Path)) and not Path(stats).is_file():
+            raise ValueError(f"{at}stats: expert statistics file not found: {stats} (write one with python -m "
+                             f"ktinject.calibrate)")
+        strategy = default_strategy(stats) if placement is None else placement
+        if strategy not in STRATEGIES:
+            raise ValueError(f"{at}placement: expected one of {', '.join(STRATEGIES)}, got {placement!r}")
+        every = DEFAULT_REBALANCE_EVERY if rebalance_every is None else rebalance_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"{at}rebalance_every: expected a positive number of tokens, got {rebalance_every!r}")
+        return cls(budget, strategy, stats, every)
+
+    @classmethod
+    def from_plan(cls, plan: Any, **given: Any) -> HotExpertSettings | None:
+        """Settings from the moe rules' kwargs in ``plan`` (the rules must agree: the options are model-wide),
+        overridden by the ones ``given`` as keywords (None: not given); None when neither a budget nor a placement
+        is set anywhere. A bad value raises ValueError naming the rule or the keyword."""
+        unknown = sorted(set(given) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown hot-expert option(s) {', '.join(unknown)}; expected {', '.join(OPTIONS)}")
+        found: dict[str, tuple[Any, str]] = {}
+        for entry in plan.operator_entries():
+            for name in OPTIONS:
+                value = entry.kwargs.get(name)
+                if value is None:
+                    continue
+                where = entry.rule.where
+                if name in found and found[name][0] != value:
+                    raise ValueError(f"moe rules disagree on {name}: {found[name][0]!r} ({found[name][1]}) vs "
+                                     f"{value!r} ({where}); hot experts are placed model-wide: give one value")
+                if name not in found:
+                    cls.make(**{name: value}, where=where)  # checked where it is written
+                    found[name] = (value, where)
+        merged = {name: value for name, (value, _) in found.items()}
+        merged.update({k: v for k, v in given.items() if v is not None})
+        if merged.get("gpu_experts_budget") is None and merged.get("placement") in (None, "none"):
+            return None
+        return cls.make(**merged)

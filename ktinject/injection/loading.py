@@ -1,0 +1,442 @@
+"""Load checkpoints larger than RAM allows twice: build on the meta device, then stream tensors to where they end.
+
+    from_pretrained(dir, rules, gpu=...)  =  config -> model on the meta device -> plan -> load_into(model, plan, dir)
+
+``load_into(model, plan, checkpoint)``:
+  index   open the checkpoint's reader (``ktinject.injection.formats``: every shard's header) and map each checkpoint key to
+          a model tensor with transformers' own conversion rules (``formats.hf_keys``): per-expert keys
+          (``...experts.7.gate_proj.weight``, Mixtral ``block_sparse_moe.experts.7.w1``) name the fused experts
+          tensor, an expert and a part (gate/up). Missing / unexpected keys, shapes and dtypes are checked before a
+          byte of data is read.
+  stream  shard by shard, tensor by tensor in file order (a reader thread a bounded window ahead), each tensor
+          straight to where it ends:
+            routed-expert tensors -> cast as transformers would -> ``native.Experts.set`` per expert (a fused
+                                     tensor is read one expert slice at a time): never a layer's HF-layout experts;
+                                     expert biases (gpt-oss) are also kept as float32 host copies
+            everything else       -> its plan device, replacing the meta tensor (``apply.TensorOwners``: tied
+                                     tensors stay one tensor)
+          an operator's module is built as soon as its last tensor arrived, by ``apply.build_operator``: around the
+          native experts filled here for operators with an ``expert_stream`` (moe), else from the materialized
+          module, as ``inject`` builds it.
+  cache   packed experts per MoE block (``packcache.PackCache``): a warm start reads those instead of the
+          checkpoint's expert weights and skips the repacking (the tiny bias tensors are still read).
+  finish  non-persistent buffers (rotary ``inv_freq``) recomputed on their device by the model's ``_init_weights``;
+          no meta tensor may remain; then ``apply.finish`` (hot experts, generate); one log line: seconds, GB/s,
+          bytes per device.
+
+Peak host memory: the final resident size plus the read-ahead window (``KTINJECT_READAHEAD_MB``, default 256) plus
+one tensor's dtype conversion. Legend: E experts, H hidden, I expert intermediate.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ktinject import native, operators
+from ktinject.injection import apply
+from ktinject.injection import pack_cache as packcache
+from ktinject.envs import env_int
+from ktinject.injection.formats import open_checkpoint
+from ktinject.injection.formats.base import BufferPool, LoadError, Reader, ReadJob
+from ktinject.injection.formats.hf_keys import Piece, check_expert_piece, expert_matrices, map_checkpoint
+from ktinject.gpu_experts.prefill.policy import mode_from_plan
+from ktinject.gpu_experts.hot.settings import HotExpertSettings
+from ktinject.operators.families import empty_biases, set_bias
+from ktinject.injection.pack_cache import CorruptCache, PackCache
+from ktinject.injection.plan import plan as make_plan, unmatched_note
+
+log = logging.getLogger(__name__)
+
+__all__ = ["from_pretrained", "load_into", "LoadError"]
+
+_CPU = torch.device("cpu")
+
+
+def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.dtype | str | None = None,
+                    cache_dir=None, progress: bool = True, gpu_experts_budget=None, placement: str | None = None,
+                    stats=None, rebalance_every: int | None = None, defer: int | float | None = None,
+                    prefill: str | None = None, **devices) -> nn.Module:
+    """A ready model from a local checkpoint directory, loaded without ever holding it twice.
+
+    ``rules``: rule file / parsed rules / None (packaged rules of ``config.model_type``); ``quant``: expert
+    quantization for every MoE block (``bf16``, ``int8``, ``int4``; None keeps the rules' choice, bf16 by default);
+    ``dtype``: model dtype (default: the config's, as transformers); ``cache_dir``: packed-expert cache: a
+    directory, True (``$KTINJECT_CACHE`` or ``<dir>/.ktinject-cache``), False (none), or None: that default
+    place, but only for quantized (int8, int4) experts, where it saves time (see ``ktinject.injection.pack_cache``);
+    ``gpu_experts_budget``, ``placement``, ``stats``, ``rebalance_every``: hot experts, as for ``inject``
+    (``ktinject.gpu_experts.hot.settings``); ``defer``: expert deferral in decode steps, as for ``inject``;
+    ``prefill``: where prompts' routed experts run (``auto``, ``cpu``, ``gpu``), as for ``inject``;
+    ``devices``: device variables (``gpu="cuda:0"``, ``gpu="cpu"``). The
+    plan is ``model._ktinject_plan``, load figures ``model._ktinject_load_stats``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # heavy: on the first load only
+
+    path = Path(path)
+    if not path.is_dir():
+        raise LoadError(f"{path} is not a checkpoint directory (config.json + *.safetensors)")
+    reader = open_checkpoint(path)
+    config = AutoConfig.from_pretrained(path)
+    reader.check_config(config)
+    dtype = _model_dtype(config, dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    the_plan = make_plan(model, rules, quant=quant, defer=defer, **devices)
+    load_into(model, the_plan, reader, cache_dir=cache_dir, progress=progress, gpu_experts_budget=gpu_experts_budget,
+              placement=placement, stats=stats, rebalance_every=rebalance_every, prefill=prefill)
+    return model
+
+
+def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: bool = True,
+              prefill: str | None = None, **hot_options):
+    """Fill a meta-device ``model`` from ``checkpoint`` (a directory, one .safetensors file, or an open
+    ``formats.Reader``) following ``plan`` (made from this model): operators built and tensors on their devices,
+    as ``inject`` leaves a loaded model. ``prefill``, ``hot_options``: the options of ``inject``. Returns the plan
+    (also set as ``model._ktinject_plan``)."""
+    if getattr(model, "_ktinject_plan", None) is not None:
+        raise LoadError(f"{type(model).__name__} was already injected; load into a fresh meta-device model")
+    apply.check_devices(plan)
+    hot = HotExpertSettings.from_plan(plan, **hot_options)  # bad options fail before a byte is read
+    prefill = mode_from_plan(plan, prefill)
+    reader = open_checkpoint(checkpoint)
+    if getattr(model, "config", None) is not None:
+        reader.check_config(model.config)
+    try:
+        _Loader(model, plan, reader, cache_dir, progress).run()
+    except LoadError as e:
+        if not plan.unmatched_rules:
+            raise
+        notes = "; ".join(unmatched_note(rule, model) for rule in plan.unmatched_rules)
+        raise LoadError(f"{notes}\nbecause of that, loading failed: {e}") from e
+    apply.finish(model, plan, hot, prefill)
+    return plan
+
+
+def _model_dtype(config, dtype) -> torch.dtype:
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise LoadError(f"dtype {dtype!r} is not a floating torch dtype")
+    return dtype
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _unit_of(name: str, units: dict[str, Any]) -> str | None:
+    """The operator entry whose subtree holds the tensor ``name`` (longest prefix), or None."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in units:
+            return prefix
+    return None
+
+
+class _Unit:
+    """An operator entry being filled: reads left; for operators with an ``expert_stream`` (moe) what to pack, and
+    the native experts and biases filled here."""
+
+    def __init__(self, entry, module: nn.Module):
+        self.entry, self.module = entry, module
+        self.left, self.done, self.from_cache = 0, False, False
+        self.stream = operators.get(entry.operator).expert_stream(module, entry.name, entry.kwargs)
+        self.experts = self.biases = None
+
+    def start(self) -> None:
+        """Empty native experts (and bias copies, gpt-oss) to fill, once."""
+        if self.experts is None:
+            self.experts = self.stream.new_experts(self.module)
+            self.biases = empty_biases(self.stream.spec) if self.stream.spec.has_bias else None
+
+
+class _Loader:
+    """State of one load_into call."""
+
+    def __init__(self, model: nn.Module, plan, ckpt: Reader, cache_dir, progress: bool):
+        self.model, self.plan, self.ckpt, self.progress = model, plan, ckpt, progress
+        if any(not e.name for e in plan.operator_entries()):
+            raise LoadError("a rule replaces the root module; replace a submodule instead")
+        self.units = {e.name: _Unit(e, model.get_submodule(e.name)) for e in plan.operator_entries()}
+        self.owners = apply.TensorOwners(model)  # holds every original tensor: the id()-keyed maps stay valid
+        self.devices = apply.tensor_targets(model, plan.tensor_devices)
+        for unit in self.units.values():  # an operator's subtree goes to the operator's device
+            for t in (*unit.module.parameters(), *unit.module.buffers()):
+                self.devices.setdefault(id(t), torch.device(unit.entry.device))
+        self.pieces = map_checkpoint(model, ckpt, self._is_expert, lambda n: _unit_of(n, self.units))
+        for piece in self.pieces:
+            if piece.expert_leaf is not None:
+                check_expert_piece(self.units[piece.unit].stream.spec, piece)
+        self.dtypes = _target_dtypes(model)
+        self.resident: Counter[str] = Counter()
+        self.bytes_read = 0
+        self.cache = self._cache(cache_dir)
+        self.hit = self.cache is not None and self.cache.hit
+        self.repacked: list[str] = []  # blocks whose cached bytes failed their digest
+
+    def _is_expert(self, target: str) -> tuple[str, str] | None:
+        unit = _unit_of(target, self.units)
+        stream = None if unit is None else self.units[unit].stream
+        leaf = None if stream is None else stream.leaf(target[len(unit) + 1:])
+        return None if leaf is None else (unit, leaf)
+
+    def _cache(self, cache_dir) -> PackCache | None:
+        moe = {n: u.stream for n, u in self.units.items() if u.stream is not None}
+        worth_it = any(st.quant != "bf16" for st in moe.values())
+        root = packcache.cache_root(cache_dir, self.ckpt.dir, worth_it) if moe else None
+        if root is None:
+            return None
+        version = getattr(native, "version", None)
+        origin = {"files": packcache.file_signature(self.ckpt.signature_files()),
+                  "native": version() if callable(version) else repr(version)}
+        # the packed bytes depend on the checkpoint, the native library and each block's spec, quant and group, not
+        # on the rest of the rules (devices, hot experts, prefill, defer): editing those reuses the entry
+        key = packcache.cache_key(**origin,
+                                  blocks={n: [repr(st.spec), st.quant, st.group_size] for n, st in moe.items()})
+        return PackCache(root, key, self.ckpt.dir, origin)
+
+    # -- run
+
+    def run(self) -> None:
+        jobs = self._jobs()
+        moe = [u for u in self.units.values() if u.stream is not None]
+        total = sum(j.nbytes for j in jobs) + sum(u.stream.nbytes for u in moe if u.from_cache)
+        writing = self.cache is not None and not self.hit and self.cache.begin(sum(u.stream.nbytes for u in moe))
+        self.window = window = env_int("KTINJECT_READAHEAD_MB", 256, minimum=1) << 20
+        t0 = time.perf_counter()
+        self.bar = bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
+                              disable=not self.progress, leave=False)
+        self.packer, self.buffers = _Packer(), BufferPool(limit=window)
+        try:
+            with torch.no_grad():
+                for job, buf in self.ckpt.stream(jobs, window, self.buffers):
+                    self._dispatch(job, buf)
+                    del buf
+                    bar.update(job.nbytes)
+                for unit in self.units.values():  # units with nothing left to read (all from the cache)
+                    if not unit.done:
+                        self._finish_unit(unit)
+                self._init_buffers(self.model, "")
+            self._check_no_meta()
+            if writing:
+                self.cache.commit({"blocks_total": len(moe)})
+            if self.repacked:  # the next start writes a whole new entry
+                self.cache.drop()
+        except BaseException:
+            if writing:
+                self.cache.abort()
+            raise
+        finally:
+            self.packer.close()
+            bar.close()
+        self._report(time.perf_counter() - t0, writing)
+
+    def _jobs(self) -> list[ReadJob]:
+        """Read jobs in file order (a fused experts tensor: one per expert); none for expert weights the cache has
+        (their biases are read all the same: the packed bytes cannot give them back)."""
+        for name, unit in self.units.items():
+            unit.from_cache = self.hit and unit.stream is not None and self.cache.has(name)
+        jobs = []
+        for piece in self.pieces:
+            unit = self.units.get(piece.unit) if piece.unit is not None else None
+            if piece.expert_leaf is not None and unit.from_cache and not piece.expert_leaf.endswith("_bias"):
+                continue
+            new = self._piece_jobs(piece)
+            jobs.extend(new)
+            if unit is not None:
+                unit.left += len(new)
+        return jobs
+
+    def _piece_jobs(self, piece: Piece) -> list[ReadJob]:
+        ref = piece.ref
+        if piece.expert_leaf is not None and piece.expert is None:  # [E, ...]: expert slices
+            step = ref.nbytes // ref.shape[0]
+            return [ReadJob((piece, e, ref.shape[1:]), ref.file, ref.offset + e * step, step, reuse=True)
+                    for e in range(ref.shape[0])]
+        # the read buffer is reused unless it becomes the tensor itself (same dtype, on the CPU)
+        copied = (self.devices.get(id(piece.meta), _CPU).type != "cpu"
+                  or self.ckpt.torch_dtype(ref) != self.dtypes.get(piece.target, piece.meta.dtype))
+        return [ReadJob((piece, piece.expert, ref.shape), ref.file, ref.offset, ref.nbytes,
+                        reuse=piece.expert_leaf is not None or copied)]
+
+    def _repack(self, unit: _Unit) -> None:
+        """Pack ``unit``'s experts from the checkpoint after its cached block failed its digest (biases again too:
+        from the cache they went to the float32 copies only)."""
+        unit.from_cache = False
+        jobs = [j for p in self.pieces if p.unit == unit.entry.name and p.expert_leaf is not None
+                for j in self._piece_jobs(p)]
+        self.bar.total += sum(j.nbytes for j in jobs) - unit.stream.nbytes  # (counted as the cache's bytes)
+        for job, buf in self.ckpt.stream(jobs, self.window, self.buffers):
+            piece, expert, x, dtype = self._read(job, buf)
+            self.packer.submit(_pack, unit, piece, expert, x.to(dtype), buf, self.buffers)
+            self.bar.update(job.nbytes)
+        self.packer.drain()
+
+    def _read(self, job: ReadJob, buf: torch.Tensor) -> tuple:
+        """(piece, expert, its bytes as the checkpoint's tensor, the dtype transformers would hold it in); the bytes
+        count as read."""
+        piece, expert, shape = job.what
+        self.bytes_read += job.nbytes
+        return piece, expert, buf.view(self.ckpt.torch_dtype(piece.ref)).view(shape), \
+            self.dtypes.get(piece.target, piece.meta.dtype)
+
+    def _dispatch(self, job: ReadJob, buf: torch.Tensor) -> None:
+        piece, expert, x, dtype = self._read(job, buf)
+        if piece.expert_leaf is not None:
+            unit = self.units[piece.unit]
+            unit.start()
+            self.packer.submit(_pack, unit, piece, expert, x.to(dtype), buf, self.buffers)
+        else:
+            self._assign(piece.meta, x.to(device=self.devices.get(id(piece.meta), _CPU), dtype=dtype))
+            if job.reuse:  # copied (synchronously) to another device or dtype
+                self.buffers.put(buf)
+        if piece.unit is not None:
+            unit = self.units[piece.unit]
+            unit.left -= 1
+            if unit.left == 0:
+                self._finish_unit(unit)
+
+    def _assign(self, meta: torch.Tensor, value: torch.Tensor) -> None:
+        """Put ``value`` wherever the model holds ``meta`` (every owner of a tied tensor gets the same one)."""
+        self.owners.replace(meta, value, requires_grad=False)
+        self.resident[str(value.device)] += value.numel() * value.element_size()
+
+    def _finish_unit(self, unit: _Unit) -> None:
+        unit.done = True
+        entry = unit.entry
+        self.packer.drain()  # every set() of this block has run
+        self._init_buffers(unit.module, entry.name)
+        if unit.stream is None:
+            apply.build_operator(self.model, entry, unit.module)
+        else:
+            unit.start()
+            if unit.from_cache:
+                try:
+                    n = self.cache.load(entry.name, unit.experts)
+                except CorruptCache as e:
+                    log.warning("%s; packing block %r from the checkpoint instead (the entry is removed after this "
+                                "load, the next one writes it anew)", e, entry.name)
+                    self.repacked.append(entry.name)
+                    self._repack(unit)
+                else:
+                    self.bytes_read += n
+                    self.bar.update(n)
+            elif self.cache is not None and self.cache.writing:
+                self.cache.put(entry.name, unit.experts)
+            self.resident["cpu"] += unit.experts.nbytes
+            apply.build_operator(self.model, entry, unit.module, packed=(unit.experts, unit.biases))
+        unit.module = unit.experts = unit.biases = None
+
+    def _init_buffers(self, root: nn.Module, prefix: str) -> None:
+        """Materialize non-persistent meta buffers under ``root`` on their devices; recompute them with the
+        model's ``_init_weights`` (transformers' own recipe, e.g. rotary inv_freq from the config)."""
+        for mod_name, mod in root.named_modules(prefix=prefix):
+            names = [k for k, b in mod._buffers.items()
+                     if b is not None and b.is_meta and k in mod._non_persistent_buffers_set]
+            if not names:
+                continue
+            for key in names:
+                meta = mod._buffers[key]
+                self._assign(meta, torch.empty_like(meta, device=self.devices.get(id(meta), "cpu")))
+            for key, t in (*mod._parameters.items(), *mod._buffers.items()):
+                if t is not None and key not in names:
+                    t._is_hf_initialized = True  # transformers' init functions leave loaded tensors alone
+            self.model._init_weights(mod)
+
+    def _check_no_meta(self) -> None:
+        left = [n for n, t in (*self.model.named_parameters(), *self.model.named_buffers()) if t.is_meta]
+        if left:
+            raise LoadError(f"{len(left)} tensors were not loaded (still on the meta device), e.g. "
+                            f"{', '.join(left[:5])}: the checkpoint {self.ckpt.dir} does not cover this model")
+
+    def _report(self, seconds: float, wrote: bool) -> None:
+        gbs = self.bytes_read / max(seconds, 1e-9) / 1e9
+        per_device = ", ".join(f"{d} {b / 1e9:.3f} GB" for d, b in sorted(self.resident.items()))
+        cache = "hit" if self.hit else ("written" if wrote else "off")
+        if self.repacked:
+            cache = f"corrupted: {len(self.repacked)} blocks repacked"
+        self.model._ktinject_load_stats = {
+            "seconds": seconds, "bytes_read": self.bytes_read, "gb_per_s": gbs, "resident": dict(self.resident),
+            "cache": cache, "cache_dir": str(self.cache.dir) if self.cache is not None else None,
+        }
+        log.info("loaded %s in %.2f s: %.3f GB read, %.2f GB/s; resident %s; packed-expert cache: %s",
+                 self.ckpt.dir, seconds, self.bytes_read / 1e9, gbs, per_device, cache)
+
+
+class _Packer:
+    """Runs packing jobs on a few threads (native set() releases the GIL and is thread-safe for different
+    (expert, matrix)); at most 2 jobs per thread in flight, so the memory they hold stays small."""
+
+    def __init__(self):
+        workers = env_int("KTINJECT_PACK_THREADS", 0, minimum=0) or max(1, min(16, native.physical_cores()))
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="ktinject-pack") if workers > 1 else None
+        self.pending: deque = deque()
+        self.limit = 2 * workers
+
+    def submit(self, fn, *args) -> None:
+        if self.pool is None:
+            fn(*args)
+            return
+        while len(self.pending) >= self.limit:
+            self.pending.popleft().result()
+        self.pending.append(self.pool.submit(fn, *args))
+
+    def drain(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            for f in self.pending:
+                f.cancel()
+            self.pool.shutdown(wait=True)
+            self.pending.clear()
+
+
+def _pack(unit: _Unit, piece: Piece, expert: int, x: torch.Tensor, buf: torch.Tensor, buffers) -> None:
+    """Pack one expert's slice ``x`` of ``piece`` into the unit's native experts (its biases also into the unit's
+    float32 copies; nothing into experts the cache will fill); then give the read buffer back."""
+    spec = unit.stream.spec
+    for which, w in expert_matrices(spec, piece, x):
+        try:
+            if which.endswith("_bias"):
+                set_bias(unit.biases, spec, expert, which, w)
+                if not unit.from_cache:
+                    unit.experts.set_bias(expert, which[:-5], w)
+            else:
+                unit.experts.set(expert, which, w)
+        except Exception as e:
+            raise LoadError(f"tensor {piece.ref.key!r} in {piece.ref.file}: packing expert {expert} ({which}) "
+                            f"of {piece.unit!r} failed: {e}") from e
+    buffers.put(buf)  # set() copied what it needed
+
+
+def _target_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """Tensor name -> dtype transformers' from_pretrained gives it where that differs from the meta model's
+    (``_keep_in_fp32_modules_strict`` of bf16/fp16 models, e.g. DeepSeek-V3's e_score_correction_bias)."""
+    dtype = getattr(getattr(model, "config", None), "dtype", None)
+    try:
+        dtype_plan = model._get_dtype_plan(dtype) if isinstance(dtype, torch.dtype) else {}
+    except Exception:  # noqa: BLE001 - private API of transformers
+        dtype_plan = {}
+    patterns = [(re.compile(p.replace("*", ".*")), d) for p, d in (dtype_plan or {}).items()]
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        for rx, d in patterns:
+            if t.is_floating_point() and rx.search(name):
+                out[name] = d
+                break
+    return out

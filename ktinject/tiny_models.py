@@ -1,0 +1,206 @@
+"""Tiny random-weight models of every supported MoE family: for trying the library without a checkpoint, for its
+tests and benchmarks.
+
+``build_tiny_model(family)`` returns a Hugging Face ``*ForCausalLM`` with 2-3 layers, hidden sizes around 64 and
+4-16 experts, built from ``tiny_config(family)``. The layouts follow each family's real checkpoints: dense first
+layers (DeepSeek/GLM ``first_k_dense_replace``, Qwen ``mlp_only_layers``), shared experts where the family has
+them, grouped top-k routing (DeepSeek), attention sinks and sliding windows (gpt-oss). Weights are drawn from a
+seeded generator with scales that keep activations O(1), logits spread over a few units and routing decisive but
+not degenerate, so numerical comparisons mean something. Casting to a lower precision follows ``from_pretrained``:
+the tensors a model class keeps in float32 (``_keep_in_fp32_modules``) stay in float32.
+
+Legend: H hidden, I expert intermediate, E experts, k experts per token.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+
+_VOCAB = 128
+_COMMON: dict[str, Any] = dict(
+    vocab_size=_VOCAB,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    initializer_range=0.02,
+)
+
+# One entry per family: the config keywords that differ from that family's defaults. Sizes vary on purpose
+# (hidden 64/80/96, expert intermediate 24..48, one odd intermediate) so kernels meet non-multiples of 16 and 32.
+_TINY: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        mlp_only_layers=[0], decoder_sparse_step=1,
+    ),
+    "qwen2_moe": dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, mlp_only_layers=[0], decoder_sparse_step=1, qkv_bias=True,
+    ),
+    "mixtral": dict(
+        hidden_size=64, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+    ),
+    "olmoe": dict(
+        hidden_size=96, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, clip_qkv=None,
+    ),
+    "deepseek_v2": dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.0,
+        first_k_dense_replace=1,
+    ),
+    "deepseek_v3": dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+    ),
+    "glm4_moe": dict(
+        hidden_size=80, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=20, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, first_k_dense_replace=1,
+        use_qk_norm=True,
+    ),
+    "gpt_oss": dict(
+        hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+}
+
+# gpt-oss experts are stored transposed ([E, H, 2I] and [E, I, H]): their fan-in is dim 1, not dim 2.
+_TRANSPOSED_EXPERTS = {"gpt_oss"}
+# gpt-oss gate_up is scaled up so the swiglu clamp (limit 7) is reached by some activations; down scaled back.
+_EXPERT_SCALE = {"gpt_oss": (4.0, 0.25)}
+
+
+def _check_family(family: str) -> None:
+    if family not in _TINY:
+        raise ValueError(f"no tiny model for family {family!r}; known families: {', '.join(FAMILIES)}")
+
+
+def tiny_config(family: str, **overrides):
+    """The tiny ``PretrainedConfig`` of ``family`` (one of ``FAMILIES``); keywords override any field."""
+    from transformers import AutoConfig
+
+    _check_family(family)
+    kwargs = {**_COMMON, **_TINY[family], **overrides}
+    return AutoConfig.for_model(family, **kwargs)
+
+
+def _fan_in(name: str, shape: torch.Size, transposed: bool) -> int:
+    if len(shape) == 3:  # fused experts: [E, out, in], or [E, in, out] when transposed (gpt-oss)
+        return shape[1] if transposed else shape[2]
+    return shape[-1]
+
+
+def _init_tensor(name: str, t: torch.Tensor, gen: torch.Generator, family: str) -> torch.Tensor:
+    """A well-scaled random value for the parameter or buffer ``name`` (same shape, float32)."""
+    shape = t.shape
+    randn = torch.randn(shape, generator=gen, dtype=torch.float32)
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name or "layernorm" in name:  # RMSNorm weights: around one
+        return 1.0 + 0.1 * randn
+    if "embed_tokens" in name:
+        return randn
+    if name.startswith("lm_head"):  # logits std ~2: argmax meaningful, not fixed
+        return randn * (2.0 / math.sqrt(shape[-1]))
+    if leaf == "e_score_correction_bias":
+        return 0.05 * randn
+    if leaf == "sinks":
+        return 0.5 * randn
+    if leaf.endswith("bias") or t.dim() == 1:
+        return 0.1 * randn
+    if ".gate.weight" in name or ".router.weight" in name:  # router [E, H]: logits std ~1.5
+        return randn * (1.5 / math.sqrt(shape[-1]))
+    std = 1.0 / math.sqrt(_fan_in(name, shape, family in _TRANSPOSED_EXPERTS))
+    if t.dim() == 3 and family in _EXPERT_SCALE:
+        up_scale, down_scale = _EXPERT_SCALE[family]
+        std *= up_scale if "gate_up" in leaf else down_scale
+    return randn * std
+
+
+@torch.no_grad()
+def _randomize(model: nn.Module, family: str, seed: int) -> None:
+    """Overwrite every parameter and float buffer except rotary tables, in a fixed order."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        p.copy_(_init_tensor(name, p, gen, family))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(_init_tensor(name, b, gen, family))
+
+
+def _fp32_patterns(model: nn.Module) -> list[re.Pattern]:
+    names = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    names += list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    return [re.compile(rf"(^|\.){re.escape(n)}(\.|$)") for n in names]
+
+
+@torch.no_grad()
+def cast_like_hf(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast floating parameters/buffers to ``dtype`` except those the class keeps in float32 (as from_pretrained).
+
+    Rotary ``inv_freq`` buffers stay float32 too (HF never casts them)."""
+    keep = _fp32_patterns(model)
+    done: dict[int, torch.Tensor] = {}  # id(old tensor) -> new: tied tensors stay one tensor
+    for mod_name, mod in model.named_modules():
+        for store in (mod._parameters, mod._buffers):
+            for key, t in store.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                if id(t) in done:
+                    store[key] = done[id(t)]
+                    continue
+                full = f"{mod_name}.{key}" if mod_name else key
+                target = torch.float32 if any(p.search(full) for p in keep) or "inv_freq" in key else dtype
+                if t.dtype != target:
+                    if isinstance(t, nn.Parameter):
+                        store[key] = nn.Parameter(t.to(target), requires_grad=t.requires_grad)
+                    else:
+                        store[key] = t.to(target)
+                    done[id(t)] = store[key]
+    model.config.dtype = dtype
+    return model
+
+
+def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
+    """A tiny random ``*ForCausalLM`` of ``family`` in eval mode; same seed -> same float32 weights before the cast.
+
+    ``overrides`` go to ``tiny_config`` (e.g. ``tie_word_embeddings=True``)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, family, seed)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    if dtype != torch.float32:
+        cast_like_hf(model, dtype)
+    model.eval()
+    model.requires_grad_(False)
+    log.debug("built tiny %s (%s, seed %d): %d parameters", family, dtype, seed,
+              sum(p.numel() for p in model.parameters()))
+    return model
+
+
+def tiny_prompts(n: int, length: int, seed: int = 0, vocab: int = _VOCAB) -> torch.Tensor:
+    """Random token ids [n, length] avoiding the special ids 0-2 (pad, bos, eos)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=gen)
