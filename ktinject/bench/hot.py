@@ -49,7 +49,7 @@ from ktinject.gpu_experts.hot import placement
 from ktinject.gpu_experts.hot import stats as expert_stats
 from ktinject.gpu_experts.hot.bank import HotExperts
 from ktinject.gpu_experts.hot.settings import parse_bytes
-from ktinject.injection.plan import human_bytes
+from ktinject.gpu_experts.hot.settings import human_bytes
 
 
 # ---- skewed routing -----------------------------------------------------------------------------------------

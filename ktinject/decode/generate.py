@@ -40,6 +40,7 @@ import torch
 
 from ktinject import compat
 from ktinject.gpu_experts.prefill.streamer import MIN_CHUNK, streamer_of
+from ktinject.operators.base import on_layout_change
 from ktinject.decode.graph_runner import GraphRunner
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ def get_runner(model, **runner_kwargs) -> GraphRunner:
             runner.close()
         runner = GraphRunner(model, **runner_kwargs)
         model.__dict__[_RUNNER_ATTR] = runner
+        on_layout_change(model, "graph_runner", lambda: invalidate_graphs(model))  # hot-expert placement
     return runner
 
 
@@ -68,8 +70,8 @@ DEFAULT_PREFILL_CHUNK = 2048
 def prefill_chunk(model, prompt_len: int | None = None) -> int | None:
     """Prompt tokens per prefill forward of ``model``'s generate: its runner's ``prefill_chunk``; for "auto", what
     the free GPU memory allows where the prompts' routed experts are streamed to the GPU (every chunk streams all of
-    them once: the longer the chunk, the fewer passes; ``gpu_experts.stream.PrefillStreamer.chunk_tokens``), else
-    DEFAULT_PREFILL_CHUNK. A ``prompt_len`` that no chunk size would cut is answered without asking."""
+    them once: the longer the chunk, the fewer passes; ``gpu_experts.prefill.streamer.PrefillStreamer.chunk_tokens``),
+    else DEFAULT_PREFILL_CHUNK. A ``prompt_len`` that no chunk size would cut is answered without asking."""
     chunk = get_runner(model).prefill_chunk
     if chunk != "auto":
         return chunk

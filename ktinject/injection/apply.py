@@ -27,6 +27,7 @@ from ktinject.gpu_experts.prefill import streamer as prefill_stream
 from ktinject.gpu_experts.hot.placement import apply_settings
 from ktinject.gpu_experts.hot.settings import HotExpertSettings
 from ktinject.operators import deferral
+from ktinject.decode import attention as decode_attention
 from ktinject.decode import layer as decode_layer
 from ktinject.operators.attention import apply_implementation, wanted_implementation
 from ktinject.operators.moe import HybridMoE
@@ -185,13 +186,16 @@ def _attention(model: nn.Module, plan) -> str | None:
 def finish(model: nn.Module, plan, hot: HotExpertSettings | None, prefill: str = "auto") -> str:
     """What follows building and placement, for inject and the streaming loader alike: attention implementation,
     generation settings, hot experts (``hot``: from ``HotExpertSettings.from_plan``), the prefill streamer
-    (``prefill``: from ``gpu_experts.policy.mode_from_plan``), on CUDA the graph-replaying generate(), and the mark
-    of an injected model. Returns the attention implementation in use."""
+    (``prefill``: from ``gpu_experts.prefill.policy.mode_from_plan``), on CUDA the graph-replaying generate(), and the
+    mark of an injected model. Returns the attention implementation in use."""
     attn = _attention(model, plan)
     _generation_ready(model)
     untested = compat.untested_release()
     if untested:
         log.warning("inject: %s", untested)
+    for entry in plan.operator_entries():  # one-token steps with fewer GPU kernels (decode/attention.py)
+        if entry.operator == "attention" and entry.kwargs.get("fast_decode", True):
+            decode_attention.install(model.get_submodule(entry.name))
     decode_layer.install_all(model)  # one-token steps: residual adds fused with the norms after them
     fastpaths.attach(model)
     deferral.link(model, [m for m in model.modules() if isinstance(m, HybridMoE)])  # expert deferral's chain

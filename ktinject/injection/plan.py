@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ktinject import operators
+from ktinject.gpu_experts.hot.settings import human_bytes
 from ktinject.operators.base import OperatorError
 from ktinject.injection.rules import FAMILIES, Rule, RuleError, RuleSet, class_path, load_rules, rules_for_model
 
@@ -343,15 +344,6 @@ class _Walk:
 
 
 # ---------------------------------------------------------------------------------------------- printing
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _ranges(numbers: list[int]) -> str:

@@ -171,7 +171,7 @@ def _packaged_dir():
     try:
         return resources.files("ktinject.rulefiles")
     except ModuleNotFoundError:  # a source checkout that is not installed: rules/ beside the package
-        return Path(__file__).resolve().parent.parent / "rules"
+        return Path(__file__).resolve().parents[2] / "rules"
 
 
 def packaged_files() -> list[str]:
@@ -256,7 +256,7 @@ def rules_for_model(model_or_config: Any) -> RuleSet:
         raise RuleError(
             f"no packaged rule file for model_type {model_type!r}; supported families: "
             f"{', '.join(supported_families())}. ktinject moves the routed experts of Mixture-of-Experts models to "
-            f"the CPU; for another MoE family write a rule file (README: Rule format) and pass it: "
+            f"the CPU; for another MoE family write a rule file (docs/rules.md) and pass it: "
             f"inject(model, 'my_rules.yaml'), or --rules my_rules.yaml to the chat and the server"
         )
     return load_rules(FAMILIES[model_type])

@@ -78,11 +78,7 @@ class AttentionOperator(Operator):
             from ktinject.operators.norm import fuse_children
 
             fuse_children(module)
-        if kwargs.get("fast_decode", True):  # one-token steps with fewer GPU kernels (decode/attention.py)
-            from ktinject.decode import attention as decode_attention
-
-            decode_attention.install(module)
-        return module
+        return module  # fast_decode: the decode runtime's forward for one-token steps, installed by apply.finish
 
 
 def wanted_implementation(kwargs_list: list[Mapping[str, Any]]) -> str:

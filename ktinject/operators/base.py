@@ -62,3 +62,21 @@ def tensor_bytes(module: nn.Module, recurse: bool = True) -> int:
     total = sum(p.numel() * p.element_size() for p in module.parameters(recurse=recurse))
     total += sum(b.numel() * b.element_size() for b in module.buffers(recurse=recurse))
     return total
+
+
+# ---- tensors moved under a model's feet ---------------------------------------------------------------------------
+# Code that moves tensors a captured graph reads (hot-expert placement) sits below the code that captures graphs
+# (the decode runtime): it announces the move here and the runtime, which registered itself, drops its graphs.
+_LAYOUT_LISTENERS = "_ktinject_layout_listeners"
+
+
+def on_layout_change(model: nn.Module, key: str, callback) -> None:
+    """Call ``callback()`` whenever ``layout_changed(model)`` is announced; one callback per ``key`` (a later one
+    replaces it)."""
+    model.__dict__.setdefault(_LAYOUT_LISTENERS, {})[key] = callback
+
+
+def layout_changed(model: nn.Module) -> None:
+    """Announce that tensors of ``model`` moved (before anything reads them again): every listener runs."""
+    for callback in list(model.__dict__.get(_LAYOUT_LISTENERS, {}).values()):
+        callback()

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+import ktinject
 from ktinject import compat
 from ktinject.decode import attention as DA
 from ktinject.tiny_models import FAMILIES, build_tiny_model, tiny_prompts
@@ -212,14 +213,23 @@ def test_inference_mode():
                                    rtol=1e-5)
 
 
-def test_operator_kwarg():
+def test_operator_kwarg(tmp_path):
     from ktinject.operators.attention import AttentionOperator
     from ktinject.operators.base import OperatorError
 
     att = _attention_modules(build_tiny_model("qwen3_moe"))[0]
     with pytest.raises(OperatorError, match="fast_decode"):
         AttentionOperator.check(att, "model.layers.0.self_attn", {"fast_decode": "yes"})
-    assert not DA.installed(AttentionOperator.build(att, "x", {"fast_decode": False}, torch.device("cpu")))
-    assert DA.installed(AttentionOperator.build(att, "x", {}, torch.device("cpu")))
+    assert not DA.installed(AttentionOperator.build(att, "x", {}, torch.device("cpu")))  # the operator alone: HF's
+    on = build_tiny_model("qwen3_moe")
+    ktinject.inject(on, gpu="cpu")  # injection installs the decode forward (apply.finish), unless the rule says no
+    assert all(DA.installed(m) for m in _attention_modules(on))
+    rules = tmp_path / "no_fast_decode.yaml"
+    rules.write_text("- match: {name: 'model\\.layers\\.\\d+\\.self_attn'}\n  replace: attention\n  device: gpu\n"
+                     "  kwargs: {fast_decode: false}\n- match: {class: Qwen3MoeSparseMoeBlock}\n  replace: moe\n"
+                     "  device: gpu\n- match: {name: ''}\n  device: gpu\n")
+    off = build_tiny_model("qwen3_moe")
+    ktinject.inject(off, str(rules), gpu="cpu")
+    assert not any(DA.installed(m) for m in _attention_modules(off))
 
 # The Triton kernels of the decode forward are checked against float64 and these torch ops in test_fused_kernels.py.

@@ -30,12 +30,11 @@ from typing import Any, Sequence
 
 import torch
 
-from ktinject.decode.generate import invalidate_graphs
 from ktinject.gpu_experts.hot.bank import HotExperts
 from ktinject.gpu_experts.hot.rebalance import Rebalancer
-from ktinject.gpu_experts.hot.settings import HotExpertSettings, check_strategy
+from ktinject.gpu_experts.hot.settings import HotExpertSettings, check_strategy, human_bytes
 from ktinject.gpu_experts.hot.stats import ExpertStats, aligned_counts, hit_share, injected_blocks, load_stats, read_stats
-from ktinject.injection.plan import human_bytes
+from ktinject.operators.base import layout_changed
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +236,7 @@ def apply_settings(model, settings: HotExpertSettings, *, dtype: torch.dtype | N
 
 def _drop_banks(model, blocks) -> None:
     """Undo an earlier placement: graphs, re-placement, banks (freed before new ones are allocated)."""
-    invalidate_graphs(model)  # first: captured graphs hold the old banks' addresses; waits for their replays
+    layout_changed(model)  # first: captured graphs hold the old banks' addresses; waits for their replays
     old = model.__dict__.pop(_REBALANCER_ATTR, None)
     if old is not None:
         old.close()
