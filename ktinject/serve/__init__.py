@@ -1,11 +1,14 @@
 """``ktinject.serve``: an OpenAI-compatible server with continuous batching (``python -m ktinject.serve``).
 
-- ``engine.py``: the engine, what other threads call (``Engine``, ``EngineConfig``, ``SamplingParams``); knows
-  nothing about HTTP. ``loop.py``: its thread, which owns the model (per step: cancellations, chunked prefill, one
-  batched decode step of every running request, queued before the tokens of the step before are read);
-  ``steps.py``: the forwards on the model.
-- ``scheduler.py``: KV-cache rows and admission (pure bookkeeping); ``sampling.py``: per-row sampling;
-  ``text.py``: incremental detokenization and stop strings; ``metrics.py``: counters and Prometheus text.
+Its modules, each importing only those listed before it:
+- ``errors.py``: the errors a caller handles (``RequestError``, ``QueueFull``, ``EngineUnavailable``, ``ApiError``);
+  ``types.py``: what the engine takes and gives (``EngineConfig``, ``Request``, ``Output``, ``Result``);
+- ``detokenizer.py``: incremental detokenization and stop strings; ``sampling.py``: ``SamplingParams`` and per-row
+  sampling on the device; ``scheduler.py``: KV-cache rows and admission (pure bookkeeping); ``metrics.py``: counters
+  and Prometheus text; ``tokenizer.py``: prompts tokenized and chats rendered for the engine's callers;
+- ``model_runner.py``: the forwards on the model (KV-cache rows, prefill chunks, the batched decode step);
+- ``engine.py``: the engine and its loop (``Engine``: schedule -> execute -> update on a thread that owns the model),
+  no HTTP;
 - ``protocol.py``: OpenAI request/response bodies; ``api.py``: the FastAPI app; ``__main__.py``: the CLI.
 
 Nothing is imported here (FastAPI and uvicorn are the ``serve`` extra; torch loads with the engine).

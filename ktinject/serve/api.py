@@ -27,28 +27,21 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ktinject.serve import protocol
-from ktinject.serve.engine import EngineUnavailable, Output, QueueFull, RequestError
+from ktinject.serve.errors import ApiError, EngineUnavailable, QueueFull, RequestError
+from ktinject.serve.types import Output
 
 log = logging.getLogger("ktinject.serve")
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type_, param, code
-
-
-#: bytes of a request body, by default: a 128K-token prompt is ~0.5-1 MB of JSON, and parsing takes up to ~50x the
-#: body's size in Python objects (a 4 MiB body of empty messages peaked at 193 MiB)
+#: bytes of a request body, by default: room for a prompt of a long context as JSON, while parsing, which takes many
+#: times the body's size in Python objects, stays bounded (docs/performance.md)
 MAX_BODY = 8 << 20
 _BODY_PATHS = ("/v1/chat/completions", "/v1/completions")  # the endpoints that read a body
 #: a body with more '{' and '[' than max(MIN_CONTAINERS, CONTAINERS_PER_TOKEN x --max-context) gets 400 before it is
-#: parsed: parsing runs on the event loop, and 8 MiB of tiny objects ("[{},{},...]") took ~0.5 s there, stalling
-#: every stream (json.loads and pydantic hold the GIL: a thread would not help); a request that fits the context
-#: has far fewer (the count includes braces inside strings: 64 a token of context is generous for code)
+#: parsed: parsing runs on the event loop, and a body of many tiny objects ("[{},{},...]") parses slowly there,
+#: stalling every stream (json.loads and pydantic hold the GIL: a thread would not help); a request that fits the
+#: context has far fewer (the count includes braces inside strings: 64 a token of context is generous for code)
 MIN_CONTAINERS, CONTAINERS_PER_TOKEN = 10_000, 64
-MAX_CONTAINERS = 250_000  # ~40 ms of parsing: above ~44K of context, 64 a token would let no 8 MiB body trip it
+MAX_CONTAINERS = 250_000  # a cap: beyond it, 64 a token of a long context would let no MAX_BODY body trip the limit
 
 
 def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key: str | None = None,

@@ -1,51 +1,102 @@
 """The serving engine: continuous batching over one model, no HTTP (``api.py`` puts the OpenAI API on it).
 
-``Engine`` is what other threads call: ``start()``/``stop()``, ``submit(prompt_ids, params, sink)`` (a request's
-``Output`` events go to ``sink``, called on the engine thread: keep it short, the API puts the event on its asyncio
-queue), ``cancel``, the blocking ``generate``, ``counts()``, and the tokenizer's side (``encode``, ``render_chat``).
-The engine thread's loop of steps (prefill chunks, one batched decode step of every running request, queued one
-ahead of the tokens it reads) is ``loop.py``; rows and admission ``scheduler.py``; the forwards ``steps.py``;
-sampling ``sampling.py``; text and stop strings ``text.py``.
+``Engine`` owns the model on a thread of its own and runs every request in a loop of steps, each one schedule ->
+execute -> update: cancelled requests leave (their rows are free at once); the scheduler (``scheduler.py``) hands
+out prompt chunks of waiting requests, oldest first, at most ``prefill_chunk`` tokens a step, and the model runner
+(``model_runner.py``) prefills them into their KV-cache rows, short prompts sharing one forward; a request whose last
+chunk went in samples its first token and is running; then one decode step of every running request, one forward of
+the batch bucket b >= n (on CUDA a graph replay), each row sampled on the device with its own parameters
+(``sampling.py``); each request gets its tokens and text (``detokenizer.py``), and finished ones give their rows back.
+Other threads call ``start``/``stop``, ``submit`` (a request's ``Output`` events go to its ``sink``, called on the
+engine thread: keep it short), ``cancel``, the blocking ``generate``, ``counts``, and the tokenizer's side
+(``encode``, ``render_chat``: ``tokenizer.py``).
+
+Decode steps are queued one ahead (``overlap``): a step takes its input tokens from the device, so the host queues
+step t+1 before it waits for step t's tokens, and does their text, stop checks and events while the device runs. The
+price: a request that ends by end-of-sequence, a stop string or a cancel decodes one step more, whose token is
+dropped. ``EngineConfig(overlap=False)``: one step at a time.
+
+Batch invariance (greedy tokens alone = among others) holds on the CPU: a prompt is cut at the same places whatever
+else runs, and a row's logits are bit-identical in any batch (tests/serve/test_batch_invariance.py; what it does not
+cover: docs/serving.md). Requests fail alone (a prefill error); a failed decode step fails the requests of that
+step; the engine goes on.
+Legend: n running requests, b bucket, V vocabulary.
 """
 from __future__ import annotations
 
-import copy
 import itertools
-import json
 import logging
 import threading
+import time
 import uuid
 from typing import Callable
 
-from ktinject.serve.loop import EngineLoop
-from ktinject.serve.request import (
-    EngineConfig, EngineUnavailable, Output, Request, RequestError, Result, check_unicode,
-)
-from ktinject.serve.sampling import SamplingParams
-from ktinject.serve.scheduler import QueueFull
-from ktinject.serve.text import TextStream
+import torch
 
-log = logging.getLogger(__name__)
+from ktinject.serve.detokenizer import Detokenizer
+from ktinject.serve.errors import EngineUnavailable, QueueFull, RequestError
+from ktinject.serve.metrics import Metrics
+from ktinject.serve.model_runner import ModelRunner, eos_ids, pad_id
+from ktinject.serve.sampling import Sampler, SamplingParams
+from ktinject.serve.scheduler import Scheduler
+from ktinject.serve.tokenizer import PromptTokenizer
+from ktinject.serve.types import EngineConfig, Output, Request, Result
+
+log = logging.getLogger("ktinject.serve")
 __all__ = ["Engine", "EngineConfig", "EngineUnavailable", "Output", "QueueFull", "RequestError", "Result",
            "SamplingParams"]
 
 
-class Engine(EngineLoop):
+class Engine:
     """Continuous batching over one model (see the module docstring). ``tokenizer`` may be None: token ids only.
 
     ``engine.start()`` loads the device state (cache, graphs) on the engine thread and waits until it is ready;
-    ``submit(prompt_ids, params, sink)`` queues a request; ``generate(...)`` is the blocking form; ``stop()``."""
+    ``submit(prompt_ids, params, sink)`` queues a request; ``generate(...)`` is the blocking form; ``stop()``.
+    The engine has a ``scheduler`` (rows and admission), a ``model_runner`` (the forwards) and a ``sampler``."""
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, name: str = "model"):
-        super().__init__(model, tokenizer, config)
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config or EngineConfig()
+        text_cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
+            else model.config
+        self.vocab_size = int(text_cfg.vocab_size)
+        limit = getattr(text_cfg, "max_position_embeddings", None)
+        if limit and self.config.max_context > limit:
+            raise ValueError(f"max_context {self.config.max_context} exceeds the model's max_position_embeddings "
+                             f"{limit}")
+        self.eos_ids = eos_ids(model, tokenizer)
+        self.model_runner = ModelRunner(model, self.config, pad_id(model, tokenizer))
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(self.config.max_batch, self.config.max_queue)
+        self._cond = threading.Condition()
+        self._cancels: list[Request] = []
+        self._tok_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._ready = threading.Event()
+        self.failure: BaseException | None = None  # what stopped the engine thread, if anything did
+        self.sampler: Sampler | None = None  # made on the engine thread (pinned memory on CUDA)
+        self._inflight = None  # the decode step queued and not yet read: (its requests, model_runner.Decoded)
+        self._ending: set[Request] = set()  # requests whose rows went back and whose last token is in flight
+        self._decode_clock = 0.0  # decode time of the loop not yet given to a collected step
         self.name = name
         self._ids = itertools.count()
-        # request_tokenizer: requests are tokenized and rendered on a copy of the tokenizer, with a lock of its own:
-        # under the engine thread's lock (which it takes for every token's text) one long prompt or template
-        # stalled every stream. (A fast tokenizer is not safe from two threads at once: each copy has one user.)
-        self.request_tokenizer = _copy_tokenizer(tokenizer)
-        self._req_lock = threading.Lock()
-        self._max_token_chars: int | None = None
+        # requests are tokenized and rendered on a copy of the tokenizer, never under the engine thread's lock
+        self.prompts = PromptTokenizer(tokenizer, self.config.max_context)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model_runner.device
+
+    @property
+    def runner(self):
+        """The model's GraphRunner (None before start)."""
+        return self.model_runner.runner
+
+    @property
+    def kv(self):
+        """The KV cache: ``max_batch`` rows x ``max_context`` tokens (None before start)."""
+        return self.model_runner.kv
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> "Engine":
@@ -65,8 +116,8 @@ class Engine(EngineLoop):
         here at once (a step of the engine may take seconds); those in rows at the engine's next step."""
         with self._cond:
             self._stopping = True
-            waiting = list(self.sched.waiting)
-            self.sched.waiting.clear()
+            waiting = list(self.scheduler.waiting)
+            self.scheduler.waiting.clear()
             self._cond.notify_all()
         self._tell_ended(waiting)
         if self._thread is not None:
@@ -108,19 +159,28 @@ class Engine(EngineLoop):
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer (this engine has none)", param="stop")
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        req = Request(rid, prompt, params, sink or (lambda out: None), self,
-                      TextStream(self.tokenizer, prompt, params.stop), params.rng())
+        req = Request(rid, prompt, params, sink or (lambda out: None), self.cancel,
+                      Detokenizer(self.tokenizer, prompt, params.stop), params.rng())
         with self._cond:
             if not self.alive or self.failure is not None:
                 raise EngineUnavailable("the engine is not running" + (
                     f" ({type(self.failure).__name__}: {self.failure})" if self.failure else ""))
             try:
-                self.sched.submit(req)
+                self.scheduler.submit(req)
             except QueueFull:
                 self.metrics.reject("queue_full")
                 raise
             self._cond.notify_all()
         return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop ``req`` (any thread): its row is freed before the next step (idempotent)."""
+        with self._cond:
+            if req.done or req.cancelled:
+                return
+            req.cancelled = True
+            self._cancels.append(req)
+            self._cond.notify_all()
 
     def generate(self, prompt_ids, params: SamplingParams, timeout: float | None = None) -> Result:
         """Submit and wait for the whole completion (any thread but the engine's)."""
@@ -144,89 +204,239 @@ class Engine(EngineLoop):
     def counts(self) -> dict:
         """{running, waiting, free_rows}: running counts every request holding a row (prefilling or decoding)."""
         with self._cond:
-            s = self.sched
+            s = self.scheduler
             return {"running": s.held_rows + len(self._ending), "waiting": len(s.waiting), "free_rows": s.free_rows}
 
     # ---- tokenizer (any thread) ----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (special tokens added as the tokenizer does). RequestError where it cannot be
-        tokenized, or is too long for the context whatever its tokens (checked before tokenizing it)."""
-        self._need_tokenizer()
-        check_unicode(text, "prompt")
-        self._check_chars(text, "prompt")
-        try:
-            with self._req_lock:
-                return list(self.request_tokenizer(text, add_special_tokens=True).input_ids)
-        except Exception as e:  # noqa: BLE001 - text the tokenizer refuses (a lone surrogate): the client's input
-            raise RequestError(f"the prompt cannot be tokenized: {type(e).__name__}: {str(e)[:200]}",
-                               param="prompt") from e
+        """Token ids of ``text`` (``PromptTokenizer.encode``); RequestError where it cannot be a prompt."""
+        return self.prompts.encode(text)
 
     def render_chat(self, messages: list[dict], tools: list | None = None, **template_kwargs) -> list[int]:
-        """Token ids of ``messages`` through the tokenizer's chat template, with the generation prompt; ``tools``
-        and ``template_kwargs`` (``enable_thinking``, ...) go to the template. RequestError when it fails."""
-        self._need_tokenizer()
-        if not getattr(self.request_tokenizer, "chat_template", None):
-            raise RequestError("this model's tokenizer has no chat template: use /v1/completions",
-                               param="messages")
-        self._check_chars(str(messages) + str(tools or ""), "messages")
-        for value, param in ((tools, "tools"), (template_kwargs, "chat_template_kwargs"), (messages, "messages")):
-            if value:  # surrogates anywhere in them (the texts themselves: protocol.py names their fields)
-                check_unicode(json.dumps(value, ensure_ascii=False, default=str), param, where=False)
+        """Token ids of ``messages`` through the chat template (``PromptTokenizer.render_chat``)."""
+        return self.prompts.render_chat(messages, tools, **template_kwargs)
 
-        def render(tools, kwargs) -> str:
-            with self._req_lock:
-                return self.request_tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                                  add_generation_prompt=True, **kwargs)
-
+    # ---- the engine thread ---------------------------------------------------------------------------------
+    def _main(self) -> None:
         try:
-            text = render(tools, template_kwargs)
-        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation: the client's input
-            param = "messages"  # which part: the conversation may render without the kwargs, or without the tools
-            parts = ([("chat_template_kwargs", tools, {})] if template_kwargs else []) + \
-                ([("tools", None, template_kwargs)] if tools else [])
-            for name, part_tools, part_kwargs in parts:
+            with torch.no_grad():
+                self._setup()
+                self._ready.set()
+                while self._step():
+                    pass
+        except BaseException as e:  # noqa: BLE001 - the thread must report, not vanish
+            self.failure = e
+            log.exception("the engine stopped")
+        finally:
+            self._ready.set()
+            self._close()
+
+    def _setup(self) -> None:
+        """The model side (cache, graphs, warm-up) on the engine thread."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model_runner.setup()
+        self.sampler = Sampler(self.kv.slots, self.device)
+
+    def _step(self) -> bool:
+        """One step of the loop (False once stopping): the cancelled requests end; prompt chunks are prefilled
+        (``_prefill``); one decode step is queued (``_launch``) and the tokens of the step before it are read
+        (``_collect``): with ``overlap`` the step just queued stays in flight until the next one."""
+        with self._cond:
+            while not (self._stopping or self._cancels or self._inflight or not self.scheduler.idle()):
+                self._cond.wait()
+            if self._stopping:
+                return False
+            cancels, self._cancels = self._cancels, []
+        t0 = time.perf_counter()
+        self._finish_many([(r, "cancelled", None) for r in cancels if not r.done])
+        prefill = time.perf_counter()
+        self._prefill()
+        prefill = time.perf_counter() - prefill
+        launched = self._launch()
+        ready = [s for s in (self._inflight, launched) if s is not None]  # oldest first
+        ahead = ready.pop() if launched is not None and self.config.overlap else None
+        for step in ready:
+            got = self._collect(step)
+            # decode time: the loop's time but the prefill forwards', given to the step collected
+            t1 = time.perf_counter()
+            self._decode_clock += t1 - t0 - prefill
+            t0, prefill = t1, 0.0
+            if got is not None:
+                self.metrics.decode_step(got[0], self._decode_clock, got[1])
+                self._decode_clock = 0.0
+        # the step queued ahead becomes the one in flight only now: until the steps above are read and counted,
+        # the engine is not idle (whoever waits for it to be, e.g. to read the metrics, sees them complete)
+        self._inflight = ahead
+        self._decode_clock = 0.0 if ahead is None else self._decode_clock + time.perf_counter() - t0 - prefill
+        return True
+
+    def _prefill(self) -> None:
+        """The scheduler's prefill forwards of this step, until its ``prefill_chunk`` budget is spent: each one's
+        requests that end their prompts get their first tokens; a failed forward fails its requests only."""
+        cfg = self.config
+        budget = cfg.prefill_chunk
+        while True:
+            with self._cond:
+                jobs = self.scheduler.next_prefill(budget, cfg.prefill_chunk, cfg.max_context)
+            if not jobs:
+                return
+            reqs = [j.seq for j in jobs]
+            t0 = time.perf_counter()
+            ends = [j.seq for j in jobs if j.last]
+            try:
+                firsts = self.model_runner.prefill(jobs, lambda logits, out: self.sampler(
+                    logits, [r.params for r in ends], [r.rng for r in ends], out))
+            except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
+                log.exception("prefill of %s failed", ", ".join(r.id for r in reqs))
+                with self._cond:
+                    self.scheduler.prefill_failed(jobs)
+                self.model_runner.reset_rows([j.row for j in jobs])
+                self._finish_many([(r, "error", f"prefill failed: {type(e).__name__}: {e}") for r in reqs])
+                continue
+            tokens = sum(j.end - j.start for j in jobs)
+            self.metrics.prefill(tokens, time.perf_counter() - t0)
+            budget -= tokens
+            with self._cond:
+                done = self.scheduler.prefilled(jobs)
+            if done:
+                self._take_tokens(done, firsts)
+
+    def _launch(self):
+        """Queue one decode step of every running request: (its requests, ``Decoded``), or None. A request whose
+        step in flight brings its last token (max_tokens) gives its row back first: it ends when that token
+        arrives."""
+        ending = [r for r in self.scheduler.running if len(r.out_ids) + r.pending >= r.params.max_tokens]
+        if ending:
+            self._release(ending, done=False)
+        running = list(self.scheduler.running)  # only this thread changes it
+        n = len(running)
+        if n == 0:
+            return None
+        b = next(x for x in self.config.buckets if x >= n)
+        params, rngs = [r.params for r in running], [r.rng for r in running]
+        try:
+            decoded = self.model_runner.decode(n, b, lambda logits, out: self.sampler(logits, params, rngs, out))
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            log.exception("a decode step of %d requests failed", n)
+            self._finish_many([(r, "error", f"decode step failed: {type(e).__name__}: {e}") for r in running])
+            return None
+        for r in running:
+            r.pending += 1
+        self.model_runner.after_decode()
+        return running, decoded
+
+    def _collect(self, step) -> tuple[int, float] | None:
+        """The tokens of a step queued by ``_launch`` to its requests still going; (their count, the forward's
+        seconds), or None when the step failed."""
+        reqs, decoded = step
+        for r in reqs:
+            r.pending -= 1
+        try:
+            tokens = decoded.tokens()  # the one wait of a step: for its tokens, while the next step runs
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            log.exception("a decode step of %d requests failed", len(reqs))
+            self._finish_many([(r, "error", f"decode step failed: {type(e).__name__}: {e}") for r in reqs])
+            return None
+        live = [(r, t) for r, t in zip(reqs, tokens) if not r.done]  # a request may have ended since the launch
+        self._take_tokens([r for r, _ in live], [t for _, t in live])
+        return len(live), decoded.forward_seconds
+
+    # ---- tokens and endings --------------------------------------------------------------------------------
+    def _take_tokens(self, reqs: list[Request], tokens: list[int]) -> None:
+        """Each request's new token: text, stop checks, its event; finished ones release their rows."""
+        ended = []
+        now = time.perf_counter()
+        with self._tok_lock:
+            for req, tok in zip(reqs, tokens):
+                if req.t_first is None:
+                    req.t_first = now
+                    self.metrics.first_token(now - req.t_arrival)
+                req.out_ids.append(tok)
                 try:
-                    render(part_tools, part_kwargs)
-                except Exception:  # noqa: BLE001 - fails that way as well: not this part alone
+                    finish, text = self._text(req, tok)
+                except Exception as e:  # noqa: BLE001 - a token the tokenizer cannot decode fails its request only
+                    log.exception("decoding the text of %s failed", req.id)
+                    ended.append((req, "error", f"decoding token {tok} failed: {type(e).__name__}: {e}"))
                     continue
-                param = name
-                break
-            raise RequestError(f"the chat template rejected the {param.replace('_', ' ')}: {type(e).__name__}: "
-                               f"{str(e)[:200]}", param=param) from e
-        self._check_chars(text, "messages")
-        check_unicode(text, "messages")
+                if finish is None:
+                    self._send(req, Output(req.id, text, [tok]))
+                else:
+                    ended.append((req, finish, None, text, [tok]))
+        self.metrics.token(len(reqs))
+        if ended:
+            self._finish_many(ended)
+
+    def _text(self, req: Request, tok: int) -> tuple[str | None, str]:
+        """(finish reason or None, the text to send) after ``tok``."""
+        if tok in self.eos_ids and not req.params.ignore_eos:
+            return "stop", req.detokenizer.finish()
+        text = req.detokenizer.push(tok)
+        if req.detokenizer.stopped is not None:
+            return "stop", text
+        if len(req.out_ids) >= req.params.max_tokens:
+            return "length", text + req.detokenizer.finish()
+        return None, text
+
+    def _finish_many(self, items) -> None:
+        """End requests: (req, reason, error[, text, tokens]); rows freed and the layout compacted."""
+        items = [it for it in items if not it[0].done]
+        if not items:
+            return
+        self._release([it[0] for it in items], done=True)
+        for it in items:
+            req, reason, error = it[:3]
+            text, toks = (it[3], it[4]) if len(it) > 3 else ("", [])
+            self.metrics.finish(reason)
+            self._send(req, Output(req.id, text, toks, reason, req.prompt_len, len(req.out_ids), error))
+            log.info("%s", req.summary(reason, error))
+
+    def _release(self, reqs: list[Request], done: bool) -> None:
+        """Give the rows of ``reqs`` back and compact the layout (queued on the device after the step in flight);
+        ``done``: they have ended, else they end when the token in flight arrives (``_ending`` until then)."""
+        with self._cond:
+            for r in reqs:
+                if done:
+                    r.done = True
+                    self._ending.discard(r)
+                else:
+                    self._ending.add(r)
+            s = self.scheduler
+            # what each held row holds at most (positions to copy when it moves): prompt + decode steps queued
+            held = {r.row: r.prompt_len + len(r.out_ids) + r.pending for r in s.running}
+            if s.prefilling is not None:
+                held[s.prefilling.row] = s.prefilling.prefilled
+            moves, freed = s.release_many(reqs)
         try:
-            with self._req_lock:
-                return list(self.request_tokenizer(text, add_special_tokens=False).input_ids)
-        except Exception as e:  # noqa: BLE001
-            raise RequestError(f"the messages cannot be tokenized: {type(e).__name__}: {str(e)[:200]}",
-                               param="messages") from e
+            for src, dst in moves:
+                self.model_runner.move_row(src, dst, held[src])
+            self.model_runner.reset_rows(freed)
+        except Exception:  # noqa: BLE001 - a broken cache breaks every row: stop the engine
+            log.exception("moving KV-cache rows failed")
+            raise
 
-    def _check_chars(self, text: str, param: str) -> None:
-        """RequestError where ``text`` has more characters than max_context tokens of the longest token can hold:
-        too long for the context whatever it tokenizes to (so a huge prompt is refused before it is tokenized)."""
-        if self._max_token_chars is None:
-            with self._req_lock:
-                vocab = self.request_tokenizer.get_vocab()  # byte-level keys: no shorter than their text
-            self._max_token_chars = max((len(k) for k in vocab), default=1) or 1
-        limit = self.config.max_context * self._max_token_chars
-        if len(text) > limit:
-            raise RequestError(f"{param} is {len(text):,} characters: more than the context of "
-                               f"{self.config.max_context:,} tokens can hold (at most {self._max_token_chars} "
-                               f"characters a token)", param=param, code="context_length_exceeded")
+    def _send(self, req: Request, out: Output) -> None:
+        try:
+            req.sink(out)
+        except Exception:  # noqa: BLE001 - a broken consumer cancels its request, nothing else
+            log.exception("the consumer of %s failed; cancelling it", req.id)
+            if out.finish_reason is None:
+                self.cancel(req)
 
-    def _need_tokenizer(self):
-        if self.tokenizer is None:
-            raise RequestError("this engine has no tokenizer: send token ids", param="prompt")
+    def _close(self) -> None:
+        """The thread ends: every request still held is told so."""
+        with self._cond:
+            self._stopping = True
+            held = list(self.scheduler.waiting) + list(self.scheduler.running) + list(self._ending) + \
+                ([self.scheduler.prefilling] if self.scheduler.prefilling else [])
+        self._tell_ended(held)
 
-
-def _copy_tokenizer(tokenizer):
-    """A copy of ``tokenizer`` for the request side (the engine thread keeps the original), or the tokenizer itself
-    where it cannot be copied (logged; its two users then stall each other as before)."""
-    if tokenizer is None:
-        return None
-    try:
-        return copy.deepcopy(tokenizer)
-    except Exception as e:  # noqa: BLE001 - a tokenizer class that does not deep-copy
-        log.warning("serve: the tokenizer cannot be copied (%s: %s); requests share the engine's", type(e).__name__, e)
-        return tokenizer
+    def _tell_ended(self, reqs) -> None:
+        """Each of ``reqs`` not yet done ends (``cancelled``, "the engine stopped"; ``error`` after a failure) and is
+        told so (any thread; the caller took them out of the scheduler)."""
+        why = "the engine stopped" if self.failure is None else f"the engine failed: {self.failure}"
+        for req in reqs:
+            if not req.done:
+                req.done = True
+                self._send(req, Output(req.id, "", [], "cancelled" if self.failure is None else "error",
+                                       req.prompt_len, len(req.out_ids), why))

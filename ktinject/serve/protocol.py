@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ktinject.serve.request import RequestError, check_unicode
+from ktinject.serve.errors import RequestError, check_unicode
 from ktinject.serve.sampling import STOP_MAX, TOP_K_MAX, SamplingParams
 
 

@@ -1,4 +1,5 @@
-"""Per-row sampling of one step's logits: each row its own temperature, top_p, top_k and random stream.
+"""What a request asks of its tokens (``SamplingParams``, checked), and the per-row sampling of one step's logits
+(``Sampler``): each row its own temperature, top_p, top_k and random stream.
 
 Greedy rows (temperature 0) take the argmax. Sampled rows: logits / temperature, sorted, softmax; the top_k first
 and the smallest prefix whose probability reaches top_p are kept (the most likely token always is); then one
@@ -9,7 +10,7 @@ alone or in a batch wherever its logits come out bit-identical (bf16 on the CPU;
 pick other GEMM kernels and move the last bits, enough to flip a token at a top_p edge).
 All rows are computed together on the logits' device (one sort for the sampled rows, only when some row samples),
 and ``Sampler`` does it without a host synchronisation: the engine queues the next decode step before it reads this
-one's tokens (see loop.py).
+one's tokens (see ``engine.py``).
 Legend: n rows, m sampled rows, V vocabulary.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ktinject.serve.request import RequestError
+from ktinject.serve.errors import RequestError
 
 
 #: temperatures below this sample greedily (float32 logits / 1e-5 stay finite for |logits| up to ~3e33; vLLM's bound)
@@ -97,7 +98,7 @@ class Sampler:
                  out: torch.Tensor) -> None:
         """logits [n, V], one SamplingParams and random stream per row -> out [n] (int64, logits' device)."""
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        logits = logits.float()  # torch's CPU argmax of bf16 is ~4x slower than the cast and the float argmax
+        logits = logits.float()  # torch's CPU argmax of bf16 is slower than the cast and the float argmax
         torch.argmax(logits, dim=-1, out=out)
         if not sampled:
             return

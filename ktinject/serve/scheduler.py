@@ -29,13 +29,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from ktinject.serve.errors import QueueFull
+
 
 #: the fewest tokens of a chunk that shares a padded prefill forward with others (see the module docstring)
 MIN_SHARED = 4
-
-
-class QueueFull(Exception):
-    """The waiting queue is at its limit (the API answers 429)."""
 
 
 @dataclass

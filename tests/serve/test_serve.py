@@ -112,7 +112,7 @@ def test_concurrent_greedy_requests_get_the_tokens_they_get_alone(served):
     steps, rows = eng.metrics.decode_steps - before[0], eng.metrics.decode_rows - before[1]
     assert rows / steps > 2, f"the requests did not decode together (mean batch {rows / steps:.1f})"
     served.wait_idle()
-    assert eng.sched.free_rows == eng.config.max_batch
+    assert eng.scheduler.free_rows == eng.config.max_batch
 
 
 @pytest.mark.parametrize("words", [(2, 8, 15, 21, 33, 47, 60, 75), (1, 3, 4, 5, 6, 12, 19, 64)])
@@ -132,7 +132,7 @@ def test_requests_queued_in_one_step_get_the_tokens_they_get_alone(served, words
 
     def sink(out, i):
         outs[i].append(out)
-        batch.append(len(eng.sched.running))
+        batch.append(len(eng.scheduler.running))
         if out.finish_reason:
             done[i].set()
 
@@ -182,13 +182,13 @@ def test_new_prompts_delay_a_running_stream_by_at_most_one_chunk_per_step(served
     tokens in all."""
     eng = served.engine
     events = []  # on the engine thread, in order: ("prefill", tokens) or ("token", None)
-    forward = eng.steps.prefill
+    forward = eng.model_runner.prefill
 
     def prefill(jobs, *args):
         events.append(("prefill", sum(j.end - j.start for j in jobs)))
         return forward(jobs, *args)
 
-    monkeypatch.setattr(eng.steps, "prefill", prefill)
+    monkeypatch.setattr(eng.model_runner, "prefill", prefill)
     started = threading.Event()
     stream = eng.submit(eng.encode(served.prompt(3)), greedy(50, ignore_eos=True),
                         lambda out: (events.append(("token", None)), started.set()))
@@ -326,13 +326,13 @@ def test_client_disconnect_frees_the_slot(served):
     served.wait_idle(10)
     assert time.monotonic() - t0 < 5
     assert eng.metrics.finished["cancelled"] == cancelled + 1
-    assert eng.sched.free_rows == eng.config.max_batch and not eng._cancels
+    assert eng.scheduler.free_rows == eng.config.max_batch and not eng._cancels
     # not streamed: the client gives up waiting (its read times out) and closes the connection
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{served.url}/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(5, read=0.5))
     served.wait_idle(10)
     assert eng.metrics.finished["cancelled"] == cancelled + 2
-    assert eng.sched.free_rows == eng.config.max_batch
+    assert eng.scheduler.free_rows == eng.config.max_batch
 
 
 @pytest.mark.parametrize("path,body,param,words", [
@@ -469,7 +469,7 @@ def test_full_queue_gets_429(served):
         for req in busy:
             req.cancel()
     served.wait_idle()
-    assert eng.sched.free_rows == eng.config.max_batch
+    assert eng.scheduler.free_rows == eng.config.max_batch
 
 
 def test_api_key(served):
@@ -515,7 +515,7 @@ def test_request_bodies_over_the_limit_get_413(served):
 
 
 def test_tools_reach_the_chat_template(served):
-    tok = served.engine.request_tokenizer  # (requests are rendered on the engine's copy for them)
+    tok = served.engine.prompts.tokenizer  # (requests are rendered on the engine's copy for them)
     saved = tok.chat_template
     tok.chat_template = TOOLS_TEMPLATE + saved
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

@@ -121,7 +121,7 @@ def test_decode_steps_are_queued_without_waiting_for_the_device(engine, monkeypa
     torch's sync debug mode turns one into an error (the step's requests would fail)."""
     from ktinject.serve.sampling import SamplingParams
 
-    decode = engine.steps.decode
+    decode = engine.model_runner.decode
 
     def strict(n, b, sample):
         torch.cuda.set_sync_debug_mode("error")
@@ -130,7 +130,7 @@ def test_decode_steps_are_queued_without_waiting_for_the_device(engine, monkeypa
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    monkeypatch.setattr(engine.steps, "decode", strict)
+    monkeypatch.setattr(engine.model_runner, "decode", strict)
     prompts = _prompts(engine)[:5]
     params = [SamplingParams(max_tokens=8, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i, ignore_eos=True)
               for i in range(len(prompts))]

@@ -70,7 +70,7 @@ def _wait_idle(engine, timeout: float = 20.0) -> None:
     while time.monotonic() < end:
         c = engine.counts()
         if c["running"] == 0 and c["waiting"] == 0 and engine._inflight is None:
-            assert c["free_rows"] == engine.config.max_batch and engine.sched.free_rows == engine.config.max_batch
+            assert c["free_rows"] == engine.config.max_batch and engine.scheduler.free_rows == engine.config.max_batch
             assert not engine._ending
             return
         time.sleep(0.01)
@@ -79,7 +79,7 @@ def _wait_idle(engine, timeout: float = 20.0) -> None:
 
 def test_each_decode_step_is_queued_before_the_tokens_of_the_one_before_are_read(engine, overlap, monkeypatch):
     calls = []
-    decode = engine.steps.decode
+    decode = engine.model_runner.decode
 
     def logged(n, b, sample):
         calls.append("decode")
@@ -88,7 +88,7 @@ def test_each_decode_step_is_queued_before_the_tokens_of_the_one_before_are_read
         step.tokens = lambda: (calls.append("read"), read())[1]
         return step
 
-    monkeypatch.setattr(engine.steps, "decode", logged)
+    monkeypatch.setattr(engine.model_runner, "decode", logged)
     prompt = _prompt(engine, 5)
     for on in (True, False):
         overlap(on)

@@ -9,7 +9,7 @@ import pytest
 from ktinject.decode import kv_cache
 from ktinject.serve.engine import Engine, EngineConfig
 from ktinject.serve.sampling import SamplingParams
-from ktinject.serve.steps import padded_width
+from ktinject.serve.model_runner import padded_width
 
 WORDS = "the small robot wanted to learn to paint by the sea in a quiet town".split()
 

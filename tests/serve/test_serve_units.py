@@ -10,8 +10,9 @@ import torch
 
 from ktinject.serve.metrics import Metrics
 from ktinject.serve.sampling import Sampler, SamplingParams, sample
-from ktinject.serve.scheduler import MIN_SHARED, QueueFull, Scheduler
-from ktinject.serve.text import TextStream
+from ktinject.serve.errors import QueueFull
+from ktinject.serve.scheduler import MIN_SHARED, Scheduler
+from ktinject.serve.detokenizer import Detokenizer
 
 
 @dataclass(eq=False)
@@ -282,17 +283,17 @@ class CharTokenizer:
         return raw.decode("utf-8", errors="replace")
 
 
-def _run(stream: TextStream, ids) -> list[str]:
+def _run(stream: Detokenizer, ids) -> list[str]:
     return [stream.push(i) for i in ids] + [stream.finish()]
 
 
 def test_text_waits_for_whole_characters():
-    out = _run(TextStream(CharTokenizer()), [1, 2, 8, 9, 5])
+    out = _run(Detokenizer(CharTokenizer()), [1, 2, 8, 9, 5])
     assert out == ["Hel", "lo", "", "\u20ac", "!", ""]
 
 
 def test_stop_string_across_tokens_ends_the_text_before_it():
-    s = TextStream(CharTokenizer(), stop=("STOP",))
+    s = Detokenizer(CharTokenizer(), stop=("STOP",))
     out = _run(s, [1, 2, 6, 7, 3])
     assert "".join(out) == "Hello " and s.stopped == "STOP"
     assert out[2] == " "  # "ST" is held: it may be the start of STOP
@@ -300,7 +301,7 @@ def test_stop_string_across_tokens_ends_the_text_before_it():
 
 
 def test_held_text_is_released_when_it_turns_out_not_to_be_a_stop():
-    s = TextStream(CharTokenizer(), stop=("STOP", "!!"))
+    s = Detokenizer(CharTokenizer(), stop=("STOP", "!!"))
     assert _run(s, [1, 6, 3, 5]) == ["Hel", " ", "ST wor", "", "!"]
     assert s.stopped is None
 
@@ -385,13 +386,13 @@ def test_request_checks_name_the_field():
 
 
 def test_held_text_matches_a_plain_search(seed=0):
-    """TextStream._held (the longest end of the text that begins a stop string) against the plain definition, on
+    """Detokenizer._held (the longest end of the text that begins a stop string) against the plain definition, on
     random texts and stop strings over a small alphabet (many partial matches)."""
     rng = random.Random(seed)
     for _ in range(2000):
         text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
         stops = tuple("".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3)))
-        ts = TextStream(CharTokenizer(), stop=stops)
+        ts = Detokenizer(CharTokenizer(), stop=stops)
         ts.text = text
         want = max((n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])),
                    default=0)

@@ -1,6 +1,6 @@
-"""Generated tokens -> text as it streams: incremental decoding and stop strings across token boundaries.
+"""Generated tokens -> text as it streams (incremental detokenization), and stop strings across token boundaries.
 
-``TextStream.push(token)`` returns the text that may be sent now. Decoding is incremental (the last few tokens
+``Detokenizer.push(token)`` returns the text that may be sent now. Decoding is incremental (the last few tokens
 are decoded again with each new one, as vLLM and TGI do), so a token that ends inside a multi-byte character, or
 whose leading space depends on the token before it, is only released once the text is complete. Stop strings
 are searched in the decoded text, so one spread over several tokens is found; text that could still become a
@@ -12,7 +12,7 @@ from __future__ import annotations
 _CONTEXT = 6  # prompt tokens decoded with the first new ones: leading spaces and merges come out right
 
 
-class TextStream:
+class Detokenizer:
     """One request's output text (see the module docstring). ``tokenizer``: a Hugging Face tokenizer, or None
     (token ids only: no text, no stop strings)."""
 
@@ -77,7 +77,7 @@ class TextStream:
     def _held(self) -> int:
         """Length of the longest end of the text that is the beginning of a stop string (it may still become one).
         Only the positions of the text's last len(s) - 1 characters that hold s's first character are tried (a
-        slice of s per length tried took O(len(s)^2) a token: long stop strings slowed every stream)."""
+        slice of s per length tried would take O(len(s)^2) a token: long stop strings would slow every stream)."""
         best, t = 0, self.text
         for s in self.stop:
             i = t.find(s[0], max(0, len(t) - len(s) + 1))

@@ -1,5 +1,6 @@
-"""What the engine takes and gives: its settings, a request inside it, the events a request gets, and the two
-errors a caller handles (``RequestError``: bad input, the API's 400; ``EngineUnavailable``: the API's 503).
+"""What the engine takes and gives, near the bottom of ``ktinject.serve`` (below it: ``errors.py``): its settings
+(``EngineConfig``), a request inside it (``Request``), the events a request gets (``Output``) and a whole completion
+(``Result``). Plain data, shared by the engine and the API without either importing the other.
 """
 from __future__ import annotations
 
@@ -7,38 +8,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-if TYPE_CHECKING:
-    from ktinject.serve.engine import Engine
+from ktinject.serve.errors import RequestError
+
+if TYPE_CHECKING:  # leaves of the package: neither imports this module
+    from ktinject.serve.detokenizer import Detokenizer
     from ktinject.serve.sampling import SamplingParams
-    from ktinject.serve.text import TextStream
 
 #: batch sizes that get a decode graph (up to --max-batch, which gets one too)
 BUCKETS = (1, 2, 4, 8, 16, 32)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take (the API answers 400); ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
-def check_unicode(text: str, param: str, where: bool = True) -> str:
-    """``text`` if it is valid Unicode; else RequestError naming ``param`` and the first unpaired surrogate (JSON's
-    "\\ud800" escapes decode to one: no tokenizer takes it), and where it is when ``where`` (``text`` the client's
-    own string, not a rendering of its JSON)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        at = f" at character {e.start}" if where else ""
-        raise RequestError(f"{param}: an unpaired surrogate U+{ord(text[e.start]):04X}{at} (not valid Unicode text)",
-                           param=param) from None
-    return text
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine is stopping or has stopped (the API answers 503)."""
 
 
 @dataclass
@@ -47,14 +24,14 @@ class EngineConfig:
     completion); ``max_queue``: requests waiting for a row before new ones get QueueFull; ``prefill_chunk``:
     prompt tokens per step while others decode; ``graphs``: CUDA graphs (None: on CUDA); ``warmup``: capture every
     bucket's graph and allocate the cache before serving; ``overlap``: queue each decode step before reading the
-    tokens of the one before (loop.py), False: one step at a time; ``prefill_pad``: a prefill forward's width (its
-    longest chunk) rounded up to the next power of two up to this, to a multiple of it beyond (steps.padded_width),
-    None: 16 on CUDA, 1 (no rounding) on the CPU. Why: on CUDA every new matmul shape costs host memory once (kernels
-    loaded, plans: tests/gpu/probe_shape_heap.py, +32 MiB over the first 500 new row counts), and the prefill forwards
-    of a server take (rows) x (width) shapes of 1..max_batch x 1..prefill_chunk: without rounding, the heap of a
-    10-minute soak still grew +71 MiB after its warm-up, settling (H200, 2026-11-29); with it, a few hundred shapes
-    at most. The cost: up to pad - 1 tokens a row (never past the step's prefill_chunk) go through the model like a
-    shared forward's padding, routed to experts (the hot-expert counts see them) but unseen by the row's tokens."""
+    tokens of the one before (``engine.py``), False: one step at a time; ``prefill_pad``: a prefill forward's width
+    (its longest chunk) rounded up to the next power of two up to this, to a multiple of it beyond
+    (``model_runner.padded_width``), None: 16 on CUDA, 1 (no rounding) on the CPU. Why: on CUDA every new matmul
+    shape costs host memory once (kernels loaded, plans), and the prefill forwards of a server take (rows) x (width)
+    shapes of 1..max_batch x 1..prefill_chunk: without rounding a long-running server's heap keeps growing long
+    after its warm-up; with it, a few hundred shapes at most. The cost: up to pad - 1 tokens a
+    row (never past the step's prefill_chunk) go through the model like a shared forward's padding, routed to
+    experts (the hot-expert counts see them) but unseen by the row's tokens."""
 
     max_batch: int = 8
     max_context: int = 4096
@@ -133,8 +110,8 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     sink: Callable[[Output], None]
-    engine: "Engine"
-    text: TextStream
+    on_cancel: Callable[[Request], None]  # the engine's cancel: frees the row before the next step
+    detokenizer: Detokenizer
     rng: object
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
@@ -150,7 +127,7 @@ class Request:
         return len(self.prompt)
 
     def cancel(self) -> None:
-        self.engine.cancel(self)
+        self.on_cancel(self)
 
     def summary(self, reason: str, error: str | None = None) -> str:
         """One line for the log when the request ends."""

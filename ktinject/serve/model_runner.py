@@ -1,6 +1,6 @@
-"""The model side of the serving engine's steps: the KV cache's rows, a prefill forward of prompt chunks, a decode
-forward of the running rows. No requests, no threads: ``loop.py`` decides what runs (``scheduler.py`` which rows),
-``ModelSteps`` runs it on the model.
+"""The serving engine's model runner: the KV cache's rows, a prefill forward of prompt chunks, a decode forward of
+the running rows. No requests, no threads: the engine (``engine.py``) decides what runs (``scheduler.py`` which
+rows), ``ModelRunner`` runs it on the model.
 
 - ``setup()`` (on the engine thread): the model's ``GraphRunner`` with the engine's batch buckets, its KV cache
   (``max_batch`` rows x ``max_context`` tokens, allocated once: fixed addresses for the graphs), and, with
@@ -45,8 +45,9 @@ def padded_width(width: int, pad: int, room: int) -> int:
     return max(width, min(out, room))
 
 
-class ModelSteps:
-    """The forwards of a serving engine over ``model`` with ``config`` (an EngineConfig); ``pad_id`` fills padding."""
+class ModelRunner:
+    """The forwards of a serving engine over ``model`` with ``config`` (an EngineConfig); ``pad_id`` fills padding.
+    ``runner`` is the model's ``GraphRunner`` (``ktinject.decode``), which this class drives."""
 
     def __init__(self, model, config, pad_id: int):
         self.model, self.config, self.pad_id = model, config, pad_id
@@ -229,7 +230,7 @@ class _HostSlot:
 
 
 class Decoded:
-    """A decode step queued by ``ModelSteps.decode``: ``tokens()`` waits for its n new tokens (a list of ints) and
+    """A decode step queued by ``ModelRunner.decode``: ``tokens()`` waits for its n new tokens (a list of ints) and
     frees the host slot; ``forward_seconds`` (after ``tokens()``): the forward's time on the device."""
 
     def __init__(self, slot: _HostSlot, n: int):
@@ -259,8 +260,8 @@ def pad_id(model, tokenizer) -> int:
 
 
 def eos_ids(model, tokenizer) -> frozenset[int]:
-    """The tokens that end a completion (``ktinject.decode.stop_tokens.stop_token_ids``): the generation config's end-of-sequence
-    ids and the tokenizer's, the chat template's end-of-turn token, the end-of-text tokens."""
+    """The tokens that end a completion (``ktinject.decode.stop_tokens.stop_token_ids``): the generation config's
+    end-of-sequence ids and the tokenizer's, the chat template's end-of-turn token, the end-of-text tokens."""
     from ktinject.decode.stop_tokens import stop_token_ids
 
     return frozenset(stop_token_ids(tokenizer, getattr(model, "generation_config", None)))
