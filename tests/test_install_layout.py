@@ -74,5 +74,5 @@ def test_clone_parent_imports_installed_package(tmp_path):
 
     package, rules, plan, getattr_, rulefiles = _probe(tmp_path)
     assert package == expected[0], f"from the clone's parent, `import ktinject` gave {package}, not {expected[0]}"
-    assert Path(package).parent == Path(rules).parent == Path(plan).parent, (package, rules, plan)
+    assert Path(package).parent == Path(rules).parents[1] == Path(plan).parents[1], (package, rules, plan)
     assert getattr_ == "True" and rulefiles == "True"
