@@ -1,4 +1,4 @@
 """Only the native extension: setuptools cannot take cffi_modules from pyproject.toml (everything else is there)."""
 from setuptools import setup
 
-setup(cffi_modules=["ktinject/_build.py:ffibuilder"])
+setup(cffi_modules=["ktinject/native/build.py:ffibuilder"])

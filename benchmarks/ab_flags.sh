@@ -13,7 +13,7 @@ for v in ${VARIANTS:?VARIANTS=\"NAME:FLAGS ...\"}; do
   name=${v%%:*}; flags=${v#*:}; flags=${flags//,/ }
   rm -rf "/tmp/ab-$name"; mkdir -p "/tmp/ab-$name"
   git ls-files -z | xargs -0 cp --parents -t "/tmp/ab-$name"
-  (cd "/tmp/ab-$name" && KTINJECT_CFLAGS="$flags" PYTHONPATH=/tmp/site python3 ktinject/_build.py \
+  (cd "/tmp/ab-$name" && KTINJECT_CFLAGS="$flags" PYTHONPATH=/tmp/site python3 ktinject/native/build.py \
      > "$OUT/build-$name.log" 2>&1) || { echo "build $name failed"; tail -20 "$OUT/build-$name.log"; exit 1; }
   names+=("$name")
   echo "variant $name: KTINJECT_CFLAGS='$flags'"

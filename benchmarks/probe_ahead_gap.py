@@ -63,7 +63,7 @@ def main():
                   + ", ".join(f"{a.tokens / t:,.0f}" for t in w) + ")", flush=True)
         return
     rec: dict = {"times": [], "settled": [], "combine": [], "routed": [], "host": []}
-    orig_times, orig_observe = native.Task.times, split.SplitLayers._observe
+    orig_times, orig_observe = native.Task.times, stream.PrefillStreamer.observe
     orig_combine, orig_shared = split.hostio.combine, split.shared_output
 
     def times(self):
@@ -91,7 +91,7 @@ def main():
         rec["host"].append(("routed", time.perf_counter()))
         return orig_shared(*args, **kwargs)
 
-    native.Task.times, split.SplitLayers._observe = times, observe
+    native.Task.times, stream.PrefillStreamer.observe = times, observe
     split.hostio.combine, split.shared_output = combine, shared
     walls = []
     gaps = {"host launch": [], "gpu+wake": [], "host": [], "pool wake": [], "cpu": [], "gpu combine->routed": []}
@@ -119,7 +119,7 @@ def main():
             for c, r in zip(rec["combine"], rec["routed"][1:]):
                 gaps["gpu combine->routed"].append(c.elapsed_time(r) / 1e3)
     finally:
-        native.Task.times, split.SplitLayers._observe = orig_times, orig_observe
+        native.Task.times, stream.PrefillStreamer.observe = orig_times, orig_observe
         split.hostio.combine, split.shared_output = orig_combine, orig_shared
     L = len(stream.blocks_of(model))
     wall = statistics.median(walls)

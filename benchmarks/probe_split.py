@@ -72,14 +72,15 @@ def main():
         s.setup()
         block = s.blocks[0]
         costs = s.costs_for(block)
-        print(f"\n## {quant}: {a.layers} layers, T={a.tokens}, H2D {s.h2d / 1e9:.1f} GB/s, slot {s.cap} experts; "
+        cap = s.experts.cap
+        print(f"\n## {quant}: {a.layers} layers, T={a.tokens}, H2D {s.experts.h2d / 1e9:.1f} GB/s, slot {cap} experts; "
               f"costs {costs}", flush=True)
         E = block.num_experts
-        est = policy.estimates(a.tokens, 8, block.num_experts, costs, s.cap)
+        est = policy.estimates(a.tokens, 8, block.num_experts, costs, cap)
         print(f"# estimates per layer (ms): " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in est.items())
-              + f"; auto chooses {policy.choose_mode(a.tokens, 8, block.num_experts, costs, s.cap)}", flush=True)
+              + f"; auto chooses {policy.choose_mode(a.tokens, 8, block.num_experts, costs, cap)}", flush=True)
         log = {"cpu": [], "gpu": []}
-        orig_stream, orig_split = s._stream, policy.choose_split
+        orig_stream, orig_split = s.experts.stream, policy.choose_split
         forced = {"n": 0}
 
         def timed_stream(*args, **kw):
@@ -108,8 +109,10 @@ def main():
             for c in configs:
                 mode, n = c
                 s.switch("auto" if mode in ("split", "ahead") else mode)
-                for attr in ("_decide", "_ahead_n", "_stream", "_native_task"):
+                for attr in ("_decide", "_ahead_n"):
                     s.__dict__.pop(attr, None)
+                s.experts.__dict__.pop("stream", None)
+                s.split._native_task = None  # a fresh task at the next split layer
                 s.feedback.balance = steered if mode == "auto" else _Fixed()  # forced n: not steered away
                 policy.choose_split = orig_split
                 if mode in ("split", "ahead"):
@@ -117,8 +120,8 @@ def main():
                     s._decide = lambda block, T, k, m=mode: m
                     s._ahead_n = lambda block, T, k, n=n: n
                     policy.choose_split = top_n
-                    s._stream = timed_stream
-                    s._native_task = _TimedTask(raw_task, log)
+                    s.experts.stream = timed_stream
+                    s.split._native_task = _TimedTask(raw_task, log)
                 if rep == 0:
                     time_prefill(model, a.tokens, device)  # warm this config (ring sets, caches)
                 log["cpu"].clear()
@@ -134,8 +137,8 @@ def main():
             mode, n = spec.split(":")
             s.switch("auto")
             s.feedback.balance = _Fixed()
-            for attr in ("_stream", "_native_task"):
-                s.__dict__.pop(attr, None)
+            s.experts.__dict__.pop("stream", None)
+            s.split._native_task = None
             forced["n"] = int(n)
             s._decide = lambda block, T, k, m=mode: m
             s._ahead_n = lambda block, T, k, n=int(n): n
@@ -161,7 +164,7 @@ def main():
                     cpu_m, gpu_m = policy.split_times(policy.uniform_rows(a.tokens, 8, E), costs)
                     e = f"est cpu {1e3 * cpu_m[n]:.2f} gpu {1e3 * gpu_m[n]:.2f}"
                 else:
-                    e = f"est {1e3 * policy.ahead_times(a.tokens, 8, E, costs, s.cap)[min(n, s.cap)]:.2f}"
+                    e = f"est {1e3 * policy.ahead_times(a.tokens, 8, E, costs, cap)[min(n, cap)]:.2f}"
                 line += (f"; layer cpu {1e3 * statistics.median(cpu_t) if cpu_t else float('nan'):.2f} ms, "
                          f"gpu {1e3 * statistics.median(gpu_t) if gpu_t else float('nan'):.2f} ms; {e}")
             print("# " + line, flush=True)
@@ -174,13 +177,15 @@ def main():
 
 def timeline(model, s, device, tokens: int, mode: str, n: int, layers=(3, 4, 5, 6)) -> None:
     """One forward of ``mode`` with n GPU experts a layer, its timeline printed: per layer, host times (entry of
-    _split, routing sync returned, CPU task submitted / waited) and device times (each copy's span, the streamed
-    compute's span) in ms from the forward's start (device times mapped to the host clock by a synchronized event)."""
+    ``SplitLayers.layer``, routing sync returned, CPU task submitted / waited) and device times (each copy's span, the
+    streamed compute's span) in ms from the forward's start (device times mapped to the host clock by a synchronized
+    event)."""
     from ktinject.gpu_experts.prefill import ring as ring_mod
 
     marks: list[tuple[str, int, object]] = []  # (what, layer, host seconds or (start, end) events)
     cur = {"L": -1}
-    orig_split, orig_stream, orig_issue, orig_event = s._split, s._stream, s.ring._issue, s._event
+    orig_split, orig_stream, orig_issue, orig_event = s.split.layer, s.experts.stream, s.experts.ring._issue, \
+        s.split._event
 
     def split(i, *a, **kw):
         cur["L"] = i
@@ -197,9 +202,9 @@ def timeline(model, s, device, tokens: int, mode: str, n: int, layers=(3, 4, 5, 
 
     def issue(key, *a, **kw):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record(s.ring.stream)
+        e0.record(s.experts.ring.stream)
         item = orig_issue(key, *a, **kw)
-        e1.record(s.ring.stream)
+        e1.record(s.experts.ring.stream)
         marks.append(("copy", key[0] if isinstance(key[0], int) else -1, (e0, e1)))
         return item
 
@@ -229,11 +234,11 @@ def timeline(model, s, device, tokens: int, mode: str, n: int, layers=(3, 4, 5, 
             self.t.wait()
             marks.append(("waited", cur["L"], time.perf_counter()))
 
-    raw = s._task()
-    s._split, s._stream, s.ring._issue = split, stream_, issue
+    raw = s.split._task()
+    s.split.layer, s.experts.stream, s.experts.ring._issue = split, stream_, issue
     copied = Ev(orig_event())
-    s._event = lambda name="_copied": copied if name == "_copied" else orig_event(name)
-    s._native_task = Tk(raw)
+    s.split._event = lambda name="_copied": copied if name == "_copied" else orig_event(name)
+    s.split._native_task = Tk(raw)
     try:
         torch.cuda.synchronize()
         ref = torch.cuda.Event(enable_timing=True)
@@ -243,11 +248,11 @@ def timeline(model, s, device, tokens: int, mode: str, n: int, layers=(3, 4, 5, 
         time_prefill(model, tokens, device)
         torch.cuda.synchronize()
     finally:
-        for attr in ("_split", "_stream", "_event"):
-            s.__dict__.pop(attr, None)
-        s.__dict__.pop("_issue", None)
-        s.ring.__dict__.pop("_issue", None)
-        s._native_task = raw
+        for attr in ("layer", "_event"):
+            s.split.__dict__.pop(attr, None)
+        s.experts.__dict__.pop("stream", None)
+        s.experts.ring.__dict__.pop("_issue", None)
+        s.split._native_task = raw
     rows = {}
     for what, L, v in marks:
         if isinstance(v, tuple):

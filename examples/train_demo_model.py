@@ -4,7 +4,7 @@ Three stages, reproducible from SEED:
 
   python examples/train_demo_model.py prepare --out .demo_data      # here: fetch the text, split it, train the BPE
   python examples/train_demo_model.py train --data .demo_data --out .demo_out --minutes 6   # on a GPU
-  python examples/train_demo_model.py package --from .demo_out       # into ktinject/demo/model/ (with checksums)
+  python examples/train_demo_model.py package --from .demo_out       # into ktinject/demo/demo_model/ (with checksums)
 
 Data: the fortune files of Debian's `fortunes` package (fortune-mod 1.99.1, BSD licence; `apt-get download fortunes`,
 so nothing but a package registry is needed), minus the ASCII-art files and a few categories not fit for a demo.

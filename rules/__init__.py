@@ -1,1 +1,1 @@
-"""Packaged rule files (installed as ``ktinject.rulefiles``); see ktinject/rules.py."""
+"""Packaged rule files (installed as ``ktinject.rulefiles``); see ktinject/injection/rules.py."""

@@ -1,11 +1,11 @@
-"""Layering: no import cycles in the package, no module using another's private names, and a native core whose
-files below the API never call back into it.
+"""Layering: one package per layer, each importing only the layers below it; no import cycles in the package; no
+module using another's private names; a native core whose files below the API never call back into it.
 
 Python: every module of ``ktinject`` is parsed (ast, nothing imported) for ``import ktinject...`` / ``from
-ktinject... import ...``, at module level and inside functions. The module-level imports must form no cycle (Python
-would run a half-initialized module). Imports inside functions are allowed where a module is loaded lazily on
-purpose, never to hide a cycle: together with the module-level ones they must form no cycle either, except for the
-few edges listed in ``LAZY_CYCLE_EDGES`` with the reason each is lazy.
+ktinject... import ...``, at module level, inside functions and under ``if TYPE_CHECKING:`` alike (an annotation's
+import is a dependency too). Every import goes to the importer's own layer or one below it (``LAYERS``); the
+module-level imports form no cycle (Python would run a half-initialized module), and with the function-level and
+TYPE_CHECKING ones none either, except for the few edges listed in ``LAZY_CYCLE_EDGES`` with the reason each is lazy.
 
 C: ``native/src/*.c`` by the functions each file defines and calls: ``api.c`` (the public entry points) is called by
 no other file, ``error.c`` (the error state) calls none.
@@ -19,6 +19,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ktinject"
 
+#: the layers, bottom first: a module may import its own layer's modules and those of the layers before it. The
+#: package's root modules (the lazy public names, ``python -m`` entry modules) are the front door, above them all.
+LAYERS = (
+    ("ktinject.envs", "ktinject.compat", "ktinject.tiny_models"),
+    ("ktinject.native", "ktinject.native.library", "ktinject.native.build", "ktinject.native.cuda_driver"),
+    ("ktinject.operators",),
+    ("ktinject.gpu_experts",),
+    ("ktinject.decode",),
+    ("ktinject.injection",),
+    ("ktinject.serve",),
+    ("ktinject.demo",),
+    ("ktinject.cli",),
+    ("ktinject.bench",),
+)
+FRONT_DOOR = ("ktinject", "ktinject.__main__", "ktinject.chat", "ktinject.eval", "ktinject.calibrate", "ktinject.info",
+              "ktinject.serve.__main__")
+
+
+def layer_of(module: str) -> int | None:
+    """Index in LAYERS of ``module``'s layer; None for the front door. Importing the package itself means using its
+    public names, whose homes reach up to ``ktinject.cli`` (``ktinject.info``): the command-line layer."""
+    if module == "ktinject":
+        return next(i for i, p in enumerate(LAYERS) if "ktinject.cli" in p)
+    if module in FRONT_DOOR:
+        return None
+    for i, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS in tests/test_layering.py")
+
+
 #: (importer, imported) function-level edges that close a cycle, and why they stay lazy
 LAZY_CYCLE_EDGES: dict[tuple[str, str], str] = {}
 
@@ -26,7 +57,7 @@ LAZY_CYCLE_EDGES: dict[tuple[str, str], str] = {}
 PRIVATE_USES: dict[tuple[str, str, str], str] = {
     # native.py is the public face of _nativelib, its implementation module: it re-exports the argument checks
     # and the library handle that its own wrappers use
-    **{("ktinject.native", "ktinject._nativelib", n): "re-export" for n in ("_check", "_cint", "_native", "_ptr",
+    **{("ktinject.native", "ktinject.native.library", n): "re-export" for n in ("_check", "_cint", "_native", "_ptr",
                                                                              "_tensor")},
 }
 
@@ -66,8 +97,8 @@ def _imports(name: str) -> tuple[list[tuple[str, str | None, int]], list[tuple[s
     top, inner = [], []
 
     def visit(node: ast.AST, in_function: bool) -> None:
-        if _type_checking(node):
-            return  # annotations only: never executed
+        if _type_checking(node):  # annotations only, never executed, but a dependency: counted with the lazy ones
+            in_function = True
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             (inner if in_function else top).extend((m, n, node.lineno) for m, n in _targets(node, name))
         for child in ast.iter_child_nodes(node):
@@ -139,13 +170,43 @@ def test_lazy_cycle_edges_are_still_needed():
         assert target in inner, f"LAZY_CYCLE_EDGES lists {importer} -> {target}, which imports it no more"
 
 
-def test_operators_do_not_import_the_layers_above():
-    """Operators are the bottom floor: ktinject.gpu_experts, apply, inject and loading build on them, never the
-    reverse (at module level or inside functions)."""
-    above = ("ktinject.gpu_experts", "ktinject.injection.apply", "ktinject.inject", "ktinject.injection.loading", "ktinject.injection.formats")
-    bad = [f"{m} imports {t} (line {line})" for m in MODULES if m.startswith("ktinject.operators")
-           for t, _, line in sum(_imports(m), []) if t.startswith(above)]
-    assert not bad, "; ".join(bad)
+def test_every_module_is_in_a_layer():
+    for m in MODULES:
+        layer_of(m)
+
+
+def test_layers_import_only_the_layers_below():
+    """At module level, inside functions and under TYPE_CHECKING: no import reaches a layer above the importer's."""
+    bad = []
+    for m in MODULES:
+        mine = None if m == "ktinject" else layer_of(m)
+        if mine is None:
+            continue
+        for t, _, line in sum(_imports(m), []):
+            if t not in MODULES or t == m:
+                continue
+            theirs = layer_of(t)
+            if theirs is None or theirs > mine:
+                bad.append(f"{MODULES[m].relative_to(ROOT)}:{line}: {m} imports {t}")
+    assert not bad, "imports of a layer above (move the shared part down, or invert the call):\n" + "\n".join(bad)
+
+
+def _package(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def test_no_cycle_between_packages():
+    """Packages (ktinject.gpu_experts.hot, .prefill, ktinject.injection.formats, ...) import each other one way only,
+    counting every import (module level, inside functions, TYPE_CHECKING); the package root's lazy front door aside."""
+    graph: dict[str, set[str]] = {}
+    for m in MODULES:
+        if m in FRONT_DOOR:
+            continue
+        for t, _, _ in sum(_imports(m), []):
+            if t in MODULES and t not in FRONT_DOOR and _package(t) != _package(m):
+                graph.setdefault(_package(m), set()).add(_package(t))
+    cycle = _cycle(graph)
+    assert cycle is None, f"package import cycle: {' -> '.join(cycle)}"
 
 
 def _private_uses(name: str) -> list[tuple[str, str, int]]:

@@ -11,7 +11,7 @@ BENCHES: dict[str, str] = {
     "kernels": "ktinject.bench.kernels",   # expert kernels: decode GB/s, prefill TFLOPS vs torch and the machine
     "load": "ktinject.bench.load",         # loading a checkpoint: stream / packed cache / HF + inject
     "decode": "ktinject.bench.decode",     # decode tok/s: graph vs eager vs HF vs roofline, time split per token
-    "prefill": "ktinject.bench.prefill",   # prefill tok/s at 128/1024/8192 tokens (same model as decode)
+    "prefill": "ktinject.bench.prefill",   # prefill tok/s at 512/2048/8192 tokens (same model as decode)
     "hot": "ktinject.bench.hot",           # hot experts on the GPU: tok/s by budget and strategy vs 1/(1-h)
     "serve": "ktinject.bench.serve",       # serving engine: aggregate tok/s and TTFT at 1/4/8/16 streams vs roofline
 }

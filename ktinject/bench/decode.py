@@ -9,7 +9,7 @@ on the GPU. Nothing is written to disk. Then, in one run, with the limit and the
   roofline  bytes of routed expert weights per token / CPU read bandwidth (measured now)
   roofline alongside, graph in turns with the read loop: three graph runs, each after a pass of the read probe's
             three fastest variants: the limit of that stretch of time (printed, judges nothing) and the median
-            run (the figure issue 18's targets take where no --defer rounds ran)
+            run (the figure the decode targets take where no --defer rounds ran)
   eager     ktinject.inject (routed experts in native kernels), decode steps run eagerly
   graph     the same, each decode step replayed as one CUDA graph (ktinject.generate)
   split     per token: CPU expert time (native, synchronous), GPU time (graph replay with every routed expert
@@ -24,7 +24,7 @@ speed and the spread of the runs.
 max(CPU, GPU) of this run (``ktinject.bench.defer``).
 ``--peer PATH --peer-model GGUF[,GGUF]`` times llama.cpp's llama-bench (experts on the CPU) on those GGUFs after
 ktinject's rows, in the same run, and compares each quant with its GGUF type (``ktinject.bench.llamacpp``).
-Last, per quant, issue 18's targets that the run measured, each judged met / NOT met in the bench's own output
+Last, per quant, the decode targets that the run measured, each judged met / NOT met in the bench's own output
 (``ktinject.bench.targets``, which lists them; whole model at batch 1 only).
 ``--tiny`` runs the same flow on the tiny qwen3_moe test model (CPU-only machines too: GPU rows say n/a; no roofline
 rows: the read-bandwidth probe reads GBs and a roofline of the tiny model means nothing).
@@ -41,6 +41,7 @@ import time
 
 import torch
 
+from ktinject import envs
 from ktinject.bench import llamacpp as peer
 from ktinject.operators.kernels import dense as fused_dense
 from ktinject.bench.memory import measure_read_bandwidth
@@ -164,8 +165,8 @@ def _alongside_rows(model, prompt, args, quant: str, mem, per_tok: float, rows: 
     the limit is the best variant's median pass, the figure the median run. Beside the start-of-run roofline (the
     best of 27 variants' medians of 5 passes), not instead of it: three passes a variant are few, so the pair says
     how far the host's bandwidth moved during the run, and targets.py judges against the start-of-run figure (with
-    the median run). (Over 4x the LLC, before bench.memory's 32x buffer, these passes moved 66-198 GB/s within
-    seconds on the H200 host while bf16 decode read a steady 110-116 GB/s: LLC hits, bench.memory's docstring.)"""
+    the median run). (Over a buffer only a few times the LLC these passes swung with cache hits while decode read
+    steadily: bench.memory's docstring.)"""
     from ktinject.bench.memory import ReadLoop
 
     variants = mem.top(ROOF_VARIANTS)
@@ -275,7 +276,7 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     t0 = time.perf_counter()
     ktinject.inject(model, gpu=str(device), quant=quant)
     pool = native.default_pool()
-    pinned = os.environ.get("KTINJECT_PIN") == "1" if os.environ.get("KTINJECT_PIN") in ("0", "1") else pool.pin
+    pinned = pool.pin if envs.get("KTINJECT_PIN") is None else envs.get("KTINJECT_PIN")  # (the native override)
     if device.type == "cuda":
         from ktinject.operators.kernels import common as fused
 
@@ -315,8 +316,8 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
             step = graph_replay(r, B, P, args.tokens)
             _add(rows, ("ktinject graph, bare replay", _fmt_rate(None if step is None else B / step),
                          _fmt_ms(step), f"graph.replay() only, no HF loop; host waits: {r.host_wait}"))
-            # median of MUTED_RUNS: one run of replays moved by ~0.2 ms with a hiccup of the host's side of the
-            # handshakes (H100 host, 2026-11-28: 2.30 ms in a bench against 2.07-2.12 in probes of the same tree)
+            # median of MUTED_RUNS: a single run of replays can move with a hiccup of the host's side of the
+            # handshakes, well above what probes of the same tree read
             mutes = sorted(m for m in (muted_replay(model, r, B, P, args.tokens) for _ in range(MUTED_RUNS))
                            if m is not None)
             mute = statistics.median(mutes) if mutes else None
@@ -338,7 +339,7 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
                 cpu_expert_time(model, B, passes=3, profile=alone)
                 print(f"# native pool, CPU experts alone, a layer: {profile_line(alone[0])}", flush=True)
             if r.host_wait != "spin" and step is not None:
-                from ktinject import cuda_driver
+                from ktinject.native import cuda_driver
 
                 cuda_driver.set_host_wait_mode("spin")
                 spin = graph_replay(r, B, P, args.tokens)
@@ -369,7 +370,7 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
         _add(rows, ("split: waiting for the CPU", "", _fmt_ms(None if step is None or mute is None else step - mute),
                      "bare replay - muted replay"))
         if device.type == "cuda":
-            from ktinject import cuda_driver
+            from ktinject.native import cuda_driver
             from ktinject.bench import handshake
 
             L = cfg.num_hidden_layers

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 import ktinject
+from ktinject import envs
 from ktinject.bench.targets import defer_failed, defer_targets
 from ktinject.bench.timing import profile_line, replay_iters
 from ktinject.cli.options import defer_list, defer_settings
@@ -87,8 +88,8 @@ class _Clock:
 def seconds_per_token(model, prompt: torch.Tensor, tokens: int) -> float:
     """Decode seconds per step through ``ktinject.generate`` with the model's runner as it is (no new runner): the
     time between the host's receipt of the 2nd and the last of ``tokens`` + 2 new tokens, per step. Not a whole
-    generate less a short one: at a 16K prompt the prefill's own noise (~1 s) swamps 64 decode steps (~0.8 s), and
-    one run on the H200 host read 840 tok/s that way."""
+    generate less a short one: at a long prompt the prefill's own noise is as large as the whole run of decode
+    steps, and the difference of the two reads nonsense."""
     if tokens < 1:
         raise ValueError(f"tokens = {tokens}: at least 1 decode step to time")
     clock = _Clock()
@@ -108,8 +109,8 @@ DEFAULT_LAYOUT = "cut"  # the native code's when the variable is unset (forward.
 
 def layouts(text: str | None) -> list[str]:
     """``--defer-layouts`` as a list (default: the environment's layout, else cut); SystemExit naming a bad one."""
-    where = f"--defer-layouts {text!r}" if text else f"{LAYOUT_ENV}={os.environ.get(LAYOUT_ENV)!r}"
-    got = [t.strip() for t in (text or os.environ.get(LAYOUT_ENV) or DEFAULT_LAYOUT).split(",") if t.strip()]
+    where = f"--defer-layouts {text!r}" if text else f"{LAYOUT_ENV}={envs.raw(LAYOUT_ENV)!r}"
+    got = [t.strip() for t in (text or envs.raw(LAYOUT_ENV) or DEFAULT_LAYOUT).split(",") if t.strip()]
     bad = [t for t in got if t not in LAYOUTS]
     if bad or not got:
         raise SystemExit(f"{where}: expected a comma-separated list of {', '.join(LAYOUTS)}")
@@ -120,7 +121,7 @@ def layouts(text: str | None) -> list[str]:
 def _layout_env():
     """Yields use(layout): sets the split layout the native code reads at each forward (None: leaves it); the
     environment's value is restored at the end."""
-    before = os.environ.get(LAYOUT_ENV)
+    before = envs.raw(LAYOUT_ENV)
 
     def use(layout: str | None) -> None:
         if layout is not None:
@@ -145,7 +146,7 @@ def share_bound(cpu_s: float, gpu_s: float, share: float) -> float:
 
 def rows(model, prompt: torch.Tensor, args, add, timers: Timers, quant: str = "bf16") -> None:
     """The deferral rows of one injected model (``args.defer``, ``args.tokens``, ``args.defer_rounds``), each given
-    to ``add((what, tok/s, ms/token, note))``, then issue 20's target judged (``targets.defer_targets``; ``quant``:
+    to ``add((what, tok/s, ms/token, note))``, then the deferral target judged (``targets.defer_targets``; ``quant``:
     the experts' format)."""
     from ktinject.decode.generate import get_runner
 

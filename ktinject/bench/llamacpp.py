@@ -1,11 +1,11 @@
 """llama.cpp's ``llama-bench`` as the peer, timed in the same run as ktinject (``--peer PATH``).
 
-Issues 18 and 19 compare decode and prefill with llama.cpp, its routed experts on the CPU (``-ot exps=CPU``), on the
-same machine and in the same call: a shared host's CPU speed moves 10-30% between calls, so figures from another
-day say little. ``bench decode`` and ``bench prefill`` take
+The decode and prefill benches compare with llama.cpp, its routed experts on the CPU (``-ot exps=CPU``), on the
+same machine and in the same call: a shared host's CPU speed moves between calls (docs/performance.md), so figures
+from another day say little. ``bench decode`` and ``bench prefill`` take
 
-    --peer PATH          a llama-bench binary (built by the user, e.g. ``../shared/tools/peer-llamacpp.sh build``;
-                         nothing is downloaded or built here)
+    --peer PATH          a llama-bench binary (built by the user: benchmarks/README.md says how; nothing is
+                         downloaded or built here)
     --peer-model GGUF    one or more comma-separated GGUF files of the same model (e.g. Q4_0 and Q8_0)
     --peer-threads N     llama-bench's -t (default: the physical cores this process may use, as llama.cpp's own
                          default)
@@ -107,8 +107,7 @@ def check_arguments(args) -> None:
 def find_binary(path: str) -> str:
     """``path`` if it is an executable file, else PeerError saying what is wrong with it."""
     if not os.path.exists(path):
-        raise PeerError(f"--peer {path}: no such file (build llama-bench first, e.g. "
-                        f"`bash ../shared/tools/peer-llamacpp.sh build` on the GPU machine)")
+        raise PeerError(f"--peer {path}: no such file (build llama-bench first: benchmarks/README.md says how)")
     if not os.path.isfile(path) or not os.access(path, os.X_OK):
         raise PeerError(f"--peer {path}: not an executable file (expected the llama-bench binary)")
     return path

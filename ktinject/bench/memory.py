@@ -17,12 +17,10 @@ variant's figure is the median of its passes, the limit is the best variant's (o
 over the same buffer, also the median of its passes, if that is faster).
 
 Why 32x and medians: the limit is the DRAM's sustained read speed, what a decode step's cache-cold expert reads can
-get. On the H200 host (300 MiB LLC; probe_llc.py at 6d55765, 12 rounds of six variants, 2026-11-29) passes over 4x
-the LLC gave a median 184 GB/s and up to 359 (above what its DRAM can deliver: part of each pass came from the
-LLC), 8x 131, 16x 121, 32x 115 (the best variant's median 224, 136, 128, 119), while cache-cold bf16 decode read
-122 GB/s in the same rounds. The best single pass of 27 variants x 5 passes (this module's figure before) picked
-the host's fastest moments: 138-187 GB/s over 4 GB on the same host; and with the medians of variants timed one
-after another, one variant at 138-146 GB/s stood among 26 at 79-127 (2026-11-29, two runs): a fast few seconds.
+get. Over a buffer a few times the LLC, part of each pass comes from the cache, and the figure rises above what the
+DRAM delivers (and above what cache-cold decode reads); from about 32x it settles near the decode's own read rate.
+The best single pass, or medians of variants timed one after another, pick the host's fastest few seconds rather
+than its sustained speed (docs/performance.md, Why the defaults are what they are).
 Nothing is compiled at import.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Background load for the decode bench's interference mode (``--noise N``), and the scheduler's view meanwhile.
 
-``Noise(n)`` starts n processes of one thread each that copy 1 GiB buffers back and forth (memory-bound, like the
-busy neighbour of issue 18), held stopped (SIGSTOP) until ``set(k)`` lets the first k run (SIGCONT): quiet and noisy
+``Noise(n)`` starts n processes of one thread each that copy 1 GiB buffers back and forth (memory-bound, like a
+busy neighbour on a shared host), held stopped (SIGSTOP) until ``set(k)`` lets the first k run (SIGCONT): quiet and noisy
 turns alternate in one run, so a drifting host load falls on both. ``Sched`` reads /proc before and after a timed
 turn: how long our native pool's threads waited runnable without a core (schedstat), their involuntary context
 switches, the CPU time the noise processes got and the host's steal time.

@@ -10,19 +10,20 @@ prefill per mode that pays the one-time set-up (page-locking the experts, the co
 take turns (``--reps`` rounds, the median shown and every run listed), each timed prefill after an untimed one of
 the same mode and length, as a user's second prompt finds it (the first layer's copy fetched ahead). Before the
 rounds of a length, auto runs the forwards its trials need to settle (a split or ahead choice checked against gpu
-and cpu mode, ``balance.Trials``), printed apart: a user's first prompts of a new length pay them. Beside each figure:
+and cpu mode, ``gpu_experts.prefill.feedback.Trials``), printed apart: a user's first prompts of a new length pay
+them. Beside each figure:
 
   limit   the streaming limit: tokens / (packed bytes of all routed experts / H2D bandwidth), the bandwidth measured
           in this run (one 256 MiB copy from the page-locked experts to the GPU). With --layers below 48 both the
           figure and the limit scale with the layers: compare percentages; the 48-layer equivalent is printed too
   chose   what auto decided for the last forward: its mode and, for split, experts per layer on the GPU (median)
 
-Then per quant the targets of issue 19 as lines: at the longest prompt gpu and auto >= 60% of the limit; at the
+Then per quant the prefill targets as lines: at the longest prompt gpu and auto >= 60% of the limit; at the
 shortest, auto >= cpu + 80% of gpu (both devices busy); auto never below the faster pure path. And per length the
 host-memory reference (``--bandwidth-gb``): every expert byte is read from host memory once, by the CPU or by a
 copy, so tokens / (packed bytes / the cores' read bandwidth measured now) is what a prefill gets at that rate; auto's
 share of it, and the 512-token target's. Not a hard bound: the copies' DMA reads come on top of the cores' and the
-rate drifts over seconds (bf16 auto at 512 reached 110% of it on the H200 host, 2026-11-29).
+rate drifts over seconds, so auto may read above it.
 ``--tiny`` runs the flow on the tiny qwen3_moe test model (a CPU-only machine streams to the CPU: the code path, not
 the speed). Legend: L layers, E experts.
 """
@@ -123,7 +124,7 @@ def run(args, quant: str, ours: dict | None = None) -> list[tuple[str, str, str]
     expert_bytes = sum(b.native_experts.nbytes for b in blocks)
     probe = stream.attach(model, "gpu")
     probe.setup()
-    h2d = probe.h2d
+    h2d = probe.experts.h2d
     print(f"# {quant}: {'tiny qwen3_moe' if args.tiny else 'Qwen3-30B-A3B shapes'}, {L} layers, E={cfg.num_experts} "
           f"top-{cfg.num_experts_per_tok}, {expert_bytes / 1e9:.2f} GB of packed experts; built and injected in "
           f"{time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, {native.default_pool().threads} threads; "
@@ -146,7 +147,7 @@ def run(args, quant: str, ours: dict | None = None) -> list[tuple[str, str, str]
     for n in lengths:
         runs: dict[str, list[float]] = {m: [] for m in modes}
         chose = ""
-        if "auto" in modes and probe.cuda:  # auto's trials (balance.Trials) run their forwards of a new length
+        if "auto" in modes and probe.cuda:  # auto's trials (feedback.Trials) run their forwards of a new length
             use("auto")
             settle = [time_prefill(model, n, device) for _ in range(3 * TRIALS)]  # before the timed rounds
             print(f"# {quant} auto prefill {n}, settling (untimed in the table): "
@@ -186,12 +187,12 @@ def _breakdown(model, streamer, quant: str, n: int, device) -> tuple[str, str, s
     compute (dequantization + grouped GEMMs + weighting) and the wall time, from CUDA events."""
     from ktinject.gpu_experts.prefill.ring import intervals
 
-    streamer.ring.trace = []
+    streamer.experts.ring.trace = []
     try:
         s = time_prefill(model, n, device)
-        spans = intervals(streamer.ring.trace)
+        spans = intervals(streamer.experts.ring.trace)
     finally:
-        streamer.ring.trace = None
+        streamer.experts.ring.trace = None
     per = {kind: [b - a for (what, _), a, b in spans if what == kind] for kind in ("copy", "dequant", "compute")}
     layers = max(1, len(per["compute"]))
     med = {k: statistics.median(v) if v else float("nan") for k, v in per.items()}
@@ -204,7 +205,7 @@ def _breakdown(model, streamer, quant: str, n: int, device) -> tuple[str, str, s
 
 
 def _targets(quant: str, rates: dict, lengths: list[int], h2d: float, expert_bytes: int) -> list[tuple]:
-    """The issue's targets as rows, for the modes and lengths that were run."""
+    """The prefill targets as rows, for the modes and lengths that were run."""
     out = []
     if not math.isfinite(h2d):
         out.append((f"{quant} targets", "n/a", "no GPU: the streaming path ran on the CPU (the code, not the speed)"))
@@ -237,8 +238,8 @@ def _memory_reference(args, quant: str, rates: dict, lengths: list[int], expert_
     each of its bytes is read from host memory once, by the CPU's kernels or by a copy to the GPU, so n tokens take
     expert_bytes / (read bandwidth) seconds at the cores' read rate. That rate is the sustained read of all cores
     measured now (``bench.memory``: the best variant's median pass over >= 32x the LLC). A reference, not a bound:
-    the copies' DMA reads add to what the cores get, and the rate drifts between the probe and the prefills (bf16
-    auto at 512 tokens reached 110% of it on the H200 host, 2026-11-29)."""
+    the copies' DMA reads add to what the cores get, and the rate drifts between the probe and the prefills (auto
+    may read above it)."""
     if args.tiny or args.bandwidth_gb <= 0 or not any(("auto", n) in rates for n in lengths):
         return []
     from ktinject.bench.memory import measure_read_bandwidth
@@ -262,7 +263,7 @@ def _memory_reference(args, quant: str, rates: dict, lengths: list[int], expert_
 
 def peer_rows(args, ours: dict) -> list[tuple[str, str, str]]:
     """llama-bench's prefill of each --prefill length for each --peer-model, after ktinject's rows (the same call),
-    and issue 19's comparison: int4 and int8 at 2,048 tokens and more at least 2x llama.cpp Q4_0 / Q8_0. ktinject's
+    and the peer comparison: int4 and int8 at 2,048 tokens and more at least 2x llama.cpp Q4_0 / Q8_0. ktinject's
     figure is the whole model's estimate from the layers built (x L/48); with fewer than 48 layers the first layer's
     copy, fetched ahead by the untimed prefill before each timed one, is 1/L of the copies instead of 1/48 (up to ~6%
     in favour of gpu / auto at L = 12 where the copies bound them), which the note says."""

@@ -1,7 +1,7 @@
 """Serving: aggregate decode tok/s and time to first token at 1/4/8/16 concurrent streams, vs the roofline.
 
 Builds the random-weight Qwen3-30B-A3B-shaped model of the decode bench in memory, ``--layers`` of its 48 layers
-(default 16, so that bf16 and int4 together run in about 3 minutes on the GPU machine; every tok/s and roofline is
+(default 16, so that bf16 and int4 together run in a few minutes on a GPU machine; every tok/s and roofline is
 then for those layers: a whole model's are about layers/48 of them, as the output says) (``--tiny``: the tiny
 qwen3_moe test model, on any machine), injects it once per ``--quant``, then drives ``ktinject.serve.engine.Engine`` (the
 server's engine, without HTTP: the figures are the engine's, not the network's) with N client threads per row
@@ -30,7 +30,7 @@ Per quant and stream count:
               model's routing need not be uniform (a random router spreads a batch's tokens over more experts than
               uniform draws would); "experts/layer" is their mean beside the uniform expectation
   batch 1     ``ktinject.generate`` (HF's loop, graph replay) at batch 1, prompt 32, the reference figure
-Under the table on CUDA runs, a verdict line per quant: issue 21's targets at 8 streams (overlap on), decode >= 80%
+Under the table on CUDA runs, a verdict line per quant: the serving targets at 8 streams (overlap on), decode >= 80%
 of the roofline and >= 1.2x batch 1 (``verdicts``).
 Legend: B batch (streams decoding together), N streams, L layers.
 """
@@ -269,7 +269,7 @@ def _line(r: dict) -> str:
             f"{r['decode'] / r['batch1']:.2f}x |")
 
 
-#: issue 21's targets at 8 streams: decode >= this share of the roofline of the steps that ran, and >= this many
+#: the serving targets at 8 streams: decode >= this share of the roofline of the steps that ran, and >= this many
 #: times the batch-1 figure (judged on CUDA runs of the Qwen3-30B-A3B shapes, printed under the table)
 TARGET_STREAMS, TARGET_ROOF, TARGET_BATCH1 = 8, 0.80, 1.2
 

@@ -1,8 +1,8 @@
-"""Issue 18's targets judged from ``bench decode``'s rows, so that every run says itself whether it met them.
+"""The decode targets judged from ``bench decode``'s rows, so that every run says itself whether it met them.
 
 Rows are the bench's table rows (what, tok/s, ms/token, note), numbers as printed ("1,071.5"). The targets are of
 the whole model (48 layers) at batch 1 on the GPU machine, the speed and the GPU part at a short context (a prompt
-of at most ``SHORT_PROMPT`` tokens, as the issue measured them: attention over 16K tokens is GPU time the targets
+of at most ``SHORT_PROMPT`` tokens, where the targets were set: attention over 16K tokens is GPU time the targets
 do not count); other runs get no verdict:
 
 - int4 >= 90 and int8 >= 55 tok/s through ``generate`` (the median of the ``--defer 0`` rounds where they ran, else
@@ -15,7 +15,7 @@ do not count); other runs get no verdict:
 - with ``--noise``: one busy core keeps >= 85% of the quiet speed, and each level's runs lie within 15% of their
   median (3 runs or more a level).
 
-And issue 20's deferral target (``--defer 0,...`` with graphs, whole model, batch 1): int4 at its best d > 0 at
+And the deferral target (``--defer 0,...`` with graphs, whole model, batch 1): int4 at its best d > 0 at
 least 1.25x of d = 0 and at least 80% of the bound (CPU + GPU) / max(CPU, GPU) of the run; bf16 is reported the
 same way, unjudged. Where the bound itself is below 1.25x the verdict says so: overlap cannot reach it there, and a
 longer context (``--prompt 16384``) gives the GPU part more to hide.
@@ -73,7 +73,7 @@ def _whole_model(args) -> bool:
 
 
 def target_rows(quant: str, rows, args) -> list[tuple[str, str, str, str]]:
-    """Issue 18's targets that this run measured, for one quant's ``rows``, each judged: "met" / "NOT met"."""
+    """The decode targets that this run measured, for one quant's ``rows``, each judged: "met" / "NOT met"."""
     out = []
     if not _whole_model(args) or getattr(args, "prompt", 32) > SHORT_PROMPT:
         return out
@@ -110,7 +110,7 @@ def target_rows(quant: str, rows, args) -> list[tuple[str, str, str, str]]:
 
 
 def noise_targets(times: dict[int, list[float]], args) -> list[tuple[str, str, str, str]]:
-    """Issue 18's interference targets from ``times`` (noise level -> seconds a token of each run; 0 = quiet): one
+    """The interference targets from ``times`` (noise level -> seconds a token of each run; 0 = quiet): one
     busy core keeps >= NOISE_SHARE of the quiet speed (medians), and each level's runs lie within SPREAD of their
     median. Judged for the whole model at batch 1 with 3 runs or more a level (the targets' setting), else none."""
     runs = min(len(v) for v in times.values())
@@ -142,7 +142,7 @@ def _floor_pct(x: float) -> str:
 
 def defer_targets(quant: str, speedups: dict, bound: float | None, args, cpu_s: float | None = None,
                   gpu_s: float | None = None) -> list[tuple[str, str, str, str]]:
-    """Issue 20's deferral target from ``speedups`` (setting -> median tok/s over d = 0's, d = 0 included) and the
+    """The deferral target from ``speedups`` (setting -> median tok/s over d = 0's, d = 0 included) and the
     run's ``bound`` (from ``cpu_s`` and ``gpu_s``, the CPU's and the GPU's part of a step, which word the advice):
     judged for int4 (bf16 reported), whole model at batch 1 with graphs, else none."""
     later = {d: up for d, up in speedups.items() if d}

@@ -49,7 +49,7 @@ class ContextError(CliError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The chat's options; README.md's "Chat" table lists each of them (tests/test_readme.py checks it)."""
+    """The chat's options; docs/chat.md's options table lists each of them (tests/test_readme.py checks it)."""
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description="Chat with a MoE model through ktinject.")
     cli.add_version(p)
     cli.add_model_options(p)

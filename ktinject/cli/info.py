@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from ktinject import __version__, compat, native
+from ktinject import __version__, compat, envs, native
 from ktinject.operators import fast_path_report as fastpaths
 from ktinject.decode import attention as decode_attention
 
@@ -35,7 +35,7 @@ def lines() -> list[str]:
         except native.NativeError as e:
             isa = f"ERROR: {e.message}"
         out.append(f"isa             {isa} (best {native.best_isa()}; available {', '.join(native.available_isas())})")
-        env_threads = os.environ.get("KTINJECT_THREADS")
+        env_threads = (envs.raw("KTINJECT_THREADS") or "").strip()
         out.append(f"physical cores  {native.physical_cores()}; default pool threads "
                    f"{env_threads + ' (KTINJECT_THREADS)' if env_threads else native.default_threads()}")
     except ImportError as e:

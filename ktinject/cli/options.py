@@ -82,7 +82,8 @@ def defer_settings(values) -> list[int | float]:
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
-    """The options that say which model to load and how (README's tables list them for each program)."""
+    """The options that say which model to load and how (the options tables of docs/chat.md and docs/serving.md list
+    them for each program)."""
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
     p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
     # quant, defer and prefill default to None: the rules' own kwargs then hold (an option given overrides them)
@@ -161,7 +162,12 @@ def quiet_transformers() -> None:
 
 
 def device(args: argparse.Namespace) -> str:
-    """The device of the dense part (--gpu, else CUDA where there is one); --threads set for torch and the experts."""
+    """The device of the dense part (--gpu, else CUDA where there is one); --threads set for torch and the experts.
+
+    Without --threads on the CPU path, torch's own intra-op threads are one: the dense work beside the experts is
+    small, and torch's OpenMP team spin-waits for its members at every parallel region, so on a host where another
+    process holds a core a team of two stalls for whole time slices at every step (docs/performance.md, "Busy
+    hosts"); the experts keep the native pool's threads, which do not wait for one another."""
     import torch
 
     gpu = args.gpu or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -172,6 +178,8 @@ def device(args: argparse.Namespace) -> str:
 
         torch.set_num_threads(args.threads)
         native.set_default_threads(args.threads, source=f"--threads {args.threads}")  # warns above the cores
+    elif gpu == "cpu":
+        torch.set_num_threads(1)
     return gpu
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys
 from pathlib import Path
 
+from ktinject import envs
 from ktinject.cli import options as cli
 from ktinject.cli.options import CliError, positive
 
@@ -24,7 +24,8 @@ log = logging.getLogger("ktinject.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The server's options; README.md's "Serving" table lists each of them (tests/cli/test_serve_cli.py checks it)."""
+    """The server's options; docs/serving.md's options table lists each of them (tests/cli/test_serve_cli.py checks
+    it)."""
     p = argparse.ArgumentParser(prog=f"python -m {PROG}",
                                 description="Serve a MoE model through ktinject with an OpenAI-compatible API.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -121,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
     from ktinject.serve.api import create_app
     from ktinject.serve.engine import Engine, EngineConfig
 
-    api_key = args.api_key or os.environ.get("KTINJECT_API_KEY") or None
+    api_key = args.api_key or envs.get("KTINJECT_API_KEY") or None
     if args.max_queue < 0:
         raise CliError(f"--max-queue must be >= 0, got {args.max_queue}")
     sock = _bind(args.host, args.port)

@@ -16,13 +16,13 @@ token (S == 1) this forward computes what the HF module computes, with:
   in float32 (``bmm`` with ``out_dtype`` on CUDA), masked, softmax in float32, probabilities in the value dtype
   (what SDPA's flash kernels do; on the CPU, which has no float32-output ``bmm``, float32 copies of K and V).
 
-On CUDA with Triton (``fused.available``) the same steps are three kernels (``fused_attn.py``): with a ktinject
-KVCache, q/k norms, rotary, the k and v writes into the cache at each row's length and attention over the cache in
-one (``rope_attention``: splits over the keys a row holds, combined by the last program, which also advances the
-row lengths; other caches: norms and rotary in one kernel, their ``update``, attention in one); and the
-projections, the two others, go through ``fused_dense.linear`` (cuBLAS or a Triton
-GEMV, whichever measured faster for the shape; o_proj's GEMV takes the decoder layer's residual add and
-post-attention norm as its epilogue, see ``forward_with_residual``).
+On CUDA with Triton (``fused.available``) the same steps are three kernels (``operators/kernels/attention.py``):
+with a ktinject KVCache, q/k norms, rotary, the k and v writes into the cache at each row's length and attention
+over the cache in one (``rope_attention``: splits over the keys a row holds, combined by the last program, which
+also advances the row lengths; other caches: norms and rotary in one kernel, their ``update``, attention in one);
+and the projections, the two others, go through ``fused_dense.linear`` (cuBLAS or a Triton GEMV, whichever
+measured faster for the shape; o_proj's GEMV takes the decoder layer's residual add and post-attention norm as its
+epilogue, see ``forward_with_residual``).
 
 Everything else runs the module's own forward: prefill (S > 1), output_attentions, training, autograd through the
 projections, hooks on or replaced q/k/v projections or norms, partial rotary, a sliding window without a mask,

@@ -321,7 +321,7 @@ class GraphRunner:
     def _capture(self, key, kwargs) -> _Graph | None:
         cache = compat.cache_from(kwargs)
         if self.host_wait:
-            from ktinject import cuda_driver
+            from ktinject.native import cuda_driver
 
             if not cuda_driver.set_host_wait_mode(self.host_wait):
                 log.info("ktinject graph: cannot set the host wait mode (driver older than CUDA 12.1)")

@@ -3,7 +3,7 @@
 HF's decoder layer runs input norm, attention, residual add, post-attention norm, MLP, residual add: with the
 routed experts on the CPU every GPU kernel of that chain is on the decode step's critical path. For one query
 token per row this forward computes the same (same roundings: sums rounded to the model dtype, each norm as its
-module) with fewer kernels on CUDA with Triton (``fused_dense``):
+module) with fewer kernels on CUDA with Triton (``operators.kernels.dense``):
 
 - attention's residual add is o_proj's epilogue (``decode_attention.forward_with_residual``), and so is the
   post-attention norm where o_proj runs as the Triton GEMV (its last program normalizes the rows), else that norm
@@ -12,7 +12,7 @@ module) with fewer kernels on CUDA with Triton (``fused_dense``):
   the normalized result (``norm.attach_prenormed``), which the next layer, or the model's final FusedRMSNorm,
   takes instead of normalizing again while it is valid (same norm and weight, neither tensor changed since);
   the first layer normalizes its input itself;
-- the LM head (the model's output embeddings, an nn.Linear) of a one-row decode step is ``fused_dense.linear``:
+- the LM head (the model's output embeddings, an nn.Linear) of a one-row decode step is ``kernels.dense.linear``:
   cuBLAS or the GEMV, whichever its timing picks; the GEMV starts during the last layer's collect (PDL) and loads
   its first weight tiles while that waits for the CPU (``install_head``).
 
@@ -129,7 +129,7 @@ def uninstall_head(model: nn.Module) -> None:
 
 def head_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The LM head's logits of x [1, 1, H] (a one-row decode step, or a prompt's last position) by
-    ``fused_dense.linear`` (the same product: one rounding of a float32 sum, in its own order); anything else (a
+    ``kernels.dense.linear`` (the same product: one rounding of a float32 sum, in its own order); anything else (a
     batch: the serving engine's steps of any size would each be timed on first use), a head with hooks, weights on
     another device, autograd to record: nn.Linear's forward."""
     hf = self.__dict__[_HEAD_FORWARD]

@@ -1,6 +1,6 @@
 """The demo checkpoints: a small trained Qwen3-MoE that ships with the package, and a random one built locally.
 
-`demo_model_dir()` returns the trained model (``ktinject/demo/model/``): 4 layers, hidden 192, 16 experts top-4
+`demo_model_dir()` returns the trained model (``ktinject/demo/demo_model/``): 4 layers, hidden 192, 16 experts top-4
 (4.4M parameters, bf16), a byte-level BPE tokenizer of 2,048 tokens and a ChatML chat template (<|im_start|>/
 <|im_end|>, eos = <|im_end|>), trained on the English text of Debian's `fortunes` package (BSD licence:
 LICENSE.fortunes) by ``examples/train_demo_model.py``; ``heldout.txt`` is fortunes it never saw, for
@@ -22,6 +22,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from ktinject import envs
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +95,11 @@ def _spec_hash() -> str:
 
 
 def default_cache_root() -> Path:
-    env = os.environ.get("KTINJECT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ktinject"
+    env = envs.get("KTINJECT_CACHE")  # a path (~ expanded), or None when unset or empty
+    return Path(env) if env else Path.home() / ".cache" / "ktinject"
 
 
-TRAINED = Path(__file__).resolve().parent / "model"
+TRAINED = Path(__file__).resolve().parent / "demo_model"
 _VERIFIED: set[Path] = set()
 
 

@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from ktinject import native, operators
 from ktinject.injection import apply
 from ktinject.injection import pack_cache as packcache
-from ktinject.envs import env_int
+from ktinject import envs
 from ktinject.injection.formats import open_checkpoint
 from ktinject.injection.formats.base import BufferPool, LoadError, Reader, ReadJob
 from ktinject.injection.formats.hf_keys import Piece, check_expert_piece, expert_matrices, map_checkpoint
@@ -215,7 +215,7 @@ class _Loader:
         moe = [u for u in self.units.values() if u.stream is not None]
         total = sum(j.nbytes for j in jobs) + sum(u.stream.nbytes for u in moe if u.from_cache)
         writing = self.cache is not None and not self.hit and self.cache.begin(sum(u.stream.nbytes for u in moe))
-        self.window = window = env_int("KTINJECT_READAHEAD_MB", 256, minimum=1) << 20
+        self.window = window = envs.get("KTINJECT_READAHEAD_MB") << 20
         t0 = time.perf_counter()
         self.bar = bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
                               disable=not self.progress, leave=False)
@@ -381,7 +381,7 @@ class _Packer:
     (expert, matrix)); at most 2 jobs per thread in flight, so the memory they hold stays small."""
 
     def __init__(self):
-        workers = env_int("KTINJECT_PACK_THREADS", 0, minimum=0) or max(1, min(16, native.physical_cores()))
+        workers = envs.get("KTINJECT_PACK_THREADS") or max(1, min(16, native.physical_cores()))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="ktinject-pack") if workers > 1 else None
         self.pending: deque = deque()
         self.limit = 2 * workers

@@ -9,15 +9,16 @@ library's version and this file format, so any change misses (the rest of the ru
 prefill, defer, does not change the packed bytes and is not in the key). When a new entry is written, the entries
 of the same checkpoint made from other files (the checkpoint changed) or by another native library or format are
 removed, and of its other packings (int8 beside int4, another group size) the ``KEEP`` most recently used stay.
-Each block's bytes are checked against the SHA-256 digest the manifest records (64 MiB pieces hashed in parallel:
-~1.4 GB/s a core with the CPU's SHA instructions) before they reach the experts: a corrupted file is repacked,
+Each block's bytes are checked against the SHA-256 digest the manifest records (64 MiB pieces hashed in parallel,
+so the check costs little beside the read) before they reach the experts: a corrupted file is repacked,
 never computed with. A cache directory is written under a temporary name and renamed into place when complete
 (atomic): a crash leaves no half cache behind. The root is ``cache_dir`` if given, else
 ``$KTINJECT_CACHE``, else ``<checkpoint>/.ktinject-cache`` when the checkpoint directory is writable (for the
 built-in demo model, which lies inside the package: ``$XDG_CACHE_HOME/ktinject/packed``, by default under
 ``~/.cache``); ``False`` or ``KTINJECT_CACHE=off`` disables it. By default (``cache_dir=None``, no ``$KTINJECT_CACHE``) it is used only for
 quantized packings (int8, int4): a bf16 cache holds as many bytes as the checkpoint's experts, so reading it is no
-faster than streaming them, and writing it costs a second copy (the README's Loading figures).
+faster than streaming them, and writing it costs a second copy (docs/performance.md, Why the defaults are what
+they are).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ktinject import envs
 from ktinject.injection.formats.base import BufferPool, pread_into
 from ktinject.injection.formats.safetensors import read_header
 
@@ -114,7 +116,7 @@ def digest(data: torch.Tensor) -> str:
 
 def _inside_package(path: Path) -> bool:
     """Whether ``path`` lies inside the installed ktinject package (the shipped demo model)."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # ktinject/ (this file: ktinject/injection/)
     try:
         Path(path).resolve().relative_to(package)
     except ValueError:
@@ -128,7 +130,7 @@ def cache_root(cache_dir: Any, checkpoint_dir: Path, worth_it: bool) -> Path | N
     quantizes) or when ``$KTINJECT_CACHE`` names a directory."""
     if cache_dir is False:
         return None
-    env = os.environ.get("KTINJECT_CACHE")
+    env = envs.raw("KTINJECT_CACHE")  # (set but empty: off, as "off" is)
     if cache_dir is None or cache_dir is True:
         if env is not None and env.strip().lower() in ("", "0", "off", "false", "no"):
             return None

@@ -1,8 +1,8 @@
 """The eager MoE path's CPU task left running while the host goes on (prompts on the CPU path: ``HybridMoE._experts``).
 
 A forward of T tokens through the native kernels held the host until the CPU's task was done, and only then did
-the host queue the next layer's dense part (HF's attention of a 512-token chunk: ~2 ms of launches a layer on the
-H100), so those launches ran after the experts instead of beside them. Where ``usable`` says so, the task raises a
+the host queue the next layer's dense part (HF's attention of a prompt chunk: milliseconds of launches a layer),
+so those launches ran after the experts instead of beside them. Where ``usable`` says so, the task raises a
 pinned signal word once its output is written (``native.Task.signal``), a one-warp kernel waits for the word on the
 stream before the output's copy to the device (``fused.wait_word``), and the host returns; the next MoE forward
 waits for the task (raising its run's error) before it stages its own inputs (``settle``; by then the host has
@@ -16,11 +16,9 @@ leaves it to the next MoE forward. KTINJECT_PREFILL_OVERLAP=0 turns this off, wi
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ktinject import native
+from ktinject import envs, native
 from ktinject.operators.kernels import common as fused
 
 _LEFT: list = []  # [(task, block)]: the task left running, at most one (one forward at a time)
@@ -29,7 +27,7 @@ COUNTS = {"left": 0, "settled": 0}  # tasks left running / waited for by settle,
 
 def enabled() -> bool:
     """KTINJECT_PREFILL_OVERLAP (default 1), read per forward."""
-    return os.environ.get("KTINJECT_PREFILL_OVERLAP", "1") != "0"
+    return envs.get("KTINJECT_PREFILL_OVERLAP")
 
 
 def usable(block, x: torch.Tensor, out: torch.Tensor) -> bool:

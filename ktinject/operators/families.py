@@ -1,7 +1,7 @@
 """What differs between the MoE blocks of transformers 5.x families, kept as data plus a few small functions.
 
-Every supported block has an ``experts`` module holding fused weights (``gate_up_proj``, ``down_proj``; §5 of the
-design notes) and a router module (``gate``, or ``router`` for gpt-oss) that returns
+Every supported block has an ``experts`` module holding fused weights (``gate_up_proj``, ``down_proj``: transformers
+5.x's fused experts, ``ktinject.compat``) and a router module (``gate``, or ``router`` for gpt-oss) that returns
 ``(logits [T,E], top_k_weights [T,k], top_k_index [T,k])``. The rest is a short list of differences:
 
 ==========================  =======  =================================  =======  ==============================

@@ -2,7 +2,7 @@
 
 The paths: ``decode_attention`` (one-token attention steps, decode/attention.py), ``decode_layer`` (the
 decoder layer's residual adds fused with the norms after them, decode/layer.py), ``graph_decode`` (the
-decode step replayed as one CUDA graph, graph.py) and ``fast_router`` (router + top-k in fewer kernels,
+decode step replayed as one CUDA graph, decode/graph_runner.py) and ``fast_router`` (router + top-k in fewer kernels,
 operators/moe.py). Each injected model carries one ``FastPaths`` report (``attach``), which the paths update on
 every eager call (inside a captured graph nothing runs Python, and nothing needs counting).
 

@@ -1,12 +1,12 @@
 """Drive one MoE layer's native experts from the CUDA stream, so that a decode step can be captured as a graph.
 
 The eager HybridMoE path waits on an event from the host between the copies and the native task: graph capture
-cannot record that. Here the stream itself does the handshake (DESIGN.md §2):
+cannot record that. Here the stream itself does the handshake (docs/internals/architecture.md, One decode step):
 
     start(x, ids, w):  async D2H copies x [T,H], ids [T,k], w [T,k] -> pinned staging
                        cuStreamWriteValue32(go, 1)   ----> a pool thread (ktk_task_watch) sees go == 1, clears it,
     ... the block's own GPU work (shared experts, GPU-resident experts) runs here ...    runs the task, sets done = 1
-    finish() -> [T,H]: cuStreamWaitValue32(done == 1); then one kernel (operators.fused.copy) reads the pinned
+    finish() -> [T,H]: cuStreamWaitValue32(done == 1); then one kernel (kernels.common.copy) reads the pinned
                        output into a static device buffer (returned) and sets done = 0; where the copy is one
                        program (T x H <= 2048) that kernel polls done itself, no wait node (without Triton:
                        cuStreamWriteValue32(done, 0) and an async H2D copy)
@@ -14,7 +14,7 @@ cannot record that. Here the stream itself does the handshake (DESIGN.md §2):
 or, with ``mode="hostfn"`` (the slower fallback, kept for comparison): host-callback nodes calling the native
 ``ktk_submit_fn`` / ``ktk_wait_fn`` instead of the two flag operations.
 
-Where the one-kernel router made the inputs (``operators.fused.router_topk`` with ``stage`` and ``go``: the MoE
+Where the one-kernel router made the inputs (``kernels.common.router_topk`` with ``stage`` and ``go``: the MoE
 operator's routing) it has also raised go, and ``start`` queues nothing: at one token a decode layer's
 handshake is then no stream operation at all, only the router kernel and the collect kernel.
 
@@ -28,9 +28,10 @@ on to the deferred experts while the stream goes on to the next layer, which col
     finish:  wait done == 1; done = 0; copy out         (meanwhile: the next layer's attention on the GPU)
     (next layer) finish_deferred: wait done_d == 1; done_d = 0; copy out_d   <----------------------- done_d = 1
 
-One job a layer instead of two: two chained tasks (the first's end raising the second's go, ``ktk_task_watch_then``;
-``KTINJECT_DEFER_SPLIT=0``) paid a second routing, gather and phase start and tail. (hostfn: two tasks, both
-submitted at ``start``; the pool runs a pool's tasks in submission order.)
+One job a layer instead of two: two chained tasks (the first's end raising the second's go, ``ktk_task_watch_then``)
+paid a second routing, gather and phase start and tail (docs/performance.md, Why the defaults are what they are;
+the switch back to them is retired). (hostfn: two tasks, both submitted at ``start``; the pool runs a pool's tasks
+in submission order.)
 
 Everything a captured graph touches (staging buffers, the go/done words, the task and its binding, the device
 output) is allocated once per (layer, T) and keeps its address until ``close()``. ``finish()`` returns the same
@@ -42,14 +43,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 import weakref
 
 import torch
 
-from ktinject import cuda_driver
+from ktinject.native import cuda_driver
 from ktinject.operators.kernels import common as fused
 from ktinject.operators.kernels import dense as fused_dense
 
@@ -71,14 +71,6 @@ def stream_mode(enabled: bool = True):
         yield
     finally:
         _state.active = prev
-
-
-def split_enabled() -> bool:
-    """Whether a deferring runner computes both parts as one native task (``Task.split``: one job a layer, the
-    immediate part's done word raised inside it) rather than two chained ones; ``KTINJECT_DEFER_SPLIT=0`` (read when
-    a runner is made; A/B measurements) chains two. The bench's pools profile measured the second job a layer at
-    9.83 -> 10.61 ms of CPU jobs a step (int4, 8K context, d = 3)."""
-    return os.environ.get("KTINJECT_DEFER_SPLIT", "1") != "0"
 
 
 def host_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -128,12 +120,12 @@ class StreamExperts:
         self.task = native.Task(pool)
         self.task.bind(experts, self.h, self.ids, self.w, skip=skip, out=self.o)
         self.dtask = None
-        self.split = False  # one task computes both parts (split_enabled), raising done mid-run
+        self.split = False  # one task computes both parts (memops mode), raising done mid-run
         if self.defer:
             # [T, H] deferred slots' sum; pinned like o (zeros_like would not pin it: no H2D copy in a capture)
             self.o_d = torch.zeros((self.T, self.hidden), dtype=hdt, **pin)
             self.out_d = torch.zeros_like(self.out)  # [T, H] static, on device
-            self.split = self.mode == "memops" and split_enabled()
+            self.split = self.mode == "memops"
             if self.split:  # done (word 16) once o is written, the run's end raising done_d (48)
                 self.task.split(self.defer, self.o_d, self.done_addr)
             else:
@@ -145,9 +137,8 @@ class StreamExperts:
         # the output's copy and the done word's reset as one kernel (decided once, outside any capture): memops
         # mode, Triton usable on this device (the host buffers are pinned above)
         self._collect_kernel = self.mode == "memops" and fused.available(self.out)
-        # ... which also waits for done itself where one program does the copy: that saved 0.7-2.2 us a layer at
-        # T = 1 (H 2048), but several programs polling host memory cost 2-25 us more than the wait node at T = 2-8
-        # (probe_handshake.py at 6d55765, both machines)
+        # ... which also waits for done itself where one program does the copy: one poller saves the wait node,
+        # but several programs polling host memory cost more than it does (docs/performance.md)
         self._spin = self._collect_kernel and self.T * self.hidden <= fused.COPY_BLOCK
         self.pending = False  # finish(lazy=True) left the collect to the caller (collect_add_rms_norm / flush)
         self.staged_ids = None  # the ids tensor of a routing whose kernel wrote h, ids and w itself (see start)
@@ -267,7 +258,7 @@ class StreamExperts:
 
     def _collect(self, done_dptr, done_word: int, task, o: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Wait for ``task`` (its done word: ``done_dptr``, flags[done_word]), then reset the word and copy its host
-        output ``o`` to ``out``: a wait-value and one kernel (operators.fused.copy; polling the word itself, no
+        output ``o`` to ``out``: a wait-value and one kernel (kernels.common.copy; polling the word itself, no
         wait-value, where it is one program) where it can run, else a wait-value, a write-value and a copy."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if self.mode == "memops":

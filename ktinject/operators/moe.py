@@ -321,8 +321,9 @@ def _combine(routed: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
 #: only accepts them; ``ktinject.injection.apply`` validates them (naming the rule) and places the experts once every block
 #: is built, so this module never depends on the GPU-expert code
 HOT_KWARGS = frozenset({"gpu_experts_budget", "placement", "stats", "rebalance_every"})
-#: the model-wide prefill option ("auto" | "cpu" | "gpu": where a prompt's routed experts run, ``ktinject.gpu_experts.
-#: policy``): accepted here, validated (naming the rule) and acted on by ``ktinject.injection.apply`` (``gpu_experts.stream``)
+#: the model-wide prefill option ("auto" | "cpu" | "gpu": where a prompt's routed experts run,
+#: ``ktinject.gpu_experts.prefill.policy``): accepted here, validated (naming the rule) and acted on by
+#: ``ktinject.injection.apply`` (``gpu_experts.prefill.streamer``)
 PREFILL_KWARGS = frozenset({"prefill"})
 
 

@@ -49,7 +49,7 @@ class Staging:
         """A native forward's inputs: x [T, H], ids [T, k] and weights [T, k] copied into the buffers ``prefix`` +
         hidden / ids / weights, in the dtypes native reads (``stream_experts.host_dtype``); asynchronous (device ->
         pinned host) when ``non_blocking``; ``to_host(src, dst)`` (contiguous src) moves each instead of a copy
-        (streamed prefill's kernel: gpu_experts.hostio). Returns the three host views."""
+        (streamed prefill's kernel: gpu_experts.prefill.host_io). Returns the three host views."""
         (T, H), k = x.shape, ids.shape[1]
         h = self.get(prefix + "hidden", T, H, stream_experts.host_dtype(x.dtype))
         i = self.get(prefix + "ids", T, k, torch.int64)
@@ -88,12 +88,12 @@ def router_f32_extra(router: nn.Module) -> int:
 # be True for the renormalization, None: always). Their weights equal the softmax over the k largest logits
 # (softmax(l)_i / sum_top softmax(l)_j = exp(l_i) / sum_top exp(l_j)): linear, top-k, softmax of k instead of HF's
 # linear, softmax of E, sorted top-k (a selection and a sort), sum and division. A decode step on the GPU is a chain of
-# small dependent kernels, so every kernel fewer shortens it (README, Performance: the router's row). The k ids come
-# unsorted or in descending order (the native experts sum in expert order whatever the slots; the hot experts' sum is
-# order-free up to rounding). The experts are HF's except at near-ties: logits an ulp or so apart, which HF's float32
-# probabilities may round equal and then rank by index, and which the Triton logits kernel (another summation order than
-# cuBLAS) may round the other way. Eligibility is by class (and flag): tests/operators/test_router.py checks each class against
-# the installed transformers.
+# small dependent kernels, so every kernel fewer shortens it (docs/history/readme-performance.md, the router's row).
+# The k ids come unsorted or in descending order (the native experts sum in expert order whatever the slots; the hot
+# experts' sum is order-free up to rounding). The experts are HF's except at near-ties: logits an ulp or so apart,
+# which HF's float32 probabilities may round equal and then rank by index, and which the Triton logits kernel (another
+# summation order than cuBLAS) may round the other way. Eligibility is by class (and flag):
+# tests/operators/test_router.py checks each class against the installed transformers.
 _SOFTMAX_TOPK_ROUTERS = {"Qwen3MoeTopKRouter": "norm_topk_prob", "Qwen2MoeTopKRouter": "norm_topk_prob",
                          "OlmoeTopKRouter": "norm_topk_prob", "MixtralTopKRouter": None}
 

@@ -358,8 +358,8 @@ static int guided(ktki_phase *ph, fctx *c, ktki_range_fn range, int64_t n, int m
     return KTKI_PHASE;
 }
 
-/* The decode path's down phase claims at least this many column blocks a chunk (KTINJECT_DOWN_MINC, read at each
- * decode forward, overrides it, 1..CWMAX). A chunk starts a stream per expert (its blocks are contiguous in each
+/* The decode path's down phase claims at least this many column blocks a chunk (the A/B switch KTINJECT_DOWN_MINC
+ * is retired: ktinject/envs.py, RETIRED). A chunk starts a stream per expert (its blocks are contiguous in each
  * expert's down matrix), and guided chunks of one block (6 KB of int4 per expert at Qwen3-30B-A3B shapes) leave
  * the phase at ~115 GB/s where gate/up runs at ~150; but fewer, larger chunks leave a longer tail. Measured
  * (tests/gpu/probe_cpu_decode.py, int4, 16 layers, 15 threads, interleaved, down phase us at batch 1 / batch 8):
@@ -367,17 +367,12 @@ static int guided(ktki_phase *ph, fctx *c, ktki_range_fn range, int64_t n, int m
  * H200 machine's 80.9 -> 85.7 and 69.3 -> 83.0 / 447 -> 476 and 405 -> 508 (slower: threads busy 69-80%), and its
  * bench serve (int4, 8 streams) lost 9-10% in two rounds. So 1 (guided down to one block) stays the default. */
 #define DOWN_MINC 1
-static int down_minc(void) {
-    const char *v = getenv("KTINJECT_DOWN_MINC");
-    const long n = v && *v ? strtol(v, NULL, 10) : DOWN_MINC;
-    return n < 1 ? 1 : n > CWMAX ? CWMAX : (int)n;
-}
 
 /* Phases in order: gather, gate/up, (int8 / int4) h quantized, down; those of the decode path in guided chunks. A
  * forward with no row (all its experts GPU-resident or skipped) writes its zeros on this thread: as a phase of 128
  * column blocks it took 11 us of claims (86 chunks, threads 5% busy; 15 threads, tests/gpu/probe_handshake.py). */
 static int down_phase(ktki_phase *ph, fctx *c) {
-    if (c->gemv) return guided(ph, c, down_decode, c->UH, c->cw_dn, down_minc());
+    if (c->gemv) return guided(ph, c, down_decode, c->UH, c->cw_dn, DOWN_MINC);
     return items(ph, c, down_item, (int64_t)c->ntc * ((c->UH + c->cw_dn - 1) / c->cw_dn));
 }
 

@@ -1,5 +1,5 @@
 /* Stress test of the pool, tasks and watch flags, built with -fsanitize=thread (or address) by
- * tests/test_native.py::test_pool_stress_sanitizers: three threads call ktk_forward on one pool while a task is
+ * tests/native/test_native.py::test_pool_stress_sanitizers: three threads call ktk_forward on one pool while a task is
  * submitted/waited and then driven through go/done flags (changing the watch spin window and waking the pool on
  * the way); then pools of 2..4 threads of which one is artificially delayed (KTINJECT_TEST_DELAY: it sleeps before
  * each chunk it claims and, every other time, while holding it) run forwards and watched tasks. Every result must

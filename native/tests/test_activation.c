@@ -1,6 +1,6 @@
 // Gate/up activations (native/src/activation.c, the path this CPU takes) and int8 row quantization (pack.c) against
 // float64 references, on segment lengths that are not multiples of 16, with and without biases. Prints "ok".
-// Built against all native sources by tests/test_native.py::test_activation_and_quantize_rows.
+// Built against all native sources by tests/native/test_native.py::test_activation_and_quantize_rows.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

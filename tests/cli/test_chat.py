@@ -279,7 +279,7 @@ def test_sampling_arguments_in_range():
 
 
 def test_threads_above_the_cores_warn(demo_env):
-    from ktinject._nativelib import default_threads, usable_cpus
+    from ktinject.native.library import default_threads, usable_cpus
 
     cpus = usable_cpus()
     r = chat(demo_env, "--gpu", "cpu", "--prompt", "hi", "--max-new-tokens", "2", "--threads", str(cpus + 1))
@@ -305,3 +305,25 @@ def test_stats_prints_one_line_per_fast_path(monkeypatch):
     assert lines[3:] == ["fast path decode_attention: active",
                          "fast path graph_decode: off (no CUDA device)",
                          "fast path fast_router: not run yet"]
+
+
+def test_cpu_path_runs_torch_on_one_thread_unless_threads_say_otherwise():
+    """On the CPU path torch's own intra-op team is one thread by default: a team of several spin-waits for its
+    members at every parallel region and, beside a process that holds a core, stalls for time slices at every
+    step (docs/performance.md, "Busy hosts"); --threads N sets both torch and the expert pool."""
+    import argparse
+
+    import torch
+
+    from ktinject.cli import options
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert options.device(argparse.Namespace(gpu="cpu", threads=None)) == "cpu"
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        options.device(argparse.Namespace(gpu="cpu", threads=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ktinject import compat, cuda_driver
+from ktinject import compat
+from ktinject.native import cuda_driver
 from ktinject.operators import handshake as stream_experts
 from ktinject.decode.graph_runner import GraphRunner, choose_bucket, round_cache_len
 from ktinject.tiny_models import build_tiny_model

@@ -1,4 +1,4 @@
-"""The one-pass dequant kernel of streamed prefill (ktinject.gpu_experts.prefill.dequant) against upload.py's torch ops and
+"""The one-pass dequant kernel of streamed prefill (ktinject.operators.kernels.dequant) against upload.py's torch ops and
 ktk_experts_get: bit for bit, every quant, int4 at group sizes 32, 64 and 128, shapes that are not multiples of the
 16 x 64 packing nor of the kernel's 32 x 128 tiles, one expert, strided packed rows and strided destinations.
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ktinject import native as kn
-from ktinject.gpu_experts.prefill import dequant
+from ktinject.operators.kernels import dequant
 from ktinject.gpu_experts.hot import upload
 from ktinject.gpu_experts.hot.upload import PackedRegion, expert_layout
 from ktinject.operators.kernels import common as fused

@@ -64,7 +64,7 @@ def test_layer_against_reference(quant, gptoss, E, H, I, k, T):
         s = stream.PrefillStreamer([block], "gpu", slot_experts=slot_experts)
         routed, _ = s(block, xd, idd, wd)
         assert routed.device.type == DEV.type and _err(routed, ref) < STREAM_TOL, slot_experts
-        assert s.grouped == (H % 8 == 0 and I % 8 == 0)  # else one expert at a time (looped_ffn)
+        assert s.experts.grouped == (H % 8 == 0 and I % 8 == 0)  # else one expert at a time (looped_ffn)
         s.close()
 
 
@@ -126,8 +126,8 @@ def test_gpu_and_auto_equal_cpu(family, quant, monkeypatch):
               f"flipped tokens {int(flips.sum())}, max err elsewhere {float(r['tokens'][~flips].max()):.4f}")
         assert mode != "split" or last["mode"] == "split"
         assert mode != "gpu" or last["mode"] in ("gpu", "gpu-used")
-        # a split call's output is partly the native kernels' (int8 activations for int8/int4: up to ~2% of its
-        # max, measured), so it is held to the native bound; a pure gpu call to the streamed one
+        # a split call's output is partly the native kernels' (int8 activations for int8/int4), so it is held to
+        # the native bound; a pure gpu call to the streamed one
         # auto may pick either, and another mode from one forward to the next (balance.Trials tries gpu mode after
         # a shared one): its calls held to the native bound
         call_tol = NATIVE_TOL[quant] if mode == "auto" or last["mode"] in ("split", "ahead") else STREAM_TOL
@@ -159,18 +159,18 @@ def test_copies_overlap_compute():
     w = torch.full((T, k), 1.0 / k, device=DEV)
     for b in blocks:  # warm-up forward (set-up, allocator)
         s(b, x, ids, w)
-    s.ring.trace = []
+    s.experts.ring.trace = []
     for b in blocks:
         s(b, x, ids, w)
-    spans = {what: (a, b) for what, a, b in intervals(s.ring.trace)}
-    assert s.last["mode"] == "gpu" and s.grouped  # bf16 grouped GEMM on Hopper
+    spans = {what: (a, b) for what, a, b in intervals(s.experts.ring.trace)}
+    assert s.last["mode"] == "gpu" and s.experts.grouped  # bf16 grouped GEMM on Hopper
     for layer in range(1, L):
         copy_start = spans["copy", (layer, 0)][0]
         compute_end = spans["compute", (layer - 1, 0)][1]
         assert copy_start < compute_end, (layer, spans)
     copy_ms = sum(b - a for (what, _), (a, b) in spans.items() if what == "copy")
     wall = max(b for _, b in spans.values())
-    print(f"copies {copy_ms:.1f} ms of {wall:.1f} ms wall ({L} layers, {s.h2d / 1e9:.1f} GB/s)")
+    print(f"copies {copy_ms:.1f} ms of {wall:.1f} ms wall ({L} layers, {s.experts.h2d / 1e9:.1f} GB/s)")
     s.close()
 
 
@@ -284,7 +284,7 @@ def test_gated_ahead_layers_equal_cpu(family, quant, monkeypatch):
     close = stream.PrefillStreamer.close
 
     def recording_close(self):
-        closed.append(([g.pending for pair in getattr(self, "_gates", {}).values() for g in pair if g.pending],
+        closed.append(([g.pending for pair in self.split._gates.values() for g in pair if g.pending],
                        native.default_pool().watch_spin_us))
         return close(self)
 
@@ -326,7 +326,7 @@ def test_gated_layers_survive_a_forward_stopped_midway_and_a_failed_task(monkeyp
         assert ok.float().mean() >= 5 / 6, token_errors(got, cpu)
 
     s = _ahead(monkeypatch)(model)
-    stream_ = s._stream
+    stream_ = s.experts.stream
 
     def stop_at_2(i, *a, **kw):
         if i == 2:
@@ -334,22 +334,22 @@ def test_gated_layers_survive_a_forward_stopped_midway_and_a_failed_task(monkeyp
         return stream_(i, *a, **kw)
 
     spin = native.default_pool().watch_spin_us
-    monkeypatch.setattr(s, "_stream", stop_at_2)
+    monkeypatch.setattr(s.experts, "stream", stop_at_2)
     with torch.no_grad(), pytest.raises(RuntimeError, match="stopped at layer 2"):
         model(ids)
-    assert not any(g.pending for pair in s._gates.values() for g in pair)
+    assert not any(g.pending for pair in s.split._gates.values() for g in pair)
     assert native.default_pool().watch_spin_us == spin
-    monkeypatch.setattr(s, "_stream", stream_)
+    monkeypatch.setattr(s.experts, "stream", stream_)
     with torch.no_grad():
         got = model(ids).logits.float()
-    assert not any(g.pending for pair in s._gates.values() for g in pair)
-    assert s.__dict__.get("_spin_saved") is None  # the pool's watch window restored
+    assert not any(g.pending for pair in s.split._gates.values() for g in pair)
+    assert s.split._spin_saved is None  # the pool's watch window restored
     close(got)
 
     bind = native.Task.bind
 
     def bad_bind(self, experts, hidden, ids_, weights, skip=None, out=None):
-        if any(self is g.task for pair in s._gates.values() for g in pair):
+        if any(self is g.task for pair in s.split._gates.values() for g in pair):
             ids_ = ids_.clone()
             ids_[3, 0] = experts.num_experts + 7
         return bind(self, experts, hidden, ids_, weights, skip=skip, out=out)
@@ -369,7 +369,8 @@ def test_gated_layers_left_by_a_forward_stopped_outside_them_and_their_counts(mo
     gated layers count on the device reach the streamer (``_seen`` of a fresh streamer after one forward equals the
     bincount of each layer's routed ids); with stream memory operations reported unsupported the go word comes from
     the one-thread kernel (``fused.raise_word``) and the results hold; close frees the gates' tasks."""
-    from ktinject import cuda_driver, native
+    from ktinject import native
+    from ktinject.native import cuda_driver
     from ktinject.decode.graph_runner import decoder_layers
     from tests.references import MoeTrace
 
@@ -404,11 +405,11 @@ def test_gated_layers_left_by_a_forward_stopped_outside_them_and_their_counts(mo
     monkeypatch.setattr(last.self_attn, "forward", stop)
     with torch.no_grad(), pytest.raises(RuntimeError, match="stopped in attention"):
         model(ids)
-    assert any(g.pending for pair in s._gates.values() for g in pair)
+    assert any(g.pending for pair in s.split._gates.values() for g in pair)
     monkeypatch.setattr(last.self_attn, "forward", attn)
     with torch.no_grad():
         close(model(ids).logits.float())
-    assert not any(g.pending for pair in s._gates.values() for g in pair)
+    assert not any(g.pending for pair in s.split._gates.values() for g in pair)
 
     # the kernel's go: fresh gates (their go address is decided at first use)
     stream.attach(model, "cpu")
@@ -416,7 +417,7 @@ def test_gated_layers_left_by_a_forward_stopped_outside_them_and_their_counts(mo
     s = _ahead(monkeypatch)(model)
     with torch.no_grad():
         close(model(ids).logits.float())
-    gates = [g for pair in s._gates.values() for g in pair]
+    gates = [g for pair in s.split._gates.values() for g in pair]
     assert gates and all(g.go_dptr == 0 for g in gates)
     stream.attach(model, "cpu")
     assert all(g.task._p is None for g in gates)  # closed with the streamer

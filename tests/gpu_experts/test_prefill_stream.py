@@ -80,13 +80,14 @@ def test_streamed_layer_matches_reference(quant, gptoss, E, H, I, k, T, routing)
     used = int((torch.bincount(ids.reshape(-1), minlength=E) > 0).sum())
     mode = streamer.last["mode"]
     assert mode == ("gpu" if policy.prefetch_worthy(T, k, E) else "gpu-used")
-    copied = (E if mode == "gpu" else used) * streamer.layouts[0].expert_bytes
-    ahead = lambda s: 0 if s.ring.pending is None else s.ring.pending.nbytes  # noqa: E731 (the next forward's)
-    assert streamer.ring.copied - ahead(streamer) == copied  # idle experts are not copied once the routing is known
+    copied = (E if mode == "gpu" else used) * streamer.experts.layouts[0].expert_bytes
+    # (the next forward's)
+    ahead = lambda s: 0 if s.experts.ring.pending is None else s.experts.ring.pending.nbytes  # noqa: E731
+    assert streamer.experts.ring.copied - ahead(streamer) == copied  # idle experts not copied once the routing is known
     parts = stream.PrefillStreamer([block], "gpu", slot_experts=3)  # the layer in parts of 3 experts
     got = parts(block, x, ids, w)[0]
     torch.testing.assert_close(got, routed, rtol=0, atol=0)
-    assert parts.ring.copied - ahead(parts) == copied
+    assert parts.experts.ring.copied - ahead(parts) == copied
 
 
 @pytest.mark.parametrize("quant", QUANTS)
@@ -131,13 +132,14 @@ def test_each_layer_copied_once_per_forward():
     with torch.no_grad():
         model(ids)
         assert s.last["mode"] == "gpu" and s.last["gpu_experts"] == [8, 8]
-        layer = 8 * s.layouts[0].expert_bytes
-        assert s.ring.copied == 3 * layer and s.ring.pending.key == (0, 0)  # + the next forward's first layer
+        layer = 8 * s.experts.layouts[0].expert_bytes
+        ring = s.experts.ring
+        assert ring.copied == 3 * layer and ring.pending.key == (0, 0)  # + the next forward's first layer
         model(ids)
-        assert s.ring.copied == 5 * layer and s.ring.pending.key == (0, 0)
+        assert ring.copied == 5 * layer and ring.pending.key == (0, 0)
         s.switch("cpu")  # a forward that streams nothing drops what was fetched ahead
         model(ids)
-        assert s.ring.pending is None and s.ring.copied == 5 * layer
+        assert ring.pending is None and ring.copied == 5 * layer
 
 
 def test_ahead_mode_copies_its_set_during_the_layer_before(monkeypatch):
@@ -153,13 +155,14 @@ def test_ahead_mode_copies_its_set_during_the_layer_before(monkeypatch):
         monkeypatch.setattr(s, "_ahead_n", lambda *a: 3)
         got = model(ids).logits
         assert s.last["mode"] == "ahead" and s.last["gpu_experts"] == [3, 3]
-        B = s.layouts[0].expert_bytes
-        assert s.ring.copied == 3 * 3 * B and s.ring.pending.key == (0, 0)  # 2 layers + the next forward's first
+        B = s.experts.layouts[0].expert_bytes
+        ring = s.experts.ring
+        assert ring.copied == 3 * 3 * B and ring.pending.key == (0, 0)  # 2 layers + the next forward's first
         seen = s._seen[0]
         want = sorted(np.lexsort((np.arange(8), -seen))[:3].tolist())
-        assert list(s.ring.pending.experts) == want
+        assert list(ring.pending.experts) == want
         model(ids)
-        assert s.ring.copied == 5 * 3 * B  # the first layer's copy fetched ahead was taken
+        assert ring.copied == 5 * 3 * B  # the first layer's copy fetched ahead was taken
     assert _err(got, ref.double()) < NATIVE_TOL["bf16"]
 
 
@@ -174,8 +177,8 @@ def test_hot_experts_are_not_copied():
         s = stream.attach(model, "gpu")
         got = model(ids).logits
     assert s.last["gpu_experts"] == [8 - h for h in hot]
-    ahead = (8 - hot[0]) * s.layouts[0].expert_bytes  # the first layer's, fetched for the next forward
-    assert s.ring.copied == (16 - sum(hot)) * s.layouts[0].expert_bytes + ahead
+    ahead = (8 - hot[0]) * s.experts.layouts[0].expert_bytes  # the first layer's, fetched for the next forward
+    assert s.experts.ring.copied == (16 - sum(hot)) * s.experts.layouts[0].expert_bytes + ahead
     assert _err(got, ref.double()) < STREAM_TOL
 
 
@@ -204,7 +207,7 @@ def test_model_gpu_prefill_equals_cpu(family, quant, mode, monkeypatch):
                                 [int(e) for e in np.flatnonzero(eligible & (counts > 0))[::2]])
         got_logits = model(ids).logits
         got = ktinject.generate(model, ids, **kw)
-        assert s.last["mode"] in ((mode,) if mode != "gpu" else ("gpu", "gpu-used")) and s.ring.copied > 0
+        assert s.last["mode"] in ((mode,) if mode != "gpu" else ("gpu", "gpu-used")) and s.experts.ring.copied > 0
         stream.attach(model, "cpu")
         forced = model(got).logits[:, P - 1:-1].float()  # the cpu path's logits at each generated step
     assert _err(got_logits, ref_logits.double()) < NATIVE_TOL[quant]
@@ -245,7 +248,7 @@ COSTS = policy.Costs(h2d=50e9, expert_bytes=9_437_184, cpu_expert_s=1e-4, cpu_ro
 
 
 INT4 = policy.Costs(h2d=55e9, expert_bytes=2_660_000, cpu_expert_s=5e-5, cpu_row_s=1.8e-6, gpu_expert_s=5e-6,
-                    gpu_row_s=3e-8)  # Qwen3-30B-A3B int4, the H100 run's figures (copy 6.2 ms a layer)
+                    gpu_row_s=3e-8)  # Qwen3-30B-A3B int4-like (copy 6.2 ms a layer)
 
 
 @pytest.mark.parametrize("costs, T, cap, want", [
@@ -254,7 +257,7 @@ INT4 = policy.Costs(h2d=55e9, expert_bytes=2_660_000, cpu_expert_s=5e-5, cpu_row
     (COSTS, 512, 8, "split"),  # a slot of 8 experts: ahead's GPU share too small to beat a split
     (COSTS, 8192, None, "gpu"),  # ahead within SHARED_MARGIN of gpu mode: gpu
     (INT4, 512, None, "ahead"), (INT4, 2048, None, "ahead"),
-    (INT4, 512, 8, "gpu"),  # the split after routing is slower than streaming the whole layer (H100, 11-26)
+    (INT4, 512, 8, "gpu"),  # the split after routing is slower than streaming the whole layer
     (INT4.with_(cpu_row_s=8e-6, cpu_expert_s=1e-4), 16, None, "gpu"),  # slow CPU, sparse routing: no ahead
     (INT4.with_(cpu_row_s=8e-6, cpu_expert_s=1e-4), 2048, None, "gpu"),  # ahead only 4% faster than gpu
 ])
@@ -269,7 +272,7 @@ def test_choose_mode(costs, T, cap, want, monkeypatch):
 ])
 def test_choose_mode_without_ahead(costs, T, want, monkeypatch):
     """With ahead mode off auto picks cpu, split or gpu: at int4 the after-routing split is not SHARED_MARGIN faster
-    than streaming whole layers (measured: it lost 6-8%)."""
+    than streaming whole layers (it lost, measured)."""
     monkeypatch.setattr(policy, "AHEAD", False)
     assert policy.choose_mode(T, 8, 128, costs) == want
 
@@ -375,10 +378,10 @@ def test_attach_modes():
     assert stream.streamer_of(model) is s and s.chunk_tokens() == stream.MAX_CHUNK
     with torch.no_grad():
         model(tiny_prompts(1, 30))
-        assert s.last["mode"] == "gpu" and s._ready
+        assert s.last["mode"] == "gpu" and s.experts.ready
         s.switch("cpu")  # declines, keeps its set-up
         model(tiny_prompts(1, 30))
-        assert s.last["mode"] == "cpu" and s._ready
+        assert s.last["mode"] == "cpu" and s.experts.ready
         assert stream.attach(model, "gpu") is s and s.mode == "gpu"  # the same streamer, switched
     stream.attach(model, "cpu")
     assert stream.streamer_of(model) is None and all(b.prefill is None for b in stream.blocks_of(model))
@@ -393,9 +396,9 @@ def test_auto_decides_per_forward():
         ref = model(long).logits
         s = stream.PrefillStreamer(stream.blocks_of(model), "auto", costs=COSTS.with_(cpu_row_s=1e-4))
         model(short)
-        assert s.last["mode"] == "cpu" and not s._ready
+        assert s.last["mode"] == "cpu" and not s.experts.ready
         got = model(long).logits
-        assert s.last["mode"] in ("split", "gpu") and s._ready
+        assert s.last["mode"] in ("split", "gpu") and s.experts.ready
     assert _err(got, ref.double()) < NATIVE_TOL["bf16"]
 
 
@@ -408,13 +411,13 @@ def test_costs_are_measured_once():
     s = stream.PrefillStreamer(stream.blocks_of(model), "auto")
     b = s.blocks[0]
     c = s.costs_for(b)
-    assert c.cpu_expert_s >= 0 and c.cpu_row_s > 0 and c.expert_bytes == s.layouts[0].expert_bytes
+    assert c.cpu_expert_s >= 0 and c.cpu_row_s > 0 and c.expert_bytes == s.experts.layouts[0].expert_bytes
     assert c.gpu_row_s == policy.gpu_default_costs(64, 32, "bf16")["gpu_row_s"]
     assert s.costs_for(b) == c and len(s._costs) == 1
     per_expert, per_row = measure.cpu_costs(b.native_experts)
     assert per_row > 0
     s.setup()
-    got = measure.gpu_costs(s, 0, b)  # the same measurement on the CPU device's buffers
+    got = measure.gpu_costs(s.experts, 0, b)  # the same measurement on the CPU device's buffers
     assert got["gpu_expert_s"] > 0 and got["gpu_row_s"] > 0
 
 
@@ -600,19 +603,20 @@ def test_ahead_layer_takes_the_set_fetched_for_it_when_n_moves(monkeypatch):
     s = stream.attach(model, "gpu")
     monkeypatch.setattr(s, "_decide", lambda *a: "ahead")
     monkeypatch.setattr(s, "_ahead_n", lambda *a: 3)
-    layer_stream = s._stream
+    layer_stream = s.experts.stream
 
     def steered(*a, **kw):  # as on CUDA: n steered once the layer's GPU work (and the next layer's fetch) is queued
         out = layer_stream(*a, **kw)
         s._n_ahead += 1
         return out
 
-    monkeypatch.setattr(s, "_stream", steered)
+    monkeypatch.setattr(s.experts, "stream", steered)
     with torch.no_grad():
         model(ids)
-    B = s.layouts[0].expert_bytes
+    B = s.experts.layouts[0].expert_bytes
     assert s.last["gpu_experts"] == [3, 3]  # layer 1 took the 3 fetched during layer 0
-    assert s.ring.copied == (3 + 3 + 4) * B and len(s.ring.pending.experts) == 4  # + the next forward's first, n=4
+    ring = s.experts.ring
+    assert ring.copied == (3 + 3 + 4) * B and len(ring.pending.experts) == 4  # + the next forward's first, n=4
     stream.attach(model, "cpu")
 
 
@@ -654,29 +658,28 @@ def test_prepare_does_the_first_prompts_one_time_work():
     measurements, once; a later forward finds them done."""
     model = _tiny("qwen3_moe", prefill="cpu")
     s = stream.PrefillStreamer(stream.blocks_of(model), "auto")
-    assert not s._ready and not s._costs
+    assert not s.experts.ready and not s._costs
     assert s.prepare() >= 0.0
-    assert s._ready and len(s._costs) == 1
+    assert s.experts.ready and len(s._costs) == 1
     costs = dict(s._costs)
     s.prepare()
     assert s._costs == costs  # measured once
     g = stream.PrefillStreamer(stream.blocks_of(model), "gpu")
     g.prepare()
-    assert g._ready and not g._costs  # gpu mode needs no cost model
+    assert g.experts.ready and not g._costs  # gpu mode needs no cost model
     s.close()
     g.close()
 
 
-def test_gated_spin_window_is_restored_unless_changed_meanwhile(monkeypatch):
-    """SplitLayers._quiet: the pool's watch spin window goes to KTINJECT_PREFILL_WATCH_SPIN_US while gated layers
-    run and back afterwards, but a window the user set meanwhile stays (theirs, not undone)."""
-    from ktinject.gpu_experts.prefill.split import SplitLayers
+def test_gated_spin_window_is_restored_unless_changed_meanwhile():
+    """SplitLayers._quiet: the pool's watch spin window goes to GATED_WATCH_SPIN_US (0) while gated layers run and
+    back afterwards, but a window the user set meanwhile stays (theirs, not undone)."""
+    from ktinject.gpu_experts.prefill.split import GATED_WATCH_SPIN_US, SplitLayers
 
-    monkeypatch.setenv("KTINJECT_PREFILL_WATCH_SPIN_US", "7")
     pool = SimpleNamespace(watch_spin_us=1000)
-    s = SplitLayers()
+    s = SplitLayers(None, None)  # (the spin window needs neither the streamer nor its device part)
     s._quiet(pool)
-    assert pool.watch_spin_us == 7
+    assert pool.watch_spin_us == GATED_WATCH_SPIN_US == 0
     s._quiet(pool)  # a second gated layer: the first saved window is kept
     s._quiet(None)
     assert pool.watch_spin_us == 1000 and s._spin_saved is None
@@ -690,15 +693,15 @@ def test_gated_spin_window_is_restored_unless_changed_meanwhile(monkeypatch):
 
 def test_a_gated_layer_feeds_back_the_ungated_layer_before(monkeypatch):
     """A forward whose layer i - 1 ran ungated with its CPU task left running (overlap) and whose layer i is gated:
-    the gated layer settles that task and its times reach the feedback (they were dropped), as _split does."""
+    the gated layer settles that task and its times reach the feedback (they were dropped), as ``layer`` does."""
     from ktinject.gpu_experts.prefill import split
 
-    s = split.SplitLayers()
-    s._pending = ("layer 0's task",)
     calls = []
-    monkeypatch.setattr(s, "_settle", lambda i=-1, T=None, closing=False: calls.append(("settle", i, T)) or
+    streamer = SimpleNamespace(observe=lambda *a: calls.append(("observe",) + a))
+    s = split.SplitLayers(streamer, None)
+    s._pending = ("layer 0's task",)
+    monkeypatch.setattr(s, "settle", lambda i=-1, T=None, closing=False: calls.append(("settle", i, T)) or
                         (i - 1, T, "counts", "times", True, True, 3, 1.0))
-    monkeypatch.setattr(s, "_observe", lambda *a: calls.append(("observe",) + a))
     monkeypatch.setattr(split.hostio, "usable", lambda device, o: True)
     monkeypatch.setattr(split, "staging", lambda pin: SimpleNamespace(get=lambda *a: None))
 
@@ -708,16 +711,15 @@ def test_a_gated_layer_feeds_back_the_ungated_layer_before(monkeypatch):
     def gate(E):  # the gated layer's own work: not this test's
         raise Stop
 
-    s.__dict__["_gates"] = {}
     monkeypatch.setattr(split, "_Gate", gate)
     block = SimpleNamespace(num_experts=4)
     with pytest.raises(Stop):
-        s._split_gated(1, block, torch.zeros(5, 8), None, None)
+        s._gated(1, block, torch.zeros(5, 8), None, None)
     assert calls == [("settle", 1, 5), ("observe", 0, 5, "counts", "times", True, True, 3, 1.0)]
 
 
 def test_settle_waits_for_the_gpu_part_before_timing_it(monkeypatch):
-    """SplitLayers._settle reads the GPU part's time (CUDA events) of the layer it settles only once that part has
+    """SplitLayers.settle reads the GPU part's time (CUDA events) of the layer it settles only once that part has
     ended: a gated layer settles an ungated one with no sync before it (elapsed_time on a pending event raises)."""
     from ktinject.gpu_experts.prefill.split import SplitLayers
 
@@ -731,9 +733,9 @@ def test_settle_waits_for_the_gpu_part_before_timing_it(monkeypatch):
             assert end.done, "timed before the GPU part ended"
             return 1000.0  # ms: the GPU part ends after the CPU task
 
-    s = SplitLayers()
+    s = SplitLayers(None, None)  # (settling a task needs neither the streamer nor its device part)
     task = SimpleNamespace(wait=lambda: None, times=lambda: (10.0, 10.001))
     monkeypatch.setattr(s, "_task", lambda: task)
     s._pending = (0, 5, "counts", (9.0, 9.5, 9.6), Event(), Event(), True, 3)
-    got = s._settle(1, 5)
+    got = s.settle(1, 5)
     assert got == (0, 5, "counts", (9.0, 9.5, 9.6, 9.6, 10.5), True, True, 3, 10.001) and s._pending is None

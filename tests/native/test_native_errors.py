@@ -22,13 +22,13 @@ def test_import_starts_no_threads_and_loads_no_library():
         import os, sys, threading
         import torch
         before = len(os.listdir('/proc/self/task'))
-        import ktinject, ktinject.native, ktinject._nativelib
-        assert 'ktinject._native' not in sys.modules, 'native module loaded at import'
+        import ktinject, ktinject.native, ktinject.native.library
+        assert 'ktinject.native._core' not in sys.modules, 'native module loaded at import'
         assert len(os.listdir('/proc/self/task')) == before, 'threads started at import'
         assert threading.active_count() == 1
-        assert ktinject._nativelib._default_pool is None
+        assert ktinject.native.library._default_pool is None
         ktinject.native.version()                     # first use loads it
-        assert 'ktinject._native' in sys.modules
+        assert 'ktinject.native._core' in sys.modules
         assert len(os.listdir('/proc/self/task')) == before, 'loading the library started threads'
         print('ok')
     """)
@@ -213,7 +213,7 @@ def test_default_pool_threads():
 
 def test_threads_above_the_usable_cpus_warn():
     """64 threads on 2 cores decoded 12x slower: set_default_threads and KTINJECT_THREADS above the CPUs warn."""
-    from ktinject._nativelib import usable_cpus
+    from ktinject.native.library import usable_cpus
 
     cpus = usable_cpus()
     default = kn.default_threads()

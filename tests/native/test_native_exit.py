@@ -104,7 +104,7 @@ def test_close_all_pools_closes_tasks(monkeypatch):
     closed; a pool used afterwards raises."""
     import weakref
 
-    from ktinject import _nativelib
+    from ktinject.native import library as _nativelib
 
     monkeypatch.setattr(_nativelib, "_live_pools", weakref.WeakSet())
     pool = native.Pool(1)

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import pytest
 import torch
 
+from ktinject import envs
 from ktinject.tiny_models import FAMILIES, build_tiny_model, tiny_prompts
 
 log = logging.getLogger(__name__)
 
-DEVICE = torch.device(os.environ.get("KTINJECT_TEST_GPU", "cpu"))  # the injected models' gpu device
+DEVICE = torch.device(envs.get("KTINJECT_TEST_GPU"))  # the injected models' gpu device
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
     pytest.skip("KTINJECT_TEST_GPU=cuda but CUDA is not available", allow_module_level=True)
 

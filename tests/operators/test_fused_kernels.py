@@ -426,7 +426,7 @@ def test_pdl_launch_keywords(monkeypatch):
     """Programmatic dependent launch only where it can run: a CUDA device of compute capability >= 9.0 with a
     Triton that has grid dependency control, not under the interpreter, not with KTINJECT_PDL=0; elsewhere the
     launches carry no PDL keyword at all (a Triton older than 3.4 rejects launch_pdl)."""
-    from ktinject import cuda_driver
+    from ktinject.native import cuda_driver
 
     assert fused.pdl_kwargs(torch.zeros(1)) == {}  # CPU tensors (the interpreter's)
     if torch.cuda.is_available():

@@ -14,9 +14,9 @@ the T*k pairs are keyed by their slot (non-resident pairs get key C), sorted, an
 grouped_mm, group g = the rows of slot g, end offsets by searchsorted): only slots that received rows are read, so
 a decode token costs the bytes of the resident experts it uses. Rows of non-resident pairs lie past the last
 offset: the kernel leaves them unwritten and they are masked out. Rejected alternatives: a loop over the resident
-slots with a mask reads every resident expert every step (16 GiB of bank -> ~5 ms per token at 3.3 TB/s) and
-launches 3C GEMMs per layer; a gather of each pair's weights (bank[slot] then bmm) copies k experts per token and
-reads them twice. That gather is the fallback where grouped_mm is unusable (non-bf16 on CUDA, GPUs before Hopper,
+slots with a mask reads every resident expert every step (a bank of many GiB: milliseconds a token even at HBM
+speed) and launches 3C GEMMs per layer; a gather of each pair's weights (bank[slot] then bmm) copies k experts per
+token and reads them twice. That gather is the fallback where grouped_mm is unusable (non-bf16 on CUDA, GPUs before Hopper,
 old CPU builds): fine for tests and small models, chunked for long prompts.
 
 Weights come from the native (CPU) copy, which stays as it is (the skip mask leaves resident experts out there):

@@ -35,7 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-from ktinject import cuda_driver, native
+from ktinject import native
+from ktinject.native import cuda_driver
 
 log = logging.getLogger(__name__)
 
@@ -205,9 +206,9 @@ def unpack_experts(buf: torch.Tensor, layout: ExpertLayout, gate_up: torch.Tenso
     """The n experts whose packed regions are the rows of ``buf`` (uint8 [n, expert_bytes]) into gate_up
     [n, 2I, H] (gate rows, then up rows) and down [n, H, I]: three batched unpacks (a few kernels each), no loop
     over experts. ``work``: uint8 [>= n * layout.work_bytes]. Biases stay where they are (``bias_views``).
-    On CUDA with Triton (KTINJECT_FUSED not 0): one pass by gpu_experts.dequant's kernel instead (bit-identical,
+    On CUDA with Triton (KTINJECT_FUSED not 0): one pass by operators.kernels.dequant's kernel instead (bit-identical,
     ``work`` unused)."""
-    from ktinject.gpu_experts.prefill import dequant  # Triton only at the first CUDA call
+    from ktinject.operators.kernels import dequant  # Triton only at the first CUDA call
 
     if dequant.usable(buf, gate_up, down):
         dequant.unpack_experts(buf, layout, gate_up, down)

@@ -1,25 +1,32 @@
-"""The device side of ``stream.PrefillStreamer``: the streamed experts' copies, dequantization and grouped matmuls,
-and the memory they take (a mixin: ``PrefillStreamer`` decides, this does; split out to keep each file readable).
+"""The device side of streamed prefill: the streamed experts' copies, dequantization and grouped matmuls, and the
+memory they take. ``PrefillStreamer`` decides which experts go where; a ``StreamedExperts`` it holds does the work
+on the device and owns what that needs (the page-locked regions, the ring, the scratch).
 
-    _take / _stream   a layer's experts through the ring: fetch (the copy fetched ahead when it holds them), start
+    setup / close     page-lock the packed experts, allocate the ring and the scratch, measure the H2D bandwidth;
+                      free them
+    take / stream     a layer's experts through the ring: fetch (the copy fetched ahead when it holds them), start
                       the next copy (``_ahead``), dequantize into the bf16 scratch, one grouped GEMM per projection
                       over the (token, slot) pairs sorted by expert, the routing weights applied, summed per token
     _plan / chunk_tokens   how many experts a ring slot holds and how many tokens a prefill chunk takes, from the
                       free GPU memory
 
-It uses the streamer's set-up: ``ring``, ``regions``, ``layouts``, ``cap``, ``grouped``, the scratch (``gate_up``,
-``down``, ``work``, ``bias``), ``blocks``, ``device``, ``cuda``, and for ahead mode ``_forward`` and ``_set``.
 Legend: T tokens, k experts per token, E experts, H hidden, I intermediate, B packed expert bytes, n experts of a
 part, cap experts per ring slot.
 """
 from __future__ import annotations
 
+import logging
+import time
+from typing import Callable
+
 import numpy as np
 import torch
 
-from ktinject.gpu_experts.hot.bank import Activation, grouped_ffn, looped_ffn
-from ktinject.gpu_experts.prefill.ring import timed
-from ktinject.gpu_experts.hot.upload import bias_views, expert_layout, unpack_experts
+from ktinject.gpu_experts.hot.bank import Activation, grouped_ffn, grouped_mm_usable, looped_ffn
+from ktinject.gpu_experts.hot.upload import PackedRegion, bias_views, expert_layout, unpack_experts
+from ktinject.gpu_experts.prefill.ring import Ring, timed
+
+log = logging.getLogger(__name__)
 
 MIN_CHUNK, MAX_CHUNK = 512, 16384  # prefill chunk bounds (tokens)
 
@@ -33,12 +40,73 @@ def resident(block) -> np.ndarray:
 
 
 class StreamedExperts:
-    """Mixin of ``PrefillStreamer``: its device-side methods (see the module docstring)."""
+    """The streamed experts of ``blocks`` (a model's HybridMoE blocks in model order) on ``device``: ring and scratch
+    take at most ``memory_fraction`` of the free GPU memory, a slot at most ``slot_experts`` experts (None: what the
+    memory allows, at most a layer). ``next_experts(j)``: the experts of layer j to copy ahead once the layer before
+    has queued its last part (the streamer's choice: all non-resident ones, or ahead mode's set).
+
+    After ``setup``: ``regions`` / ``layouts`` (per layer), ``pinned``, ``cap`` (experts a slot), ``ring``, the
+    scratch (``gate_up``, ``down``, ``work``, ``bias``), ``grouped`` (grouped GEMMs usable), ``h2d`` (bytes/s)."""
+
+    def __init__(self, blocks, device: torch.device, memory_fraction: float, slot_experts: int | None,
+                 next_experts: Callable[[int], list[int]]):
+        self.blocks, self.device = blocks, device
+        self.cuda = device.type == "cuda"
+        self.memory_fraction = memory_fraction
+        self.slot_experts = slot_experts
+        self.next_experts = next_experts
+        self.ready = False
+        self.regions = self.layouts = self.pinned = self.cap = self.grouped = None
+        self.ring = self.gate_up = self.down = self.work = self.bias = None
+        self.h2d = float("inf")
+        self._pos_cache: dict[int, tuple] = {}
+
+    # ---- set-up and memory ---------------------------------------------------------------------------------------
+    def setup(self, mode: str) -> None:
+        """The one-time set-up (idempotent): page-lock the packed experts, allocate the ring and the scratch (what
+        ``memory_fraction`` allows), measure the H2D bandwidth. ``mode``: the streamer's, for the log."""
+        if self.ready:
+            return
+        t0 = time.perf_counter()
+        self.regions = [PackedRegion(b.native_experts, pin=self.cuda) for b in self.blocks]
+        self.pinned = all(r.pinned for r in self.regions) if self.cuda else True
+        if not self.pinned:
+            log.warning("prefill: the packed experts could not all be page-locked; copies are synchronous%s",
+                        " (auto: prefill stays on the CPU)" if mode == "auto" else "")
+        self.layouts = [r.layout for r in self.regions]
+        cap, B, work, bias = self._plan()
+        H = self.blocks[0].hidden_size
+        I = max(b.intermediate_size for b in self.blocks)
+        E = max(b.num_experts for b in self.blocks)
+        self.cap = cap
+        dev = self.device
+        self.ring = Ring(dev, cap * B)
+        self.gate_up = torch.empty(cap * 2 * I * H, dtype=torch.bfloat16, device=dev)
+        self.down = torch.empty(cap * H * I, dtype=torch.bfloat16, device=dev)
+        self.work = torch.empty(max(1, cap * work), dtype=torch.uint8, device=dev)
+        self.bias = (torch.empty(cap * 2 * I, device=dev), torch.empty(cap * H, device=dev)) if bias else None
+        self.grouped = grouped_mm_usable(dev, torch.bfloat16) and H % 8 == 0 and I % 8 == 0
+        if self.cuda and self.pinned:
+            self.h2d = self.ring.measure_h2d(self.regions[0].tensor)
+        self.ready = True
+        log.info("prefill: %s streaming, %d of %d experts a slot (%.2f GiB ring + %.2f GiB scratch), H2D %.1f GB/s, "
+                 "set up in %.1f s", mode, cap, E, self.ring.nbytes / 2**30, self.nbytes_scratch / 2**30,
+                 self.h2d / 1e9, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        """Unpin the packed experts and free the device buffers (nothing may be in flight)."""
+        if self.ready:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            for r in self.regions:
+                r.close()
+            self.ring = self.gate_up = self.down = self.work = self.bias = None
+            self.ready = False
 
     def _plan(self) -> tuple[int, int, int, bool]:
         """(experts a slot, B, work bytes per expert, biases?): a whole layer when ring + scratch fit in
         ``memory_fraction`` of the free GPU memory, else as many experts as do (at most ``slot_experts``)."""
-        layouts = self.__dict__.get("layouts") or [expert_layout(b.native_experts) for b in self.blocks]
+        layouts = self.layouts or [expert_layout(b.native_experts) for b in self.blocks]
         B = max(lay.expert_bytes for lay in layouts)
         H = self.blocks[0].hidden_size
         I = max(b.intermediate_size for b in self.blocks)
@@ -67,24 +135,23 @@ class StreamedExperts:
         k = b.top_k if isinstance(getattr(b, "top_k", None), int) else 8
         per_token = k * (8 * b.hidden_size + 16 * b.intermediate_size) + 64 * b.hidden_size
         free = _free_gpu_bytes(self.device)
-        if not self._ready:  # what the set-up will take (without doing it: a short prompt never needs it)
+        if not self.ready:  # what the set-up will take (without doing it: a short prompt never needs it)
             cap, B, work, bias = self._plan()
             free -= cap * (2 * B + 2 * 3 * b.hidden_size * b.intermediate_size + work)
         tokens = int(0.5 * max(free, 0) // per_token) // 256 * 256
         return max(MIN_CHUNK, min(MAX_CHUNK, tokens))
 
     # ---- the streamed experts ------------------------------------------------------------------------------------
-    def _take(self, i: int, experts: list[int]):
+    def take(self, i: int, experts: list[int]):
         """The ring item of layer i's first part of ``experts`` (the copy fetched ahead when it holds them). The
-        next copy is started by ``_stream`` after the CPU's task is submitted: issuing a scattered set (a copy per
-        run of consecutive experts, up to ~80 at 512 tokens) took ~1 ms of host time on the H100, which held the
-        CPU's task back when done before it."""
+        next copy is started by ``stream`` after the CPU's task is submitted: issuing a scattered set (a copy per
+        run of consecutive experts) takes enough host time to hold the CPU's task back when done before it."""
         return self.ring.fetch((i, 0), self.regions[i].tensor, self.layouts[i].expert_bytes, experts[:self.cap])
 
-    def _stream(self, i, block, x, ids, weights, experts, counts, prefetch: bool, first=None) -> torch.Tensor:
+    def stream(self, i, block, x, ids, weights, experts, counts, prefetch: bool, first=None) -> torch.Tensor:
         """f32 [T, H]: sum over each token's slots routed to ``experts`` (ascending ids, none resident) of weight *
         expert(x); ``counts`` [E] (host) rows per expert when known; ``prefetch``: start the next layer's copy;
-        ``first``: the first part's item, already taken (``_take``)."""
+        ``first``: the first part's item, already taken (``take``)."""
         lay, region = self.layouts[i], self.regions[i].tensor
         B, n_all, cap = lay.expert_bytes, len(experts), self.cap
         T, k = ids.shape
@@ -140,7 +207,7 @@ class StreamedExperts:
 
     def _ahead(self, i: int, p: int, parts, prefetch: bool):
         """(key, region, B, experts) of the item after (layer i, part p): the layer's next part, or with
-        ``prefetch`` the next layer's first (all its non-resident experts, from the first; ahead mode: its set).
+        ``prefetch`` the next layer's first (``next_experts``: all its non-resident ones, or ahead mode's set).
         After the last layer: the first layer's, for the next forward (the next chunk of a long prompt, or the next
         prompt): the copy engine is idle then, and a forward that wants other experts drops it."""
         if p + 1 < len(parts):
@@ -148,10 +215,7 @@ class StreamedExperts:
         if not prefetch:
             return None
         j = (i + 1) % len(self.blocks)
-        if self._forward is not None and self._forward[1] == "ahead":
-            experts = self._set(j)
-        else:
-            experts = [int(e) for e in np.flatnonzero(~resident(self.blocks[j]))][:self.cap]
+        experts = self.next_experts(j)
         if not experts:
             return None
         return (j, 0), self.regions[j].tensor, self.layouts[j].expert_bytes, experts
@@ -172,7 +236,7 @@ class StreamedExperts:
         layer while its experts stay the same (gpu mode: every forward); else copied from pinned memory (a copy
         from pageable memory would first wait for the stream)."""
         key = tuple(experts)
-        cache = self.__dict__.setdefault("_pos_cache", {})
+        cache = self._pos_cache
         hit = cache.get(i)
         if hit is not None and hit[0] == key:
             return hit[1]

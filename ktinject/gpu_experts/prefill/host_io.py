@@ -21,10 +21,10 @@ Both bit-identical to the copies they replace. Triton is imported at the first c
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from ktinject import envs
 from ktinject.operators.kernels import common as fused
 
 BLOCK, WARPS = fused.COPY_BLOCK, fused.COPY_WARPS
@@ -62,7 +62,7 @@ def _kernels():
 def usable(device: torch.device, *host: torch.Tensor) -> bool:
     """Whether the kernels can serve a CUDA ``device`` with these ``host`` buffers: page-locked and contiguous,
     Triton importable, KTINJECT_FUSED not 0 (read per call)."""
-    if torch.device(device).type != "cuda" or os.environ.get("KTINJECT_FUSED", "1") == "0":
+    if torch.device(device).type != "cuda" or not envs.get("KTINJECT_FUSED"):
         return False
     if not all(t.is_pinned() and t.is_contiguous() for t in host):
         return False

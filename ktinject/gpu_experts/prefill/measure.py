@@ -2,7 +2,7 @@
 
     cpu_costs   two native forwards of one layer, every expert given 8 and then 64 rows (tokens routed
                 round-robin): the time per expert (reading its weights) and per routed row (the kernels' work)
-    gpu_costs   on the streamer's own buffers: one layer's experts dequantized into the scratch, then one grouped
+    gpu_costs   on the streamed experts' own buffers: one layer's experts dequantized into the scratch, then one grouped
                 GEMM pass over 64 random rows an expert (with the weighting), timed with CUDA events
 
 Each timing is the best of two after a warm-up. The H2D bandwidth is the ring's (``Ring.measure_h2d``).
@@ -56,27 +56,28 @@ def cpu_costs(ex) -> tuple[float, float]:
     return policy.fit_cpu(tuple(float(r) for r in CPU_ROWS), tuple(times), E)
 
 
-def gpu_costs(streamer, i: int, block) -> dict[str, float]:
-    """{"gpu_expert_s", "gpu_row_s"} of layer ``i`` of a set-up ``streamer`` (on its device): its first experts
-    (a slot's worth) copied, dequantized and run over GPU_ROWS rows each; call with nothing in flight."""
-    lay, region = streamer.layouts[i], streamer.regions[i].tensor
-    n = min(streamer.cap, block.num_experts)
-    H, I, dev = block.hidden_size, block.intermediate_size, streamer.device
-    ring = streamer.ring
+def gpu_costs(experts, i: int, block) -> dict[str, float]:
+    """{"gpu_expert_s", "gpu_row_s"} of layer ``i`` of a set-up ``device.StreamedExperts`` ``experts`` (on its
+    device: its ring and scratch): its first experts (a slot's worth) copied, dequantized and run over GPU_ROWS rows
+    each; call with nothing in flight."""
+    lay, region = experts.layouts[i], experts.regions[i].tensor
+    n = min(experts.cap, block.num_experts)
+    H, I, dev = block.hidden_size, block.intermediate_size, experts.device
+    ring = experts.ring
     item = ring.fetch(("calibration", i), region, lay.expert_bytes, list(range(n)))
     slot = ring.acquire(item).view(n, lay.expert_bytes)
-    gate_up = streamer.gate_up[:n * 2 * I * H].view(n, 2 * I, H)
-    down = streamer.down[:n * H * I].view(n, H, I)
-    dequant = _best(lambda: unpack_experts(slot, lay, gate_up, down, streamer.work), cuda=streamer.cuda)
+    gate_up = experts.gate_up[:n * 2 * I * H].view(n, 2 * I, H)
+    down = experts.down[:n * H * I].view(n, H, I)
+    dequant = _best(lambda: unpack_experts(slot, lay, gate_up, down, experts.work), cuda=experts.cuda)
     ring.release(item)
     act = Activation.of(block.native_experts)
     rows = n * GPU_ROWS
     xs = torch.randn(rows, H, device=dev, dtype=torch.bfloat16)
     w = torch.rand(rows, 1, device=dev)
     ends = torch.arange(1, n + 1, device=dev, dtype=torch.int32) * GPU_ROWS
-    if streamer.grouped:
-        compute = _best(lambda: grouped_ffn(xs, ends, gate_up, down, act).float().mul_(w), cuda=streamer.cuda)
+    if experts.grouped:
+        compute = _best(lambda: grouped_ffn(xs, ends, gate_up, down, act).float().mul_(w), cuda=experts.cuda)
     else:
         host_ends = ends.cpu()
-        compute = _best(lambda: looped_ffn(xs, host_ends, gate_up, down, act).mul_(w), cuda=streamer.cuda)
+        compute = _best(lambda: looped_ffn(xs, host_ends, gate_up, down, act).mul_(w), cuda=experts.cuda)
     return {"gpu_expert_s": dequant / n, "gpu_row_s": compute / rows}

@@ -1,50 +1,49 @@
-"""A prefill layer shared by the CPU and the GPU (split and ahead modes of ``stream.PrefillStreamer``; a mixin: the
-streamer decides, ``streamed`` streams, this shares a layer).
+"""Prefill layers shared by the CPU and the GPU: split and ahead modes of ``streamer.PrefillStreamer``, whose
+``split`` part a ``SplitLayers`` is (the streamer decides which experts go where, its ``experts`` part streams the
+GPU's, this runs the CPU's beside them and sums the two).
 
-    _split    the routing synced to the host, the experts parted (the GPU's set: ``policy.choose_split`` or ahead
+    layer     the routing synced to the host, the experts parted (the GPU's set: ``policy.choose_split`` or ahead
               mode's fixed one), the CPU's part submitted to the native pool, the GPU's part queued, the two outputs
               summed on the device
-    _settle   the layer before's CPU task, left running (below), waited for and its times fed back
+    settle    the layer before's CPU task, left running (below), waited for and its times fed back
 
-Overlap (KTINJECT_PREFILL_OVERLAP=0 turns it off, with the CPU path's: ``operators/cpu_overlap.py``): the host does
-not wait for a layer's CPU task. The task raises a pinned done word when its output is written
-(``native.Task.signal``), a one-warp kernel waits for that word before the kernel that adds the CPU's output to the
-GPU's (``hostio.combine``), and the host goes on to queue the next layer's dense part (attention: ~2 ms of launches
-a layer at 512 tokens on the H100, as long as the CPU's work at int8) while the CPU computes, where it used to wait
-first and launch after. The next layer's routing sync then waits for the GPU, which waits for the task: from then on
-the task's buffers (inputs, output, skip mask) are free, so nothing is rewritten under it. The task's times come from
-the native side (``Task.times``) at that next layer (``_settle``), which also raises the task's error. Where it does
-not apply the host waits as before: the last MoE layer of a forward (its output ends the forward), without the
-pinned-buffer kernels (``hostio.usable``), off CUDA.
+Overlap (KTINJECT_PREFILL_OVERLAP=0 turns it off, with the CPU path's: ``operators/cpu_overlap.py``): the host does not
+wait for a layer's CPU task. The task raises a pinned done word when its output is written (``native.Task.signal``), a
+one-warp kernel waits for that word before the kernel that adds the CPU's output to the GPU's (``hostio.combine``), and
+the host goes on to queue the next layer's dense part (attention's launches, which take about as long as the CPU's work
+at int8) while the CPU computes, where it used to wait first and launch after. The next layer's routing sync then waits
+for the GPU, which waits for the task: from then on the task's buffers (inputs, output, skip mask) are free, so nothing
+is rewritten under it. The task's times come from the native side (``Task.times``) at that next layer (``settle``),
+which also raises the task's error. Where it does not apply the host waits as before: the last MoE layer of a forward
+(its output ends the forward), without the pinned-buffer kernels (``hostio.usable``), off CUDA.
 
-Gated ahead layers (``_split_gated``; KTINJECT_PREFILL_GATED=0 turns them off): in ahead mode the CPU's experts are
-known before the routing (all but the fixed set and the resident ones), so the host need not wait for the routing
-either. Each layer's task is bound and watched (``native.Task.watch``) before its routing is computed; a one-thread
-kernel raises its go word once the routing and hidden states have reached the host (``fused.raise_word``), a pool
-thread (spinning: a watched run ended within the watch window) starts it at once, and the layer's sum waits for its
-done word and consumes it (``hostio.combine``, ``reset``). The host never waits for a layer: it queues the next
-layer's attention, routing and copies while the CPU works, and the chain from one layer's CPU end to the next one's
-start is the GPU's work alone (the sum, attention, router, the inputs to the host; ~0.45 ms at 512 tokens on the
-H100), not also the host's wake, bookkeeping (~0.2 ms) and the pool's wake-up. Two tasks alternate (``_Gate``): the
-one of layer i-2 is waited for at layer i (a CUDA event after its sum: it has ended and the stream has consumed its
-done word), unwatched (its run's error raised) and fed back (its native start and end times, the GPU part's CUDA
-events, its rows per expert counted on the device), so the host runs at most two layers ahead of the GPU. The last
-MoE layer settles both first; a forward that stopped mid-way leaves its gates to the next forward's first layer
-(``settle_gates``), which waits for the device where a gate's sum was never queued.
+Gated ahead layers (``_gated``; KTINJECT_PREFILL_GATED=0 turns them off): in ahead mode the CPU's experts are known
+before the routing (all but the fixed set and the resident ones), so the host need not wait for the routing either. Each
+layer's task is bound and watched (``native.Task.watch``) before its routing is computed; a one-thread kernel raises its
+go word once the routing and hidden states have reached the host (``fused.raise_word``), a pool thread (spinning: a
+watched run ended within the watch window) starts it at once, and the layer's sum waits for its done word and consumes
+it (``hostio.combine``, ``reset``). The host never waits for a layer: it queues the next layer's attention, routing and
+copies while the CPU works, and the chain from one layer's CPU end to the next one's start is the GPU's work alone (the
+sum, attention, router, the inputs to the host), not also the host's wake, its bookkeeping and the pool's wake-up. Two
+tasks alternate (``_Gate``): the one of layer i-2 is waited for at layer i (a CUDA event after its sum: it has ended and
+the stream has consumed its done word), unwatched (its run's error raised) and fed back (its native start and end times,
+the GPU part's CUDA events, its rows per expert counted on the device), so the host runs at most two layers ahead of the
+GPU. The last MoE layer settles both first; a forward that stopped mid-way leaves its gates to the next forward's first
+layer (``settle_gates``), which waits for the device where a gate's sum was never queued.
 Legend: T tokens, k experts per token, E experts, H hidden.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import numpy as np
 import torch
 
-from ktinject import cuda_driver, native
+from ktinject import native
+from ktinject.native import cuda_driver
 from ktinject.operators import handshake as stream_experts
-from ktinject.envs import env_int
+from ktinject import envs
 from ktinject.gpu_experts.prefill import host_io as hostio
 from ktinject.gpu_experts.prefill import policy
 from ktinject.gpu_experts.prefill.device import resident
@@ -57,15 +56,13 @@ log = logging.getLogger(__name__)
 COUNTS = {"gated": 0}  # gated layers run since import (tests, probes)
 
 
-def gated_watch_spin_us() -> int:
-    """KTINJECT_PREFILL_WATCH_SPIN_US (default 0): the pool's watch spin window while gated layers run (see
-    ``SplitLayers._quiet``)."""
-    return env_int("KTINJECT_PREFILL_WATCH_SPIN_US", 0, minimum=0)
+#: the pool's watch spin window while gated layers run (``SplitLayers._quiet`` says why it is 0)
+GATED_WATCH_SPIN_US = 0
 
 
 def gated_enabled() -> bool:
     """KTINJECT_PREFILL_GATED (default 1; KTINJECT_PREFILL_OVERLAP=0 turns it off too), read per layer."""
-    return os.environ.get("KTINJECT_PREFILL_GATED", "1") != "0" and cpu_overlap.enabled()
+    return envs.get("KTINJECT_PREFILL_GATED") and cpu_overlap.enabled()
 
 
 class _Gate:
@@ -100,36 +97,45 @@ class _Gate:
 
 
 class SplitLayers:
-    """Mixin of ``PrefillStreamer``: its split / ahead layers (see the module docstring). Uses the streamer's
-    ``blocks``, ``cuda``, ``feedback``, ``ring``, ``layouts``, ``cap``, ``last``, ``_seen``, ``_sets``,
-    ``_n_ahead``, ``_costs``, ``costs_for``, ``_costs_key``, ``_set``, ``_take`` and ``_stream``."""
+    """The split / ahead layers of ``streamer`` (see the module docstring), its GPU part streamed by ``experts``
+    (the streamer's ``StreamedExperts``: ``stream``, and ``grouped``, which gated layers need). Of the streamer it
+    reads ``blocks``, ``device``, ``cuda`` and ``last``, asks ``costs_for`` and ``take_set`` (ahead mode's set and
+    its copy), and reports each layer's rows per expert (``see``) and times (``observe``)."""
 
-    _pending: tuple | None = None  # the layer whose CPU task the host left running (``_settle``)
+    def __init__(self, streamer, experts):
+        self.streamer, self.experts = streamer, experts
+        self._pending: tuple | None = None  # the layer whose CPU task the host left running (``settle``)
+        self._gates: dict[int, tuple[_Gate, _Gate]] = {}  # E -> the two tasks gated layers of E experts alternate
+        self._spin_saved: tuple | None = None  # (pool, its watch window, ours) while gated layers run (``_quiet``)
+        self._skips: dict[int, torch.Tensor] = {}  # E -> the split's native skip mask (``_skip``)
+        self._events: dict[str, torch.cuda.Event] = {}  # ``_event``'s, by name
+        self._native_task: native.Task | None = None  # the ungated layers' task (``_task``)
 
-    def _split(self, i, block, x, ids, weights, ahead: bool = False):
+    def layer(self, i, block, x, ids, weights, ahead: bool = False):
         """The experts with the most rows on the GPU, the rest in the native kernels, at the same time. ``ahead``:
-        the GPU's experts are the layer's fixed set (``_set``), fetched during the layer before. The GPU's work (and
-        the next layer's copy) is queued after the CPU's task is submitted, so that its launches (and any host sync
-        in them) overlap the CPU's work, not precede it."""
-        if ahead and self.cuda and self.grouped and i < len(self.blocks) - 1 and gated_enabled():
+        the GPU's experts are the layer's fixed set (the streamer's ``take_set``), fetched during the layer before.
+        The GPU's work (and the next layer's copy) is queued after the CPU's task is submitted, so that its launches
+        (and any host sync in them) overlap the CPU's work, not precede it."""
+        streamer, cuda = self.streamer, self.streamer.cuda
+        if ahead and cuda and self.experts.grouped and i < len(streamer.blocks) - 1 and gated_enabled():
             with torch.cuda.device(x.device):  # its events, go and stream: x's device whatever is current
-                out = self._split_gated(i, block, x, ids, weights)
+                out = self._gated(i, block, x, ids, weights)
             if out is not None:
                 return out
         entered = time.perf_counter()
         T, H = x.shape
         E = block.num_experts
-        st = staging(pin=self.cuda)
+        st = staging(pin=cuda)
         o = st.get("out", T, H, stream_experts.host_dtype(x.dtype))
-        io = self.cuda and hostio.usable(x.device, o)  # kernels, not copies (hostio says why); the staging's buffers
-        h, i_, w = st.inputs("", x, ids, weights, non_blocking=self.cuda,  # are pinned alike
+        io = cuda and hostio.usable(x.device, o)  # kernels, not copies (hostio says why); the staging's buffers
+        h, i_, w = st.inputs("", x, ids, weights, non_blocking=cuda,  # are pinned alike
                              to_host=hostio.to_host if io else None)
         shared = extra = streamed = None
         hot = resident(block)
         gpu = first = None
         if ahead:
-            gpu, first = self._take_set(i)
-        if self.cuda:
+            gpu, first = streamer.take_set(i)
+        if cuda:
             copied = self._event()
             copied.record()
             shared = shared_output(block, block.spec.shared, x)  # queued: overlaps what follows
@@ -137,17 +143,17 @@ class SplitLayers:
             copied.synchronize()
             self.settle_gates(i, T)  # the gated layers before (passed too: the routing follows their sums)
         synced = time.perf_counter()
-        settled = self._settle(i, T)  # the GPU has passed the layer before's combine: its CPU task is done
+        settled = self.settle(i, T)  # the GPU has passed the layer before's combine: its CPU task is done
         counts = torch.bincount(i_.reshape(-1), minlength=E).numpy()
-        self._see(i, counts)
+        streamer.see(i, counts)
         if not ahead:
-            gpu = policy.choose_split(counts, ~hot, self.costs_for(block, T))
-        self.last["gpu_experts"].append(len(gpu))
+            gpu = policy.choose_split(counts, ~hot, streamer.costs_for(block, T))
+        streamer.last["gpu_experts"].append(len(gpu))
         skip = _mask(self._skip(E), hot, gpu)
         cpu_counts = np.where(skip.numpy() == 0, counts, 0)
         task = self._task()
         task.bind(block.native_experts, h, i_, w, skip=skip, out=o)
-        overlap = io and i < len(self.blocks) - 1 and cpu_overlap.enabled()
+        overlap = io and i < len(streamer.blocks) - 1 and cpu_overlap.enabled()
         if overlap:
             # the task's signal word, reset: the layer before's wait kernel has seen it (this layer's routing sync
             # passed it; one stream: a forward abandoned mid-way on another stream could still be waiting, and would
@@ -157,13 +163,13 @@ class SplitLayers:
         task.submit()
         if settled is not None:  # the layer before's times, fed back while this task runs
             try:
-                self._observe(*settled)
+                streamer.observe(*settled)
             except BaseException:
                 task.wait()
                 raise
         if overlap:
             try:
-                streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first) if gpu else None
+                streamed = self.experts.stream(i, block, x, ids, weights, gpu, counts, ahead, first) if gpu else None
                 gpu_end = torch.cuda.Event(enable_timing=True)  # the GPU's part of the layer ends
                 gpu_end.record()
                 out = hostio.combine(o, streamed, extra, x.dtype, x.device, done=done)
@@ -174,8 +180,8 @@ class SplitLayers:
                              int(E - hot.sum()))
             return out, shared
         try:
-            if self.cuda:  # queued while the CPU works
-                streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first) if gpu else None
+            if cuda:  # queued while the CPU works
+                streamed = self.experts.stream(i, block, x, ids, weights, gpu, counts, ahead, first) if gpu else None
             else:
                 shared = shared_output(block, block.spec.shared, x)
             launched = time.perf_counter()
@@ -183,23 +189,23 @@ class SplitLayers:
             task.wait()  # always: the pool must be done with the buffers before anyone reuses them
         waited = time.perf_counter()
         idle = True  # the GPU done with this layer's streamed work when the CPU was
-        if self.cuda:
+        if cuda:
             done_ev = self._event("_streamed")
             done_ev.record()
             idle = done_ev.query()
-        self._observe(i, T, cpu_counts, (entered, synced, submitted, launched, waited), idle, ahead,
-                      int(E - hot.sum()))
-        if not self.cuda:  # a "GPU" on the CPU: after the pool, not against it
+        streamer.observe(i, T, cpu_counts, (entered, synced, submitted, launched, waited), idle, ahead,
+                         int(E - hot.sum()))
+        if not cuda:  # a "GPU" on the CPU: after the pool, not against it
             extra = None if block.hot is None else block.hot(x, ids, weights)
             if gpu:
-                streamed = self._stream(i, block, x, ids, weights, gpu, counts, ahead, first)
+                streamed = self.experts.stream(i, block, x, ids, weights, gpu, counts, ahead, first)
         if io:  # `o` read in place; stream order protects it until the next layer's host sync
             return hostio.combine(o, streamed, extra, x.dtype, x.device), shared
         routed = torch.empty((T, H), dtype=x.dtype, device=x.device)
-        routed.copy_(o, non_blocking=self.cuda)  # stream order protects `o` until the next layer's host sync
+        routed.copy_(o, non_blocking=cuda)  # stream order protects `o` until the next layer's host sync
         return total(x, routed, extra, streamed), shared
 
-    def _split_gated(self, i, block, x, ids, weights):
+    def _gated(self, i, block, x, ids, weights):
         """An ahead layer whose CPU task starts from the GPU (the module docstring's gated layers): (out, shared),
         or None where the pinned-buffer kernels are not usable (the caller's path then)."""
         T, H = x.shape
@@ -209,10 +215,10 @@ class SplitLayers:
         if not hostio.usable(x.device, o):
             return None
         if self._pending is not None:  # an ungated layer's task: this forward's layer before (fed back) or another's
-            settled = self._settle(i, T)
+            settled = self.settle(i, T)
             if settled is not None:
-                self._observe(*settled)
-        gates = self.__dict__.setdefault("_gates", {})
+                self.streamer.observe(*settled)
+        gates = self._gates
         if E not in gates:
             gates[E] = (_Gate(E), _Gate(E))
         g = gates[E][i % 2]
@@ -224,8 +230,8 @@ class SplitLayers:
                 log.warning("prefill: a gated CPU task left watched had failed: %s", e)
         h, i_, w = st.inputs("", x, ids, weights, non_blocking=True, to_host=hostio.to_host)
         hot = resident(block)
-        gpu, first = self._take_set(i)
-        self.last["gpu_experts"].append(len(gpu))
+        gpu, first = self.streamer.take_set(i)
+        self.streamer.last["gpu_experts"].append(len(gpu))
         _mask(g.skip, hot, gpu)
         flat = ids.reshape(-1)  # rows per expert on the device (torch.bincount would sync for its size)
         counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -243,7 +249,7 @@ class SplitLayers:
             g.pending[2] = routed
             shared = shared_output(block, block.spec.shared, x)
             extra = None if block.hot is None else block.hot(x, ids, weights)
-            streamed = self._stream(i, block, x, ids, weights, gpu, None, True, first) if gpu else None
+            streamed = self.experts.stream(i, block, x, ids, weights, gpu, None, True, first) if gpu else None
             gpu_end = torch.cuda.Event(enable_timing=True)
             gpu_end.record()
             out = hostio.combine(o, streamed, extra, x.dtype, x.device, done=g.done, reset=True)
@@ -263,7 +269,7 @@ class SplitLayers:
     def settle_gates(self, i: int = -1, T: int | None = None, closing: bool = False) -> None:
         """Every gated layer's task still watched, in layer order (``_settle_gate``); its times fed back where it
         is a layer before ``i`` of this T-token forward. ``closing``: errors logged, not raised."""
-        gates = [g for pair in self.__dict__.get("_gates", {}).values() for g in pair if g.pending is not None]
+        gates = [g for pair in self._gates.values() for g in pair if g.pending is not None]
         try:
             for g in sorted(gates, key=lambda g: g.pending[0]):
                 self._settle_gate(g, i, T, closing)
@@ -274,25 +280,25 @@ class SplitLayers:
     def close_gates(self) -> None:
         """Settle every gate (errors logged) and free their tasks (the streamer closing)."""
         self.settle_gates(closing=True)
-        for pair in self.__dict__.pop("_gates", {}).values():
+        gates, self._gates = self._gates, {}
+        for pair in gates.values():
             for g in pair:
                 g.close()
 
     def _quiet(self, pool) -> None:
-        """While gated layers run, the pool's watch spin window is KTINJECT_PREFILL_WATCH_SPIN_US (0: after a run
+        """While gated layers run, the pool's watch spin window is GATED_WATCH_SPIN_US (0: after a run
         only thread 0 polls for the next go; the others sleep until it starts the run): with its default window
-        (graph decode's: every idle thread spins for 1 ms after a watched run) 14 spinning threads starved the
-        host's launches of the next layers (gap probe, H100 host, int8 512 tokens: 5,640 tok/s against 6,583 with
-        0, the GPU waiting ~1.6 ms a layer for the host's attention launches). ``pool`` None: the saved window
-        back (every gate settled), unless the window was changed meanwhile (by the user: theirs stays)."""
-        saved = self.__dict__.get("_spin_saved")
+        (graph decode's: every idle thread spins a while after a watched run) the spinning threads starve the host's
+        launches of the next layers, and the GPU waits for the host's attention launches. ``pool`` None: the saved
+        window back (every gate settled), unless the window was changed meanwhile (by the user: theirs stays)."""
+        saved = self._spin_saved
         if pool is None:
             if saved is not None:
                 self._spin_saved = None
                 if saved[0].watch_spin_us == saved[2]:
                     saved[0].watch_spin_us = saved[1]
         elif saved is None:
-            ours = gated_watch_spin_us()
+            ours = GATED_WATCH_SPIN_US
             self._spin_saved = (pool, pool.watch_spin_us, ours)
             pool.watch_spin_us = ours
 
@@ -311,7 +317,7 @@ class SplitLayers:
         if passed is not None:
             passed.synchronize()
         else:
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.streamer.device)
         g.pending = None  # its run is over, or never comes (its go was not queued)
         try:
             if g.task.watched:  # (not where watch itself failed)
@@ -328,24 +334,23 @@ class SplitLayers:
             g.words.zero_()
             return
         counts = g.counts.numpy()
-        self._see(j, counts)
+        self.streamer.see(j, counts)
         if closing or Tj != T or not j < i:
             return
         start, end = g.task.times()
         # the layer ended when both parts did; the GPU's part started about when the CPU's did (its go)
         ended = max(end, start + routed.elapsed_time(gpu_end) / 1e3)
         cpu_counts = np.where(g.skip.numpy() == 0, counts, 0)
-        self._observe(j, Tj, cpu_counts, (start, start, start, start, ended), True, True, m, end)
+        self.streamer.observe(j, Tj, cpu_counts, (start, start, start, start, ended), True, True, m, end)
 
-    def _settle(self, i: int = -1, T: int | None = None, closing: bool = False) -> tuple | None:
+    def settle(self, i: int = -1, T: int | None = None, closing: bool = False) -> tuple | None:
         """Wait for the CPU task the host left running (overlap). Where it was the layer before ``i`` of a T-token
-        forward: its run's error raised, and ``_observe``'s arguments returned for that layer (the caller feeds
-        them back once its own task is submitted): the layer ended when both parts did, the CPU's at the task's
-        native end time, the GPU's at the host time of its routing sync plus the GPU's time from the routing to
-        the end of its streamed work (CUDA events). A task of another forward (one that stopped before its next
-        layer: an exception, an early exit) is waited for too and its error raised here, never dropped (that
-        forward's output may hold it); its times are not fed back. ``closing``: the streamer is closing, an error
-        is logged."""
+        forward: its run's error raised, and the streamer's ``observe``'s arguments returned for that layer (the caller
+        feeds them back once its own task is submitted): the layer ended when both parts did, the CPU's at the task's
+        native end time, the GPU's at the host time of its routing sync plus the GPU's time from the routing to the end
+        of its streamed work (CUDA events). A task of another forward (one that stopped before its next layer: an
+        exception, an early exit) is waited for too and its error raised here, never dropped (that forward's output may
+        hold it); its times are not fed back. ``closing``: the streamer is closing, an error is logged."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -360,53 +365,30 @@ class SplitLayers:
         if j != i - 1 or Tj != T:
             return None
         _, end = task.times()
-        # (a gated layer settles here without a sync before it: the GPU part may still run; _split has synced)
+        # (a gated layer settles here without a sync before it: the GPU part may still run; ``layer`` has synced)
         gpu_end.synchronize()
         ended = max(end, synced + routed.elapsed_time(gpu_end) / 1e3)
         # waited: the layer's end (both parts), launched: the submit, so that the CPU's time is end - submitted
         return j, T, cpu_counts, (entered, synced, submitted, submitted, ended), True, ahead, m, end
 
-    def _observe(self, i, T, cpu_counts, times, idle, ahead, m, cpu_end=None) -> None:
-        """Layer i's host times into the feedback (``Feedback.observe``; ``cpu_end``: the CPU task's end where it
-        is not the layer's) and, in ahead mode, the next layers' n steered from them (m streamable experts)."""
-        block = self.blocks[i]
-        key = self._costs_key(block)
-        self.feedback.observe(i, T, key, self._costs.get(key), cpu_counts, times, idle, cpu_end)
-        if ahead and self.ring.spans is not None:
-            self._n_ahead = self.feedback.steer(T, self.ring.spans, self.layouts[i].expert_bytes, self._n_ahead,
-                                                m, self.cap)
-
     # ---- small pieces kept across forwards ----------------------------------------------------------------------
-    def _take_set(self, i: int) -> tuple[list[int], object]:
-        """Ahead mode's GPU experts of layer i (``_set``) and the ring item of their first part (``_take``; None
-        where the set is empty); the set is dropped: the next ask (the next forward's prefetch) picks from the rows
-        seen by then."""
-        gpu = self._set(i)
-        del self._sets[i]
-        return gpu, (self._take(i, gpu) if gpu else None)
-
-    def _see(self, i: int, counts: np.ndarray) -> None:
-        """Layer i's rows per expert [E] into the decaying history ahead mode picks its sets from (``_seen``)."""
-        old = self._seen.get(i)
-        self._seen[i] = counts.astype(np.float64) + (0.0 if old is None else 0.5 * old)
-
     def _event(self, name: str = "_copied") -> torch.cuda.Event:
         """A CUDA event kept for the streamer (timed: an overlapped layer's routing is where its GPU time starts);
-        the routing's event is a new one each layer while a layer's is pending (``_settle`` still reads it)."""
-        ev = self.__dict__.get(name)
+        the routing's event is a new one each layer while a layer's is pending (``settle`` still reads it)."""
+        ev = self._events.get(name)
         if ev is None or (self._pending is not None and ev is self._pending[4]):
-            ev = self.__dict__[name] = torch.cuda.Event(enable_timing=True)
+            ev = self._events[name] = torch.cuda.Event(enable_timing=True)
         return ev
 
     def _skip(self, E: int) -> torch.Tensor:
         """Pinned uint8 [E]: the split's native skip mask (hot + GPU experts), rewritten each layer."""
-        masks = self.__dict__.setdefault("_skips", {})
+        masks = self._skips
         if E not in masks:
-            masks[E] = torch.zeros(E, dtype=torch.uint8, pin_memory=self.cuda)
+            masks[E] = torch.zeros(E, dtype=torch.uint8, pin_memory=self.streamer.cuda)
         return masks[E]
 
     def _task(self) -> native.Task:
-        task = self.__dict__.get("_native_task")
+        task = self._native_task
         if task is None:
             task = self._native_task = native.Task()
         return task

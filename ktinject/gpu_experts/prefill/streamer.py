@@ -1,4 +1,4 @@
-"""Prefill with the routed experts streamed to the GPU over PCIe, alone or split with the CPU (issue 19).
+"""Prefill with the routed experts streamed to the GPU over PCIe, alone or split with the CPU.
 
 A ``PrefillStreamer`` serves every HybridMoE of one model (``block.prefill``; ``attach`` makes it). An eager forward
 of T tokens offers each block's routed experts to it; what it does is decided once per forward (``policy``):
@@ -12,13 +12,17 @@ of T tokens offers each block's routed experts to it; what it does is decided on
            rest (their skip mask: hot experts + the GPU's); each part's output is added on the device
     ahead  as split, but the GPU's n experts a layer are fixed before the routing (those with the most rows in
            earlier forwards, ``policy.ahead_experts``; n from ``policy.ahead_split``, then steered by what the layers
-           show, ``balance``), so their copy runs while the layer before computes (as in gpu mode); their compute is
+           show, ``feedback``), so their copy runs while the layer before computes (as in gpu mode); their compute is
            queued once the CPU's task is submitted, as in split
+
+The streamer decides (per forward: the mode; per layer: which experts go to the GPU) and is composed of two parts
+that do: ``experts`` (``device.StreamedExperts``: the ring, the copies, dequantization, grouped matmuls, the memory
+they take) and ``split`` (``split.SplitLayers``: layers shared with the CPU, their tasks and gates).
 
 Hot experts (GPU-resident, ``bank.HotExperts``) are computed by their bank as usual and never copied; experts with no
 rows are not copied where the routing is known first. Packed bytes cross PCIe as stored (bf16, int8 + scales, int4 +
 group scales) from the page-locked native mapping (``upload.PackedRegion``) into a ring of two slots (``ring.Ring``);
-nothing is expanded on the host. A layer larger than a slot (DeepSeek-V3 at bf16: ~22 GB) goes in parts.
+nothing is expanded on the host. A layer larger than a slot goes in parts.
 
 Memory (CUDA): the ring (2 slots) + dequantized scratch + work, sized to hold a whole layer's experts when that fits
 in ``memory_fraction`` of the free GPU memory, else the largest part that does; ``chunk_tokens`` sizes prefill chunks
@@ -41,12 +45,9 @@ import torch
 
 from ktinject.gpu_experts.prefill import measure
 from ktinject.gpu_experts.prefill import policy
-from ktinject.gpu_experts.prefill.feedback import Feedback
-from ktinject.gpu_experts.hot.bank import grouped_mm_usable
-from ktinject.gpu_experts.prefill.ring import Ring
-from ktinject.gpu_experts.prefill.split import SplitLayers, total
 from ktinject.gpu_experts.prefill.device import MAX_CHUNK, MIN_CHUNK, StreamedExperts, resident  # noqa: F401 (MAX_CHUNK, MIN_CHUNK: tests, generate)
-from ktinject.gpu_experts.hot.upload import PackedRegion
+from ktinject.gpu_experts.prefill.feedback import Feedback
+from ktinject.gpu_experts.prefill.split import SplitLayers, total
 from ktinject.operators.families import shared_output
 from ktinject.operators.moe import HybridMoE
 
@@ -82,12 +83,15 @@ def streamer_of(model) -> PrefillStreamer | None:
     return next((b.prefill for b in blocks_of(model) if isinstance(b.prefill, PrefillStreamer)), None)
 
 
-class PrefillStreamer(StreamedExperts, SplitLayers):
+class PrefillStreamer:
     """Streamed / split prefill for ``blocks`` (a model's HybridMoE blocks in model order), ``mode`` "auto" or "gpu"
     ("cpu": every forward declined; ``switch`` changes it).
     ``costs``: a ``policy.Costs`` used as is, or a dict of its fields replacing the measured ones.
     ``memory_fraction``: of the free GPU memory, what the ring and scratch may take; ``slot_experts``: at most this
-    many experts a ring slot (layers in parts; default: what the memory allows, at most a layer)."""
+    many experts a ring slot (layers in parts; default: what the memory allows, at most a layer).
+
+    Its parts: ``experts`` (the device side, ``StreamedExperts``) and ``split`` (shared layers, ``SplitLayers``);
+    it keeps the decisions: costs, modes, ahead mode's sets and the rows they are picked from, the feedback."""
 
     def __init__(self, blocks, mode: str = "auto", memory_fraction: float = 0.4, costs=None,
                  slot_experts: int | None = None):
@@ -102,56 +106,29 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
         self.cuda = self.device.type == "cuda"
         if self.cuda and self.device.index is None:  # "cuda" as the plan names it: the device it means now
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.memory_fraction = float(memory_fraction)
         self.costs_override = costs
-        self.slot_experts = None if slot_experts is None else int(slot_experts)
+        self.experts = StreamedExperts(self.blocks, self.device, float(memory_fraction),
+                                       None if slot_experts is None else int(slot_experts), self._next_experts)
+        self.split = SplitLayers(self, self.experts)
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._costs: dict[tuple, policy.Costs] = {}
         self._decisions: dict[tuple, str] = {}
         self._cpu_trials: dict[tuple, bool] = {}  # decision key -> whether auto's trials try cpu mode too
         self._forward: tuple[int, str] | None = None  # (T, mode) of the forward in progress
         self._last = -1
-        self._ready = False
-        self._n_ahead = 0  # ahead mode: GPU experts a layer in this forward (steered by ``balance``)
-        self.feedback = Feedback(self.cuda, len(self.blocks))  # what split / ahead layers show (balance.py)
+        self._n_ahead = 0  # ahead mode: GPU experts a layer in this forward (steered by ``observe``)
+        self.feedback = Feedback(self.cuda, len(self.blocks))  # what split / ahead layers show (feedback.py)
         self._seen: dict[int, np.ndarray] = {}  # layer -> rows per expert in earlier split / ahead forwards (decayed)
         self._sets: dict[int, tuple[int, list[int]]] = {}  # layer -> (n, its GPU experts) until the layer uses them
         self.last: dict = {}  # the last forward: T, mode, experts on the GPU per layer
-        self.h2d = float("inf")
         for b in self.blocks:
             b.prefill = self
 
     # ---- set-up (first streamed forward) -----------------------------------------------------------------------
     def setup(self) -> None:
-        """The one-time set-up (idempotent): page-lock the packed experts, allocate the ring and the scratch (what
-        ``memory_fraction`` allows), measure the H2D bandwidth."""
-        if self._ready:
-            return
-        t0 = time.perf_counter()
-        self.regions = [PackedRegion(b.native_experts, pin=self.cuda) for b in self.blocks]
-        self.pinned = all(r.pinned for r in self.regions) if self.cuda else True
-        if not self.pinned:
-            log.warning("prefill: the packed experts could not all be page-locked; copies are synchronous%s",
-                        " (auto: prefill stays on the CPU)" if self.mode == "auto" else "")
-        self.layouts = [r.layout for r in self.regions]
-        cap, B, work, bias = self._plan()
-        H = self.blocks[0].hidden_size
-        I = max(b.intermediate_size for b in self.blocks)
-        E = max(b.num_experts for b in self.blocks)
-        self.cap = cap
-        dev = self.device
-        self.ring = Ring(dev, cap * B)
-        self.gate_up = torch.empty(cap * 2 * I * H, dtype=torch.bfloat16, device=dev)
-        self.down = torch.empty(cap * H * I, dtype=torch.bfloat16, device=dev)
-        self.work = torch.empty(max(1, cap * work), dtype=torch.uint8, device=dev)
-        self.bias = (torch.empty(cap * 2 * I, device=dev), torch.empty(cap * H, device=dev)) if bias else None
-        self.grouped = grouped_mm_usable(dev, torch.bfloat16) and H % 8 == 0 and I % 8 == 0
-        if self.cuda and self.pinned:
-            self.h2d = self.ring.measure_h2d(self.regions[0].tensor)
-        self._ready = True
-        log.info("prefill: %s streaming, %d of %d experts a slot (%.2f GiB ring + %.2f GiB scratch), H2D %.1f GB/s, "
-                 "set up in %.1f s", self.mode, cap, E, self.ring.nbytes / 2**30, self.nbytes_scratch / 2**30,
-                 self.h2d / 1e9, time.perf_counter() - t0)
+        """The one-time set-up (idempotent; ``StreamedExperts.setup``): page-lock the packed experts, allocate the
+        ring and the scratch (what ``memory_fraction`` allows), measure the H2D bandwidth."""
+        self.experts.setup(self.mode)
 
     def close(self) -> None:
         """Unhook the blocks, unpin the packed experts, free the device buffers (nothing may be in flight)."""
@@ -159,22 +136,20 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             if b.prefill is self:
                 b.prefill = None
         try:
-            self.close_gates()  # gated layers' tasks, and a split layer's CPU task left running
-            self._settle(closing=True)  # (an error of them is logged)
+            self.split.close_gates()  # gated layers' tasks, and a split layer's CPU task left running
+            self.split.settle(closing=True)  # (an error of them is logged)
         finally:
-            if self._ready:
-                if self.cuda:
-                    torch.cuda.synchronize(self.device)
-                for r in self.regions:
-                    r.close()
-                self.ring = self.gate_up = self.down = self.work = self.bias = None
-                self._ready = False
+            self.experts.close()
+
+    def chunk_tokens(self) -> int:
+        """Prompt tokens per prefill forward (``StreamedExperts.chunk_tokens``: from the free GPU memory)."""
+        return self.experts.chunk_tokens()
 
     # ---- costs and decisions ------------------------------------------------------------------------------------
     def costs_for(self, block, T: int | None = None) -> policy.Costs:
-        """The cost model of ``block``'s shape and quant, measured once (``gpu_experts.costs``; off CUDA the GPU's
+        """The cost model of ``block``'s shape and quant, measured once (``measure``; off CUDA the GPU's
         numbers are defaults), corrected by what split and ahead forwards measured (the CPU's tasks beside the
-        copies, ``layer_s`` of T-token forwards: ``balance.Feedback.observe``); ``costs`` given to the streamer
+        copies, ``layer_s`` of T-token forwards: ``feedback.Feedback.observe``); ``costs`` given to the streamer
         override."""
         if isinstance(self.costs_override, policy.Costs):
             return self.costs_override
@@ -185,10 +160,10 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             i = self._index[id(block)]
             per_expert, per_row = measure.cpu_costs(ex)
             gpu = policy.gpu_default_costs(ex.hidden, ex.intermediate, ex.quant)
-            if self.cuda and self.pinned:
-                self.ring.drop()
-                gpu = measure.gpu_costs(self, i, block)
-            self._costs[key] = policy.Costs(h2d=self.h2d, expert_bytes=self.layouts[i].expert_bytes,
+            if self.cuda and self.experts.pinned:
+                self.experts.ring.drop()
+                gpu = measure.gpu_costs(self.experts, i, block)
+            self._costs[key] = policy.Costs(h2d=self.experts.h2d, expert_bytes=self.experts.layouts[i].expert_bytes,
                                             cpu_expert_s=per_expert, cpu_row_s=per_row, **gpu)
             log.info("prefill: costs of %s: %s", key, self._costs[key])
         m = self.feedback.measured
@@ -206,7 +181,7 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
     def prepare(self) -> float:
         """The one-time work of the first streamed prompt done now (the set-up; in auto mode the cost model's
         measurements too), so that no prompt waits for it: a server's first long prompt would hold every running
-        stream for it (page-locking tens of GB of experts, a few native forwards). Returns the seconds taken."""
+        stream for it (page-locking the packed experts, a few native forwards). Returns the seconds taken."""
         t0 = time.perf_counter()
         self.setup()
         if self.mode == "auto":
@@ -220,8 +195,8 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
         self.mode = policy.check_mode(mode)
         self._decisions.clear()
         self._forward = None
-        if self._ready:
-            self.ring.drop()
+        if self.experts.ready:
+            self.experts.ring.drop()
 
     def _decide(self, block, T: int, k: int) -> str:
         if self.mode == "cpu":
@@ -236,12 +211,13 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
         if key not in self._decisions:
             self.setup()
             costs = self.costs_for(block, T)
-            ahead_s = self.feedback.balance.estimate(T, streamable, costs.layer_s, self.cap)  # once ahead ran
-            self._decisions[key] = "cpu" if not self.pinned else policy.choose_mode(T, k, streamable, costs,
-                                                                                  self.cap, ahead_s)
-            est = policy.estimates(T, k, streamable, costs, self.cap, ahead_s)
-            # cpu mode's trial forwards only where the model does not put it far behind: at 2,048 tokens and more
-            # a cpu forward takes seconds where the shared mode takes a fraction of one
+            cap = self.experts.cap
+            ahead_s = self.feedback.balance.estimate(T, streamable, costs.layer_s, cap)  # once ahead ran
+            self._decisions[key] = "cpu" if not self.experts.pinned else policy.choose_mode(T, k, streamable, costs,
+                                                                                          cap, ahead_s)
+            est = policy.estimates(T, k, streamable, costs, cap, ahead_s)
+            # cpu mode's trial forwards only where the model does not put it far behind: for long prompts a cpu
+            # forward takes many times what the shared mode takes
             self._cpu_trials[key] = est["cpu"] <= CPU_TRIAL_RATIO * min(est["split"], est["ahead"])
         alternative = "gpu" if policy.prefetch_worthy(T, k, streamable) else "gpu-used"
         pure = (alternative, "cpu") if self._cpu_trials.get(key) else (alternative,)
@@ -253,7 +229,8 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
         streamable = int(block.num_experts - resident(block).sum())
         key = ("ahead", T, k, streamable, id(block.native_experts))
         if key not in self._decisions:
-            self._decisions[key] = policy.ahead_split(T, k, streamable, self.costs_for(block, T), self.cap)[0]
+            self._decisions[key] = policy.ahead_split(T, k, streamable, self.costs_for(block, T),
+                                                      self.experts.cap)[0]
         return self._decisions[key]
 
     def _set(self, j: int) -> list[int]:
@@ -264,15 +241,47 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
         eligible = ~resident(self.blocks[j])
         kept = self._sets.get(j)
         if kept is None:
-            n = min(self._n_ahead, self.cap)
+            n = min(self._n_ahead, self.experts.cap)
             kept = self._sets[j] = (n, policy.ahead_experts(self._seen.get(j), eligible, n))
         return [e for e in kept[1] if eligible[e]]  # an expert made resident since is the hot bank's
+
+    def _next_experts(self, j: int) -> list[int]:
+        """Layer j's experts to copy ahead (``StreamedExperts.next_experts``): ahead mode's set, else all of its
+        non-resident experts (at most a slot)."""
+        if self._forward is not None and self._forward[1] == "ahead":
+            return self._set(j)
+        return [int(e) for e in np.flatnonzero(~resident(self.blocks[j]))][:self.experts.cap]
+
+    # ---- what shared layers ask and report (``SplitLayers``) -----------------------------------------------------
+    def take_set(self, i: int) -> tuple[list[int], object]:
+        """Ahead mode's GPU experts of layer i (``_set``) and the ring item of their first part
+        (``StreamedExperts.take``; None where the set is empty); the set is dropped: the next ask (the next
+        forward's prefetch) picks from the rows seen by then."""
+        gpu = self._set(i)
+        del self._sets[i]
+        return gpu, (self.experts.take(i, gpu) if gpu else None)
+
+    def see(self, i: int, counts: np.ndarray) -> None:
+        """Layer i's rows per expert [E] into the decaying history ahead mode picks its sets from (``_seen``)."""
+        old = self._seen.get(i)
+        self._seen[i] = counts.astype(np.float64) + (0.0 if old is None else 0.5 * old)
+
+    def observe(self, i, T, cpu_counts, times, idle, ahead, m, cpu_end=None) -> None:
+        """Layer i's host times into the feedback (``Feedback.observe``; ``cpu_end``: the CPU task's end where it
+        is not the layer's) and, in ahead mode, the next layers' n steered from them (m streamable experts)."""
+        block = self.blocks[i]
+        key = self._costs_key(block)
+        self.feedback.observe(i, T, key, self._costs.get(key), cpu_counts, times, idle, cpu_end)
+        ring = self.experts.ring
+        if ahead and ring.spans is not None:
+            self._n_ahead = self.feedback.steer(T, ring.spans, self.experts.layouts[i].expert_bytes, self._n_ahead,
+                                                m, self.experts.cap)
 
     def _mode_for(self, i: int, block, T: int, k: int) -> str:
         """This forward's mode, decided at its first block (a block index not after the last one seen, or another
         T, starts a forward)."""
         if self._forward is None or i <= self._last or self._forward[0] != T:
-            self.settle_gates()  # a stopped forward's gated tasks (their errors raised here)
+            self.split.settle_gates()  # a stopped forward's gated tasks (their errors raised here)
             if self.feedback.start_forward():  # the costs moved: decide again
                 self._decisions.clear()
             mode = self._decide(block, T, k)
@@ -284,10 +293,10 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             self.last = {"T": T, "mode": mode, "gpu_experts": []}
             if mode == "ahead":
                 self._n_ahead = self.feedback.balance.start(T, self._ahead_n(block, T, k))
-            if self._ready:
-                self.ring.spans = {} if mode == "ahead" and self.cuda else None  # copy times for the balance
-            if self._ready and mode not in ("gpu", "ahead"):  # those may take the first layer's copy fetched ahead
-                self.ring.drop()
+            if self.experts.ready:
+                self.experts.ring.spans = {} if mode == "ahead" and self.cuda else None  # copy times for the balance
+            if self.experts.ready and mode not in ("gpu", "ahead"):  # (those may take the first layer's copy
+                self.experts.ring.drop()  # fetched ahead)
         self._last = i
         return self._forward[1]
 
@@ -304,7 +313,7 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             return None
         self.setup()
         if mode in ("split", "ahead"):
-            out = self._split(i, block, x, ids, weights, ahead=mode == "ahead")
+            out = self.split.layer(i, block, x, ids, weights, ahead=mode == "ahead")
         else:
             out = self._gpu(i, block, x, ids, weights, prefetch=mode == "gpu")
         if i == len(self.blocks) - 1:
@@ -331,5 +340,5 @@ class PrefillStreamer(StreamedExperts, SplitLayers):
             eligible &= counts > 0
         experts = [int(e) for e in np.flatnonzero(eligible)]
         self.last["gpu_experts"].append(len(experts))
-        streamed = self._stream(i, block, x, ids, weights, experts, counts, prefetch) if experts else None
+        streamed = self.experts.stream(i, block, x, ids, weights, experts, counts, prefetch) if experts else None
         return total(x, None, extra, streamed), shared

@@ -65,8 +65,8 @@ class ReadJob:
 
 
 class BufferPool:
-    """Free lists of uint8 buffers by size: reusing them spares the page faults of fresh memory (a few GB/s, a
-    real share of loading time). Thread-safe; ``put`` a buffer back when its bytes are no longer needed. At most
+    """Free lists of uint8 buffers by size: reusing them spares the page faults of fresh memory (slow enough to be
+    a real share of loading time). Thread-safe; ``put`` a buffer back when its bytes are no longer needed. At most
     ``limit`` bytes are kept (None: no limit); a buffer that would pass it is dropped."""
 
     def __init__(self, limit: int | None = None):

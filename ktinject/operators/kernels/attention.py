@@ -15,10 +15,10 @@
   ``lengths`` only keys 0..lengths[b] are read (the others are masked anyway) and the split is over those: the
   keys held are cut into splits of at least ``keys_per_split`` (at most P), so a short sequence in a long cache
   costs what it holds and runs as one program a KV head, which writes the output itself; with several splits
-  each stores its partial result and the last of them (fused.py's last-program pattern) combines them, unrolled
+  each stores its partial result and the last of them (common.py's last-program pattern) combines them, unrolled
   over at most MAX_SPLITS so that every split's loads are issued at once. A split's
   cost is mostly latency (loads, the partials' store, the counter, the combine's loads), so a few long splits
-  beat many short ones: on the H200, 98 keys of a 1024-slot cache took 12.2 us as 16 splits of 64. The program
+  beat many short ones (a short sequence cut into many splits costs more than its keys). The program
   that counts last among a batch row's Hkv x P advances lengths[b] by one (what KVLayer.update's add_ did),
   after all of them have read it. Probabilities enter the value product in the value dtype (as flash kernels and
   the torch path do), unnormalized (flash-decoding); accumulation is float32.
@@ -266,12 +266,10 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-#: keys a split takes at least, and splits a KV head at most (attention). A split costs a few us of latency, the
-#: combine of several (unrolled) a few more, and one program streams ~50 keys a us. On the H200 (probe_fused.py,
-#: CUDA graphs, batch 1 / 8): 98 keys 6.6 / 6.8 us (one split; 12.3 as two of 64 with the earlier combine), 1001
-#: keys 9.1 / 11.7 us as 8 splits of 128 (12.3 / 13.0 as 4 of 256, 32.1 / 31.3 as one; torch 18.7 / 21.2), 4001
-#: keys 20.2 / 29.0 as 8 of 512 (torch 22.5 / 44.9). A combine looping over groups of 4 splits took 17.0-28.9 us at
-#: 1001-4001 keys but 5.5 at 98 (the unrolled combine's code costs a single split ~1.1 us): it was dropped.
+#: keys a split takes at least, and splits a KV head at most (attention). A split costs latency, the combine of
+#: several (unrolled) some more, and one program streams keys at a steady rate: a short sequence runs as one split,
+#: a thousand keys ran faster as eight splits than as four or one; a combine looping over groups of splits was
+#: slower at long caches and was dropped (docs/performance.md).
 KEYS_PER_SPLIT = 128
 MAX_SPLITS = 8
 

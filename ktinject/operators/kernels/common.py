@@ -1,8 +1,8 @@
 """Triton kernels for the decode step on CUDA: chains of small kernels as one each; where the kernels run.
 
 A decode step on the GPU is a chain of small dependent kernels, each costing its launch gap; with the routed
-experts on the CPU that chain is on the step's critical path. The kernels live by topic: ``fused_attn.py`` (q/k
-norm + rotary + KV-cache write, attention over the static cache), ``fused_dense.py`` (residual add + RMSNorm,
+experts on the CPU that chain is on the step's critical path. The kernels live by topic: ``attention.py`` (q/k
+norm + rotary + KV-cache write, attention over the static cache), ``dense.py`` (residual add + RMSNorm,
 GEMV with the residual add), and here the router of the MoE operator and a copy between device and pinned host
 memory:
 
@@ -37,7 +37,7 @@ attribute and waits for ours to complete; a copy, event or stream memory operati
 ordinary full dependency (only a kernel before a kernel overlaps). What a kernel reads before its wait must be
 written by no kernel of the step: the callers pass static weights (``linear``, ``router_topk``).
 
-"Last program" pattern (here and in fused_attn): each program stores its part, ``tl.debug_barrier()`` (all its
+"Last program" pattern (here and in attention.py): each program stores its part, ``tl.debug_barrier()`` (all its
 threads' stores issued), then one acq_rel atomic increment of a counter; the program that sees count - 1 reads the
 parts (``.cg``: not from L1) and finishes, then resets the counter to 0 for the next launch. Counters live in
 per-device workspaces (``workspace``).
@@ -54,6 +54,8 @@ import logging
 import os
 
 import torch
+
+from ktinject import envs
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +123,7 @@ def available(t: torch.Tensor, head_dim: int | None = None) -> bool:
     """Whether the kernels can run for ``t``: on a CUDA device of compute capability >= 8.0 (bf16), Triton
     importable, no autograd to record (the kernels have no backward), KTINJECT_FUSED not 0 (read per call; a
     captured graph keeps what was chosen at capture); with ``head_dim``: an even one (rotary halves)."""
-    if not t.is_cuda or os.environ.get("KTINJECT_FUSED", "1") == "0" or (torch.is_grad_enabled() and t.requires_grad):
+    if not t.is_cuda or not envs.get("KTINJECT_FUSED") or (torch.is_grad_enabled() and t.requires_grad):
         return False
     if head_dim is not None and (head_dim < 2 or head_dim % 2):
         return False
@@ -158,7 +160,7 @@ def pdl(t: torch.Tensor) -> bool:
     """Whether the decode chain's kernels for ``t`` launch with programmatic dependent launch: CUDA compute
     capability >= 9.0, a driver of CUDA >= 12.3, this Triton has grid dependency control, not interpreting,
     KTINJECT_PDL not 0 (read per launch; a captured graph keeps what its capture launched)."""
-    if not t.is_cuda or os.environ.get("KTINJECT_PDL", "1") == "0" or interpreting():
+    if not t.is_cuda or not envs.get("KTINJECT_PDL") or interpreting():
         return False
     return _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
@@ -178,7 +180,7 @@ PDL_MIN_DRIVER = 12030
 def _pdl_capable(device: int) -> bool:
     if torch.cuda.get_device_capability(device) < (9, 0) or gdc_functions()[0] is None:
         return False
-    from ktinject import cuda_driver
+    from ktinject.native import cuda_driver
 
     version = cuda_driver.driver_version()
     if version < PDL_MIN_DRIVER:
@@ -316,14 +318,14 @@ def copy(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor | None = None,
     """dst = src cast to dst's dtype (bit-identical to ``dst.copy_(src)``), one launch on the current stream of the
     CUDA side's device, where either side may be page-locked host memory read or written in place (unified
     addressing); with ``flag`` (one int32 word of page-locked host memory) also flag[0] = 0 in the same kernel: the
-    decode step's CPU output brought to the device and its done word reset (``stream_experts``: one graph node in
+    decode step's CPU output brought to the device and its done word reset (``operators.handshake``: one graph node in
     place of a write-value and a host-to-device copy); with ``wait`` too, the kernel first polls until flag[0] == 1
     (the CPU's done: no wait node before it; like that node it waits for as long as the word stays 0). Also moves
-    streamed prefill's activations (``gpu_experts.hostio``).
-    Ordering with ``wait`` (a review's finding, 2026-11-27): the poll is a relaxed volatile load and src's loads are
+    streamed prefill's activations (``gpu_experts.prefill.host_io``).
+    Ordering with ``wait`` (a review's finding): the poll is a relaxed volatile load and src's loads are
     plain ones issued after it (Triton emits no .cv): correct on today's GPUs, which do not issue a load before the
     branch it follows resolves, and whose L1 holds no line of src at the kernel's start; not an acquire in PTX's
-    model (``ld.acquire.sys`` or ``fence.acq_rel.sys`` by inline asm would make it one: not yet measured on the GPU).
+    model (``ld.acquire.sys`` or ``fence.acq_rel.sys`` by inline asm would make it one: not yet timed on the GPU).
     The counters live in per-device workspaces: one decode step at a time on a device, as everywhere here."""
     if src.shape != dst.shape or not src.is_contiguous() or not dst.is_contiguous():
         raise ValueError(f"fused.copy: src {list(src.shape)} and dst {list(dst.shape)} must be contiguous and of one "
@@ -373,12 +375,12 @@ def raise_word(word: torch.Tensor, device: torch.device) -> None:
         _copy_kernel()[2][(1,)](word, num_warps=1)
 
 
-#: experts a program, warps a program: one expert (128 programs of one warp at Qwen3-30B-A3B's router) measured
-#: 7.3 us a layer against 8.9 for (2, 4 warps) on the H100 (probe_prefetch.py at 6d55765; 6.6 / 7.6 on the H200):
-#: the top-k's k rounds of argmax are shuffles within one warp, no shared-memory round trips
+#: experts a program, warps a program: one expert of one warp a program (128 programs at Qwen3-30B-A3B's router)
+#: beat two experts of four warps (docs/performance.md): the top-k's k rounds of argmax are shuffles within one
+#: warp, no shared-memory round trips
 ROUTER_BLOCK_E, ROUTER_WARPS = 1, 1
 ROUTER_BLOCK_H = 1024  # hidden elements a step: half of Qwen3-30B-A3B's router row loaded before the wait (PDL)
-_ROUTER_SCOPE = "gpu"  # the per-token counters' scope (probe_handshake.py at 6d55765 tried "sys"); the go one's: "sys"
+_ROUTER_SCOPE = "gpu"  # the per-token counters' scope (the go one's "sys" release is cumulative); the go one's: "sys"
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, counts: torch.Tensor | None = None,
@@ -387,7 +389,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, counts: torch.Ten
     [T, k] int64), the ids in descending logit order, in one kernel. ``counts``: int64 [E] on x's device, += 1 per
     routed pair; ``stage``: (hidden [T, H], ids [T, k] int64, weights [T, k]) pinned host buffers (contiguous)
     that get copies of x, ids and weights, in their dtypes; ``go`` (with ``stage``): one pinned int32 word set to 1
-    once all of them are written (the CPU experts' go, ``stream_experts``). ``weight`` must be written by no kernel
+    once all of them are written (the CPU experts' go, ``operators.handshake``). ``weight`` must be written by no kernel
     of the step (a parameter): the kernel reads it before its PDL wait (``pdl``)."""
     T, H = x.shape
     E = weight.shape[0]

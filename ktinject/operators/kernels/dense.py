@@ -10,7 +10,7 @@
 - ``linear``: y = x @ W^T (+ bias) (+ residual) for a few rows (decode), W [N, K] streamed once by N / BN
   programs: for one row a multiply-add over [BN, BK] tiles summed at the end, for more rows a tensor-core
   product with the rows padded to 16. cuBLAS picks split-K for such shapes (o_proj of Qwen3-30B-A3B: 2048 x
-  4096, a GEMV and a reduction kernel, 10 us, before the residual add's own kernel); here the residual add is the
+  4096, a GEMV and a reduction kernel, before the residual add's own kernel); here the residual add is the
   epilogue (HF rounds the projection, then the sum: so does this). Which of cuBLAS and the Triton configs runs a
   shape is measured on the device on first use (``choose``), L2 flushed before each timed run as in a decode
   step, where the weights were evicted by the layers before: the kernel only where it beats cuBLAS.
@@ -21,12 +21,12 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import statistics
 
 import torch
 import torch.nn.functional as F
 
+from ktinject import envs
 from ktinject.operators.kernels import common as fused
 from ktinject.operators.kernels.common import on_device, pow2
 
@@ -197,7 +197,7 @@ def collect_add_rms_norm(host: torch.Tensor, flag: torch.Tensor, x: torch.Tensor
     """``add_rms_norm(x, residual, weight, ...)`` for one row whose x is still in pinned host memory: the kernel
     waits until ``flag`` (one pinned int32 word) is 1, writes ``x`` = host cast to x's dtype (what
     ``fused.copy`` would have), then the sum and its norm as add_rms_norm, and sets flag to 0: the decode step's
-    collect of the CPU experts' output and the residual add + next norm as one launch (``stream_experts``).
+    collect of the CPU experts' output and the residual add + next norm as one launch (``operators.handshake``).
     ``deferred`` = (host2, flag2), expert deferral: x is host + host2 instead (each cast to x's dtype, summed and
     rounded to it: the MoE block's ``routed + prev``), host2 read once flag2 is 1, which goes back to 0 too.
     host, host2 [1, H] (float32 or x's dtype), x and residual [1, H] of the model's dtype on the device."""
@@ -218,32 +218,29 @@ def collect_add_rms_norm(host: torch.Tensor, flag: torch.Tensor, x: torch.Tensor
     return s, y
 
 
-#: candidate (BN, BK, warps[, RED]) for one row and for a few rows. One row: cold GEMVs of Qwen3-30B-A3B's qkv
-#: (5120 x 2048) and o_proj (2048 x 4096 + residual + norm), probe_prefetch.py at 6d55765, H100: qkv best (4, 2048,
-#: 4) 9.0 us, (8, 512, 4) 9.2, (16, 512, 4) 9.5; o_proj (2, 4096, 4, RED) 9.6, (2, 2048, 2, RED) 9.8, (8, 2048, 8)
-#: 9.9, (16, 1024, 8) 10.3; (32, 256, 4) and (32, 512, 8), once listed, were never the best. Wide tiles also load
-#: more of the weights before a launch's wait (fused.pdl)
+#: candidate (BN, BK, warps[, RED]) for one row and for a few rows. One row: the configs that came out best in a
+#: sweep of cold GEMVs of Qwen3-30B-A3B's qkv (5120 x 2048) and o_proj (2048 x 4096 + residual + norm); those that
+#: were never the best are not listed (the sweep: docs/history/performance-log.md). Wide tiles also load more of
+#: the weights before a launch's wait (fused.pdl)
 CONFIGS_1 = ((16, 512, 4), (4, 2048, 4), (8, 512, 4), (16, 1024, 8), (8, 2048, 8), (2, 4096, 4, True),
              (2, 2048, 2, True))
 CONFIGS_N = ((32, 128, 4), (64, 128, 4), (16, 256, 4))
 _CHOICE: dict[tuple, tuple | None] = {}  # shape key -> config, or None for cuBLAS
 #: what a one-row kernel gains inside the decode chain over its time alone, where PDL is on: it starts while the
 #: kernel before it (the collect, waiting for the CPU) runs and loads its first weight tile then, which a timing in
-#: isolation does not see. Measured for Qwen3-30B-A3B's q/k/v (benchmarks/probe_qkv_choice.py, H100, 2026-11-27):
-#: muted decode replays 2.319 / 2.331 ms with cuBLAS against 2.152-2.168 with the kernel (two configs, two rounds),
-#: ~3.5 us a layer, where the timing alone had picked cuBLAS in some runs and the kernel in others. Given to
+#: isolation does not see. For Qwen3-30B-A3B's q/k/v in the decode graph that gain was about this much a layer,
+#: where the timing alone had picked cuBLAS in some runs and the kernel in others (docs/performance.md). Given to
 #: one-row projections without a residual or a norm (q/k/v's shape: o_proj's, with its norm fused, had the kernel
 #: already) where no config has the first tile ``decide`` wants (``pick``'s first_tile)
 PDL_CREDIT_US = 3.0
 MEASURE_FROM = 1 << 20  # weights smaller than this stay with cuBLAS unmeasured (launch-bound either way)
-WHOLE_ROW_BYTES = 64 << 20  # ``pick``'s first-tile rule up to this (an H100's registers and shared memory: ~62 MB)
+WHOLE_ROW_BYTES = 64 << 20  # ``pick``'s first-tile rule up to this (about a Hopper GPU's registers + shared memory)
 WHOLE_ROW_SLACK = 2.0  # ... for a config at most this many times cuBLAS's time alone (a guard for untried shapes)
 #: the first tile's width (BK) ``decide`` wants of a one-row projection in the PDL chain: the whole row up to this.
-#: In decode graphs with the choice forced (probe_qkv_choice.py, H100, muted replays, two sessions, in turns):
-#: o_proj (2048 x 4096 + residual + norm) with BK 2048 (8, 2048, 8) 2.062 / 2.075 ms, (4, 2048, 4) 2.072,
-#: (2, 2048, 2, RED) 2.089; BK 4096 (2, 4096, 4, RED) 2.164 / 2.148, (4, 4096, 4) 2.149, (8, 4096, 8) 2.157; BK 1024
-#: (16, 1024, 8) 2.103; BK 512 (8, 512, 4) 2.227; cuBLAS + the norm's kernel 2.382. Timings alone picked
-#: (2, 4096, 4, RED), (8, 512, 4) or (16, 1024, 8) in one process or another (the GPU part 2.07-2.22 ms with them).
+#: In decode graphs with the choice forced, o_proj (2048 x 4096 + residual + norm) ran fastest with a first tile
+#: 2048 wide: loading all of K first (after attention the wait is shorter), narrower tiles and cuBLAS + the norm's
+#: kernel were slower, and timings alone picked a different config from one process to another
+#: (docs/performance.md).
 FIRST_TILE_K = 2048
 
 
@@ -298,7 +295,7 @@ def choose(x, weight, bias, residual, norm=None) -> tuple | None:
     """The kernel config for this shape, or None for cuBLAS: measured once per shape and device outside graph
     capture (during capture, before any measurement: cuBLAS)."""
     B, K = x.shape
-    mode = os.environ.get("KTINJECT_GEMV", "auto")
+    mode = envs.get("KTINJECT_GEMV")
     configs = CONFIGS_1 if B == 1 else CONFIGS_N
     if mode == "torch" or B > 16 or (mode != "triton" and weight.numel() < MEASURE_FROM):
         return None
@@ -337,10 +334,9 @@ def pick(times: dict, credit: float = 0.0, first_tile: int | None = None) -> tup
     one-row projection in the PDL chain whose weights the SMs can hold, ``decide``): the fastest config whose
     first tile is that wide (BK == first_tile) where there is one within WHOLE_ROW_SLACK x cuBLAS's time. Such a
     kernel loads that much of its weights during the wait of the kernel before it, and no timing alone predicts the
-    chain: on the H100 (2026-11-27, decode graphs with the choice forced, probe_qkv_choice.py) q/k/v's muted replays
-    took 2.10-2.12 ms with (4, 2048, 4) or (8, 2048, 8) (BK = K) against 2.25-2.27 with cuBLAS, 2.20 with
-    (16, 1024, 8) and 2.34 with (16, 2048, 16) (two rounds), while timings alone picked cuBLAS in three processes
-    of four even with 3 or 6 us of credit; o_proj's: FIRST_TILE_K."""
+    chain: in decode graphs with the choice forced, q/k/v ran fastest with BK = K, ahead of cuBLAS and of
+    narrower or wider-warped configs, while timings alone picked cuBLAS in most processes even with credit
+    (docs/performance.md); o_proj's: FIRST_TILE_K."""
     if first_tile is not None:
         cap = WHOLE_ROW_SLACK * times[None] if None in times else math.inf
         wide = {c: t for c, t in times.items() if c is not None and c[1] == first_tile and t <= cap}

@@ -2,7 +2,7 @@
 
 Import from ktinject.native (which re-exports the public names); this module exists to keep files short.
 
-Layering (PyNaCl style): ``ktinject._native`` is the cffi module (``lib`` = the C functions as declared in the
+Layering (PyNaCl style): ``ktinject.native._core`` is the cffi module (``lib`` = the C functions as declared in the
 header, ``ffi``); this module checks Python-side arguments (types, device, dtype, shapes, contiguity), passes raw
 pointers and raises :class:`NativeError` for any non-zero return code with the native message. The native module
 is loaded on first use, never at import. cffi API-mode calls release the GIL, so a forward does not hold it while
@@ -26,6 +26,8 @@ import weakref
 from typing import Any, NamedTuple
 
 import torch
+
+from ktinject import envs
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +65,12 @@ _mod: Any = None
 
 
 def _native():
-    """(ffi, lib) of ktinject._native, imported on first use."""
+    """(ffi, lib) of ktinject.native._core, imported on first use."""
     global _mod
     if _mod is None:
         with _load_lock:
             if _mod is None:
-                _mod = importlib.import_module("ktinject._native")
+                _mod = importlib.import_module("ktinject.native._core")
                 log.debug("loaded %s", _mod.__file__)
     return _mod.ffi, _mod.lib
 
@@ -210,6 +212,38 @@ def warn_if_oversubscribed(n: int, source: str) -> bool:
                 "preempted threads (64 threads on 2 cores decoded 12x slower). Use at most %d, or leave it unset for "
                 "the default: %d here (one per physical core, less one from 8 cores up)",
                 source, cpus, cpus, default_threads())
+    return True
+
+
+def _host_load() -> float | None:
+    """The host's 1-minute load average (runnable and running threads of every process), None where unknown."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def warn_if_host_busy(n: int, source: str = "default") -> bool:
+    """Log a warning (and return True) when the host looks oversubscribed at pool start: the load average, less
+    this process's own driving thread, plus ``n`` expert threads exceeds the CPUs this process may use. Then other
+    processes hold cores, and any thread that spin-waits for a preempted partner at every step (torch's OpenMP
+    intra-op team, whose default size is the core count) stalls for time slices; fewer threads run faster. The
+    message names the settings to lower (``source``: where ``n`` came from)."""
+    load, cpus = _host_load(), usable_cpus()
+    if load is None or max(0.0, load - 1.0) + n <= cpus:
+        return False
+    try:
+        import torch
+        torch_threads = torch.get_num_threads()
+    except Exception:  # (torch missing or broken: the message still names the pool's settings)
+        torch_threads = None
+    fewer = max(1, cpus - int(load))
+    log.warning("the host looks oversubscribed: load average %.1f on the %d CPUs this process may use, with %d expert "
+                "threads (%s)%s. Threads that lose their core to other processes stall every decode step; use fewer: "
+                "--threads %d, or KTINJECT_THREADS=%d plus torch.set_num_threads(%d) / OMP_NUM_THREADS=%d (or "
+                "OMP_WAIT_POLICY=PASSIVE) for torch's own threads",
+                load, cpus, n, source, "" if torch_threads is None else f" and {torch_threads} torch threads",
+                fewer, fewer, fewer, fewer)
     return True
 
 
@@ -368,15 +402,17 @@ def default_pool() -> Pool:
         with _default_lock:
             if _default_pool is None:
                 n = _default_threads
-                if n is None and os.environ.get("KTINJECT_THREADS"):
+                if n is None:
                     try:
-                        n = int(os.environ["KTINJECT_THREADS"])
-                    except ValueError:
-                        raise NativeError(ERR_SHAPE, f"KTINJECT_THREADS={os.environ['KTINJECT_THREADS']!r} is not "
-                                                     "an integer") from None
-                    warn_if_oversubscribed(n, f"KTINJECT_THREADS={n}")
+                        n = envs.get("KTINJECT_THREADS")  # None when unset
+                    except ValueError as e:  # (names the variable and what to write)
+                        raise NativeError(ERR_SHAPE, str(e)) from None
+                    if n is not None:
+                        warn_if_oversubscribed(n, f"KTINJECT_THREADS={n}")
                 _default_pool = Pool(n if n is not None else default_threads())
                 log.info("ktinject default pool: %d threads", _default_pool.threads)
+                warn_if_host_busy(_default_pool.threads, "set_default_threads / --threads" if _default_threads
+                                  else "KTINJECT_THREADS" if n is not None else "the default")
     return _default_pool
 
 

@@ -1,4 +1,4 @@
-"""cffi builder of the native core: module ``ktinject._native`` (API mode; calls release the GIL).
+"""cffi builder of the native core: module ``ktinject.native._core`` (API mode; calls release the GIL).
 
 The cdef is derived from ``native/include/ktinject.h`` at build time, so the header stays the single source: comments
 and preprocessor lines are dropped, ``#define NAME <integer expression>`` lines are evaluated to integers (cffi only
@@ -6,7 +6,7 @@ takes literal values), and ``#ifdef __cplusplus`` blocks are skipped. Sources ar
 ISA files carry their own ``#pragma GCC target`` / target attributes, so one build with plain flags (no
 -march=native) holds every variant. Extra flags: ``KTINJECT_CFLAGS`` (split on spaces).
 
-Used by setuptools through ``cffi_modules`` in pyproject.toml; ``python ktinject/_build.py`` builds in place.
+Used by setuptools through ``cffi_modules`` in pyproject.toml; ``python ktinject/native/build.py`` builds in place.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cffi import FFI
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file: ktinject/native/build.py)
 HEADER = ROOT / "native" / "include" / "ktinject.h"
 
 _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
@@ -101,7 +101,7 @@ def make_builder() -> FFI:
     flags = ["-O3", "-std=c11", "-pthread", "-fno-strict-aliasing", "-Wall"]
     flags += os.environ.get("KTINJECT_CFLAGS", "").split()
     ffi.set_source(
-        "ktinject._native",
+        "ktinject.native._core",
         '#include "ktinject.h"\n',
         sources=_sources(),
         include_dirs=[_rel(ROOT / "native" / "include"), _rel(ROOT / "native" / "src")],

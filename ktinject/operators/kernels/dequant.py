@@ -21,10 +21,10 @@ Legend: n experts, N output rows, K input columns, Np/Kp padded (upload.py), G i
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from ktinject import envs
 from ktinject.operators.kernels import common as fused
 
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
@@ -70,7 +70,7 @@ def usable(buf: torch.Tensor, *dsts: torch.Tensor) -> bool:
     """Whether the kernel can unpack ``buf`` into ``dsts``: CUDA tensors, Triton importable, KTINJECT_FUSED not 0
     (read per call), byte rows with a contiguous last dim and 4-byte aligned rows (scales are read as float32),
     destinations of a float dtype with contiguous rows."""
-    if not buf.is_cuda or os.environ.get("KTINJECT_FUSED", "1") == "0":
+    if not buf.is_cuda or not envs.get("KTINJECT_FUSED"):
         return False
     return _layout_ok(buf, dsts) and _kernel() is not None
 

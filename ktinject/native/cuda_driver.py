@@ -11,8 +11,9 @@ point and the driver's error name (cuGetErrorName) when the result is not CUDA_S
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
+
+from ktinject import envs
 
 CUDA_SUCCESS = 0
 # CUstreamWaitValue_flags
@@ -167,10 +168,8 @@ def stream_memops_supported(device: int | None = None) -> bool:
 
 def default_sync_mode() -> str:
     """"memops" (stream memory operations) when supported, else "hostfn"; KTINJECT_STREAM_SYNC overrides."""
-    forced = os.environ.get(SYNC_ENV, "").strip().lower()
+    forced = envs.get(SYNC_ENV)  # None, "memops" or "hostfn" (anything else: a ValueError naming the variable)
     if forced:
-        if forced not in ("memops", "hostfn"):
-            raise ValueError(f"{SYNC_ENV}={forced!r}: expected 'memops' or 'hostfn'")
         if forced == "memops" and not stream_memops_supported():
             raise RuntimeError(f"{SYNC_ENV}=memops but this driver/device does not support stream memory operations")
         return forced

@@ -1,6 +1,6 @@
 """Thin 1:1 wrappers of the native core (native/include/ktinject.h): tensor -> pointer, error code -> exception.
 
-Library functions, NativeError and Pool live in ktinject._nativelib and are re-exported here. The native module is
+Library functions, NativeError and Pool live in ktinject.native.library and are re-exported here. The native module is
 loaded on first use, never at import; cffi API-mode calls release the GIL while native code runs.
 
 Legend: T tokens, k experts per token, E experts, H hidden, I expert intermediate.
@@ -11,13 +11,13 @@ Legend: T tokens, k experts per token, E experts, H hidden, I expert intermediat
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from ktinject._nativelib import (  # noqa: F401  (re-exported)
+from ktinject import envs
+from ktinject.native.library import (  # noqa: F401  (re-exported)
     ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_ISA, ERR_NOMEM, ERR_NULL, ERR_RANGE, ERR_SHAPE, ERR_STATE, ERR_THREAD,
     ERROR_NAMES, GROUP_SIZES, ISA_NAMES, MATRICES, OK, QUANTS, NativeError, Pool,
     _check, _cint, _native, _ptr, _tensor, available_isas, best_isa, cpu_features, default_pool, isa, library_path,
@@ -37,11 +37,11 @@ def default_group_size(hidden: int, intermediate: int) -> int:
     ~4.25 bits a weight, 5.6% fewer bytes to read per token than 64 at the same measured perplexity on the demo
     model), else 64 (a group of 128 would pad such a matrix by up to 127 zero inputs). KTINJECT_INT4_GROUP=32|64|128
     sets it instead (read at each call: comparisons in one process)."""
-    forced = os.environ.get("KTINJECT_INT4_GROUP", "").strip()
+    try:
+        forced = envs.get("KTINJECT_INT4_GROUP")  # None, or one of GROUP_SIZES as text
+    except ValueError as e:  # (names the variable and the sizes)
+        raise NativeError(ERR_SHAPE, str(e)) from None
     if forced:
-        if forced not in {str(g) for g in GROUP_SIZES}:
-            raise NativeError(ERR_SHAPE, f"KTINJECT_INT4_GROUP={forced!r} (expected one of "
-                                         f"{', '.join(map(str, GROUP_SIZES))}, or unset)")
         return int(forced)
     return 128 if hidden % 128 == 0 and intermediate % 128 == 0 else 64
 
