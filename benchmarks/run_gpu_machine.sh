@@ -7,7 +7,11 @@
 #   info           python -m ktinject.info
 #   harness        the native kernel harness (native/tests/test_kernels.c) and its one-thread bench
 #   native         tests/native/test_native.py, tests/native/test_native_errors.py
-#   gpu            every CUDA- and AMX-marked test (pytest -m "gpu or amx" tests)
+#   gpu            every CUDA- and AMX-marked test (pytest -m "gpu or amx" tests), on the machine's transformers
+#   gpu-newest     the same on the wheels in ./.whl-newest (the newest transformers the project declares): with
+#                  gpu, both ends of the supported range, as CI does for the CPU tests
+#   cpu-amx        the whole CPU suite on this host's best ISA (AMX) and again with KTINJECT_ISA=avx512
+#                  (pytest-xdist: -n $JOBS, default 8)
 #   families       tests/operators/test_families.py + tests/gpu_experts/test_placement.py with KTINJECT_ISA=amx
 #   families-cuda  tests/operators/test_families.py with gpu="cuda"
 #   bench-kernels bench-decode bench-prefill bench-load bench-hot bench-serve   python -m ktinject.bench <what>
@@ -43,6 +47,14 @@ stage() {  # stage NAME CMD...: run, log, remember the result
 for s in "$@"; do
   case $s in
     build) stage build pip install -q --no-build-isolation --no-deps -e . ;;
+    gpu-newest)
+      if [ ! -d .whl-newest ]; then echo "gpu-newest: no ./.whl-newest folder of wheels"; summary+=("gpu-newest skipped"); continue; fi
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-newest \
+        .whl-newest/*.whl
+      stage gpu-newest env PYTHONPATH="/tmp/site-newest:${PYTHONPATH:-}" python3 -m pytest -q -rs -m "gpu or amx" tests ;;
+    cpu-amx)
+      stage cpu-amx python3 -m pytest -q -n "${JOBS:-8}" -m "not gpu" tests
+      stage cpu-avx512 env KTINJECT_ISA=avx512 python3 -m pytest -q -n "${JOBS:-8}" -m "not gpu" tests ;;
     info) stage info python3 -m ktinject.info ;;
     harness) stage harness bash -c 'cc -O2 -pthread native/tests/test_kernels.c native/src/kernels/*/*.c -lm -o /tmp/tk && /tmp/tk && /tmp/tk bench 16' ;;
     native) stage native python3 -m pytest -q -x tests/native/test_native.py tests/native/test_native_errors.py ;;
