@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from ktinject.cli.options import positive
+
 PROG = "ktinject.calibrate"
 
 
@@ -34,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quant", choices=["bf16", "int8", "int4"],
                    help="expert weight format (default: the rules' quant, else bf16)")
     p.add_argument("--gpu", help='device for the dense part (default "cuda" if available, else "cpu")')
-    p.add_argument("--threads", type=int, help="CPU threads for experts")
+    p.add_argument("--threads", type=positive, help="CPU threads for the experts and for torch (as the chat's)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     return p.parse_args(argv)
 
@@ -108,16 +110,15 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    import torch
-
-    from ktinject import native
     from ktinject.cli.chat import load_model
+    from ktinject.cli.options import CliError, device
     from ktinject.gpu_experts.hot import stats as expert_stats
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-        native.set_default_threads(args.threads)
-    gpu = args.gpu or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        gpu = device(args)  # --threads for torch and the experts; torch on one thread on the CPU path
+    except CliError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     model, tokenizer, _ = load_model(model_dir, args.rules, quant=args.quant, progress=sys.stderr.isatty(), gpu=gpu)
     stats = calibrate(model, tokenizer, prompts, args.max_new_tokens, args.raw)

@@ -168,8 +168,10 @@ class Chat:
 
     def _encode(self):
         """(prompt ids, reply token limit) of the conversation; the oldest exchanges dropped (and said) until the
-        prompt and the reply fit the model's context. ContextError where the last message cannot fit by itself."""
+        prompt and the reply fit the model's context. ContextError where the last message cannot fit by itself; then
+        nothing is dropped."""
         limit = context_limit(self.model)
+        kept = list(self.messages)
         asked = self.args.max_new_tokens
         want = asked or DEFAULT_MAX_NEW_TOKENS
         first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
@@ -181,19 +183,23 @@ class Chat:
                 break
             del self.messages[first:first + 2]  # forget the oldest exchange
             dropped += 2
+        system = " with the system prompt" if first else ""
+        refused = None
+        if limit is not None and n >= limit:
+            refused = (f"the message is {n} tokens{system} (chat template included), which leaves no room for a reply "
+                       f"in the model's context of {limit} tokens: shorten it")
+        elif limit is not None and asked is not None and n + asked > limit:
+            refused = (f"the message ({n} tokens{system}, chat template included) plus --max-new-tokens ({asked}) is "
+                       f"{n + asked} tokens, more than the model's context of {limit} tokens: shorten it or lower "
+                       f"--max-new-tokens to at most {limit - n}")
+        if refused:
+            self.messages[:] = kept  # refused: the history stays as it was
+            raise ContextError(refused)
         if dropped:
             self._note(f"dropped the oldest {dropped} messages ({dropped // 2} exchange{'s' * (dropped > 2)}) of the "
                        f"conversation to fit the model's context of {limit} tokens; {len(self.messages)} kept")
         if limit is None or n + want <= limit:
             return ids, want
-        system = " with the system prompt" if first else ""
-        if n >= limit:
-            raise ContextError(f"the message is {n} tokens{system} (chat template included), which leaves no room "
-                               f"for a reply in the model's context of {limit} tokens: shorten it")
-        if asked is not None:
-            raise ContextError(f"the message ({n} tokens{system}, chat template included) plus --max-new-tokens "
-                               f"({asked}) is {n + asked} tokens, more than the model's context of {limit} tokens: "
-                               f"shorten it or lower --max-new-tokens to at most {limit - n}")
         self._note(f"the reply is limited to {limit - n} tokens: the message's {n} tokens fill the rest of the "
                    f"model's context of {limit}")
         return ids, limit - n

@@ -97,7 +97,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="where a prompt's routed experts run: auto (split between the CPU and the GPU, experts "
                         "streamed over PCIe), cpu, or gpu (default: the rules' prefill, else auto)")
     p.add_argument("--threads", type=positive,
-                   help="CPU threads for experts (default: one per physical core, less one from 8 cores up)")
+                   help="CPU threads for the experts and for torch (default: experts one per physical core, less one "
+                        "from 8 cores up; torch one on the CPU path)")
     p.add_argument("--gpu-experts-budget", metavar="SIZE",
                    help="GPU bytes for hot routed experts, e.g. 12GiB (default: none, or the rules' kwarg)")
     p.add_argument("--placement", choices=STRATEGIES,

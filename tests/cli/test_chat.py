@@ -103,6 +103,16 @@ def test_interactive_refuses_what_cannot_fit_and_says_what_it_drops(demo_env):
     assert int(stats.group(3)) <= 2048
 
 
+def test_a_refused_message_leaves_the_history_as_it_was(demo_env):
+    """Making room for a message that is then refused drops nothing: the earlier exchanges are all still there."""
+    script = f"hi\nhello\n{SEA}\n/stats\n/exit\n"
+    r = chat(demo_env, "--gpu", "cpu", "--max-new-tokens", "4", "--temperature", "0", stdin=script, timeout=600)
+    assert r.returncode == 0 and "(not sent: " in r.stderr, r.stderr
+    assert "dropped the oldest" not in r.stderr, r.stderr
+    stats = re.search(r"turns: (\d+), history: (\d+) messages", r.stdout)
+    assert stats and stats.groups() == ("2", "4"), r.stdout
+
+
 def test_model_file_is_not_a_directory(demo_env, tmp_path):
     from ktinject.demo import demo_model_dir
 
