@@ -56,7 +56,7 @@ for s in "$@"; do
       stage cpu-amx python3 -m pytest -q -n "${JOBS:-8}" -m "not gpu" tests
       stage cpu-avx512 env KTINJECT_ISA=avx512 python3 -m pytest -q -n "${JOBS:-8}" -m "not gpu" tests ;;
     info) stage info python3 -m ktinject.info ;;
-    harness) stage harness bash -c 'cc -O2 -pthread native/tests/test_kernels.c native/src/kernels/*/*.c -lm -o /tmp/tk && /tmp/tk && /tmp/tk bench 16' ;;
+    harness) stage harness bash -c 'cc -O2 -pthread -DKTK_TEST_BUILD native/tests/test_kernels.c native/src/kernels/*/*.c -lm -o /tmp/tk && /tmp/tk && /tmp/tk bench 16' ;;
     native) stage native python3 -m pytest -q -x tests/native/test_native.py tests/native/test_native_errors.py ;;
     gpu) stage gpu python3 -m pytest -q -rs -m "gpu or amx" tests ;;
     families-cuda) stage families-cuda env KTINJECT_TEST_GPU=cuda python3 -m pytest -q -rs tests/operators/test_families.py ;;

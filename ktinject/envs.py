@@ -147,7 +147,7 @@ _VARS = (
     Var("KTINJECT_DEFER_PHASES", "choice", "cut", "how a split (deferring) task's two parts run on the decode "
         "pipeline: one phase, one phase cut at the parts' boundary, or a phase each (read and checked at each "
         "split forward)", "developer", _BOTH, choices=("one", "cut", "two"),
-        why="cut is the default since the H200 host's 16K graph decode (native/src/forward.c has the figures); "
+        why="cut is the default since the H200 host's 16K graph decode (docs/performance.md has the figures); "
             "one and two stay because tests check that every layout gives the same bits and the error "
             "(tests/native/test_deferral_native.py, test_native.py) and `bench decode --defer-layouts` times them"),
     Var("KTINJECT_INT4_PATH", "choice", "auto", "force the int4 kernels' path: `direct` (int4 x int8) or "
@@ -164,7 +164,8 @@ _VARS = (
         "BF16 / VNNI (read at each kernel-table lookup)", "developer", _NATIVE,
         why="native/tests/test_kernels.c checks the plain variants on CPUs that would never pick them"),
     Var("KTINJECT_TEST_DELAY", "str", None, "`TID:US`: pool thread TID sleeps US microseconds before claims and "
-        "while holding chunks (read when a pool is made)", "developer", _NATIVE,
+        "while holding chunks (read when a pool is made; only by a test build of the native code, -DKTK_TEST_BUILD: "
+        "the installed library ignores it)", "developer", _NATIVE,
         why="test hook: native/tests/stress_pool.c delays one thread to exercise the pool's claiming"),
     Var("KTINJECT_FUSED", "bool", True, "`0`: the decode steps, the streamed prefill's dequantization and host "
         "copies as torch ops instead of the Triton kernels (read at each call; a captured graph keeps its "

@@ -7,8 +7,11 @@ import is a dependency too). Every import goes to the importer's own layer or on
 module-level imports form no cycle (Python would run a half-initialized module), and with the function-level and
 TYPE_CHECKING ones none either, except for the few edges listed in ``LAZY_CYCLE_EDGES`` with the reason each is lazy.
 
-C: ``native/src/*.c`` by the functions each file defines and calls: ``api.c`` (the public entry points) is called by
-no other file, ``error.c`` (the error state) calls none.
+C: ``native/src/**/*.c`` by the functions each file defines and calls: ``api.c`` (the public entry points) is called
+by no other file, ``error.c`` (the error state) calls none; by folder (``FOLDER_CALLS``), ``moe/`` calls ``runtime/``
+and ``kernels/``, ``runtime/`` calls ``kernels/`` only (the pool runs a task's job through a function pointer),
+``kernels/`` calls neither, and the folders' calls form no circle; every internal function is named for its file
+(``ktki_<file>`` or ``ktki_<file>_*``; the ISA kernel folders export the kernel ABI's ``ktk_*`` names instead).
 """
 from __future__ import annotations
 
@@ -246,16 +249,31 @@ def test_every_package_is_installed():
 # ---------------------------------------------------------------------------------------------- C
 
 
+NATIVE_SRC = ROOT / "native" / "src"
+#: the folders of native/src and the folders each may call into (besides its own files and error.c, which every file
+#: may call); api.c (the top) may call every folder.
+FOLDER_CALLS = {"kernels": set(), "runtime": {"kernels"}, "moe": {"runtime", "kernels"}}
+#: the ISA kernel folders: their files export kernel-ABI names (ktk_*), not ktki_<file>_*
+ISA_DIRS = ("kernels/generic", "kernels/avx2", "kernels/avx512", "kernels/amx")
+
+
 def _c_calls() -> tuple[dict[str, str], dict[str, set[str]]]:
-    """(function -> defining file, file -> functions it calls) for native/src/*.c (comments and strings removed)."""
+    """(function -> defining file, file -> functions it calls) for native/src/**/*.c, files as paths relative to
+    native/src (comments and strings removed)."""
     defined, calls = {}, {}
-    for path in sorted((ROOT / "native" / "src").glob("*.c")):
+    for path in sorted(NATIVE_SRC.rglob("*.c")):
+        name = path.relative_to(NATIVE_SRC).as_posix()
         text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", path.read_text(encoding="utf-8"), flags=re.S)
         text = re.sub(r'"(\\.|[^"\\])*"', '""', text)
-        for m in re.finditer(r"^(?!static\b)[A-Za-z_][\w \t\*]*?\b(\w+)\s*\([^;{)]*\)\s*\{", text, flags=re.M):
-            defined[m.group(1)] = path.name
-        calls[path.name] = set(re.findall(r"\b(\w+)\s*\(", text))
+        for m in re.finditer(r"^(?!static\b|KTK_AI\b)[A-Za-z_][\w \t\*]*?\b(\w+)\s*\([^;{)]*\)\s*\{", text, flags=re.M):
+            defined[m.group(1)] = name
+        calls[name] = set(re.findall(r"\b(\w+)\s*\(", text))
     return defined, calls
+
+
+def _folder(file: str) -> str:
+    """native/src's folder of a file (its first component), or the file itself at the top (api.c, error.c)."""
+    return file.split("/")[0]
 
 
 def test_native_files_below_the_api_do_not_call_it():
@@ -266,3 +284,44 @@ def test_native_files_below_the_api_do_not_call_it():
     assert not into_api, "native files below api.c call into it: " + "; ".join(into_api)
     from_error = sorted(fn for fn in calls["error.c"] if defined.get(fn, "error.c") != "error.c")
     assert not from_error, f"error.c calls other files: {from_error}"
+
+
+def test_native_folders_call_only_the_folders_below_them():
+    defined, calls = _c_calls()
+    folders = {_folder(f) for f in calls if "/" in f}
+    assert folders == set(FOLDER_CALLS), f"native/src folders {sorted(folders)}: list each in FOLDER_CALLS"
+    edges: dict[str, set[str]] = {}
+    bad = []
+    for f, called in calls.items():
+        src = _folder(f)
+        for fn in called:
+            dst = _folder(defined.get(fn, f))
+            if dst in (src, "error.c"):
+                continue
+            edges.setdefault(src, set()).add(dst)
+            if src != "api.c" and dst not in FOLDER_CALLS.get(src, set()):
+                bad.append(f"{f} calls {fn} ({defined[fn]})")
+    assert not bad, "native calls across folders that FOLDER_CALLS does not allow:\n" + "\n".join(sorted(bad))
+
+    def reaches(a: str, b: str, seen: set[str]) -> bool:
+        return any(n == b or (n not in seen and reaches(n, b, seen | {n})) for n in edges.get(a, ()))
+
+    circles = sorted(f for f in edges if reaches(f, f, {f}))
+    assert not circles, f"native folders in a call circle: {circles} ({edges})"
+
+
+def test_native_functions_are_named_for_their_files():
+    defined, _ = _c_calls()
+    bad = []
+    for fn, f in defined.items():
+        stem = Path(f).stem
+        if f == "api.c":
+            ok = fn.startswith("ktk_")
+        elif f.startswith(ISA_DIRS):
+            ok = fn.startswith("ktk_")
+        else:
+            ok = fn == f"ktki_{stem}" or fn.startswith(f"ktki_{stem}_")
+        if not ok:
+            bad.append(f"{f}: {fn}")
+    assert not bad, ("native functions not named for their file (api.c: ktk_*; ISA kernels: ktk_*; else "
+                     "ktki_<file>[_*]): " + "; ".join(sorted(bad)))

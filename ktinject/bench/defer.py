@@ -101,7 +101,7 @@ def seconds_per_token(model, prompt: torch.Tensor, tokens: int) -> float:
     return (got[-1] - got[1]) / (len(got) - 2)
 
 
-#: a split task's layouts (``KTINJECT_DEFER_PHASES``, read by the native code at each forward: native/src/pipe.c)
+#: a split task's layouts (``KTINJECT_DEFER_PHASES``, read by the native code at each forward: native/src/moe/pipeline.c)
 LAYOUTS = ("one", "cut", "two")
 LAYOUT_ENV = "KTINJECT_DEFER_PHASES"
 DEFAULT_LAYOUT = "cut"  # the native code's when the variable is unset (forward.c says why)

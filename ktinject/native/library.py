@@ -437,7 +437,7 @@ def set_default_threads(n: int | None, *, source: str | None = None) -> None:
 # ---- zero-copy views of packed experts (ktk_experts_raw / ktk_experts_region) ----
 class RawMatrix(NamedTuple):
     """One packed matrix of one expert, as ktk_experts_raw describes it: addresses (ints) inside the experts' packed
-    storage, valid while the native.Experts lives. Layouts (native/src/kernels.h): bf16 data = bf16 bits
+    storage, valid while the native.Experts lives. Layouts (native/src/kernels/kernels.h): bf16 data = bf16 bits
     [Np/16][Kp/2][16][2]; int8 data = int8 [Np/16][Kp/4][16][4] with value q * scale[n]; int4 data = nibbles
     [Np/16][Kp/8][16][4] (low nibble inputs 8r..8r+3, high 8r+4..8r+7) with scale [Np/16][Kp/G][16]. ``scale``/``bias``
     are 0 when absent (bf16 / no bias); ``expert``, ``expert_bytes``: the expert's whole region (all its matrices)."""

@@ -102,7 +102,7 @@ int ktk_pool_create(int nthreads, int pin, ktk_pool **out);
 int ktk_pool_threads(const ktk_pool *pool);
 /* Watch spin window, in microseconds: while tasks are watched (ktk_task_watch), the pool's threads keep spinning
  * (instead of sleeping on a futex) while a watched run started or ended, or ktk_pool_wake was called, within this
- * window, so a raised go flag starts all of them within ~1-2 us. 0: they sleep after the ordinary short spin
+ * window, so a raised go flag starts them at once, with no futex wake-up. 0: they sleep after the ordinary short spin
  * (KTINJECT_SPIN_US, 50 us). Default: env KTINJECT_WATCH_SPIN_US, else 1000. Range 0..10000000 (else
  * KTK_ERR_SHAPE). */
 int ktk_pool_set_watch_spin_us(ktk_pool *pool, int64_t us);
@@ -172,7 +172,7 @@ int ktk_experts_import(ktk_experts *ex, const void *src, int64_t size);
 
 /* ---- zero-copy views of the packed weights (GPU upload of hot experts: copy the bytes, unpack on the device) ----
  * Pointers into the experts' packed storage: valid while the experts live, read-only for the caller, and the bytes
- * change only through ktk_experts_set / set_bias / import. Layouts are the ones of native/src/kernels.h:
+ * change only through ktk_experts_set / set_bias / import. Layouts are the ones of native/src/kernels/kernels.h:
  *   bf16: data = uint16 (bf16 bits) [Np/16][Kp/2][16][2]: element (n, c) at ((n/16)*(Kp/2) + c/2)*32 + (n%16)*2 + c%2
  *   int8: data = int8 [Np/16][Kp/4][16][4]: element (n, c) at ((n/16)*(Kp/4) + c/4)*64 + (n%16)*4 + c%4,
  *         dequantized value = (float)q * scale[n] (what ktk_experts_get returns)

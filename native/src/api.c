@@ -46,26 +46,26 @@ static int check_expert(const char *fn, const ktk_experts *ex, int expert, int w
 
 /* ---- library ---- */
 const char *ktk_version(void) { return KTK_VERSION; }
-uint32_t ktk_cpu_features(void) { return ktki_cpu_features(); }
-int ktk_isa_best(void) { return ktki_isa_best(); }
-int ktk_isa_get(void) { return ktki_isa_get(); }
-int ktk_isa_available(int isa) { return ktki_isa_available(isa); }
-int ktk_physical_cores(void) { return ktki_physical_cores(); }
+uint32_t ktk_cpu_features(void) { return ktki_dispatch_cpu_features(); }
+int ktk_isa_best(void) { return ktki_dispatch_isa_best(); }
+int ktk_isa_get(void) { return ktki_dispatch_isa_get(); }
+int ktk_isa_available(int isa) { return ktki_dispatch_isa_available(isa); }
+int ktk_physical_cores(void) { return ktki_dispatch_physical_cores(); }
 
 int ktk_isa_set(int isa) {
     if (isa < KTK_ISA_GENERIC || isa > KTK_ISA_AMX)
         return ktki_error(KTK_ERR_ISA, "ktk_isa_set: isa = %d is not an ISA (expected 0..3: generic, avx2, "
                           "avx512, amx)", isa);
-    return ktki_isa_set(isa);
+    return ktki_dispatch_isa_set(isa);
 }
 
-const char *ktk_isa_name(int isa) { return ktki_isa_name(isa); }
+const char *ktk_isa_name(int isa) { return ktki_dispatch_isa_name(isa); }
 
 /* ---- pool ---- */
 int ktk_pool_create(int nthreads, int pin, ktk_pool **out) {
     CHECK_NULL(out, "ktk_pool_create");
     *out = NULL;
-    if (nthreads <= 0) nthreads = ktki_physical_cores();
+    if (nthreads <= 0) nthreads = ktki_dispatch_physical_cores();
     if (nthreads > MAX_THREADS)
         return ktki_error(KTK_ERR_SHAPE, "ktk_pool_create: nthreads = %d is too large (expected <= %d)", nthreads,
                           MAX_THREADS);
@@ -82,31 +82,31 @@ int ktk_pool_set_watch_spin_us(ktk_pool *pool, int64_t us) {
     if (us < 0 || us > 10000000)
         return ktki_error(KTK_ERR_SHAPE, "ktk_pool_set_watch_spin_us: us = %lld is out of range (0..10000000)",
                           (long long)us);
-    ktki_pool_set_watch_spin_us(pool, us);
+    ktki_watch_set_spin_us(pool, us);
     return KTK_OK;
 }
 
 int ktk_pool_wake(ktk_pool *pool) {
     CHECK_NULL(pool, "ktk_pool_wake");
-    ktki_pool_wake(pool);
+    ktki_watch_wake(pool);
     return KTK_OK;
 }
 
 int ktk_pool_set_profile(ktk_pool *pool, int on) {
     CHECK_NULL(pool, "ktk_pool_set_profile");
-    return ktki_pool_set_profile(pool, on) ? KTK_OK
+    return ktki_profile_set(pool, on) ? KTK_OK
                                            : ktki_error(KTK_ERR_NOMEM, "ktk_pool_set_profile: out of memory");
 }
 
 int ktk_pool_profile(ktk_pool *pool, int64_t *out, int n) {   /* a count, or -code (as ktk_pool_threads) */
     if (!pool) return -ktki_error(KTK_ERR_NULL, "ktk_pool_profile: argument 'pool' is NULL");
     if (n > 0 && !out) return -ktki_error(KTK_ERR_NULL, "ktk_pool_profile: argument 'out' is NULL");
-    return ktki_pool_profile(pool, out, n < 0 ? 0 : n);
+    return ktki_profile_read(pool, out, n < 0 ? 0 : n);
 }
 
 int64_t ktk_pool_watch_spin_us(const ktk_pool *pool) {
     if (!pool) return -ktki_error(KTK_ERR_NULL, "ktk_pool_watch_spin_us: argument 'pool' is NULL");
-    return ktki_pool_watch_spin_us(pool);
+    return ktki_watch_spin_us(pool);
 }
 
 void ktk_pool_destroy(ktk_pool *pool) {
@@ -148,7 +148,7 @@ int ktk_experts_create(const ktk_experts_config *cfg, ktk_experts **out) {
     CHECK_NULL(out, "ktk_experts_create");
     *out = NULL;
     CHECK_NULL(cfg, "ktk_experts_create");
-    int rc = ktki_isa_check();
+    int rc = ktki_dispatch_isa_check();
     if (rc == KTK_OK) rc = check_config(cfg);
     return rc == KTK_OK ? ktki_experts_create(cfg, out) : rc;
 }
@@ -267,7 +267,7 @@ static int check_forward(const char *fn, ktk_experts *ex, int T, int k, const vo
     CHECK_NULL(ids, fn);
     CHECK_NULL(weights, fn);
     CHECK_NULL(out, fn);
-    int rc = ktki_isa_check();
+    int rc = ktki_dispatch_isa_check();
     if (rc != KTK_OK) return rc;
     if (T < 1 || T > MAX_TOKENS)
         return ktki_error(KTK_ERR_SHAPE, "%s: T = %d tokens (expected 1..%d)", fn, T, MAX_TOKENS);
@@ -286,26 +286,26 @@ int ktk_task_bind(ktk_task *task, ktk_experts *ex, int T, int k, const void *hid
     CHECK_NULL(task, "ktk_task_bind");
     int rc = check_forward("ktk_task_bind", ex, T, k, hidden, hidden_dtype, ids, weights, weights_dtype, out,
                            out_dtype);
-    return rc == KTK_OK ? ktki_task_bind(task, ex, T, k, hidden, hidden_dtype, ids, weights, weights_dtype, skip,
-                                         out, out_dtype) : rc;
+    return rc == KTK_OK ? ktki_task_bind(task, ktki_forward_step, ex, T, k, hidden, hidden_dtype, ids, weights,
+                                         weights_dtype, skip, out, out_dtype) : rc;
 }
 
 int ktk_submit(ktk_task *task) {
     CHECK_NULL(task, "ktk_submit");
-    return ktki_submit(task);
+    return ktki_task_submit(task);
 }
 
 int ktk_wait(ktk_task *task) {
     CHECK_NULL(task, "ktk_wait");
-    return ktki_wait(task);
+    return ktki_task_wait(task);
 }
 
 void ktk_submit_fn(void *task) {
-    if (task) ktki_submit_fn(task);
+    if (task) ktki_task_submit_fn(task);
 }
 
 void ktk_wait_fn(void *task) {
-    if (task) ktki_wait_fn(task);
+    if (task) ktki_task_wait_fn(task);
 }
 
 int ktk_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
@@ -332,7 +332,7 @@ int ktk_task_watch_then(ktk_task *task, volatile uint32_t *go, volatile uint32_t
     if (then && (then == go || then == done))
         return ktki_error(KTK_ERR_SHAPE, "ktk_task_watch_then: then must be another task's go word, not this task's "
                           "go or done");
-    return ktki_watch(task, go, done, then);
+    return ktki_task_watch(task, go, done, then);
 }
 
 int ktk_task_select(ktk_task *task, int slots, int d) {
@@ -383,5 +383,5 @@ uint64_t ktk_task_slots_run(ktk_task *task, int reset) {
 
 int ktk_task_unwatch(ktk_task *task) {
     CHECK_NULL(task, "ktk_task_unwatch");
-    return ktki_unwatch(task);
+    return ktki_task_unwatch(task);
 }

@@ -17,6 +17,10 @@
 
 #include "ktinject.h"
 
+#ifndef KTK_TEST_BUILD   /* the library's test hooks (KTINJECT_TEST_DELAY, ...) compile only into test builds */
+#error "build the native tests with -DKTK_TEST_BUILD (tests/native/test_native.py does)"
+#endif
+
 #define E 8
 #define H 40
 #ifdef STRESS_I   /* a wider I: gate/up chunks of several units, so a cut phase's chunks could cross its boundary */

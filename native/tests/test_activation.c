@@ -1,4 +1,5 @@
-// Gate/up activations (native/src/activation.c, the path this CPU takes) and int8 row quantization (pack.c) against
+// Gate/up activations (native/src/kernels/activations.c, the path this CPU takes) and int8 row quantization
+// (moe/pack.c) against
 // float64 references, on segment lengths that are not multiples of 16, with and without biases. Prints "ok".
 // Built against all native sources by tests/native/test_native.py::test_activation_and_quantize_rows.
 #include <math.h>
@@ -6,6 +7,10 @@
 #include <stdlib.h>
 #include "ktinject.h"
 #include "internal.h"
+
+#ifndef KTK_TEST_BUILD   /* the library's test hooks (KTINJECT_TEST_DELAY, ...) compile only into test builds */
+#error "build the native tests with -DKTK_TEST_BUILD (tests/native/test_native.py does)"
+#endif
 
 static int fails;
 
@@ -18,7 +23,7 @@ static void check_act(int act, int n, int bias) {
     }
     if (n >= 3) g[0] = -100.0f, g[1] = 100.0f, g[2] = -89.0f;   /* exp's argument past its clamp at 88 */
     const float alpha = 1.702f, limit = 7.0f;
-    ktki_activation(act, alpha, limit, g, u, bias ? bg : NULL, bias ? bu : NULL, n, out);
+    ktki_activations(act, alpha, limit, g, u, bias ? bg : NULL, bias ? bu : NULL, n, out);
     double worst = 0;
     for (int i = 0; i < n; i++) {
         double gg = (double)g[i] + (bias ? bg[i] : 0), uu = (double)u[i] + (bias ? bu[i] : 0), ref;
@@ -40,7 +45,7 @@ static void check_quantize(int n) {
     int8_t *q = malloc(n > 0 ? n : 1);
     for (int i = 0; i < n; i++) x[i] = (float)(((i * 7919) % 1001) - 500) * 0.0173f;
     float s;
-    int32_t sum = ktki_quantize_row(x, n, q, &s), ref_sum = 0;
+    int32_t sum = ktki_pack_quantize_row(x, n, q, &s), ref_sum = 0;
     double amax = 0;
     for (int i = 0; i < n; i++) amax = fmax(amax, fabs(x[i]));
     const float want_s = (float)amax / 127.0f;
@@ -53,12 +58,12 @@ static void check_quantize(int n) {
     }
     if (sum != ref_sum) { printf("FAIL quantize n=%d: sum %d, expected %d\n", n, sum, ref_sum); fails++; }
     for (int i = 0; i < n; i++) x[i] = i % 2 ? 1e-44f : -1e-45f;   /* denormal amax: the scale underflows to 0 */
-    if (ktki_quantize_row(x, n, q, &s) != 0 || s != 0.0f || q[0] != 0) {
+    if (ktki_pack_quantize_row(x, n, q, &s) != 0 || s != 0.0f || q[0] != 0) {
         printf("FAIL quantize n=%d: a row of tiny denormals must give scale 0 and q = 0\n", n);
         fails++;
     }
     x[n / 2] = NAN;   /* a NaN anywhere: scale NaN, q = 0 */
-    if (n > 0 && (ktki_quantize_row(x, n, q, &s) != 0 || !isnan(s) || q[0] != 0)) {
+    if (n > 0 && (ktki_pack_quantize_row(x, n, q, &s) != 0 || !isnan(s) || q[0] != 0)) {
         printf("FAIL quantize n=%d: a NaN must give scale NaN and q = 0\n", n);
         fails++;
     }

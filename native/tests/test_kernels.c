@@ -2,7 +2,7 @@
 // Python.
 //
 // Build and run (from the repository root):
-//     cc -O2 -pthread native/tests/test_kernels.c native/src/kernels/*/*.c -lm -o /tmp/tk && /tmp/tk
+//     cc -O2 -pthread -DKTK_TEST_BUILD native/tests/test_kernels.c native/src/kernels/*/*.c -lm -o /tmp/tk && /tmp/tk
 //     /tmp/tk              correctness: every ISA the CPU (and, for AMX, the OS) has, against the generic reference,
 //                          which is itself checked against a float64 dot product of the unpacked matrices
 //     /tmp/tk bench [T [N K [NMAX]]]  kernel speed on T threads (default 1) for an N x K matrix (default 2048 x 2048,
@@ -14,7 +14,7 @@
 //                          int4 (G = 64) runs each variant twice: its direct kernel and "dq", the dequantizing path
 //                          (forced; where it overtakes direct is KTK_*_INT4_DEQUANT_ROWS in kernels/*/int4.c)
 /*
- * Packs random matrices exactly as native/src/kernels.h describes, on awkward shapes (N, K not multiples of
+ * Packs random matrices exactly as native/src/kernels/kernels.h describes, on awkward shapes (N, K not multiples of
  * 16 / 64), n = 1..100 rows, column-block ranges that start mid-matrix, ldy wider than the output (sentinels
  * around the output must survive). bf16: error per output relative to sum_c |x_c w_c|; int8 must be exact
  * (same float operations as the reference). int4 (G = 32, 64, 128 in turn): the direct path must be exact; the
@@ -35,7 +35,11 @@
 #include <unistd.h>
 #include <sys/syscall.h>
 #include "../include/ktinject.h"
-#include "../src/kernels.h"
+#include "../src/kernels/kernels.h"
+
+#ifndef KTK_TEST_BUILD   /* the library's test hooks (KTINJECT_TEST_DELAY, ...) compile only into test builds */
+#error "build the native tests with -DKTK_TEST_BUILD (see the build line above)"
+#endif
 
 /* raw paths exported by the ISA files */
 void ktk_avx512_gemm_bf16_dp(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);

@@ -1,6 +1,6 @@
 // Benchmark part of native/tests/test_kernels.c (included there: one file to compile). See that file's header.
 /* ---------------- benchmark ----------------
- * Calls shaped like the forward's (native/src/forward.c): one call = up to 256 rows x CW column blocks (CW = 4
+ * Calls shaped like the forward's (native/src/moe/forward.c): one call = up to 256 rows x CW column blocks (CW = 4
  * for n <= 4 as in decode, else 8) x all of K; a matrix's calls go round-robin to the threads; the matrices
  * rotate over >= 1 GB so the weights come from memory. GB/s = packed weight bytes / time; GF = 2 n N K / time. */
 static double now(void) {

@@ -11,6 +11,10 @@
 
 #include "ktinject.h"
 
+#ifndef KTK_TEST_BUILD   /* the library's test hooks (KTINJECT_TEST_DELAY, ...) compile only into test builds */
+#error "build the native tests with -DKTK_TEST_BUILD (tests/native/test_native.py does)"
+#endif
+
 enum { E = 4, H = 16, I = 16 };
 static _Atomic long progress;
 static float wb[I * H], x[H], w[1], out[H];

@@ -238,7 +238,7 @@ def test_decode_path_equals_item_path(use_isa, monkeypatch, isa, quant, ci):
         ex = q
     outs = []
     # gemv 1: the gemv path even where the table does not use it by default (AVX-512); pipe 1 runs gate/up and
-    # down as one phase (pipe.c), 0 as two
+    # down as one phase (moe/pipeline.c), 0 as two
     for gemv, pipe in (("0", "0"), ("1", "0"), ("1", "1")):
         monkeypatch.setenv("KTINJECT_GEMV", gemv)
         monkeypatch.setenv("KTINJECT_PIPE", pipe)
@@ -632,13 +632,14 @@ def test_concurrent_forwards_from_python_threads():
 
 
 def _build_c_test(tmp_path, name: str, sanitizer: str, defines=()) -> Path:
-    """native/tests/<name>.c built against all native sources under a sanitizer (skips without gcc / its runtime)."""
+    """native/tests/<name>.c built against all native sources (native/src/**: a test build, -DKTK_TEST_BUILD, which
+    compiles in the test hooks such as KTINJECT_TEST_DELAY) under a sanitizer (skips without gcc / its runtime)."""
     if not shutil.which("gcc"):
         pytest.skip("no gcc")
     root = Path(__file__).resolve().parents[2]
     srcs = sorted(str(p) for p in (root / "native" / "src").rglob("*.c"))
     exe = tmp_path / name
-    cc = subprocess.run(["gcc", "-std=c11", "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread",
+    cc = subprocess.run(["gcc", "-std=c11", "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread", "-DKTK_TEST_BUILD",
                          f"-I{root / 'native' / 'include'}", f"-I{root / 'native' / 'src'}", *srcs, *defines,
                          str(root / "native" / "tests" / f"{name}.c"), "-o", str(exe), "-lm"],
                         capture_output=True, text=True, timeout=300)

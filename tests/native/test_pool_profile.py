@@ -52,7 +52,7 @@ def test_profile_counts_jobs_and_phases(monkeypatch):
 
 
 def test_gather_rows_of_one_token_match_per_row_quantization():
-    """A token routed to several experts is quantized once and copied into its rows (acts.c): the output equals
+    """A token routed to several experts is quantized once and copied into its rows (moe/gather.c): the output equals
     the sum of each expert alone (its own forward, one row), for many tokens and few (the items' sizes differ)."""
     ex = _experts()
     gen = torch.Generator().manual_seed(1)

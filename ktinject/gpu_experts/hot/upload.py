@@ -9,7 +9,7 @@ own the CPU then, so a move must not compute on it. The native packed storage of
 
     H2D copy of the expert's packed region (``ktk_experts_raw``: its three matrices as stored, bf16, int8 + scales
     or int4 + group scales, and gpt-oss biases; in chunks) into a device staging buffer [expert_bytes]
-    unpack on the device (torch ops into preallocated buffers): the block layout of native/src/kernels.h
+    unpack on the device (torch ops into preallocated buffers): the block layout of native/src/kernels/kernels.h
     [Np/16][Kp/2][16][2] (bf16), [Np/16][Kp/4][16][4] (int8) or nibbles [Np/16][Kp/8][16][4] (int4) is permuted
     into a work buffer [Np, Kp], then its [N, K] corner goes into the slot: a copy (bf16) or q * scale in float32
     (int8: per row; int4: per row and group of G inputs), rounded once to the bank's dtype.

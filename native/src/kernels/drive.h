@@ -4,7 +4,7 @@
 #ifndef KTK_DRIVE_H
 #define KTK_DRIVE_H
 #include <stdint.h>
-#include "../kernels.h"
+#include "kernels.h"
 
 typedef void (*ktk_micro)(const ktk_mat *w, const ktk_act *x, int b0, int t0, float *y, int64_t ldy, int mr,
                           int nb);

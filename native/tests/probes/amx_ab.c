@@ -17,7 +17,7 @@
 #include <unistd.h>
 #include <sys/syscall.h>
 #include "../../include/ktinject.h"
-#include "../../src/kernels.h"
+#include "../../src/kernels/kernels.h"
 
 #define V(name) void v_##name##_bf16(const ktk_mat *, int, int, const ktk_act *, float *, int64_t); \
                 void v_##name##_int8(const ktk_mat *, int, int, const ktk_act *, float *, int64_t);

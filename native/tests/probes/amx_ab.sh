@@ -7,7 +7,7 @@ rounds=${1:-7}; shift || true
 vars=("$@")
 [ ${#vars[@]} -gt 0 ] || vars=("base:" "pipe:-DAMX_ORDER=1" "first:-DAMX_ORDER=2" "kc2k:-DKC_BYTES=2048"
                                "kc512:-DKC_BYTES=512" "nopack:-DAMX_PACK_MIN_ROWS_BF16=1000000"
-                               "fakepack:-DAMX_FAKE_PACK=1")
+                               "fakepack:-DKTK_TEST_BUILD -DAMX_FAKE_PACK=1")
 d=$(mktemp -d)
 : > /tmp/amx_ab_variants.h
 objs=()

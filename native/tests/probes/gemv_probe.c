@@ -12,7 +12,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "kernels/avx512/gemv.h"
 
 static double now(void) {

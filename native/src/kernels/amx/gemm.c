@@ -9,13 +9,11 @@
  * a row (KC_BYTES), 32-row groups x block pairs inside; for bf16 with many rows the A tiles of a (row group,
  * K chunk) are first copied to a 32 KB stack buffer in tile order (pack_a: x rows are Kp * elemsize apart and alias
  * in L1), then used for every block pair, unless the caller gives x in tile order already (act.tiles, kernels.h:
- * the forward writes it once per expert; tile_rows in the table). A/B on forward-shaped work (DeepSeek-V3 layer,
- * 32 experts x 128 rows, 16 threads, medians of 7 interleaved rounds, native/tests/probes/amx_ab.sh): bf16 4.95 ->
- * 5.87 TFLOPS, int8 11.7 -> 13.4 TOPS with tiles; with the copy skipped entirely (wrong results, A in L1) 7.05.
- * The machine's own bounds (native/tests/probes/amx_probe.c, two runs, 16 threads): register-only tdpbf16ps 14.0-18.1
- * TFLOPS (one thread 2.3), 2x2 tiles with all 4 loads from L1 each step 7.8-10.0, with B streamed from L2 6.6-8.6,
- * A and B both from L2 6.2-6.7; int8 2x2 from L1 17.5-18.7 TOPS. Tiles are not renamed: a tileloadd waits for the
- * tdp reading its register, which bounds the 2x2 scheme. torch's dense bf16 4096^3 matmul (oneDNN): 3.35 TFLOPS.
+ * the forward writes it once per expert; tile_rows in the table): on forward-shaped work (native/tests/probes/
+ * amx_ab.sh) the given tiles are faster than the copy per call, and skipping the copy entirely (the fake-pack
+ * variant: wrong results) shows what the copy still costs. The machine's own bounds (native/tests/probes/
+ * amx_probe.c) are well above what these kernels reach: tiles are not renamed, so a tileloadd waits for the tdp
+ * reading its register, which bounds the 2x2 scheme (docs/history/readme-performance.md has the figures).
  * Partial sums between K chunks live in y itself (fp32 for bf16; int32 bit patterns for int8, scaled to fp32 at
  * the end). Rows n % 16 are a last group with a tile config of r rows (A and C tiles), so any n works.
  * Tile config: sttilecfg is compared with ours at entry (another AMX user on this thread may have changed it),
@@ -25,7 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <immintrin.h>
-#include "../../kernels.h"
+#include "../kernels.h"
 
 #include "amx.h"
 #ifndef KC_BYTES
@@ -160,7 +158,7 @@ KTK_AI void amx_step(const char *A, int64_t sa, int64_t a_step, int64_t a_tile, 
  * loaded in place the 16-32 rows of A tiles fall in a few L1 sets and evict each other; packed they stay in L1 for
  * all the block pairs of the chunk. */
 static void pack_a(char *buf, const char *x, int64_t sx, int rows, int steps) {
-#ifdef AMX_FAKE_PACK   /* timing experiment only: wrong results */
+#if defined(KTK_TEST_BUILD) && defined(AMX_FAKE_PACK)   /* timing experiment only (amx_ab.sh): wrong results */
     (void)buf, (void)x, (void)sx, (void)rows, (void)steps;
     return;
 #endif
@@ -173,9 +171,9 @@ static void pack_a(char *buf, const char *x, int64_t sx, int rows, int steps) {
 }
 #pragma GCC pop_options
 
-/* Pack A (pack_a) for bf16 from this many rows. 16 threads, W 2048 x 2048, TFLOPS packed / in place: 16 rows
- * 0.81 / 1.54, 32 rows 1.90 / 2.35, 64 rows 2.43 / 2.12, 128 rows 3.44 / 2.59, 256 rows 3.86 / 2.99; int8: within
- * noise at 128-256 rows and worse below, so never. (-DAMX_PACK_MIN_ROWS_BF16=0 / =1000000: always / never.) */
+/* Pack A (pack_a) for bf16 from this many rows: below, the copy costs more than the L1 aliasing it avoids; above,
+ * packed runs faster the more rows share it. int8: within noise for many rows and worse for few, so never
+ * (docs/performance.md). (-DAMX_PACK_MIN_ROWS_BF16=0 / =1000000: always / never.) */
 #ifndef AMX_PACK_MIN_ROWS_BF16
 #define AMX_PACK_MIN_ROWS_BF16 64
 #endif

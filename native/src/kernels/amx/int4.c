@@ -1,10 +1,10 @@
 /* AMX int4 (W4A8): the AVX-512 VNNI direct kernel for few rows; from KTK_AMX_INT4_DEQUANT_ROWS rows, the weights of
  * the called block range are dequantized to bf16 (AVX-512, into the caller's workspace) and run through the AMX
  * table's gemm_bf16 (AMX-BF16 tiles, or AVX-512 below its own crossover). Every AMX CPU has AVX-512 VNNI.
- * Layouts: see ../../kernels.h.
+ * Layouts: see ../kernels.h.
  */
 #include <stdint.h>
-#include "../../kernels.h"
+#include "../kernels.h"
 
 #include "amx.h"
 

@@ -7,13 +7,13 @@
  *   int4: int4.c.
  * One register-blocked micro-kernel per type (MR rows x NB column blocks, MR * NB <= 4 so the 2 * MR * NB ymm
  * accumulators fit), driven by ../drive.h like the AVX-512 ones: decode keeps all rows of n <= 4 in one group.
- * Layouts: see ../../kernels.h. Called concurrently: no mutable globals, no allocation.
+ * Layouts: see ../kernels.h. Called concurrently: no mutable globals, no allocation.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
-#include "../../kernels.h"
+#include "../kernels.h"
 #include "../drive.h"
 
 #define KTK_AI static inline __attribute__((always_inline))

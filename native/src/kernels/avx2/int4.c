@@ -5,13 +5,13 @@
  * <= 2 * 15 * 127, two of them < 2^15: no saturation), vpmaddwd with ones -> int32. Per group: - 8 * sum(x), int32
  * -> float, fma with the group's scales; then * x_scale: the float operations of the generic reference (bit-exact).
  * The dequantizing path (forced only: with the FMA bf16 kernel it does not pay here) uses the generic dequantization.
- * Layouts: see ../../kernels.h. Called concurrently: no mutable globals, no allocation.
+ * Layouts: see ../kernels.h. Called concurrently: no mutable globals, no allocation.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
-#include "../../kernels.h"
+#include "../kernels.h"
 
 #define KTK_AI static inline __attribute__((always_inline))
 #ifndef PF_BYTES

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <immintrin.h>
-#include "../../kernels.h"
+#include "../kernels.h"
 #include "../drive.h"
 
 #define KTK_AI static inline __attribute__((always_inline))

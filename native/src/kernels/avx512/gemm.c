@@ -11,14 +11,14 @@
  * Every variant is one register-blocked micro-kernel (MR rows x NB column blocks of 16 outputs, all of K), driven
  * by one loop (ktk_drive) that picks MR/NB from the row count: decode (n <= 4) keeps all rows in one group
  * so each weight byte is read from memory once, with NB streams in flight and software prefetch.
- * Layouts: see ../../kernels.h. Called concurrently: no mutable globals, no allocation.
+ * Layouts: see ../kernels.h. Called concurrently: no mutable globals, no allocation.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <cpuid.h>
 #include <immintrin.h>
-#include "../../kernels.h"
+#include "../kernels.h"
 
 #include "drive.h"
 
@@ -289,10 +289,9 @@ static const ktk_kernels table_both = {"avx512+bf16+vnni", ktk_avx512_gemm_bf16_
                                        ktk_avx512_gemv_int8_vnni, ktk_avx512_gemv_int4_vnni, 0};
 
 /* CPUID bits, read once: 1 = use vdpbf16ps, 2 = AVX512_VNNI (leaf 7: ECX bit 11; sub-leaf 1: EAX bit 5 =
- * AVX512_BF16; EDX bit 22 = AMX-BF16). vdpbf16ps is used only on CPUs without AMX: on Sapphire/Emerald Rapids
- * (16 cores, bf16 2048 x 2048, 64-256 rows) it ran at 0.63 TFLOPS against 1.0 for the shift + FMA kernel, while on
- * Zen 5 it is ~2x faster than FMA. The cache is an idempotent int (every thread computes the same value), so racing
- * first calls are harmless. */
+ * AVX512_BF16; EDX bit 22 = AMX-BF16). vdpbf16ps is used only on CPUs without AMX: on the AMX Xeons it ran
+ * slower than the shift + FMA kernel, while on AMD's AVX-512 cores it is faster than FMA (docs/performance.md).
+ * The cache is an idempotent int (every thread computes the same value), so racing first calls are harmless. */
 static int cpu_bits(void) {
     static volatile int cached = -1;
     int v = cached;

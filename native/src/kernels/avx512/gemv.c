@@ -6,8 +6,8 @@
  * time (their rows share the weights); here gate and up of an expert (M = 2), or the down matrices of up to 8
  * experts (M = 8), stream together, NB <= 2 blocks of each (measured, below): 4 and up to 16 streams per thread,
  * as in the best variant of the memory read probe (ktinject.bench.memory: 16 streams per thread, 1 KB prefetch).
- * Used by default where measured faster (kernels.h: gemv_default): the AMX table. On a 2-core Zen 5 VM the same
- * A/B gave 1.04x the item path's time (bf16), so the AVX-512 tables provide them without using them by default.
+ * Used by default where measured faster (kernels.h: gemv_default): the AMX table. On a small AVX-512 machine the
+ * same A/B gave no gain over the item path, so the AVX-512 tables provide them without using them by default.
  * Each (matrix, block) accumulator sees exactly the operations of the gemm kernel of the same variant with one row
  * (gemm.c: mk_bf16_dp, mk_bf16_plain, mk_int8_vnni; int4_micro.h with vpdpbusd), in the same order, so the results
  * are bit-identical to it (tested). Register budget: M x NB accumulators <= 16 (int4: float + int32 per pair, <= 8).
@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
-#include "../../kernels.h"
+#include "../kernels.h"
 #include "drive.h"
 #include "gemv.h"
 
@@ -25,11 +25,10 @@
 #define PF_SCALE_GROUPS 4   /* as int4.c */
 #endif
 
-/* switch (M, NB) -> FN(w, x, b0, y, yo, M, NB) with constants (an always-inline body). NB <= 2 blocks per matrix: on the H100 machine's Xeon (15 threads,
- * one-token forwards of Qwen3-30B-A3B and DeepSeek-V3 layers, bf16 / int8 / int4, interleaved A/B against the item
- * path: tests/gpu/probe_gemv.py) a sweep gave NB <= 2 0.84-0.95 of the item path's time, NB <= 4 0.91-0.97, NB 1
- * 0.85-1.01, but its warm-up favoured the gemv path; re-measured without that, NB <= 2: 0.946-1.014 (medians of 9).
- * bf16, int8: M <= 8 (<= 16 accumulators); int4 (a float and an int32 accumulator each): NB 1 from M = 5. */
+/* switch (M, NB) -> FN(w, x, b0, y, yo, M, NB) with constants (an always-inline body). NB <= 2 blocks per matrix:
+ * in a sweep of one-token forwards against the item path, NB <= 2 was the best of NB 1, <= 2 and <= 4
+ * (docs/performance.md). bf16, int8: M <= 8 (<= 16 accumulators); int4 (a float and an int32 accumulator each):
+ * NB 1 from M = 5. */
 #define KTK_GEMV_CASES16(FN)                                                                                      \
     switch (M * 8 + NB) {                                                                                          \
     case 8 + 1: FN(w, x, b0, y, yo, 1, 1); break; case 8 + 2: FN(w, x, b0, y, yo, 1, 2); break; case 16 + 1: FN(w, x, b0, y, yo, 2, 1); break;                  \

@@ -1,8 +1,8 @@
-/* The AVX-512 decode kernels of gemv.c (ktk_gemv_fn, ../../kernels.h), for the tables of avx512/gemm.c and
+/* The AVX-512 decode kernels of gemv.c (ktk_gemv_fn, ../kernels.h), for the tables of avx512/gemm.c and
  * amx/gemm.c. */
 #ifndef KTK_AVX512_GEMV_H
 #define KTK_AVX512_GEMV_H
-#include "../../kernels.h"
+#include "../kernels.h"
 
 void ktk_avx512_gemv_bf16_dp(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
                              float *const *y);

@@ -9,21 +9,19 @@
  *                   has AVX512_BF16), pairs interleaved into the bf16 layout: the generic dequantization's bits
  * The table functions take the dequantizing path (ktk_int4_dequant_gemm with this table's gemm_bf16) from
  * KTK_AVX512_INT4_DEQUANT_ROWS rows (or when forced), else the direct kernel.
- * Layouts: see ../../kernels.h. Called concurrently: no mutable globals, no allocation.
+ * Layouts: see ../kernels.h. Called concurrently: no mutable globals, no allocation.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <cpuid.h>
 #include <immintrin.h>
-#include "../../kernels.h"
+#include "../kernels.h"
 #include "drive.h"
 
-/* Rows from which the dequantizing path (+ AVX-512 bf16 kernel) runs on a CPU without AMX. 0: never. Measured
- * (native/tests/test_kernels.c bench, TK_QUANT=int4, G = 64, W 768 x 2048, GFLOPS direct / dequantizing): AMD EPYC
- * Zen 4 with AVX-512 BF16 + VNNI, 2 threads: 8 rows 683 / 282, 16 rows 869 / 444, 64 rows 1131 / 760; the H100
- * machine's Xeon with the AVX-512 kernels, 16 threads: 16 rows 2291 / 819, 64 rows 2503 / 1073. vpdpbusd does 64
- * multiply-adds per instruction against 32 for vdpbf16ps, and the dequantization is not free: never. */
+/* Rows from which the dequantizing path (+ AVX-512 bf16 kernel) runs on a CPU without AMX. 0: never. vpdpbusd does
+ * 64 multiply-adds per instruction against 32 for vdpbf16ps, and the dequantization is not free: the direct kernel
+ * was faster at every row count measured (native/tests/test_kernels.c bench, TK_QUANT=int4; docs/performance.md). */
 #define KTK_AVX512_INT4_DEQUANT_ROWS 0
 
 #ifndef PF_SCALE_GROUPS

@@ -3,10 +3,10 @@
  * bf16: y[t][j] = sum_{c < K} x[t][c] * W[j][c], float accumulation in ascending c.
  * int8: exact int32 dot product, then * x_scale[t] * scale[j].
  * int4: int4.c.
- * Layouts: see ../../kernels.h. Only c < K is visited (the padding is zero anyway). x is read from its tile-order
+ * Layouts: see ../kernels.h. Only c < K is visited (the padding is zero anyway). x is read from its tile-order
  * copy where one is given (the reference for that layout; the table does not ask for it: tile_rows 0).
  */
-#include "../../kernels.h"
+#include "../kernels.h"
 
 /* bf16 W element (n, c) in the packed layout. */
 static inline float w_bf16(const ktk_mat *w, int n, int c) {

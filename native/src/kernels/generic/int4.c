@@ -5,11 +5,11 @@
  *          they match this one bit for bit.
  * dequant: int4 blocks -> bf16(q * scale) in the bf16 packed layout (a chunk of blocks that fits the caller's
  *          workspace), then the ISA's gemm_bf16 on the activations as bf16 (x_bf16 = q exactly), then * x_scale[t].
- * Layouts: see ../../kernels.h. Only plain loops here: this file is the truth for the kernel tests.
+ * Layouts: see ../kernels.h. Only plain loops here: this file is the truth for the kernel tests.
  */
 #include <math.h>
 
-#include "../../kernels.h"
+#include "../kernels.h"
 #include "../../../include/ktinject.h"
 
 /* q of int4 element (n, c) in the packed layout */

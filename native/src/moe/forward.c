@@ -1,32 +1,32 @@
-/* Forward orchestration of one MoE layer (ISA-independent; the kernels do the matrix products; acts.c makes the
+/* Forward orchestration of one MoE layer (ISA-independent; the kernels do the matrix products; gather.c makes the
  * activations they read).
  *
- * A forward is a job of the pool (pool.c): serial steps and parallel phases, each phase's items claimed in chunks by
+ * A forward is a job of the pool (runtime/pool.c, which calls its steps through the task: ktk_task.step): serial
+ * steps and parallel phases, each phase's items claimed in chunks by
  * whichever threads come; the thread that finishes a phase's last chunk starts the next (ktki_forward_step):
  *   route (serial, route.c): validate ids, count rows per expert (skipping masked experts and, for expert
  *                   deferral, the slots of the other part), rows sorted by (expert, token)
- *   gather:   x [R, Kp(H)] activations of every row (bf16 zero-padded, or int8 per row + scale + sum; acts.c)
+ *   gather:   x [R, Kp(H)] activations of every row (bf16 zero-padded, or int8 per row + scale + sum; gather.c)
  *   gate/up:  items (expert, <= RT rows, <= CWMAX blocks of 16 outputs of I): h = act(g + bg, u + bu)
  *             -> h [R, Kp(I)] bf16, or float [R, I] quantized per row in a following phase for int8 / int4
  *   down:     items (<= CWMAX blocks of 16 columns of H, <= TC tokens): for each active expert in ascending
  *             order, acc[t] += w * (down_e(h) + bd) on these columns; then out = acc (F32 or BF16). One item owns
  *             its (tokens, columns) of out, so the sum order per token is fixed: results do not depend on threads.
  * One-token forwards keep gather and h's quantization as phases (one item each): run inline on the task's thread
- * instead, they measured 0.4-3.8% slower (interleaved A/B, Qwen3-30B-A3B layer, 15 threads; cause not established).
- * Decode forwards (the gemv path below) run gate/up, h's quantization and down as one phase instead (pipe.c).
+ * instead, they measured slightly slower (cause not established).
+ * Decode forwards (the gemv path below) run gate/up, h's quantization and down as one phase instead (pipeline.c).
  * A split task (expert deferral) runs those phases for its immediate part's experts, raises its done word, then
- * runs them for the deferred part's (gate/up of both parts first had the word at ~87% of a one-token job with 5 of
- * 8 slots immediate: 613 of 706 us, int4, 2-core AVX-512 VM; now ~63%: 440 of 700).
+ * runs them for the deferred part's (running gate/up of both parts first raised the word much later in the job).
  * int4 weights take int8 activations; when an expert has >= KTK_INT4_DEQUANT_MIN_ROWS_ANY rows (or
  * KTINJECT_INT4_PATH=dequant), x and h also get exact bf16 copies of their int8 values and each thread a workspace,
- * so the kernel may dequantize the weights to bf16 for many rows (kernels.h; the ISA picks by row count).
+ * so the kernel may dequantize the weights to bf16 for many rows (kernels/kernels.h; the ISA picks by row count).
  * Block sizes give >= ITEMS_PER_THREAD items per thread where possible: 1 token x 8 experts has 8 experts x
  * (I/16/cw) gate/up items and (H/16/cw) down items; thousands of tokens split into RT-row and TC-token chunks.
  *
  * Decode (every expert <= DECODE_ROWS rows, T <= TC, and the kernels have a gemv for the quant): the two phases'
  * units (gate/up: (expert, block of 16 outputs of I); down: blocks of 16 columns of H) are claimed in guided chunks:
  * rem / (2 threads) units, at most CWMAX, at least 1, so every thread finishes within about one small chunk of the
- * others (fixed items of 1/4-1/8 of a thread's share left up to 17% of a phase to the slowest thread), and a thread
+ * others (fixed items of a fraction of a thread's share left a sizable part of a phase to the slowest thread), and a thread
  * that loses its core holds up one chunk. An expert with one row runs gate and up as one gemv (2 matrices), and the
  * down matrices of up to KTK_GEMV_MAX consecutive one-row experts as one gemv: 4 (gate/up) and up to 16 (down)
  * weight streams per thread instead of <= 4 of one matrix. Same arithmetic (gemv is bit-identical to gemm with one
@@ -38,7 +38,6 @@
 #include <string.h>
 
 #include "forward.h"
-#include "pool.h"
 
 /* ---- block sizes and scratch ---- */
 static int choose_cw(int64_t row_chunks, int units, int threads) {
@@ -60,7 +59,7 @@ static int plan(fctx *c) {
         c->cw_dn = CWMAX < c->UH ? CWMAX : c->UH;
     }
     const int ngroups = (c->UI + c->cw_gu - 1) / c->cw_gu;
-    c->gu = ktki_scratch(c->pool, KTKI_SCR_ITEMS, (size_t)(c->gemv ? 1 : chunks * ngroups + 1) * sizeof(gu_item));
+    c->gu = ktki_pool_scratch(c->pool, KTKI_SCR_ITEMS, (size_t)(c->gemv ? 1 : chunks * ngroups + 1) * sizeof(gu_item));
     if (!c->gu) return 0;
     c->ngu = 0;
     c->gu_part1 = -1;
@@ -74,8 +73,8 @@ static int plan(fctx *c) {
             }
     }
     if (c->gu_part1 < 0) c->gu_part1 = c->ngu;
-    if (!ktki_fwd_plan_acts(c)) return 0;
-    if (c->pipe && !ktki_pipe_plan(c)) return 0;
+    if (!ktki_gather_plan(c)) return 0;
+    if (c->pipe && !ktki_pipeline_plan(c)) return 0;
     size_t per_thread = (size_t)c->H * 4;
     size_t gu = 2 * (size_t)RT * c->cw_gu * 16 * 4, dn = (size_t)(RT + TC) * c->cw_dn * 16 * 4;
     per_thread = per_thread > gu ? per_thread : gu;
@@ -86,16 +85,16 @@ static int plan(fctx *c) {
         c->work_bytes = ktk_int4_work_bytes(kp, cw);
         per_thread = (size_t)(c->work_off + c->work_bytes);
     }
-    return ktki_thread_scratch_reserve(c->pool, per_thread + 64);
+    return ktki_pool_thread_scratch_reserve(c->pool, per_thread + 64);
 }
 
 /* ---- gate/up + activation ---- */
 /* Gate/up of expert a (active index), rows [r0, r1), blocks [cb0, cb1) -> h; gs, us: the thread's scratch. */
-void ktki_fwd_gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1, float *gs, float *us, int tid) {
+void ktki_forward_gate_up(const fctx *c, int a, int r0, int r1, int cb0, int cb1, float *gs, float *us, int tid) {
     const int e = c->act_e[a], bw = (cb1 - cb0) * 16;
-    const ktk_mat g = ktki_expert_mat(c->ex, e, KTK_MAT_GATE), u = ktki_expert_mat(c->ex, e, KTK_MAT_UP);
-    const float *bg = ktki_expert_bias(c->ex, e, KTK_MAT_GATE), *bu = ktki_expert_bias(c->ex, e, KTK_MAT_UP);
-    ktk_act x = ktki_fwd_rows(c, 0, a, r0, r1, tid);
+    const ktk_mat g = ktki_experts_mat(c->ex, e, KTK_MAT_GATE), u = ktki_experts_mat(c->ex, e, KTK_MAT_UP);
+    const float *bg = ktki_experts_bias(c->ex, e, KTK_MAT_GATE), *bu = ktki_experts_bias(c->ex, e, KTK_MAT_UP);
+    ktk_act x = ktki_gather_rows(c, 0, a, r0, r1, tid);
     if (c->gemv && r1 - r0 == 1) {   /* gate and up streamed together */
         const ktk_mat *w[2] = {&g, &u};
         const ktk_act *xs[2] = {&x, &x};
@@ -109,20 +108,20 @@ void ktki_fwd_gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1
     for (int r = r0; r < r1; r++) {
         float *gr = gs + (int64_t)(r - r0) * bw, *ur = us + (int64_t)(r - r0) * bw;
         float *hf = c->a8 ? c->hf + (int64_t)r * c->I + j0 : gr;   /* bf16: in place, then rounded */
-        ktki_activation(c->act, c->alpha, c->limit, gr, ur, bg ? bg + j0 : NULL, bu ? bu + j0 : NULL, j1 - j0, hf);
+        ktki_activations(c->act, c->alpha, c->limit, gr, ur, bg ? bg + j0 : NULL, bu ? bu + j0 : NULL, j1 - j0, hf);
         if (c->a8) continue;
         uint16_t *hr = c->h16 + (int64_t)r * c->KpI;
         for (int j = j0; j < j1; j++) hr[j] = ktk_f32_to_bf16(gr[j - j0]);
         if (last) memset(hr + c->I, 0, (size_t)(c->KpI - c->I) * 2);
-        ktki_fwd_to_tiles(c, 1, a, r, hr, (int64_t)j0 * 2, (int64_t)(last ? c->KpI : j1) * 2);
+        ktki_gather_to_tiles(c, 1, a, r, hr, (int64_t)j0 * 2, (int64_t)(last ? c->KpI : j1) * 2);
     }
 }
 
 static void gate_up_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
     const gu_item it = c->gu[c->base + item];
-    float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)RT * (it.cb1 - it.cb0) * 16;
-    ktki_fwd_gate_up_run(c, it.a, it.r0, it.r1, it.cb0, it.cb1, gs, us, tid);
+    float *gs = ktki_pool_thread_scratch(c->pool, tid), *us = gs + (int64_t)RT * (it.cb1 - it.cb0) * 16;
+    ktki_forward_gate_up(c, it.a, it.r0, it.r1, it.cb0, it.cb1, gs, us, tid);
 }
 
 /* Decode path, gate/up: units [u0, u1) of (expert a, block b) = a * UI + b, past base, a guided chunk (pool),
@@ -131,11 +130,11 @@ static void gate_up_decode(void *ctx, int64_t u0, int64_t u1, int tid) {
     fctx *c = ctx;
     u0 += c->base;
     u1 += c->base;
-    float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)DECODE_ROWS * c->cw_gu * 16;
+    float *gs = ktki_pool_thread_scratch(c->pool, tid), *us = gs + (int64_t)DECODE_ROWS * c->cw_gu * 16;
     for (int64_t u = u0; u < u1;) {
         const int a = (int)(u / c->UI), cb0 = (int)(u % c->UI);
         const int cb1 = u1 - u < c->UI - cb0 ? cb0 + (int)(u1 - u) : c->UI;
-        ktki_fwd_gate_up_run(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
+        ktki_forward_gate_up(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
         u += cb1 - cb0;
     }
 }
@@ -156,7 +155,7 @@ static int lower_bound(const int32_t *v, int lo, int hi, int32_t x) {
     return lo;
 }
 
-void ktki_fwd_accumulate(const fctx *c, const float *y, int bw, int jn, const float *bd, int r0, int r1, int t0,
+void ktki_forward_accumulate(const fctx *c, const float *y, int bw, int jn, const float *bd, int r0, int r1, int t0,
                        float *acc) {
     for (int r = r0; r < r1; r++) {
         const float w = c->wt[r], *yr = y + (int64_t)(r - r0) * bw;
@@ -167,7 +166,7 @@ void ktki_fwd_accumulate(const fctx *c, const float *y, int bw, int jn, const fl
 }
 
 /* out[t][j0, j0 + jn) = ar, as out's dtype; part 1 (a split task's deferred slots): out2 */
-void ktki_fwd_write_out(const fctx *c, int part, int t, int j0, int jn, const float *ar) {
+void ktki_forward_write_out(const fctx *c, int part, int t, int j0, int jn, const float *ar) {
     void *out = part ? c->t->out2 : c->t->out;
     if (c->t->out_dtype == KTK_DTYPE_F32) {
         memcpy((float *)out + (int64_t)t * c->H + j0, ar, (size_t)jn * sizeof(float));
@@ -177,7 +176,7 @@ void ktki_fwd_write_out(const fctx *c, int part, int t, int j0, int jn, const fl
     }
 }
 
-void ktki_fwd_zero_out(const fctx *c, int part) {
+void ktki_forward_zero_out(const fctx *c, int part) {
     memset(part ? c->t->out2 : c->t->out, 0, (size_t)c->T * c->H * (size_t)ktki_dtype_size(c->t->out_dtype));
 }
 
@@ -199,31 +198,31 @@ static void down_part(const fctx *c, int part, int cb0, int cb1, int t0, int t1,
             float *yp[KTK_GEMV_MAX];
             int n = 0;
             for (; a < a1 && n < KTK_GEMV_MAX && c->off[a + 1] - c->off[a] == 1; a++, n++) {
-                d[n] = ktki_expert_mat(c->ex, c->act_e[a], KTK_MAT_DOWN);
-                h[n] = ktki_fwd_rows(c, 1, a, c->off[a], c->off[a] + 1, tid);
+                d[n] = ktki_experts_mat(c->ex, c->act_e[a], KTK_MAT_DOWN);
+                h[n] = ktki_gather_rows(c, 1, a, c->off[a], c->off[a] + 1, tid);
                 dp[n] = &d[n], hp[n] = &h[n], yp[n] = y + (int64_t)n * bw;
             }
             c->gemv(n, dp, cb0, cb1, hp, yp);
             for (int i = 0; i < n; i++) {
                 const int r = c->off[a - n + i];
-                const float *bd = ktki_expert_bias(c->ex, c->act_e[a - n + i], KTK_MAT_DOWN);
-                ktki_fwd_accumulate(c, yp[i], bw, jn, bd ? bd + j0 : NULL, r, r + 1, t0, acc);
+                const float *bd = ktki_experts_bias(c->ex, c->act_e[a - n + i], KTK_MAT_DOWN);
+                ktki_forward_accumulate(c, yp[i], bw, jn, bd ? bd + j0 : NULL, r, r + 1, t0, acc);
             }
             continue;
         }
         if (lo < hi) {
-            const ktk_mat d = ktki_expert_mat(c->ex, c->act_e[a], KTK_MAT_DOWN);
-            const float *bd = ktki_expert_bias(c->ex, c->act_e[a], KTK_MAT_DOWN);
+            const ktk_mat d = ktki_experts_mat(c->ex, c->act_e[a], KTK_MAT_DOWN);
+            const float *bd = ktki_experts_bias(c->ex, c->act_e[a], KTK_MAT_DOWN);
             for (int r0 = lo; r0 < hi; r0 += RT) {
                 const int r1 = r0 + RT < hi ? r0 + RT : hi;
-                ktk_act h = ktki_fwd_rows(c, 1, a, r0, r1, tid);
+                ktk_act h = ktki_gather_rows(c, 1, a, r0, r1, tid);
                 c->gemm(&d, cb0, cb1, &h, y, bw);
-                ktki_fwd_accumulate(c, y, bw, jn, bd ? bd + j0 : NULL, r0, r1, t0, acc);
+                ktki_forward_accumulate(c, y, bw, jn, bd ? bd + j0 : NULL, r0, r1, t0, acc);
             }
         }
         a++;
     }
-    for (int t = t0; t < t1; t++) ktki_fwd_write_out(c, part, t, j0, jn, acc + (int64_t)(t - t0) * bw);
+    for (int t = t0; t < t1; t++) ktki_forward_write_out(c, part, t, j0, jn, acc + (int64_t)(t - t0) * bw);
 }
 
 /* Every part's down, or the one the phase is for (a split task off the pipeline: c->dpart) */
@@ -237,14 +236,14 @@ static void down_item(void *ctx, int64_t item, int tid) {
     const int grp = (int)(item / c->ntc), tc = (int)(item % c->ntc);
     const int cb0 = grp * c->cw_dn, cb1 = cb0 + c->cw_dn < c->UH ? cb0 + c->cw_dn : c->UH;
     const int t0 = tc * TC, t1 = t0 + TC < c->T ? t0 + TC : c->T;
-    float *y = ktki_thread_scratch(c->pool, tid);
+    float *y = ktki_pool_thread_scratch(c->pool, tid);
     down_run(c, cb0, cb1, t0, t1, y, y + (int64_t)RT * (cb1 - cb0) * 16, tid);
 }
 
 /* Decode path, down: column blocks [u0, u1) of H (a guided chunk), all T <= TC tokens. */
 static void down_decode(void *ctx, int64_t u0, int64_t u1, int tid) {
     fctx *c = ctx;
-    float *y = ktki_thread_scratch(c->pool, tid), *acc = y + (int64_t)RT * c->cw_dn * 16;
+    float *y = ktki_pool_thread_scratch(c->pool, tid), *acc = y + (int64_t)RT * c->cw_dn * 16;
     down_run(c, (int)u0, (int)u1, 0, c->T, y, acc, tid);
 }
 
@@ -270,13 +269,10 @@ static int int4_path_env(void) {
 }
 
 /* KTINJECT_DEFER_PHASES (read and checked at each split forward, used on the decode pipeline; A/B measurements): how
- * a split task's two parts run (pipe.c says why each): one as one phase, cut (default) as one phase whose chunks
+ * a split task's two parts run (pipeline.c says why each): one as one phase, cut (default) as one phase whose chunks
  * neither cross the parts' boundary nor are sized by the deferred part's units, two as a phase each; -1 for anything
- * else. cut is the default since the H200 host's graph decode at 16K (2026-11-29, all three in the same rounds, two
- * calls): bare replays d = 3 13.47 / 11.90 / 12.48 ms and 11.46 / 10.65 / 10.50 (one / cut / two), the immediate
- * part done at 166 / 141 / 150 us and 139 / 117 / 118 us of a layer's job. Between cut and two int4 is a toss-up
- * (mass 0.3: 1.284x / 1.304x in the second call, 1.240x / 1.259x in the first); bf16, cut and two in the same
- * rounds, d = 3: 1.079x / 0.957x (two pays part 1's ramp after the done word on a 590 us job). */
+ * else. cut is the default: in graph decode its immediate part was done earliest and its replays were the fastest
+ * or level with two's (docs/performance.md has the figures). */
 static int defer_phases_env(void) {
     const char *v = getenv("KTINJECT_DEFER_PHASES");
     if (!v || !*v || !strcmp(v, "cut")) return SPLIT_CUT;
@@ -295,7 +291,7 @@ static int gemv_enabled(const ktk_kernels *k) {
 static int start(fctx *c, ktk_pool *pool, ktk_task *t) {
     const ktk_experts *ex = t->ex;
     const ktk_experts_config *cfg = &ex->cfg;
-    const ktk_kernels *kern = ktki_kernels();
+    const ktk_kernels *kern = ktki_dispatch_kernels();
     *c = (fctx){.t = t, .ex = ex, .pool = pool, .T = t->T, .k = t->k, .E = cfg->num_experts, .H = cfg->hidden,
                 .I = cfg->intermediate, .quant = cfg->quant, .act = cfg->activation, .alpha = cfg->alpha,
                 .limit = cfg->limit, .KpH = ex->Kp[KTK_MAT_GATE], .KpI = ex->Kp[KTK_MAT_DOWN],
@@ -314,7 +310,7 @@ static int start(fctx *c, ktk_pool *pool, ktk_task *t) {
                           getenv("KTINJECT_DEFER_PHASES"));
     const size_t n = (size_t)c->T * c->k, E = (size_t)c->E * c->nparts;   /* routing keys (slot_key) */
     const size_t T1 = (size_t)c->T + 1;
-    uint8_t *rs = ktki_scratch(pool, KTKI_SCR_ROUTE, 4 * a64(E * 4 + 4) + 3 * a64(n * 4) + a64(T1 * 4));
+    uint8_t *rs = ktki_pool_scratch(pool, KTKI_SCR_ROUTE, 4 * a64(E * 4 + 4) + 3 * a64(n * 4) + a64(T1 * 4));
     if (!rs) return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (routing tables)");
     c->start = (int32_t *)rs;
     c->act_e = (int32_t *)(rs + a64(E * 4 + 4));
@@ -324,8 +320,8 @@ static int start(fctx *c, ktk_pool *pool, ktk_task *t) {
     c->tg = (int32_t *)(rs + 3 * a64(E * 4 + 4) + 2 * a64(n * 4));
     c->trow = (int32_t *)(rs + 4 * a64(E * 4 + 4) + 2 * a64(n * 4));
     c->toff = (int32_t *)(rs + 4 * a64(E * 4 + 4) + 3 * a64(n * 4));
-    c->tile_rows = ktki_fwd_tile_rows(kern, cfg->quant);
-    int rc = ktki_fwd_route(c);
+    c->tile_rows = ktki_gather_tile_rows(kern, cfg->quant);
+    int rc = ktki_route(c);
     if (rc != KTK_OK) return rc;
     atomic_fetch_add_explicit(&t->slots_run, (uint64_t)c->R, memory_order_relaxed);   /* read after the run */
     if (c->nparts == 2)
@@ -335,12 +331,12 @@ static int start(fctx *c, ktk_pool *pool, ktk_task *t) {
                                                                                             : kern->gemv_int4;
     c->pipe = c->gemv && c->R > 0 && pipe_enabled();
     /* Items of the gather (tokens) and of h's quantization (rows): a few rows each where a forward has few, so that
-     * a batch's decode step spreads them over the threads (32 rows an item left 64 rows of 8 tokens to 2 threads,
-     * ~50 us of a ~1.3 ms int4 layer, 15 threads busy 12%); one item (inline, no hand-off) for one token. */
+     * a batch's decode step spreads them over the threads (GATHER_ROWS an item left a batch's rows to two threads
+     * while the others idled); one item (inline, no hand-off) for one token. */
     const int few = c->R < GATHER_ROWS * 2 * c->nt;
     c->gtok = few ? 1 : (GATHER_ROWS + c->k - 1) / c->k;
     c->hq_rows = c->R <= 2 * HQ_ROWS_FEW ? 2 * HQ_ROWS_FEW : few ? HQ_ROWS_FEW : GATHER_ROWS;
-    ktki_pool_profile_decode(pool, c->A, c->T);   /* counted where profiling and T is a decode step's */
+    ktki_profile_decode(pool, c->A, c->T);   /* counted where profiling and T is a decode step's */
     if (!plan(c))
         return ktki_error(KTK_ERR_NOMEM, "forward: out of memory (scratch for %d rows, H=%d, I=%d)", c->R, c->H,
                           c->I);
@@ -360,24 +356,21 @@ static int guided(ktki_phase *ph, fctx *c, ktki_range_fn range, int64_t n, int m
 
 /* The decode path's down phase claims at least this many column blocks a chunk (the A/B switch KTINJECT_DOWN_MINC
  * is retired: ktinject/envs.py, RETIRED). A chunk starts a stream per expert (its blocks are contiguous in each
- * expert's down matrix), and guided chunks of one block (6 KB of int4 per expert at Qwen3-30B-A3B shapes) leave
- * the phase at ~115 GB/s where gate/up runs at ~150; but fewer, larger chunks leave a longer tail. Measured
- * (tests/gpu/probe_cpu_decode.py, int4, 16 layers, 15 threads, interleaved, down phase us at batch 1 / batch 8):
- * on the H100 machine's Xeon 1 -> 4 went 74.8 -> 65.5 and 66.6 -> 56.8 / 407 -> 372 and 392 -> 355 (faster); on the
- * H200 machine's 80.9 -> 85.7 and 69.3 -> 83.0 / 447 -> 476 and 405 -> 508 (slower: threads busy 69-80%), and its
- * bench serve (int4, 8 streams) lost 9-10% in two rounds. So 1 (guided down to one block) stays the default. */
+ * expert's down matrix), and guided chunks of one block leave the down phase reading slower than gate/up; but
+ * fewer, larger chunks leave a longer tail. Larger minimum chunks were faster on one host and slower on another
+ * (and in bench serve there), so 1 (guided down to one block) stays the default (docs/performance.md). */
 #define DOWN_MINC 1
 
 /* Phases in order: gather, gate/up, (int8 / int4) h quantized, down; those of the decode path in guided chunks. A
- * forward with no row (all its experts GPU-resident or skipped) writes its zeros on this thread: as a phase of 128
- * column blocks it took 11 us of claims (86 chunks, threads 5% busy; 15 threads, tests/gpu/probe_handshake.py). */
+ * forward with no row (all its experts GPU-resident or skipped) writes its zeros on this thread: as a phase of
+ * column blocks it spent far longer in claims than the writes take, the threads barely busy. */
 static int down_phase(ktki_phase *ph, fctx *c) {
     if (c->gemv) return guided(ph, c, down_decode, c->UH, c->cw_dn, DOWN_MINC);
     return items(ph, c, down_item, (int64_t)c->ntc * ((c->UH + c->cw_dn - 1) / c->cw_dn));
 }
 
 int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
-    fctx *c = ktki_scratch(pool, KTKI_SCR_JOB, sizeof *c);   /* the same buffer at every step (grow-only) */
+    fctx *c = ktki_pool_scratch(pool, KTKI_SCR_JOB, sizeof *c);   /* the same buffer at every step (grow-only) */
     if (!c) return ktki_error(KTK_ERR_NOMEM, "forward: out of memory");
     if (first) {
         int rc = start(c, pool, t);
@@ -386,15 +379,15 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
     for (;;) {
         switch (c->step++) {
         case 0:
-            if (c->R > 0) return items(ph, c, ktki_fwd_gather_item, (c->T + c->gtok - 1) / c->gtok);
+            if (c->R > 0) return items(ph, c, ktki_gather_item, (c->T + c->gtok - 1) / c->gtok);
             break;
         case 1:
             if (c->pipe) {   /* every part's units, or (a split task in two phases) part 0's */
-                const int64_t n = c->pipe_phases == SPLIT_TWO ? ktki_pipe_part_units(c, 0) : ktki_pipe_units(c);
+                const int64_t n = c->pipe_phases == SPLIT_TWO ? ktki_pipeline_part_units(c, 0) : ktki_pipeline_units(c);
                 c->base = 0;
                 if (n <= 0) break;
-                guided(ph, c, ktki_pipe_range, n, c->cw_gu, 1);
-                if (c->pipe_phases == SPLIT_CUT) ph->cut = ktki_pipe_part_units(c, 0);
+                guided(ph, c, ktki_pipeline_range, n, c->cw_gu, 1);
+                if (c->pipe_phases == SPLIT_CUT) ph->cut = ktki_pipeline_part_units(c, 0);
                 return KTKI_PHASE;
             }
             if (c->R == 0) break;
@@ -408,9 +401,9 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
             return items(ph, c, gate_up_item, (c->dpart == 0 ? c->gu_part1 : c->ngu) - c->base);
         case 2:
             if (c->pipe) {   /* h quantized, down and out written inside the pipeline's phase; part 1's phase */
-                const int64_t n = c->pipe_phases == SPLIT_TWO ? ktki_pipe_part_units(c, 1) : 0;
-                c->base = ktki_pipe_part_units(c, 0);
-                if (n > 0) return guided(ph, c, ktki_pipe_range, n, c->cw_gu, 1);
+                const int64_t n = c->pipe_phases == SPLIT_TWO ? ktki_pipeline_part_units(c, 1) : 0;
+                c->base = ktki_pipeline_part_units(c, 0);
+                if (n > 0) return guided(ph, c, ktki_pipeline_range, n, c->cw_gu, 1);
                 break;
             }
             if (c->R > 0 && c->a8) {   /* every row, or the part's */
@@ -418,12 +411,12 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
                 part_span(c, &a0, &a1);
                 c->hq_r0 = c->off[a0];
                 c->hq_r1 = c->off[a1];
-                return items(ph, c, ktki_fwd_quantize_h_item, (c->hq_r1 - c->hq_r0 + c->hq_rows - 1) / c->hq_rows);
+                return items(ph, c, ktki_gather_quantize_h_item, (c->hq_r1 - c->hq_r0 + c->hq_rows - 1) / c->hq_rows);
             }
             break;
         case 3:
             if (c->R == 0) {   /* every slot skipped (GPU-resident, deferred to the other part): zeros, here */
-                for (int p = 0; p < c->nparts; p++) ktki_fwd_zero_out(c, p);
+                for (int p = 0; p < c->nparts; p++) ktki_forward_zero_out(c, p);
                 break;
             }
             if (c->pipe) break;
@@ -438,4 +431,20 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *t, int first, ktki_phase *ph) {
             return KTK_OK;
         }
     }
+}
+
+int ktki_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
+                 const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, void *out,
+                 int out_dtype) {
+    ktk_task t; /* on the stack: the pool's last touch is the IDLE store, then wait returns */
+    ktki_task_init(&t, pool);
+    int rc = ktki_task_bind(&t, ktki_forward_step, ex, T, k, hidden, hidden_dtype, ids, weights, weights_dtype,
+                            skip, out, out_dtype);
+    if (rc != KTK_OK) return rc;
+    if (ktki_job_run_inline(pool, &t)) {
+        if (t.result != KTK_OK) ktki_error_set_msg(t.result, t.msg);
+        return t.result;
+    }
+    rc = ktki_task_submit(&t);
+    return rc == KTK_OK ? ktki_task_wait(&t) : rc;
 }

@@ -1,13 +1,13 @@
-/* Gate/up activations of a row segment: silu(g) * u (SiLU experts) or gpt-oss's clamped variant, with the biases.
- * Vectorized where the CPU has AVX-512 (a Qwen3-30B-A3B prefill of 4096 tokens computes 25M of them per layer;
- * scalar expf cost ~10% of it): exp from a degree-6 polynomial after range reduction (Cephes' expf constants, about
- * 1 ulp, inputs clamped to +-88; past 88 the product is 0), so results may differ from the scalar expf path in the
- * last bits; one CPU always takes the same path. Elsewhere: libm's expf. gpt-oss's clamps take a NaN gate or up to
- * the limit, as fminf / fmaxf do (the scalar path, and the same as before vectorizing). */
+/* The activation functions of gate/up on a row segment: silu(g) * u (SiLU experts) or gpt-oss's clamped variant,
+ * with the biases. Vectorized where the CPU has AVX-512 (a long prefill computes tens of millions of them a layer,
+ * and scalar expf was a visible part of its time): exp from a degree-6 polynomial after range reduction (Cephes'
+ * expf constants, about 1 ulp, inputs clamped to +-88; past 88 the product is 0), so results may differ from the
+ * scalar expf path in the last bits; one CPU always takes the same path. Elsewhere: libm's expf. gpt-oss's clamps
+ * take a NaN gate or up to the limit, as fminf / fmaxf do (the scalar path, and the same as before vectorizing). */
 #include <immintrin.h>
 #include <math.h>
 
-#include "internal.h"
+#include "../internal.h"
 
 static inline float act_scalar(int act, float alpha, float limit, float g, float u) {
     if (act == KTK_ACT_SILU) return g / (1.0f + expf(-g)) * u;
@@ -65,7 +65,7 @@ static void act_avx512(int act, float alpha, float limit, const float *g, const 
 }
 #pragma GCC pop_options
 
-void ktki_activation(int act, float alpha, float limit, const float *g, const float *u, const float *bg,
+void ktki_activations(int act, float alpha, float limit, const float *g, const float *u, const float *bg,
                      const float *bu, int n, float *out) {
-    (ktki_isa_available(KTK_ISA_AVX512) ? act_avx512 : act_plain)(act, alpha, limit, g, u, bg, bu, n, out);
+    (ktki_dispatch_isa_available(KTK_ISA_AVX512) ? act_avx512 : act_plain)(act, alpha, limit, g, u, bg, bu, n, out);
 }

@@ -1,23 +1,22 @@
 /* Persistent thread pool that a thread losing its core does not stall: one job at a time (a task's forward), run as
- * a chain of parallel phases by whichever threads are there; a task queue and a watch list (watch.c).
+ * a chain of parallel phases by whichever threads are there; a task queue (job.c) and a watch list (watch.c).
  *
- * Why no leader and no barrier (issue 18): on a shared host a thread can be off its core for a time slice of another
- * process (milliseconds). Each phase used to end when all threads had arrived, and one leader thread alone picked
- * up tasks and started phases, so every phase waited for a thread that had lost its core, work left or not: one busy
- * process took graph decode on 16 cores / 15 pinned threads from ~65 to 3.9 tok/s. Now:
+ * Why no leader and no barrier: on a shared host a thread can be off its core for a time slice of another process
+ * (milliseconds). When each phase ended once all threads had arrived, and one leader thread alone picked up tasks
+ * and started phases, every phase waited for a thread that had lost its core, work left or not: one busy process
+ * beside graph decode slowed it many times over. Now:
  * - a phase is [0, nitems), claimed in chunks from one 64-bit word (generation | items | next unclaimed); chunks are
  *   fixed (maxc) or guided (remaining / (2 x threads), within [max(1, minc), maxc]; a phase's cut, where set, is a
  *   boundary no chunk crosses, the items before it sized by what is left before it): no thread has a fixed share;
  * - a phase ends when its items are done (a count), not when threads arrive: a thread that comes late finds nothing
  *   to claim and holds nothing; one that loses its core mid-chunk delays that chunk only;
  * - the thread that finishes a phase's last chunk runs the job's next serial step and publishes the next phase, or
- *   ends the job (the task's done flag); any idle thread takes queued tasks and raised go flags (watch.c);
+ *   ends the job (the task's done flag); any idle thread takes queued tasks and raised go flags (job.c, watch.c);
  * - idle threads spin (KTINJECT_SPIN_US, default 50 us), then sleep on a futex; while the pool is "hot" (watch.c:
  *   a watched run started or ended within the watch spin window) they keep spinning but yield their core every
- *   ~10-20 us, so a runnable thread of another process, or the one driving the GPU, gets it at once.
+ *   YIELD_NS, so a runnable thread of another process, or the one driving the GPU, gets it at once.
  * Yielding between chunks, so that a thread sharing its core steps aside at a chunk's end rather than mid-chunk,
- * gained nothing measurable (probe on the GPU machine, 15 threads: 93-96% of the quiet speed with one copy process
- * against 95-101% without it), so a thread simply runs until the scheduler takes its core.
+ * gained nothing measurable beside a busy process, so a thread simply runs until the scheduler takes its core.
  * Claims: a thread claims only with the word it read, and phase fields are rewritten only after the phase is done
  * (every item claimed), so a claim that succeeds read the fields of its own phase. Thread ids index per-thread
  * scratch: 0..n-1 the pool's threads, n a caller of ktk_forward on an idle pool, which runs the first steps and then
@@ -39,7 +38,8 @@
 
 #include "pool.h"
 
-#ifndef CLAIM_BITS   /* the stress test builds with a few bits: phases of several windows */
+#if !defined(KTK_TEST_BUILD) || !defined(CLAIM_BITS)   /* the stress test builds with a few bits: phases of */
+#undef CLAIM_BITS                                       /* several windows */
 #define CLAIM_BITS 20
 #endif
 #define CLAIM_MAX ((1LL << CLAIM_BITS) - 1)   /* items of one claim window (larger phases: several windows) */
@@ -47,36 +47,6 @@
 
 static inline uint64_t claim_word(uint64_t gen, int64_t n, int64_t next) {
     return gen << (2 * CLAIM_BITS) | (uint64_t)n << CLAIM_BITS | (uint64_t)next;
-}
-
-/* ---- events ---- */
-int64_t ktki_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-void ktki_event_wait(ktki_event *ev, uint32_t seen, int64_t spin_ns) {
-    int64_t deadline = 0;
-    for (uint32_t i = 0; atomic_load_explicit(&ev->seq, memory_order_acquire) == seen; i++) {
-        ktki_cpu_relax();
-        if ((i & 63) != 63) continue;
-        int64_t t = ktki_now_ns();
-        if (deadline == 0) deadline = t + spin_ns;
-        else if (t > deadline) break;
-    }
-    while (atomic_load(&ev->seq) == seen) {
-        atomic_fetch_add(&ev->waiters, 1);
-        if (atomic_load(&ev->seq) == seen)
-            syscall(SYS_futex, (uint32_t *)&ev->seq, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
-        atomic_fetch_sub(&ev->waiters, 1);
-    }
-}
-
-void ktki_event_signal(ktki_event *ev) {
-    atomic_fetch_add(&ev->seq, 1);
-    if (atomic_load(&ev->waiters) != 0)
-        syscall(SYS_futex, (uint32_t *)&ev->seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
 /* ---- phases ---- */
@@ -109,27 +79,27 @@ static void advance(ktk_pool *p, int tid) {
         atomic_store_explicit(&p->minc, ph.minc < 1 ? 1 : ph.minc, memory_order_relaxed);
         atomic_store_explicit(&p->cut, ph.cut, memory_order_relaxed);
         atomic_store_explicit(&p->total, ph.nitems, memory_order_relaxed);
-        if (atomic_load_explicit(&p->prof_job, memory_order_relaxed)) ktki_prof_phase_open(p);
+        if (atomic_load_explicit(&p->prof_job, memory_order_relaxed)) ktki_profile_phase_open(p);
         publish(p, 0, ph.nitems < CLAIM_MAX ? ph.nitems : CLAIM_MAX);
         return;
     }
-    ktki_pool_end_job(p);
+    ktki_job_end(p);
 }
 
 /* A caller that runs a job inline (thread id n) helps with its chunks; where the pool's threads and it would
- * outnumber the CPUs, pool thread n-1 sits the job out (on 2 CPUs, 2 threads and the caller all working made
- * one-token forwards 6-7% slower than the caller and one thread; beside a busy process they were 10% faster). */
+ * outnumber the CPUs, pool thread n-1 sits the job out (all of them working on too few CPUs made one-token forwards
+ * slower than the caller and one thread fewer; docs/performance.md has the figures). */
 void ktki_pool_start_job(ktk_pool *p, ktk_task *t, int watched, int tid) {
     p->job = t;
     p->job_watched = watched;
     const int prof = atomic_load_explicit(&p->prof, memory_order_relaxed);
     atomic_store_explicit(&p->prof_job, prof, memory_order_relaxed);   /* published with the job's first phase */
     if (prof) {
-        p->prof_job_t0 = ktki_now_ns();
+        p->prof_job_t0 = ktki_event_now_ns();
         p->prof_phase = 0;
     }
     atomic_store_explicit(&p->sit_out, tid == p->n && p->n + 1 > p->cpus ? p->n - 1 : -1, memory_order_relaxed);
-    if (watched) ktki_pool_mark_hot(p);   /* idle threads stay awake for this run's phases */
+    if (watched) ktki_watch_mark_hot(p);   /* idle threads stay awake for this run's phases */
     ktki_task_begin(t);
     advance(p, tid);
 }
@@ -160,37 +130,53 @@ static int claim(ktk_pool *p, int tid, int64_t *i0, int64_t *i1, int64_t *n) {
     }
 }
 
-/* Test hook KTINJECT_TEST_DELAY=TID:US: thread TID sleeps US us before every other claim of a phase with items left
- * (it comes late) and after every other chunk it claims (it holds the chunk while off its core). */
+#ifdef KTK_TEST_BUILD
+/* Test hook KTINJECT_TEST_DELAY=TID:US (test builds only: native/tests): thread TID sleeps US us before every other
+ * claim of a phase with items left (it comes late) and after every other chunk it claims (it holds the chunk while
+ * off its core). */
 static void test_delay(ktk_pool *p, int tid, int holding) {
     if (tid != p->delay_tid || (p->delay_count[holding]++ & 1)) return;
     struct timespec ts = {p->delay_us / 1000000, (long)(p->delay_us % 1000000) * 1000};
     nanosleep(&ts, NULL);
 }
 
+static void read_test_delay(ktk_pool *p) {
+    const char *delay = getenv("KTINJECT_TEST_DELAY");
+    p->delay_tid = -1;
+    if (delay && strchr(delay, ':')) {
+        p->delay_tid = atoi(delay);
+        p->delay_us = strtoll(strchr(delay, ':') + 1, NULL, 10);
+    }
+}
+#endif
+
 int ktki_pool_run_chunk(ktk_pool *p, int tid) {
     int64_t i0, i1, n;
+#ifdef KTK_TEST_BUILD
     if (p->delay_tid >= 0 && ktki_pool_items_left(p, tid)) test_delay(p, tid, 0);
+#endif
     if (!claim(p, tid, &i0, &i1, &n)) return 0;
+#ifdef KTK_TEST_BUILD
     if (p->delay_tid >= 0) test_delay(p, tid, 1);
+#endif
     const int64_t base = atomic_load_explicit(&p->base, memory_order_relaxed);
     ktki_range_fn range = atomic_load_explicit(&p->range, memory_order_relaxed);
     ktki_item_fn item = atomic_load_explicit(&p->item, memory_order_relaxed);
     void *ctx = atomic_load_explicit(&p->ctx, memory_order_relaxed);
     _Atomic int64_t *thr = atomic_load_explicit(&p->prof_job, memory_order_relaxed) ? p->prof_thr : NULL;
-    const int64_t t0 = thr ? ktki_now_ns() : 0;
+    const int64_t t0 = thr ? ktki_event_now_ns() : 0;
     const int ph = thr ? atomic_load_explicit(&p->prof_cur, memory_order_relaxed) : 0;
     if (range) range(ctx, base + i0, base + i1, tid);
     else for (int64_t i = base + i0; i < base + i1; i++) item(ctx, i, tid);
     if (thr) {   /* this thread's own line: no contention */
         const int s = KTKI_PROF_SLOT(ph) - 2;   /* 4 i */
-        atomic_fetch_add_explicit(&thr[tid * 16 + s / 2], ktki_now_ns() - t0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&thr[tid * 16 + s / 2], ktki_event_now_ns() - t0, memory_order_relaxed);
         atomic_fetch_add_explicit(&thr[tid * 16 + s / 2 + 1], 1, memory_order_relaxed);
     }
     if (atomic_fetch_add_explicit(&p->ndone, i1 - i0, memory_order_acq_rel) + (i1 - i0) != n) return 1;
     /* the phase's window is done and this thread finished it: the next window, else the job's next steps */
     const int64_t total = atomic_load_explicit(&p->total, memory_order_relaxed);
-    if (thr && base + n >= total) ktki_prof_phase_close(p);
+    if (thr && base + n >= total) ktki_profile_phase_close(p);
     if (base + n < total) publish(p, base + n, total - base - n < CLAIM_MAX ? total - base - n : CLAIM_MAX);
     else advance(p, tid);
     return 1;
@@ -225,28 +211,28 @@ static void idle(ktk_pool *p, int tid, uint32_t seen) {
         ktki_event_wait(&p->done_ev, done, 0);
         return;
     }
-    const int64_t t0 = ktki_now_ns();
+    const int64_t t0 = ktki_event_now_ns();
     int64_t yield_at = t0 + YIELD_NS;
     for (uint32_t i = 1;; i++) {
         if (atomic_load_explicit(&ev->seq, memory_order_acquire) != seen || ktki_pool_items_left(p, tid)) return;
         ktki_cpu_relax();
         if (i & 31) continue;
-        if (ktki_pool_go_raised(p, tid)) return;
+        if (ktki_watch_go_raised(p, tid)) return;
         if (i & 255) continue;
         if (atomic_load(&p->stop)) {   /* the pool is being destroyed: the caller checks whether to exit */
             sched_yield();
             return;
         }
-        const int64_t t = ktki_now_ns();
+        const int64_t t = ktki_event_now_ns();
         if (t < t0 + p->spin_ns) continue;
         if (t < atomic_load_explicit(&p->hot_until, memory_order_relaxed)) {
             if (t >= yield_at) {
                 sched_yield();
-                yield_at = ktki_now_ns() + YIELD_NS;
+                yield_at = ktki_event_now_ns() + YIELD_NS;
             }
             continue;
         }
-        if (ktki_pool_nap(p, tid, seen)) return;   /* thread 0 polled until something happened */
+        if (ktki_watch_nap(p, tid, seen)) return;   /* thread 0 polled until something happened */
         break;
     }
     atomic_fetch_add(&ev->waiters, 1);
@@ -257,12 +243,12 @@ static void idle(ktk_pool *p, int tid, uint32_t seen) {
 
 /* The work event's sequence is read before looking for work, not after: an enqueue (queued++, then the event) that
  * lands between this thread's look at the queue and its idle() moves the event past `seen`, so idle returns at once
- * instead of sleeping with a task queued (a lost wake-up: a 1-thread pool's submit / wait loop hung within 2k-200k
- * iterations). */
+ * instead of sleeping with a task queued (a lost wake-up: a 1-thread pool's tight submit / wait loop hung;
+ * native/tests/test_wakeup.c). */
 static void thread_loop(ktk_pool *p, int tid) {
     for (;;) {
         const uint32_t seen = atomic_load_explicit(&p->work.seq, memory_order_acquire);
-        if (ktki_pool_run_chunk(p, tid) || ktki_pool_take_task(p, tid)) continue;
+        if (ktki_pool_run_chunk(p, tid) || ktki_job_take(p, tid)) continue;
         if (atomic_load(&p->stop) && !atomic_load(&p->running) && !atomic_load(&p->queued)) return;
         idle(p, tid, seen);
     }
@@ -309,12 +295,9 @@ static void read_env(ktk_pool *p) {
     long long wus = wspin ? strtoll(wspin, NULL, 10) : KTKI_WATCH_SPIN_US_DEFAULT;
     atomic_store(&p->watch_spin_ns,
                  (wus < 0 ? 0 : wus > KTKI_WATCH_SPIN_US_MAX ? KTKI_WATCH_SPIN_US_MAX : wus) * 1000LL);
-    const char *delay = getenv("KTINJECT_TEST_DELAY");
-    p->delay_tid = -1;
-    if (delay && strchr(delay, ':')) {
-        p->delay_tid = atoi(delay);
-        p->delay_us = strtoll(strchr(delay, ':') + 1, NULL, 10);
-    }
+#ifdef KTK_TEST_BUILD
+    read_test_delay(p);
+#endif
 }
 
 int ktki_pool_create(int nthreads, int pin, ktk_pool **out) {
@@ -341,7 +324,7 @@ int ktki_pool_create(int nthreads, int pin, ktk_pool **out) {
         free_pool(p);
         return ktki_error(KTK_ERR_NOMEM, "ktk_pool_create: out of memory");
     }
-    int ncpu = ktki_cpu_order(order, 4096);
+    int ncpu = ktki_dispatch_cpu_order(order, 4096);
     cpu_set_t allowed;
     p->cpus = sched_getaffinity(0, sizeof allowed, &allowed) == 0 ? CPU_COUNT(&allowed) : nthreads + 1;
     for (int i = 0; i < nthreads; i++) {
@@ -405,12 +388,12 @@ static void *grow(ktki_slot *s, size_t bytes) {
     return buf;
 }
 
-void *ktki_scratch(ktk_pool *p, int slot, size_t bytes) { return grow(&p->shared[slot], bytes); }
+void *ktki_pool_scratch(ktk_pool *p, int slot, size_t bytes) { return grow(&p->shared[slot], bytes); }
 
-int ktki_thread_scratch_reserve(ktk_pool *p, size_t bytes) {
+int ktki_pool_thread_scratch_reserve(ktk_pool *p, size_t bytes) {
     for (int i = 0; i <= p->n; i++)
         if (!grow(&p->per_thread[i], bytes)) return 0;
     return 1;
 }
 
-void *ktki_thread_scratch(ktk_pool *p, int tid) { return p->per_thread[tid].buf; }
+void *ktki_pool_thread_scratch(ktk_pool *p, int tid) { return p->per_thread[tid].buf; }

@@ -11,7 +11,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
 #include "pool.h"
 
 void ktki_task_init(ktk_task *t, ktk_pool *pool) {
@@ -28,11 +27,12 @@ static void keep_sticky(ktk_task *t, int code, const char *msg) {
     snprintf(t->sticky_msg, sizeof t->sticky_msg, "%s", msg);
 }
 
-int ktki_task_bind(ktk_task *t, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
-                   const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, void *out,
-                   int out_dtype) {
+int ktki_task_bind(ktk_task *t, ktki_step_fn step, ktk_experts *ex, int T, int k, const void *hidden,
+                   int hidden_dtype, const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip,
+                   void *out, int out_dtype) {
     if (busy(t)) return ktki_error(KTK_ERR_STATE, "ktk_task_bind: task is queued or running (ktk_wait first)");
     if (t->watched) return ktki_error(KTK_ERR_STATE, "ktk_task_bind: task is watched (ktk_task_unwatch first)");
+    t->step = step;
     t->ex = ex;
     t->T = T;
     t->k = k;
@@ -104,11 +104,11 @@ int ktki_task_split(ktk_task *t, int d, float share, void *out2, volatile uint32
     return KTK_OK;
 }
 
-/* profiled: raised inside the job (forward.c, pipe.c: its pool is still running it), timed in the pool's profile */
+/* profiled: raised inside the job (moe/forward.c, moe/pipeline.c: its pool is still running it), timed in the pool's profile */
 static void raise_top(ktk_task *t, int profiled) {
     if (t->done_top && !atomic_exchange_explicit(&t->top_raised, 1, memory_order_acq_rel)) {
         __atomic_store_n(t->done_top, 1u, __ATOMIC_RELEASE);
-        if (profiled) ktki_pool_profile_top(t->pool);
+        if (profiled) ktki_profile_top(t->pool);
     }
 }
 
@@ -121,14 +121,14 @@ int ktki_task_signal(ktk_task *t, volatile uint32_t *done) {
     return KTK_OK;
 }
 
-int ktki_submit(ktk_task *t) {
+int ktki_task_submit(ktk_task *t) {
     if (!t->bound) return ktki_error(KTK_ERR_STATE, "ktk_submit: task has no bound forward (ktk_task_bind first)");
     if (t->watched) return ktki_error(KTK_ERR_STATE, "ktk_submit: task is watched; it runs when *go is raised");
     if (ktki_pool_stopped(t->pool)) return ktki_error(KTK_ERR_STATE, "ktk_submit: the task's pool is destroyed");
     int expected = KTKI_TASK_IDLE;
     if (!atomic_compare_exchange_strong(&t->state, &expected, KTKI_TASK_QUEUED))
         return ktki_error(KTK_ERR_STATE, "ktk_submit: task is already queued or running (ktk_wait first)");
-    if (!ktki_pool_enqueue(t->pool, t)) {   /* the pool's destroy began after the check above */
+    if (!ktki_job_enqueue(t->pool, t)) {   /* the pool's destroy began after the check above */
         atomic_store(&t->state, KTKI_TASK_IDLE);
         return ktki_error(KTK_ERR_STATE, "ktk_submit: the task's pool is destroyed");
     }
@@ -145,7 +145,7 @@ static void wait_idle(ktk_task *t) {
     }
 }
 
-int ktki_wait(ktk_task *t) {
+int ktki_task_wait(ktk_task *t) {
     wait_idle(t);
     if (t->sticky != KTK_OK) {
         int code = t->sticky;
@@ -157,18 +157,18 @@ int ktki_wait(ktk_task *t) {
     return t->result;
 }
 
-void ktki_submit_fn(ktk_task *t) {
-    int rc = ktki_submit(t);
+void ktki_task_submit_fn(ktk_task *t) {
+    int rc = ktki_task_submit(t);
     keep_sticky(t, rc, ktki_error_msg());
 }
 
-void ktki_wait_fn(ktk_task *t) {
+void ktki_task_wait_fn(ktk_task *t) {
     wait_idle(t);
     keep_sticky(t, t->result, t->msg);
 }
 
 void ktki_task_begin(ktk_task *t) {
-    t->begin_ns = ktki_now_ns();
+    t->begin_ns = ktki_event_now_ns();
     atomic_store(&t->state, KTKI_TASK_RUNNING);
     atomic_store_explicit(&t->top_raised, 0, memory_order_relaxed);
     t->steps = 0;
@@ -176,7 +176,7 @@ void ktki_task_begin(ktk_task *t) {
 
 int ktki_task_step(ktk_task *t, ktki_phase *ph) {
     ktki_error_clear();
-    int rc = ktki_forward_step(t->pool, t, t->steps++ == 0, ph);
+    int rc = t->step(t->pool, t, t->steps++ == 0, ph);
     if (rc == KTKI_PHASE) return 1;
     t->result = rc;
     if (rc != KTK_OK) snprintf(t->msg, sizeof t->msg, "%s", ktki_error_msg());
@@ -186,9 +186,9 @@ int ktki_task_step(ktk_task *t, ktki_phase *ph) {
 
 void ktki_task_end(ktk_task *t, int watched) {
     /* a run that failed, or had no row to compute (R == 0: its zeros written in a serial step), raises it here;
-     * not profiled: the pool may already be running another job (watch.c releases it first for a submitted task) */
+     * not profiled: the pool may already be running another job (job.c releases it first for a submitted task) */
     if (t->slots == KTK_SLOTS_SPLIT) raise_top(t, 0);
-    t->end_ns = ktki_now_ns();
+    t->end_ns = ktki_event_now_ns();
     if (watched) {
         keep_sticky(t, t->result, t->msg);
         __atomic_store_n(t->done, 1u, __ATOMIC_RELEASE);
@@ -198,7 +198,7 @@ void ktki_task_end(ktk_task *t, int watched) {
     atomic_store_explicit(&t->state, KTKI_TASK_IDLE, memory_order_release);
 }
 
-int ktki_watch(ktk_task *t, volatile uint32_t *go, volatile uint32_t *done, volatile uint32_t *then) {
+int ktki_task_watch(ktk_task *t, volatile uint32_t *go, volatile uint32_t *done, volatile uint32_t *then) {
     if (!t->bound) return ktki_error(KTK_ERR_STATE, "ktk_task_watch: task has no bound forward (bind first)");
     if (t->watched) return ktki_error(KTK_ERR_STATE, "ktk_task_watch: task is already watched");
     wait_idle(t);   /* a submitted run finishes first */
@@ -206,14 +206,14 @@ int ktki_watch(ktk_task *t, volatile uint32_t *go, volatile uint32_t *done, vola
     t->done = done;
     t->then = then;
     t->watched = 1;
-    int rc = ktki_pool_watch(t->pool, t);
+    int rc = ktki_watch_add(t->pool, t);
     if (rc != KTK_OK) t->watched = 0;
     return rc;
 }
 
-int ktki_unwatch(ktk_task *t) {
+int ktki_task_unwatch(ktk_task *t) {
     if (!t->watched) return ktki_error(KTK_ERR_STATE, "ktk_task_unwatch: task is not watched");
-    ktki_pool_unwatch(t->pool, t);
+    ktki_watch_remove(t->pool, t);
     t->watched = 0;
     t->go = t->done = t->then = NULL;
     if (t->sticky != KTK_OK) {
@@ -226,22 +226,7 @@ int ktki_unwatch(ktk_task *t) {
 }
 
 void ktki_task_finish(ktk_task *t) {
-    if (t->watched) ktki_pool_unwatch(t->pool, t);
+    if (t->watched) ktki_watch_remove(t->pool, t);
     t->watched = 0;
     wait_idle(t);
-}
-
-int ktki_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
-                 const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, void *out,
-                 int out_dtype) {
-    ktk_task t; /* on the stack: the pool's last touch is the IDLE store, then wait returns */
-    ktki_task_init(&t, pool);
-    int rc = ktki_task_bind(&t, ex, T, k, hidden, hidden_dtype, ids, weights, weights_dtype, skip, out, out_dtype);
-    if (rc != KTK_OK) return rc;
-    if (ktki_pool_run_inline(pool, &t)) {
-        if (t.result != KTK_OK) ktki_error_set_msg(t.result, t.msg);
-        return t.result;
-    }
-    rc = ktki_submit(&t);
-    return rc == KTK_OK ? ktki_wait(&t) : rc;
 }

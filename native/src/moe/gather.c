@@ -1,4 +1,4 @@
-/* Activations of a forward, as the kernels read them (kernels.h):
+/* The activations of a forward, gathered and quantized as the kernels read them (kernels/kernels.h):
  *   x: every routed row's hidden state, rows sorted by (expert, token): bf16 zero-padded to Kp, or int8 per row
  *      (symmetric: scale + sum) for int8 and int4 weights, plus int4's exact bf16 copies for its dequantizing path;
  *   h: the activation of gate/up per row (written by the gate/up items; int8 / int4: quantized here per row);
@@ -13,14 +13,14 @@
 /* KTINJECT_TILES (read at each forward; tests and A/B): 0 never gives the kernels x and h in tile order; N > 0
  * gives them from N rows on whatever table runs (the generic kernels read them too; others ignore them); unset or
  * anything else: the table's tile_rows for the quant. */
-int ktki_fwd_tile_rows(const ktk_kernels *k, int quant) {
+int ktki_gather_tile_rows(const ktk_kernels *k, int quant) {
     const char *v = getenv("KTINJECT_TILES");
     char *end;
     long n = v && *v ? strtol(v, &end, 10) : -1;
     return n >= 0 && n < (1L << 30) && *end == 0 ? (int)n : k->tile_rows[quant];
 }
 
-/* Tile-order copies of x and h (kernels.h) for the experts with at least the table's tile_rows rows, where the
+/* Tile-order copies of x and h (kernels/kernels.h) for the experts with at least the table's tile_rows rows, where the
  * kernels read them: bf16 rows for bf16 weights and int4's dequantizing path (its bf16 copies), int8 rows for int8
  * weights; not on the decode path. */
 static int plan_tiles(fctx *c) {
@@ -35,21 +35,21 @@ static int plan_tiles(fctx *c) {
     }
     if (groups == 0) return 1;
     c->tes = c->quant == KTK_QUANT_INT8 ? 1 : 2;
-    c->xt = ktki_scratch(c->pool, KTKI_SCR_XT, (size_t)groups * 16 * c->KpH * c->tes);
-    c->ht = ktki_scratch(c->pool, KTKI_SCR_HT, (size_t)groups * 16 * c->KpI * c->tes);
+    c->xt = ktki_pool_scratch(c->pool, KTKI_SCR_XT, (size_t)groups * 16 * c->KpH * c->tes);
+    c->ht = ktki_pool_scratch(c->pool, KTKI_SCR_HT, (size_t)groups * 16 * c->KpI * c->tes);
     return c->xt && c->ht;
 }
 
 /* Whether int4 gets bf16 copies, and the scratch of x and h (and their tiles) for c->R rows. 0: out of memory. */
-int ktki_fwd_plan_acts(fctx *c) {
+int ktki_gather_plan(fctx *c) {
     const size_t R = (size_t)c->R, KpH = (size_t)c->KpH, KpI = (size_t)c->KpI;
     const int q8 = c->a8;
     c->copies = c->quant == KTK_QUANT_INT4 && c->int4_path != KTK_INT4_PATH_DIRECT &&
                 (c->int4_path == KTK_INT4_PATH_DEQUANT || c->maxrows >= KTK_INT4_DEQUANT_MIN_ROWS_ANY);
     if (!plan_tiles(c)) return 0;
     const size_t cx = c->copies ? a64(R * KpH * 2) : 0, ch = c->copies ? a64(R * KpI * 2) : 0;
-    uint8_t *x = ktki_scratch(c->pool, KTKI_SCR_X, q8 ? a64(R * KpH) + 2 * a64(R * 4) + cx : a64(R * KpH * 2));
-    uint8_t *h = ktki_scratch(c->pool, KTKI_SCR_H, q8 ? a64(R * KpI) + 2 * a64(R * 4) + ch : a64(R * KpI * 2));
+    uint8_t *x = ktki_pool_scratch(c->pool, KTKI_SCR_X, q8 ? a64(R * KpH) + 2 * a64(R * 4) + cx : a64(R * KpH * 2));
+    uint8_t *h = ktki_pool_scratch(c->pool, KTKI_SCR_H, q8 ? a64(R * KpI) + 2 * a64(R * 4) + ch : a64(R * KpI * 2));
     if (!x || !h) return 0;
     if (q8) {
         c->x8 = (int8_t *)x;
@@ -58,7 +58,7 @@ int ktki_fwd_plan_acts(fctx *c) {
         c->h8 = (int8_t *)h;
         c->hs = (float *)(h + a64(R * KpI));
         c->hsum = (int32_t *)(h + a64(R * KpI) + a64(R * 4));
-        c->hf = ktki_scratch(c->pool, KTKI_SCR_HF, R * (size_t)c->I * 4 + 64);
+        c->hf = ktki_pool_scratch(c->pool, KTKI_SCR_HF, R * (size_t)c->I * 4 + 64);
         if (!c->hf) return 0;
         if (c->copies) {   /* int4: the same int8 values as bf16, for the dequantizing path */
             c->x16 = (uint16_t *)(x + a64(R * KpH) + 2 * a64(R * 4));
@@ -81,7 +81,7 @@ static void bf16_copy(const int8_t *src, int n, uint16_t *dst) {
     }
 }
 
-void ktki_fwd_to_tiles(const fctx *c, int h, int a, int r, const void *row, int64_t b0, int64_t b1) {
+void ktki_gather_to_tiles(const fctx *c, int h, int a, int r, const void *row, int64_t b0, int64_t b1) {
     if (!c->xt || c->tg[a] < 0) return;
     const int64_t rb = (int64_t)(h ? c->KpI : c->KpH) * c->tes;   /* bytes of a row; a 16-row group: 16 rb */
     const int rel = r - c->off[a];
@@ -98,7 +98,7 @@ static void row_to_tiles(const fctx *c, int h, int a, int r) {
     const int64_t kp = h ? c->KpI : c->KpH;
     const void *row = c->tes == 1 ? (const void *)((h ? c->h8 : c->x8) + r * kp)
                                   : (const void *)((h ? c->h16 : c->x16) + r * kp);
-    ktki_fwd_to_tiles(c, h, a, r, row, 0, kp * c->tes);
+    ktki_gather_to_tiles(c, h, a, r, row, 0, kp * c->tes);
 }
 
 /* Active expert of row r: the last a with off[a] <= r (rows of a token are not in expert order). */
@@ -116,8 +116,8 @@ static int expert_of_row(const fctx *c, int r) {
 static void gather_row(const fctx *c, int r, const char *src, float *tmp) {
     if (c->a8) {
         int8_t *dst = c->x8 + (int64_t)r * c->KpH;
-        ktki_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
-        c->xsum[r] = ktki_quantize_row(tmp, c->H, dst, &c->xs[r]);
+        ktki_pack_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
+        c->xsum[r] = ktki_pack_quantize_row(tmp, c->H, dst, &c->xs[r]);
         memset(dst + c->H, 0, (size_t)(c->KpH - c->H));
         if (c->copies) bf16_copy(dst, c->KpH, c->x16 + (int64_t)r * c->KpH);
         return;
@@ -126,7 +126,7 @@ static void gather_row(const fctx *c, int r, const char *src, float *tmp) {
     if (c->t->hidden_dtype == KTK_DTYPE_BF16) {
         memcpy(dst, src, (size_t)c->H * 2);
     } else {
-        ktki_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
+        ktki_pack_to_f32(src, c->t->hidden_dtype, c->H, 1, tmp);
         for (int j = 0; j < c->H; j++) dst[j] = ktk_f32_to_bf16(tmp[j]);
     }
     memset(dst + c->H, 0, (size_t)(c->KpH - c->H) * 2);
@@ -144,10 +144,10 @@ static void copy_row(const fctx *c, int r, int r0) {
 }
 
 /* Tokens [item * gtok, ...): each token's hidden state made into its first row once, copied into its other rows. */
-void ktki_fwd_gather_item(void *ctx, int64_t item, int tid) {
+void ktki_gather_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
     const int64_t es = ktki_dtype_size(c->t->hidden_dtype);
-    float *tmp = ktki_thread_scratch(c->pool, tid);
+    float *tmp = ktki_pool_thread_scratch(c->pool, tid);
     const int t1 = (int)((item + 1) * c->gtok < c->T ? (item + 1) * c->gtok : c->T);
     for (int tk = (int)(item * c->gtok); tk < t1; tk++) {
         const int i0 = c->toff[tk], i1 = c->toff[tk + 1];
@@ -161,7 +161,7 @@ void ktki_fwd_gather_item(void *ctx, int64_t item, int tid) {
 }
 
 /* With their tiles where the expert has them and r0 starts a 16-row group of it. */
-ktk_act ktki_fwd_rows(const fctx *c, int h, int a, int r0, int r1, int tid) {
+ktk_act ktki_gather_rows(const fctx *c, int h, int a, int r0, int r1, int tid) {
     ktk_act x = {r1 - r0, h ? c->KpI : c->KpH, NULL, NULL, NULL, NULL, NULL, 0, KTK_INT4_PATH_AUTO, NULL};
     int64_t o = (int64_t)r0 * x.Kp;
     const int rel = r0 - c->off[a];
@@ -177,23 +177,23 @@ ktk_act ktki_fwd_rows(const fctx *c, int h, int a, int r0, int r1, int tid) {
     x.int4_path = c->int4_path;
     if (c->copies) {
         x.x_bf16 = (h ? c->h16 : c->x16) + o;
-        x.work = (char *)ktki_thread_scratch(c->pool, tid) + c->work_off;
+        x.work = (char *)ktki_pool_thread_scratch(c->pool, tid) + c->work_off;
         x.work_bytes = c->work_bytes;
     }
     return x;
 }
 
-void ktki_fwd_quantize_h_item(void *ctx, int64_t item, int tid) {
+void ktki_gather_quantize_h_item(void *ctx, int64_t item, int tid) {
     fctx *c = ctx;
     (void)tid;
     const int64_t r0 = c->hq_r0 + item * c->hq_rows;   /* rows [hq_r0, hq_r1): every row, or a split part's */
-    ktki_fwd_quantize_h_rows(c, (int)r0, (int)(r0 + c->hq_rows < c->hq_r1 ? r0 + c->hq_rows : c->hq_r1));
+    ktki_gather_quantize_h_rows(c, (int)r0, (int)(r0 + c->hq_rows < c->hq_r1 ? r0 + c->hq_rows : c->hq_r1));
 }
 
-void ktki_fwd_quantize_h_rows(const fctx *c, int r0, int r1) {
+void ktki_gather_quantize_h_rows(const fctx *c, int r0, int r1) {
     for (int r = r0; r < r1; r++) {
         int8_t *dst = c->h8 + (int64_t)r * c->KpI;
-        c->hsum[r] = ktki_quantize_row(c->hf + (int64_t)r * c->I, c->I, dst, &c->hs[r]);
+        c->hsum[r] = ktki_pack_quantize_row(c->hf + (int64_t)r * c->I, c->I, dst, &c->hs[r]);
         memset(dst + c->I, 0, (size_t)(c->KpI - c->I));
         if (c->copies) bf16_copy(dst, c->KpI, c->h16 + (int64_t)r * c->KpI);
         if (c->xt) row_to_tiles(c, 1, expert_of_row(c, r), r);

@@ -23,7 +23,7 @@
  *         few instructions per row and group), where int8's trick (u8 x + 128, s8 weights, - 128 * wsum) would
  *         store an int32 per (output, group): 0.5 bit per weight at G = 64, 11% more bytes to stream at decode.
  *
- * Activation layout (produced by the orchestration in experts.c, generic code):
+ * Activation layout (produced by the forward's gather, moe/gather.c, generic code):
  *   bf16: x_bf16[t * Kp + c], t < n rows, zero for c >= K;
  *   int8: x_i8[t * Kp + c] symmetric per row: x ~= q * x_scale[t]; x_sum[t] = sum_c q[t][c].
  *   int4 weights take int8 activations (W4A8), plus optionally, for the dequantizing path of many rows, x_bf16 =

@@ -52,7 +52,7 @@ static int64_t slot_key(const ktk_task *t, int k, int E, int64_t i) {
 
 /* The route step (serial): validate ids, count rows per routing key, the active experts in key order (a split task:
  * part 0's, then part 1's, pa[]), rows sorted by (key, token), and the rows of each token (toff / trow). */
-int ktki_fwd_route(fctx *c) {
+int ktki_route(fctx *c) {
     const ktk_task *t = c->t;
     const int64_t n = (int64_t)c->T * c->k;
     int32_t *cnt = c->start;

@@ -1,7 +1,8 @@
-/* Internal to one forward (forward.c: routing, items, phases; acts.c: the activations the kernels read). */
+/* Internal to one forward (forward.c: steps, items, phases; route.c: the route step; gather.c: the activations the
+ * kernels read; pipeline.c: the decode pipeline). */
 #ifndef KTKI_FORWARD_H
 #define KTKI_FORWARD_H
-#include "internal.h"
+#include "../internal.h"
 
 #define RT 256                /* rows per gemm call */
 #define TC 1024               /* tokens per down item */
@@ -10,8 +11,8 @@
 #define GATHER_ROWS 32        /* rows of h an item quantizes; a gather item: ceil(GATHER_ROWS / k) tokens */
 #define HQ_ROWS_FEW 4         /* rows of h per item where a forward has few rows (decode steps of a batch) */
 #define DECODE_ROWS 4         /* decode path: every expert at most this many rows */
-#ifndef PIPE_DN_BLOCKS        /* (both: -D for A/B builds, tests/gpu/ab_flags.sh) */
-#define PIPE_DN_BLOCKS 2      /* decode pipeline (pipe.c): 16-column blocks of H per down unit, */
+#ifndef PIPE_DN_BLOCKS        /* (both: -D for A/B builds, benchmarks/ab_flags.sh) */
+#define PIPE_DN_BLOCKS 2      /* decode pipeline (pipeline.c): 16-column blocks of H per down unit, */
 #endif
 #ifndef PIPE_DN_EXPERTS
 #define PIPE_DN_EXPERTS 4     /* ... of this many experts (one gemv: 8 weight streams, as the two-phase path's) */
@@ -41,7 +42,7 @@ typedef struct {
     int32_t *tg;                       /* [A]: first 16-row group of the expert in xt / ht, or -1 (no tiles) */
     int32_t *toff, *trow;              /* [T+1], [R]: the rows of token t are trow[toff[t] .. toff[t+1]) */
     int gtok, hq_rows;                 /* tokens per gather item, rows per item of h's quantization */
-    char *xt, *ht;                     /* x and h in AMX tile order (kernels.h), or NULL */
+    char *xt, *ht;                     /* x and h in AMX tile order (kernels/kernels.h), or NULL */
     int tes;                           /* their element size: 2 (bf16; int4's bf16 copies) or 1 (int8) */
     float *wt;                          /* [R] routing weight of each row */
     uint16_t *x16, *h16;
@@ -55,7 +56,7 @@ typedef struct {
     int nt;                            /* pool threads */
     int tile_rows;                     /* the kernels read tiles from this many rows (0: never) */
     int step;                          /* ktki_forward_step: the next phase */
-    /* decode pipeline (pipe.c): gate/up and down of every expert in one phase */
+    /* decode pipeline (pipeline.c): gate/up and down of every expert in one phase */
     int pipe, UHc;                     /* on; groups of PIPE_DN_BLOCKS blocks of H */
     int pipe_phases;                   /* how a split task's parts run: SPLIT_* (forward.c: KTINJECT_DEFER_PHASES) */
     _Atomic int32_t *gu_left;          /* [A] gate/up units of the expert not yet done */
@@ -70,33 +71,33 @@ static inline size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 enum { SPLIT_ONE = 1, SPLIT_CUT, SPLIT_TWO };   /* a split task's parts: one phase, one cut at their boundary, two */
 
-/* forward.c, for pipe.c */
+/* forward.c, for pipeline.c */
 /* Gate/up of expert a (active index), rows [r0, r1), blocks [cb0, cb1) -> h; gs, us: the thread's scratch. */
-void ktki_fwd_gate_up_run(const fctx *c, int a, int r0, int r1, int cb0, int cb1, float *gs, float *us, int tid);
+void ktki_forward_gate_up(const fctx *c, int a, int r0, int r1, int cb0, int cb1, float *gs, float *us, int tid);
 /* acc[tok[r] - t0][0, jn) += wt[r] * (y[r - r0][0, jn) + bd) for rows [r0, r1) (y, acc: rows of bw floats) */
-void ktki_fwd_accumulate(const fctx *c, const float *y, int bw, int jn, const float *bd, int r0, int r1, int t0,
+void ktki_forward_accumulate(const fctx *c, const float *y, int bw, int jn, const float *bd, int r0, int r1, int t0,
                          float *acc);
 /* out[t][j0, +jn) = ar (part 1 of a split task: out2) */
-void ktki_fwd_write_out(const fctx *c, int part, int t, int j0, int jn, const float *ar);
-void ktki_fwd_zero_out(const fctx *c, int part);   /* the part's whole out (or out2) = 0 */
+void ktki_forward_write_out(const fctx *c, int part, int t, int j0, int jn, const float *ar);
+void ktki_forward_zero_out(const fctx *c, int part);   /* the part's whole out (or out2) = 0 */
 
 /* route.c: the first step; KTK_OK or an error (an id out of range, an expert routed to but never set) */
-int ktki_fwd_route(fctx *c);
+int ktki_route(fctx *c);
 
-/* pipe.c: the decode pipeline */
-int ktki_pipe_plan(fctx *c);                   /* counters and yd; 0 when out of memory */
-int64_t ktki_pipe_units(const fctx *c);        /* units of every part */
-int64_t ktki_pipe_part_units(const fctx *c, int p);   /* units of part p */
-void ktki_pipe_range(void *ctx, int64_t u0, int64_t u1, int tid);   /* items [u0, u1) of the open phase */
+/* pipeline.c: the decode pipeline */
+int ktki_pipeline_plan(fctx *c);                   /* counters and yd; 0 when out of memory */
+int64_t ktki_pipeline_units(const fctx *c);        /* units of every part */
+int64_t ktki_pipeline_part_units(const fctx *c, int p);   /* units of part p */
+void ktki_pipeline_range(void *ctx, int64_t u0, int64_t u1, int tid);   /* items [u0, u1) of the open phase */
 
-/* acts.c */
-int ktki_fwd_tile_rows(const ktk_kernels *k, int quant);   /* rows from which x, h also go in tile order */
-int ktki_fwd_plan_acts(fctx *c);                 /* scratch of x, h (and tiles); 0 when out of memory */
-void ktki_fwd_gather_item(void *ctx, int64_t item, int tid);      /* x: the rows of gtok tokens per item */
-void ktki_fwd_quantize_h_item(void *ctx, int64_t item, int tid);  /* int8 / int4: h rows from hf */
-void ktki_fwd_quantize_h_rows(const fctx *c, int r0, int r1);     /* the same for rows [r0, r1) */
+/* gather.c: the activations the kernels read */
+int ktki_gather_tile_rows(const ktk_kernels *k, int quant);   /* rows from which x, h also go in tile order */
+int ktki_gather_plan(fctx *c);                 /* scratch of x, h (and tiles); 0 when out of memory */
+void ktki_gather_item(void *ctx, int64_t item, int tid);      /* x: the rows of gtok tokens per item */
+void ktki_gather_quantize_h_item(void *ctx, int64_t item, int tid);  /* int8 / int4: h rows from hf */
+void ktki_gather_quantize_h_rows(const fctx *c, int r0, int r1);     /* the same for rows [r0, r1) */
 /* Bytes [b0, b1) of row r (of active expert a) of x (h = 0) or h (h = 1) -> its tiles, if the expert has tiles. */
-void ktki_fwd_to_tiles(const fctx *c, int h, int a, int r, const void *row, int64_t b0, int64_t b1);
+void ktki_gather_to_tiles(const fctx *c, int h, int a, int r, const void *row, int64_t b0, int64_t b1);
 /* Rows [r0, r1) of active expert a of x (h = 0) or h (h = 1) as the kernels take them, for thread tid. */
-ktk_act ktki_fwd_rows(const fctx *c, int h, int a, int r0, int r1, int tid);
+ktk_act ktki_gather_rows(const fctx *c, int h, int a, int r0, int r1, int tid);
 #endif

@@ -16,7 +16,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "../internal.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -149,14 +149,14 @@ static void detect_topology(void) {
     g_norder = n + nsec;
 }
 
-const char *ktki_isa_name(int isa) {
+const char *ktki_dispatch_isa_name(int isa) {
     static const char *names[] = {"generic", "avx2", "avx512", "amx"};
     return isa >= KTK_ISA_GENERIC && isa <= KTK_ISA_AMX ? names[isa] : NULL;
 }
 
 static int isa_from_name(const char *s) {
     for (int i = KTK_ISA_GENERIC; i <= KTK_ISA_AMX; i++)
-        if (strcasecmp(s, ktki_isa_name(i)) == 0) return i;
+        if (strcasecmp(s, ktki_dispatch_isa_name(i)) == 0) return i;
     return -1;
 }
 
@@ -177,7 +177,7 @@ static void init_once(void) {
         } else if (!cpu_has_isa(g_features, isa)) {
             snprintf(g_isa_error_msg, sizeof g_isa_error_msg,
                      "KTINJECT_ISA=%.40s: not available on this CPU/OS/build (best available: %s)", env,
-                     ktki_isa_name(g_best));
+                     ktki_dispatch_isa_name(g_best));
             atomic_store(&g_isa_error, 1);
         } else {
             atomic_store(&g_isa, isa);
@@ -187,40 +187,40 @@ static void init_once(void) {
 
 static void init(void) { pthread_once(&g_once, init_once); }
 
-uint32_t ktki_cpu_features(void) { init(); return g_features; }
-int ktki_isa_best(void) { init(); return g_best; }
-int ktki_isa_available(int isa) { init(); return cpu_has_isa(g_features, isa); }
-int ktki_physical_cores(void) { init(); return g_cores; }
+uint32_t ktki_dispatch_cpu_features(void) { init(); return g_features; }
+int ktki_dispatch_isa_best(void) { init(); return g_best; }
+int ktki_dispatch_isa_available(int isa) { init(); return cpu_has_isa(g_features, isa); }
+int ktki_dispatch_physical_cores(void) { init(); return g_cores; }
 
-int ktki_cpu_order(int *cpus, int max) {
+int ktki_dispatch_cpu_order(int *cpus, int max) {
     init();
     int n = g_norder < max ? g_norder : max;
     memcpy(cpus, g_order, (size_t)n * sizeof(int));
     return n;
 }
 
-int ktki_isa_check(void) {
+int ktki_dispatch_isa_check(void) {
     init();
     if (atomic_load(&g_isa_error)) return ktki_error(KTK_ERR_ISA, "%s", g_isa_error_msg);
     return KTK_OK;
 }
 
-int ktki_isa_get(void) {
-    int rc = ktki_isa_check();
+int ktki_dispatch_isa_get(void) {
+    int rc = ktki_dispatch_isa_check();
     return rc == KTK_OK ? atomic_load(&g_isa) : -rc;
 }
 
-int ktki_isa_set(int isa) {
+int ktki_dispatch_isa_set(int isa) {
     init();
     if (!cpu_has_isa(g_features, isa))
         return ktki_error(KTK_ERR_ISA, "ktk_isa_set: ISA %s is not available on this CPU/OS/build (best: %s)",
-                          ktki_isa_name(isa), ktki_isa_name(g_best));
+                          ktki_dispatch_isa_name(isa), ktki_dispatch_isa_name(g_best));
     atomic_store(&g_isa, isa);
     atomic_store(&g_isa_error, 0);
     return KTK_OK;
 }
 
-const ktk_kernels *ktki_kernels(void) {
+const ktk_kernels *ktki_dispatch_kernels(void) {
     init();
     switch (atomic_load(&g_isa)) {
     case KTK_ISA_AMX: return ktk_kernels_amx();

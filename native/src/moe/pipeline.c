@@ -1,7 +1,7 @@
 /* The decode pipeline: a decode forward's gate/up, h's quantization and down as one phase (forward.c runs it where
  * the gemv decode path applies and KTINJECT_PIPE is not 0).
  *
- * Why: a one-token forward reads ~20 MB (Qwen3-30B-A3B, int4) in ~200 us, and as two phases (gate/up of every
+ * Why: a one-token forward reads every active expert's weights once in a short time, and as two phases (gate/up of every
  * expert, h quantized, then down of every column block) it paid each phase's tail, the serial step and the down
  * phase's ramp; a batch's decode step pays the same per layer. Here one phase holds both: units [0, A * UI) are
  * gate/up (expert a, block b) as in the two-phase path, then [A * UI, + groups * UHc) down (the experts of
@@ -13,19 +13,18 @@
  * and writes each row's output for its columns into yd; the thread that ends a column group's last expert group
  * sums it per token, the token's rows in ascending order (= experts in ascending order, as down_run sums), acc = 0;
  * acc += w * (y + bias): the same bits as the two-phase path (tested). The same kernel calls as that path: one-row
- * experts' down matrices as one gemv (one expert a unit measured slower on a 2-core VM: a core needs many weight
- * streams to read fast), an expert with several rows as one gemm over them.
+ * experts' down matrices as one gemv (one expert a unit measured slower: a core needs many weight streams to read
+ * fast), an expert with several rows as one gemm over them.
  * A split task (ktk_task_split: expert deferral, one job a layer) has two parts, the immediate slots' experts then
  * the deferred ones', each with its units in the order above, part 0's before part 1's: the thread that sums
  * part 0's last column group raises the task's done_top, and the threads go straight on to part 1's units (no
  * second job: no second routing, gather, phase start or tail). But in one phase the guided chunks near part 0's
- * end are sized by what is left of both parts (~7 down units a chunk where a plain forward's last are 1), so part
+ * end are sized by what is left of both parts (several down units a chunk where a plain forward's last are one), so part
  * 0's tail, which the GPU waits for, is long. KTINJECT_DEFER_PHASES (forward.c): cut keeps one phase but no chunk
  * crosses the boundary and part 0's are sized by its own units left (ktki_phase.cut); two runs each part as a phase
  * of its own: none of part 1's units then reads memory beside part 0's tail, at the price of part 1's ramp after
- * the done word. cut is the default: on the H200 host's graph decode at 16K the done word came at 141 us of a
- * layer's job against one's 166 and two's 150 (bench decode --defer-layouts, forward.c has the figures);
- * tests/gpu/probe_defer_top.py times the three on the host's CPU alone.
+ * the done word. cut is the default: in graph decode its done word came earliest of the three (bench decode
+ * --defer-layouts times them; docs/performance.md has the figures).
  * Legend: A active experts, R rows, T tokens, UI / UH 16-wide blocks of I / H, UHc groups of PIPE_DN_BLOCKS blocks.
  */
 #include <sched.h>
@@ -34,7 +33,6 @@
 #include <string.h>
 
 #include "forward.h"
-#include "pool.h"
 
 /* Expert groups of part p's down units: at most PIPE_DN_EXPERTS experts each */
 static int part_groups(const fctx *c, int p) {
@@ -42,9 +40,8 @@ static int part_groups(const fctx *c, int p) {
 }
 
 /* Expert group eg of part p: its first active expert *a0 and count *n. Sizes differ by one at most (5 experts: 3 +
- * 2, not 4 + 1): a unit of one expert reads one weight stream, which a core reads slowly. A split task's 5 + 3
- * layer (d = 3 of 8) took ~4-6 us less so (tests/gpu/probe_split_groups.py, H200 host: 293.4 -> 289.4 and 342.6 ->
- * 337.0 us a layer in two runs; one group for all of a part's experts was slower, d = 0 too). */
+ * 2, not 4 + 1): a unit of one expert reads one weight stream, which a core reads slowly. A split task's layers
+ * took a little less so; one group for all of a part's experts was slower (docs/performance.md). */
 static void part_group(const fctx *c, int p, int eg, int *a0, int *n) {
     const int pa0 = c->pa[p], N = c->pa[p + 1] - pa0, G = part_groups(c, p);
     const int base = N / G, extra = N % G;   /* sizes base + 1 (the first extra groups) and base */
@@ -53,14 +50,14 @@ static void part_group(const fctx *c, int p, int eg, int *a0, int *n) {
 }
 
 /* Units of part p: its gate/up units, then its down units */
-int64_t ktki_pipe_part_units(const fctx *c, int p) {
+int64_t ktki_pipeline_part_units(const fctx *c, int p) {
     return (int64_t)(c->pa[p + 1] - c->pa[p]) * c->UI + (int64_t)part_groups(c, p) * c->UHc;
 }
 
-int ktki_pipe_plan(fctx *c) {
+int ktki_pipeline_plan(fctx *c) {
     c->UHc = (c->UH + PIPE_DN_BLOCKS - 1) / PIPE_DN_BLOCKS;
     const size_t ca = a64((size_t)c->A * 4), cg = a64((size_t)c->UHc * c->nparts * 4);
-    char *b = ktki_scratch(c->pool, KTKI_SCR_PIPE, 2 * ca + cg + (size_t)c->R * c->UH * 16 * sizeof(float));
+    char *b = ktki_pool_scratch(c->pool, KTKI_SCR_PIPE, 2 * ca + cg + (size_t)c->R * c->UH * 16 * sizeof(float));
     if (!b) return 0;
     c->gu_left = (_Atomic int32_t *)b;
     c->h_ready = (_Atomic int32_t *)(b + ca);
@@ -76,17 +73,17 @@ int ktki_pipe_plan(fctx *c) {
     atomic_store_explicit(&c->top_left, c->UHc, memory_order_relaxed);
     if (c->nparts == 2) {   /* a part with no row has no unit: its zeros here (the immediate part's done at once) */
         if (c->pa[1] == 0) {
-            ktki_fwd_zero_out(c, 0);
+            ktki_forward_zero_out(c, 0);
             ktki_task_raise_top(c->t);
         }
-        if (c->pa[1] == c->A) ktki_fwd_zero_out(c, 1);
+        if (c->pa[1] == c->A) ktki_forward_zero_out(c, 1);
     }
     return 1;
 }
 
-int64_t ktki_pipe_units(const fctx *c) {
+int64_t ktki_pipeline_units(const fctx *c) {
     int64_t n = 0;
-    for (int p = 0; p < c->nparts; p++) n += ktki_pipe_part_units(c, p);
+    for (int p = 0; p < c->nparts; p++) n += ktki_pipeline_part_units(c, p);
     return n;
 }
 
@@ -113,11 +110,11 @@ static void combine(const fctx *c, int p, int g) {
             const int r = c->trow[i];
             if (r < r0 || r >= r1) continue;
             const float *bd = c->ex->bias_off[KTK_MAT_DOWN] < 0 ? NULL
-                              : ktki_expert_bias(c->ex, c->act_e[row_expert(c, r)], KTK_MAT_DOWN);
-            ktki_fwd_accumulate(c, c->yd + (int64_t)r * c->UH * 16 + j0, j1 - j0, j1 - j0, bd ? bd + j0 : NULL, r,
+                              : ktki_experts_bias(c->ex, c->act_e[row_expert(c, r)], KTK_MAT_DOWN);
+            ktki_forward_accumulate(c, c->yd + (int64_t)r * c->UH * 16 + j0, j1 - j0, j1 - j0, bd ? bd + j0 : NULL, r,
                                 r + 1, t, acc);
         }
-        ktki_fwd_write_out(c, p, t, j0, j1 - j0, acc);
+        ktki_forward_write_out(c, p, t, j0, j1 - j0, acc);
     }
 }
 
@@ -129,11 +126,11 @@ static void wait_h(const fctx *c, int a) {
     for (unsigned i = 1; !atomic_load_explicit(&c->h_ready[a], memory_order_acquire); i++) {
         ktki_cpu_relax();
         if (i % 16) continue;
-        const int64_t t = ktki_now_ns();
+        const int64_t t = ktki_event_now_ns();
         if (!yield_at) yield_at = t + PIPE_YIELD_NS;
         else if (t >= yield_at) {
             sched_yield();
-            yield_at = ktki_now_ns() + PIPE_YIELD_NS;
+            yield_at = ktki_event_now_ns() + PIPE_YIELD_NS;
         }
     }
 }
@@ -151,15 +148,15 @@ static void down_group(const fctx *c, int a0, int n, int cb0, int cb1, float *ys
     for (int a = a0; a < a0 + n; a++) {
         wait_h(c, a);
         const int r0 = c->off[a], rows = c->off[a + 1] - r0;
-        const ktk_mat w = ktki_expert_mat(c->ex, c->act_e[a], KTK_MAT_DOWN);
+        const ktk_mat w = ktki_experts_mat(c->ex, c->act_e[a], KTK_MAT_DOWN);
         float *yr = c->yd + (int64_t)r0 * c->UH * 16 + (int64_t)cb0 * 16;
         if (rows == 1) {
             d[m] = w;
-            h[m] = ktki_fwd_rows(c, 1, a, r0, r0 + 1, tid);
+            h[m] = ktki_gather_rows(c, 1, a, r0, r0 + 1, tid);
             dp[m] = &d[m], hp[m] = &h[m], y[m++] = yr;
             continue;
         }
-        const ktk_act x = ktki_fwd_rows(c, 1, a, r0, r0 + rows, tid);
+        const ktk_act x = ktki_gather_rows(c, 1, a, r0, r0 + rows, tid);
         c->gemm(&w, cb0, cb1, &x, ys, bw);
         for (int r = 0; r < rows; r++)
             memcpy(yr + (int64_t)r * c->UH * 16, ys + (int64_t)r * bw, (size_t)bw * sizeof(float));
@@ -169,15 +166,15 @@ static void down_group(const fctx *c, int a0, int n, int cb0, int cb1, float *ys
 
 /* Units [u0, u1) of part p (its gate/up units, then its down units). */
 static void part_range(fctx *c, int p, int64_t u0, int64_t u1, int tid) {
-    float *gs = ktki_thread_scratch(c->pool, tid), *us = gs + (int64_t)DECODE_ROWS * c->cw_gu * 16;
+    float *gs = ktki_pool_thread_scratch(c->pool, tid), *us = gs + (int64_t)DECODE_ROWS * c->cw_gu * 16;
     const int pa0 = c->pa[p], pa1 = c->pa[p + 1];
     const int64_t ngu = (int64_t)(pa1 - pa0) * c->UI;
     for (int64_t u = u0; u < u1 && u < ngu;) {   /* gate/up */
         const int a = pa0 + (int)(u / c->UI), cb0 = (int)(u % c->UI);
         const int cb1 = u1 - u < c->UI - cb0 ? cb0 + (int)(u1 - u) : c->UI;
-        ktki_fwd_gate_up_run(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
+        ktki_forward_gate_up(c, a, c->off[a], c->off[a + 1], cb0, cb1, gs, us, tid);
         if (atomic_fetch_sub_explicit(&c->gu_left[a], cb1 - cb0, memory_order_acq_rel) == cb1 - cb0) {
-            if (c->a8) ktki_fwd_quantize_h_rows(c, c->off[a], c->off[a + 1]);
+            if (c->a8) ktki_gather_quantize_h_rows(c, c->off[a], c->off[a + 1]);
             atomic_store_explicit(&c->h_ready[a], 1, memory_order_release);
         }
         u += cb1 - cb0;
@@ -203,13 +200,14 @@ static void part_range(fctx *c, int p, int64_t u0, int64_t u1, int tid) {
 
 /* A guided chunk [u0, u1) of the open phase, units [base + u0, base + u1): part 0's units, then part 1's
  * (a split task). */
-void ktki_pipe_range(void *ctx, int64_t u0, int64_t u1, int tid) {
+void ktki_pipeline_range(void *ctx, int64_t u0, int64_t u1, int tid) {
     fctx *c = ctx;
     int64_t base = 0;
     u0 += c->base;
     u1 += c->base;
-#ifdef KTK_CHECK_CUT   /* the pool stress test's builds: a chunk of a cut phase never crosses the parts' boundary */
-    const int64_t cut = ktki_pipe_part_units(c, 0);
+#if defined(KTK_TEST_BUILD) && defined(KTK_CHECK_CUT)   /* the pool stress test: a chunk of a cut phase never
+                                                          * crosses the parts' boundary */
+    const int64_t cut = ktki_pipeline_part_units(c, 0);
     if (c->nparts == 2 && c->pipe_phases == SPLIT_CUT && u0 < cut && u1 > cut) {
         fprintf(stderr, "pipe: chunk [%lld, %lld) crosses the cut at %lld\n", (long long)u0, (long long)u1,
                 (long long)cut);
@@ -217,7 +215,7 @@ void ktki_pipe_range(void *ctx, int64_t u0, int64_t u1, int tid) {
     }
 #endif
     for (int p = 0; p < c->nparts && u0 < u1; p++) {
-        const int64_t end = base + ktki_pipe_part_units(c, p);
+        const int64_t end = base + ktki_pipeline_part_units(c, p);
         if (u0 < end) {
             const int64_t v1 = u1 < end ? u1 : end;
             part_range(c, p, u0 - base, v1 - base, tid);

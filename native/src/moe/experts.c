@@ -2,7 +2,7 @@
  *
  * Region of expert e (E regions back to back, each a multiple of 64 bytes; the whole mapping is what
  * ktk_experts_export copies):
- *   gate [I, H], up [I, H], down [H, I], each packed per kernels.h:
+ *   gate [I, H], up [I, H], down [H, I], each packed per kernels/kernels.h:
  *     bf16: data [Np * Kp] uint16
  *     int8: data [Np * Kp] int8, scale [Np] float, wsum [Np] int32
  *     int4: data [Np * Kp / 2] nibbles, scale [Np / 16][Kp / G][16] float (Kp = round_up(K, max(64, G)))
@@ -13,7 +13,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "internal.h"
+#include "../internal.h"
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -72,7 +72,7 @@ void ktki_experts_destroy(ktk_experts *ex) {
     free(ex);
 }
 
-ktk_mat ktki_expert_mat(const ktk_experts *ex, int e, int which) {
+ktk_mat ktki_experts_mat(const ktk_experts *ex, int e, int which) {
     uint8_t *p = ex->base + ex->expert_bytes * e + ex->mat_off[which];
     int64_t Np = ex->Np[which], Kp = ex->Kp[which];
     ktk_mat m = {ex->out_n[which], ex->in_k[which], (int32_t)Np, (int32_t)Kp, ex->cfg.quant, NULL, NULL, NULL, NULL,
@@ -91,13 +91,13 @@ ktk_mat ktki_expert_mat(const ktk_experts *ex, int e, int which) {
     return m;
 }
 
-const float *ktki_expert_bias(const ktk_experts *ex, int e, int which) {
+const float *ktki_experts_bias(const ktk_experts *ex, int e, int which) {
     if (ex->bias_off[which] < 0) return NULL;
     return (const float *)(ex->base + ex->expert_bytes * e + ex->bias_off[which]);
 }
 
 int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dtype, int64_t so, int64_t si) {
-    ktk_mat m = ktki_expert_mat(ex, e, which);
+    ktk_mat m = ktki_experts_mat(ex, e, which);
     float *row = malloc((size_t)m.K * sizeof(float));
     int8_t *q = m.quant == KTK_QUANT_INT8 ? malloc((size_t)m.K) : NULL;
     if (!row || (m.quant == KTK_QUANT_INT8 && !q)) {
@@ -108,7 +108,7 @@ int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dty
     const char *base = src;
     const int64_t es = ktki_dtype_size(dtype);
     for (int n = 0; n < m.N; n++) {
-        ktki_to_f32(base + (int64_t)n * so * es, dtype, m.K, si, row);
+        ktki_pack_to_f32(base + (int64_t)n * so * es, dtype, m.K, si, row);
         if (m.quant == KTK_QUANT_BF16)
             ktki_pack_bf16(&m, (uint16_t *)m.data_bf16, n, row);
         else if (m.quant == KTK_QUANT_INT4)
@@ -123,14 +123,14 @@ int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dty
 }
 
 int ktki_experts_set_bias(ktk_experts *ex, int e, int which, const void *src, int dtype) {
-    float *b = (float *)ktki_expert_bias(ex, e, which);
-    ktki_to_f32(src, dtype, ex->out_n[which], 1, b);
+    float *b = (float *)ktki_experts_bias(ex, e, which);
+    ktki_pack_to_f32(src, dtype, ex->out_n[which], 1, b);
     return KTK_OK;
 }
 
 int ktki_experts_get(const ktk_experts *ex, int e, int which, float *dst) {
-    ktk_mat m = ktki_expert_mat(ex, e, which);
-    for (int n = 0; n < m.N; n++) ktki_unpack(&m, n, dst + (int64_t)n * m.K);
+    ktk_mat m = ktki_experts_mat(ex, e, which);
+    for (int n = 0; n < m.N; n++) ktki_pack_unpack(&m, n, dst + (int64_t)n * m.K);
     return KTK_OK;
 }
 
@@ -140,9 +140,9 @@ int ktki_experts_import(ktk_experts *ex, const void *src, int64_t size) {
     return KTK_OK;
 }
 
-/* Zero-copy view of one matrix (ktk_experts_raw): pointers into the mapping, layout of kernels.h. */
+/* Zero-copy view of one matrix (ktk_experts_raw): pointers into the mapping, layout of kernels/kernels.h. */
 int ktki_experts_raw(const ktk_experts *ex, int e, int which, ktk_raw *out) {
-    ktk_mat m = ktki_expert_mat(ex, e, which);
+    ktk_mat m = ktki_experts_mat(ex, e, which);
     memset(out, 0, sizeof *out);
     out->quant = m.quant;
     out->N = m.N;
@@ -157,7 +157,7 @@ int ktki_experts_raw(const ktk_experts *ex, int e, int which, ktk_raw *out) {
         out->data_bytes = (int64_t)m.Np * m.Kp * (m.quant == KTK_QUANT_BF16 ? 2 : 1);
     }
     out->scale = m.quant == KTK_QUANT_BF16 ? NULL : m.scale;
-    out->bias = ktki_expert_bias(ex, e, which);
+    out->bias = ktki_experts_bias(ex, e, which);
     out->expert = ex->base + ex->expert_bytes * e;
     out->expert_bytes = ex->expert_bytes;
     return KTK_OK;

@@ -1,10 +1,10 @@
-/* Dtype conversions, symmetric int8 / group-wise int4 quantization and the packed layouts of kernels.h (generic C). */
+/* Dtype conversions, symmetric int8 / group-wise int4 quantization and the packed layouts of kernels/kernels.h (generic C). */
 #include <math.h>
 #include <string.h>
 
-#include "internal.h"
+#include "../internal.h"
 
-float ktki_f16_to_f32(uint16_t h) {
+static float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
     if (exp == 0x1f) {
         bits = sign | 0x7f800000u | (man << 13);               /* inf / nan */
@@ -22,7 +22,7 @@ float ktki_f16_to_f32(uint16_t h) {
     return v.f;
 }
 
-void ktki_to_f32(const void *src, int dtype, int64_t n, int64_t stride, float *dst) {
+void ktki_pack_to_f32(const void *src, int dtype, int64_t n, int64_t stride, float *dst) {
     if (dtype == KTK_DTYPE_F32) {
         const float *s = src;
         if (stride == 1) memcpy(dst, s, (size_t)n * sizeof(float));
@@ -32,7 +32,7 @@ void ktki_to_f32(const void *src, int dtype, int64_t n, int64_t stride, float *d
         for (int64_t i = 0; i < n; i++) dst[i] = ktk_bf16_to_f32(s[i * stride]);
     } else {
         const uint16_t *s = src;
-        for (int64_t i = 0; i < n; i++) dst[i] = ktki_f16_to_f32(s[i * stride]);
+        for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32(s[i * stride]);
     }
 }
 
@@ -41,8 +41,8 @@ void ktki_to_f32(const void *src, int dtype, int64_t n, int64_t stride, float *d
  * row of x and h): |x| as int32 bit patterns order like the floats (a NaN sorts above inf, so a row with a NaN or
  * an inf gets scale NaN and q = 0: its outputs come out NaN, not silently wrong), and v + 1.5 * 2^23 - 1.5 * 2^23
  * rounds half to even exactly for |v| <= 2^22 (here |v| <= 127 up to an ulp; the clamp is on the integers).
- * One body, built twice: for AVX-512 where the CPU has it (0.17 vs 0.83 ns per value; the old libm version took
- * 3.8) and for baseline x86-64; the same bits either way. (Not target_clones: its ifunc resolver runs before
+ * One body, built twice: for AVX-512 where the CPU has it (several times faster per value than the baseline build,
+ * itself several times faster than a libm version) and for baseline x86-64; the same bits either way. (Not target_clones: its ifunc resolver runs before
  * ThreadSanitizer is initialized.) */
 static inline __attribute__((always_inline)) int32_t quantize_row(const float *x, int64_t n, int8_t *q,
                                                                     float *scale) {
@@ -82,8 +82,8 @@ __attribute__((target("avx512f"))) static int32_t quantize_row_avx512(const floa
     return quantize_row(x, n, q, scale);
 }
 
-int32_t ktki_quantize_row(const float *x, int64_t n, int8_t *q, float *scale) {
-    return ktki_isa_available(KTK_ISA_AVX512) ? quantize_row_avx512(x, n, q, scale)
+int32_t ktki_pack_quantize_row(const float *x, int64_t n, int8_t *q, float *scale) {
+    return ktki_dispatch_isa_available(KTK_ISA_AVX512) ? quantize_row_avx512(x, n, q, scale)
                                               : quantize_row(x, n, q, scale);
 }
 
@@ -101,7 +101,7 @@ void ktki_pack_bf16(const ktk_mat *m, uint16_t *data, int n, const float *row) {
 
 void ktki_pack_int8(const ktk_mat *m, int8_t *data, float *scale, int32_t *wsum, int n, const float *row,
                     int8_t *qtmp) {
-    wsum[n] = ktki_quantize_row(row, m->K, qtmp, &scale[n]);
+    wsum[n] = ktki_pack_quantize_row(row, m->K, qtmp, &scale[n]);
     for (int c = 0; c < m->K; c++) data[off_i8(m, n, c)] = qtmp[c];
 }
 
@@ -142,7 +142,7 @@ void ktki_pack_int4(const ktk_mat *m, uint8_t *data, float *scale, int n, const 
     }
 }
 
-void ktki_unpack(const ktk_mat *m, int n, float *row) {
+void ktki_pack_unpack(const ktk_mat *m, int n, float *row) {
     if (m->quant == KTK_QUANT_BF16) {
         for (int c = 0; c < m->K; c++) row[c] = ktk_bf16_to_f32(m->data_bf16[off_bf16(m, n, c)]);
     } else if (m->quant == KTK_QUANT_INT8) {

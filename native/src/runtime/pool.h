@@ -1,10 +1,10 @@
-/* Internal to the pool (pool.c: threads, phases, idle; watch.c: queue, watch list, picking up tasks; profile.c: the
- * profile's sums). */
+/* Internal to the runtime (pool.c: threads, phases, idle; job.c: the queue, taking and ending jobs, inline runs;
+ * watch.c: the watch list and its hot window; event.c: the events; profile.c: the profile's sums; task.c). */
 #ifndef KTKI_POOL_H
 #define KTKI_POOL_H
 #include <pthread.h>
 
-#include "internal.h"
+#include "../internal.h"
 
 #define KTKI_WATCH_SPIN_NS 20000000LL    /* thread 0 spins on go flags this long after the last watched run */
 #define KTKI_WATCH_NAP_NS 50000L         /* then naps this long between polls */
@@ -25,8 +25,10 @@ typedef struct {
 struct ktk_pool {
     int n, pin, cpus;   /* threads, pinned, CPUs this process may run on */
     int64_t spin_ns;
-    int delay_tid, delay_count[2];   /* test hook (KTINJECT_TEST_DELAY) */
+#ifdef KTK_TEST_BUILD
+    int delay_tid, delay_count[2];   /* test hook (KTINJECT_TEST_DELAY, pool.c) */
     int64_t delay_us;
+#endif
     _Atomic int64_t watch_spin_ns;  /* idle threads spin (no futex sleep) this long after watched activity */
     _Atomic int64_t hot_until __attribute__((aligned(64)));  /* now_ns() deadline of that spinning; 0: none */
     pthread_t *threads;
@@ -41,7 +43,7 @@ struct ktk_pool {
     _Atomic int maxc, guided, minc;
     _Atomic int64_t cut;           /* the phase's cut (ktki_phase), 0: none */
     /* the job: claimed by a CAS of running 0 -> 1; job, job_watched written by the claimer before it publishes */
-    _Atomic int running __attribute__((aligned(64)));
+    _Atomic int running __attribute__((aligned(64)));   /* job.c: ktki_job_claim / release */
     ktk_task *job;
     int job_watched;
     _Atomic int sit_out;   /* the pool thread that takes no chunks of this job (pool.c), or -1 */
@@ -49,7 +51,7 @@ struct ktk_pool {
     _Atomic int stop;
     _Atomic int refs;   /* the owner (ktk_pool_destroy) + one per ktk_task_create: memory freed at 0 */
     int dead;           /* under mu: destroyed (threads joined, watch list freed); tasks left must not use it */
-    _Atomic int ext;   /* thread id n is in use by a caller of an inline run (watch.c) */
+    _Atomic int ext;   /* thread id n is in use by a caller of an inline run (job.c) */
     ktki_event work __attribute__((aligned(64)));  /* bumped on a new phase, task, watch and stop */
     ktki_event done_ev;                             /* bumped after a job ends */
     /* queue and watch list (mu serializes writers; the watch list is read without it) */
@@ -73,29 +75,26 @@ struct ktk_pool {
     ktki_slot *per_thread;             /* [n + 1] */
 };
 
-static inline void ktki_cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
-int64_t ktki_now_ns(void);
 /* pool.c */
 void ktki_pool_start_job(ktk_pool *p, ktk_task *t, int watched, int tid); /* running claimed by the caller */
 int ktki_pool_run_chunk(ktk_pool *p, int tid);   /* 1 if it claimed and ran a chunk of the open phase */
 int ktki_pool_items_left(ktk_pool *p, int tid);   /* chunks this thread may claim are left */
+/* job.c */
+int ktki_job_claim(ktk_pool *p);            /* 1 if this thread set running 0 -> 1 (the pool is its to start a job) */
+void ktki_job_release(ktk_pool *p);         /* running 0; threads woken where a task was queued meanwhile */
+void ktki_job_end(ktk_pool *p);             /* the running job's end (its last step returned) */
+int ktki_job_take(ktk_pool *p, int tid);   /* 1 if it took a queued task or a raised go flag and ran steps */
 /* watch.c */
-void ktki_pool_end_job(ktk_pool *p);
-/* profile.c */
-#define KTKI_PROF_SLOT(i) (2 + 4 * ((i) < KTK_PROFILE_PHASES ? (i) : KTK_PROFILE_PHASES - 1))
-void ktki_prof_phase_open(ktk_pool *p);        /* a parallel phase of the profiled job opens (its publisher) */
-void ktki_prof_phase_close(ktk_pool *p);       /* its last chunk ended on this thread */
-void ktki_pool_profile_job_end(ktk_pool *p);   /* the job's time into the profile, where profiled */
-void ktki_pool_profile_top(ktk_pool *p);       /* a split task's done_top raised now, where profiled */
-void ktki_pool_mark_hot(ktk_pool *p);
-int ktki_pool_take_task(ktk_pool *p, int tid);   /* 1 if it took a queued task or a raised go flag and ran steps */
-int ktki_pool_go_raised(ktk_pool *p, int tid);   /* 1 if the pool is free and a watched go flag is raised */
+void ktki_watch_mark_hot(ktk_pool *p);
+int ktki_watch_go_raised(ktk_pool *p, int tid);   /* 1 if the pool is free and a watched go flag is raised */
+ktk_task *ktki_watch_take(ktk_pool *p, int tid);  /* a raised one taken (running claimed, go reset), or NULL */
 /* Outside the hot window, while tasks are watched: 1 after polling the go flags (thread 0) until something happened;
  * 0 if this thread should sleep (another thread, or nothing watched). */
-int ktki_pool_nap(ktk_pool *p, int tid, uint32_t seen);
+int ktki_watch_nap(ktk_pool *p, int tid, uint32_t seen);
+/* profile.c */
+#define KTKI_PROF_SLOT(i) (2 + 4 * ((i) < KTK_PROFILE_PHASES ? (i) : KTK_PROFILE_PHASES - 1))
+void ktki_profile_phase_open(ktk_pool *p);        /* a parallel phase of the profiled job opens (its publisher) */
+void ktki_profile_phase_close(ktk_pool *p);       /* its last chunk ended on this thread */
+void ktki_profile_job_end(ktk_pool *p);   /* the job's time into the profile, where profiled */
+void ktki_profile_top(ktk_pool *p);       /* a split task's done_top raised now, where profiled */
 #endif
