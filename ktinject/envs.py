@@ -147,7 +147,7 @@ _VARS = (
     Var("KTINJECT_DEFER_PHASES", "choice", "cut", "how a split (deferring) task's two parts run on the decode "
         "pipeline: one phase, one phase cut at the parts' boundary, or a phase each (read and checked at each "
         "split forward)", "developer", _BOTH, choices=("one", "cut", "two"),
-        why="cut is the default since the H200 host's 16K graph decode (docs/performance.md has the figures); "
+        why="cut is the default: the fastest layout in graph decode at long contexts (docs/performance.md); "
             "one and two stay because tests check that every layout gives the same bits and the error "
             "(tests/native/test_deferral_native.py, test_native.py) and `bench decode --defer-layouts` times them"),
     Var("KTINJECT_INT4_PATH", "choice", "auto", "force the int4 kernels' path: `direct` (int4 x int8) or "
@@ -198,11 +198,11 @@ VARIABLES: dict[str, Var] = {v.name: v for v in _VARS}
 #: variables that are gone: what was settled, where. ``python -m ktinject.envs`` names any still set.
 RETIRED: dict[str, str] = {
     "KTINJECT_DEFER_SPLIT": "a deferring layer runs both parts as one native task wherever the sync mode is memops "
-                            "(the pools' profile: 9.83 ms of CPU jobs a step against 10.61 with two chained tasks)",
-    "KTINJECT_PREFILL_WATCH_SPIN_US": "the pool's watch spin window is 0 while gated layers run (gap probe, H100 "
-                                      "host: 6,583 tok/s against 5,640 with graph decode's 1 ms)",
-    "KTINJECT_DOWN_MINC": "the decode path's down phase claims chunks from one column block up (4 was slower on "
-                          "the H200 host, and its bench serve lost 9-10%)",
+                            "(fewer CPU jobs a step than two chained tasks: docs/performance.md)",
+    "KTINJECT_PREFILL_WATCH_SPIN_US": "the pool's watch spin window is 0 while gated layers run (faster prefill "
+                                      "than graph decode's window: docs/performance.md)",
+    "KTINJECT_DOWN_MINC": "the decode path's down phase claims chunks from one column block up (4 was slower, "
+                          "in decode and in serving: docs/performance.md)",
     "KTINJECT_PIPE_GROUPS": "a split layer's down units take balanced expert groups (3 + 2)",
     "KTINJECT_CHUNK_YIELD_US": "no yield between a pool thread's chunks (it gained nothing beside busy processes)",
     "KTINJECT_FUSED_ROPE": "folded into KTINJECT_FUSED",
