@@ -1,9 +1,9 @@
-"""What split and ahead layers show, fed back into the prefill policy (streamed prefill, issue 19).
+"""What split and ahead layers show, fed back into the prefill policy (streamed prefill).
 
 The cost model (``policy``) starts from rates measured alone: one copy's H2D bandwidth, the CPU's time per expert
 of a forward with nothing beside it, a guess of a layer's time outside its experts (``layer_s``). When the CPU
-and the copies run at once they slow each other (on the H100, int8 at 512 tokens: copies at ~44 GB/s instead of
-55, the CPU's tasks up to 1.7x the model's), and ``layer_s`` is ~2-3 ms, not 0.3. ``Measured`` keeps the samples
+and the copies run at once they slow each other (copies slower than alone, the CPU's tasks slower than the model
+says), and ``layer_s`` is several times the guess (docs/performance.md has the figures). ``Measured`` keeps the samples
 the streamer takes in split and ahead layers (medians of the last WINDOW: one slow layer, e.g. a kernel compiled in
 it, does not steer the next decisions):
 
@@ -43,8 +43,8 @@ ENDED = 16  # at most this many forwards' spans wait for the device to pass them
 
 class _Samples(dict):
     """key -> the last WINDOW samples; ``median(key)`` or None. A sample over OUTLIER x the median of three or more
-    is dropped: the H100 run of 5c3ae5e (bench prefill, bf16) kept a median of 415 ms "a layer outside the experts"
-    from its first forwards, where 2.6-8 ms is what a layer shows (that stuck auto at cpu). Past DROPS dropped in a
+    is dropped: a layer's first forwards (kernels compiled, caches cold) can take a hundred times what a layer shows
+    later, and a median kept from them once stuck auto at cpu. Past DROPS dropped in a
     row the level itself has moved (longer prompts, a busier host): the samples restart from that one."""
 
     def __init__(self):
@@ -148,10 +148,10 @@ class Trials:
     modes: once the proposed mode has run TRIALS forwards of a like length (the same power-of-two bucket), the next
     TRIALS run gpu mode (streaming whole layers), the next TRIALS cpu mode, and from then on the fastest by their
     best time a layer is taken (the best: a forward's one-time costs, the first layer's copy not fetched ahead or a kernel compiled, and
-    the host's noise only ever slow one down). On the H100 (2026-11-25, 12 Qwen3-30B-A3B layers) the model's ahead
-    lost 8-18% to gpu mode at int4 512 and bf16 / int8 2048 tokens where its estimate said 10%+ faster, and on
-    2026-11-27, once the CPU path left its tasks running (operators/cpu_overlap.py), ahead lost 23% to cpu mode at 64
-    tokens (int8): auto's promise, never below the faster pure path, needs the measurement."""
+    the host's noise only ever slow one down). The model's ahead mode was measured to lose to gpu mode where its
+    estimate said it was faster, and to cpu mode at short prompts once the CPU path left its tasks running
+    (operators/cpu_overlap.py; docs/performance.md): auto's promise, never below the faster pure path, needs the
+    measurement."""
 
     def __init__(self):
         self.seconds = _Samples()  # (bucket, mode) -> seconds a layer

@@ -1,8 +1,8 @@
 """A split prefill layer's activations between the GPU and page-locked host memory moved by kernels, not by copies
-(streamed prefill, issue 19).
+(streamed prefill).
 
 Why: a split or ahead layer copies its GPU experts host-to-device on the ring's copy stream (hundreds of MB) while
-the CPU computes the rest. On the H100 the small copies of the layer's own activations (its inputs device-to-host
+the CPU computes the rest. The small copies of the layer's own activations (its inputs device-to-host
 for the CPU, the CPU's output host-to-device) queued behind those expert copies on the copy engines: each layer's
 routing sync returned only when the next layer's expert copy had ended (timeline of benchmarks/probe_split.py,
 int8 512 tokens), so the copies could not run during the host's own work of a layer. Kernels that read and write

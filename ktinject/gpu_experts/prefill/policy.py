@@ -26,7 +26,7 @@ while copying an expert costs about what the CPU's own read of it costs. Modes o
 
 ``layer_s``: what a layer spends outside its routed experts when the host waits for each layer's routing (cpu,
 split, ahead): the host's launches of the attention and the router, the GPU's dense work, the routing's copy to the
-host; on the H100 with Qwen3-30B-A3B layers about 2-3 ms at 512 tokens, most of it the host's. The streamer measures
+host, most of it the host's (docs/performance.md has what it is on the GPU machine). The streamer measures
 it in split and ahead forwards (the host time from one layer's CPU task done to the next one's submit) and corrects
 the CPU's costs by what its tasks took there (``Costs.scaled``). gpu mode hides it: its host never waits, so a layer
 costs max(copy, layer_s, dense_s + compute), ``dense_s`` (the GPU's share of it) a guess.
@@ -48,8 +48,8 @@ MARGIN = 0.1
 #: a forward streams whole layers ahead (gpu mode) when the chance that an expert gets no row is below this
 PREFETCH_UNUSED = 0.05
 #: a mode that shares a layer with the CPU (split, ahead) replaces gpu mode only when estimated this much faster: its
-#: copies contend with the CPU's reads of host memory, which the model does not price (measured on the H100: a split
-#: estimated faster than gpu mode lost 6-8% to it at int4, 512 and 2048 tokens)
+#: copies contend with the CPU's reads of host memory, which the model does not price (a split estimated faster than
+#: gpu mode was measured to lose to it: docs/performance.md)
 SHARED_MARGIN = 0.1
 #: whether auto may choose ahead mode (tests turn it off to see the others). It was off while ahead queued its GPU work
 #: before the routing sync, where a host sync inside held the CPU's task back (ahead lost to split and gpu then)
@@ -124,7 +124,7 @@ class Costs:
 
 
 def gpu_default_costs(hidden: int, intermediate: int, quant: str) -> dict[str, float]:
-    """gpu_expert_s and gpu_row_s from H100-class rates until measured: dequantizing writes 3HI bf16 weights and
+    """gpu_expert_s and gpu_row_s from a datacenter GPU's rates until measured: dequantizing writes 3HI bf16 weights and
     reads the packed ones (~1.5 TB/s with torch kernels), a routed row is 6HI flops (~250 TFLOPS grouped bf16)."""
     weights = 3 * hidden * intermediate
     packed = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}.get(quant, 2.0)

@@ -1,7 +1,7 @@
-"""One-pass device dequantization of packed routed experts (streamed prefill, issue 19): a Triton kernel that reads
+"""One-pass device dequantization of packed routed experts (streamed prefill): a Triton kernel that reads
 n experts' packed rows (``ktk_experts_raw``'s block layouts, see upload.py) and writes the [n, N, K] destination
 directly, instead of upload.py's torch ops (int4: shift out the nibbles into a work buffer, permute, multiply by the
-scales: about four passes over the data, 6.1 ms of an 8192-token Qwen3-30B-A3B layer on the H100).
+scales: about four passes over the data; docs/performance.md has what that cost).
 
 Per element (n, c) of matrix ``m`` of expert e, exactly what upload.unpack_matrix computes (and ktk_experts_get):
 

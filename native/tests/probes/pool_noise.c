@@ -1,6 +1,6 @@
 /* Probe (not a test): one-token decode through L int4 layers of Qwen3-30B-A3B shapes (H 2048, I 768, top-8 of 64
  * experts: 151 MB, every layer other experts than the last), quiet and with N background processes copying 1 GB
- * arrays (issue 18's "noise"), for one or more builds of the native library (shared objects, e.g. before and after a
+ * arrays ("noise"), for one or more builds of the native library (shared objects, e.g. before and after a
  * change) in one process: rounds of [each build x (quiet, noise)], the noise processes stopped (SIGSTOP) for quiet
  * turns, so a drifting host load falls on all variants alike. Usage (pool_noise.sh builds the objects):
  *   pool_noise [-t THREADS] [-p PIN] [-m watch|inline] [-n NOISE] [-r ROUNDS] [-k TOKENS] [-l LAYERS] [-g GAP_US]
