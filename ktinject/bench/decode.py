@@ -28,7 +28,8 @@ Last, per quant, the decode targets that the run measured, each judged met / NOT
 (``ktinject.bench.targets``, which lists them; whole model at batch 1 only).
 ``--tiny`` runs the same flow on the tiny qwen3_moe test model (CPU-only machines too: GPU rows say n/a; no roofline
 rows: the read-bandwidth probe reads GBs and a roofline of the tiny model means nothing).
-The measurements themselves are in ``bench/timing.py``. Legend: B batch, P prompt tokens, N new tokens, L layers.
+The measurements themselves are in ``bench/timing.py``; the rows of --compare, --peer and the coordination, and the
+closing table, in ``bench/decode_rows.py``. Legend: B batch, P prompt tokens, N new tokens, L layers.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ import torch
 
 from ktinject import envs
 from ktinject.bench import llamacpp as peer
+from ktinject.bench.decode_rows import (add_row, compare_rows, coordination_rows, fmt_ms, fmt_rate, peer_rows,
+                                        print_table)
 from ktinject.operators.kernels import dense as fused_dense
 from ktinject.bench.memory import measure_read_bandwidth
 from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and the probe build the same model)
@@ -57,50 +60,6 @@ from ktinject.cli.options import experts_format
 
 MUTED_RUNS = 5  # runs of muted replays whose median is the GPU part
 ROOF_VARIANTS = 3  # the start-of-run probe's fastest read variants, each timed again every round
-
-
-def _fast_decode(model, on: bool) -> None:
-    from ktinject.decode import attention as decode_attention
-
-    for m in model.modules():
-        if on and type(m).__name__ in decode_attention.SUPPORTED:
-            decode_attention.install(m)
-        elif not on:
-            decode_attention.uninstall(m)
-
-
-def compare_rows(model, prompt, new_tokens: int, rows: list) -> None:
-    """Graph decode (through generate, and bare replay) with one speed-up undone at a time (each captures anew)."""
-    from ktinject import native
-    from ktinject.decode.generate import get_runner
-
-    B, P = prompt.shape
-    attn = model.config._attn_implementation
-    pool = native.default_pool()
-    spin = pool.watch_spin_us
-    variants = [
-        ("HF's sdpa attention (repeat_kv before 5.23)", lambda: model.set_attn_implementation("sdpa"),
-         lambda: model.set_attn_implementation(attn), {}),
-        ("4D masks built by HF every step", lambda: None, lambda: None, {"own_masks": False}),
-        ("HF's stop check every step (host waits for each token)", lambda: None, lambda: None,
-         {"defer_stop": False}),
-        ("HF's attention forward for decode steps (fast_decode off)", lambda: _fast_decode(model, False),
-         lambda: _fast_decode(model, True), {}),
-        ("pool watch spin off", lambda: setattr(pool, "watch_spin_us", 0),
-         lambda: setattr(pool, "watch_spin_us", spin), {}),
-    ]
-    for what, do, undo, runner_kwargs in variants:
-        try:
-            do()
-            res = ktinject_decode(model, prompt, new_tokens, graphs=True, **runner_kwargs)
-            bare = graph_replay(res["runner"], B, P, new_tokens)
-            _add(rows, (f"compare: graph with {what}", _fmt_rate(B / res["s_per_token"]),
-                        _fmt_ms(res["s_per_token"]), f"ktinject.generate; bare replay {_fmt_ms(bare)} ms"))
-        except Exception as e:  # noqa: BLE001 - a comparison failing must not hide the rest
-            _add(rows, (f"compare: graph with {what}", "failed", "", f"{type(e).__name__}: {e}"))
-        finally:
-            undo()
-    get_runner(model, use_graphs=True, prefill_chunk=2048)  # back to the defaults (graphs captured again on use)
 
 
 # ---- the run -------------------------------------------------------------------------------------------------
@@ -139,20 +98,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add(rows: list, row: tuple) -> None:
-    """Keep a table row and print it at once (a run cut short still shows what it measured)."""
-    rows.append(row)
-    print("# " + " | ".join(x for x in row if x), flush=True)
-
-
-def _fmt_rate(tok_per_s):
-    return "n/a" if tok_per_s is None else f"{tok_per_s:,.1f}"
-
-
-def _fmt_ms(s):
-    return "n/a" if s is None else f"{s * 1e3:.2f}"
-
-
 def _decode_rate(model, prompt, tokens: int) -> float:
     """Seconds per decode token through ktinject.generate with the model's current runner (no new capture)."""
     t1 = min(gen_time(model, prompt, 1) for _ in range(2))
@@ -188,12 +133,13 @@ def _alongside_rows(model, prompt, args, quant: str, mem, per_tok: float, rows: 
     rate = statistics.median(rates)
     runs = ", ".join(f"{r:,.1f}" for r in rates)
     passes = "; ".join(f"{name} {', '.join(f'{g:.0f}' for g in reads[name])}" for name in reads)
-    _add(rows, (f"roofline alongside: {per_tok / 1e9:.2f} GB {quant} experts/token at {bw / 1e9:.1f} GB/s",
-                _fmt_rate(bw / per_tok), _fmt_ms(per_tok / bw),
-                f"median read of {best} in {ROOF_ROUNDS} rounds, each just before a graph run below (GB/s a pass: "
-                f"{passes})"))
-    _add(rows, ("ktinject graph, in turns with the read loop", _fmt_rate(rate), _fmt_ms(B / rate),
-                f"median of {ROOF_ROUNDS} runs ({runs}); {100 * rate * per_tok / bw:.0f}% of the roofline alongside"))
+    add_row(rows, (f"roofline alongside: {per_tok / 1e9:.2f} GB {quant} experts/token at {bw / 1e9:.1f} GB/s",
+                   fmt_rate(bw / per_tok), fmt_ms(per_tok / bw),
+                   f"median read of {best} in {ROOF_ROUNDS} rounds, each just before a graph run below (GB/s a pass: "
+                   f"{passes})"))
+    add_row(rows, ("ktinject graph, in turns with the read loop", fmt_rate(rate), fmt_ms(B / rate),
+                   f"median of {ROOF_ROUNDS} runs ({runs}); {100 * rate * per_tok / bw:.0f}% of the roofline "
+                   "alongside"))
 
 
 def _noise_rows(model, prompt, args, rows: list, graphs: bool) -> None:
@@ -215,18 +161,18 @@ def _noise_rows(model, prompt, args, rows: list, graphs: bool) -> None:
                 cpu = statistics.median(cpu_expert_time(model, B, passes=3))
                 bg.set(0)
                 times[n].append(s)
-                _add(rows, (f"noise {n}, run {r + 1}: {way} decode", _fmt_rate(B / s), _fmt_ms(s),
-                            f"CPU experts alone {_fmt_ms(cpu)} ms; {sched}"))
+                add_row(rows, (f"noise {n}, run {r + 1}: {way} decode", fmt_rate(B / s), fmt_ms(s),
+                               f"CPU experts alone {fmt_ms(cpu)} ms; {sched}"))
     quiet = statistics.median(times[0])
     for n in levels:
         med = statistics.median(times[n])
         spread = (max(times[n]) - min(times[n])) / med
-        _add(rows, (f"noise {n}: {way} decode, median of {len(times[n])} runs", _fmt_rate(B / med), _fmt_ms(med),
-                    f"{100 * quiet / med:.0f}% of the quiet speed; runs " +
-                    ", ".join(_fmt_rate(B / t) for t in times[n]) + f" tok/s, spread {100 * spread:.0f}% of the "
-                    "median"))
+        add_row(rows, (f"noise {n}: {way} decode, median of {len(times[n])} runs", fmt_rate(B / med), fmt_ms(med),
+                       f"{100 * quiet / med:.0f}% of the quiet speed; runs " +
+                       ", ".join(fmt_rate(B / t) for t in times[n]) + f" tok/s, spread {100 * spread:.0f}% of the "
+                       "median"))
     for row in noise_targets(times, args):
-        _add(rows, row)
+        add_row(rows, row)
 
 
 def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, str, str]]:
@@ -258,19 +204,19 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
         print(f"# {mem.summary()}", flush=True)
         bw = mem.best_gbs * 1e9
         per_tok = expert_bytes_per_token(cfg, B, quant)
-        _add(rows, (f"roofline: {per_tok / 1e9:.2f} GB {quant} experts/token at {bw / 1e9:.1f} GB/s",
-                     _fmt_rate(bw / per_tok), _fmt_ms(per_tok / bw),
-                     f"CPU read bandwidth measured in this run ({mem.best})"))
+        add_row(rows, (f"roofline: {per_tok / 1e9:.2f} GB {quant} experts/token at {bw / 1e9:.1f} GB/s",
+                       fmt_rate(bw / per_tok), fmt_ms(per_tok / bw),
+                       f"CPU read bandwidth measured in this run ({mem.best})"))
 
     if not args.tiny:
         wrap_cpu_experts(model, True)
     if args.hf_tokens and first and not quick:
         try:
             _, s = hf_decode(model, prompt, args.hf_tokens)
-            _add(rows, ("hf: HF modules, experts by torch on the CPU", _fmt_rate(B / s), _fmt_ms(s),
-                         f"median of {args.hf_tokens} steps"))
+            add_row(rows, ("hf: HF modules, experts by torch on the CPU", fmt_rate(B / s), fmt_ms(s),
+                           f"median of {args.hf_tokens} steps"))
         except Exception as e:  # noqa: BLE001 - a baseline failing must not hide the rest
-            _add(rows, ("hf: HF modules, experts by torch on the CPU", "failed", "", f"{type(e).__name__}: {e}"))
+            add_row(rows, ("hf: HF modules, experts by torch on the CPU", "failed", "", f"{type(e).__name__}: {e}"))
     wrap_cpu_experts(model, False)
 
     t0 = time.perf_counter()
@@ -290,14 +236,14 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     if args.defer:
         from ktinject.bench import defer
 
-        defer.rows(model, prompt, args, lambda row: _add(rows, row),
+        defer.rows(model, prompt, args, lambda row: add_row(rows, row),
                    defer.Timers(cpu_expert_time, graph_replay, muted_replay), quant=quant)
         return rows
 
     if not quick:
         eager = ktinject_decode(model, prompt, args.tokens, graphs=False)
-        _add(rows, ("ktinject eager", _fmt_rate(B / eager["s_per_token"]), _fmt_ms(eager["s_per_token"]),
-                     "ktinject.generate, no graph"))
+        add_row(rows, ("ktinject eager", fmt_rate(B / eager["s_per_token"]), fmt_ms(eager["s_per_token"]),
+                       "ktinject.generate, no graph"))
         step = mute = graph = None
         cpu_times = cpu_expert_time(model, B)  # before and after the graph rows: the host's load drifts
         if device.type == "cuda":
@@ -306,16 +252,16 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
             note = f"{r.stats.captures} capture(s), {r.stats.replays} replays"
             if r.stats.capture_failures:
                 note += f"; capture FAILED: {r.stats.capture_failures[0][:120]}"
-            _add(rows, ("ktinject graph", _fmt_rate(B / graph["s_per_token"]), _fmt_ms(graph["s_per_token"]),
-                         "ktinject.generate, " + note))
+            add_row(rows, ("ktinject graph", fmt_rate(B / graph["s_per_token"]), fmt_ms(graph["s_per_token"]),
+                           "ktinject.generate, " + note))
             try:
                 if mem is not None:
                     _alongside_rows(model, prompt, args, quant, mem, per_tok, rows)
             except Exception as e:  # noqa: BLE001 - an extra measurement failing (e.g. its 4 GB) hides nothing else
-                _add(rows, ("roofline alongside", "failed", "", f"{type(e).__name__}: {e}"))
+                add_row(rows, ("roofline alongside", "failed", "", f"{type(e).__name__}: {e}"))
             step = graph_replay(r, B, P, args.tokens)
-            _add(rows, ("ktinject graph, bare replay", _fmt_rate(None if step is None else B / step),
-                         _fmt_ms(step), f"graph.replay() only, no HF loop; host waits: {r.host_wait}"))
+            add_row(rows, ("ktinject graph, bare replay", fmt_rate(None if step is None else B / step),
+                           fmt_ms(step), f"graph.replay() only, no HF loop; host waits: {r.host_wait}"))
             # median of MUTED_RUNS: a single run of replays can move with a hiccup of the host's side of the
             # handshakes, well above what probes of the same tree read
             mutes = sorted(m for m in (muted_replay(model, r, B, P, args.tokens) for _ in range(MUTED_RUNS))
@@ -323,10 +269,10 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
             mute = statistics.median(mutes) if mutes else None
             med, ratios = paired_overhead(model, r, B, P)
             if med is not None:
-                _add(rows, ("coordination overhead, paired: bare replay / CPU experts alone - 1", "",
-                            f"{100 * (med - 1):+.1f}%", f"median of {len(ratios)} pairs (one CPU pass, then 4 "
-                            f"replays; range {100 * (min(ratios) - 1):+.1f}% to {100 * (max(ratios) - 1):+.1f}%); "
-                            f"generate / bare replay in this run: {graph['s_per_token'] / step:.3f}"))
+                add_row(rows, ("coordination overhead, paired: bare replay / CPU experts alone - 1", "",
+                               f"{100 * (med - 1):+.1f}%", f"median of {len(ratios)} pairs (one CPU pass, then 4 "
+                               f"replays; range {100 * (min(ratios) - 1):+.1f}% to {100 * (max(ratios) - 1):+.1f}%); "
+                               f"generate / bare replay in this run: {graph['s_per_token'] / step:.3f}"))
             if args.profile:
                 print(f"# kernels of 3 muted decode-graph replays ({cfg.num_hidden_layers} layers):\n"
                       + profile_replay(model, r, B, P), flush=True)
@@ -344,104 +290,37 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
                 cuda_driver.set_host_wait_mode("spin")
                 spin = graph_replay(r, B, P, args.tokens)
                 cuda_driver.set_host_wait_mode(r.host_wait or "auto")
-                _add(rows, ("ktinject graph, bare replay, host spin-waits", _fmt_rate(B / spin), _fmt_ms(spin),
-                             "the waiting host thread takes a core from the expert threads"))
+                add_row(rows, ("ktinject graph, bare replay, host spin-waits", fmt_rate(B / spin), fmt_ms(spin),
+                               "the waiting host thread takes a core from the expert threads"))
             if args.compare:  # after every row that uses runner r (a new runner closes r's graphs)
                 compare_rows(model, prompt, args.tokens, rows)
         else:
-            _add(rows, ("ktinject graph", "n/a", "", "no CUDA"))
+            add_row(rows, ("ktinject graph", "n/a", "", "no CUDA"))
         cpu_times += cpu_expert_time(model, B)
         cpu_s = statistics.median(cpu_times)
-        _add(rows, ("split: CPU experts alone", "", _fmt_ms(cpu_s),
-                     "native forward per layer, synchronous; whole passes over the layers, fresh experts each pass "
-                     f"(cache-cold), median of {len(cpu_times)} passes (half before, half after the graph rows; "
-                     f"range {min(cpu_times) * 1e3:.2f}-{max(cpu_times) * 1e3:.2f} ms)"))
+        add_row(rows, ("split: CPU experts alone", "", fmt_ms(cpu_s),
+                       "native forward per layer, synchronous; whole passes over the layers, fresh experts each pass "
+                       f"(cache-cold), median of {len(cpu_times)} passes (half before, half after the graph rows; "
+                       f"range {min(cpu_times) * 1e3:.2f}-{max(cpu_times) * 1e3:.2f} ms)"))
         if graph is not None and cpu_s > 0:
             over = [f"bare replay {100 * (step / cpu_s - 1):+.1f}%"] if step is not None else []
             over.append(f"against the fastest CPU pass {100 * (graph['s_per_token'] / min(cpu_times) - 1):+.1f}%")
-            _add(rows, ("coordination overhead: graph decode / CPU experts alone - 1", "",
-                        f"{100 * (graph['s_per_token'] / cpu_s - 1):+.1f}%",
-                        "through ktinject.generate, against the median CPU pass (target: under 10%); "
-                        + "; ".join(over)))
+            add_row(rows, ("coordination overhead: graph decode / CPU experts alone - 1", "",
+                           f"{100 * (graph['s_per_token'] / cpu_s - 1):+.1f}%",
+                           "through ktinject.generate, against the median CPU pass (target: under 10%); "
+                           + "; ".join(over)))
         spread = (f"median of {len(mutes)} runs of {args.tokens} replays ({mutes[0] * 1e3:.2f}-"
                   f"{mutes[-1] * 1e3:.2f}); " if mute is not None and len(mutes) > 1 else "")
-        _add(rows, ("split: GPU + handshakes (experts muted)", "", _fmt_ms(mute), "graph replay, all experts skipped; "
-                     f"{spread}projections of {B} row(s): {fused_dense.choices_line(B)}"))
-        _add(rows, ("split: waiting for the CPU", "", _fmt_ms(None if step is None or mute is None else step - mute),
-                     "bare replay - muted replay"))
+        add_row(rows, ("split: GPU + handshakes (experts muted)", "", fmt_ms(mute),
+                       f"graph replay, all experts skipped; {spread}projections of {B} row(s): "
+                       f"{fused_dense.choices_line(B)}"))
+        add_row(rows, ("split: waiting for the CPU", "", fmt_ms(None if step is None or mute is None else step - mute),
+                       "bare replay - muted replay"))
         if device.type == "cuda":
-            from ktinject.native import cuda_driver
-            from ktinject.bench import handshake
-
-            L = cfg.num_hidden_layers
-            one = native.Pool(1)
-            variants = [("memops", None, "block", None), ("memops", None, "block", 0), ("memops", one, "block", None),
-                        ("memops", None, "spin", None), ("hostfn", None, "block", None)]
-            expert_pool = native.default_pool()
-            for mode, pool, wait, spin_us in variants:
-                what = f"coordination: {mode}, {'1-thread pool' if pool else 'expert pool'}, host {wait}s"
-                if spin_us is not None:
-                    what += f", watch spin {spin_us} us"
-                saved_spin = expert_pool.watch_spin_us
-                try:
-                    cuda_driver.set_host_wait_mode(wait)
-                    if spin_us is not None:
-                        expert_pool.watch_spin_us = spin_us
-                    hc = handshake.handshake_cost(n=L, mode=mode, pool=pool)
-                    _add(rows, (what, "", _fmt_ms(hc["per_handshake_us"] * L / 1e6),
-                                 f"{hc['per_handshake_us']:.1f} us/handshake x {L} layers (empty tasks)"))
-                except Exception as e:  # noqa: BLE001
-                    _add(rows, (what, "failed", "", f"{type(e).__name__}: {e}"))
-                finally:
-                    expert_pool.watch_spin_us = saved_spin
-            cuda_driver.set_host_wait_mode("block")
-            one.close()
+            coordination_rows(cfg.num_hidden_layers, rows)
 
     if args.noise:
         _noise_rows(model, prompt, args, rows, graphs=device.type == "cuda")
-    return rows
-
-
-def print_table(rows, args) -> None:
-    w = max(len(r[0]) for r in rows)
-    print(f"\n| {'what'.ljust(w)} | {'tok/s':>9} | {'ms/token':>9} | note")
-    print(f"|{'-' * (w + 2)}|{'-' * 11}|{'-' * 11}|------")
-    for what, rate, ms, note in rows:
-        print(f"| {what.ljust(w)} | {rate:>9} | {ms:>9} | {note}")
-    print(f"\n(batch {args.batch}, prompt {args.prompt}, {args.tokens} decode tokens, threads "
-          f"{args.threads or 'default'}, layers {'tiny' if args.tiny else args.layers}, quant {args.quant}"
-          f"{', noise ' + args.noise if args.noise else ''})", flush=True)
-
-
-def peer_rows(args, ours: dict) -> list[tuple[str, str, str, str]]:
-    """llama-bench's decode of --tokens tokens for each --peer-model, after ktinject's rows (the same call), and each
-    quant's tok/s against its GGUF type's (``peer.PAIRS``): a ratio only for the whole model (or x L/48) at batch 1."""
-    print(f"# peer: {args.peer} on {args.peer_model}, decode {args.tokens} tokens (this takes a while)", flush=True)
-    results, errors = peer.run_all(args, gen=args.tokens)
-    rows: list = []
-    for e in errors:
-        _add(rows, ("peer failed", "n/a", "", e))
-    for r in results:
-        if r.n_gen:
-            _add(rows, (f"{r.label} decode {r.n_gen}", f"{r.tok_s:,.1f}", _fmt_ms(1 / r.tok_s),
-                        peer.note(r, args) + ", batch 1"))
-    scale = args.layers / 48
-    for quant, (row, rate) in ours.items():
-        gap = peer.missing(quant, results)
-        if gap:
-            _add(rows, (f"{quant} / llama.cpp", "n/a", "", gap))
-        theirs = [r for r in peer.paired(quant, results) if r.n_gen]
-        if not theirs:
-            continue
-        what = f"{quant} / {theirs[0].label}"
-        if args.tiny or args.batch != 1:
-            _add(rows, (what, "n/a", "", "--tiny: not the peer's model" if args.tiny else
-                        f"batch {args.batch}: llama-bench decodes one sequence"))
-            continue
-        ratio = rate * scale / theirs[0].tok_s
-        _add(rows, (what, f"{ratio:.2f}x", "",
-                    f"ktinject {quant} ({row!r}{'' if scale == 1 else f' x {args.layers}/48 layers'}) "
-                    f"{rate * scale:,.1f} tok/s vs {theirs[0].tok_s:,.1f} ({theirs[0].model})"))
     return rows
 
 
@@ -462,7 +341,7 @@ def main(argv=None) -> int:
     for i, q in enumerate(quants):
         got = run(args, q, first=i == 0)  # the model goes with run's frame before the next build
         for row in target_rows(q, got, args):
-            _add(got, row)
+            add_row(got, row)
         mine = our_rate(got)
         if mine is not None:
             ours[q] = mine

@@ -24,9 +24,9 @@ Static state (addresses fixed for the life of the graphs):
   Just before each replay the runner wakes those pools (``Pool.wake``): their threads spin through the step, so
   no layer's go pays a futex wake-up, and sleep again ~1 ms after its last layer (KTINJECT_WATCH_SPIN_US).
 
-Capture: two warm-up steps on a side stream (as torch requires; they also make the stream-experts runners and any
-lazily allocated buffer), with the cache counters put back after each, then the capture itself, which executes
-nothing. Legend: B batch, L max cache length, V vocabulary.
+Capture (``ktinject.decode.graph_capture``): two warm-up steps on a side stream, with the cache counters put back
+after each, then the capture itself, which executes nothing, in ``graph_pieces`` graphs cut at decoder layers.
+Legend: B batch, L max cache length, V vocabulary.
 """
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ from typing import Any
 import torch
 
 from ktinject import compat
+from ktinject.decode.graph_capture import (CapturedGraph, capture_pieces, decoder_layers, fill_static, static_input,
+                                           warm_up)
 from ktinject.operators import fast_path_report as fastpaths
 from ktinject.operators import handshake as stream_experts
 from ktinject.operators import deferral
@@ -63,43 +65,6 @@ def round_cache_len(needed: int, minimum: int = 256, limit: int | None = None) -
     if limit is not None and needed <= limit < n:
         n = limit
     return n
-
-
-@dataclass
-class _Graph:
-    graph: Any  # torch.cuda.CUDAGraph
-    inputs: dict[str, torch.Tensor]  # static input buffers
-    output: Any  # ModelOutput of the captured step (its logits are the static output)
-    replays: int = 0
-    pools: tuple = ()  # native pools the graph's go flags drive: woken just before each replay
-
-
-class _Pieces:
-    """A decode step captured as consecutive CUDA graphs (one memory pool), replayed in capture order.
-
-    Launching one graph of a many-layer step (thousands of nodes) takes the host a while, and the GPU starts only
-    once the launch is done; in pieces, the GPU runs the first piece while the host launches the rest."""
-
-    def __init__(self, graphs: list):
-        self.graphs = graphs
-
-    def replay(self) -> None:
-        for g in self.graphs:
-            g.replay()
-
-
-def decoder_layers(model) -> list:
-    """The model's decoder layers (the first ModuleList named ``layers`` with more than one entry), or []."""
-    for name, module in model.named_modules():
-        if name.rpartition(".")[2] == "layers" and isinstance(module, torch.nn.ModuleList) and len(module) > 1:
-            return list(module)
-    return []
-
-
-def piece_starts(n_layers: int, pieces: int) -> list[int]:
-    """Indices of the layers that begin pieces 2.. when ``n_layers`` layers are cut into ``pieces`` even parts."""
-    pieces = max(1, min(int(pieces), n_layers))
-    return sorted({round(i * n_layers / pieces) for i in range(1, pieces)} - {0})
 
 
 @dataclass
@@ -155,7 +120,7 @@ class GraphRunner:
         self.defer_stop = bool(defer_stop)
         self.kv = None  # the KVCache (ktinject.decode.kv_cache), made by cache_for
         self.caches: dict[int, Any] = {}  # batch -> rows 0..batch-1 of self.kv
-        self.graphs: dict[tuple, _Graph | None] = {}  # key -> graph (None: capture failed, eager)
+        self.graphs: dict[tuple, CapturedGraph | None] = {}  # key -> graph (None: capture failed, eager)
         self.stats = RunnerStats()
         self._pool = None
 
@@ -252,7 +217,7 @@ class GraphRunner:
         for pool in entry.pools:
             pool.wake()  # expert threads spin from now on: the first layer's go pays no futex wake-up
         for name, buf in entry.inputs.items():
-            _fill(buf, kwargs[name])
+            fill_static(buf, kwargs[name])
         entry.graph.replay()
         entry.replays += 1
         self.stats.replays += 1
@@ -318,28 +283,22 @@ class GraphRunner:
         chain = deferral.chain_of(self.model)  # a graph holds one expert-deferral setting: a new one captures anew
         return (batch, tuple(parts), chain.setting if chain is not None else ()), None
 
-    def _capture(self, key, kwargs) -> _Graph | None:
+    def _capture(self, key, kwargs) -> CapturedGraph | None:
         cache = compat.cache_from(kwargs)
         if self.host_wait:
             from ktinject.native import cuda_driver
 
             if not cuda_driver.set_host_wait_mode(self.host_wait):
                 log.info("ktinject graph: cannot set the host wait mode (driver older than CUDA 12.1)")
-        inputs = {n: _static_input(n, v, self.max_cache_len) for n, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        inputs = {n: static_input(n, v, self.max_cache_len) for n, v in kwargs.items() if isinstance(v, torch.Tensor)}
         rest = {n: v for n, v in kwargs.items() if not isinstance(v, torch.Tensor)}
         saved = cache.save_lengths()
         try:
-            side = torch.cuda.Stream(device=self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with stream_experts.stream_mode(), torch.cuda.stream(side):
-                for _ in range(max(self.warmup, 1)):
-                    self._forward({**inputs, **rest})
-                    cache.restore_lengths(saved)  # the warm-up wrote K/V at this step's positions; a replay rewrites
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            warm_up(self._forward, inputs, rest, cache, saved, self.warmup, self.device)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            with stream_experts.stream_mode():
-                graph, output = self._capture_pieces(inputs, rest)
+            graph, output = capture_pieces(self._forward, inputs, rest, decoder_layers(self.model), self.graph_pieces,
+                                           self._pool, self.device)
         except Exception as e:  # noqa: BLE001 - any capture problem means: run this shape eagerly
             torch.cuda.synchronize(self.device)
             cache.restore_lengths(saved)
@@ -350,40 +309,7 @@ class GraphRunner:
             return None
         self.stats.captures += 1
         log.info("ktinject graph: captured the decode step for batch %d", key[0])
-        return _Graph(graph, inputs, output, pools=self._pools())
-
-    def _capture_pieces(self, inputs, rest):
-        """Capture one step as ``graph_pieces`` graphs cut at decoder-layer boundaries: (_Pieces, output)."""
-        layers = decoder_layers(self.model)
-        graphs = [torch.cuda.CUDAGraph()]
-
-        def next_piece(module, args):
-            graphs[-1].capture_end()
-            graphs.append(torch.cuda.CUDAGraph())
-            graphs[-1].capture_begin(pool=self._pool, capture_error_mode="thread_local")
-
-        handles = [layers[i].register_forward_pre_hook(next_piece)
-                   for i in piece_starts(len(layers), self.graph_pieces)] if layers else []
-        torch.cuda.synchronize(self.device)
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(stream):
-                graphs[0].capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    output = self._forward({**inputs, **rest})
-                except BaseException:
-                    try:
-                        graphs[-1].capture_end()
-                    except RuntimeError:  # the failed capture is already invalidated
-                        pass
-                    raise
-                graphs[-1].capture_end()
-        finally:
-            for h in handles:
-                h.remove()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        return _Pieces(graphs), output
+        return CapturedGraph(graph, inputs, output, pools=self._pools())
 
     def _after_failed_step(self, tokens: int) -> None:
         """A warm-up cut short may have left a go without its collect, a pending lazy collect and deferred work in
@@ -442,20 +368,3 @@ class GraphRunner:
                 f"eager decode={s.eager_decode}, eager other={s.eager_other})")
 
     __repr__ = describe
-
-
-def _static_input(name: str, value: torch.Tensor, max_len: int) -> torch.Tensor:
-    """The static buffer of a graph input: a clone, or for a 2D padding mask [B, n] one of [B, max_len]."""
-    if name == "attention_mask" and value.dim() == 2:
-        buf = torch.ones((value.shape[0], max_len), dtype=value.dtype, device=value.device)
-        _fill(buf, value)
-        return buf
-    return value.clone()
-
-
-def _fill(buf: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy a step's input into its static buffer (a 2D mask [B, n] into the first n columns of [B, L])."""
-    if buf.shape == value.shape:
-        buf.copy_(value, non_blocking=True)
-    else:
-        buf[:, : value.shape[1]].copy_(value, non_blocking=True)

@@ -79,7 +79,7 @@ def install_all(model: nn.Module) -> int:
     """Install the decode forward on every supported decoder layer of ``model``, each linked to the norm after it
     (the next layer's input norm where that layer takes it too; the final norm where it is a FusedRMSNorm, whose
     forward takes it). Returns how many layers took it."""
-    from ktinject.decode.graph_runner import decoder_layers
+    from ktinject.decode.graph_capture import decoder_layers
 
     layers = decoder_layers(model)
     final = None  # the final norm: ``norm`` of the module holding the layers, where it takes a prenormed input

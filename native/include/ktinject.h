@@ -160,6 +160,15 @@ void ktk_experts_destroy(ktk_experts *ex);
  * The caller may free the source afterwards. Thread-safe for different (expert, which). */
 int ktk_experts_set(ktk_experts *ex, int expert, int which, const void *src, int src_dtype,
                     int64_t stride_out, int64_t stride_in);
+/* One int8 or int4 matrix of one expert from values already quantized (a checkpoint that ships them: GGUF Q4_0,
+ * compressed-tensors int4), stored as given, without rounding again: q (n, c) = q[n * q_stride_out + c * q_stride_in]
+ * (int8: -127..127; int4: -8..7), its scale at scale[n * scale_stride_out + g * scale_stride_group] (int8: g = 0, one
+ * per output row; int4: g = c / group_size, g < ceil(K / group_size)), value = q * scale. KTK_ERR_DTYPE for bf16
+ * experts, KTK_ERR_RANGE (naming the element) for a q out of range or a non-finite scale (nothing is set then).
+ * Thread-safe for different (expert, which). */
+int ktk_experts_set_quantized(ktk_experts *ex, int expert, int which, const int8_t *q, int64_t q_stride_out,
+                              int64_t q_stride_in, const float *scale, int64_t scale_stride_out,
+                              int64_t scale_stride_group);
 /* Bias of one matrix of one expert (has_bias only): [out] contiguous, src_dtype F32/BF16/F16. */
 int ktk_experts_set_bias(ktk_experts *ex, int expert, int which, const void *src, int src_dtype);
 /* Read back one matrix, dequantized, as float32 [out, in] row-major (tests, GPU upload of hot experts). */

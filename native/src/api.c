@@ -171,6 +171,27 @@ int ktk_experts_set(ktk_experts *ex, int expert, int which, const void *src, int
     return ktki_experts_set(ex, expert, which, src, src_dtype, stride_out, stride_in);
 }
 
+int ktk_experts_set_quantized(ktk_experts *ex, int expert, int which, const int8_t *q, int64_t q_stride_out,
+                              int64_t q_stride_in, const float *scale, int64_t scale_stride_out,
+                              int64_t scale_stride_group) {
+    const char *fn = "ktk_experts_set_quantized";
+    CHECK_NULL(ex, fn);
+    CHECK_NULL(q, fn);
+    CHECK_NULL(scale, fn);
+    int rc = check_expert(fn, ex, expert, which);
+    if (rc != KTK_OK) return rc;
+    if (ex->cfg.quant != KTK_QUANT_INT8 && ex->cfg.quant != KTK_QUANT_INT4)
+        return ktki_error(KTK_ERR_DTYPE, "%s: experts were created with quant %d; quantized values are stored only "
+                          "in int8 (%d) or int4 (%d) experts", fn, ex->cfg.quant, KTK_QUANT_INT8, KTK_QUANT_INT4);
+    const int64_t s[4] = {q_stride_out, q_stride_in, scale_stride_out, scale_stride_group};
+    for (int i = 0; i < 4; i++)
+        if (s[i] <= -MAX_STRIDE || s[i] >= MAX_STRIDE)
+            return ktki_error(KTK_ERR_SHAPE, "%s: a stride (%lld) is out of range (expected |stride| < 2^40 "
+                              "elements)", fn, (long long)s[i]);
+    return ktki_experts_set_quantized(ex, expert, which, q, q_stride_out, q_stride_in, scale, scale_stride_out,
+                                      scale_stride_group);
+}
+
 int ktk_experts_set_bias(ktk_experts *ex, int expert, int which, const void *src, int src_dtype) {
     const char *fn = "ktk_experts_set_bias";
     CHECK_NULL(ex, fn);

@@ -120,6 +120,8 @@ const float *ktki_experts_bias(const ktk_experts *ex, int e, int which); /* NULL
 int ktki_experts_create(const ktk_experts_config *cfg, ktk_experts **out);
 void ktki_experts_destroy(ktk_experts *ex);
 int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dtype, int64_t so, int64_t si);
+int ktki_experts_set_quantized(ktk_experts *ex, int e, int which, const int8_t *q, int64_t qso, int64_t qsi,
+                               const float *scale, int64_t sso, int64_t ssg);
 int ktki_experts_set_bias(ktk_experts *ex, int e, int which, const void *src, int dtype);
 int ktki_experts_get(const ktk_experts *ex, int e, int which, float *dst);
 int ktki_experts_import(ktk_experts *ex, const void *src, int64_t size);
@@ -134,6 +136,11 @@ void ktki_pack_bf16(const ktk_mat *m, uint16_t *data, int n, const float *row);
 void ktki_pack_int8(const ktk_mat *m, int8_t *data, float *scale, int32_t *wsum, int n, const float *row,
                     int8_t *qtmp);
 void ktki_pack_int4(const ktk_mat *m, uint8_t *data, float *scale, int n, const float *row);
+/* Row n from already-quantized values (ktk_experts_set_quantized; ranges checked by the caller). */
+void ktki_pack_int8_q(const ktk_mat *m, int8_t *data, float *scale, int32_t *wsum, int n, const int8_t *q,
+                      int64_t qsi, float s);
+void ktki_pack_int4_q(const ktk_mat *m, uint8_t *data, float *scale, int n, const int8_t *q, int64_t qsi,
+                      const float *s, int64_t ssg);
 void ktki_pack_unpack(const ktk_mat *m, int n, float *row);   /* row n as float (dequantized), c < K */
 
 /* ---- activation functions (kernels/activations.c) ---- */

@@ -108,15 +108,15 @@ def test_runner_key_logic_without_cuda(tiny, monkeypatch):
 
 
 def test_static_mask_buffer():
-    from ktinject.decode.graph_runner import _fill, _static_input
+    from ktinject.decode.graph_capture import fill_static, static_input
 
     m = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    buf = _static_input("attention_mask", m, 8)
+    buf = static_input("attention_mask", m, 8)
     assert buf.shape == (2, 8) and torch.equal(buf[:, :3], m) and bool((buf[:, 3:] == 1).all())
-    _fill(buf, torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
+    fill_static(buf, torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
     assert buf[0].tolist() == [0, 0, 1, 1, 1, 1, 1, 1]
     ids = torch.tensor([[3], [4]])
-    assert torch.equal(_static_input("input_ids", ids, 8), ids)
+    assert torch.equal(static_input("input_ids", ids, 8), ids)
 
 
 def test_stream_mode_switch():
@@ -153,7 +153,7 @@ def test_static_mask_buffer_gives_the_same_logits(tiny):
     far) give the logits of the [B, n] mask itself (and of HF's 4D mask), left padding included."""
     from transformers.masking_utils import create_masks_for_generate
 
-    from ktinject.decode.graph_runner import _static_input
+    from ktinject.decode.graph_capture import static_input
 
     r = GraphRunner(tiny)
     ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
@@ -170,7 +170,7 @@ def test_static_mask_buffer_gives_the_same_logits(tiny):
         four_d = create_masks_for_generate(config=tiny.config, inputs_embeds=torch.empty(2, 1, 0),
                                            attention_mask=mask, **compat.cache_arg(caches[2]),
                                            position_ids=step["position_ids"])
-        a = tiny(**step, attention_mask=_static_input("attention_mask", mask, L), **compat.cache_arg(caches[0])).logits
+        a = tiny(**step, attention_mask=static_input("attention_mask", mask, L), **compat.cache_arg(caches[0])).logits
         b = tiny(**step, attention_mask=mask, **compat.cache_arg(caches[1])).logits
         c = tiny(**step, attention_mask=four_d, **compat.cache_arg(caches[2])).logits
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
@@ -184,12 +184,12 @@ def test_in_graph_mask_building_needs_no_host_sync(tiny):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.masking_utils import create_causal_mask
 
-    from ktinject.decode.graph_runner import _static_input
+    from ktinject.decode.graph_capture import static_input
 
     r = GraphRunner(tiny)
     cache = r.cache_for(2, 16)
     tiny(torch.tensor([[1, 2, 3], [4, 5, 6]]), **compat.cache_arg(cache))  # initialized, counter on the device
-    mask = _static_input("attention_mask", torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), r.max_cache_len)
+    mask = static_input("attention_mask", torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), r.max_cache_len)
     with FakeTensorMode(allow_non_fake_inputs=True):
         out = create_causal_mask(config=tiny.config, inputs_embeds=torch.zeros(2, 1, 64), attention_mask=mask,
                                  **compat.cache_arg(cache), position_ids=torch.tensor([[2], [3]]))
@@ -197,7 +197,7 @@ def test_in_graph_mask_building_needs_no_host_sync(tiny):
 
 
 def test_piece_starts_cut_layers_evenly():
-    from ktinject.decode.graph_runner import piece_starts
+    from ktinject.decode.graph_capture import piece_starts
 
     assert piece_starts(48, 4) == [12, 24, 36]
     assert piece_starts(48, 1) == []

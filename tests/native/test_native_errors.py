@@ -22,11 +22,11 @@ def test_import_starts_no_threads_and_loads_no_library():
         import os, sys, threading
         import torch
         before = len(os.listdir('/proc/self/task'))
-        import ktinject, ktinject.native, ktinject.native.library
+        import ktinject, ktinject.native, ktinject.native.library, ktinject.native.pool
         assert 'ktinject.native._core' not in sys.modules, 'native module loaded at import'
         assert len(os.listdir('/proc/self/task')) == before, 'threads started at import'
         assert threading.active_count() == 1
-        assert ktinject.native.library._default_pool is None
+        assert ktinject.native.pool._default_pool is None
         ktinject.native.version()                     # first use loads it
         assert 'ktinject.native._core' in sys.modules
         assert len(os.listdir('/proc/self/task')) == before, 'loading the library started threads'

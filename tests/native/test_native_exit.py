@@ -104,12 +104,12 @@ def test_close_all_pools_closes_tasks(monkeypatch):
     closed; a pool used afterwards raises."""
     import weakref
 
-    from ktinject.native import library as _nativelib
+    from ktinject.native import pool as pool_module
 
-    monkeypatch.setattr(_nativelib, "_live_pools", weakref.WeakSet())
+    monkeypatch.setattr(pool_module, "_live_pools", weakref.WeakSet())
     pool = native.Pool(1)
     t = native.Task(pool)
-    _nativelib.close_all_pools()
+    pool_module.close_all_pools()
     assert t._p is None and pool._p is None
     with pytest.raises(native.NativeError, match="closed"):
         native.Task(pool)

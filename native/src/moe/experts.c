@@ -9,6 +9,7 @@
  *   with has_bias: gate bias [Np(I)] float, up bias [Np(I)] float, down bias [Np(H)] float (zero padding).
  */
 #define _GNU_SOURCE
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -118,6 +119,36 @@ int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dty
     }
     free(row);
     free(q);
+    ex->ready[(int64_t)e * 3 + which] = 1;
+    return KTK_OK;
+}
+
+int ktki_experts_set_quantized(ktk_experts *ex, int e, int which, const int8_t *q, int64_t qso, int64_t qsi,
+                               const float *scale, int64_t sso, int64_t ssg) {
+    ktk_mat m = ktki_experts_mat(ex, e, which);
+    const int lo = m.quant == KTK_QUANT_INT4 ? -8 : -127, hi = m.quant == KTK_QUANT_INT4 ? 7 : 127;
+    const int groups = m.quant == KTK_QUANT_INT4 ? (m.K + m.group - 1) / m.group : 1;
+    for (int n = 0; n < m.N; n++) {   /* everything checked before a byte is stored */
+        for (int c = 0; c < m.K; c++) {
+            const int v = q[n * qso + c * qsi];
+            if (v < lo || v > hi)
+                return ktki_error(KTK_ERR_RANGE, "ktk_experts_set_quantized: q[%d][%d] = %d is outside %d..%d "
+                                  "(expert %d, matrix %d)", n, c, v, lo, hi, e, which);
+        }
+        for (int g = 0; g < groups; g++) {
+            const float s = scale[n * sso + g * ssg];
+            if (!isfinite(s))
+                return ktki_error(KTK_ERR_RANGE, "ktk_experts_set_quantized: scale of row %d, group %d is %g "
+                                  "(expert %d, matrix %d)", n, g, (double)s, e, which);
+        }
+    }
+    for (int n = 0; n < m.N; n++) {
+        if (m.quant == KTK_QUANT_INT4)
+            ktki_pack_int4_q(&m, (uint8_t *)m.data_i4, (float *)m.scale, n, q + n * qso, qsi, scale + n * sso, ssg);
+        else
+            ktki_pack_int8_q(&m, (int8_t *)m.data_i8, (float *)m.scale, (int32_t *)m.wsum, n, q + n * qso, qsi,
+                             scale[n * sso]);
+    }
     ex->ready[(int64_t)e * 3 + which] = 1;
     return KTK_OK;
 }

@@ -142,6 +142,28 @@ void ktki_pack_int4(const ktk_mat *m, uint8_t *data, float *scale, int n, const 
     }
 }
 
+void ktki_pack_int8_q(const ktk_mat *m, int8_t *data, float *scale, int32_t *wsum, int n, const int8_t *q,
+                      int64_t qsi, float s) {
+    int32_t sum = 0;
+    for (int c = 0; c < m->K; c++) {
+        data[off_i8(m, n, c)] = q[c * qsi];
+        sum += q[c * qsi];
+    }
+    scale[n] = s;
+    wsum[n] = sum;
+}
+
+void ktki_pack_int4_q(const ktk_mat *m, uint8_t *data, float *scale, int n, const int8_t *q, int64_t qsi,
+                      const float *s, int64_t ssg) {
+    const int G = m->group, groups = (m->K + G - 1) / G;
+    for (int g = 0; g < m->Kp / G; g++) scale[off_s4(m, n, g)] = g < groups ? s[g * ssg] : 0.0f;
+    for (int c = 0; c < m->Kp; c++) {
+        const int v = c < m->K ? q[c * qsi] : 0;
+        uint8_t *p = data + off_i4(m, n, c);
+        *p = (uint8_t)((*p & ~(0xf << shift_i4(c))) | ((v & 0xf) << shift_i4(c)));
+    }
+}
+
 void ktki_pack_unpack(const ktk_mat *m, int n, float *row) {
     if (m->quant == KTK_QUANT_BF16) {
         for (int c = 0; c < m->K; c++) row[c] = ktk_bf16_to_f32(m->data_bf16[off_bf16(m, n, c)]);

@@ -1,0 +1,342 @@
+"""``Experts``: the routed experts of one MoE layer, packed once for the native kernels, and their forward.
+
+Beside the class: the int4 group size's default (``default_group_size``) and zero-copy views of the packed storage
+(``experts_raw``, ``experts_region``, ``experts_region_view``) that GPU re-placement copies from. A forward runs on
+a pool (pool.py); ``Task`` (task.py) binds one to run asynchronously. Users import these names from ktinject.native.
+
+Legend: T tokens, k experts per token, E experts, H hidden, I expert intermediate.
+
+    ex = Experts.from_hf(gate_up, down)              # gate_up [E, 2I, H], down [E, H, I] (any float dtype/strides)
+    y = ex(hidden, ids, weights)                     # hidden [T, H], ids [T, k] int64, weights [T, k] -> [T, H]
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+
+from ktinject import envs
+from ktinject.native.library import (ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_RANGE, ERR_SHAPE, GROUP_SIZES, MATRICES,
+                                     QUANTS, NativeError, check_rc, checked_int, checked_tensor, ffi_lib,
+                                     physical_cores, pointer)
+from ktinject.native.pool import Pool, default_pool
+
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_DTYPES = (torch.float32, torch.bfloat16)
+_PARALLEL_SET_ELEMENTS = 1 << 24  # from_hf/from_gpt_oss pack in threads above this many weight elements
+
+
+def default_group_size(hidden: int, intermediate: int) -> int:
+    """The int4 group size when none is asked for: 128 inputs per scale where both input sizes (hidden for gate/up,
+    intermediate for down) are multiples of 128, as in the released MoE models (GPTQ's and AWQ's usual group;
+    ~4.25 bits a weight, 5.6% fewer bytes to read per token than 64 at the same measured perplexity on the demo
+    model), else 64 (a group of 128 would pad such a matrix by up to 127 zero inputs). KTINJECT_INT4_GROUP=32|64|128
+    sets it instead (read at each call: comparisons in one process)."""
+    try:
+        forced = envs.get("KTINJECT_INT4_GROUP")  # None, or one of GROUP_SIZES as text
+    except ValueError as e:  # (names the variable and the sizes)
+        raise NativeError(ERR_SHAPE, str(e)) from None
+    if forced:
+        return int(forced)
+    return 128 if hidden % 128 == 0 and intermediate % 128 == 0 else 64
+
+
+def _quant_args(quant: Any, group_size: Any, hidden: int, intermediate: int) -> int:
+    """Check quant and group_size (the int4 group size, validated for every quant; None: default_group_size);
+    returns the group size."""
+    if quant not in QUANTS:
+        raise NativeError(ERR_DTYPE, f"quant = {quant!r} (expected one of {', '.join(QUANTS)})")
+    if group_size is None:  # (the group means nothing to bf16 / int8: no environment read for them)
+        return default_group_size(hidden, intermediate) if quant == "int4" else 64
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise NativeError(ERR_SHAPE, f"group_size = {group_size!r} (expected one of "
+                                     f"{', '.join(map(str, GROUP_SIZES))}: int4 inputs per scale)")
+    return int(group_size)
+
+
+def _which(which: Any) -> int:
+    if which in MATRICES:
+        return MATRICES[which]
+    raise NativeError(ERR_SHAPE, f"which = {which!r} is not a matrix (expected 'gate', 'up' or 'down')")
+
+
+class Experts:
+    """The routed experts of one MoE layer, packed once for the native kernels (see ktk_experts_* in the header).
+
+    quant: "bf16" (weights rounded to bf16), "int8" (W8A8: int8 per output channel, activations per token) or
+    "int4" (W4A8: int4 per output channel and group of ``group_size`` inputs, 32, 64 or 128, by default
+    ``default_group_size(hidden, intermediate)``; activations as int8).
+    activation: "silu" (silu(g) * u) or "gptoss" (clamped, alpha/limit; usually with bias=True).
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, quant: str = "bf16",
+                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, bias: bool = False,
+                 group_size: int | None = None):
+        ffi, lib = ffi_lib()
+        if activation not in ACTIVATIONS:
+            raise NativeError(ERR_DTYPE, f"activation = {activation!r} (expected one of {', '.join(ACTIVATIONS)})")
+        self.num_experts = checked_int("num_experts", num_experts)
+        self.hidden = checked_int("hidden", hidden)
+        self.intermediate = checked_int("intermediate", intermediate)
+        self.group_size = _quant_args(quant, group_size, self.hidden, self.intermediate)
+        self.quant, self.activation, self.bias = quant, activation, bool(bias)
+        self.alpha, self.limit = float(alpha), float(limit)
+        cfg = ffi.new("ktk_experts_config *", {
+            "num_experts": self.num_experts, "hidden": self.hidden, "intermediate": self.intermediate,
+            "quant": QUANTS[quant], "activation": ACTIVATIONS[activation], "has_bias": int(self.bias),
+            "alpha": self.alpha, "limit": self.limit, "group_size": self.group_size if quant == "int4" else 0})
+        out = ffi.new("ktk_experts **")
+        check_rc(lib.ktk_experts_create(cfg, out))
+        self._p = ffi.gc(out[0], lib.ktk_experts_destroy)
+
+    @staticmethod
+    def checked_group_size(quant: str, group_size: int | None, hidden: int, intermediate: int) -> int:
+        """The group size these arguments give (None: ``default_group_size``), or NativeError naming the bad one."""
+        return _quant_args(quant, group_size, hidden, intermediate)
+
+    def __repr__(self) -> str:
+        group = f", group_size={self.group_size}" if self.quant == "int4" else ""
+        return (f"Experts(E={self.num_experts}, H={self.hidden}, I={self.intermediate}, quant={self.quant!r}{group}, "
+                f"activation={self.activation!r}, bias={self.bias}, nbytes={self.nbytes})")
+
+    def shape(self, which: str) -> tuple[int, int]:
+        """[out, in] of one matrix: gate/up [I, H], down [H, I]."""
+        w = _which(which)
+        return (self.intermediate, self.hidden) if w < 2 else (self.hidden, self.intermediate)
+
+    def _expert(self, expert: Any) -> int:
+        return checked_int("expert", expert, 0, self.num_experts - 1, code=ERR_RANGE)
+
+    # ---- weights ----
+    def set(self, expert: int, which: str, weight: torch.Tensor) -> None:
+        """Pack one matrix [out, in] (any strides; float32/bfloat16/float16); the tensor may be freed afterwards."""
+        _, lib = ffi_lib()
+        e, w = self._expert(expert), _which(which)
+        weight = checked_tensor(f"{which} weight of expert {e}", weight, _WEIGHT_DTYPES, self.shape(which),
+                                contiguous=False)
+        check_rc(lib.ktk_experts_set(self._p, e, w, pointer(weight), DTYPES[weight.dtype], weight.stride(0),
+                                     weight.stride(1)))
+
+    def set_quantized(self, expert: int, which: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Store one int8 / int4 matrix from values already quantized, without rounding again: ``q`` int8 [out, in]
+        (int8: -127..127, int4: -8..7), ``scale`` float [out, groups] (int8: groups 1; int4: ceil(in / group_size)),
+        value = q * scale (e.g. a GGUF Q4_0 or compressed-tensors int4 release)."""
+        _, lib = ffi_lib()
+        e, w = self._expert(expert), _which(which)
+        out, inp = self.shape(which)
+        groups = 1 if self.quant == "int8" else -(-inp // self.group_size)
+        q = checked_tensor(f"{which} values of expert {e}", q, (torch.int8,), (out, inp), contiguous=False)
+        scale = checked_tensor(f"{which} scales of expert {e}", scale.float(), (torch.float32,), (out, groups),
+                               contiguous=False)
+        check_rc(lib.ktk_experts_set_quantized(self._p, e, w, pointer(q), q.stride(0), q.stride(1), pointer(scale),
+                                               scale.stride(0), scale.stride(1)))
+
+    def set_bias(self, expert: int, which: str, bias: torch.Tensor) -> None:
+        """Bias [out] of one matrix (experts created with bias=True)."""
+        _, lib = ffi_lib()
+        e, w = self._expert(expert), _which(which)
+        bias = checked_tensor(f"{which} bias of expert {e}", bias, _WEIGHT_DTYPES, self.shape(which)[:1],
+                              contiguous=False)
+        bias = bias.contiguous()
+        check_rc(lib.ktk_experts_set_bias(self._p, e, w, pointer(bias), DTYPES[bias.dtype]))
+
+    def get(self, expert: int, which: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One matrix as stored (bf16-rounded, or int8/int4-dequantized: q * scale), float32 [out, in]; written into
+        ``out`` (contiguous float32 of that shape, e.g. a pinned buffer) when given, with no torch kernel."""
+        _, lib = ffi_lib()
+        e, w = self._expert(expert), _which(which)
+        if out is None:
+            dst = torch.empty(self.shape(which), dtype=torch.float32)
+        else:
+            dst = checked_tensor(f"out ({which} of expert {e})", out, (torch.float32,), self.shape(which))
+        check_rc(lib.ktk_experts_get(self._p, e, w, pointer(dst, "float *")))
+        return dst
+
+    @property
+    def nbytes(self) -> int:
+        _, lib = ffi_lib()
+        return int(lib.ktk_experts_nbytes(self._p))
+
+    @staticmethod
+    def packed_nbytes(num_experts: int, hidden: int, intermediate: int, quant: str = "bf16",
+                      bias: bool = False, group_size: int | None = None) -> int:
+        """What .nbytes will be, without the library (placement planning): the packed layout of kernels.h pads each
+        matrix to 16 output rows x 64 inputs (int4: x max(64, group size)); int8 adds a float scale and an int32 row
+        sum per output row; int4 is half a byte per weight plus a float scale per output row and group; biases are
+        float per (padded) output row; each expert's region is a multiple of 64 bytes."""
+        G = _quant_args(quant, group_size, hidden, intermediate)
+        E, H, I = num_experts, hidden, intermediate
+        up = lambda x, m: -(-x // m) * m  # noqa: E731
+        total = 0
+        for n, k in ((I, H), (I, H), (H, I)):
+            Np, Kp = up(n, 16), up(k, max(64, G) if quant == "int4" else 64)
+            if quant == "int4":
+                total += Np * Kp // 2 + 4 * Np * (Kp // G)
+            else:
+                total += Np * Kp * 2 if quant == "bf16" else Np * Kp + 8 * Np
+            total += 4 * Np if bias else 0
+        return E * up(total, 64)
+
+    def export(self) -> torch.Tensor:
+        """The packed bytes (weights, scales, biases) as a uint8 tensor [nbytes]; load_packed() takes them back."""
+        _, lib = ffi_lib()
+        buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        check_rc(lib.ktk_experts_export(self._p, pointer(buf), buf.numel()))
+        return buf
+
+    def load_packed(self, buf: torch.Tensor) -> None:
+        """Import bytes made by export() of experts with the same configuration (size must match)."""
+        _, lib = ffi_lib()
+        buf = checked_tensor("packed buffer", buf, (torch.uint8,), (None,))
+        check_rc(lib.ktk_experts_import(self._p, pointer(buf), buf.numel()))
+
+    # ---- constructors from Hugging Face tensors ----
+    def _set_all(self, jobs: list[tuple]) -> None:
+        """Run set/set_bias jobs (method, expert, which, tensor), in threads when there is a lot to pack."""
+        total = sum(j[3].numel() for j in jobs)
+        if total < _PARALLEL_SET_ELEMENTS:
+            for fn, e, which, t in jobs:
+                fn(e, which, t)
+            return
+        with ThreadPoolExecutor(max_workers=min(8, max(1, physical_cores()))) as ex:
+            for f in [ex.submit(fn, e, which, t) for fn, e, which, t in jobs]:
+                f.result()
+
+    @classmethod
+    def from_hf(cls, gate_up: torch.Tensor, down: torch.Tensor, quant: str = "bf16",
+                group_size: int | None = None) -> "Experts":
+        """transformers 5 fused experts: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I]."""
+        gate_up = checked_tensor("gate_up", gate_up, _WEIGHT_DTYPES, (None, None, None), contiguous=False)
+        E, I2, H = gate_up.shape
+        if I2 % 2:
+            raise NativeError(ERR_SHAPE, f"gate_up: expected shape [E, 2I, H], got {list(gate_up.shape)} (odd 2I)")
+        I = I2 // 2
+        down = checked_tensor("down", down, _WEIGHT_DTYPES, (E, H, I), contiguous=False)
+        ex = cls(E, H, I, quant=quant, group_size=group_size)
+        jobs = []
+        for e in range(E):
+            jobs += [(ex.set, e, "gate", gate_up[e, :I]), (ex.set, e, "up", gate_up[e, I:]),
+                     (ex.set, e, "down", down[e])]
+        ex._set_all(jobs)
+        return ex
+
+    @classmethod
+    def from_gpt_oss(cls, gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor,
+                     down_bias: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
+                     quant: str = "bf16", group_size: int | None = None) -> "Experts":
+        """gpt-oss experts: gate_up_proj [E, H, 2I] interleaved (even = gate, odd = up), gate_up_proj_bias [E, 2I],
+        down_proj [E, I, H], down_proj_bias [E, H]."""
+        gate_up = checked_tensor("gate_up", gate_up, _WEIGHT_DTYPES, (None, None, None), contiguous=False)
+        E, H, I2 = gate_up.shape
+        if I2 % 2:
+            raise NativeError(ERR_SHAPE, f"gate_up: expected shape [E, H, 2I], got {list(gate_up.shape)} (odd 2I)")
+        I = I2 // 2
+        gate_up_bias = checked_tensor("gate_up_bias", gate_up_bias, _WEIGHT_DTYPES, (E, I2), contiguous=False)
+        down = checked_tensor("down", down, _WEIGHT_DTYPES, (E, I, H), contiguous=False)
+        down_bias = checked_tensor("down_bias", down_bias, _WEIGHT_DTYPES, (E, H), contiguous=False)
+        ex = cls(E, H, I, quant=quant, activation="gptoss", alpha=alpha, limit=limit, bias=True,
+                 group_size=group_size)
+        jobs = []
+        for e in range(E):
+            jobs += [(ex.set, e, "gate", gate_up[e, :, 0::2].t()), (ex.set, e, "up", gate_up[e, :, 1::2].t()),
+                     (ex.set, e, "down", down[e].t()), (ex.set_bias, e, "gate", gate_up_bias[e, 0::2]),
+                     (ex.set_bias, e, "up", gate_up_bias[e, 1::2]), (ex.set_bias, e, "down", down_bias[e])]
+        ex._set_all(jobs)
+        return ex
+
+    # ---- forward ----
+    def _forward_args(self, hidden, ids, weights, skip, out) -> tuple:
+        """Checked (T, k, hidden, hidden_dtype, ids, weights, weights_dtype, skip, out, out_dtype) + out tensor."""
+        ffi, _ = ffi_lib()
+        hidden = checked_tensor("hidden", hidden, _WEIGHT_DTYPES, (None, self.hidden))
+        T = hidden.shape[0]
+        ids = checked_tensor("ids", ids, (torch.int64,), (T, None))
+        k = ids.shape[1]
+        if k == 0 and T:
+            raise NativeError(ERR_SHAPE, f"ids has shape [{T}, 0]: each token needs at least one expert (k >= 1)")
+        weights = checked_tensor("weights", weights, _OUT_DTYPES, (T, k))
+        if skip is not None:
+            skip = checked_tensor("skip", skip, (torch.uint8, torch.bool), (self.num_experts,))
+        if out is None:
+            dtype = hidden.dtype if hidden.dtype in _OUT_DTYPES else torch.float32
+            out = torch.empty(T, self.hidden, dtype=dtype)
+        else:
+            out = checked_tensor("out", out, _OUT_DTYPES, (T, self.hidden))
+        skip_p = ffi.NULL if skip is None else pointer(skip, "uint8_t *")
+        args = (T, k, pointer(hidden), DTYPES[hidden.dtype], pointer(ids, "int64_t *"), pointer(weights),
+                DTYPES[weights.dtype], skip_p, pointer(out), DTYPES[out.dtype])
+        return args, (hidden, ids, weights, skip, out)
+
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                skip: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                pool: Pool | None = None) -> torch.Tensor:
+        """out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(hidden[t]) over experts not masked by skip [E].
+
+        hidden [T, H] f32/bf16/f16, ids [T, k] int64, weights [T, k] f32/bf16, all contiguous; out [T, H] f32/bf16
+        (default: hidden's dtype if f32/bf16, else f32), written, not accumulated. Runs on pool (default_pool())."""
+        _, lib = ffi_lib()
+        args, keep = self._forward_args(hidden, ids, weights, skip, out)
+        if args[0] == 0:
+            return keep[-1]
+        pool = default_pool() if pool is None else pool
+        check_rc(lib.ktk_forward(pool.ptr, self._p, *args))
+        return keep[-1]
+
+    __call__ = forward
+
+
+Experts.__module__ = "ktinject.native"  # where users import it from
+
+
+# ---- zero-copy views of packed experts (ktk_experts_raw / ktk_experts_region) ----
+class RawMatrix(NamedTuple):
+    """One packed matrix of one expert, as ktk_experts_raw describes it: addresses (ints) inside the experts' packed
+    storage, valid while the native.Experts lives. Layouts (native/src/kernels/kernels.h): bf16 data = bf16 bits
+    [Np/16][Kp/2][16][2]; int8 data = int8 [Np/16][Kp/4][16][4] with value q * scale[n]; int4 data = nibbles
+    [Np/16][Kp/8][16][4] (low nibble inputs 8r..8r+3, high 8r+4..8r+7) with scale [Np/16][Kp/G][16]. ``scale``/``bias``
+    are 0 when absent (bf16 / no bias); ``expert``, ``expert_bytes``: the expert's whole region (all its matrices)."""
+
+    quant: str
+    N: int
+    K: int
+    Np: int
+    Kp: int
+    data: int
+    data_bytes: int
+    scale: int
+    bias: int
+    expert: int
+    expert_bytes: int
+
+
+def experts_raw(experts: Any, expert: int, which: str) -> RawMatrix:
+    """ktk_experts_raw for a ktinject.native.Experts (every quant): NativeError(KTK_ERR_RANGE) for a bad expert or
+    matrix."""
+    ffi, lib = ffi_lib()
+    if which not in MATRICES:
+        raise NativeError(ERR_RANGE, f"which = {which!r} is not a matrix (expected 'gate', 'up' or 'down')")
+    e = checked_int("expert", expert, 0, int(experts.num_experts) - 1, code=ERR_RANGE)
+    out = ffi.new("ktk_raw *")
+    check_rc(lib.ktk_experts_raw(experts._p, e, MATRICES[which], out))
+    addr = lambda p: int(ffi.cast("uintptr_t", p))  # noqa: E731  (NULL -> 0)
+    quant = {v: k for k, v in QUANTS.items()}.get(out.quant, str(out.quant))
+    return RawMatrix(quant, out.N, out.K, out.Np, out.Kp, addr(out.data), int(out.data_bytes), addr(out.scale),
+                     addr(out.bias), addr(out.expert), int(out.expert_bytes))
+
+
+def experts_region(experts: Any) -> tuple[int, int]:
+    """(address, bytes) of a ktinject.native.Experts' packed storage (ktk_experts_region): one page-aligned mapping
+    that lives as long as the Experts object."""
+    ffi, lib = ffi_lib()
+    base, nbytes = ffi.new("const void **"), ffi.new("int64_t *")
+    check_rc(lib.ktk_experts_region(experts._p, base, nbytes))
+    return int(ffi.cast("uintptr_t", base[0])), int(nbytes[0])
+
+
+def experts_region_view(experts: Any) -> tuple[int, torch.Tensor]:
+    """(address, uint8 CPU tensor [nbytes]) over a ktinject.native.Experts' packed storage (zero copy): valid while
+    the Experts object lives, so keep a reference to it beside the tensor."""
+    ffi, _ = ffi_lib()
+    addr, nbytes = experts_region(experts)
+    return addr, torch.frombuffer(ffi.buffer(ffi.cast("char *", addr), nbytes), dtype=torch.uint8)
