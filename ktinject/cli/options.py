@@ -119,17 +119,21 @@ def resolve(args: argparse.Namespace, demo_line: str, out=None) -> tuple[Path, s
         print(demo_line.format(path=model), file=out or sys.stdout, flush=True)
     else:
         model = Path(args.model).expanduser()
-        if model.is_file():
+        gguf = model.suffix == ".gguf" or (model.is_dir() and not (model / "config.json").is_file()
+                                           and any(model.glob("*.gguf")))
+        if gguf and model.exists():
+            pass  # a GGUF model: its config and tokenizer come from the metadata
+        elif model.is_file():
             hint = f" (its directory: --model {model.parent})" if (model.parent / "config.json").is_file() else ""
             raise CliError(f"--model {args.model} is a file, not a model directory: pass the checkpoint's "
-                           f"directory, the one with config.json{hint}")
-        if not model.is_dir():
+                           f"directory, the one with config.json, or a .gguf file{hint}")
+        elif not model.is_dir():
             hub = args.model.count("/") == 1 and not args.model.startswith((".", "/", "~"))  # "org/name"
             hint = (" (a Hugging Face Hub id? ktinject downloads nothing: fetch it first, e.g. `hf download "
                     f"{args.model} --local-dir DIR`, and pass --model DIR)") if hub else ""
             raise CliError(f"model directory not found: {args.model}{hint}")
-        if not (model / "config.json").is_file():
-            raise CliError(f"not a Hugging Face model directory (no config.json): {args.model}")
+        elif not (model / "config.json").is_file():
+            raise CliError(f"not a Hugging Face model directory (no config.json) nor a GGUF model: {args.model}")
     if args.rules is None:
         return model, None
     from ktinject.injection.rules import packaged_files
@@ -211,14 +215,25 @@ def _moe_blocks(model):
     return (m for m in model.modules() if getattr(m, "native_experts", None) is not None)
 
 
+def load_tokenizer(model_dir):
+    """The tokenizer of a model directory, or of a GGUF model (a .gguf file or a directory holding one): built by
+    transformers from the GGUF metadata, chat template included."""
+    from transformers import AutoTokenizer
+
+    from ktinject.injection.formats.gguf import tokenizer_source
+
+    source = tokenizer_source(model_dir)
+    if source is not None:
+        return AutoTokenizer.from_pretrained(source[0], gguf_file=source[1])
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 def load_model(model_dir, rules=None, quant=None, progress=True, **options):
     """Load a checkpoint through ktinject; returns (model, tokenizer, plan). ``options``: from_pretrained's keywords
     (device variables, hot-expert options)."""
-    from transformers import AutoTokenizer
-
     from ktinject.injection.loading import from_pretrained
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     model = from_pretrained(model_dir, rules, quant=quant, progress=progress, **options)
     return model.eval(), tokenizer, model._ktinject_plan
 

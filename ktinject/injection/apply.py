@@ -46,6 +46,20 @@ def check_fresh(model: nn.Module) -> None:
                           f"freshly loaded model instead")
 
 
+def check_not_quantized(model: nn.Module) -> None:
+    """InjectError when transformers loaded ``model`` with its quantized modules (an FP8, compressed-tensors or
+    MXFP4 checkpoint through ``from_pretrained``): ktinject's operators take plain weights; its own loader decodes
+    those checkpoints while it streams them."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    qc = getattr(getattr(model, "config", None), "quantization_config", None)
+    if quantizer is None and not getattr(model, "is_quantized", False):
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    raise InjectError(f"{type(model).__name__} was loaded by transformers with quantized modules (quant_method "
+                      f"{method!r}); load the checkpoint with ktinject.from_pretrained(dir) instead, which decodes "
+                      f"FP8, compressed-tensors and MXFP4 tensors as it streams them")
+
+
 def check_devices(plan) -> None:
     """InjectError naming the variable when the plan puts something on a CUDA device this machine lacks (before
     anything is built: torch would fail deep inside an operator's constructor)."""

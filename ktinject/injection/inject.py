@@ -43,6 +43,8 @@ def inject(model: nn.Module, rules=None, *, quant: str | None = None, defer: int
     ``devices``: device variables, e.g. ``gpu="cuda:0"`` or ``gpu="cpu"`` (CPU-only run).
     """
     apply.check_fresh(model)
+    if checkpoint is None:
+        apply.check_not_quantized(model)
     the_plan = plan(model, rules, quant=quant, defer=defer, **devices)
     apply.check_devices(the_plan)
     options = dict(gpu_experts_budget=gpu_experts_budget, placement=placement, stats=stats,

@@ -48,6 +48,7 @@ from ktinject import envs
 from ktinject.injection.formats import open_checkpoint
 from ktinject.injection.formats.base import BufferPool, LoadError, Reader, ReadJob
 from ktinject.injection.formats.hf_keys import Piece, check_expert_piece, expert_matrices, map_checkpoint
+from ktinject.injection.requant import RequantError
 from ktinject.gpu_experts.prefill.policy import mode_from_plan
 from ktinject.gpu_experts.hot.settings import HotExpertSettings
 from ktinject.operators.families import empty_biases, set_bias
@@ -65,7 +66,7 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
                     cache_dir=None, progress: bool = True, gpu_experts_budget=None, placement: str | None = None,
                     stats=None, rebalance_every: int | None = None, defer: int | float | None = None,
                     prefill: str | None = None, **devices) -> nn.Module:
-    """A ready model from a local checkpoint directory, loaded without ever holding it twice.
+    """A ready model from a local checkpoint directory (or a GGUF file), loaded without ever holding it twice.
 
     ``rules``: rule file / parsed rules / None (packaged rules of ``config.model_type``); ``quant``: expert
     quantization for every MoE block (``bf16``, ``int8``, ``int4``; None keeps the rules' choice, bf16 by default);
@@ -80,11 +81,22 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # heavy: on the first load only
 
     path = Path(path)
-    if not path.is_dir():
-        raise LoadError(f"{path} is not a checkpoint directory (config.json + *.safetensors)")
+    not_dir = LoadError(f"{path} is not a checkpoint directory (config.json + *.safetensors) or GGUF file")
+    if not path.exists():
+        raise not_dir
     reader = open_checkpoint(path)
-    config = AutoConfig.from_pretrained(path)
+    config = reader.config()  # a GGUF's from its metadata; None: config.json
+    if config is None:
+        if not path.is_dir():
+            raise not_dir
+        config = AutoConfig.from_pretrained(path)
     reader.check_config(config)
+    reader.config_checked = True
+    # the model is built plain (its quantized tensors decode while they load): transformers must not swap in its
+    # quantized modules for the config's quantization_config
+    source_quant = getattr(config, "quantization_config", None)
+    if source_quant is not None:
+        del config.quantization_config
     dtype = _model_dtype(config, dtype)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -92,7 +104,10 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     model.requires_grad_(False)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
-    the_plan = make_plan(model, rules, quant=quant, defer=defer, **devices)
+    group_size = None
+    if quant is None and rules is None:  # the packaged rules: keep the release's expert format
+        quant, group_size = _release_format(reader)
+    the_plan = make_plan(model, rules, quant=quant, defer=defer, group_size=group_size, **devices)
     load_into(model, the_plan, reader, cache_dir=cache_dir, progress=progress, gpu_experts_budget=gpu_experts_budget,
               placement=placement, stats=stats, rebalance_every=rebalance_every, prefill=prefill)
     return model
@@ -110,7 +125,7 @@ def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: b
     hot = HotExpertSettings.from_plan(plan, **hot_options)  # bad options fail before a byte is read
     prefill = mode_from_plan(plan, prefill)
     reader = open_checkpoint(checkpoint)
-    if getattr(model, "config", None) is not None:
+    if getattr(model, "config", None) is not None and not reader.config_checked:  # (from_pretrained checked it)
         reader.check_config(model.config)
     try:
         _Loader(model, plan, reader, cache_dir, progress).run()
@@ -121,6 +136,19 @@ def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: b
         raise LoadError(f"{notes}\nbecause of that, loading failed: {e}") from e
     apply.finish(model, plan, hot, prefill)
     return plan
+
+
+def _release_format(reader: Reader) -> tuple[str | None, int | None]:
+    """(quant, group size) of the native expert format that holds a quantized checkpoint's routed experts best
+    (``Codec.native``), or (None, None) for an unquantized one (the rules' choice)."""
+    codecs = [r.codec for r in reader.refs if r.codec is not None]
+    experts = [c for r, c in zip([r for r in reader.refs if r.codec is not None], codecs)
+               if ".experts." in r.key or r.key.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    found = Counter(c.native for c in (experts or codecs))
+    if not found:
+        return None, None
+    quant, group = found.most_common(1)[0][0]
+    return (quant, group if quant == "int4" else None) if quant != "bf16" else (None, None)
 
 
 def _model_dtype(config, dtype) -> torch.dtype:
@@ -220,6 +248,7 @@ class _Loader:
         self.bar = bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
                               disable=not self.progress, leave=False)
         self.packer, self.buffers = _Packer(), BufferPool(limit=window)
+        self.requant = RequantError()
         try:
             with torch.no_grad():
                 for job, buf in self.ckpt.stream(jobs, window, self.buffers):
@@ -263,14 +292,11 @@ class _Loader:
     def _piece_jobs(self, piece: Piece) -> list[ReadJob]:
         ref = piece.ref
         if piece.expert_leaf is not None and piece.expert is None:  # [E, ...]: expert slices
-            step = ref.nbytes // ref.shape[0]
-            return [ReadJob((piece, e, ref.shape[1:]), ref.file, ref.offset + e * step, step, reuse=True)
-                    for e in range(ref.shape[0])]
-        # the read buffer is reused unless it becomes the tensor itself (same dtype, on the CPU)
-        copied = (self.devices.get(id(piece.meta), _CPU).type != "cpu"
+            return [ReadJob((piece, e, ref.shape[1:]), ref.expert_spans(e), reuse=True) for e in range(ref.shape[0])]
+        # the read buffer is reused unless it becomes the tensor itself (same dtype, on the CPU, not decoded)
+        copied = (ref.codec is not None or self.devices.get(id(piece.meta), _CPU).type != "cpu"
                   or self.ckpt.torch_dtype(ref) != self.dtypes.get(piece.target, piece.meta.dtype))
-        return [ReadJob((piece, piece.expert, ref.shape), ref.file, ref.offset, ref.nbytes,
-                        reuse=piece.expert_leaf is not None or copied)]
+        return [ReadJob((piece, piece.expert, ref.shape), ref.all_spans(), reuse=piece.expert_leaf is not None or copied)]
 
     def _repack(self, unit: _Unit) -> None:
         """Pack ``unit``'s experts from the checkpoint after its cached block failed its digest (biases again too:
@@ -280,26 +306,26 @@ class _Loader:
                 for j in self._piece_jobs(p)]
         self.bar.total += sum(j.nbytes for j in jobs) - unit.stream.nbytes  # (counted as the cache's bytes)
         for job, buf in self.ckpt.stream(jobs, self.window, self.buffers):
-            piece, expert, x, dtype = self._read(job, buf)
-            self.packer.submit(_pack, unit, piece, expert, x.to(dtype), buf, self.buffers)
+            self._submit_pack(unit, job, buf)
             self.bar.update(job.nbytes)
         self.packer.drain()
 
-    def _read(self, job: ReadJob, buf: torch.Tensor) -> tuple:
-        """(piece, expert, its bytes as the checkpoint's tensor, the dtype transformers would hold it in); the bytes
-        count as read."""
+    def _submit_pack(self, unit: _Unit, job: ReadJob, buf: torch.Tensor) -> None:
+        """Pack one read expert slice (decoded and packed on a packer thread); its bytes count as read."""
         piece, expert, shape = job.what
         self.bytes_read += job.nbytes
-        return piece, expert, buf.view(self.ckpt.torch_dtype(piece.ref)).view(shape), \
-            self.dtypes.get(piece.target, piece.meta.dtype)
+        unit.start()
+        self.packer.submit(_pack, unit, piece, expert, _Slice(self.ckpt, piece.ref, buf, shape),
+                           self.dtypes.get(piece.target, piece.meta.dtype), self.buffers, self.requant)
 
     def _dispatch(self, job: ReadJob, buf: torch.Tensor) -> None:
-        piece, expert, x, dtype = self._read(job, buf)
+        piece, expert, shape = job.what
         if piece.expert_leaf is not None:
-            unit = self.units[piece.unit]
-            unit.start()
-            self.packer.submit(_pack, unit, piece, expert, x.to(dtype), buf, self.buffers)
+            self._submit_pack(self.units[piece.unit], job, buf)
         else:
+            self.bytes_read += job.nbytes
+            x = _Slice(self.ckpt, piece.ref, buf, shape).values()
+            dtype = self.dtypes.get(piece.target, piece.meta.dtype)
             self._assign(piece.meta, x.to(device=self.devices.get(id(piece.meta), _CPU), dtype=dtype))
             if job.reuse:  # copied (synchronously) to another device or dtype
                 self.buffers.put(buf)
@@ -371,7 +397,11 @@ class _Loader:
         self.model._ktinject_load_stats = {
             "seconds": seconds, "bytes_read": self.bytes_read, "gb_per_s": gbs, "resident": dict(self.resident),
             "cache": cache, "cache_dir": str(self.cache.dir) if self.cache is not None else None,
+            "formats": list(getattr(self.ckpt, "quant_formats", [])), "experts": self.requant.report(),
         }
+        note = self.requant.describe()
+        if note:
+            log.warning("%s", note)
         log.info("loaded %s in %.2f s: %.3f GB read, %.2f GB/s; resident %s; packed-expert cache: %s",
                  self.ckpt.dir, seconds, self.bytes_read / 1e9, gbs, per_device, cache)
 
@@ -406,22 +436,60 @@ class _Packer:
             self.pending.clear()
 
 
-def _pack(unit: _Unit, piece: Piece, expert: int, x: torch.Tensor, buf: torch.Tensor, buffers) -> None:
-    """Pack one expert's slice ``x`` of ``piece`` into the unit's native experts (its biases also into the unit's
-    float32 copies; nothing into experts the cache will fill); then give the read buffer back."""
-    spec = unit.stream.spec
-    for which, w in expert_matrices(spec, piece, x):
+class _Slice:
+    """The bytes of one read tensor (or one expert's slice of it) and how they decode."""
+
+    def __init__(self, ckpt: Reader, ref, buf: torch.Tensor, shape: tuple[int, ...]):
+        self.ckpt, self.ref, self.buf, self.shape = ckpt, ref, buf, tuple(shape)
+
+    def values(self) -> torch.Tensor:
+        """As the checkpoint's dtype (plain) or decoded to float32 (quantized)."""
+        if self.ref.codec is None:
+            return self.buf.view(self.ckpt.torch_dtype(self.ref)).view(self.shape)
         try:
-            if which.endswith("_bias"):
-                set_bias(unit.biases, spec, expert, which, w)
-                if not unit.from_cache:
-                    unit.experts.set_bias(expert, which[:-5], w)
-            else:
-                unit.experts.set(expert, which, w)
-        except Exception as e:
-            raise LoadError(f"tensor {piece.ref.key!r} in {piece.ref.file}: packing expert {expert} ({which}) "
-                            f"of {piece.unit!r} failed: {e}") from e
-    buffers.put(buf)  # set() copied what it needed
+            return self.ref.codec.decode(self.buf, self.shape)
+        except (RuntimeError, ValueError) as e:
+            raise LoadError(f"tensor {self.ref.key!r} in {self.ref.file}: its {self.ref.codec.name} bytes do not "
+                            f"decode to {list(self.shape)}: {e}") from None
+
+    def quantized(self, quant: str, group: int | None):
+        codec = self.ref.codec
+        return None if codec is None else codec.quantized(self.buf, self.shape, quant, group)
+
+
+def _pack(unit: _Unit, piece: Piece, expert: int, data: _Slice, dtype: torch.dtype, buffers,
+          requant: RequantError) -> None:
+    """Pack one expert's slice of ``piece`` into the unit's native experts (its biases also into the unit's
+    float32 copies; nothing into experts the cache will fill); then give the read buffer back. Quantized values
+    that are exactly the experts' format are stored as they are; others are decoded and quantized (a quantized
+    checkpoint's error then sampled into ``requant``)."""
+    spec, stream = unit.stream.spec, unit.stream
+    which = "?"
+    try:
+        exact = data.quantized(stream.quant, stream.group_size)
+        if exact is not None:
+            q, scale = exact
+            for (which, qw), (_, sw) in zip(expert_matrices(spec, piece, q), expert_matrices(spec, piece, scale)):
+                unit.experts.set_quantized(expert, which, qw, sw)
+        else:
+            x = data.values()
+            x = x.to(dtype) if data.ref.codec is None else x  # decoded values are quantized from float32
+            for which, w in expert_matrices(spec, piece, x):
+                if which.endswith("_bias"):
+                    set_bias(unit.biases, spec, expert, which, w)
+                    if not unit.from_cache:
+                        unit.experts.set_bias(expert, which[:-5], w)
+                else:
+                    unit.experts.set(expert, which, w)
+                    if data.ref.codec is not None:
+                        requant.sample(unit.entry.name, data.ref.codec.name, stream.quant, unit.experts, expert,
+                                       which, w)
+    except LoadError:
+        raise
+    except Exception as e:
+        raise LoadError(f"tensor {piece.ref.key!r} in {piece.ref.file}: packing expert {expert} ({which}) "
+                        f"of {piece.unit!r} failed: {e}") from e
+    buffers.put(data.buf)  # set() copied what it needed
 
 
 def _target_dtypes(model: nn.Module) -> dict[str, torch.dtype]:

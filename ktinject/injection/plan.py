@@ -80,14 +80,16 @@ class Plan:
 
 
 def plan(model: nn.Module, rules: Any = None, *, quant: str | None = None, defer: int | float | None = None,
-         **devices: Any) -> Plan:
+         group_size: int | None = None, **devices: Any) -> Plan:
     """Match ``rules`` (a path, packaged name, list, RuleSet; None: chosen by ``config.model_type``) against
-    ``model``. ``quant`` and ``defer`` override the kwarg of that name of every operator that accepts one.
+    ``model``. ``quant``, ``group_size`` (int4) and ``defer`` override the kwarg of that name of every operator that
+    accepts one.
     ``devices`` sets device variables (``gpu="cpu"``)."""
     ruleset = rules_for_model(model) if rules is None else load_rules(rules)
     _check_device_names(devices, ruleset)
     devs = resolve_devices(devices)
-    overrides = {key: v for key, v in (("quant", quant), ("defer", defer)) if v is not None}
+    overrides = {key: v for key, v in (("quant", quant), ("group_size", group_size), ("defer", defer))
+                 if v is not None}
     ops = _operators(ruleset, overrides)
     rule_devices = [_rule_device(rule, devs) for rule in ruleset.rules]
     walk = _Walk(ruleset, ops, rule_devices, devs["gpu"], overrides)

@@ -1,7 +1,11 @@
 """Checkpoint formats: one reader per format behind the small interface of ``base.Reader``.
 
     base.py         the interface (Reader, TensorRef, ReadJob), LoadError, the bounded read-ahead stream
-    safetensors.py  Hugging Face safetensors checkpoints, sharded or single-file
+    safetensors.py  Hugging Face safetensors checkpoints, sharded or single-file, unquantized or FP8 block-scaled,
+                    compressed-tensors pack-quantized, MXFP4 (their parts merged into one ref per tensor)
+    codecs.py       how a quantized tensor's stored bytes decode (and when they are a native format exactly)
+    gguf.py         GGUF (llama.cpp) files, single or split: config from the metadata (gguf_config.py), ggml
+                    quant types decoded by gguf_codecs.py; needs the gguf package (the ``gguf`` extra)
     hf_keys.py      Hugging Face checkpoint keys -> model tensors; expert slices -> native expert matrices
 
 ``open_checkpoint(path)`` returns the reader of the first format in ``READERS`` that recognizes ``path``. A new
@@ -12,10 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ktinject.injection.formats.base import LoadError, Reader
+from ktinject.injection.formats.gguf import GGUFReader
 from ktinject.injection.formats.safetensors import SafetensorsReader
 
 #: the formats ktinject reads, tried in this order
-READERS: tuple[type[Reader], ...] = (SafetensorsReader,)
+READERS: tuple[type[Reader], ...] = (SafetensorsReader, GGUFReader)
 
 
 def open_checkpoint(path) -> Reader:

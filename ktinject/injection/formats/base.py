@@ -7,10 +7,10 @@ maps the keys to the model (``hf_keys``), plans ``ReadJob``s (byte ranges) and `
 from one reader thread that stays at most a window of bytes ahead of the consumer. No mmap: mapped pages of a shard
 would count as our resident memory while the file is open; the page cache does not.
 
-A format (``safetensors.py``; GGUF and FP8 readers to come) implements: ``detect`` (does a path hold this format),
-``__init__`` (headers -> refs), ``torch_dtype`` (how the bytes of a ref read as a torch tensor; None: not readable
-yet), ``signature_files`` (what identifies the content, for caches) and, if it reads quantized checkpoints,
-``check_config``.
+A format (``safetensors.py``, ``gguf.py``) implements: ``detect`` (does a path hold this format), ``__init__`` (headers -> refs;
+a quantized tensor is one ref whose ``codec``, ``codecs.py``, decodes its stored parts), ``torch_dtype`` (what a
+ref's bytes read or decode as; None: not readable), ``signature_files`` (what identifies the content, for caches)
+and ``check_config`` (does the model config describe what the tensors hold).
 """
 from __future__ import annotations
 
@@ -42,26 +42,54 @@ def pread_into(fd: int, offset: int, out: torch.Tensor) -> None:
 
 
 @dataclass(frozen=True)
-class TensorRef:
-    """One tensor of a shard: where its bytes are (absolute offset in ``file``)."""
+class Span:
+    """A byte range of one file."""
 
-    key: str
     file: Path
-    dtype: str  # safetensors dtype name ("BF16", "F8_E4M3", ...)
-    shape: tuple[int, ...]
     offset: int
     nbytes: int
 
 
 @dataclass(frozen=True)
-class ReadJob:
-    """A byte range to read and hand to the consumer with ``what`` (the caller's description of it)."""
+class TensorRef:
+    """One tensor of the checkpoint as the model sees it (its key, shape), and where its bytes are.
 
-    what: Any
+    A plain tensor (``codec`` None) is ``nbytes`` bytes of ``dtype`` at ``offset`` of ``file``. A quantized one is
+    decoded by its ``codec`` (``formats.codecs``) from the bytes of ``spans`` read one after another (e.g. FP8
+    values, then their block scales); ``file``, ``offset`` and ``nbytes`` are then its first span's place and the
+    spans' total. A tensor whose first dimension indexes experts is read one expert at a time: every span then
+    holds that dimension first too (``expert_spans``)."""
+
+    key: str
     file: Path
+    dtype: str  # the stored dtype's name ("BF16", "F8_E4M3", ...; a codec's: what it decodes)
+    shape: tuple[int, ...]
     offset: int
     nbytes: int
+    codec: Any = None  # formats.codecs.Codec, or None for plain bytes of dtype
+    spans: tuple[Span, ...] = ()  # codec tensors: every stored part, in the order the codec reads them
+
+    def all_spans(self) -> tuple[Span, ...]:
+        return self.spans or (Span(self.file, self.offset, self.nbytes),)
+
+    def expert_spans(self, expert: int) -> tuple[Span, ...]:
+        """The bytes of slice ``expert`` of the first dimension (of every span)."""
+        E = self.shape[0]
+        return tuple(Span(s.file, s.offset + expert * (s.nbytes // E), s.nbytes // E) for s in self.all_spans())
+
+
+@dataclass(frozen=True)
+class ReadJob:
+    """Byte ranges to read (into one buffer, one after another) and hand to the consumer with ``what`` (the
+    caller's description of them)."""
+
+    what: Any
+    spans: tuple[Span, ...]
     reuse: bool = False  # read into a BufferPool buffer (the consumer gives it back) instead of a new one
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.spans)
 
 
 class BufferPool:
@@ -96,6 +124,7 @@ class Reader:
     expects: str = ""
     dir: Path
     refs: list[TensorRef]
+    config_checked = False  # check_config passed on the config the model is built from
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -110,6 +139,11 @@ class Reader:
         """The files whose (name, size, mtime) identify this checkpoint's content."""
         raise NotImplementedError
 
+    def config(self) -> Any:
+        """The model config the checkpoint carries (a transformers ``PretrainedConfig``: GGUF metadata), or None:
+        ``config.json`` beside the tensors (``AutoConfig.from_pretrained(dir)``)."""
+        return None
+
     def check_config(self, config: Any) -> None:
         """LoadError when the model config says the weights are stored in a form this reader cannot read (the
         default: any ``quantization_config``; a reader of FP8 / MXFP4 / GGUF tensors accepts its own)."""
@@ -118,8 +152,7 @@ class Reader:
             return
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
         raise LoadError(f"{self.dir}: the checkpoint is quantized (config.quantization_config, quant_method "
-                        f"{method!r}); ktinject reads bf16/fp16/fp32 checkpoints only for now: use the "
-                        f"unquantized release or dequantize it first")
+                        f"{method!r}); this reader takes unquantized tensors only")
 
     def stream(self, jobs: list[ReadJob], window: int,
                buffers: BufferPool | None = None) -> Iterator[tuple[ReadJob, torch.Tensor]]:
@@ -140,18 +173,22 @@ class Reader:
                         if state["stop"]:
                             return
                         state["ahead"] += job.nbytes
-                    if fd_path != job.file:
-                        if fd is not None:
-                            os.close(fd)
-                        fd, fd_path = os.open(job.file, os.O_RDONLY), job.file
                     if job.reuse and buffers is not None:
                         buf = buffers.get(job.nbytes)
                     else:
                         buf = torch.empty(job.nbytes, dtype=torch.uint8)
-                    try:
-                        pread_into(fd, job.offset, buf)
-                    except OSError as e:
-                        raise LoadError(f"reading {job.what} from {job.file} failed: {e}") from None
+                    at = 0
+                    for span in job.spans:
+                        if fd_path != span.file:
+                            if fd is not None:
+                                os.close(fd)
+                                fd = None
+                            fd, fd_path = os.open(span.file, os.O_RDONLY), span.file
+                        try:
+                            pread_into(fd, span.offset, buf[at:at + span.nbytes])
+                        except OSError as e:
+                            raise LoadError(f"reading {job.what} from {span.file} failed: {e}") from None
+                        at += span.nbytes
                     q.put((job, buf))
                 q.put(None)
             except BaseException as e:  # handed to the consumer

@@ -121,12 +121,12 @@ def map_checkpoint(model: nn.Module, ckpt: Reader, is_expert: Callable[[str], tu
 def _check_dtype(ref: TensorRef, dtype: torch.dtype | None, meta: torch.Tensor, target: str) -> None:
     """``dtype``: what the reader says the bytes of ``ref`` hold (None: a dtype it cannot read)."""
     if dtype is None:
-        raise LoadError(f"tensor {ref.key!r} in {ref.file} has dtype {ref.dtype}, which ktinject cannot read yet "
-                        f"(FP8 / MXFP4 / other quantized checkpoints are not supported: use a bf16, fp16 or fp32 "
-                        f"checkpoint)")
+        raise LoadError(f"tensor {ref.key!r} in {ref.file} has dtype {ref.dtype}, which ktinject cannot read: "
+                        f"it reads float32 / bf16 / fp16 tensors, FP8 with block scales (weight_scale_inv), "
+                        f"compressed-tensors pack-quantized int4 / int8 and MXFP4 (*_blocks + *_scales)")
     if meta.is_floating_point() != dtype.is_floating_point or (not meta.is_floating_point() and dtype != meta.dtype):
         raise LoadError(f"tensor {ref.key!r} in {ref.file} is {ref.dtype} but {target!r} is {meta.dtype} "
-                        f"(a quantized checkpoint? ktinject reads unquantized checkpoints only)")
+                        f"(a quantized tensor without the parts its format needs beside it, e.g. its scales?)")
 
 
 def _shape_error(ref: TensorRef, target: str, want: tuple) -> LoadError:

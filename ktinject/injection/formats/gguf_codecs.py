@@ -1,0 +1,113 @@
+"""How GGUF (llama.cpp) tensor types decode: one ``codecs.Codec`` per ggml quant type ktinject reads.
+
+    Plain    F32 / F16 / BF16 (only where a tensor needs a transform on the way, e.g. llama's Q/K order; other
+             plain tensors are read as their dtype without a codec)
+    Q8_0     blocks of 32: fp16 scale d + 32 int8 q; value = d * q. Native int8 has one scale per output row, so
+             Q8_0 experts are quantized again (int8), the error measured at load
+    Q4_0     blocks of 32: fp16 d + 16 bytes; the low nibbles are elements 0..15, the high nibbles 16..31;
+             value = d * (nibble - 8): exactly native int4 with groups of 32 (q = nibble - 8, scale = d)
+    Q4_K     super-blocks of 256 (8 x 32, 6-bit scales and mins): requantized, into int4 group 32 by default
+    Q5_K     super-blocks of 256: requantized, into int8 by default
+    Q6_K     super-blocks of 256 (16 x 16, int8 scales): requantized, into int8 by default
+
+A quantized tensor's blocks run along its last (input) dimension, row after row, so one expert's slice of a fused
+``[E, N, K]`` tensor is a contiguous run of whole blocks. ``Permuted`` undoes llama.cpp's Q/K row permutation of
+llama-architecture models after decoding (as transformers' GGUF loader does). K-quants decode with
+``gguf.quants.dequantize``; Q8_0 / Q4_0 with torch (the tests compare both with gguf's).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ktinject.injection.formats.base import LoadError
+from ktinject.injection.formats.codecs import Codec
+
+#: ggml type name -> (elements per block, bytes per block) for the types ktinject reads
+BLOCKS: dict[str, tuple[int, int]] = {
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+}
+#: the plain types and the torch dtype their bytes hold
+PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+#: ggml type -> the native expert format (quant, group) that keeps its values best
+NATIVE: dict[str, tuple[str, int | None]] = {
+    "F32": ("bf16", None), "F16": ("bf16", None), "BF16": ("bf16", None),
+    "Q8_0": ("int8", None), "Q4_0": ("int4", 32), "Q4_K": ("int4", 32), "Q5_K": ("int8", None),
+    "Q6_K": ("int8", None),
+}
+
+
+def row_bytes(qtype: str, K: int) -> int:
+    """Bytes of one row of ``K`` elements of ``qtype``; LoadError when K is not a whole number of blocks."""
+    block, size = BLOCKS[qtype]
+    if K % block:
+        raise LoadError(f"{qtype} stores rows in blocks of {block} elements; a row of {K} is not whole blocks")
+    return K // block * size
+
+
+class GGMLCodec(Codec):
+    """One ggml type: its blocks along the last dimension of a [..., N, K] tensor (1-D tensors: [K])."""
+
+    def __init__(self, qtype: str):
+        if qtype not in BLOCKS:
+            raise LoadError(f"ggml type {qtype} is not supported; ktinject reads {', '.join(BLOCKS)}")
+        self.qtype = qtype
+        self.name = f"gguf {qtype}"
+        self.native = NATIVE[qtype]
+
+    def nbytes(self, shape):
+        return [math.prod(shape[:-1]) * row_bytes(self.qtype, shape[-1])]
+
+    def _blocks(self, buf: torch.Tensor, shape) -> torch.Tensor:
+        (n,) = self.nbytes(shape)
+        if buf.numel() != n:
+            raise LoadError(f"{buf.numel()} bytes read where {self.qtype} {list(shape)} needs {n}")
+        return buf.view(-1, BLOCKS[self.qtype][1])
+
+    def decode(self, buf, shape):
+        if self.qtype in PLAIN:
+            return buf.view(PLAIN[self.qtype]).view(shape).float()
+        if self.qtype == "Q8_0":
+            b = self._blocks(buf, shape)
+            d = b[:, :2].contiguous().view(torch.float16).float()
+            return (b[:, 2:].contiguous().view(torch.int8).float() * d).view(shape)
+        if self.qtype == "Q4_0":
+            q, d = self._q4_0(buf, shape)
+            return (q.float().view(-1, 32) * d.view(-1, 1)).view(shape)
+        import gguf  # (the reader imported it already)
+
+        b = self._blocks(buf, shape).numpy()
+        values = gguf.quants.dequantize(b, gguf.GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(values.astype("float32", copy=False)).reshape(shape)
+
+    def _q4_0(self, buf, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 [..., K] in [-8, 7], d float32 [..., K / 32])."""
+        b = self._blocks(buf, shape)
+        d = b[:, :2].contiguous().view(torch.float16).float()
+        qs = b[:, 2:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.int8) - 8  # low nibbles 0..15, high 16..31
+        return q.view(shape), d.view(*shape[:-1], shape[-1] // 32)
+
+    def quantized(self, buf, shape, quant, group):
+        if self.qtype != "Q4_0" or (quant, group) != ("int4", 32) or len(shape) < 2:
+            return None
+        return self._q4_0(buf, shape)
+
+
+class Permuted(Codec):
+    """``inner``'s values with llama.cpp's row permutation of llama Q / K projections undone: rows are stored per
+    head as (dim, 2) pairs interleaved; transformers' ``LlamaTensorProcessor._reverse_permute_weights``, exactly."""
+
+    def __init__(self, inner: GGMLCodec, n_head: int):
+        self.inner, self.n_head = inner, n_head
+        self.name, self.native = inner.name, inner.native
+
+    def nbytes(self, shape):
+        return self.inner.nbytes(shape)
+
+    def decode(self, buf, shape):
+        w = self.inner.decode(buf, shape)
+        dim = shape[0] // self.n_head // 2
+        return w.reshape(self.n_head, dim, 2, *shape[1:]).transpose(1, 2).reshape(shape)
