@@ -23,7 +23,14 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+#: the families every test suite iterates (decode, KV cache, loading, placement, ...)
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+#: families added later: checked end to end against HF in tests/operators/test_families.py, kept out of the slower
+#: suites that iterate FAMILIES (CI time); their attention runs HF's own forward (no decode fast path)
+MORE_FAMILIES = ("minimax_m2", "glm4_moe_lite", "ernie4_5_moe", "hunyuan_v1_moe", "dots1")
+ALL_FAMILIES = FAMILIES + MORE_FAMILIES
+#: the transformers release that first has each family's model_type (the others: every supported release, 5.17+)
+MIN_TRANSFORMERS: dict[str, str] = {}
 
 _VOCAB = 128
 _COMMON: dict[str, Any] = dict(
@@ -82,6 +89,38 @@ _TINY: dict[str, dict[str, Any]] = {
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
+    # every layer sparse; sigmoid + bias routing (k of E as 8 of 256); q/k norms over all heads, half rotary
+    "minimax_m2": dict(
+        hidden_size=72, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=20, num_local_experts=12, num_experts_per_tok=4, router_jitter_noise=0.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
+    # MLA with interleaved rotary, DeepSeek-V3's router without groups, a dense first layer
+    "glm4_moe_lite": dict(
+        hidden_size=80, intermediate_size=96, moe_intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=24, n_routed_experts=12, n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1,
+        routed_scaling_factor=1.8, norm_topk_prob=True, mlp_layer_types=["dense", "sparse", "sparse"],
+    ),
+    # softmax routing with a correction bias choosing the experts; interleaved rotary; a dense first layer
+    "ernie4_5_moe": dict(
+        hidden_size=88, intermediate_size=96, moe_intermediate_size=56, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, moe_num_experts=10, moe_k=3, moe_num_shared_experts=1, moe_layer_start_index=1,
+        moe_layer_interval=1, moe_layer_end_index=-1, use_bias=False,
+    ),
+    # every layer sparse, softmax top-k, an always-on shared MLP of the experts' size; q/k norms after rotary
+    "hunyuan_v1_moe": dict(
+        hidden_size=72, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=18, num_experts=8, moe_topk=2, attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    # DeepSeek-V3's router (sigmoid + bias, no groups) and block; Qwen3-style q/k norms; a dense first layer
+    "dots1": dict(
+        hidden_size=80, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=20, n_routed_experts=12, n_shared_experts=1, num_experts_per_tok=3,
+        n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        sliding_window=None,
+    ),
 }
 
 # gpt-oss experts are stored transposed ([E, H, 2I] and [E, I, H]): their fan-in is dim 1, not dim 2.
@@ -92,7 +131,20 @@ _EXPERT_SCALE = {"gpt_oss": (4.0, 0.25)}
 
 def _check_family(family: str) -> None:
     if family not in _TINY:
-        raise ValueError(f"no tiny model for family {family!r}; known families: {', '.join(FAMILIES)}")
+        raise ValueError(f"no tiny model for family {family!r}; known families: {', '.join(ALL_FAMILIES)}")
+
+
+def missing_reason(family: str) -> str | None:
+    """Why the installed transformers cannot build ``family`` (its model_type is newer), or None when it can."""
+    from transformers import CONFIG_MAPPING
+
+    _check_family(family)
+    if family in CONFIG_MAPPING:
+        return None
+    import transformers
+
+    need = MIN_TRANSFORMERS.get(family, "a newer release")
+    return f"{family} needs transformers {need}; {transformers.__version__} has no model_type {family!r}"
 
 
 def tiny_config(family: str, **overrides):
@@ -127,7 +179,7 @@ def _init_tensor(name: str, t: torch.Tensor, gen: torch.Generator, family: str) 
         return 0.5 * randn
     if leaf.endswith("bias") or t.dim() == 1:
         return 0.1 * randn
-    if ".gate.weight" in name or ".router.weight" in name:  # router [E, H]: logits std ~1.5
+    if ".gate.weight" in name or ".router.weight" in name or ".gate.wg.weight" in name:  # router [E, H]: std ~1.5
         return randn * (1.5 / math.sqrt(shape[-1]))
     std = 1.0 / math.sqrt(_fan_in(name, shape, family in _TRANSPOSED_EXPERTS))
     if t.dim() == 3 and family in _EXPERT_SCALE:

@@ -67,6 +67,11 @@ FAMILIES: Mapping[str, str] = MappingProxyType({
     "kimi_k2": "deepseek_v3.yaml",  # Kimi-K2 checkpoints are DeepSeek-V3 architecture under their own model_type
     "glm4_moe": "glm4_moe.yaml",
     "gpt_oss": "gpt_oss.yaml",
+    "minimax_m2": "minimax_m2.yaml",
+    "glm4_moe_lite": "glm4_moe_lite.yaml",
+    "ernie4_5_moe": "ernie4_5_moe.yaml",
+    "hunyuan_v1_moe": "hunyuan_v1_moe.yaml",
+    "dots1": "dots1.yaml",
 })
 
 _CLASS_RE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")

@@ -4,17 +4,25 @@ Every supported block has an ``experts`` module holding fused weights (``gate_up
 5.x's fused experts, ``ktinject.compat``) and a router module (``gate``, or ``router`` for gpt-oss) that returns
 ``(logits [T,E], top_k_weights [T,k], top_k_index [T,k])``. The rest is a short list of differences:
 
-==========================  =======  =================================  =======  ==============================
-block class                 router   shared experts                     layout   returns
-==========================  =======  =================================  =======  ==============================
-Qwen3MoeSparseMoeBlock      gate     -                                  hf       hidden
-OlmoeSparseMoeBlock         gate     -                                  hf       hidden
-MixtralSparseMoeBlock       gate     - (router jitter when training)    hf       hidden
-Qwen2MoeSparseMoeBlock      gate     shared_expert * sigmoid(gate(x))   hf       hidden
-DeepseekV2Moe               gate     shared_experts(x), always          hf       hidden
-DeepseekV3MoE, Glm4MoeMoE   gate     shared_experts(x), always          hf       hidden
-GptOssMLP                   router   -                                  gpt_oss  (hidden, router_scores)
-==========================  =======  =================================  =======  ==============================
+===============================  =======  =================================  =======  ===========================
+block class                      router   shared experts                     layout   returns
+===============================  =======  =================================  =======  ===========================
+Qwen3MoeSparseMoeBlock           gate     -                                  hf       hidden
+OlmoeSparseMoeBlock              gate     -                                  hf       hidden
+MixtralSparseMoeBlock            gate     - (router jitter when training)    hf       hidden
+Qwen2MoeSparseMoeBlock           gate     shared_expert * sigmoid(gate(x))   hf       hidden
+DeepseekV2Moe                    gate     shared_experts(x), always          hf       hidden
+DeepseekV3MoE, Glm4MoeMoE,       gate     shared_experts(x), always          hf       hidden
+Glm4MoeLiteMoE, Dots1MoE
+Ernie4_5_MoeSparseMoeBlock       gate     shared_experts(x), if configured   hf       hidden
+HunYuanMoEV1Moe                  gate (1) shared_mlp(x), always              hf       hidden
+MiniMaxM2SparseMoeBlock          gate (2) -                                  hf       hidden
+GptOssMLP                        router   -                                  gpt_oss  (hidden, router_scores)
+===============================  =======  =================================  =======  ===========================
+
+(1) its [E, H] weight is ``gate.wg.weight``; (2) its forward also takes the block's ``e_score_correction_bias``
+buffer (sigmoid scores + bias choose the k experts, the scores renormalized weight them), which the hybrid block
+keeps under the same name and passes on (``Known.router_args``).
 
 Blocks of other classes with the same structure are accepted (found from their attributes) with a warning.
 Layouts: ``hf`` is gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I], SiLU; ``gpt_oss`` is gate_up
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -40,21 +49,37 @@ QUANTS = ("bf16", "int8", "int4")  # int4: group-wise (32, 64 or 128 inputs a sc
 GPT_OSS_ALPHA = 1.702
 GPT_OSS_LIMIT = 7.0
 
-# class name -> (router attribute, shared kind, returns router scores); layout is read from the experts module.
-KNOWN_BLOCKS: dict[str, tuple[str, str | None, bool]] = {
-    "Qwen3MoeSparseMoeBlock": ("gate", None, False),
-    "OlmoeSparseMoeBlock": ("gate", None, False),
-    "MixtralSparseMoeBlock": ("gate", None, False),
-    "Qwen2MoeSparseMoeBlock": ("gate", "gated", False),
-    "DeepseekV2Moe": ("gate", "always", False),
-    "DeepseekV3MoE": ("gate", "always", False),
-    "Glm4MoeMoE": ("gate", "always", False),
-    "GptOssMLP": ("router", None, True),
+
+class Known(NamedTuple):
+    """What a verified block class is made of (its experts' layout is read from the experts module)."""
+
+    router: str  # attribute holding the router module
+    shared: str | None  # shared kind (SHARED_ATTRS); a block whose shared module is None (by config) has none
+    returns_scores: bool  # forward returns (hidden, router_scores)
+    router_args: tuple[str, ...] = ()  # block attributes the router's forward takes after x, in order
+    router_weight: str = "weight"  # the router's [E, H] weight, a path inside the router module
+
+
+KNOWN_BLOCKS: dict[str, Known] = {
+    "Qwen3MoeSparseMoeBlock": Known("gate", None, False),
+    "OlmoeSparseMoeBlock": Known("gate", None, False),
+    "MixtralSparseMoeBlock": Known("gate", None, False),
+    "Qwen2MoeSparseMoeBlock": Known("gate", "gated", False),
+    "DeepseekV2Moe": Known("gate", "always", False),
+    "DeepseekV3MoE": Known("gate", "always", False),
+    "Glm4MoeMoE": Known("gate", "always", False),
+    "Glm4MoeLiteMoE": Known("gate", "always", False),  # GLM-4.7-Flash: DeepSeek-V3's router and block, MLA
+    "Dots1MoE": Known("gate", "always", False),  # dots.llm1: DeepSeek-V3's router and block
+    "Ernie4_5_MoeSparseMoeBlock": Known("gate", "always", False),  # shared_experts None without shared experts
+    "HunYuanMoEV1Moe": Known("gate", "mlp", False, router_weight="wg.weight"),
+    "MiniMaxM2SparseMoeBlock": Known("gate", None, False, router_args=("e_score_correction_bias",)),
+    "GptOssMLP": Known("router", None, True),
 }
 # attribute names of the shared-expert modules, by shared kind (kept under the same names in the hybrid block)
 SHARED_ATTRS: dict[str | None, tuple[str, ...]] = {
     None: (),
     "always": ("shared_experts",),
+    "mlp": ("shared_mlp",),  # Hunyuan's always-on shared MLP
     "gated": ("shared_expert", "shared_expert_gate"),
 }
 
@@ -71,6 +96,7 @@ class BlockSpec:
     hidden: int  # H
     intermediate: int  # I
     known: bool  # class is one of KNOWN_BLOCKS (verified against transformers)
+    router_args: tuple[str, ...] = ()  # block attributes (tensors) the router's forward takes after x
 
     @property
     def has_bias(self) -> bool:
@@ -180,21 +206,30 @@ def inspect_block(module: nn.Module, name: str) -> BlockSpec:
         raise _fail(name, module, "it has no 'experts' submodule")
     layout, E, H, I = _expert_layout(name, module, experts)
     cls = type(module).__name__
-    if cls in KNOWN_BLOCKS:
-        router, shared, returns_scores = KNOWN_BLOCKS[cls]
+    known = KNOWN_BLOCKS.get(cls)
+    if known is not None:
+        router, shared, returns_scores, router_args, weight_path = known
         if not isinstance(getattr(module, router, None), nn.Module):
             raise _fail(name, module, f"it has no router module '{router}'")
+        if shared is not None and getattr(module, SHARED_ATTRS[shared][0], None) is None:
+            shared = None  # configured without shared experts (Ernie-4.5 with moe_num_shared_experts: 0)
+        for arg in router_args:
+            if not isinstance(getattr(module, arg, None), torch.Tensor):
+                raise _fail(name, module, f"it has no tensor '{arg}' for its router")
     else:
         router, shared = _find_router(module), _find_shared(module)
-        returns_scores = layout == "gpt_oss"
+        returns_scores, router_args, weight_path = layout == "gpt_oss", (), "weight"
         if router is None:
             raise _fail(name, module, "it has no router ('gate' or 'router' with a weight)")
         if shared == "unsupported":
             raise _fail(name, module, "it has 'shared_expert' without 'shared_expert_gate'")
-    rw = getattr(module, router).weight
-    if tuple(rw.shape) != (E, H):
-        raise _fail(name, module, f"router weight {tuple(rw.shape)} does not match {E} experts of hidden {H}")
-    return BlockSpec(router, shared, returns_scores, layout, E, H, I, cls in KNOWN_BLOCKS)
+    owner, _, leaf = weight_path.rpartition(".")
+    rw = getattr(getattr(module, router).get_submodule(owner), leaf, None)  # owner "": the router itself
+    if not isinstance(rw, torch.Tensor) or tuple(rw.shape) != (E, H):
+        shape = tuple(rw.shape) if isinstance(rw, torch.Tensor) else None
+        raise _fail(name, module, f"router weight {router}.{weight_path} {shape} does not match {E} experts of "
+                    f"hidden {H}")
+    return BlockSpec(router, shared, returns_scores, layout, E, H, I, known is not None, router_args)
 
 
 def packed_nbytes(spec: BlockSpec, quant: str, group_size: int | None = None) -> int:
@@ -284,6 +319,6 @@ def shared_output(block: nn.Module, kind: str | None, x: torch.Tensor) -> torch.
     """Shared-expert output for x [T, H] (on x's device), or None when the family has none."""
     if kind is None:
         return None
-    if kind == "always":
-        return block.shared_experts(x)
-    return torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)  # Qwen2-MoE
+    if kind == "gated":
+        return torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)  # Qwen2-MoE
+    return getattr(block, SHARED_ATTRS[kind][0])(x)  # always on: shared_experts, Hunyuan's shared_mlp

@@ -123,6 +123,12 @@ class HybridMoE(nn.Module):
         self.defer_chain, self.chain_pos, self.defer_tasks = None, 0, None
         for attr in (spec.router, *SHARED_ATTRS[spec.shared]):  # same names as HF: state-dict keys unchanged
             setattr(self, attr, getattr(block, attr).to(self.device))
+        for attr in spec.router_args:  # tensors the router's forward takes (MiniMax-M2's bias): same names too
+            t = getattr(block, attr)
+            if isinstance(t, nn.Parameter):
+                self.register_parameter(attr, nn.Parameter(t.detach().to(self.device), t.requires_grad))
+            else:
+                self.register_buffer(attr, t.to(self.device), attr not in block._non_persistent_buffers_set)
         # The router runs in float32 for every family (HF does so for DeepSeek/GLM only): with bf16 logits, near-
         # ties between experts round into flips against the float32 model, and one flipped expert moves a token's
         # output a lot; in float32 the injected model routes as the float32 reference does more often than HF bf16
@@ -157,7 +163,7 @@ class HybridMoE(nn.Module):
                 runner.raised_ids = ids if go is not None else None
                 return w, ids
             return fast_routing(router, x)
-        _, weights, ids = router(x.float())  # float32
+        _, weights, ids = router(x.float(), *(getattr(self, a) for a in self.spec.router_args))  # float32
         return weights, ids
 
     def extra_repr(self) -> str:

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 #: HF RMSNorm classes whose forward is weight * normalize(x), eps in ``variance_epsilon``
 KNOWN = frozenset({"Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm", "OlmoeRMSNorm", "DeepseekV2RMSNorm",
-                   "DeepseekV3RMSNorm", "Glm4MoeRMSNorm", "GptOssRMSNorm"})
+                   "DeepseekV3RMSNorm", "Glm4MoeRMSNorm", "GptOssRMSNorm", "MiniMaxM2RMSNorm", "Glm4MoeLiteRMSNorm",
+                   "Ernie4_5_MoeRMSNorm", "HunYuanMoEV1RMSNorm", "Dots1RMSNorm"})
 
 
 class FusedRMSNorm(nn.Module):

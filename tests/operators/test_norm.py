@@ -11,7 +11,9 @@ from ktinject.operators.norm import KNOWN, FusedRMSNorm, RMSNormOperator, fuse, 
 
 FAMILY_OF = {"Qwen3MoeRMSNorm": "qwen3_moe", "Qwen2MoeRMSNorm": "qwen2_moe", "MixtralRMSNorm": "mixtral",
              "OlmoeRMSNorm": "olmoe", "DeepseekV2RMSNorm": "deepseek_v2", "DeepseekV3RMSNorm": "deepseek_v3",
-             "Glm4MoeRMSNorm": "glm4_moe", "GptOssRMSNorm": "gpt_oss"}
+             "Glm4MoeRMSNorm": "glm4_moe", "GptOssRMSNorm": "gpt_oss", "MiniMaxM2RMSNorm": "minimax_m2",
+             "Glm4MoeLiteRMSNorm": "glm4_moe_lite", "Ernie4_5_MoeRMSNorm": "ernie4_5_moe",
+             "HunYuanMoEV1RMSNorm": "hunyuan_v1_moe", "Dots1RMSNorm": "dots1"}
 
 
 def hf_norm(cls_name: str, hidden: int, eps: float = 1e-6):
