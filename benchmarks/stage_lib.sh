@@ -13,7 +13,8 @@ stage_setup() {
 stage_base() {
   rm -rf /tmp/base; git worktree prune
   git worktree add -f /tmp/base "$1" > /dev/null 2>&1 || { echo "no worktree of $1"; exit 1; }
-  (cd /tmp/base && PYTHONPATH=/tmp/site python3 ktinject/native/build.py > "$OUT/base-build.log" 2>&1) \
+  local build=ktinject/native/build.py; [ -f /tmp/base/$build ] || build=ktinject/_build.py  # (before the native/ package)
+  (cd /tmp/base && PYTHONPATH=/tmp/site python3 $build > "$OUT/base-build.log" 2>&1) \
     || { tail -20 "$OUT/base-build.log"; exit 1; }
 }
 steal() { awk '/^cpu /{printf "steal %d of %d jiffies", $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
