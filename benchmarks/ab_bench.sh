@@ -4,7 +4,7 @@
 # Builds this tree (pip -e) and BASE in a worktree (/tmp/base, built in place), then runs each of the bench commands
 # below for base and this tree in turns (base, new, base, new, ... ROUNDS rounds, default 1), the host's steal read
 # beside each, each cut off after BENCH_S seconds (default 150). Logs under $OUT (default /tmp/ktinject-out).
-# DECODE_ARGS / PREFILL_ARGS replace the commands' arguments ('' skips that bench).
+# DECODE_ARGS / PREFILL_ARGS replace the commands' arguments ('' skips that bench); ORDER="new base" runs this tree first.
 set -uo pipefail
 : "${BASE:?BASE=<commit> to compare against}"
 . benchmarks/stage_lib.sh
@@ -16,7 +16,7 @@ for r in $(seq "${ROUNDS:-1}"); do
   for what in decode prefill; do
     args=${!what}
     [ -n "$args" ] || continue
-    for v in base new; do
+    for v in ${ORDER:-base new}; do
       dir=$PWD; [ $v = base ] && dir=/tmp/base
       echo "=== round $r bench $what $v ($(git -C "$dir" rev-parse --short HEAD)) $(steal)"
       # shellcheck disable=SC2086

@@ -21,7 +21,8 @@ import torch
 
 from ktinject.injection.formats import gguf_config as gc
 from ktinject.injection.formats.base import LoadError, Reader, Span, TensorRef
-from ktinject.injection.formats.gguf_codecs import BLOCKS, PLAIN, GGMLCodec, Permuted, row_bytes
+from ktinject.injection.formats.gguf_codecs import (BLOCKS, PLAIN, MLAKVB, GGMLCodec, Interleaved, Permuted,
+                                                    Transposed, row_bytes)
 
 _MAGIC = b"GGUF"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -163,8 +164,12 @@ class GGUFReader(Reader):
         shapes = {t.name: t.shape for t in self.tensors.values()}
         self.family = gc.family_of(self.meta, shapes, self.files[0])
         self._config = gc.build_config(self.family, self.meta, shapes, self.files[0])
-        self.refs = sorted((r for t in self.tensors.values() for r in self._refs(t)),
-                           key=lambda r: (self.files.index(r.file), r.offset))
+        layers = self._config.num_hidden_layers
+        joined = gc.joins(self.family, self.tensors, self.files[0], layers)
+        parts = {name for _, names, _ in joined for name in names}
+        refs = [self._joined(key, names, how) for key, names, how in joined]
+        refs += [r for t in self.tensors.values() if t.name not in parts for r in self._refs(t, layers)]
+        self.refs = sorted(refs, key=lambda r: (self.files.index(r.file), r.offset))
         self.quant_formats = sorted({r.codec.name for r in self.refs if r.codec is not None})
 
     def config(self):
@@ -234,8 +239,32 @@ class GGUFReader(Reader):
             return Permuted(GGMLCodec(t.qtype), heads)
         return None if t.qtype in PLAIN else GGMLCodec(t.qtype)
 
-    def _refs(self, t: _Tensor) -> list[TensorRef]:
-        key, part = gc.hf_name(self.family, t.name, t.file)
+    def _joined(self, key: str, names: tuple[str, ...], how: str) -> TensorRef:
+        """One model tensor over the GGUF tensors ``names`` (``gc.JOINS``), decoded by a ``gguf_codecs`` part codec."""
+        ts = [self.tensors[n] for n in names]
+        parts = [(GGMLCodec(t.qtype), t.shape) for t in ts]
+        s = ts[0].shape
+        if how == "mla_kv_b":  # k_b [heads, rank, nope] + v_b [heads, v, rank] -> [heads * (nope + v), rank]
+            v_b = ts[1].shape
+            if len(s) != 3 or len(v_b) != 3 or (v_b[0], v_b[2]) != (s[0], s[1]):
+                raise LoadError(f"tensors {names[0]!r} {list(s)} and {names[1]!r} {list(v_b)} in {ts[0].file} are "
+                                f"not MLA's [heads, kv_lora_rank, qk_nope] and [heads, v_head_dim, kv_lora_rank]")
+            codec, shape = MLAKVB(parts, ndim=2), (s[0] * (s[2] + v_b[1]), s[1])
+        elif how == "transpose":  # [E, H, I] -> [E, I, H]
+            codec, shape = Transposed(parts), (s[0], s[2], s[1])
+        else:  # gate + up [E, I, H] -> [E, H, 2I] (interleave_t); biases [E, I] -> [E, 2I]
+            if any(t.shape != s for t in ts):
+                raise LoadError(f"tensors {names[0]!r} {list(s)} and {names[1]!r} {list(ts[1].shape)} in "
+                                f"{ts[0].file} differ in shape; gate and up experts are alike")
+            codec = Interleaved(parts, transpose=how == "interleave_t")
+            shape = (s[0], s[2], 2 * s[1]) if how == "interleave_t" else (s[0], 2 * s[1])
+        spans = tuple(Span(t.file, t.offset, t.nbytes) for t in ts)
+        return TensorRef(key, ts[0].file, ts[0].qtype, shape, ts[0].offset, sum(t.nbytes for t in ts), codec, spans)
+
+    def _refs(self, t: _Tensor, layers: int) -> list[TensorRef]:
+        key, part = gc.hf_name(self.family, t.name, t.file, layers)
+        if key is None:
+            return []
         codec = self._codec(t)
         if part is None:
             shape = gc.hf_shape(self.family, t.name, t.shape)

@@ -9,6 +9,13 @@
     Q4_K     super-blocks of 256 (8 x 32, 6-bit scales and mins): requantized, into int4 group 32 by default
     Q5_K     super-blocks of 256: requantized, into int8 by default
     Q6_K     super-blocks of 256 (16 x 16, int8 scales): requantized, into int8 by default
+    MXFP4    blocks of 32: one e8m0 exponent e + 16 bytes of e2m1 codes, the low nibbles elements 0..15, the high
+             nibbles 16..31; value = e2m1 * 2^(e - 127) (gpt-oss's experts; llama.cpp repacks the release's
+             ``*_blocks`` / ``*_scales`` into these blocks bit for bit, so the values are the release's)
+
+Tensors one Hugging Face tensor is made of, read back to back (``TensorRef.spans``): ``MLAKVB`` (DeepSeek MLA's
+``kv_b_proj`` from ``attn_k_b`` + ``attn_v_b``), ``Interleaved`` (gpt-oss ``gate_up_proj`` from the gate and up
+experts), ``Transposed`` (gpt-oss ``down_proj``).
 
 A quantized tensor's blocks run along its last (input) dimension, row after row, so one expert's slice of a fused
 ``[E, N, K]`` tensor is a contiguous run of whole blocks. ``Permuted`` undoes llama.cpp's Q/K row permutation of
@@ -22,12 +29,13 @@ import math
 import torch
 
 from ktinject.injection.formats.base import LoadError
-from ktinject.injection.formats.codecs import Codec
+from ktinject.injection.formats.codecs import E2M1, Codec
 
 #: ggml type name -> (elements per block, bytes per block) for the types ktinject reads
 BLOCKS: dict[str, tuple[int, int]] = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "MXFP4": (32, 17),
 }
 #: the plain types and the torch dtype their bytes hold
 PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -35,7 +43,7 @@ PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 NATIVE: dict[str, tuple[str, int | None]] = {
     "F32": ("bf16", None), "F16": ("bf16", None), "BF16": ("bf16", None),
     "Q8_0": ("int8", None), "Q4_0": ("int4", 32), "Q4_K": ("int4", 32), "Q5_K": ("int8", None),
-    "Q6_K": ("int8", None),
+    "Q6_K": ("int8", None), "MXFP4": ("int8", None),
 }
 
 
@@ -76,6 +84,11 @@ class GGMLCodec(Codec):
         if self.qtype == "Q4_0":
             q, d = self._q4_0(buf, shape)
             return (q.float().view(-1, 32) * d.view(-1, 1)).view(shape)
+        if self.qtype == "MXFP4":
+            b = self._blocks(buf, shape)
+            codes = torch.cat([b[:, 1:] & 0x0F, b[:, 1:] >> 4], dim=1).long()  # low nibbles 0..15, high 16..31
+            exp = b[:, :1].to(torch.int32) - 127
+            return torch.ldexp(torch.tensor(E2M1, dtype=torch.float32)[codes], exp.float()).view(shape)
         import gguf  # (the reader imported it already)
 
         b = self._blocks(buf, shape).numpy()
@@ -111,3 +124,61 @@ class Permuted(Codec):
         w = self.inner.decode(buf, shape)
         dim = shape[0] // self.n_head // 2
         return w.reshape(self.n_head, dim, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+class _Parts(Codec):
+    """One model tensor (``ndim`` dimensions) decoded from several stored GGUF tensors read back to back: ``parts``
+    = [(codec, stored shape of the whole tensor)]; with ``lead`` 1 the first dimension indexes experts and is
+    read one expert at a time (``decode`` then gets one expert's slice)."""
+
+    def __init__(self, parts: list[tuple[GGMLCodec, tuple[int, ...]]], ndim: int, lead: int = 0):
+        self.parts, self.ndim, self.lead = parts, ndim, lead
+        self.name, self.native = parts[0][0].name, parts[0][0].native
+
+    def nbytes(self, shape):
+        return [n for codec, s in self._shapes(shape) for n in codec.nbytes(s)]
+
+    def _shapes(self, shape) -> list[tuple[GGMLCodec, tuple[int, ...]]]:
+        drop = self.lead if len(shape) < self.ndim else 0
+        return [(codec, tuple(s[drop:])) for codec, s in self.parts]
+
+    def _values(self, buf, shape) -> list[torch.Tensor]:
+        shapes = self._shapes(shape)
+        sizes = [codec.nbytes(s)[0] for codec, s in shapes]
+        if buf.numel() != sum(sizes):
+            raise LoadError(f"{buf.numel()} bytes read where {sum(sizes)} were expected")
+        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+        return [codec.decode(buf[end - n:end], s) for n, end, (codec, s) in zip(sizes, ends, shapes)]
+
+
+class MLAKVB(_Parts):
+    """DeepSeek MLA ``kv_b_proj`` [heads * (nope + v), rank] from the converter's split: ``attn_k_b`` [heads, rank,
+    nope] (transposed) and ``attn_v_b`` [heads, v, rank]; per head the nope rows, then the v rows."""
+
+    def decode(self, buf, shape):
+        k_b, v_b = self._values(buf, shape)
+        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(shape)
+
+
+class Interleaved(_Parts):
+    """gpt-oss ``gate_up_proj`` [E, H, 2I] (gate in the even columns, up in the odd) from ``ffn_gate_exps`` and
+    ``ffn_up_exps`` [E, I, H]; with ``transpose`` False its bias [E, 2I] from the two [E, I] biases."""
+
+    def __init__(self, parts, transpose: bool):
+        super().__init__(parts, ndim=3 if transpose else 2, lead=1)
+        self.transpose = transpose
+
+    def decode(self, buf, shape):
+        gate, up = (v.transpose(-1, -2) if self.transpose else v for v in self._values(buf, shape))
+        return torch.stack([gate, up], dim=-1).reshape(shape)
+
+
+class Transposed(_Parts):
+    """gpt-oss ``down_proj`` [E, I, H] from ``ffn_down_exps`` [E, H, I]."""
+
+    def __init__(self, parts):
+        super().__init__(parts, ndim=3, lead=1)
+
+    def decode(self, buf, shape):
+        (w,) = self._values(buf, shape)
+        return w.transpose(-1, -2).contiguous()
