@@ -32,8 +32,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +46,12 @@ from ktinject.injection import pack_cache as packcache
 from ktinject import envs
 from ktinject.injection.formats import open_checkpoint
 from ktinject.injection.formats.base import BufferPool, LoadError, Reader, ReadJob
-from ktinject.injection.formats.hf_keys import Piece, check_expert_piece, expert_matrices, map_checkpoint
+from ktinject.injection.formats.hf_keys import Piece, check_expert_piece, map_checkpoint
 from ktinject.injection.requant import RequantError
+from ktinject.injection.expert_packing import Packer, TensorBytes, pack_expert
 from ktinject.gpu_experts.prefill.policy import mode_from_plan
 from ktinject.gpu_experts.hot.settings import HotExpertSettings
-from ktinject.operators.families import empty_biases, set_bias
+from ktinject.operators.families import empty_biases
 from ktinject.injection.pack_cache import CorruptCache, PackCache
 from ktinject.injection.plan import plan as make_plan, unmatched_note
 
@@ -247,7 +247,7 @@ class _Loader:
         t0 = time.perf_counter()
         self.bar = bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
                               disable=not self.progress, leave=False)
-        self.packer, self.buffers = _Packer(), BufferPool(limit=window)
+        self.packer, self.buffers = Packer(), BufferPool(limit=window)
         self.requant = RequantError()
         try:
             with torch.no_grad():
@@ -315,7 +315,7 @@ class _Loader:
         piece, expert, shape = job.what
         self.bytes_read += job.nbytes
         unit.start()
-        self.packer.submit(_pack, unit, piece, expert, _Slice(self.ckpt, piece.ref, buf, shape),
+        self.packer.submit(pack_expert, unit, piece, expert, TensorBytes(self.ckpt, piece.ref, buf, shape),
                            self.dtypes.get(piece.target, piece.meta.dtype), self.buffers, self.requant)
 
     def _dispatch(self, job: ReadJob, buf: torch.Tensor) -> None:
@@ -324,7 +324,7 @@ class _Loader:
             self._submit_pack(self.units[piece.unit], job, buf)
         else:
             self.bytes_read += job.nbytes
-            x = _Slice(self.ckpt, piece.ref, buf, shape).values()
+            x = TensorBytes(self.ckpt, piece.ref, buf, shape).values()
             dtype = self.dtypes.get(piece.target, piece.meta.dtype)
             self._assign(piece.meta, x.to(device=self.devices.get(id(piece.meta), _CPU), dtype=dtype))
             if job.reuse:  # copied (synchronously) to another device or dtype
@@ -404,92 +404,6 @@ class _Loader:
             log.warning("%s", note)
         log.info("loaded %s in %.2f s: %.3f GB read, %.2f GB/s; resident %s; packed-expert cache: %s",
                  self.ckpt.dir, seconds, self.bytes_read / 1e9, gbs, per_device, cache)
-
-
-class _Packer:
-    """Runs packing jobs on a few threads (native set() releases the GIL and is thread-safe for different
-    (expert, matrix)); at most 2 jobs per thread in flight, so the memory they hold stays small."""
-
-    def __init__(self):
-        workers = envs.get("KTINJECT_PACK_THREADS") or max(1, min(16, native.physical_cores()))
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="ktinject-pack") if workers > 1 else None
-        self.pending: deque = deque()
-        self.limit = 2 * workers
-
-    def submit(self, fn, *args) -> None:
-        if self.pool is None:
-            fn(*args)
-            return
-        while len(self.pending) >= self.limit:
-            self.pending.popleft().result()
-        self.pending.append(self.pool.submit(fn, *args))
-
-    def drain(self) -> None:
-        while self.pending:
-            self.pending.popleft().result()
-
-    def close(self) -> None:
-        if self.pool is not None:
-            for f in self.pending:
-                f.cancel()
-            self.pool.shutdown(wait=True)
-            self.pending.clear()
-
-
-class _Slice:
-    """The bytes of one read tensor (or one expert's slice of it) and how they decode."""
-
-    def __init__(self, ckpt: Reader, ref, buf: torch.Tensor, shape: tuple[int, ...]):
-        self.ckpt, self.ref, self.buf, self.shape = ckpt, ref, buf, tuple(shape)
-
-    def values(self) -> torch.Tensor:
-        """As the checkpoint's dtype (plain) or decoded to float32 (quantized)."""
-        if self.ref.codec is None:
-            return self.buf.view(self.ckpt.torch_dtype(self.ref)).view(self.shape)
-        try:
-            return self.ref.codec.decode(self.buf, self.shape)
-        except (RuntimeError, ValueError) as e:
-            raise LoadError(f"tensor {self.ref.key!r} in {self.ref.file}: its {self.ref.codec.name} bytes do not "
-                            f"decode to {list(self.shape)}: {e}") from None
-
-    def quantized(self, quant: str, group: int | None):
-        codec = self.ref.codec
-        return None if codec is None else codec.quantized(self.buf, self.shape, quant, group)
-
-
-def _pack(unit: _Unit, piece: Piece, expert: int, data: _Slice, dtype: torch.dtype, buffers,
-          requant: RequantError) -> None:
-    """Pack one expert's slice of ``piece`` into the unit's native experts (its biases also into the unit's
-    float32 copies; nothing into experts the cache will fill); then give the read buffer back. Quantized values
-    that are exactly the experts' format are stored as they are; others are decoded and quantized (a quantized
-    checkpoint's error then sampled into ``requant``)."""
-    spec, stream = unit.stream.spec, unit.stream
-    which = "?"
-    try:
-        exact = data.quantized(stream.quant, stream.group_size)
-        if exact is not None:
-            q, scale = exact
-            for (which, qw), (_, sw) in zip(expert_matrices(spec, piece, q), expert_matrices(spec, piece, scale)):
-                unit.experts.set_quantized(expert, which, qw, sw)
-        else:
-            x = data.values()
-            x = x.to(dtype) if data.ref.codec is None else x  # decoded values are quantized from float32
-            for which, w in expert_matrices(spec, piece, x):
-                if which.endswith("_bias"):
-                    set_bias(unit.biases, spec, expert, which, w)
-                    if not unit.from_cache:
-                        unit.experts.set_bias(expert, which[:-5], w)
-                else:
-                    unit.experts.set(expert, which, w)
-                    if data.ref.codec is not None:
-                        requant.sample(unit.entry.name, data.ref.codec.name, stream.quant, unit.experts, expert,
-                                       which, w)
-    except LoadError:
-        raise
-    except Exception as e:
-        raise LoadError(f"tensor {piece.ref.key!r} in {piece.ref.file}: packing expert {expert} ({which}) "
-                        f"of {piece.unit!r} failed: {e}") from e
-    buffers.put(data.buf)  # set() copied what it needed
 
 
 def _target_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
