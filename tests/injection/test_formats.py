@@ -156,12 +156,20 @@ def _copy(src, dst):
     return dst
 
 
+def _quantization_config(d) -> dict:
+    return json.loads((d / "config.json").read_text())["quantization_config"]
+
+
+def _set_quantization_config(d, qconf: dict) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = qconf
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
 def test_fp8_scales_of_another_block_size_are_refused(tmp_path_factory, tmp_path):
     q, _ = _quantized(tmp_path_factory, "fp8", "qwen3_moe")
     d = _copy(q, tmp_path / "q")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"]["weight_block_size"] = [16, 16]
-    (d / "config.json").write_text(json.dumps(cfg))
+    _set_quantization_config(d, dict(_quantization_config(d), weight_block_size=[16, 16]))
     with pytest.raises(LoadError, match=r"weight_scale_inv|fp8 e4m3.*needs stored parts"):
         _load(d)
 
@@ -169,13 +177,10 @@ def test_fp8_scales_of_another_block_size_are_refused(tmp_path_factory, tmp_path
 def test_config_and_tensors_must_agree(tmp_path_factory, tmp_path):
     q, _ = _quantized(tmp_path_factory, "fp8", "qwen3_moe")
     d = _copy(q, tmp_path / "q")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "weight_block_size": [32, 32]}
-    (d / "config.json").write_text(json.dumps(cfg))
+    _set_quantization_config(d, {"quant_method": "mxfp4", "weight_block_size": [32, 32]})
     with pytest.raises(LoadError, match=r"says 'mxfp4' but the tensors hold fp8"):
         _load(d)
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "weight_block_size": [32, 32]}
-    (d / "config.json").write_text(json.dumps(cfg))
+    _set_quantization_config(d, {"quant_method": "awq", "bits": 4, "weight_block_size": [32, 32]})
     with pytest.raises(LoadError, match=r"quant_method 'awq'.*compressed-tensors, fp8, mxfp4"):
         _load(d)
 
