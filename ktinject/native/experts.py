@@ -17,12 +17,14 @@ from typing import Any, NamedTuple
 import torch
 
 from ktinject import envs
-from ktinject.native.library import (ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_RANGE, ERR_SHAPE, GROUP_SIZES, MATRICES,
-                                     QUANTS, NativeError, check_rc, checked_int, checked_tensor, ffi_lib,
-                                     physical_cores, pointer)
+from ktinject.native.library import (ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_RANGE, ERR_SHAPE, FP8_DEFAULT_BLOCK,
+                                     FP8_MAX_GROUP, GROUP_SIZES, MATRICES, QUANTS, NativeError, check_rc, checked_int,
+                                     checked_tensor, ffi_lib, physical_cores, pointer)
 from ktinject.native.pool import Pool, default_pool
 
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP8_DTYPES = (torch.uint8, torch.float8_e4m3fn)  # set_fp8: e4m3 bits, or the tensor of the release itself
+_FP8_MAX_BLOCK_ROWS = 1 << 20
 _OUT_DTYPES = (torch.float32, torch.bfloat16)
 _PARALLEL_SET_ELEMENTS = 1 << 24  # from_hf/from_gpt_oss pack in threads above this many weight elements
 
@@ -42,17 +44,37 @@ def default_group_size(hidden: int, intermediate: int) -> int:
     return 128 if hidden % 128 == 0 and intermediate % 128 == 0 else 64
 
 
+def _multiple_of_16(name: str, value: Any, hi: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value > hi or value % 16:
+        raise NativeError(ERR_SHAPE, f"{name} = {value!r} (expected a multiple of 16 from 16 to {hi}: {what})")
+    return value
+
+
 def _quant_args(quant: Any, group_size: Any, hidden: int, intermediate: int) -> int:
-    """Check quant and group_size (the int4 group size, validated for every quant; None: default_group_size);
-    returns the group size."""
+    """Check quant and group_size (int4: 32, 64 or 128, validated for every quant but fp8; None: default_group_size;
+    fp8: a multiple of 16 up to 512, None: 128); returns the group size."""
     if quant not in QUANTS:
         raise NativeError(ERR_DTYPE, f"quant = {quant!r} (expected one of {', '.join(QUANTS)})")
+    if quant == "fp8":
+        return FP8_DEFAULT_BLOCK if group_size is None else _multiple_of_16(
+            "group_size", group_size, FP8_MAX_GROUP, "fp8 inputs per scale")
     if group_size is None:  # (the group means nothing to bf16 / int8: no environment read for them)
         return default_group_size(hidden, intermediate) if quant == "int4" else 64
     if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
         raise NativeError(ERR_SHAPE, f"group_size = {group_size!r} (expected one of "
                                      f"{', '.join(map(str, GROUP_SIZES))}: int4 inputs per scale)")
     return int(group_size)
+
+
+def _block_rows_arg(quant: str, block_rows: Any) -> int:
+    """fp8's output rows per scale (None: 128); 0 for the other quants, which take none."""
+    if quant != "fp8":
+        if block_rows is not None:
+            raise NativeError(ERR_SHAPE, f"block_rows = {block_rows!r}: only fp8 experts have block scales")
+        return 0
+    if block_rows is None:
+        return FP8_DEFAULT_BLOCK
+    return _multiple_of_16("block_rows", block_rows, _FP8_MAX_BLOCK_ROWS, "fp8 output rows per scale")
 
 
 def _which(which: Any) -> int:
@@ -66,13 +88,15 @@ class Experts:
 
     quant: "bf16" (weights rounded to bf16), "int8" (W8A8: int8 per output channel, activations per token) or
     "int4" (W4A8: int4 per output channel and group of ``group_size`` inputs, 32, 64 or 128, by default
-    ``default_group_size(hidden, intermediate)``; activations as int8).
+    ``default_group_size(hidden, intermediate)``; activations as int8) or "fp8" (W8A16: float8 e4m3 weights with a
+    float scale per block of ``block_rows`` outputs x ``group_size`` inputs, multiples of 16, both 128 by default as
+    in the FP8 releases; ``set_fp8`` keeps a release's bits, ``set`` quantizes per block; activations bf16).
     activation: "silu" (silu(g) * u) or "gptoss" (clamped, alpha/limit; usually with bias=True).
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, quant: str = "bf16",
                  activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, bias: bool = False,
-                 group_size: int | None = None):
+                 group_size: int | None = None, block_rows: int | None = None):
         ffi, lib = ffi_lib()
         if activation not in ACTIVATIONS:
             raise NativeError(ERR_DTYPE, f"activation = {activation!r} (expected one of {', '.join(ACTIVATIONS)})")
@@ -80,12 +104,14 @@ class Experts:
         self.hidden = checked_int("hidden", hidden)
         self.intermediate = checked_int("intermediate", intermediate)
         self.group_size = _quant_args(quant, group_size, self.hidden, self.intermediate)
+        self.block_rows = _block_rows_arg(quant, block_rows)
         self.quant, self.activation, self.bias = quant, activation, bool(bias)
         self.alpha, self.limit = float(alpha), float(limit)
         cfg = ffi.new("ktk_experts_config *", {
             "num_experts": self.num_experts, "hidden": self.hidden, "intermediate": self.intermediate,
             "quant": QUANTS[quant], "activation": ACTIVATIONS[activation], "has_bias": int(self.bias),
-            "alpha": self.alpha, "limit": self.limit, "group_size": self.group_size if quant == "int4" else 0})
+            "alpha": self.alpha, "limit": self.limit, "group_size": self.group_size if quant in ("int4", "fp8") else 0,
+            "block_rows": self.block_rows})
         out = ffi.new("ktk_experts **")
         check_rc(lib.ktk_experts_create(cfg, out))
         self._p = ffi.gc(out[0], lib.ktk_experts_destroy)
@@ -96,7 +122,8 @@ class Experts:
         return _quant_args(quant, group_size, hidden, intermediate)
 
     def __repr__(self) -> str:
-        group = f", group_size={self.group_size}" if self.quant == "int4" else ""
+        group = f", group_size={self.group_size}" if self.quant in ("int4", "fp8") else ""
+        group += f", block_rows={self.block_rows}" if self.quant == "fp8" else ""
         return (f"Experts(E={self.num_experts}, H={self.hidden}, I={self.intermediate}, quant={self.quant!r}{group}, "
                 f"activation={self.activation!r}, bias={self.bias}, nbytes={self.nbytes})")
 
@@ -132,6 +159,23 @@ class Experts:
         check_rc(lib.ktk_experts_set_quantized(self._p, e, w, pointer(q), q.stride(0), q.stride(1), pointer(scale),
                                                scale.stride(0), scale.stride(1)))
 
+    def set_fp8(self, expert: int, which: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Store one fp8 matrix as a release ships it, bit for bit: ``q`` [out, in] float8_e4m3fn (or its bits as
+        uint8), ``scale`` float32 [ceil(out / block_rows), ceil(in / group_size)] (weight_scale_inv: value = q *
+        scale of its block). NativeError(KTK_ERR_RANGE) names a NaN code or a non-finite scale (nothing is stored)."""
+        _, lib = ffi_lib()
+        e, w = self._expert(expert), _which(which)
+        out, inp = self.shape(which)
+        if self.quant != "fp8":
+            raise NativeError(ERR_DTYPE, f"set_fp8: experts of quant {self.quant!r} (float8 e4m3 values are stored "
+                                         f"only in fp8 experts)")
+        q = checked_tensor(f"{which} values of expert {e}", q, _FP8_DTYPES, (out, inp), contiguous=False)
+        q = q.view(torch.uint8)
+        blocks = (-(-out // self.block_rows), -(-inp // self.group_size))
+        scale = checked_tensor(f"{which} scales of expert {e}", scale, (torch.float32,), blocks, contiguous=False)
+        check_rc(lib.ktk_experts_set_fp8(self._p, e, w, pointer(q, "uint8_t *"), q.stride(0), q.stride(1),
+                                         pointer(scale, "float *"), scale.stride(0), scale.stride(1)))
+
     def set_bias(self, expert: int, which: str, bias: torch.Tensor) -> None:
         """Bias [out] of one matrix (experts created with bias=True)."""
         _, lib = ffi_lib()
@@ -142,7 +186,7 @@ class Experts:
         check_rc(lib.ktk_experts_set_bias(self._p, e, w, pointer(bias), DTYPES[bias.dtype]))
 
     def get(self, expert: int, which: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """One matrix as stored (bf16-rounded, or int8/int4-dequantized: q * scale), float32 [out, in]; written into
+        """One matrix as stored (bf16-rounded, or int8/int4/fp8-dequantized: q * scale), float32 [out, in]; written into
         ``out`` (contiguous float32 of that shape, e.g. a pinned buffer) when given, with no torch kernel."""
         _, lib = ffi_lib()
         e, w = self._expert(expert), _which(which)
@@ -163,8 +207,10 @@ class Experts:
                       bias: bool = False, group_size: int | None = None) -> int:
         """What .nbytes will be, without the library (placement planning): the packed layout of kernels.h pads each
         matrix to 16 output rows x 64 inputs (int4: x max(64, group size)); int8 adds a float scale and an int32 row
-        sum per output row; int4 is half a byte per weight plus a float scale per output row and group; biases are
-        float per (padded) output row; each expert's region is a multiple of 64 bytes."""
+        sum per output row; int4 is half a byte per weight plus a float scale per output row and group; fp8 is a byte
+        per weight plus a float scale per 16 output rows and group (ceil(padded inputs / group)), rounded up to 64
+        bytes (block_rows does not change the size); biases are float per (padded) output row; each expert's region
+        is a multiple of 64 bytes."""
         G = _quant_args(quant, group_size, hidden, intermediate)
         E, H, I = num_experts, hidden, intermediate
         up = lambda x, m: -(-x // m) * m  # noqa: E731
@@ -173,6 +219,8 @@ class Experts:
             Np, Kp = up(n, 16), up(k, max(64, G) if quant == "int4" else 64)
             if quant == "int4":
                 total += Np * Kp // 2 + 4 * Np * (Kp // G)
+            elif quant == "fp8":
+                total += Np * Kp + up(4 * (Np // 16) * -(-Kp // G), 64)
             else:
                 total += Np * Kp * 2 if quant == "bf16" else Np * Kp + 8 * Np
             total += 4 * Np if bias else 0
@@ -205,7 +253,7 @@ class Experts:
 
     @classmethod
     def from_hf(cls, gate_up: torch.Tensor, down: torch.Tensor, quant: str = "bf16",
-                group_size: int | None = None) -> "Experts":
+                group_size: int | None = None, block_rows: int | None = None) -> "Experts":
         """transformers 5 fused experts: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I]."""
         gate_up = checked_tensor("gate_up", gate_up, _WEIGHT_DTYPES, (None, None, None), contiguous=False)
         E, I2, H = gate_up.shape
@@ -213,7 +261,7 @@ class Experts:
             raise NativeError(ERR_SHAPE, f"gate_up: expected shape [E, 2I, H], got {list(gate_up.shape)} (odd 2I)")
         I = I2 // 2
         down = checked_tensor("down", down, _WEIGHT_DTYPES, (E, H, I), contiguous=False)
-        ex = cls(E, H, I, quant=quant, group_size=group_size)
+        ex = cls(E, H, I, quant=quant, group_size=group_size, block_rows=block_rows)
         jobs = []
         for e in range(E):
             jobs += [(ex.set, e, "gate", gate_up[e, :I]), (ex.set, e, "up", gate_up[e, I:]),
@@ -224,7 +272,7 @@ class Experts:
     @classmethod
     def from_gpt_oss(cls, gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor,
                      down_bias: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
-                     quant: str = "bf16", group_size: int | None = None) -> "Experts":
+                     quant: str = "bf16", group_size: int | None = None, block_rows: int | None = None) -> "Experts":
         """gpt-oss experts: gate_up_proj [E, H, 2I] interleaved (even = gate, odd = up), gate_up_proj_bias [E, 2I],
         down_proj [E, I, H], down_proj_bias [E, H]."""
         gate_up = checked_tensor("gate_up", gate_up, _WEIGHT_DTYPES, (None, None, None), contiguous=False)
@@ -236,7 +284,7 @@ class Experts:
         down = checked_tensor("down", down, _WEIGHT_DTYPES, (E, I, H), contiguous=False)
         down_bias = checked_tensor("down_bias", down_bias, _WEIGHT_DTYPES, (E, H), contiguous=False)
         ex = cls(E, H, I, quant=quant, activation="gptoss", alpha=alpha, limit=limit, bias=True,
-                 group_size=group_size)
+                 group_size=group_size, block_rows=block_rows)
         jobs = []
         for e in range(E):
             jobs += [(ex.set, e, "gate", gate_up[e, :, 0::2].t()), (ex.set, e, "up", gate_up[e, :, 1::2].t()),
@@ -294,7 +342,8 @@ class RawMatrix(NamedTuple):
     """One packed matrix of one expert, as ktk_experts_raw describes it: addresses (ints) inside the experts' packed
     storage, valid while the native.Experts lives. Layouts (native/src/kernels/kernels.h): bf16 data = bf16 bits
     [Np/16][Kp/2][16][2]; int8 data = int8 [Np/16][Kp/4][16][4] with value q * scale[n]; int4 data = nibbles
-    [Np/16][Kp/8][16][4] (low nibble inputs 8r..8r+3, high 8r+4..8r+7) with scale [Np/16][Kp/G][16]. ``scale``/``bias``
+    [Np/16][Kp/8][16][4] (low nibble inputs 8r..8r+3, high 8r+4..8r+7) with scale [Np/16][Kp/G][16]; fp8 data = e4m3
+    bytes [Np/16][Kp][16] with scale [Np/16][ceil(Kp/G)] (value e4m3 * scale of the 16-row block). ``scale``/``bias``
     are 0 when absent (bf16 / no bias); ``expert``, ``expert_bytes``: the expert's whole region (all its matrices)."""
 
     quant: str

@@ -16,6 +16,12 @@
  * inputs), rounded to nearest at load (the value of largest magnitude in a group maps to -8 exactly); activations
  * as for int8; exact int32 per group, float accumulation across groups. Many rows per expert (prefill) may instead
  * run on weights dequantized to bf16 (AMX-BF16), chosen per call by row count.
+ * KTK_QUANT_FP8 is W8A16: weights float8 e4m3 (OCP e4m3fn: no infinities, 0x7F / 0xFF are NaN, largest 448) with a
+ * float scale per block of block_rows output rows x group_size inputs (value = e4m3 * scale: the FP8 releases'
+ * weight_scale_inv, kept bit for bit by ktk_experts_set_fp8; ktk_experts_set quantizes per block: scale = amax / 448,
+ * e4m3 rounded to nearest even); activations bf16 as for KTK_QUANT_BF16, float accumulation (per group, then times
+ * the group's scale). Many rows per expert (prefill) may instead run on weights dequantized to bf16(e4m3 * scale)
+ * (AMX-BF16), chosen per call by row count.
  */
 #ifndef KTINJECT_H
 #define KTINJECT_H
@@ -46,6 +52,7 @@ extern "C" {
 #define KTK_QUANT_BF16 0
 #define KTK_QUANT_INT8 1
 #define KTK_QUANT_INT4 2   /* needs ktk_experts_config.group_size */
+#define KTK_QUANT_FP8 3    /* ktk_experts_config.group_size and block_rows: the scale blocks */
 
 /* ---- activations ---- */
 #define KTK_ACT_SILU 0
@@ -146,7 +153,9 @@ typedef struct {
     int32_t has_bias;      /* gpt-oss: per-expert biases on gate, up and down */
     float alpha;           /* KTK_ACT_GPTOSS */
     float limit;           /* KTK_ACT_GPTOSS */
-    int32_t group_size;    /* KTK_QUANT_INT4: inputs per scale, 32, 64 or 128 (0: 64); else 0 (or one of those) */
+    int32_t group_size;    /* KTK_QUANT_INT4: inputs per scale, 32, 64 or 128 (0: 64); KTK_QUANT_FP8: inputs per
+                              scale, a multiple of 16 up to 512 (0: 128); else 0 (or one of 32, 64, 128) */
+    int32_t block_rows;    /* KTK_QUANT_FP8: output rows per scale, a multiple of 16 up to 2^20 (0: 128); else 0 */
 } ktk_experts_config;
 
 /* Allocates the packed storage (weights zero until set; a forward routing a token to an expert, not skipped, whose
@@ -157,6 +166,9 @@ void ktk_experts_destroy(ktk_experts *ex);
  * element (n, c) (n = output row, c = input column) is at src[n * stride_out + c * stride_in] (in elements).
  * E.g. HF gate_up_proj [E, 2I, H]: gate of expert e = gate_up + e*2I*H, stride_out = H, stride_in = 1;
  * gpt-oss gate_up_proj [E, H, 2I] interleaved: gate = base + e*H*2I + 0, up = ... + 1, stride_out = 2, stride_in = 2I.
+ * fp8 experts quantize per block of block_rows x group_size: scale = amax / 448 (1 for an all-zero block; NaN, with
+ * every q 0, for a block holding an inf or NaN), q = e4m3 of w / scale rounded to nearest even (subnormals down to
+ * 2^-9), saturating at +-448.
  * The caller may free the source afterwards. Thread-safe for different (expert, which). */
 int ktk_experts_set(ktk_experts *ex, int expert, int which, const void *src, int src_dtype,
                     int64_t stride_out, int64_t stride_in);
@@ -164,11 +176,20 @@ int ktk_experts_set(ktk_experts *ex, int expert, int which, const void *src, int
  * compressed-tensors int4), stored as given, without rounding again: q (n, c) = q[n * q_stride_out + c * q_stride_in]
  * (int8: -127..127; int4: -8..7), its scale at scale[n * scale_stride_out + g * scale_stride_group] (int8: g = 0, one
  * per output row; int4: g = c / group_size, g < ceil(K / group_size)), value = q * scale. KTK_ERR_DTYPE for bf16
- * experts, KTK_ERR_RANGE (naming the element) for a q out of range or a non-finite scale (nothing is set then).
- * Thread-safe for different (expert, which). */
+ * and fp8 experts (fp8: ktk_experts_set_fp8), KTK_ERR_RANGE (naming the element) for a q out of range or a
+ * non-finite scale (nothing is set then). Thread-safe for different (expert, which). */
 int ktk_experts_set_quantized(ktk_experts *ex, int expert, int which, const int8_t *q, int64_t q_stride_out,
                               int64_t q_stride_in, const float *scale, int64_t scale_stride_out,
                               int64_t scale_stride_group);
+/* One fp8 matrix of one expert from float8 e4m3 values and their block scales (an FP8 release: weight and
+ * weight_scale_inv), stored as given, bit for bit: the e4m3 bits of (n, c) are q[n * q_stride_out + c * q_stride_in],
+ * its scale scale[(n / block_rows) * scale_stride_out + (c / group_size) * scale_stride_group] (block_rows, group_size
+ * of the config; n / block_rows < ceil(out / block_rows), c / group_size < ceil(in / group_size)), value = e4m3 *
+ * scale (a scale may be negative or zero). KTK_ERR_DTYPE for experts of another quant, KTK_ERR_RANGE (naming the
+ * element or block, the expert and the matrix) for a NaN code (0x7F, 0xFF) or a non-finite scale: everything is
+ * checked before a byte is stored. Thread-safe for different (expert, which). */
+int ktk_experts_set_fp8(ktk_experts *ex, int expert, int which, const uint8_t *q, int64_t q_stride_out,
+                        int64_t q_stride_in, const float *scale, int64_t scale_stride_out, int64_t scale_stride_group);
 /* Bias of one matrix of one expert (has_bias only): [out] contiguous, src_dtype F32/BF16/F16. */
 int ktk_experts_set_bias(ktk_experts *ex, int expert, int which, const void *src, int src_dtype);
 /* Read back one matrix, dequantized, as float32 [out, in] row-major (tests, GPU upload of hot experts). */
@@ -188,6 +209,9 @@ int ktk_experts_import(ktk_experts *ex, const void *src, int64_t size);
  *   int4: data = nibbles [Np/16][Kp/8][16][4]: element (n, c) in byte ((n/16)*(Kp/8) + c/8)*64 + (n%16)*4 + c%4,
  *         bits 0-3 when (c/4)%2 == 0 else bits 4-7, a two's complement q in [-8, 7]; scale = float
  *         [Np/16][Kp/G][16] (G = the config's group_size): value = (float)q * scale[((n/16)*(Kp/G) + c/G)*16 + n%16]
+ *   fp8:  data = e4m3 bytes [Np/16][Kp][16]: element (n, c) at ((n/16)*Kp + c)*16 + n%16 (16 outputs of one input are
+ *         16 consecutive bytes); scale = float [Np/16][ng], ng = ceil(Kp/G) (G = the config's group_size; each 16-row
+ *         block holds its block_rows block's scale): value = (float)e4m3 * scale[(n/16)*ng + c/G]
  * Padding rows/columns (n >= N, c >= K) are zero. All of one expert's matrices, scales and biases lie inside
  * [expert, expert + expert_bytes), so one copy of that range carries the whole expert. */
 typedef struct {
@@ -195,8 +219,9 @@ typedef struct {
     int32_t N, K;            /* logical [out, in] */
     int32_t Np, Kp;          /* padded: Np = round_up(N, 16), Kp = round_up(K, 64) (int4: K, max(64, G)) */
     const void *data;        /* the packed matrix */
-    int64_t data_bytes;      /* bf16: Np * Kp * 2; int8: Np * Kp; int4: Np * Kp / 2 */
-    const float *scale;      /* int8: [Np] per output row; int4: [Np/16][Kp/G][16]; NULL for bf16 */
+    int64_t data_bytes;      /* bf16: Np * Kp * 2; int8, fp8: Np * Kp; int4: Np * Kp / 2 */
+    const float *scale;      /* int8: [Np] per output row; int4: [Np/16][Kp/G][16]; fp8: [Np/16][ceil(Kp/G)]; NULL
+                                for bf16 */
     const float *bias;       /* has_bias: float [Np] (zero padded); NULL without bias */
     const void *expert;      /* this expert's whole packed region */
     int64_t expert_bytes;    /* its size (the same for every expert, a multiple of 64) */

@@ -16,6 +16,7 @@
 #define MAX_THREADS 4096
 #define MAX_NBYTES (1LL << 46)     /* 64 TiB of packed weights: anything larger is a wrong size */
 #define MAX_STRIDE (1LL << 40)     /* elements */
+#define MAX_FP8_GROUP 512          /* fp8 inputs per scale */
 
 /* ---- errors: the state lives in error.c; this is its public reader ---- */
 const char *ktk_last_error(void) { return ktki_error_msg(); }
@@ -122,12 +123,24 @@ static int check_config(const ktk_experts_config *c) {
         return ktki_error(KTK_ERR_SHAPE, "%s: hidden = %d (expected 1..%d)", fn, c->hidden, MAX_DIM);
     if (c->intermediate < 1 || c->intermediate > MAX_DIM)
         return ktki_error(KTK_ERR_SHAPE, "%s: intermediate = %d (expected 1..%d)", fn, c->intermediate, MAX_DIM);
-    if (c->quant != KTK_QUANT_BF16 && c->quant != KTK_QUANT_INT8 && c->quant != KTK_QUANT_INT4)
-        return ktki_error(KTK_ERR_DTYPE, "%s: quant = %d (expected KTK_QUANT_BF16=0, KTK_QUANT_INT8=1 or "
-                          "KTK_QUANT_INT4=2)", fn, c->quant);
-    if (c->group_size != 0 && c->group_size != 32 && c->group_size != 64 && c->group_size != 128)
-        return ktki_error(KTK_ERR_SHAPE, "%s: group_size = %d (expected 32, 64 or 128, or 0 for the default 64)", fn,
-                          c->group_size);
+    if (c->quant < KTK_QUANT_BF16 || c->quant > KTK_QUANT_FP8)
+        return ktki_error(KTK_ERR_DTYPE, "%s: quant = %d (expected KTK_QUANT_BF16=0, KTK_QUANT_INT8=1, "
+                          "KTK_QUANT_INT4=2 or KTK_QUANT_FP8=3)", fn, c->quant);
+    if (c->quant == KTK_QUANT_FP8) {
+        if (c->group_size < 0 || c->group_size > MAX_FP8_GROUP || c->group_size % 16)
+            return ktki_error(KTK_ERR_SHAPE, "%s: group_size = %d for fp8 (expected inputs per scale, a multiple of "
+                              "16 up to %d, or 0 for the default 128)", fn, c->group_size, MAX_FP8_GROUP);
+        if (c->block_rows < 0 || c->block_rows > MAX_DIM || c->block_rows % 16)
+            return ktki_error(KTK_ERR_SHAPE, "%s: block_rows = %d for fp8 (expected output rows per scale, a "
+                              "multiple of 16 up to %d, or 0 for the default 128)", fn, c->block_rows, MAX_DIM);
+    } else {
+        if (c->group_size != 0 && c->group_size != 32 && c->group_size != 64 && c->group_size != 128)
+            return ktki_error(KTK_ERR_SHAPE, "%s: group_size = %d (expected 32, 64 or 128, or 0 for the default 64)",
+                              fn, c->group_size);
+        if (c->block_rows != 0)
+            return ktki_error(KTK_ERR_SHAPE, "%s: block_rows = %d (only fp8 experts have block scales; expected 0)",
+                              fn, c->block_rows);
+    }
     if (c->activation != KTK_ACT_SILU && c->activation != KTK_ACT_GPTOSS)
         return ktki_error(KTK_ERR_DTYPE, "%s: activation = %d (expected KTK_ACT_SILU=0 or KTK_ACT_GPTOSS=1)", fn,
                           c->activation);
@@ -171,6 +184,15 @@ int ktk_experts_set(ktk_experts *ex, int expert, int which, const void *src, int
     return ktki_experts_set(ex, expert, which, src, src_dtype, stride_out, stride_in);
 }
 
+static int check_strides(const char *fn, int64_t qso, int64_t qsi, int64_t sso, int64_t ssg) {
+    const int64_t s[4] = {qso, qsi, sso, ssg};
+    for (int i = 0; i < 4; i++)
+        if (s[i] <= -MAX_STRIDE || s[i] >= MAX_STRIDE)
+            return ktki_error(KTK_ERR_SHAPE, "%s: a stride (%lld) is out of range (expected |stride| < 2^40 "
+                              "elements)", fn, (long long)s[i]);
+    return KTK_OK;
+}
+
 int ktk_experts_set_quantized(ktk_experts *ex, int expert, int which, const int8_t *q, int64_t q_stride_out,
                               int64_t q_stride_in, const float *scale, int64_t scale_stride_out,
                               int64_t scale_stride_group) {
@@ -182,14 +204,29 @@ int ktk_experts_set_quantized(ktk_experts *ex, int expert, int which, const int8
     if (rc != KTK_OK) return rc;
     if (ex->cfg.quant != KTK_QUANT_INT8 && ex->cfg.quant != KTK_QUANT_INT4)
         return ktki_error(KTK_ERR_DTYPE, "%s: experts were created with quant %d; quantized values are stored only "
-                          "in int8 (%d) or int4 (%d) experts", fn, ex->cfg.quant, KTK_QUANT_INT8, KTK_QUANT_INT4);
-    const int64_t s[4] = {q_stride_out, q_stride_in, scale_stride_out, scale_stride_group};
-    for (int i = 0; i < 4; i++)
-        if (s[i] <= -MAX_STRIDE || s[i] >= MAX_STRIDE)
-            return ktki_error(KTK_ERR_SHAPE, "%s: a stride (%lld) is out of range (expected |stride| < 2^40 "
-                              "elements)", fn, (long long)s[i]);
+                          "in int8 (%d) or int4 (%d) experts%s", fn, ex->cfg.quant, KTK_QUANT_INT8, KTK_QUANT_INT4,
+                          ex->cfg.quant == KTK_QUANT_FP8 ? " (fp8 experts take ktk_experts_set_fp8)" : "");
+    rc = check_strides(fn, q_stride_out, q_stride_in, scale_stride_out, scale_stride_group);
+    if (rc != KTK_OK) return rc;
     return ktki_experts_set_quantized(ex, expert, which, q, q_stride_out, q_stride_in, scale, scale_stride_out,
                                       scale_stride_group);
+}
+
+int ktk_experts_set_fp8(ktk_experts *ex, int expert, int which, const uint8_t *q, int64_t q_stride_out,
+                        int64_t q_stride_in, const float *scale, int64_t scale_stride_out, int64_t scale_stride_group) {
+    const char *fn = "ktk_experts_set_fp8";
+    CHECK_NULL(ex, fn);
+    CHECK_NULL(q, fn);
+    CHECK_NULL(scale, fn);
+    int rc = check_expert(fn, ex, expert, which);
+    if (rc != KTK_OK) return rc;
+    if (ex->cfg.quant != KTK_QUANT_FP8)
+        return ktki_error(KTK_ERR_DTYPE, "%s: experts were created with quant %d; float8 e4m3 values are stored only "
+                          "in fp8 (%d) experts", fn, ex->cfg.quant, KTK_QUANT_FP8);
+    rc = check_strides(fn, q_stride_out, q_stride_in, scale_stride_out, scale_stride_group);
+    if (rc != KTK_OK) return rc;
+    return ktki_experts_set_fp8(ex, expert, which, q, q_stride_out, q_stride_in, scale, scale_stride_out,
+                                scale_stride_group);
 }
 
 int ktk_experts_set_bias(ktk_experts *ex, int expert, int which, const void *src, int src_dtype) {

@@ -122,10 +122,12 @@ void ktki_experts_destroy(ktk_experts *ex);
 int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dtype, int64_t so, int64_t si);
 int ktki_experts_set_quantized(ktk_experts *ex, int e, int which, const int8_t *q, int64_t qso, int64_t qsi,
                                const float *scale, int64_t sso, int64_t ssg);
+int ktki_experts_set_fp8(ktk_experts *ex, int e, int which, const uint8_t *q, int64_t qso, int64_t qsi,
+                         const float *scale, int64_t sso, int64_t ssg);
 int ktki_experts_set_bias(ktk_experts *ex, int e, int which, const void *src, int dtype);
 int ktki_experts_get(const ktk_experts *ex, int e, int which, float *dst);
 int ktki_experts_import(ktk_experts *ex, const void *src, int64_t size);
-int ktki_experts_raw(const ktk_experts *ex, int e, int which, ktk_raw *out); /* bf16/int8 only */
+int ktki_experts_raw(const ktk_experts *ex, int e, int which, ktk_raw *out);
 
 /* ---- packing and conversions (moe/pack.c) ---- */
 /* dst[i] = (float)src[i * stride] for i < n; stride in elements. */
@@ -141,6 +143,13 @@ void ktki_pack_int8_q(const ktk_mat *m, int8_t *data, float *scale, int32_t *wsu
                       int64_t qsi, float s);
 void ktki_pack_int4_q(const ktk_mat *m, uint8_t *data, float *scale, int n, const int8_t *q, int64_t qsi,
                       const float *s, int64_t ssg);
+/* fp8: float -> e4m3 bits (nearest even, saturating at +-448); one block_rows band of rows [n0, n1) quantized per
+ * block (rows[(n - n0) * K + c]); row n from e4m3 bits (ktk_experts_set_fp8, checked by the caller) with, where n
+ * starts a 16-row block, its band's scales s[g * ssg]. */
+uint8_t ktki_pack_f32_to_e4m3(float f);
+void ktki_pack_fp8(const ktk_mat *m, uint8_t *data, float *scale, int n0, int n1, const float *rows);
+void ktki_pack_fp8_q(const ktk_mat *m, uint8_t *data, float *scale, int n, const uint8_t *q, int64_t qsi,
+                     const float *s, int64_t ssg);
 void ktki_pack_unpack(const ktk_mat *m, int n, float *row);   /* row n as float (dequantized), c < K */
 
 /* ---- activation functions (kernels/activations.c) ---- */

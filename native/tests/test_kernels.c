@@ -11,8 +11,10 @@
 //                          (where it overtakes AVX-512 is KTK_AMX_MIN_ROWS_* in native/src/kernels/amx/amx.h);
 //                          TK_ONLY=amx (env) benches only the variants whose name contains "amx", TK_QUANT=int4
 //                          only int4 (a comma list of bf16, int8, int4);
-//                          int4 (G = 64) runs each variant twice: its direct kernel and "dq", the dequantizing path
-//                          (forced; where it overtakes direct is KTK_*_INT4_DEQUANT_ROWS in kernels/*/int4.c)
+//                          int4 (G = 64) and fp8 (G = 128, 128 rows per scale) run each variant twice: its direct
+//                          kernel and "dq", the dequantizing path (forced; where it overtakes direct is
+//                          KTK_*_INT4_DEQUANT_ROWS in kernels/*/int4.c, KTK_*_FP8_DEQUANT_ROWS in kernels/*/fp8.c and
+//                          amx/amx.h)
 /*
  * Packs random matrices exactly as native/src/kernels/kernels.h describes, on awkward shapes (N, K not multiples of
  * 16 / 64), n = 1..100 rows, column-block ranges that start mid-matrix, ldy wider than the output (sentinels
@@ -21,7 +23,11 @@
  * dequantizing path (forced, workspace of 1-4 blocks so calls take several chunks) rounds weights to bf16 (8
  * significant bits: relative error <= 2^-8), so against the direct result its error relative to sum_c |x_c w_c|
  * is at most 2^-8 + fp32 sums: tolerance 4.5e-3; against float64 on the bf16-rounded weights, 1e-4 (fp32 sums).
- * Exit code 1 on any failure.
+ * fp8 (G = 128 and 32, 128 and 16 rows per scale in turn; every e4m3 code but NaN, rows of x scaled far from 1): the
+ * generic kernel against float64 of the dequantized weights; each ISA's direct path must be bit-exact against it
+ * (workspaces of 0 rows up to more than n: chunks of rows, the generic fallback), its dequantizing path as int4's,
+ * its dequantization the generic one's bits; gemv against gemm with one row as for the other quants.
+ * Prints the ISAs it ran and those it could not (not on this CPU). Exit code 1 on any failure.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -50,21 +56,26 @@ void ktk_avx512_gemm_int4_plain(const ktk_mat *w, int nb0, int nb1, const ktk_ac
 void ktk_avx512_gemm_int4_vnni(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
 void ktk_avx512_dequant_int4(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
 void ktk_avx512_dequant_int4_plain(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
+void ktk_avx2_dequant_fp8(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
+void ktk_avx512_dequant_fp8(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
 
 #include "test_kernels_pack.h"
 
 /* ---------------- correctness ---------------- */
-typedef struct { const char *name; ktk_gemm_fn fn[3]; } variant;   /* by quant: bf16, int8, int4 */
+typedef struct { const char *name; ktk_gemm_fn fn[4]; } variant;   /* by quant: bf16, int8, int4, fp8 */
 
+#define NCOL 6
 static int nvariants;
 static variant variants[16];
-static double worst[16][4];   /* bf16, int8, int4 direct, int4 dequantizing */
+static double worst[16][NCOL];   /* bf16, int8, int4 direct, int4 dequantizing, fp8 direct, fp8 dequantizing */
 static int failures;
-static const char *const COL[4] = {"bf16", "int8", "int4", "int4 dq"};
-static int avx512_dequant;    /* check ktk_avx512_dequant_int4 against the generic one */
+static const char *const COL[NCOL] = {"bf16", "int8", "int4", "int4 dq", "fp8", "fp8 dq"};
+static const char *const QNAME[4] = {"bf16", "int8", "int4", "fp8"};   /* by KTK_QUANT_* */
+static int avx512_dequant;    /* check ktk_avx512_dequant_int4 / _fp8 against the generic ones */
+static int avx2_dequant;      /* check ktk_avx2_dequant_fp8 against the generic one */
 
-static void add_variant(const char *name, ktk_gemm_fn bf16, ktk_gemm_fn int8, ktk_gemm_fn int4) {
-    variants[nvariants] = (variant){name, {bf16, int8, int4}};
+static void add_variant(const char *name, ktk_gemm_fn bf16, ktk_gemm_fn int8, ktk_gemm_fn int4, ktk_gemm_fn fp8) {
+    variants[nvariants] = (variant){name, {bf16, int8, int4, fp8}};
     nvariants++;
 }
 
@@ -116,16 +127,34 @@ static void *make_tiles(const ktk_act *a, int es) {
     return t;
 }
 
-/* col: 0 bf16, 1 int8, 2 int4 direct, 3 int4 dequantizing (forced, workspace of 1-4 blocks) */
-static void check_case(int N, int K, int n, int col, int G, int nb0, int nb1) {
-    const int quant = col < 2 ? col : KTK_QUANT_INT4, dq = col == 3;
-    packed p = pack(N, K, quant, G);
+/* Dequantization of an ISA (int4 or fp8) against the generic one: the same bits */
+static void check_dequant(ktk_dequant_fn gen, ktk_dequant_fn fn, const char *name, const packed *p, int nb0, int nb1,
+                          const char *who) {
+    size_t sz = (size_t)(nb1 - nb0) * 16 * p->m.Kp;
+    uint16_t *a = xalloc(2 * sz), *b = xalloc(2 * sz);
+    gen(&p->m, nb0, nb1, a);
+    fn(&p->m, nb0, nb1, b);
+    if (memcmp(a, b, 2 * sz)) {
+        printf("FAIL %s %s: differs from generic\n", name, who);
+        failures++;
+    }
+    free(a); free(b);
+}
+
+/* col: 0 bf16, 1 int8, 2 int4 direct, 3 int4 dequantizing (forced, workspace of 1-4 blocks), 4 fp8 direct
+ * (workspace of 0..n + 3 rows), 5 fp8 dequantizing (forced, 1-4 blocks); G: int4 / fp8 group, br: fp8 block rows */
+static void check_case(int N, int K, int n, int col, int G, int br, int nb0, int nb1) {
+    const int quant = col < 2 ? col : col < 4 ? KTK_QUANT_INT4 : KTK_QUANT_FP8, dq = col == 3 || col == 5;
+    const int exact = col == 1 || col == 2 || col == 4;
+    packed p = pack(N, K, quant, G, br);
     acts x = make_acts(n, K, p.m.Kp, quant);
     int64_t ldy = (int64_t)(nb1 - nb0) * 16 + 5;
-    char who[160], what[16];
-    snprintf(what, sizeof what, quant == KTK_QUANT_INT4 ? "%s G=%d" : "%s", COL[col], G);
+    char who[160], what[32];
+    if (quant == KTK_QUANT_FP8) snprintf(what, sizeof what, "%s G=%d br=%d", COL[col], G, br);
+    else snprintf(what, sizeof what, quant == KTK_QUANT_INT4 ? "%s G=%d" : "%s", COL[col], G);
     snprintf(who, sizeof who, "generic %s N=%d K=%d n=%d nb=[%d,%d)", what, N, K, n, nb0, nb1);
     x.a.int4_path = KTK_INT4_PATH_DIRECT;
+    x.a.fp8_path = KTK_FP8_PATH_DIRECT;
     float *ref = run_framed(variants[0].fn[quant], &p, &x, nb0, nb1, ldy, who);   /* variants[0]: generic */
     float *r = ref + ldy;
     /* generic vs float64 on the unpacked values; padding outputs (j >= N) must be 0 */
@@ -138,24 +167,24 @@ static void check_case(int N, int K, int n, int col, int G, int nb0, int nb1) {
             if (e > gerr) gerr = e;
         }
     if (!(gerr < 1e-5)) { printf("FAIL %s: vs float64 err %.3g\n", who, gerr); failures++; }
-    if (dq && avx512_dequant) {   /* same bits as the generic dequantization (the table's and the plain one) */
-        size_t sz = (size_t)(nb1 - nb0) * 16 * p.m.Kp;
-        uint16_t *a = xalloc(2 * sz), *b = xalloc(2 * sz);
-        ktk_generic_dequant_int4(&p.m, nb0, nb1, a);
-        for (int i = 0; i < 2; i++) {
-            (i ? ktk_avx512_dequant_int4_plain : ktk_avx512_dequant_int4)(&p.m, nb0, nb1, b);
-            if (memcmp(a, b, 2 * sz)) {
-                printf("FAIL avx512 dequant %d %s: differs from generic\n", i, who);
-                failures++;
-            }
-        }
-        free(a); free(b);
+    if (col == 3 && avx512_dequant) {   /* same bits as the generic dequantization (the table's and the plain one) */
+        check_dequant(ktk_generic_dequant_int4, ktk_avx512_dequant_int4, "avx512 dequant", &p, nb0, nb1, who);
+        check_dequant(ktk_generic_dequant_int4, ktk_avx512_dequant_int4_plain, "avx512 dequant (plain)", &p, nb0, nb1,
+                      who);
     }
+    if (col == 5 && avx512_dequant)
+        check_dequant(ktk_generic_dequant_fp8, ktk_avx512_dequant_fp8, "avx512 fp8 dequant", &p, nb0, nb1, who);
+    if (col == 5 && avx2_dequant)
+        check_dequant(ktk_generic_dequant_fp8, ktk_avx2_dequant_fp8, "avx2 fp8 dequant", &p, nb0, nb1, who);
     if (dq) {
         int blocks = 1 + (int)(xr() % 4);
         x.a.work_bytes = ktk_int4_work_bytes(p.m.Kp, blocks);
         x.a.work = xalloc((size_t)x.a.work_bytes);
         x.a.int4_path = KTK_INT4_PATH_DEQUANT;
+        x.a.fp8_path = KTK_FP8_PATH_DEQUANT;
+    } else if (col == 4 && xr() % 8) {   /* float rows for 1..n + 3 rows (1 in 8: none, the generic fallback) */
+        x.a.work_bytes = ktk_fp8_rows_bytes(p.m.Kp, 1 + (int)(xr() % (uint64_t)(n + 3)));
+        x.a.work = xalloc((size_t)x.a.work_bytes);
     }
     for (int v = 0; v < nvariants; v++) {
         ktk_gemm_fn fn = variants[v].fn[quant];
@@ -167,7 +196,7 @@ static void check_case(int N, int K, int n, int col, int G, int nb0, int nb1) {
         for (int t = 0; t < n; t++)
             for (int j = nb0 * 16; j < nb1 * 16; j++) {
                 double a = o[(int64_t)t * ldy + j - nb0 * 16], b = r[(int64_t)t * ldy + j - nb0 * 16], e;
-                if (col == 1 || col == 2) {
+                if (exact) {
                     e = a == b ? 0 : fabs(a - b) / (fabs(b) + 1e-30);
                 } else {
                     double s = j < N ? dot64(&p, &x, t, j, dq, &sa) : 0;
@@ -189,7 +218,7 @@ static void check_case(int N, int K, int n, int col, int G, int nb0, int nb1) {
             x.a.tiles = NULL;
         }
         if (!(err <= worst[v][col])) worst[v][col] = err;
-        double tol = col == 0 ? 1e-4 : col == 3 ? 4.5e-3 : 1e-6;
+        double tol = col == 0 ? 1e-4 : dq ? 4.5e-3 : col == 4 ? 0 : 1e-6;
         if (!(err <= tol) || !(err_bf16w <= 1e-4)) {
             printf("FAIL %s: err %.3g (tol %.0e), vs bf16-rounded weights %.3g\n", who, err, tol, err_bf16w);
             failures++;
@@ -202,17 +231,22 @@ static void check_case(int N, int K, int n, int col, int G, int nb0, int nb1) {
 }
 
 /* gemv (several matrices, one row each): bit-identical to the same table's gemm with one row, for M = 1..8
- * matrices of one shape, block ranges that start mid-matrix, outputs framed by sentinels. */
+ * matrices of one shape, block ranges that start mid-matrix, outputs framed by sentinels (fp8: the M float rows in
+ * x[0]'s workspace, or, for odd M, a workspace of one row: the per-matrix fallback). */
 static int gemv_cases;
 static void check_gemv(const char *name, const ktk_kernels *t) {
     static const int shapes[][2] = {{1, 1}, {17, 65}, {33, 200}, {100, 257}, {48, 2048}, {40, 7168}, {130, 96}};
-    for (int quant = 0; quant < 3; quant++) {
-        ktk_gemv_fn gv = quant == 0 ? t->gemv_bf16 : quant == 1 ? t->gemv_int8 : t->gemv_int4;
-        ktk_gemm_fn gm = quant == 0 ? t->gemm_bf16 : quant == 1 ? t->gemm_int8 : t->gemm_int4;
+    for (int quant = 0; quant < 4; quant++) {
+        const ktk_gemv_fn gvs[4] = {t->gemv_bf16, t->gemv_int8, t->gemv_int4, t->gemv_fp8};
+        const ktk_gemm_fn gms[4] = {t->gemm_bf16, t->gemm_int8, t->gemm_int4, t->gemm_fp8};
+        ktk_gemv_fn gv = gvs[quant];
+        ktk_gemm_fn gm = gms[quant];
         if (!gv) continue;
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
             for (int M = 1; M <= KTK_GEMV_MAX; M++) {
-                const int N = shapes[s][0], K = shapes[s][1], G = 32 << (gemv_cases % 3), nblk = (N + 15) / 16;
+                const int N = shapes[s][0], K = shapes[s][1], nblk = (N + 15) / 16;
+                const int G = quant == KTK_QUANT_FP8 ? (gemv_cases % 2 ? 32 : 128) : 32 << (gemv_cases % 3);
+                const int br = gemv_cases % 4 < 2 ? 128 : 16;
                 const int nb0 = nblk > 1 ? (int)(xr() % (uint64_t)nblk) : 0;
                 const int nb1 = nb0 + 1 + (int)(xr() % (uint64_t)(nblk - nb0)), cols = (nb1 - nb0) * 16;
                 packed p[KTK_GEMV_MAX];
@@ -221,9 +255,14 @@ static void check_gemv(const char *name, const ktk_kernels *t) {
                 const ktk_act *xa[KTK_GEMV_MAX];
                 float *buf[KTK_GEMV_MAX], *y[KTK_GEMV_MAX];
                 for (int m = 0; m < M; m++) {
-                    p[m] = pack(N, K, quant, G);
+                    p[m] = pack(N, K, quant, G, br);
                     x[m] = make_acts(1, K, p[m].m.Kp, quant);
                     x[m].a.int4_path = KTK_INT4_PATH_DIRECT;
+                    x[m].a.fp8_path = KTK_FP8_PATH_DIRECT;
+                    if (quant == KTK_QUANT_FP8) {
+                        x[m].a.work_bytes = ktk_fp8_rows_bytes(p[m].m.Kp, M % 2 && m == 0 ? 1 : M);
+                        x[m].a.work = xalloc((size_t)x[m].a.work_bytes);
+                    }
                     w[m] = &p[m].m, xa[m] = &x[m].a;
                     buf[m] = xalloc(sizeof(float) * (cols + 32));
                     for (int i = 0; i < cols + 32; i++) buf[m][i] = SENT;
@@ -236,7 +275,7 @@ static void check_gemv(const char *name, const ktk_kernels *t) {
                     for (int i = 0; i < 16; i++) bad |= buf[m][i] != SENT || buf[m][16 + cols + i] != SENT;
                     if (bad) {
                         printf("FAIL %s gemv %s N=%d K=%d M=%d m=%d nb=[%d,%d): differs from gemm with one row "
-                               "(or wrote outside)\n", name, COL[quant], N, K, M, m, nb0, nb1);
+                               "(or wrote outside)\n", name, QNAME[quant], N, K, M, m, nb0, nb1);
                         failures++;
                     }
                     free(ref);
@@ -254,22 +293,27 @@ static int run_tests(void) {
                                     {250, 1000}, {48, 2048}, {40, 7168}, {130, 96}};
     static const int rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 15, 16, 17, 24, 31, 32, 33, 47, 48, 64, 65, 100};
     int ncases = 0;
-    for (int col = 0; col < 4; col++)
+    for (int col = 0; col < NCOL; col++)
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
             for (size_t ri = 0; ri < sizeof rows / sizeof rows[0]; ri++) {
-                int N = shapes[s][0], K = shapes[s][1], n = rows[ri], G = 32 << (ncases % 3);
+                int N = shapes[s][0], K = shapes[s][1], n = rows[ri], G = 32 << (ncases % 3), br = 128;
+                if (col >= 4) {   /* fp8: groups of 128 and 32, blocks of 128 and 16 rows */
+                    G = ncases % 2 ? 32 : 128;
+                    br = ncases % 4 < 2 ? 128 : 16;
+                }
                 if ((double)N * K * n > 3e7 && ri % 4) continue;   /* keep big shapes to a few row counts */
                 int nblk = (N + 15) / 16;
-                check_case(N, K, n, col, G, 0, nblk);
+                check_case(N, K, n, col, G, br, 0, nblk);
                 ncases++;
                 if (nblk >= 2) {
                     int nb0 = 1 + (int)(xr() % (uint64_t)(nblk - 1));
                     int nb1 = nb0 + 1 + (int)(xr() % (uint64_t)(nblk - nb0));
-                    check_case(N, K, n, col, G, nb0, nb1);
+                    check_case(N, K, n, col, G, br, nb0, nb1);
                     ncases++;
                 }
             }
     features f = detect();
+    if (f.avx2) check_gemv("avx2", ktk_kernels_avx2());   /* fp8 only */
     if (f.avx512) {
         setenv("KTINJECT_AVX512_PLAIN", "1", 1);
         check_gemv("avx512 (plain F/BW)", ktk_kernels_avx512());
@@ -279,11 +323,19 @@ static int run_tests(void) {
     if (f.amx) check_gemv("amx (table)", ktk_kernels_amx());
     printf("%d cases x %d variants; gemv: %d cases bit-identical to gemm with one row\n", ncases, nvariants,
            gemv_cases);
-    printf("%-26s %-12s %-12s %-12s %-12s (max err)\n", "variant", COL[0], COL[1], COL[2], COL[3]);
-    for (int v = 0; v < nvariants; v++)
-        printf("%-26s %-12.3g %-12.3g %-12.3g %-12.3g\n", variants[v].name, worst[v][0], worst[v][1], worst[v][2],
-               worst[v][3]);
-    printf("(bf16, int4 dq: |y - generic| / sum|x w| per output; int8, int4: relative difference, 0 = bit-exact)\n");
+    printf("%-26s", "variant");
+    for (int c = 0; c < NCOL; c++) printf(" %-10s", COL[c]);
+    printf(" (max err)\n");
+    for (int v = 0; v < nvariants; v++) {
+        printf("%-26s", variants[v].name);
+        for (int c = 0; c < NCOL; c++) printf(" %-10.3g", worst[v][c]);
+        printf("\n");
+    }
+    printf("(bf16, int4 dq, fp8 dq: |y - generic| / sum|x w| per output; int8, int4, fp8: relative difference, 0 = "
+           "bit-exact)\n");
+    printf("ISAs run: generic%s%s%s; not run (not on this CPU / OS): %s%s%s\n", f.avx2 ? ", avx2" : "",
+           f.avx512 ? ", avx512" : "", f.amx ? ", amx" : "", f.avx2 ? "" : "avx2 ", f.avx512 ? "" : "avx512 ",
+           f.amx ? "" : "amx");
     printf(failures ? "FAILED: %d\n" : "ALL OK\n", failures);
     return failures ? 1 : 0;
 }
@@ -295,28 +347,33 @@ int main(int argc, char **argv) {
     printf("cpu: avx2 %d avx512 %d avx512_bf16 %d avx512_vnni %d amx(+os) %d\n", f.avx2, f.avx512, f.bf16, f.vnni,
            f.amx);
     const ktk_kernels *gen = ktk_kernels_generic();
-    add_variant("generic", gen->gemm_bf16, gen->gemm_int8, gen->gemm_int4);   /* first: the reference */
-    if (f.avx2) add_variant("avx2", ktk_kernels_avx2()->gemm_bf16, ktk_kernels_avx2()->gemm_int8,
-                            ktk_kernels_avx2()->gemm_int4);
+    add_variant("generic", gen->gemm_bf16, gen->gemm_int8, gen->gemm_int4, gen->gemm_fp8);   /* first: the reference */
+    if (f.avx2) {
+        const ktk_kernels *a2 = ktk_kernels_avx2();
+        add_variant("avx2", a2->gemm_bf16, a2->gemm_int8, a2->gemm_int4, a2->gemm_fp8);
+        avx2_dequant = 1;
+    }
     if (f.avx512) {
         setenv("KTINJECT_AVX512_PLAIN", "1", 1);
         const ktk_kernels *plain = ktk_kernels_avx512();
         unsetenv("KTINJECT_AVX512_PLAIN");
-        add_variant("avx512 (plain F/BW)", plain->gemm_bf16, plain->gemm_int8, plain->gemm_int4);
+        add_variant("avx512 (plain F/BW)", plain->gemm_bf16, plain->gemm_int8, plain->gemm_int4, plain->gemm_fp8);
         avx512_dequant = 1;
         const ktk_kernels *best = ktk_kernels_avx512();
-        if (best != plain) add_variant(best->name, best->gemm_bf16, best->gemm_int8, best->gemm_int4);
+        if (best != plain) add_variant(best->name, best->gemm_bf16, best->gemm_int8, best->gemm_int4, best->gemm_fp8);
         /* the vdpbf16ps / vpdpbusd kernels even where the table does not pick them (vdpbf16ps on AMX CPUs) */
         ktk_gemm_fn dp = f.bf16 && best->gemm_bf16 != ktk_avx512_gemm_bf16_dp ? ktk_avx512_gemm_bf16_dp : NULL;
         ktk_gemm_fn vn = f.vnni && best->gemm_int8 != ktk_avx512_gemm_int8_vnni ? ktk_avx512_gemm_int8_vnni : NULL;
         ktk_gemm_fn v4 = f.vnni && best->gemm_int4 != ktk_avx512_gemm_int4_vnni ? ktk_avx512_gemm_int4_vnni : NULL;
-        if (dp || vn || v4) add_variant("avx512 dp/vnni (raw)", dp, vn, v4);
+        if (dp || vn || v4) add_variant("avx512 dp/vnni (raw)", dp, vn, v4, NULL);
     }
     if (f.amx) {
         const ktk_kernels *amx = ktk_kernels_amx();
-        add_variant("amx (table)", amx->gemm_bf16, amx->gemm_int8, amx->gemm_int4);
-        /* int4: the table's function (forced paths: direct = AVX-512 VNNI, dq = AMX-BF16 on dequantized blocks) */
-        add_variant("amx tiles (any n)", ktk_amx_gemm_bf16_tiles, ktk_amx_gemm_int8_tiles, amx->gemm_int4);
+        add_variant("amx (table)", amx->gemm_bf16, amx->gemm_int8, amx->gemm_int4, amx->gemm_fp8);
+        /* int4, fp8: the table's function (forced paths: direct = AVX-512 VNNI / FMA, dq = AMX-BF16 on dequantized
+         * blocks from the table's bf16 crossover) */
+        add_variant("amx tiles (any n)", ktk_amx_gemm_bf16_tiles, ktk_amx_gemm_int8_tiles, amx->gemm_int4,
+                    amx->gemm_fp8);
     }
     if (argc > 1 && !strcmp(argv[1], "bench"))
         return run_bench(argc > 2 ? atoi(argv[2]) : 1, argc > 3 ? atoi(argv[3]) : 2048, argc > 4 ? atoi(argv[4]) : 2048,

@@ -72,18 +72,20 @@ static int run_bench(int nth, int N, int K, int nmax) {
     static const int ns[] = {1, 2, 4, 6, 8, 12, 16, 32, 64, 128, 256};
     printf("kernel bench: %d threads, W %dx%d, calls of <= 256 rows x CW blocks (CW 4 for n <= 4, else 8), "
            "median of 5\n", nth, N, K);
-    for (int quant = 0; quant < 3; quant++) {
-        if (quants && !strstr(quants, COL[quant])) continue;
+    for (int quant = 0; quant < 4; quant++) {
+        if (quants && !strstr(quants, QNAME[quant])) continue;
         const size_t Np = (size_t)(N + 15) / 16 * 16, Kp = (size_t)(K + 63) / 64 * 64;   /* int4: G = 64 */
-        size_t bytes = quant == 2 ? Np * Kp / 2 + Np * Kp / 64 * 4 : Np * Kp * (quant ? 1 : 2);
+        size_t bytes = quant == 2   ? Np * Kp / 2 + Np * Kp / 64 * 4
+                       : quant == 3 ? Np * Kp + Np / 16 * ((Kp + 127) / 128) * 4   /* fp8: G = 128 */
+                                    : Np * Kp * (quant ? 1 : 2);
         int nm = (int)((1ull << 30) / bytes) + 1;
         packed *mats = malloc(sizeof(packed) * nm);
         for (int i = 0; i < nm; i++) {
-            mats[i] = pack(N, K, quant, 64);
+            mats[i] = pack(N, K, quant, quant == 3 ? 128 : 64, 128);   /* fp8: 128 x 128 blocks */
             free(mats[i].wf); free(mats[i].q);
             mats[i].wf = NULL; mats[i].q = NULL;
         }
-        printf("%s: %d matrices (%.2f GB incl. scales) rotating\n", COL[quant], nm, nm * (double)bytes / 1e9);
+        printf("%s: %d matrices (%.2f GB incl. scales) rotating\n", QNAME[quant], nm, nm * (double)bytes / 1e9);
         for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
             int n = ns[ni], cw = n <= 4 ? 4 : 8;
             if (n > nmax) break;
@@ -93,13 +95,15 @@ static int run_bench(int nth, int N, int K, int nmax) {
             acts x = make_acts(n, K, mats[0].m.Kp, quant);
             printf("  n=%-4d", n);
             for (int v = 0; v < nvariants; v++)
-                for (int path = KTK_INT4_PATH_DIRECT; path <= (quant == 2 ? KTK_INT4_PATH_DEQUANT : 1); path++) {
+                for (int path = KTK_INT4_PATH_DIRECT; path <= (quant >= 2 ? KTK_INT4_PATH_DEQUANT : 1); path++) {
                     ktk_gemm_fn fn = variants[v].fn[quant];
                     int gen = !strcmp(variants[v].name, "generic");
                     if (!fn || (gen && n > 1) || !strcmp(variants[v].name, "amx (table)")) continue;
                     if (only && !strstr(variants[v].name, only)) continue;
-                    x.a.int4_path = path;   /* int4: direct, then the dequantizing path with a workspace of cw */
+                    x.a.int4_path = x.a.fp8_path = path;   /* int4, fp8: direct, then dequantizing (workspace: cw) */
                     x.a.work_bytes = path == KTK_INT4_PATH_DEQUANT ? ktk_int4_work_bytes(mats[0].m.Kp, cw) : 0;
+                    if (quant == 3 && path == KTK_INT4_PATH_DIRECT)   /* fp8 direct: the float rows, as the forward */
+                        x.a.work_bytes = ktk_fp8_rows_bytes(mats[0].m.Kp, n < 32 ? n : 32);
                     int m = gen ? 2 : mlim;
                     double dt = time_fn(fn, mats, m, &x, cw, nth) / m;
                     printf(" | %s%s %.1f GB/s %.0f GF", variants[v].name, path == KTK_INT4_PATH_DEQUANT ? " dq" : "",

@@ -34,7 +34,7 @@ static features detect(void) {
 /* ---------------- packing (kernels.h layout) ---------------- */
 typedef struct {
     ktk_mat m;
-    float *wf;       /* [N][K] dequantized (bf16 values or q * scale) */
+    float *wf;       /* [N][K] dequantized (bf16 values or q * scale; fp8: (float)e4m3 * scale) */
     int8_t *q;       /* int8, int4: [N][K] */
 } packed;
 
@@ -50,13 +50,31 @@ static void *xalloc(size_t n) {
     return p;
 }
 
-static packed pack(int N, int K, int quant, int G) {
+/* G: int4 / fp8 inputs per scale; br: fp8 output rows per scale (a multiple of 16) */
+static packed pack(int N, int K, int quant, int G, int br) {
     packed p;
     memset(&p, 0, sizeof p);
     int Np = (N + 15) / 16 * 16, kq = quant == KTK_QUANT_INT4 && G > 64 ? G : 64, Kp = (K + kq - 1) / kq * kq;
     p.m.N = N; p.m.K = K; p.m.Np = Np; p.m.Kp = Kp; p.m.quant = quant;
     p.wf = xalloc(sizeof(float) * (size_t)N * K);
-    if (quant == KTK_QUANT_BF16) {
+    if (quant == KTK_QUANT_FP8) {   /* every e4m3 code but NaN (subnormals, zeros of both signs), scales of both
+                                     * signs and some zero, one per (block_rows band, group), stored per 16-row block */
+        const int ng = (Kp + G - 1) / G, bands = (Np + br - 1) / br;
+        uint8_t *d = xalloc((size_t)Np * Kp);
+        float *sc = xalloc(sizeof(float) * (size_t)(Np / 16) * ng), *band = xalloc(sizeof(float) * bands * ng);
+        for (int i = 0; i < bands * ng; i++) band[i] = xr() % 17 ? 0.002f + 0.02f * frand() : 0.0f;
+        for (int b = 0; b < Np / 16; b++)
+            for (int g = 0; g < ng; g++) sc[b * ng + g] = band[(b * 16 / br) * ng + g];
+        for (int n = 0; n < N; n++)
+            for (int c = 0; c < K; c++) {
+                uint8_t v;
+                do v = (uint8_t)(xr() >> 56); while ((v & 0x7f) == 0x7f);
+                d[((int64_t)(n / 16) * Kp + c) * 16 + n % 16] = v;
+                p.wf[(size_t)n * K + c] = ktk_e4m3_to_f32(v) * sc[(n / 16) * ng + c / G];
+            }
+        free(band);
+        p.m.data_f8 = d; p.m.scale = sc; p.m.group = G;
+    } else if (quant == KTK_QUANT_BF16) {
         uint16_t *d = xalloc(2 * (size_t)Np * Kp);
         for (int n = 0; n < N; n++)
             for (int c = 0; c < K; c++) {
@@ -104,7 +122,7 @@ static packed pack(int N, int K, int quant, int G) {
 
 static void unpack_free(packed *p) {
     free((void *)p->m.data_bf16); free((void *)p->m.data_i8); free((void *)p->m.scale); free((void *)p->m.wsum);
-    free((void *)p->m.data_i4);
+    free((void *)p->m.data_i4); free((void *)p->m.data_f8);
     free(p->wf); free(p->q);
 }
 
@@ -118,11 +136,12 @@ static acts make_acts(int n, int K, int Kp, int quant) {
     memset(&r, 0, sizeof r);
     r.a.n = n; r.a.Kp = Kp;
     r.xf = xalloc(sizeof(float) * (size_t)n * K);
-    if (quant == KTK_QUANT_BF16) {
+    if (quant == KTK_QUANT_BF16 || quant == KTK_QUANT_FP8) {
         uint16_t *x = xalloc(2 * (size_t)n * Kp);
         for (int t = 0; t < n; t++)
-            for (int c = 0; c < K; c++) {
-                uint16_t h = ktk_f32_to_bf16(frand() * 4.0f);
+            for (int c = 0; c < K; c++) {   /* fp8: some rows far from 1 (the direct kernels' per-row shift) */
+                const float f = quant == KTK_QUANT_FP8 && t % 7 == 3 ? ldexpf(1.0f, (int)(t * 37 % 49) - 24) : 1.0f;
+                uint16_t h = ktk_f32_to_bf16(frand() * 4.0f * f);
                 x[(size_t)t * Kp + c] = h;
                 r.xf[(size_t)t * K + c] = ktk_bf16_to_f32(h);
             }

@@ -308,13 +308,14 @@ def test_errors():
            group_size=48)
     expect(kn.ERR_SHAPE, "group_size = '64'", kn.Experts, 2, 8, 8, quant="int4", group_size="64")
     expect(kn.ERR_SHAPE, "group_size = 16", kn.Experts.packed_nbytes, 2, 8, 8, "int4", group_size=16)
-    expect(kn.ERR_DTYPE, r"quant = 'int3' \(expected one of bf16, int8, int4\)", kn.Experts, 2, 8, 8, quant="int3")
-    expect(kn.ERR_DTYPE, "quant = 'q4'.*bf16, int8, int4", kn.Experts.packed_nbytes, 2, 8, 8, "q4")
+    expect(kn.ERR_DTYPE, r"quant = 'int3' \(expected one of bf16, int8, int4, fp8\)", kn.Experts, 2, 8, 8,
+           quant="int3")
+    expect(kn.ERR_DTYPE, "quant = 'q4'.*bf16, int8, int4, fp8", kn.Experts.packed_nbytes, 2, 8, 8, "q4")
     ffi, lib = kn._native()  # the C API checks on its own
     out = ffi.new("ktk_experts **")
     for quant, group, code, msg in ((2, 48, kn.ERR_SHAPE, "group_size = 48 (expected 32, 64 or 128, or 0"),
                                     (0, -1, kn.ERR_SHAPE, "group_size = -1"),
-                                    (3, 64, kn.ERR_DTYPE, "KTK_QUANT_INT4=2")):
+                                    (4, 64, kn.ERR_DTYPE, "KTK_QUANT_FP8=3")):
         cfg = ffi.new("ktk_experts_config *", {"num_experts": 2, "hidden": 8, "intermediate": 8, "quant": quant,
                                                "group_size": group})
         assert lib.ktk_experts_create(cfg, out) == code and out[0] == ffi.NULL

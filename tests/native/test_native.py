@@ -18,10 +18,13 @@ Tolerances (measured maxima on the cases below in brackets):
 """
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -631,46 +634,99 @@ def test_concurrent_forwards_from_python_threads():
     assert not any(th.is_alive() for th in threads) and errors == []
 
 
-def _build_c_test(tmp_path, name: str, sanitizer: str, defines=()) -> Path:
-    """native/tests/<name>.c built against all native sources (native/src/**: a test build, -DKTK_TEST_BUILD, which
-    compiles in the test hooks such as KTINJECT_TEST_DELAY) under a sanitizer (skips without gcc / its runtime)."""
-    if not shutil.which("gcc"):
-        pytest.skip("no gcc")
-    root = Path(__file__).resolve().parents[2]
-    srcs = sorted(str(p) for p in (root / "native" / "src").rglob("*.c"))
-    exe = tmp_path / name
-    cc = subprocess.run(["gcc", "-std=c11", "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread", "-DKTK_TEST_BUILD",
-                         f"-I{root / 'native' / 'include'}", f"-I{root / 'native' / 'src'}", *srcs, *defines,
-                         str(root / "native" / "tests" / f"{name}.c"), "-o", str(exe), "-lm"],
-                        capture_output=True, text=True, timeout=300)
-    if cc.returncode != 0 and "cannot find" in cc.stderr and "san" in cc.stderr:
-        pytest.skip(f"sanitizer runtime missing: {cc.stderr.strip()[-200:]}")
-    assert cc.returncode == 0, cc.stderr
-    return exe
+class _CTestBuilder:
+    """Builds native/tests/<name>.c against all native sources (native/src/**: a test build, -DKTK_TEST_BUILD, which
+    compiles in the test hooks such as KTINJECT_TEST_DELAY) under a sanitizer (skips without gcc / its runtime).
+
+    Each source is compiled on its own (all at once, one per core) and its object kept for the session, keyed by
+    the sanitizer and the -D flags that the source or a project header names: the sanitized AVX-512 kernels take a
+    minute or more to compile and are the same object in every build of one sanitizer (the -D flags of the stress
+    builds change only pool.c, pipeline.c and the test file). Every file sees the flags one gcc command given them
+    all would give it; the test file is compiled with all of them."""
+
+    def __init__(self, cache: Path):
+        self.root = Path(__file__).resolve().parents[2]
+        self.cache = cache
+        native = self.root / "native"
+        self.srcs = sorted(native.glob("src/**/*.c"))
+        headers = sorted(native.glob("include/**/*.h")) + sorted(native.glob("src/**/*.h"))
+        self.headers_text = "\n".join(h.read_text() for h in headers)
+        self.objects: dict[tuple, Path] = {}  # (source, sanitizer, its -D flags) -> object file
+
+    def _flags(self, sanitizer: str) -> list[str]:
+        return ["-std=c11", "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread", "-DKTK_TEST_BUILD",
+                f"-I{self.root / 'native' / 'include'}", f"-I{self.root / 'native' / 'src'}"]
+
+    def _relevant(self, src: Path, defines) -> tuple:
+        """The -DNAME[=VALUE] flags whose NAME the source or a project header mentions (the others cannot change it)."""
+        text = src.read_text() + self.headers_text
+        return tuple(d for d in defines if re.search(rf"\b{re.escape(d[2:].split('=', 1)[0])}\b", text))
+
+    @staticmethod
+    def _check(cc: subprocess.CompletedProcess) -> None:
+        if cc.returncode != 0 and "cannot find" in cc.stderr and "san" in cc.stderr:
+            pytest.skip(f"sanitizer runtime missing: {cc.stderr.strip()[-200:]}")
+        assert cc.returncode == 0, cc.stderr
+
+    def _compile(self, src: Path, sanitizer: str, defines: tuple, obj: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(["gcc", *self._flags(sanitizer), *defines, "-c", str(src), "-o", str(obj)],
+                              capture_output=True, text=True, timeout=600)
+
+    def build(self, tmp_path: Path, name: str, sanitizer: str, defines=()) -> Path:
+        if not shutil.which("gcc"):
+            pytest.skip("no gcc")
+        defines = tuple(defines)
+        keys = [(src, sanitizer, self._relevant(src, defines)) for src in self.srcs]
+        todo = [k for k in dict.fromkeys(keys) if k not in self.objects]
+        todo.sort(key=lambda k: k[0].parent.parent.name != "kernels")  # kernels/<isa>/*.c (intrinsics) take longest
+        objs = {k: self.cache / f"{len(self.objects) + i}-{k[0].stem}.o" for i, k in enumerate(todo)}
+        with ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)))) as pool:
+            done = list(pool.map(lambda k: self._compile(k[0], sanitizer, k[2], objs[k]), todo))
+        for k, cc in zip(todo, done):
+            self._check(cc)
+            self.objects[k] = objs[k]
+        test_obj = tmp_path / f"{name}.o"
+        self._check(self._compile(self.root / "native" / "tests" / f"{name}.c", sanitizer, defines, test_obj))
+        exe = tmp_path / name
+        self._check(subprocess.run(["gcc", f"-fsanitize={sanitizer}", "-pthread", *(str(self.objects[k]) for k in keys),
+                                    str(test_obj), "-o", str(exe), "-lm"], capture_output=True, text=True, timeout=300))
+        return exe
 
 
-def test_activation_and_quantize_rows(tmp_path):
+@pytest.fixture(scope="session")
+def c_test_builder(tmp_path_factory):
+    return _CTestBuilder(tmp_path_factory.mktemp("native-objects"))
+
+
+#: the tests built by c_test_builder run in one pytest-xdist worker (--dist loadgroup), which builds each object once
+SANITIZER_BUILDS = pytest.mark.xdist_group("native-sanitizer-builds")
+
+
+@SANITIZER_BUILDS
+def test_activation_and_quantize_rows(tmp_path, c_test_builder):
     """native/tests/test_activation.c: the gate/up activations (the vector path where the CPU has AVX-512) and int8
     row quantization against float64 references, odd lengths, biases, NaN rows; under ASan+UBSan."""
-    exe = _build_c_test(tmp_path, "test_activation", "address,undefined")
+    exe = c_test_builder.build(tmp_path, "test_activation", "address,undefined")
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.stdout + r.stderr)[-4000:]
 
 
+@SANITIZER_BUILDS
 @pytest.mark.parametrize("sanitizer, n", [("thread", 20000), ("address,undefined", 100000)])
-def test_pool_wakeups(tmp_path, sanitizer, n):
+def test_pool_wakeups(tmp_path, c_test_builder, sanitizer, n):
     """native/tests/test_wakeup.c: n tight submit / wait rounds on 1- and 2-thread pools, then submits racing the
     pool's destroy, under a watchdog (a task queued between the pool thread's look at the queue and its sleep was
     left queued: ktk_wait hung within a few hundred rounds before the fix); under TSan / ASan+UBSan."""
-    exe = _build_c_test(tmp_path, "test_wakeup", sanitizer)
+    exe = c_test_builder.build(tmp_path, "test_wakeup", sanitizer)
     r = subprocess.run([str(exe), str(n)], capture_output=True, text=True, timeout=300,
                        env={"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.stdout + r.stderr)[-4000:]
 
 
+@SANITIZER_BUILDS
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
 @pytest.mark.parametrize("decode", [False, True, "two-phase", "one-token"])
-def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):
+def test_pool_stress_sanitizers(tmp_path, c_test_builder, sanitizer, decode):
     """native/tests/stress_pool.c against all native sources, under ThreadSanitizer / ASan+UBSan, with pool threads
     delayed by the test hook; decode: 3 tokens x 4 experts of 8 (every expert <= 4 rows) on the gemv decode path
     (KTINJECT_GEMV=1, where the kernels have gemv) as the one-phase pipeline (down units waiting for their experts'
@@ -682,7 +738,7 @@ def test_pool_stress_sanitizers(tmp_path, sanitizer, decode):
     flags = {False: ["-DCLAIM_BITS=3"], True: ["-DSTRESS_T=3", "-DSTRESS_K=4", "-DCLAIM_BITS=3"],
              "two-phase": ["-DSTRESS_T=3", "-DSTRESS_K=4"],
              "one-token": ["-DSTRESS_T=1", "-DSTRESS_K=4", "-DSTRESS_I=200", "-DKTK_CHECK_CUT"]}[decode]
-    exe = _build_c_test(tmp_path, "stress_pool", sanitizer, flags)
+    exe = c_test_builder.build(tmp_path, "stress_pool", sanitizer, flags)
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                        env={"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1",
                             "KTINJECT_GEMV": "1" if decode else "0",

@@ -130,7 +130,7 @@ def test_experts_bad_config_and_set():
     expect(kn.ERR_SHAPE, "num_experts = 0", kn.Experts, 0, 8, 8)
     expect(kn.ERR_SHAPE, "hidden = -1", kn.Experts, 2, -1, 8)
     expect(kn.ERR_SHAPE, r"intermediate = 4294967296 is out of range", kn.Experts, 2, 8, 2**32)
-    expect(kn.ERR_DTYPE, "quant = 'fp8'", kn.Experts, 2, 8, 8, quant="fp8")
+    expect(kn.ERR_DTYPE, "quant = 'fp4'", kn.Experts, 2, 8, 8, quant="fp4")
     expect(kn.ERR_DTYPE, "activation = 'gelu'", kn.Experts, 2, 8, 8, activation="gelu")
     expect(kn.ERR_SHAPE, "limit > 0", kn.Experts, 2, 8, 8, activation="gptoss", limit=0.0)
     expect(kn.ERR_NULL, "num_experts: expected an int, got str", kn.Experts, "2", 8, 8)

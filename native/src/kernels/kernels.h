@@ -22,18 +22,29 @@
  *         No weight sums: the kernels correct u8 weights (q + 8) x s8 activations with 8 * sum of x per group (a
  *         few instructions per row and group), where int8's trick (u8 x + 128, s8 weights, - 128 * wsum) would
  *         store an int32 per (output, group): 0.5 bit per weight at G = 64, 11% more bytes to stream at decode.
+ *   fp8:  one float8 e4m3 byte (OCP e4m3fn) per weight, Kp = round_up(K, 64): element (n, c) at
+ *         data_f8[((n/16) * Kp + c) * 16 + n%16], i.e. per block of 16 outputs Kp rows of 16 bytes, row c = the 16
+ *         outputs of input c (one vpmovsxbd of 16 bytes gives 16 int32 lanes = outputs). G = group inputs per scale
+ *         (a multiple of 16 up to 512; need not divide Kp), ng = ceil(Kp / G): scale[(n/16) * ng + c/G] (float, w =
+ *         e4m3 * scale; one per 16-row block and group: the checkpoint's block_rows x G blocks, block_rows a
+ *         multiple of 16, each 16-row block holding its block's scale; padding groups 0).
+ *         Bits to float: (vpmovsxbd(byte) << 20) & 0x87f00000 is a float of value exactly e4m3 * 2^-120 (sign to bit
+ *         31, exponent and mantissa to bits 26..20; e4m3 subnormals become float subnormals, exact).
  *
  * Activation layout (produced by the forward's gather, moe/gather.c, generic code):
  *   bf16: x_bf16[t * Kp + c], t < n rows, zero for c >= K;
  *   int8: x_i8[t * Kp + c] symmetric per row: x ~= q * x_scale[t]; x_sum[t] = sum_c q[t][c].
+ *   fp8 weights take bf16 activations (W8A16, x_bf16 as for bf16 weights) and a workspace (work, per calling
+ *         thread): the direct path converts rows of x to float there (ktk_fp8_rows), the dequantizing path its bf16
+ *         blocks (ktk_fp8_dequant_gemm).
  *   int4 weights take int8 activations (W4A8), plus optionally, for the dequantizing path of many rows, x_bf16 =
  *         the same q as bf16 (exact: |q| <= 127) and a workspace (see ktk_int4_dequant_gemm).
  *   tiles (optional, for a table with tile_rows > 0, given for the rows of an expert with at least tile_rows rows;
  *         one call may have fewer, e.g. an expert's last 256-row chunk, and a kernel may ignore them): x in AMX A-tile
  *         order, 16 rows x 64 bytes per tile: row t, byte offset o of its row (o < Kp * element size) at
  *         tiles + ((t/16) * (Kp * es / 64) + o/64) * 1024 + (t%16) * 64 + o%64, rows of a last partial group of 16
- *         allocated (their content unused). Of x_bf16 for gemm_bf16 and gemm_int4 (its dequantizing path), of x_i8
- *         for gemm_int8. Produced once per forward and shared by every call on those rows, it spares the kernel a
+ *         allocated (their content unused). Of x_bf16 for gemm_bf16, gemm_int4 and gemm_fp8 (their dequantizing
+ *         paths), of x_i8 for gemm_int8. Produced once per forward and shared by every call on those rows, it spares the kernel a
  *         copy per call (tile loads want compact 1 KB tiles: rows Kp * es apart alias in L1).
  */
 #ifndef KTK_KERNELS_H
@@ -43,13 +54,14 @@
 typedef struct {
     int32_t N, K;        /* logical sizes */
     int32_t Np, Kp;      /* padded: Np % 16 == 0, Kp % 64 == 0 (int4: also Kp % G == 0) */
-    int32_t quant;       /* KTK_QUANT_BF16, KTK_QUANT_INT8 or KTK_QUANT_INT4 */
+    int32_t quant;       /* KTK_QUANT_BF16, KTK_QUANT_INT8, KTK_QUANT_INT4 or KTK_QUANT_FP8 */
     const uint16_t *data_bf16;  /* bf16 layout above, or NULL */
     const int8_t *data_i8;      /* int8 layout above, or NULL */
-    const float *scale;         /* int8: [Np]; int4: [Np/16][ng][16] */
+    const float *scale;         /* int8: [Np]; int4: [Np/16][ng][16]; fp8: [Np/16][ng] */
     const int32_t *wsum;        /* int8: [Np] */
     const uint8_t *data_i4;     /* int4 layout above, or NULL */
-    int32_t group;              /* int4: G, inputs per scale (32, 64 or 128; divides Kp) */
+    int32_t group;              /* int4: G, inputs per scale (32, 64 or 128; divides Kp); fp8: G (a multiple of 16) */
+    const uint8_t *data_f8;     /* fp8 layout above, or NULL */
 } ktk_mat;
 
 typedef struct {
@@ -59,11 +71,13 @@ typedef struct {
     const int8_t *x_i8;         /* int8: [n][Kp] */
     const float *x_scale;       /* int8: [n] */
     const int32_t *x_sum;       /* int8: [n] */
-    /* int4 only (zero / NULL otherwise): */
-    void *work;                 /* workspace of the dequantizing path (per calling thread), or NULL */
+    /* int4 and fp8 only (zero / NULL otherwise): */
+    void *work;                 /* workspace of the dequantizing path (fp8: and of the direct path; per calling
+                                   thread), or NULL */
     int64_t work_bytes;
     int32_t int4_path;          /* KTK_INT4_PATH_*: which path gemm_int4 takes */
     const void *tiles;          /* x in AMX tile order (see above), or NULL */
+    int32_t fp8_path;           /* KTK_FP8_PATH_*: which path gemm_fp8 takes */
 } ktk_act;
 
 #define KTK_INT4_PATH_AUTO 0     /* the ISA's choice by row count (direct below its threshold) */
@@ -72,6 +86,10 @@ typedef struct {
 /* No ISA takes the dequantizing path by itself below this many rows: the orchestration provides x_bf16 and the
  * workspace only for experts with at least this many rows (or when the path is forced). */
 #define KTK_INT4_DEQUANT_MIN_ROWS_ANY 8
+#define KTK_FP8_PATH_AUTO 0      /* as KTK_INT4_PATH_*, for gemm_fp8 */
+#define KTK_FP8_PATH_DIRECT 1
+#define KTK_FP8_PATH_DEQUANT 2
+#define KTK_FP8_DEQUANT_MIN_ROWS_ANY 8   /* as KTK_INT4_DEQUANT_MIN_ROWS_ANY, for fp8's dequantizing workspace */
 
 /* y[t * ldy + (j - nb0 * 16)] = sum_c x[t][c] * W[j][c]   for t < x->n, j in [nb0 * 16, nb1 * 16)
  * bf16: products of bf16 values accumulated in float (order is the kernel's choice);
@@ -79,15 +97,23 @@ typedef struct {
  * int4: direct path: per group g (ascending) the exact int32 dot product d_g of x and q, acc = fmaf((float)d_g,
  *       scale[j][g], acc) from acc = 0, then y = acc * x_scale[t] (bit-exact across ISAs); dequantizing path:
  *       gemm_bf16 of x_bf16 and bf16(q * scale), then * x_scale[t] (weights rounded to bf16: <= 2^-9 relative).
+ * fp8:  direct path: per group g (ascending) p_g = the float sum over c in g (ascending, fmaf, from 0) of x[t][c] *
+ *       e4m3(W[j][c]), acc = fmaf(p_g, scale[j/16][g], acc) from acc = 0, y = acc: the generic kernel literally; the
+ *       ISA kernels compute the same operations on x * 2^a and w * 2^-120 (powers of two: exact while nothing leaves
+ *       the normal range, which a per-row a keeps so for scales from about 2^-75) and scale y back by 2^(120 - a),
+ *       so they match it bit for bit on such data; dequantizing path: gemm_bf16 of x_bf16 and bf16(e4m3 * scale)
+ *       (weights rounded to bf16: <= 2^-9 relative). Needs x->work of at least ktk_fp8_rows_bytes(Kp, 1) bytes
+ *       (the ISA kernels fall back to the generic one without).
  * No bias, no activation, y is overwritten. Called concurrently from pool threads on disjoint outputs. */
 typedef void (*ktk_gemm_fn)(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
-/* int4 blocks [nb0, nb1) -> bf16 packed layout (block b at dst + (b - nb0) * 16 * Kp), value bf16(q * scale) with
- * round to nearest even: identical bits on every ISA. */
+/* int4 / fp8 blocks [nb0, nb1) -> bf16 packed layout (block b at dst + (b - nb0) * 16 * Kp), value bf16(q * scale)
+ * (fp8: bf16((float)e4m3 * scale)) with round to nearest even: identical bits on every ISA. */
 typedef void (*ktk_dequant_fn)(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
 
 /* Decode: several matrices with one row of x each, their weights streamed at once. For m < M (1 <= M <=
  * KTK_GEMV_MAX): y[m][j - nb0 * 16] = sum_c x[m]->row 0 [c] * W_m[j][c] for j in [nb0 * 16, nb1 * 16); every W_m has
- * the same quant, Kp and (int4) group; x[m]->n == 1 (only row 0 is read). Bit-identical to gemm of the same table
+ * the same quant, Kp and (int4, fp8) group; x[m]->n == 1 (only row 0 is read); fp8: x[0]->work holds the M rows as
+ * float (ktk_fp8_rows_bytes(Kp, M) bytes; with less, the matrices run one at a time). Bit-identical to gemm of the same table
  * with one row (the same operations in the same order), but M x NB weight streams are in flight instead of NB: a
  * one-token forward is bound by memory requests in flight per core, not by arithmetic. NULL in a table: the forward
  * takes its item path (gemm per item) for every forward. */
@@ -104,8 +130,10 @@ typedef struct {
     ktk_gemv_fn gemv_int8;
     ktk_gemv_fn gemv_int4;   /* the direct int4 x int8 kernel's arithmetic */
     int gemv_default;        /* the forward uses the gemv kernels unless KTINJECT_GEMV says otherwise */
-    int tile_rows[3];        /* by KTK_QUANT_*: > 0: gemm reads act.tiles where given; the forward gives them for
+    int tile_rows[4];        /* by KTK_QUANT_*: > 0: gemm reads act.tiles where given; the forward gives them for
                                 the experts with at least this many rows (0: never) */
+    ktk_gemm_fn gemm_fp8;    /* picks the direct or the dequantizing path (x->fp8_path, row count) */
+    ktk_gemv_fn gemv_fp8;    /* the direct fp8 kernel's arithmetic; may be NULL */
 } ktk_kernels;
 
 /* int4 helpers of kernels/generic/int4.c, shared by the ISA files. */
@@ -124,15 +152,54 @@ static inline int ktk_int4_dequant(const ktk_mat *w, const ktk_act *x, int min_r
     return x->int4_path == KTK_INT4_PATH_AUTO && min_rows > 0 && x->n >= min_rows;
 }
 
+/* fp8 helpers of kernels/generic/fp8.c, shared by the ISA files. */
+/* Float rows of the direct path: x->x_bf16 rows [t0, t0 + n) as float times 2^a_t at dst (rows Kp apart), where a_t
+ * (from the row's largest |x|) puts that value near 2^64; post[t - t0] = 2^(120 - a_t), the factor that brings a
+ * sum of such x times w * 2^-120 back. */
+void ktk_fp8_rows(const ktk_act *x, int t0, int n, float *dst, float *post);
+static inline int64_t ktk_fp8_rows_bytes(int32_t Kp, int rows) { return (int64_t)rows * Kp * 4; }
+/* A direct micro-kernel: mr rows (float rows xf, Kp apart, their post factors) x nb blocks from b0, all of K. */
+typedef void (*ktk_fp8_micro)(const ktk_mat *w, const float *xf, const float *post, int b0, float *y, int64_t ldy,
+                              int mr, int nb);
+/* The direct path around micro: rows in chunks whose float rows fit x->work (at most KTK_FP8_CHUNK_ROWS), each chunk
+ * in row groups of at most mrmax x block groups of min(nbmax, accmax / mr) (as ktk_drive); the generic kernel where
+ * x->work cannot hold one row. */
+#define KTK_FP8_CHUNK_ROWS 64
+void ktk_fp8_direct(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy, ktk_fp8_micro micro,
+                    int mrmax, int nbmax, int accmax);
+/* Dequantizing path: blocks in chunks that fit x->work -> dq -> gemm_bf16 on x->x_bf16 (and x->tiles). */
+void ktk_fp8_dequant_gemm(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy,
+                          ktk_dequant_fn dq, ktk_gemm_fn gemm_bf16);
+void ktk_generic_dequant_fp8(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
+void ktk_generic_gemm_fp8_direct(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
+static inline int ktk_fp8_groups(const ktk_mat *w) { return (w->Kp + w->group - 1) / w->group; }
+/* Whether gemm_fp8 takes the dequantizing path: as ktk_int4_dequant (x->fp8_path), when a workspace of at least one
+ * block is given. */
+static inline int ktk_fp8_dequant(const ktk_mat *w, const ktk_act *x, int min_rows) {
+    if (!x->x_bf16 || !x->work || x->work_bytes < ktk_int4_work_bytes(w->Kp, 1)) return 0;
+    if (x->fp8_path == KTK_FP8_PATH_DEQUANT) return 1;
+    return x->fp8_path == KTK_FP8_PATH_AUTO && min_rows > 0 && x->n >= min_rows;
+}
+
 /* One per ISA file; each returns a static table. Only call the one for an ISA the CPU has. */
 const ktk_kernels *ktk_kernels_generic(void);
 const ktk_kernels *ktk_kernels_avx2(void);
 const ktk_kernels *ktk_kernels_avx512(void);
 const ktk_kernels *ktk_kernels_amx(void);   /* AMX for many rows, AVX-512 below its crossover */
 
-/* bf16 <-> float helpers shared by the generic code (round to nearest even; NaN kept NaN). */
+/* bf16 <-> float and e4m3 -> float helpers shared by the generic code (round to nearest even; NaN kept NaN). */
 static inline float ktk_bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v; v.u = (uint32_t)h << 16; return v.f;
+}
+/* float8 e4m3 (OCP e4m3fn) bits -> float, exact; 0x7f / 0xff -> NaN. */
+static inline float ktk_e4m3_to_f32(uint8_t b) {
+    const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+    union { uint32_t u; float f; } v;
+    if (e == 15 && m == 7) v.u = 0x7fc00000u;
+    else if (e == 0) v.f = (float)m * (1.0f / 512.0f);             /* subnormal: m * 2^-9 */
+    else v.u = ((e + 120) << 23) | (m << 20);                       /* 2^(e - 7) * (1 + m / 8) */
+    v.u |= (uint32_t)(b & 0x80) << 24;
+    return v.f;
 }
 static inline uint16_t ktk_f32_to_bf16(float f) {
     union { uint32_t u; float f; } v; v.f = f;

@@ -6,6 +6,8 @@
  *     bf16: data [Np * Kp] uint16
  *     int8: data [Np * Kp] int8, scale [Np] float, wsum [Np] int32
  *     int4: data [Np * Kp / 2] nibbles, scale [Np / 16][Kp / G][16] float (Kp = round_up(K, max(64, G)))
+ *     fp8:  data [Np * Kp] e4m3 bytes, scale [Np / 16][ceil(Kp / G)] float, its bytes rounded up to 64 (Kp =
+ *           round_up(K, 64); each 16-row block holds the scale of its block_rows block)
  *   with has_bias: gate bias [Np(I)] float, up bias [Np(I)] float, down bias [Np(H)] float (zero padding).
  */
 #define _GNU_SOURCE
@@ -20,19 +22,25 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 static int64_t mat_bytes(int quant, int64_t Np, int64_t Kp, int64_t G) {
     if (quant == KTK_QUANT_INT4) return Np * Kp / 2 + Np * (Kp / G) * 4;   /* both multiples of 64 */
+    if (quant == KTK_QUANT_FP8) return Np * Kp + round_up(Np / 16 * ((Kp + G - 1) / G) * 4, 64);
     return quant == KTK_QUANT_BF16 ? Np * Kp * 2 : Np * Kp + Np * 4 + Np * 4;
 }
 
-/* int4 group size of a config (0 means the default) */
+/* int4 / fp8 group size of a config (0 means the default: 64, 128), and fp8's rows per scale (0: 128) */
 static int32_t group_of(const ktk_experts_config *cfg) {
+    if (cfg->quant == KTK_QUANT_FP8) return cfg->group_size ? cfg->group_size : 128;
     return cfg->quant != KTK_QUANT_INT4 ? 0 : cfg->group_size ? cfg->group_size : 64;
+}
+static int32_t block_rows_of(const ktk_experts_config *cfg) {
+    return cfg->quant != KTK_QUANT_FP8 ? 0 : cfg->block_rows ? cfg->block_rows : 128;
 }
 
 int ktki_experts_create(const ktk_experts_config *cfg, ktk_experts **out) {
     ktk_experts *ex = calloc(1, sizeof *ex);
     if (!ex) return ktki_error(KTK_ERR_NOMEM, "ktk_experts_create: out of memory");
     ex->cfg = *cfg;
-    ex->cfg.group_size = group_of(cfg);   /* the effective int4 group size; 0 for other quants */
+    ex->cfg.group_size = group_of(cfg);   /* the effective int4 / fp8 group size; 0 for other quants */
+    ex->cfg.block_rows = block_rows_of(cfg);
     const int32_t H = cfg->hidden, I = cfg->intermediate;
     const int32_t N[3] = {I, I, H}, K[3] = {H, H, I}, G = group_of(cfg);
     int64_t off = 0;
@@ -40,7 +48,7 @@ int ktki_experts_create(const ktk_experts_config *cfg, ktk_experts **out) {
         ex->out_n[w] = N[w];
         ex->in_k[w] = K[w];
         ex->Np[w] = (int32_t)round_up(N[w], 16);
-        ex->Kp[w] = (int32_t)round_up(K[w], G > 64 ? G : 64);
+        ex->Kp[w] = (int32_t)round_up(K[w], cfg->quant == KTK_QUANT_INT4 && G > 64 ? G : 64);
         ex->mat_off[w] = off;
         off += mat_bytes(cfg->quant, ex->Np[w], ex->Kp[w], G);
     }
@@ -77,9 +85,13 @@ ktk_mat ktki_experts_mat(const ktk_experts *ex, int e, int which) {
     uint8_t *p = ex->base + ex->expert_bytes * e + ex->mat_off[which];
     int64_t Np = ex->Np[which], Kp = ex->Kp[which];
     ktk_mat m = {ex->out_n[which], ex->in_k[which], (int32_t)Np, (int32_t)Kp, ex->cfg.quant, NULL, NULL, NULL, NULL,
-                 NULL, 0};
+                 NULL, 0, NULL};
     if (ex->cfg.quant == KTK_QUANT_BF16) {
         m.data_bf16 = (const uint16_t *)p;
+    } else if (ex->cfg.quant == KTK_QUANT_FP8) {
+        m.data_f8 = p;
+        m.scale = (const float *)(p + Np * Kp);
+        m.group = ex->cfg.group_size;
     } else if (ex->cfg.quant == KTK_QUANT_INT4) {
         m.data_i4 = p;
         m.scale = (const float *)(p + Np * Kp / 2);
@@ -97,7 +109,26 @@ const float *ktki_experts_bias(const ktk_experts *ex, int e, int which) {
     return (const float *)(ex->base + ex->expert_bytes * e + ex->bias_off[which]);
 }
 
+/* fp8: one block_rows band of rows at a time (a scale is the amax of its whole block) */
+static int set_fp8_bands(ktk_experts *ex, int e, int which, const char *src, int dtype, int64_t so, int64_t si) {
+    ktk_mat m = ktki_experts_mat(ex, e, which);
+    const int br = ex->cfg.block_rows, band = br < m.N ? br : m.N;
+    float *rows = malloc((size_t)band * m.K * sizeof(float));
+    if (!rows) return ktki_error(KTK_ERR_NOMEM, "ktk_experts_set: out of memory (%d rows of %d)", band, m.K);
+    const int64_t es = ktki_dtype_size(dtype);
+    for (int n0 = 0; n0 < m.N; n0 += br) {
+        const int n1 = n0 + br < m.N ? n0 + br : m.N;
+        for (int n = n0; n < n1; n++)
+            ktki_pack_to_f32(src + (int64_t)n * so * es, dtype, m.K, si, rows + (int64_t)(n - n0) * m.K);
+        ktki_pack_fp8(&m, (uint8_t *)m.data_f8, (float *)m.scale, n0, n1, rows);
+    }
+    free(rows);
+    ex->ready[(int64_t)e * 3 + which] = 1;
+    return KTK_OK;
+}
+
 int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dtype, int64_t so, int64_t si) {
+    if (ex->cfg.quant == KTK_QUANT_FP8) return set_fp8_bands(ex, e, which, src, dtype, so, si);
     ktk_mat m = ktki_experts_mat(ex, e, which);
     float *row = malloc((size_t)m.K * sizeof(float));
     int8_t *q = m.quant == KTK_QUANT_INT8 ? malloc((size_t)m.K) : NULL;
@@ -153,6 +184,30 @@ int ktki_experts_set_quantized(ktk_experts *ex, int e, int which, const int8_t *
     return KTK_OK;
 }
 
+int ktki_experts_set_fp8(ktk_experts *ex, int e, int which, const uint8_t *q, int64_t qso, int64_t qsi,
+                         const float *scale, int64_t sso, int64_t ssg) {
+    ktk_mat m = ktki_experts_mat(ex, e, which);
+    const int br = ex->cfg.block_rows, G = m.group, bands = (m.N + br - 1) / br, groups = (m.K + G - 1) / G;
+    for (int n = 0; n < m.N; n++)   /* everything checked before a byte is stored */
+        for (int c = 0; c < m.K; c++) {
+            const uint8_t v = q[n * qso + c * qsi];
+            if ((v & 0x7f) == 0x7f)
+                return ktki_error(KTK_ERR_RANGE, "ktk_experts_set_fp8: q[%d][%d] = 0x%02x is a NaN code of float8 "
+                                  "e4m3 (expert %d, matrix %d)", n, c, v, e, which);
+        }
+    for (int b = 0; b < bands; b++)
+        for (int g = 0; g < groups; g++) {
+            const float s = scale[b * sso + g * ssg];
+            if (!isfinite(s))
+                return ktki_error(KTK_ERR_RANGE, "ktk_experts_set_fp8: scale of block (%d, %d) (rows %d.., inputs "
+                                  "%d..) is %g (expert %d, matrix %d)", b, g, b * br, g * G, (double)s, e, which);
+        }
+    for (int n = 0; n < m.N; n++)
+        ktki_pack_fp8_q(&m, (uint8_t *)m.data_f8, (float *)m.scale, n, q + n * qso, qsi, scale + (n / br) * sso, ssg);
+    ex->ready[(int64_t)e * 3 + which] = 1;
+    return KTK_OK;
+}
+
 int ktki_experts_set_bias(ktk_experts *ex, int e, int which, const void *src, int dtype) {
     float *b = (float *)ktki_experts_bias(ex, e, which);
     ktki_pack_to_f32(src, dtype, ex->out_n[which], 1, b);
@@ -183,6 +238,9 @@ int ktki_experts_raw(const ktk_experts *ex, int e, int which, ktk_raw *out) {
     if (m.quant == KTK_QUANT_INT4) {
         out->data = m.data_i4;
         out->data_bytes = (int64_t)m.Np * m.Kp / 2;
+    } else if (m.quant == KTK_QUANT_FP8) {
+        out->data = m.data_f8;
+        out->data_bytes = (int64_t)m.Np * m.Kp;
     } else {
         out->data = m.quant == KTK_QUANT_BF16 ? (const void *)m.data_bf16 : (const void *)m.data_i8;
         out->data_bytes = (int64_t)m.Np * m.Kp * (m.quant == KTK_QUANT_BF16 ? 2 : 1);

@@ -32,7 +32,10 @@
  * weight streams per thread instead of <= 4 of one matrix. Same arithmetic (gemv is bit-identical to gemm with one
  * row), same summation order.
  * Where the kernel table says so (gemv_default: measured faster there); KTINJECT_GEMV=0/1 overrides (tests, A/B);
- * never with KTINJECT_INT4_PATH=dequant (that path is for many rows).
+ * never with KTINJECT_INT4_PATH=dequant or KTINJECT_FP8_PATH=dequant (those paths are for many rows).
+ * fp8 weights take bf16 activations (as bf16 weights) and every thread a workspace: the direct kernel converts its
+ * rows of x or h to float there, the dequantizing path (from KTK_FP8_DEQUANT_MIN_ROWS_ANY rows, or
+ * KTINJECT_FP8_PATH=dequant) its bf16 blocks; KTINJECT_FP8_PATH=direct never plans the latter.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -45,6 +48,25 @@ static int choose_cw(int64_t row_chunks, int units, int threads) {
     int cw = CWMAX;
     while (cw > 1 && row_chunks * ((units + cw - 1) / cw) < target) cw /= 2;
     return cw < units ? cw : units;
+}
+
+/* Rows of x an fp8 direct call converts to float at once, at most (more rows: several chunks, the weights read again
+ * for each); a gemv's M rows at least. */
+#define FP8_DIRECT_ROWS 32
+
+/* The workspace per thread (0: none): int4 with bf16 copies, the widest call's blocks dequantized at once; fp8, the
+ * larger of that (where the dequantizing path may run) and the float rows of the direct path. */
+static int64_t work_bytes(const fctx *c) {
+    const int cw = c->cw_gu > c->cw_dn ? c->cw_gu : c->cw_dn, kp = c->KpH > c->KpI ? c->KpH : c->KpI;
+    if (c->copies) return ktk_int4_work_bytes(kp, cw);
+    if (c->quant != KTK_QUANT_FP8) return 0;
+    int rows = c->maxrows < FP8_DIRECT_ROWS ? c->maxrows : FP8_DIRECT_ROWS;
+    rows = c->gemv && rows < KTK_GEMV_MAX ? KTK_GEMV_MAX : rows < 1 ? 1 : rows;
+    int64_t n = ktk_fp8_rows_bytes(kp, rows);
+    const int dq = c->fp8_path == KTK_FP8_PATH_DEQUANT ||
+                   (c->fp8_path == KTK_FP8_PATH_AUTO && c->maxrows >= KTK_FP8_DEQUANT_MIN_ROWS_ANY);
+    if (dq && ktk_int4_work_bytes(kp, cw) > n) n = ktk_int4_work_bytes(kp, cw);
+    return n;
 }
 
 static int plan(fctx *c) {
@@ -79,10 +101,9 @@ static int plan(fctx *c) {
     size_t gu = 2 * (size_t)RT * c->cw_gu * 16 * 4, dn = (size_t)(RT + TC) * c->cw_dn * 16 * 4;
     per_thread = per_thread > gu ? per_thread : gu;
     per_thread = per_thread > dn ? per_thread : dn;
-    if (c->copies) {   /* int4 workspace: the widest call's blocks, dequantized at once */
-        const int cw = c->cw_gu > c->cw_dn ? c->cw_gu : c->cw_dn, kp = c->KpH > c->KpI ? c->KpH : c->KpI;
+    c->work_bytes = work_bytes(c);
+    if (c->work_bytes > 0) {
         c->work_off = (int64_t)a64(per_thread);
-        c->work_bytes = ktk_int4_work_bytes(kp, cw);
         per_thread = (size_t)(c->work_off + c->work_bytes);
     }
     return ktki_pool_thread_scratch_reserve(c->pool, per_thread + 64);
@@ -258,10 +279,11 @@ static int pipe_enabled(void) {
     return PIPE_DEFAULT;
 }
 
-/* KTINJECT_INT4_PATH (read at each int4 forward; for tests and crossover measurements): auto (default), direct or
- * dequant forces the int4 kernels' path (KTK_INT4_PATH_*); -1 for anything else. */
-static int int4_path_env(void) {
-    const char *v = getenv("KTINJECT_INT4_PATH");
+/* KTINJECT_INT4_PATH, KTINJECT_FP8_PATH (read at each int4 / fp8 forward; for tests and crossover measurements):
+ * auto (default), direct or dequant forces the int4 / fp8 kernels' path (KTK_INT4_PATH_*, KTK_FP8_PATH_*: the same
+ * values); -1 for anything else. */
+static int path_env(const char *name) {
+    const char *v = getenv(name);
     if (!v || !*v || !strcmp(v, "auto")) return KTK_INT4_PATH_AUTO;
     if (!strcmp(v, "direct")) return KTK_INT4_PATH_DIRECT;
     if (!strcmp(v, "dequant")) return KTK_INT4_PATH_DEQUANT;
@@ -296,13 +318,17 @@ static int start(fctx *c, ktk_pool *pool, ktk_task *t) {
                 .I = cfg->intermediate, .quant = cfg->quant, .act = cfg->activation, .alpha = cfg->alpha,
                 .limit = cfg->limit, .KpH = ex->Kp[KTK_MAT_GATE], .KpI = ex->Kp[KTK_MAT_DOWN],
                 .UI = ex->Np[KTK_MAT_GATE] / 16, .UH = ex->Np[KTK_MAT_DOWN] / 16};
-    c->gemm = cfg->quant == KTK_QUANT_BF16 ? kern->gemm_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemm_int8
-                                                                                        : kern->gemm_int4;
-    c->a8 = cfg->quant != KTK_QUANT_BF16;
+    const ktk_gemm_fn gemms[4] = {kern->gemm_bf16, kern->gemm_int8, kern->gemm_int4, kern->gemm_fp8};
+    const ktk_gemv_fn gemvs[4] = {kern->gemv_bf16, kern->gemv_int8, kern->gemv_int4, kern->gemv_fp8};
+    c->gemm = gemms[cfg->quant];
+    c->a8 = cfg->quant == KTK_QUANT_INT8 || cfg->quant == KTK_QUANT_INT4;
     c->nt = ktki_pool_threads(pool);
-    if (cfg->quant == KTK_QUANT_INT4 && (c->int4_path = int4_path_env()) < 0)
+    if (cfg->quant == KTK_QUANT_INT4 && (c->int4_path = path_env("KTINJECT_INT4_PATH")) < 0)
         return ktki_error(KTK_ERR_SHAPE, "KTINJECT_INT4_PATH=%.40s: expected auto, direct or dequant",
                           getenv("KTINJECT_INT4_PATH"));
+    if (cfg->quant == KTK_QUANT_FP8 && (c->fp8_path = path_env("KTINJECT_FP8_PATH")) < 0)
+        return ktki_error(KTK_ERR_SHAPE, "KTINJECT_FP8_PATH=%.40s: expected auto, direct or dequant",
+                          getenv("KTINJECT_FP8_PATH"));
     c->nparts = t->slots == KTK_SLOTS_SPLIT ? 2 : 1;
     c->dpart = c->nparts == 2 ? 0 : -1;   /* off the pipeline a split task runs part 0's phases, then part 1's */
     if ((c->pipe_phases = c->nparts == 2 ? defer_phases_env() : SPLIT_ONE) < 0)
@@ -326,9 +352,9 @@ static int start(fctx *c, ktk_pool *pool, ktk_task *t) {
     atomic_fetch_add_explicit(&t->slots_run, (uint64_t)c->R, memory_order_relaxed);   /* read after the run */
     if (c->nparts == 2)
         atomic_fetch_add_explicit(&t->slots_rest, (uint64_t)(c->R - c->off[c->pa[1]]), memory_order_relaxed);
-    if (c->maxrows <= DECODE_ROWS && c->T <= TC && gemv_enabled(kern) && c->int4_path != KTK_INT4_PATH_DEQUANT)
-        c->gemv = cfg->quant == KTK_QUANT_BF16 ? kern->gemv_bf16 : cfg->quant == KTK_QUANT_INT8 ? kern->gemv_int8
-                                                                                            : kern->gemv_int4;
+    if (c->maxrows <= DECODE_ROWS && c->T <= TC && gemv_enabled(kern) && c->int4_path != KTK_INT4_PATH_DEQUANT &&
+        c->fp8_path != KTK_FP8_PATH_DEQUANT)
+        c->gemv = gemvs[cfg->quant];
     c->pipe = c->gemv && c->R > 0 && pipe_enabled();
     /* Items of the gather (tokens) and of h's quantization (rows): a few rows each where a forward has few, so that
      * a batch's decode step spreads them over the threads (GATHER_ROWS an item left a batch's rows to two threads

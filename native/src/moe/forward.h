@@ -29,7 +29,8 @@ typedef struct {
     int T, k, E, H, I, quant, act, KpH, KpI, UI, UH;
     int a8;                            /* int8 activations (int8 and int4 weights) */
     int int4_path, copies;             /* int4: KTK_INT4_PATH_*, bf16 copies of x and h + workspaces made */
-    int64_t work_off, work_bytes;      /* int4 workspace inside each thread's scratch */
+    int fp8_path;                      /* fp8: KTK_FP8_PATH_* (bf16 activations, a workspace per thread always) */
+    int64_t work_off, work_bytes;      /* int4 / fp8 workspace inside each thread's scratch (0 bytes: none) */
     float alpha, limit;
     int A, R, maxrows;                 /* active experts, rows, most rows of one expert */
     int nparts, pa[3];                 /* 1, or 2 for a split task (ktk_task_split): part p = actives [pa[p], pa[p+1]),

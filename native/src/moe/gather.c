@@ -1,6 +1,7 @@
 /* The activations of a forward, gathered and quantized as the kernels read them (kernels/kernels.h):
- *   x: every routed row's hidden state, rows sorted by (expert, token): bf16 zero-padded to Kp, or int8 per row
- *      (symmetric: scale + sum) for int8 and int4 weights, plus int4's exact bf16 copies for its dequantizing path;
+ *   x: every routed row's hidden state, rows sorted by (expert, token): bf16 zero-padded to Kp (bf16 and fp8
+ *      weights), or int8 per row (symmetric: scale + sum) for int8 and int4 weights, plus int4's exact bf16 copies
+ *      for its dequantizing path;
  *   h: the activation of gate/up per row (written by the gate/up items; int8 / int4: quantized here per row);
  *   tiles: for the experts with at least the table's tile_rows rows (AMX), x and h also in tile order, written
  *      once here and read by every kernel call on those rows instead of a copy per call.
@@ -21,13 +22,14 @@ int ktki_gather_tile_rows(const ktk_kernels *k, int quant) {
 }
 
 /* Tile-order copies of x and h (kernels/kernels.h) for the experts with at least the table's tile_rows rows, where the
- * kernels read them: bf16 rows for bf16 weights and int4's dequantizing path (its bf16 copies), int8 rows for int8
- * weights; not on the decode path. */
+ * kernels read them: bf16 rows for bf16 weights, int4's dequantizing path (its bf16 copies) and fp8's, int8 rows for
+ * int8 weights; not on the decode path. */
 static int plan_tiles(fctx *c) {
     const int min = c->tile_rows;
     c->xt = c->ht = NULL;
     int64_t groups = 0;
-    const int on = min > 0 && !c->gemv && (c->quant != KTK_QUANT_INT4 || c->copies);
+    const int on = min > 0 && !c->gemv && (c->quant != KTK_QUANT_INT4 || c->copies) &&
+                   (c->quant != KTK_QUANT_FP8 || c->fp8_path != KTK_FP8_PATH_DIRECT);   /* fp8 direct: float rows */
     for (int a = 0; a < c->A; a++) {
         const int n = c->off[a + 1] - c->off[a];
         c->tg[a] = on && n >= min ? (int32_t)groups : -1;
@@ -162,13 +164,19 @@ void ktki_gather_item(void *ctx, int64_t item, int tid) {
 
 /* With their tiles where the expert has them and r0 starts a 16-row group of it. */
 ktk_act ktki_gather_rows(const fctx *c, int h, int a, int r0, int r1, int tid) {
-    ktk_act x = {r1 - r0, h ? c->KpI : c->KpH, NULL, NULL, NULL, NULL, NULL, 0, KTK_INT4_PATH_AUTO, NULL};
+    ktk_act x = {r1 - r0, h ? c->KpI : c->KpH, NULL, NULL, NULL, NULL, NULL, 0, KTK_INT4_PATH_AUTO, NULL,
+                 KTK_FP8_PATH_AUTO};
     int64_t o = (int64_t)r0 * x.Kp;
     const int rel = r0 - c->off[a];
     if (c->xt && c->tg[a] >= 0 && rel % 16 == 0)
         x.tiles = (h ? c->ht : c->xt) + ((int64_t)c->tg[a] + rel / 16) * 16 * x.Kp * c->tes;
-    if (c->quant == KTK_QUANT_BF16) {
+    if (!c->a8) {   /* bf16 rows; fp8 also the thread's workspace */
         x.x_bf16 = (h ? c->h16 : c->x16) + o;
+        if (c->quant == KTK_QUANT_FP8) {
+            x.fp8_path = c->fp8_path;
+            x.work = (char *)ktki_pool_thread_scratch(c->pool, tid) + c->work_off;
+            x.work_bytes = c->work_bytes;
+        }
         return x;
     }
     x.x_i8 = (h ? c->h8 : c->x8) + o;

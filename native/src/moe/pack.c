@@ -1,4 +1,5 @@
-/* Dtype conversions, symmetric int8 / group-wise int4 quantization and the packed layouts of kernels/kernels.h (generic C). */
+/* Dtype conversions, symmetric int8 / group-wise int4 / block-wise fp8 quantization and the packed layouts of
+ * kernels/kernels.h (generic C). */
 #include <math.h>
 #include <string.h>
 
@@ -164,7 +165,70 @@ void ktki_pack_int4_q(const ktk_mat *m, uint8_t *data, float *scale, int n, cons
     }
 }
 
+/* ---- fp8 (float8 e4m3, OCP e4m3fn: 4 exponent bits of bias 7, 3 mantissa bits, no inf, 0x7f / 0xff NaN) ---- */
+/* float -> e4m3, round to nearest even, saturating at +-448 (an inf too); NaN -> 0x7f with f's sign. Normals: the
+ * mantissa rounded to 3 bits by integer addition (a carry moves into the exponent), rebiased 127 -> 7; below 2^-6
+ * the e4m3 subnormals k * 2^-9, k = rint(|f| * 2^9) in 0..8 (8: the smallest normal, whose code is 8 as well) by the
+ * 1.5 * 2^23 trick (exact: |f| * 2^9 < 8). The same bits as torch's float -> float8_e4m3fn cast below 464. */
+uint8_t ktki_pack_f32_to_e4m3(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7f;
+    if (a >= 0x43e00000u) return sign | 0x7e;                    /* |f| >= 448 */
+    if (a < 0x3c800000u) {                                        /* |f| < 2^-6 */
+        float v;
+        memcpy(&v, &a, 4);
+        const float k = (v * 512.0f + 12582912.0f) - 12582912.0f;
+        return sign | (uint8_t)k;
+    }
+    const uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
+    return sign | (uint8_t)((r >> 20) - (120u << 3));
+}
+
+static inline int64_t off_f8(const ktk_mat *m, int n, int c) { return ((int64_t)(n / 16) * m->Kp + c) * 16 + n % 16; }
+static inline int64_t off_s8(const ktk_mat *m, int n, int g) { return (int64_t)(n / 16) * ktk_fp8_groups(m) + g; }
+
+/* Rows [n0, n1) of one block_rows band (n0 % 16 == 0), from rows[(n - n0) * K + c]: per group, scale = amax / 448
+ * (1 where amax is 0 or its quotient underflows; NaN, with q 0, where the block holds an inf or NaN), stored for each
+ * 16-row block of the band (padding groups 0), q = e4m3(w / scale). */
+void ktki_pack_fp8(const ktk_mat *m, uint8_t *data, float *scale, int n0, int n1, const float *rows) {
+    const int G = m->group, K = m->K, groups = (K + G - 1) / G;
+    for (int g = 0; g < ktk_fp8_groups(m); g++) {
+        const int c0 = g * G, c1 = c0 + G < K ? c0 + G : K;
+        float amax = 0.0f, s = 0.0f;
+        int finite = 1;
+        for (int n = n0; n < n1; n++)
+            for (int c = c0; c < c1; c++) {
+                const float v = rows[(int64_t)(n - n0) * K + c];
+                if (!isfinite(v)) finite = 0;
+                else if (fabsf(v) > amax) amax = fabsf(v);
+            }
+        if (g < groups) s = !finite ? NAN : amax > 0.0f && amax / 448.0f > 0.0f ? amax / 448.0f : 1.0f;
+        for (int n = n0; n < n1; n += 16) scale[off_s8(m, n, g)] = s;   /* each 16-row block of the band */
+        for (int n = n0; n < n1; n++)
+            for (int c = c0; c < c1; c++)
+                data[off_f8(m, n, c)] = finite ? ktki_pack_f32_to_e4m3(rows[(int64_t)(n - n0) * K + c] / s) : 0;
+    }
+}
+
+/* Row n from e4m3 bits q[c * qsi] (checked by the caller), and where n starts a 16-row block, the block's scales:
+ * s[g * ssg] for g < ceil(K / G) (its block_rows band's), 0 for the padding groups. */
+void ktki_pack_fp8_q(const ktk_mat *m, uint8_t *data, float *scale, int n, const uint8_t *q, int64_t qsi,
+                     const float *s, int64_t ssg) {
+    const int groups = (m->K + m->group - 1) / m->group;
+    if (n % 16 == 0)
+        for (int g = 0; g < ktk_fp8_groups(m); g++) scale[off_s8(m, n, g)] = g < groups ? s[g * ssg] : 0.0f;
+    for (int c = 0; c < m->K; c++) data[off_f8(m, n, c)] = q[c * qsi];
+}
+
 void ktki_pack_unpack(const ktk_mat *m, int n, float *row) {
+    if (m->quant == KTK_QUANT_FP8) {
+        for (int c = 0; c < m->K; c++)
+            row[c] = ktk_e4m3_to_f32(m->data_f8[off_f8(m, n, c)]) * m->scale[off_s8(m, n, c / m->group)];
+        return;
+    }
     if (m->quant == KTK_QUANT_BF16) {
         for (int c = 0; c < m->K; c++) row[c] = ktk_bf16_to_f32(m->data_bf16[off_bf16(m, n, c)]);
     } else if (m->quant == KTK_QUANT_INT8) {

@@ -14,4 +14,11 @@
 #ifndef KTK_AMX_INT4_DEQUANT_ROWS
 #define KTK_AMX_INT4_DEQUANT_ROWS 32
 #endif
+
+/* Rows from which gemm_fp8 dequantizes to bf16 and runs AMX-BF16 instead of the direct AVX-512 FMA kernel: a
+ * starting point at the bf16 crossover, not measured yet (the kernel bench, TK_QUANT=fp8 TK_ONLY=amx, A/B); also the
+ * rows from which the forward gives fp8 experts' x and h in tile order (tile_rows). */
+#ifndef KTK_AMX_FP8_DEQUANT_ROWS
+#define KTK_AMX_FP8_DEQUANT_ROWS 8
+#endif
 #endif

@@ -266,13 +266,16 @@ static void gemm_int8_amx(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, 
 }
 
 void ktk_amx_gemm_int4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy); /* int4.c */
+void ktk_amx_gemm_fp8(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);  /* fp8.c */
 
 /* decode kernels (one row per matrix): those of the AVX-512 kernels this table runs below its crossovers */
 #include "../avx512/gemv.h"
 
-static const ktk_kernels amx_table = {"amx", gemm_bf16_amx, gemm_int8_amx, ktk_amx_gemm_int4,
-                                      ktk_avx512_gemv_bf16_plain, ktk_avx512_gemv_int8_vnni,
-                                      ktk_avx512_gemv_int4_vnni, 1,
-                                      {KTK_AMX_MIN_ROWS_BF16, KTK_AMX_MIN_ROWS_INT8, KTK_AMX_INT4_DEQUANT_ROWS}};
+static const ktk_kernels amx_table = {
+    .name = "amx", .gemm_bf16 = gemm_bf16_amx, .gemm_int8 = gemm_int8_amx, .gemm_int4 = ktk_amx_gemm_int4,
+    .gemv_bf16 = ktk_avx512_gemv_bf16_plain, .gemv_int8 = ktk_avx512_gemv_int8_vnni,
+    .gemv_int4 = ktk_avx512_gemv_int4_vnni, .gemv_default = 1,
+    .tile_rows = {KTK_AMX_MIN_ROWS_BF16, KTK_AMX_MIN_ROWS_INT8, KTK_AMX_INT4_DEQUANT_ROWS, KTK_AMX_FP8_DEQUANT_ROWS},
+    .gemm_fp8 = ktk_amx_gemm_fp8, .gemv_fp8 = ktk_avx512_gemv_fp8};
 
 const ktk_kernels *ktk_kernels_amx(void) { return &amx_table; }

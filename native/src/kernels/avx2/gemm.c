@@ -4,7 +4,7 @@
  * of 8 outputs each.
  *   bf16: half -> even/odd f32 (shift / mask), two FMAs with broadcast x[c], x[c+1] (x converted to f32 per chunk).
  *   int8: half -> int16 pairs (w0,w2) / (w1,w3) by shifts, vpmaddwd with broadcast (x0,x2) / (x1,x3): exact int32.
- *   int4: int4.c.
+ *   int4: int4.c; fp8: fp8.c.
  * One register-blocked micro-kernel per type (MR rows x NB column blocks, MR * NB <= 4 so the 2 * MR * NB ymm
  * accumulators fit), driven by ../drive.h like the AVX-512 ones: decode keeps all rows of n <= 4 in one group.
  * Layouts: see ../kernels.h. Called concurrently: no mutable globals, no allocation.
@@ -164,7 +164,13 @@ static void gemm_int8_avx2(const ktk_mat *w, int nb0, int nb1, const ktk_act *x,
 }
 
 void ktk_avx2_gemm_int4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy); /* int4.c */
+/* fp8.c */
+void ktk_avx2_gemm_fp8(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
+void ktk_avx2_gemv_fp8(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x, float *const *y);
 
-static const ktk_kernels avx2_table = {"avx2", gemm_bf16_avx2, gemm_int8_avx2, ktk_avx2_gemm_int4};
+/* gemv only for fp8, not used by default (KTINJECT_GEMV=1 takes it: tests) */
+static const ktk_kernels avx2_table = {.name = "avx2", .gemm_bf16 = gemm_bf16_avx2, .gemm_int8 = gemm_int8_avx2,
+                                       .gemm_int4 = ktk_avx2_gemm_int4, .gemm_fp8 = ktk_avx2_gemm_fp8,
+                                       .gemv_fp8 = ktk_avx2_gemv_fp8};
 
 const ktk_kernels *ktk_kernels_avx2(void) { return &avx2_table; }

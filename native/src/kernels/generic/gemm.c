@@ -2,7 +2,7 @@
  *
  * bf16: y[t][j] = sum_{c < K} x[t][c] * W[j][c], float accumulation in ascending c.
  * int8: exact int32 dot product, then * x_scale[t] * scale[j].
- * int4: int4.c.
+ * int4: int4.c; fp8: fp8.c.
  * Layouts: see ../kernels.h. Only c < K is visited (the padding is zero anyway). x is read from its tile-order
  * copy where one is given (the reference for that layout; the table does not ask for it: tile_rows 0).
  */
@@ -49,7 +49,10 @@ static void gemm_int8_generic(const ktk_mat *w, int nb0, int nb1, const ktk_act 
 }
 
 void ktk_generic_gemm_int4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy); /* int4.c */
+void ktk_generic_gemm_fp8(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);  /* fp8.c */
 
-static const ktk_kernels generic_table = {"generic", gemm_bf16_generic, gemm_int8_generic, ktk_generic_gemm_int4};
+static const ktk_kernels generic_table = {.name = "generic", .gemm_bf16 = gemm_bf16_generic,
+                                          .gemm_int8 = gemm_int8_generic, .gemm_int4 = ktk_generic_gemm_int4,
+                                          .gemm_fp8 = ktk_generic_gemm_fp8};
 
 const ktk_kernels *ktk_kernels_generic(void) { return &generic_table; }

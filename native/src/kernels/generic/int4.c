@@ -55,11 +55,13 @@ void ktk_int4_dequant_gemm(const ktk_mat *w, int nb0, int nb1, const ktk_act *x,
     const int64_t per_block = ktk_int4_work_bytes(w->Kp, 1);
     const int chunk = (int)(x->work_bytes / per_block);   /* >= 1: checked by ktk_int4_dequant */
     uint16_t *buf = x->work;
-    const ktk_act xb = {x->n, x->Kp, x->x_bf16, NULL, NULL, NULL, NULL, 0, KTK_INT4_PATH_AUTO, x->tiles};
+    const ktk_act xb = {x->n, x->Kp, x->x_bf16, NULL, NULL, NULL, NULL, 0, KTK_INT4_PATH_AUTO, x->tiles,
+                        KTK_FP8_PATH_AUTO};
     for (int b = nb0; b < nb1; b += chunk) {
         const int b1 = nb1 - b < chunk ? nb1 : b + chunk;
         dq(w, b, b1, buf);
-        const ktk_mat m = {(b1 - b) * 16, w->K, (b1 - b) * 16, w->Kp, KTK_QUANT_BF16, buf, NULL, NULL, NULL, NULL, 0};
+        const ktk_mat m = {(b1 - b) * 16, w->K, (b1 - b) * 16, w->Kp, KTK_QUANT_BF16, buf, NULL, NULL, NULL, NULL, 0,
+                           NULL};
         gemm_bf16(&m, 0, b1 - b, &xb, y + (int64_t)(b - nb0) * 16, ldy);
     }
     const int cols = (nb1 - nb0) * 16;
