@@ -155,6 +155,11 @@ _VARS = (
         choices=("auto", "direct", "dequant"),
         why="tests run each path on one model (tests/native/test_int4.py, test_native.py, "
             "test_deferral_native.py); the crossover between them is measured with it"),
+    Var("KTINJECT_FP8_PATH", "choice", "auto", "force the fp8 kernels' path: `direct` (e4m3 converted in "
+        "registers) or `dequant` (bf16 of e4m3 x scale + the bf16 kernels; for many rows) (read at each fp8 "
+        "forward)", "developer", _NATIVE, choices=("auto", "direct", "dequant"),
+        why="tests run each path on one model (tests/native/test_fp8.py); the crossover between them is measured "
+            "with it"),
     Var("KTINJECT_TILES", "int", None, "`0`: never hand the kernels x and h in AMX tile order; `N`: from N rows "
         "on, on any kernel table (read at each forward)", "developer", _NATIVE, minimum=0,
         shown_default="the kernel table's tile_rows",

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 #: families added later: checked end to end against HF in tests/operators/test_families.py, kept out of the slower
 #: suites that iterate FAMILIES (CI time); their attention runs HF's own forward (no decode fast path)
-MORE_FAMILIES = ("minimax_m2", "glm4_moe_lite", "ernie4_5_moe", "hunyuan_v1_moe", "dots1")
+MORE_FAMILIES = ("minimax_m2", "glm4_moe_lite", "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "qwen3_next", "qwen3_5_moe",
+                 "kimi_k25", "deepseek_v32", "glm_moe_dsa", "llama4")
 ALL_FAMILIES = FAMILIES + MORE_FAMILIES
 #: the transformers release that first has each family's model_type (the others: every supported release, 5.17+)
 MIN_TRANSFORMERS: dict[str, str] = {}
@@ -45,6 +46,7 @@ _COMMON: dict[str, Any] = dict(
 
 # One entry per family: the config keywords that differ from that family's defaults. Sizes vary on purpose
 # (hidden 64/80/96, expert intermediate 24..48, one odd intermediate) so kernels meet non-multiples of 16 and 32.
+# Expert sizes stay multiples of 8: HF's grouped-mm experts need 16-byte strides in bf16.
 _TINY: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -121,10 +123,77 @@ _TINY: dict[str, dict[str, Any]] = {
         n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
         sliding_window=None,
     ),
+    # gated-DeltaNet linear attention 3:1 with gated full attention (partial rotary), zero-centered norms; a dense
+    # first layer; a shared expert gated by sigmoid(shared_expert_gate)
+    "qwen3_next": dict(
+        hidden_size=72, intermediate_size=88, moe_intermediate_size=40, shared_expert_intermediate_size=56,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=20, num_experts=12,
+        num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1,
+        linear_conv_kernel_dim=4, linear_key_head_dim=12, linear_value_head_dim=20, linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
+    # the text model (model_type qwen3_5_moe_text): Qwen3-Next's layers, every layer sparse
+    "qwen3_5_moe": dict(
+        hidden_size=88, moe_intermediate_size=40, shared_expert_intermediate_size=44, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=20, num_experts=10, num_experts_per_tok=3,
+        linear_conv_kernel_dim=4, linear_key_head_dim=12, linear_value_head_dim=20, linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
+    # Kimi-K2.5: DeepSeek-V3's text model (MLA, grouped sigmoid routing, a dense first layer) inside an image-text
+    # wrapper (model.language_model) behind a vision tower of two layers, which text-only inputs never run
+    "kimi_k25": dict(
+        text_config=dict(
+            hidden_size=72, intermediate_size=88, moe_intermediate_size=40, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=40, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=12, n_shared_experts=1, num_experts_per_tok=3,
+            n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        ),
+        vision_config=dict(hidden_size=40, intermediate_size=56, num_hidden_layers=2, num_attention_heads=2,
+                           pos_emb_height=8, pos_emb_width=8),
+        projection_hidden_size=40,
+    ),
+    # MLA plus the lightning indexer, which keeps the index_topk best-scored keys per query (fewer than a prompt's
+    # tokens here, so the sparse mask matters); DeepSeek-V3's grouped router and block; a dense first layer
+    "deepseek_v32": dict(
+        hidden_size=72, intermediate_size=88, moe_intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=40, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, head_dim=8, n_routed_experts=12, n_shared_experts=1, num_experts_per_tok=3, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        mlp_layer_types=["dense", "sparse", "sparse"], layer_types=["indexed_attention"] * 3, index_topk=6,
+        index_head_dim=24, index_n_heads=2,
+    ),
+    # GLM-5: the same layout, ungrouped routing
+    "glm_moe_dsa": dict(
+        hidden_size=80, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=24, qk_rope_head_dim=8,
+        v_head_dim=24, head_dim=8, n_routed_experts=10, n_shared_experts=1, num_experts_per_tok=3, n_group=1,
+        topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True, first_k_dense_replace=1,
+        mlp_layer_types=["dense", "sparse", "sparse"], layer_types=["indexed_attention"] * 3,
+        indexer_types=["full"] * 3, index_topk=5, index_head_dim=16, index_n_heads=2,
+    ),
+    # Llama 4 text (model_type llama4_text): top-1 sigmoid routing weighting the expert's input, a shared expert,
+    # transposed experts; dense and sparse layers interleaved; chunked attention (chunks of 8, shorter than the test
+    # prompts) with full-attention layers without rotary; L2-normed q/k
+    "llama4": dict(
+        hidden_size=72, intermediate_size=40, intermediate_size_mlp=88, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=18, num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2,
+        attention_chunk_size=8, no_rope_layer_interval=2, use_qk_norm=True, router_jitter_noise=0.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
 }
+#: the model_type a family's tiny model is built as, where it is not the family's name
+_MODEL_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
+#: the auto class that builds a family's tiny model, where it is not AutoModelForCausalLM (image-text wrappers)
+_AUTO_CLASS = {"kimi_k25": "AutoModelForImageTextToText"}
 
-# gpt-oss experts are stored transposed ([E, H, 2I] and [E, I, H]): their fan-in is dim 1, not dim 2.
-_TRANSPOSED_EXPERTS = {"gpt_oss"}
+# families whose RMSNorms scale by (1 + weight) (the gated-DeltaNet output norm scales by weight)
+_ZERO_CENTERED_NORMS = {"qwen3_next", "qwen3_5_moe"}
+# gpt-oss and Llama 4 experts are stored transposed ([E, H, 2I] and [E, I, H]): their fan-in is dim 1, not dim 2.
+_TRANSPOSED_EXPERTS = {"gpt_oss", "llama4"}
 # gpt-oss gate_up is scaled up so the swiglu clamp (limit 7) is reached by some activations; down scaled back.
 _EXPERT_SCALE = {"gpt_oss": (4.0, 0.25)}
 
@@ -148,12 +217,18 @@ def missing_reason(family: str) -> str | None:
 
 
 def tiny_config(family: str, **overrides):
-    """The tiny ``PretrainedConfig`` of ``family`` (one of ``FAMILIES``); keywords override any field."""
+    """The tiny ``PretrainedConfig`` of ``family`` (one of ``ALL_FAMILIES``); keywords override any field (of the
+    text model's config for an image-text wrapper)."""
     from transformers import AutoConfig
 
     _check_family(family)
-    kwargs = {**_COMMON, **_TINY[family], **overrides}
-    return AutoConfig.for_model(family, **kwargs)
+    entry = _TINY[family]
+    if "text_config" in entry:  # a wrapper: the common keys and the overrides are its text model's
+        text = {**_COMMON, **entry["text_config"], **overrides}
+        kwargs = {**entry, "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
+    else:
+        kwargs = {**_COMMON, **entry, **overrides}
+    return AutoConfig.for_model(_MODEL_TYPE.get(family, family), **kwargs)
 
 
 def _fan_in(name: str, shape: torch.Size, transposed: bool) -> int:
@@ -167,6 +242,8 @@ def _init_tensor(name: str, t: torch.Tensor, gen: torch.Generator, family: str) 
     shape = t.shape
     randn = torch.randn(shape, generator=gen, dtype=torch.float32)
     leaf = name.rsplit(".", 1)[-1]
+    if family in _ZERO_CENTERED_NORMS and "norm" in name and ".linear_attn.norm." not in name:
+        return 0.1 * randn  # (1 + weight) scales: around one
     if "norm" in name or "layernorm" in name:  # RMSNorm weights: around one
         return 1.0 + 0.1 * randn
     if "embed_tokens" in name:
@@ -236,10 +313,11 @@ def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.floa
     """A tiny random ``*ForCausalLM`` of ``family`` in eval mode; same seed -> same float32 weights before the cast.
 
     ``overrides`` go to ``tiny_config`` (e.g. ``tie_word_embeddings=True``)."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     config = tiny_config(family, **overrides)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = getattr(transformers, _AUTO_CLASS.get(family, "AutoModelForCausalLM"))
+    model = auto.from_config(config, dtype=torch.float32)
     _randomize(model, family, seed)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()

@@ -1,4 +1,5 @@
-"""Fixtures shared by the test files that start ktinject in subprocesses (chat, serve, examples, README)."""
+"""Fixtures shared by the test files that start ktinject in subprocesses (chat, serve, examples, README); torch's
+OpenMP wait policy and the number of pytest-xdist workers for the whole suite."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,22 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# torch's OpenMP workers (libgomp) spin-wait between parallel regions by default, taking the cores the native
+# expert threads and the other torch thread need: on the 2 CI cores that made every CPU decode step several times
+# slower (the suite ~2x). PASSIVE makes them sleep instead; it changes no result. Set before torch is imported
+# (libgomp reads it once), so for this process and, through os.environ, every subprocess the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """Workers for pyproject.toml's `-n auto`: one per CPU this process may use (up to 8), on a machine without CUDA;
+    none (the tests run in this process, as without pytest-xdist) where CUDA is, since the GPU tests share the one
+    device and measure its memory and speed, or where there is one CPU. An explicit -n N still wins."""
+    import torch
+
+    cpus = min(len(os.sched_getaffinity(0)), 8)
+    return 0 if cpus < 2 or torch.cuda.is_available() else cpus
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 BENCHES: dict[str, str] = {
     "kernels": "ktinject.bench.kernels",   # expert kernels: decode GB/s, prefill TFLOPS vs torch and the machine
-    "load": "ktinject.bench.load",         # loading a checkpoint: stream / packed cache / HF + inject
+    "load": "ktinject.bench.load",         # loading checkpoints (bf16, fp8, GGUF): stream / cache / HF + inject
     "decode": "ktinject.bench.decode",     # decode tok/s: graph vs eager vs HF vs roofline, time split per token
     "prefill": "ktinject.bench.prefill",   # prefill tok/s at 512/2048/8192 tokens (same model as decode)
     "hot": "ktinject.bench.hot",           # hot experts on the GPU: tok/s by budget and strategy vs 1/(1-h)

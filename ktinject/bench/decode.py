@@ -26,6 +26,10 @@ max(CPU, GPU) of this run (``ktinject.bench.defer``).
 ktinject's rows, in the same run, and compares each quant with its GGUF type (``ktinject.bench.llamacpp``).
 Last, per quant, the decode targets that the run measured, each judged met / NOT met in the bench's own output
 (``ktinject.bench.targets``, which lists them; whole model at batch 1 only).
+``--checkpoint PATH`` takes the model from ``ktinject.from_pretrained(PATH)`` instead (a GGUF file, or an FP8 / bf16
+directory, e.g. written by ``bench load --format ... --keep``): the experts as released, ``--quant`` then overriding
+that format; no hf rows (the experts load straight into native ones); the header names the checkpoint, its formats
+and the experts' format, and a ``--peer-model`` that is the same file is compared with whatever its GGUF type.
 ``--tiny`` runs the same flow on the tiny qwen3_moe test model (CPU-only machines too: GPU rows say n/a; no roofline
 rows: the read-bandwidth probe reads GBs and a roofline of the tiny model means nothing).
 The measurements themselves are in ``bench/timing.py``; the rows of --compare, --peer and the coordination, and the
@@ -49,11 +53,12 @@ from ktinject.bench.decode_rows import (add_row, compare_rows, coordination_rows
 from ktinject.operators.kernels import dense as fused_dense
 from ktinject.bench.memory import measure_read_bandwidth
 from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and the probe build the same model)
-    set_generation_defaults, build_model, build_tiny,
+    set_generation_defaults, build_model, build_tiny, checkpoint_model, experts_quant, quants_of,
 )
 from ktinject.bench.targets import ROOF_RUNS as ROOF_ROUNDS, noise_targets, our_rate, target_rows
 from ktinject.bench.timing import (  # the measurements (bench serve imports two of them from here too)
-    cpu_expert_time, expert_bytes_per_token, gen_time, graph_replay, hf_decode, ktinject_decode, muted_replay,
+    cpu_expert_time, expert_bytes_per_token, gen_time, graph_replay, hf_decode, ktinject_decode,
+    loaded_expert_bytes_per_token, muted_replay,
     paired_overhead, profile_line, profile_replay, wrap_cpu_experts,
 )
 from ktinject.cli.options import experts_format
@@ -73,9 +78,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (native pool and torch); default: cores")
     p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
     p.add_argument("--profile", action="store_true", help="print the kernels of a muted decode-graph replay")
-    p.add_argument("--quant", default="bf16",
-                   help="comma-separated expert quantizations (bf16, int8, int4): the whole run once per quant, "
-                        "one model build each")
+    p.add_argument("--quant", default=None,
+                   help="comma-separated expert quantizations (bf16, int8, int4; default bf16): the whole run once per "
+                        "quant, one model build each; with --checkpoint: the format overriding the release's (default: "
+                        "the release's)")
+    p.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="load the model with ktinject.from_pretrained(PATH) (a GGUF file or a checkpoint directory, "
+                        "e.g. from bench load --keep) instead of building the random one in memory")
     p.add_argument("--noise", default="",
                    help="comma-separated counts of background memory-copy processes (e.g. 1,2,4): time decode quiet "
                         "and with each ('' skips)")
@@ -175,8 +184,9 @@ def _noise_rows(model, prompt, args, rows: list, graphs: bool) -> None:
         add_row(rows, row)
 
 
-def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, str, str]]:
-    """The rows of one model build with experts in ``quant`` (hf baselines only when ``first``)."""
+def run(args, quant: str | None = "bf16", first: bool = True) -> tuple[str, list[tuple[str, str, str, str]]]:
+    """(the experts' format, the rows) of one model build with experts in ``quant`` (hf baselines only when
+    ``first``), or of ``--checkpoint`` loaded with ``quant`` overriding its format (None: the release's)."""
     import ktinject
     from ktinject import native
 
@@ -186,10 +196,15 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows: list[tuple[str, str, str, str]] = []  # (what, tok/s, ms/token, note)
     t0 = time.perf_counter()
-    model = build_tiny(device) if args.tiny else build_model(args.layers, device)
+    if args.checkpoint:
+        model, what = checkpoint_model(args.checkpoint, quant, device)
+        quant = experts_quant(model)
+        args.layers = model.config.num_hidden_layers  # (the targets, the table and the peer's scale read it)
+    else:
+        model = build_tiny(device) if args.tiny else build_model(args.layers, device)
+        set_generation_defaults(model)
+        what = "tiny qwen3_moe" if args.tiny else "Qwen3-30B-A3B shapes"
     cfg = model.config
-    set_generation_defaults(model)
-    what = "tiny qwen3_moe" if args.tiny else "Qwen3-30B-A3B shapes"
     print(f"# {what}: {cfg.num_hidden_layers} layers, H={cfg.hidden_size}, E={cfg.num_experts} top-"
           f"{cfg.num_experts_per_tok}, I={cfg.moe_intermediate_size}, {next(model.parameters()).dtype}; "
           f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; built in "
@@ -199,18 +214,22 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
 
     quick = bool(args.noise and args.noise_only) or bool(args.defer)  # the interference or deferral rows alone
     mem = per_tok = None
-    if not quick and not args.tiny:  # (--tiny: a roofline of the tiny model means nothing, and the probe reads GBs)
+    # no roofline for the tiny model or a checkpoint of tiny shapes: it means nothing there, and the probe reads GBs
+    small = args.tiny or (args.checkpoint and loaded_expert_bytes_per_token(model, B) * cfg.num_experts < 1e9)
+    if not quick and not small:
         mem = measure_read_bandwidth(4.0, args.threads)  # >= 4 GB (a Qwen3-30B token: 3.6 GB), >= 32x the LLC
         print(f"# {mem.summary()}", flush=True)
         bw = mem.best_gbs * 1e9
-        per_tok = expert_bytes_per_token(cfg, B, quant)
+        per_tok = (loaded_expert_bytes_per_token(model, B) if args.checkpoint else
+                   expert_bytes_per_token(cfg, B, quant))
         add_row(rows, (f"roofline: {per_tok / 1e9:.2f} GB {quant} experts/token at {bw / 1e9:.1f} GB/s",
                        fmt_rate(bw / per_tok), fmt_ms(per_tok / bw),
                        f"CPU read bandwidth measured in this run ({mem.best})"))
 
-    if not args.tiny:
+    hf = not args.tiny and not args.checkpoint  # (a loaded model's experts are native already)
+    if hf:
         wrap_cpu_experts(model, True)
-    if args.hf_tokens and first and not quick:
+    if args.hf_tokens and first and not quick and not args.checkpoint:
         try:
             _, s = hf_decode(model, prompt, args.hf_tokens)
             add_row(rows, ("hf: HF modules, experts by torch on the CPU", fmt_rate(B / s), fmt_ms(s),
@@ -220,7 +239,8 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
     wrap_cpu_experts(model, False)
 
     t0 = time.perf_counter()
-    ktinject.inject(model, gpu=str(device), quant=quant)
+    if not args.checkpoint:
+        ktinject.inject(model, gpu=str(device), quant=quant)
     pool = native.default_pool()
     pinned = pool.pin if envs.get("KTINJECT_PIN") is None else envs.get("KTINJECT_PIN")  # (the native override)
     if device.type == "cuda":
@@ -231,14 +251,16 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
                    if fused.available(probe) else "decode kernels: torch ops (no Triton)")
     else:
         kernels = "CPU only"
-    print(f"# injected {experts_format(model)} in {time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, "
+    done = (f"experts {experts_format(model)}, loaded" if args.checkpoint else
+            f"injected {experts_format(model)} in {time.perf_counter() - t0:.1f} s")
+    print(f"# {done}; native ISA {native.isa()}, "
           f"{pool.threads} threads{'' if pinned else ', not pinned'}; {kernels}", flush=True)
     if args.defer:
         from ktinject.bench import defer
 
         defer.rows(model, prompt, args, lambda row: add_row(rows, row),
                    defer.Timers(cpu_expert_time, graph_replay, muted_replay), quant=quant)
-        return rows
+        return quant, rows
 
     if not quick:
         eager = ktinject_decode(model, prompt, args.tokens, graphs=False)
@@ -321,16 +343,13 @@ def run(args, quant: str = "bf16", first: bool = True) -> list[tuple[str, str, s
 
     if args.noise:
         _noise_rows(model, prompt, args, rows, graphs=device.type == "cuda")
-    return rows
+    return quant, rows
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    quants = [q.strip() for q in args.quant.split(",") if q.strip()]
-    bad = [q for q in quants if q not in ("bf16", "int8", "int4")]
-    if bad or not quants:
-        raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of bf16, int8, int4")
+    quants = quants_of(args)
     peer.check_arguments(args)
     if args.tokens < 1:
         raise SystemExit(f"--tokens {args.tokens}: at least 1 decode token to time")
@@ -339,7 +358,7 @@ def main(argv=None) -> int:
         layouts(args.defer_layouts)  # a bad name (or KTINJECT_DEFER_PHASES) stops here, not after the model's build
     rows, ours = [], {}
     for i, q in enumerate(quants):
-        got = run(args, q, first=i == 0)  # the model goes with run's frame before the next build
+        q, got = run(args, q, first=i == 0)  # the model goes with run's frame before the next build
         for row in target_rows(q, got, args):
             add_row(got, row)
         mine = our_rate(got)

@@ -107,14 +107,17 @@ def print_table(rows, args) -> None:
     print(f"|{'-' * (w + 2)}|{'-' * 11}|{'-' * 11}|------")
     for what, rate, ms, note in rows:
         print(f"| {what.ljust(w)} | {rate:>9} | {ms:>9} | {note}")
+    ckpt = getattr(args, "checkpoint", None)
+    quant = args.quant or ("the release's" if ckpt else "bf16")
     print(f"\n(batch {args.batch}, prompt {args.prompt}, {args.tokens} decode tokens, threads "
-          f"{args.threads or 'default'}, layers {'tiny' if args.tiny else args.layers}, quant {args.quant}"
-          f"{', noise ' + args.noise if args.noise else ''})", flush=True)
+          f"{args.threads or 'default'}, layers {'tiny' if args.tiny else args.layers}, quant {quant}"
+          f"{', checkpoint ' + ckpt if ckpt else ''}{', noise ' + args.noise if args.noise else ''})", flush=True)
 
 
 def peer_rows(args, ours: dict) -> list[tuple[str, str, str, str]]:
     """llama-bench's decode of --tokens tokens for each --peer-model, after ktinject's rows (the same call), and each
-    quant's tok/s against its GGUF type's (``peer.PAIRS``): a ratio only for the whole model (or x L/48) at batch 1."""
+    quant's tok/s against its GGUF type's (``peer.PAIRS``), or against the GGUF ktinject loaded itself
+    (``peer.same_file``, unscaled): a ratio only for the whole model (or x L/48) at batch 1."""
     print(f"# peer: {args.peer} on {args.peer_model}, decode {args.tokens} tokens (this takes a while)", flush=True)
     results, errors = peer.run_all(args, gen=args.tokens)
     rows: list = []
@@ -124,12 +127,13 @@ def peer_rows(args, ours: dict) -> list[tuple[str, str, str, str]]:
         if r.n_gen:
             add_row(rows, (f"{r.label} decode {r.n_gen}", f"{r.tok_s:,.1f}", fmt_ms(1 / r.tok_s),
                            peer.note(r, args) + ", batch 1"))
-    scale = args.layers / 48
+    same = peer.same_file(args)  # --checkpoint is the peer's GGUF: the same model, whatever its type
+    scale = 1 if same else args.layers / 48
     for quant, (row, rate) in ours.items():
-        gap = peer.missing(quant, results)
+        gap = None if same else peer.missing(quant, results)
         if gap:
             add_row(rows, (f"{quant} / llama.cpp", "n/a", "", gap))
-        theirs = [r for r in peer.paired(quant, results) if r.n_gen]
+        theirs = [r for r in (results if same else peer.paired(quant, results)) if r.n_gen]
         if not theirs:
             continue
         what = f"{quant} / {theirs[0].label}"
@@ -140,5 +144,6 @@ def peer_rows(args, ours: dict) -> list[tuple[str, str, str, str]]:
         ratio = rate * scale / theirs[0].tok_s
         add_row(rows, (what, f"{ratio:.2f}x", "",
                        f"ktinject {quant} ({row!r}{'' if scale == 1 else f' x {args.layers}/48 layers'}) "
-                       f"{rate * scale:,.1f} tok/s vs {theirs[0].tok_s:,.1f} ({theirs[0].model})"))
+                       f"{rate * scale:,.1f} tok/s vs {theirs[0].tok_s:,.1f} ({theirs[0].model}"
+                       f"{', the file ktinject loaded' if same else ''})"))
     return rows

@@ -19,7 +19,8 @@ benches print it as a row and keep their own figures.
 
 Which GGUF a ktinject format compares with: int4 (W4A8, 4.25 bits a weight in groups of 128, 4.5 in groups of 64)
 with Q4_0 (4.5 bits, the nearest llama.cpp format: at groups of 128 ours reads 5.6% fewer bytes), int8 with Q8_0,
-bf16 with BF16 / F16 (``PAIRS``). Legend: P prompt tokens, G generated tokens.
+bf16 with BF16 / F16 (``PAIRS``); with ``--checkpoint GGUF`` and that same file as ``--peer-model``, with that file,
+whatever its type (``same_file``). Legend: P prompt tokens, G generated tokens.
 """
 from __future__ import annotations
 
@@ -122,6 +123,19 @@ def models(text: str) -> list[str]:
         if not os.path.isfile(p):
             raise PeerError(f"--peer-model {p}: no such file")
     return paths
+
+
+def same_file(args) -> bool:
+    """Whether every --peer-model is the file ktinject itself loaded (``--checkpoint``): then both run one model,
+    its layers and its types, and they are compared whatever its GGUF type, without scaling by layers."""
+    mine = getattr(args, "checkpoint", None)
+    if not mine or not getattr(args, "peer_model", None):
+        return False
+    try:
+        paths = models(args.peer_model)
+    except PeerError:
+        return False
+    return all(os.path.realpath(p) == os.path.realpath(mine) for p in paths)
 
 
 def default_threads() -> int:

@@ -6,6 +6,8 @@ random offsets: fast) and everything else on ``device``; nothing is written to d
 from __future__ import annotations
 
 import math
+import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,7 +22,7 @@ _POOL = 32 << 20  # random values per pool (experts are tiled from it at random 
 
 
 # ---- model ---------------------------------------------------------------------------------------------------
-def _std(name: str, shape, hidden: int) -> float:
+def weight_std(name: str, shape, hidden: int) -> float:
     if "embed_tokens" in name:
         return 1.0
     if name.startswith("lm_head"):
@@ -70,7 +72,7 @@ def build_model(layers: int, device: torch.device, seed: int = 0) -> nn.Module:
                 t = torch.ones(p.shape, dtype=torch.bfloat16, device=device)
             else:
                 t = torch.empty(p.shape, dtype=torch.bfloat16, device=device)
-                t.normal_(0.0, _std(name, p.shape, H), generator=dgen)
+                t.normal_(0.0, weight_std(name, p.shape, H), generator=dgen)
             mod._parameters[key] = nn.Parameter(t, requires_grad=False)
     for mod_name, mod in list(model.named_modules()):  # rotary tables: computed, not stored
         if hasattr(mod, "inv_freq") and hasattr(mod, "config"):
@@ -98,6 +100,52 @@ def set_generation_defaults(model) -> None:
     gc.temperature = gc.top_p = gc.top_k = None
 
 
+def experts_quant(model) -> str:
+    """The native format of the model's routed experts (bf16, int8, int4, fp8; several joined by "+")."""
+    seen = dict.fromkeys(m.native_experts.quant for m in model.modules()
+                         if getattr(m, "native_experts", None) is not None)
+    return "+".join(seen) or "none"
+
+
+def checkpoint_model(path, quant: str | None, device: torch.device, **options) -> tuple[nn.Module, str]:
+    """(model, a line saying what ran) of a checkpoint (a directory or a GGUF file) through ktinject.from_pretrained
+    on ``device`` (bf16 on a GPU, as the in-memory model): experts as released unless ``quant`` overrides it, no
+    packed-expert cache (a bench must not write GBs beside the
+    checkpoint), greedy defaults.
+    ``options``: more of from_pretrained's (e.g. ``prefill``)."""
+    import ktinject
+    from ktinject.cli.options import experts_format
+
+    t0 = time.perf_counter()
+    dtype = torch.bfloat16 if device.type == "cuda" else None  # (a GGUF's own default is float32, as HF's)
+    model = ktinject.from_pretrained(path, quant=quant, gpu=str(device), cache_dir=False, progress=False,
+                                     dtype=dtype, **options)
+    set_generation_defaults(model)
+    stats = model._ktinject_load_stats
+    how = f"--quant {quant} over the release's" if quant else "the release's"
+    return model, (f"checkpoint {path}: {', '.join(stats['formats']) or 'unquantized'}; experts "
+                   f"{experts_format(model)} ({how}); loaded in {time.perf_counter() - t0:.1f} s, "
+                   f"{stats['bytes_read'] / 1e9:.2f} GB read")
+
+
+def quants_of(args) -> list:
+    """The runs' expert formats from ``--quant`` of bench decode / prefill (default bf16; with ``--checkpoint``:
+    [None], the release's, unless given); SystemExit naming what does not fit."""
+    from ktinject import native
+
+    known = [q for q in ("bf16", "int8", "int4", "fp8") if q in native.QUANTS]
+    if args.checkpoint:
+        if args.tiny:
+            raise SystemExit("--checkpoint and --tiny: the model comes from one of them; give one")
+        if not Path(args.checkpoint).exists():
+            raise SystemExit(f"--checkpoint {args.checkpoint}: no such file or directory (bench load --format ... "
+                             "--keep --dir DIR writes one)")
+        if args.quant is None:
+            return [None]
+    quants = [q.strip() for q in (args.quant or "bf16").split(",") if q.strip()]
+    if not quants or any(q not in known for q in quants):
+        raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of {', '.join(known)}")
+    return quants
 
 
 def bench_model(tiny: bool, layers: int, threads: int | None = None) -> tuple[nn.Module, torch.device]:

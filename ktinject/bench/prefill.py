@@ -24,6 +24,9 @@ host-memory reference (``--bandwidth-gb``): every expert byte is read from host 
 copy, so tokens / (packed bytes / the cores' read bandwidth measured now) is what a prefill gets at that rate; auto's
 share of it, and the 512-token target's. Not a hard bound: the copies' DMA reads come on top of the cores' and the
 rate drifts over seconds, so auto may read above it.
+``--checkpoint PATH``: the model from ``ktinject.from_pretrained(PATH)`` (a GGUF file or a checkpoint directory, e.g.
+from ``bench load --keep``) instead of the in-memory one, its experts as released unless ``--quant`` overrides them;
+a ``--peer-model`` that is the same file is compared unscaled, whatever its GGUF type.
 ``--tiny`` runs the flow on the tiny qwen3_moe test model (a CPU-only machine streams to the CPU: the code path, not
 the speed). Legend: L layers, E experts.
 """
@@ -39,14 +42,17 @@ import time
 import torch
 
 from ktinject.bench import llamacpp as peer
-from ktinject.bench.model import bench_model
+from ktinject.bench.model import bench_model, checkpoint_model, experts_quant, quants_of
 from ktinject.gpu_experts.prefill.feedback import TRIALS
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ktinject.bench prefill", description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=48, help="decoder layers (48 = the real model)")
-    p.add_argument("--quant", default="bf16,int8,int4", help="comma-separated expert quants (one model build each)")
+    p.add_argument("--quant", default=None, help="comma-separated expert quants, one model build each (default "
+                   "bf16,int8,int4; with --checkpoint: overriding the release's format, default the release's)")
+    p.add_argument("--checkpoint", default=None, metavar="PATH", help="load the model with "
+                   "ktinject.from_pretrained(PATH) (a GGUF file or a checkpoint directory) instead of building it")
     p.add_argument("--prefill", default="512,2048,8192", help="comma-separated prompt lengths")
     p.add_argument("--mode", default="cpu,gpu,auto", help="comma-separated prefill modes: cpu, gpu, auto")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (native pool and torch); default: cores")
@@ -107,17 +113,28 @@ def _chose(streamer) -> str:
     return last["mode"] + measured
 
 
-def run(args, quant: str, ours: dict | None = None) -> list[tuple[str, str, str]]:
-    """Rows (what, tok/s, note) of one model build with experts in ``quant``; ``ours`` gets (quant, tokens) ->
-    (mode, tok/s of the 48-layer model) for the peer's rows: auto where it ran, else the fastest mode."""
+def run(args, quant: str | None, ours: dict | None = None) -> list[tuple[str, str, str]]:
+    """Rows (what, tok/s, note) of one model build with experts in ``quant`` (or of ``--checkpoint``, ``quant``
+    overriding its format); ``ours`` gets (quant, tokens) -> (mode, tok/s of the 48-layer model, or of the
+    checkpoint's when the peer runs that file) for the peer's rows: auto where it ran, else the fastest mode."""
     import ktinject
     from ktinject import native
     from ktinject.decode.generate import get_runner, prefill_chunk
     from ktinject.gpu_experts.prefill import streamer as stream
 
     t0 = time.perf_counter()
-    model, device = bench_model(args.tiny, args.layers, args.threads)
-    ktinject.inject(model, gpu=str(device), quant=quant, prefill="cpu")
+    if args.checkpoint:
+        if args.threads:
+            native.set_default_threads(args.threads)
+            torch.set_num_threads(args.threads)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model, what = checkpoint_model(args.checkpoint, quant, device, prefill="cpu")
+        quant = experts_quant(model)
+        args.layers = model.config.num_hidden_layers
+    else:
+        model, device = bench_model(args.tiny, args.layers, args.threads)
+        ktinject.inject(model, gpu=str(device), quant=quant, prefill="cpu")
+        what = "tiny qwen3_moe" if args.tiny else "Qwen3-30B-A3B shapes"
     cfg = model.config
     L = cfg.num_hidden_layers
     blocks = stream.blocks_of(model)
@@ -125,7 +142,7 @@ def run(args, quant: str, ours: dict | None = None) -> list[tuple[str, str, str]
     probe = stream.attach(model, "gpu")
     probe.setup()
     h2d = probe.experts.h2d
-    print(f"# {quant}: {'tiny qwen3_moe' if args.tiny else 'Qwen3-30B-A3B shapes'}, {L} layers, E={cfg.num_experts} "
+    print(f"# {quant}: {what}, {L} layers, E={cfg.num_experts} "
           f"top-{cfg.num_experts_per_tok}, {expert_bytes / 1e9:.2f} GB of packed experts; built and injected in "
           f"{time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, {native.default_pool().threads} threads; "
           f"H2D {h2d / 1e9:.1f} GB/s (pinned, measured now)"
@@ -172,7 +189,7 @@ def run(args, quant: str, ours: dict | None = None) -> list[tuple[str, str, str]
             print(f"# {rows[-1][0]} | {rows[-1][1]} tok/s | {note}", flush=True)
         if ours is not None:
             pick = "auto" if "auto" in modes else max(modes, key=lambda m: rates[m, n])
-            ours[quant, n] = (pick, rates[pick, n] * (1 if args.tiny else L / 48))
+            ours[quant, n] = (pick, rates[pick, n] * (1 if args.tiny or peer.same_file(args) else L / 48))
     if "gpu" in modes and probe.cuda:
         use("gpu")
         rows.append(_breakdown(model, probe, quant, max(lengths), device))
@@ -274,13 +291,14 @@ def peer_rows(args, ours: dict) -> list[tuple[str, str, str]]:
     for r in results:
         if r.n_prompt:
             rows.append((f"{r.label} prefill {r.n_prompt}", f"{r.tok_s:,.0f}", peer.note(r, args)))
+    same = peer.same_file(args)  # --checkpoint is the peer's GGUF: the same model, whatever its type
     for quant in sorted({q for q, _ in ours} - {"bf16"}):
-        gap = peer.missing(quant, results)
+        gap = None if same else peer.missing(quant, results)
         if gap:
             rows.append((f"{quant} target: 2x llama.cpp", "n/a", gap))
     L = args.layers
     for (quant, n), (mode, rate) in sorted(ours.items()):
-        theirs = [r for r in peer.paired(quant, results) if r.n_prompt == n]
+        theirs = [r for r in (results if same else peer.paired(quant, results)) if r.n_prompt == n]
         if not theirs or quant == "bf16" or n < 2048:
             continue
         what = f"{quant} target: at {n} >= 2x {theirs[0].label}"
@@ -289,8 +307,9 @@ def peer_rows(args, ours: dict) -> list[tuple[str, str, str]]:
             continue
         ratio = rate / theirs[0].tok_s
         scaled = "" if L == 48 else f" (from {L} layers x {L}/48; the first layer's copy counts 1/{L}, not 1/48)"
+        layers = f"{L} layers, the file ktinject loaded" if same else f"48 layers{scaled}"
         rows.append((what, f"{ratio:.2f}x", f"{'met' if ratio >= 2 else 'NOT met'} (ktinject {mode} {rate:,.0f} "
-                     f"tok/s for 48 layers{scaled} vs {theirs[0].tok_s:,.0f}, {theirs[0].model})"))
+                     f"tok/s for {layers} vs {theirs[0].tok_s:,.0f}, {theirs[0].model})"))
     for r in rows:
         print(f"# {r[0]} | {r[1]} | {r[2]}", flush=True)
     return rows
@@ -298,9 +317,9 @@ def peer_rows(args, ours: dict) -> list[tuple[str, str, str]]:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    quants, modes = _csv(args.quant), _csv(args.mode)
-    if not quants or any(q not in ("bf16", "int8", "int4") for q in quants):
-        raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of bf16, int8, int4")
+    if args.checkpoint is None and args.quant is None:
+        args.quant = "bf16,int8,int4"
+    quants, modes = quants_of(args), _csv(args.mode)
     if not modes or any(m not in ("cpu", "gpu", "auto") for m in modes):
         raise SystemExit(f"--mode {args.mode!r}: expected a comma-separated list of cpu, gpu, auto")
     if not _csv(args.prefill, int):
@@ -319,8 +338,8 @@ def main(argv=None) -> int:
     print(f"|{'-' * (w + 2)}|{'-' * 11}|------")
     for what, rate, note in rows:
         print(f"| {what.ljust(w)} | {rate:>9} | {note}")
-    print(f"\n(layers {'tiny' if args.tiny else args.layers}, threads {args.threads or 'default'}, reps {args.reps})",
-          flush=True)
+    print(f"\n(layers {'tiny' if args.tiny else args.layers}, threads {args.threads or 'default'}, reps {args.reps}"
+          f"{', checkpoint ' + args.checkpoint if args.checkpoint else ''})", flush=True)
     return 0
 
 

@@ -35,6 +35,15 @@ def expert_bytes_per_token(cfg, batch: int = 1, quant: str = "bf16") -> float:
     return L * distinct_experts(E, k, batch) * Experts.packed_nbytes(1, H, I, quant) / batch
 
 
+def loaded_expert_bytes_per_token(model, batch: int = 1) -> float:
+    """Bytes of routed expert weights one decode step reads, from the model's native experts as they are (any
+    format, group size, formats per layer): per layer its packed bytes an expert x the distinct experts of a step."""
+    cfg = model.config
+    per_expert = [m.native_experts.nbytes / m.native_experts.num_experts for m in model.modules()
+                  if getattr(m, "native_experts", None) is not None]
+    return sum(per_expert) * distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, batch) / batch
+
+
 def hf_decode(model, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
     """(prefill seconds, seconds per decode step) with HF's modules and a DynamicCache."""
     from transformers import DynamicCache

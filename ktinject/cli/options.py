@@ -87,8 +87,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
     p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
     # quant, defer and prefill default to None: the rules' own kwargs then hold (an option given overrides them)
-    p.add_argument("--quant", choices=["bf16", "int8", "int4"],
-                   help="expert weight format (default: the rules' quant, else bf16)")
+    p.add_argument("--quant", choices=["bf16", "int8", "int4", "fp8"],
+                   help="expert weight format (default: a quantized checkpoint's own format, else the rules' quant, "
+                        "else bf16)")
     p.add_argument("--defer", metavar="D|M", type=defer_setting,
                    help="expert deferral: the D lowest-weighted of each token's experts (an int), or its "
                         "lowest-weighted experts up to a share M of its routing weight (a float, 0 < M < 1), run one "
@@ -96,6 +97,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", choices=["auto", "cpu", "gpu"],
                    help="where a prompt's routed experts run: auto (split between the CPU and the GPU, experts "
                         "streamed over PCIe), cpu, or gpu (default: the rules' prefill, else auto)")
+    p.add_argument("--dense-fp8", choices=["none", "attention", "mlp", "all"],
+                   help="an FP8 checkpoint's attention / MLP projections kept in FP8 on the GPU (half the memory and "
+                        "bytes a decode step reads; default none: dequantized to the model dtype)")
     p.add_argument("--threads", type=positive,
                    help="CPU threads for the experts and for torch (default: experts one per physical core, less one "
                         "from 8 cores up; torch one on the CPU path)")
@@ -194,7 +198,7 @@ def experts_format(model) -> str:
     seen = []
     for m in _moe_blocks(model):
         ex = m.native_experts
-        what = f"{ex.quant} (groups of {ex.group_size})" if ex.quant == "int4" else ex.quant
+        what = f"{ex.quant} (groups of {ex.group_size})" if ex.quant in ("int4", "fp8") else ex.quant
         if what not in seen:
             seen.append(what)
     return " + ".join(seen) or "no MoE blocks"
@@ -249,8 +253,9 @@ def load(args: argparse.Namespace, demo_line: str, setup, out=None) -> tuple[Pat
     gpu = setup(args)
     t0 = time.perf_counter()
     try:
+        fp8 = {"dense_fp8": args.dense_fp8} if getattr(args, "dense_fp8", None) else {}
         model, tokenizer, plan = load_model(model_dir, rules, quant=args.quant, progress=sys.stderr.isatty(),
-                                            gpu=gpu, defer=args.defer, prefill=args.prefill, **hot)
+                                            gpu=gpu, defer=args.defer, prefill=args.prefill, **fp8, **hot)
     except Exception as e:  # noqa: BLE001 - user errors, one line
         if args.verbose:
             raise

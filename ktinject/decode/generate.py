@@ -20,7 +20,8 @@ length or a known batch size captures nothing.
 ``disable(model)`` undoes it. Without CUDA everything runs eagerly through the same path (static cache), giving
 HF's greedy tokens.
 
-Calls the runner cannot serve go to HF's generate unchanged: beam search, assisted decoding, a caller's own
+Calls the runner cannot serve go to HF's generate unchanged: models with layer state the KVCache does not hold
+(linear attention, indexer caches: ``stateful_layers``, reported as ``graph_decode`` unavailable), beam search, assisted decoding, a caller's own
 ``past_key_values`` or ``cache_implementation``, ``use_cache=False``, ``inputs_embeds``, encoder-decoder models.
 A batch size without a bucket is padded up to the next bucket with copies of its first row (when the result is
 a plain tensor and nothing else would see the copies: no streamer, logits processor, stopping criterion,
@@ -41,7 +42,9 @@ import torch
 from ktinject import compat
 from ktinject.gpu_experts.prefill.streamer import MIN_CHUNK, streamer_of
 from ktinject.operators.base import on_layout_change
+from ktinject.decode import stateful_layers
 from ktinject.decode.graph_runner import GraphRunner
+from ktinject.operators import fast_path_report as fastpaths
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +131,10 @@ def _plain_reason(model, input_ids, kwargs, gc) -> str | None:
         return "no 2D input_ids"
     if getattr(model.config, "is_encoder_decoder", False):
         return "encoder-decoder model"
+    stateful = stateful_layers.remember(model)
+    if stateful is not None:  # linear-attention states, indexer caches: HF's cache holds them
+        fastpaths.report_for(model).unavailable("graph_decode", stateful)
+        return stateful
     for name in _PLAIN_KWARGS:
         if kwargs.get(name) is not None:
             return f"{name} given"

@@ -44,7 +44,14 @@ class GraphPieces:
 
 
 def decoder_layers(model) -> list:
-    """The model's decoder layers (the first ModuleList named ``layers`` with more than one entry), or []."""
+    """The model's decoder layers, or []: the ``layers`` ModuleList of HF's ``get_decoder()`` (the language model of
+    an image-text wrapper, whose vision tower comes first and has ``layers`` too), else the first ModuleList named
+    ``layers`` with more than one entry."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    held = getattr(decoder, "layers", None)
+    if decoder is not model and isinstance(held, torch.nn.ModuleList) and len(held) > 1:
+        return list(held)
     for name, module in model.named_modules():
         if name.rpartition(".")[2] == "layers" and isinstance(module, torch.nn.ModuleList) and len(module) > 1:
             return list(module)

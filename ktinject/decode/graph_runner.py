@@ -155,8 +155,12 @@ class GraphRunner:
         """Rows 0..batch-1 of the runner's KVCache (``ktinject.decode.kv_cache``), reset, with room for ``needed_len``
         tokens. One cache per runner, of ``slots`` rows (the largest bucket, or the batch if larger); growing its
         length or rows drops it and every graph (their shapes change); otherwise nothing is re-captured."""
-        from ktinject.decode import kv_cache
+        from ktinject.decode import kv_cache, stateful_layers
 
+        stateful = stateful_layers.remember(self.model)
+        if stateful is not None:
+            raise ValueError(f"{type(self.model).__name__}: {stateful}; ktinject's KVCache cannot serve this "
+                             f"model (use its generate(), which runs Hugging Face's)")
         slots = max(batch, max(self.buckets))
         if needed_len > self.max_cache_len or (self.kv is not None and batch > self.kv.slots):
             if needed_len > self.max_cache_len:

@@ -29,6 +29,7 @@ from ktinject.gpu_experts.hot.settings import HotExpertSettings
 from ktinject.operators import deferral
 from ktinject.decode import attention as decode_attention
 from ktinject.decode import layer as decode_layer
+from ktinject.decode import stateful_layers
 from ktinject.operators.attention import apply_implementation, wanted_implementation
 from ktinject.operators.moe import HybridMoE
 
@@ -211,7 +212,12 @@ def finish(model: nn.Module, plan, hot: HotExpertSettings | None, prefill: str =
         if entry.operator == "attention" and entry.kwargs.get("fast_decode", True):
             decode_attention.install(model.get_submodule(entry.name))
     decode_layer.install_all(model)  # one-token steps: residual adds fused with the norms after them
-    fastpaths.attach(model)
+    report = fastpaths.attach(model)
+    stateful = stateful_layers.remember(model)
+    if stateful is not None:  # linear attention, indexer caches: HF's generate and cache, eager steps
+        report.unavailable("graph_decode", stateful)
+        on_gpu = plan.devices["gpu"].type == "cuda"
+        log.log(logging.WARNING if on_gpu else logging.INFO, "inject: %s: %s", type(model).__name__, stateful)
     deferral.link(model, [m for m in model.modules() if isinstance(m, HybridMoE)])  # expert deferral's chain
     if hot is not None:
         apply_settings(model, hot)

@@ -3,7 +3,8 @@ decoded where they are quantized, go into the native experts on a few packer thr
 
 ``TensorBytes`` holds the bytes and how they decode (plain dtype or the ref's codec); ``pack_expert`` stores one
 expert's matrices (values the experts' format holds exactly are stored as released, others are quantized again and
-the error sampled); ``Packer`` runs those jobs with a bounded number in flight.
+the error sampled; ``fp8_blocks`` fits e4m3 values and group scales into the native fp8 layout); ``Packer`` runs
+those jobs with a bounded number in flight.
 """
 from __future__ import annotations
 
@@ -69,6 +70,45 @@ class TensorBytes:
         codec = self.ref.codec
         return None if codec is None else codec.quantized(self.buf, self.shape, quant, group)
 
+    def fp8_parts(self, group: int | None):
+        """``Codec.fp8_parts`` where its groups are the experts' ``group``, else None."""
+        parts = None if self.ref.codec is None else self.ref.codec.fp8_parts(self.buf, self.shape)
+        return parts if parts is not None and parts[2] == group else None
+
+
+def fp8_blocks(q: torch.Tensor, scale: torch.Tensor, group: int,
+               rows: int = 16) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One matrix for native fp8 experts (``Experts.set_fp8``): (e4m3 bytes uint8 [N, K], float32 scales
+    [ceil(N/rows), ceil(K/group)]) holding exactly the values q * scale (q [N, K] as from ``Codec.fp8_parts``, scale
+    [N, ceil(K/group)]), or None where no such pair exists (a block's values do not fit e4m3 under one scale).
+
+    Each block of ``rows`` x ``group`` takes the largest scale of its rows (a release's block scale, or the largest
+    power of two of MXFP4's), times the power of two that brings its largest value closest to e4m3's 448; where the
+    rows' scales are equal and q is already e4m3 bytes, the bytes are kept as they are."""
+    N, K = q.shape
+    ng = -(-K // group)
+    if tuple(scale.shape) != (N, ng):
+        raise LoadError(f"fp8: scales of shape {list(scale.shape)} for a [{N}, {K}] matrix in groups of {group}")
+    nb = -(-N // rows)
+    pad = nb * rows - N
+    s_rows = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad)).view(nb, rows, ng)
+    block = s_rows.amax(1)  # [nb, ng]
+    if q.dtype == torch.uint8:
+        full = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad), value=float("nan")).view(nb, rows, ng)
+        if bool(((full == block.unsqueeze(1)) | full.isnan()).all()):
+            return q, block
+        q = q.view(torch.float8_e4m3fn).float()
+    ratio = (scale.float() / block.repeat_interleave(rows, 0)[:N]).nan_to_num_(0.0)  # 0 / 0: an all-zero block
+    ratio = ratio.repeat_interleave(group, 1)[:, :K]
+    v = q.float() * ratio  # exact: ratios of powers of two, or equal scales
+    amax = torch.nn.functional.pad(v.abs(), (0, ng * group - K, 0, pad)).view(nb, rows, ng, group).amax((1, 3))
+    lift = torch.exp2(torch.floor(torch.log2(448.0 / amax.clamp_min(2.0 ** -120)))).clamp(max=2.0 ** 100)
+    v = v * lift.repeat_interleave(rows, 0)[:N].repeat_interleave(group, 1)[:, :K]
+    q8 = v.to(torch.float8_e4m3fn)
+    if not bool((q8.float() == v).all()):
+        return None
+    return q8.view(torch.uint8), block / lift
+
 
 def pack_expert(unit, piece: Piece, expert: int, data: TensorBytes, dtype: torch.dtype, buffers,
           requant: RequantError) -> None:
@@ -79,8 +119,18 @@ def pack_expert(unit, piece: Piece, expert: int, data: TensorBytes, dtype: torch
     spec, stream = unit.stream.spec, unit.stream
     which = "?"
     try:
-        exact = data.quantized(stream.quant, stream.group_size)
-        if exact is not None:
+        fp8 = data.fp8_parts(stream.group_size) if stream.quant == "fp8" else None
+        blocks = None
+        if fp8 is not None:
+            q, scale, group = fp8
+            blocks = [(which, fp8_blocks(qw, sw, group)) for (which, qw), (_, sw)
+                      in zip(expert_matrices(spec, piece, q), expert_matrices(spec, piece, scale))]
+            blocks = None if any(b is None for _, b in blocks) else blocks
+        exact = None if fp8 is not None else data.quantized(stream.quant, stream.group_size)
+        if blocks is not None:
+            for which, (qw, sw) in blocks:
+                unit.experts.set_fp8(expert, which, qw, sw)
+        elif exact is not None:
             q, scale = exact
             for (which, qw), (_, sw) in zip(expert_matrices(spec, piece, q), expert_matrices(spec, piece, scale)):
                 unit.experts.set_quantized(expert, which, qw, sw)

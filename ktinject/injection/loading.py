@@ -30,7 +30,6 @@ one tensor's dtype conversion. Legend: E experts, H hidden, I expert intermediat
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -46,11 +45,14 @@ from ktinject.injection import pack_cache as packcache
 from ktinject import envs
 from ktinject.injection.formats import open_checkpoint
 from ktinject.injection.formats.base import BufferPool, LoadError, Reader, ReadJob
+from ktinject.injection.formats.codecs import FP8Block
+from ktinject.injection.model_dtypes import model_dtype, release_format, target_dtypes
 from ktinject.injection.formats.hf_keys import Piece, check_expert_piece, map_checkpoint
 from ktinject.injection.requant import RequantError
 from ktinject.injection.expert_packing import Packer, TensorBytes, pack_expert
 from ktinject.gpu_experts.prefill.policy import mode_from_plan
 from ktinject.gpu_experts.hot.settings import HotExpertSettings
+from ktinject.operators import fp8_linear
 from ktinject.operators.families import empty_biases
 from ktinject.injection.pack_cache import CorruptCache, PackCache
 from ktinject.injection.plan import plan as make_plan, unmatched_note
@@ -65,7 +67,7 @@ _CPU = torch.device("cpu")
 def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.dtype | str | None = None,
                     cache_dir=None, progress: bool = True, gpu_experts_budget=None, placement: str | None = None,
                     stats=None, rebalance_every: int | None = None, defer: int | float | None = None,
-                    prefill: str | None = None, **devices) -> nn.Module:
+                    prefill: str | None = None, dense_fp8: str | None = None, **devices) -> nn.Module:
     """A ready model from a local checkpoint directory (or a GGUF file), loaded without ever holding it twice.
 
     ``rules``: rule file / parsed rules / None (packaged rules of ``config.model_type``); ``quant``: expert
@@ -76,6 +78,8 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     ``gpu_experts_budget``, ``placement``, ``stats``, ``rebalance_every``: hot experts, as for ``inject``
     (``ktinject.gpu_experts.hot.settings``); ``defer``: expert deferral in decode steps, as for ``inject``;
     ``prefill``: where prompts' routed experts run (``auto``, ``cpu``, ``gpu``), as for ``inject``;
+    ``dense_fp8``: which FP8 linear weights of an FP8 release stay FP8 (``none``, the default: dequantized to
+    ``dtype``; ``attention``, ``mlp``, ``all``: ``ktinject.operators.fp8_linear``);
     ``devices``: device variables (``gpu="cuda:0"``, ``gpu="cpu"``). The
     plan is ``model._ktinject_plan``, load figures ``model._ktinject_load_stats``."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # heavy: on the first load only
@@ -97,7 +101,7 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     source_quant = getattr(config, "quantization_config", None)
     if source_quant is not None:
         del config.quantization_config
-    dtype = _model_dtype(config, dtype)
+    dtype = model_dtype(config, dtype)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
@@ -106,29 +110,34 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
         model.generation_config = GenerationConfig.from_pretrained(path)
     group_size = None
     if quant is None and rules is None:  # the packaged rules: keep the release's expert format
-        quant, group_size = _release_format(reader)
+        quant, group_size = release_format(reader)
     the_plan = make_plan(model, rules, quant=quant, defer=defer, group_size=group_size, **devices)
     load_into(model, the_plan, reader, cache_dir=cache_dir, progress=progress, gpu_experts_budget=gpu_experts_budget,
-              placement=placement, stats=stats, rebalance_every=rebalance_every, prefill=prefill)
+              placement=placement, stats=stats, rebalance_every=rebalance_every, prefill=prefill, dense_fp8=dense_fp8)
     return model
 
 
 def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: bool = True,
-              prefill: str | None = None, **hot_options):
+              prefill: str | None = None, dense_fp8: str | None = None, **hot_options):
     """Fill a meta-device ``model`` from ``checkpoint`` (a directory, one .safetensors file, or an open
     ``formats.Reader``) following ``plan`` (made from this model): operators built and tensors on their devices,
-    as ``inject`` leaves a loaded model. ``prefill``, ``hot_options``: the options of ``inject``. Returns the plan
+    as ``inject`` leaves a loaded model. ``prefill``, ``hot_options``: the options of ``inject``; ``dense_fp8``: as
+    for ``from_pretrained``. Returns the plan
     (also set as ``model._ktinject_plan``)."""
     if getattr(model, "_ktinject_plan", None) is not None:
         raise LoadError(f"{type(model).__name__} was already injected; load into a fresh meta-device model")
     apply.check_devices(plan)
     hot = HotExpertSettings.from_plan(plan, **hot_options)  # bad options fail before a byte is read
     prefill = mode_from_plan(plan, prefill)
+    try:
+        fp8_kinds = fp8_linear.kinds_of(dense_fp8)
+    except ValueError as e:
+        raise LoadError(str(e)) from None
     reader = open_checkpoint(checkpoint)
     if getattr(model, "config", None) is not None and not reader.config_checked:  # (from_pretrained checked it)
         reader.check_config(model.config)
     try:
-        _Loader(model, plan, reader, cache_dir, progress).run()
+        _Loader(model, plan, reader, cache_dir, progress, fp8_kinds).run()
     except LoadError as e:
         if not plan.unmatched_rules:
             raise
@@ -136,29 +145,6 @@ def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: b
         raise LoadError(f"{notes}\nbecause of that, loading failed: {e}") from e
     apply.finish(model, plan, hot, prefill)
     return plan
-
-
-def _release_format(reader: Reader) -> tuple[str | None, int | None]:
-    """(quant, group size) of the native expert format that holds a quantized checkpoint's routed experts best
-    (``Codec.native``), or (None, None) for an unquantized one (the rules' choice)."""
-    codecs = [r.codec for r in reader.refs if r.codec is not None]
-    experts = [c for r, c in zip([r for r in reader.refs if r.codec is not None], codecs)
-               if ".experts." in r.key or r.key.endswith(("experts.gate_up_proj", "experts.down_proj"))]
-    found = Counter(c.native for c in (experts or codecs))
-    if not found:
-        return None, None
-    quant, group = found.most_common(1)[0][0]
-    return (quant, group if quant == "int4" else None) if quant != "bf16" else (None, None)
-
-
-def _model_dtype(config, dtype) -> torch.dtype:
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise LoadError(f"dtype {dtype!r} is not a floating torch dtype")
-    return dtype
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -194,8 +180,9 @@ class _Unit:
 class _Loader:
     """State of one load_into call."""
 
-    def __init__(self, model: nn.Module, plan, ckpt: Reader, cache_dir, progress: bool):
+    def __init__(self, model: nn.Module, plan, ckpt: Reader, cache_dir, progress: bool, fp8_kinds=frozenset()):
         self.model, self.plan, self.ckpt, self.progress = model, plan, ckpt, progress
+        self.fp8_kinds = fp8_kinds
         if any(not e.name for e in plan.operator_entries()):
             raise LoadError("a rule replaces the root module; replace a submodule instead")
         self.units = {e.name: _Unit(e, model.get_submodule(e.name)) for e in plan.operator_entries()}
@@ -208,7 +195,7 @@ class _Loader:
         for piece in self.pieces:
             if piece.expert_leaf is not None:
                 check_expert_piece(self.units[piece.unit].stream.spec, piece)
-        self.dtypes = _target_dtypes(model)
+        self.dtypes = target_dtypes(model)
         self.resident: Counter[str] = Counter()
         self.bytes_read = 0
         self.cache = self._cache(cache_dir)
@@ -322,6 +309,9 @@ class _Loader:
         piece, expert, shape = job.what
         if piece.expert_leaf is not None:
             self._submit_pack(self.units[piece.unit], job, buf)
+        elif self._keep_fp8(piece, buf, shape):
+            self.bytes_read += job.nbytes
+            self.buffers.put(buf)
         else:
             self.bytes_read += job.nbytes
             x = TensorBytes(self.ckpt, piece.ref, buf, shape).values()
@@ -334,6 +324,26 @@ class _Loader:
             unit.left -= 1
             if unit.left == 0:
                 self._finish_unit(unit)
+
+    def _keep_fp8(self, piece: Piece, buf: torch.Tensor, shape) -> bool:
+        """An FP8 linear weight of a kept kind (``dense_fp8``): an ``FP8Linear`` of its bytes and scales takes the
+        ``nn.Linear``'s place, on the weight's device. False for every other tensor."""
+        codec = piece.ref.codec
+        mod_name, _, leaf = piece.target.rpartition(".")
+        if not self.fp8_kinds or not isinstance(codec, FP8Block) or leaf != "weight" or len(shape) != 2 or (
+                fp8_linear.kind_of(mod_name) not in self.fp8_kinds):
+            return False
+        old = self.model.get_submodule(mod_name)
+        if type(old) is not nn.Linear:
+            return False
+        device = self.devices.get(id(piece.meta), _CPU)
+        weight, scale = codec.parts(buf, shape)
+        new = fp8_linear.adopt(self.model, mod_name, weight.to(device, copy=True), scale.to(device, copy=True),
+                               codec.block)  # (copies: the read buffer goes back to the pool)
+        if old.bias is not None:  # filled later: the new module holds the same tensor
+            self.owners.owners[id(old.bias)].append((new, "bias", True))
+        self.resident[str(device)] += weight.numel() + scale.numel() * 4
+        return True
 
     def _assign(self, meta: torch.Tensor, value: torch.Tensor) -> None:
         """Put ``value`` wherever the model holds ``meta`` (every owner of a tied tensor gets the same one)."""
@@ -404,21 +414,3 @@ class _Loader:
             log.warning("%s", note)
         log.info("loaded %s in %.2f s: %.3f GB read, %.2f GB/s; resident %s; packed-expert cache: %s",
                  self.ckpt.dir, seconds, self.bytes_read / 1e9, gbs, per_device, cache)
-
-
-def _target_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
-    """Tensor name -> dtype transformers' from_pretrained gives it where that differs from the meta model's
-    (``_keep_in_fp32_modules_strict`` of bf16/fp16 models, e.g. DeepSeek-V3's e_score_correction_bias)."""
-    dtype = getattr(getattr(model, "config", None), "dtype", None)
-    try:
-        dtype_plan = model._get_dtype_plan(dtype) if isinstance(dtype, torch.dtype) else {}
-    except Exception:  # noqa: BLE001 - private API of transformers
-        dtype_plan = {}
-    patterns = [(re.compile(p.replace("*", ".*")), d) for p, d in (dtype_plan or {}).items()]
-    out = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        for rx, d in patterns:
-            if t.is_floating_point() and rx.search(name):
-                out[name] = d
-                break
-    return out

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ktinject import operators
+from ktinject.decode.stateful_layers import eager_decode_reason
 from ktinject.gpu_experts.hot.settings import human_bytes
 from ktinject.operators.base import OperatorError
 from ktinject.injection.rules import FAMILIES, Rule, RuleError, RuleSet, class_path, load_rules, rules_for_model
@@ -63,6 +64,8 @@ class Plan:
     devices: Mapping[str, torch.device]
     unmatched_rules: tuple[Rule, ...]
     unclaimed_nbytes: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    #: why the model's decode steps will run eagerly in HF's cache (``decode.stateful_layers``), or None
+    eager_decode: str | None = None
 
     def bytes_per_device(self) -> dict[str, int]:
         """Total bytes each device will hold: {str(device): bytes}."""
@@ -116,6 +119,7 @@ def plan(model: nn.Module, rules: Any = None, *, quant: str | None = None, defer
         devices=MappingProxyType(devs),
         unmatched_rules=unmatched,
         unclaimed_nbytes=MappingProxyType(dict(walk.unclaimed)),
+        eager_decode=eager_decode_reason(model),
     )
 
 
@@ -410,6 +414,8 @@ def format_plan(p: Plan) -> str:
     lines.append("devices: " + ", ".join(f"{k}={v}" for k, v in sorted(p.devices.items())))
     for rule in p.unmatched_rules:
         lines.append(f"unmatched rule: {rule.where}")
+    if p.eager_decode:
+        lines.append(f"decode: eager, {p.eager_decode}")
     return "\n".join(lines)
 
 

@@ -65,6 +65,7 @@ FAMILIES: Mapping[str, str] = MappingProxyType({
     "deepseek_v2": "deepseek_v2.yaml",
     "deepseek_v3": "deepseek_v3.yaml",
     "kimi_k2": "deepseek_v3.yaml",  # Kimi-K2 checkpoints are DeepSeek-V3 architecture under their own model_type
+    "kimi_k25": "deepseek_v3.yaml",  # Kimi-K2.5: that text model under model.language_model of an image-text model
     "glm4_moe": "glm4_moe.yaml",
     "gpt_oss": "gpt_oss.yaml",
     "minimax_m2": "minimax_m2.yaml",
@@ -72,6 +73,12 @@ FAMILIES: Mapping[str, str] = MappingProxyType({
     "ernie4_5_moe": "ernie4_5_moe.yaml",
     "hunyuan_v1_moe": "hunyuan_v1_moe.yaml",
     "dots1": "dots1.yaml",
+    "qwen3_next": "qwen3_next.yaml",
+    "qwen3_5_moe": "qwen3_5_moe.yaml",  # the image-text model: its language model under model.language_model
+    "qwen3_5_moe_text": "qwen3_5_moe.yaml",  # the text model alone (Qwen3_5MoeForCausalLM)
+    "deepseek_v32": "deepseek_v32.yaml",
+    "glm_moe_dsa": "glm_moe_dsa.yaml",
+    "llama4_text": "llama4.yaml",  # the text model (Llama4ForCausalLM)
 })
 
 _CLASS_RE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")

@@ -18,7 +18,8 @@ query heads). There HF up to 5.22 repeats K and V across the whole static cache 
 is given, and SDPA's efficient kernel has no grouped-query mode; ``enable_gqa`` with a mask falls back to the math
 kernel, which repeats them too). ``ktinject_sdpa`` folds the query heads of a group into the query length instead:
 query [B, Hq, 1, D] -> [B, Hkv, Hq/Hkv, D] against K/V [B, Hkv, L, D] and the mask [B, 1, 1, L], broadcast: the
-same numbers, no copy of the cache (HF 5.23 does the same as ``pack_gqa``). Legend: B batch, Hq query heads, Hkv
+same numbers, no copy of the cache (HF 5.23 does the same as ``pack_gqa``). Models with an attention class in
+``NAMED_IMPLEMENTATION_ONLY`` (DSA indexers) get HF's ``sdpa`` instead. Legend: B batch, Hq query heads, Hkv
 KV heads, D head dim, L cache length.
 """
 from __future__ import annotations
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 
 #: the attention function ``sdpa`` installs (registered with transformers on first use)
 KTINJECT_SDPA = "ktinject_sdpa"
+#: attention classes whose forward compares the implementation's name with "eager" / "sdpa" (DeepSeek-V3.2's and
+#: GLM-5's fold the lightning indexer's top-k into the mask only then, and hand any other function the indices for
+#: a sparse kernel): ``sdpa`` keeps HF's "sdpa" for a model that has one, since ktinject_sdpa would drop that mask
+NAMED_IMPLEMENTATION_ONLY = frozenset({"DeepseekV32Attention", "GlmMoeDsaAttention"})
 IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "keep")
 # implementations at least as good as SDPA: "sdpa" leaves these in place
 _AT_LEAST_SDPA = ("sdpa", KTINJECT_SDPA, "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -106,7 +111,11 @@ def apply_implementation(model: nn.Module, wanted: str) -> str:
         if not getattr(model, "_supports_sdpa", False):
             log.info("attention: %s does not support SDPA; keeping %r", type(model).__name__, current)
             return current
-        target = KTINJECT_SDPA if register_sdpa() else "sdpa"
+        named = next((type(m).__name__ for m in model.modules() if type(m).__name__ in NAMED_IMPLEMENTATION_ONLY),
+                     None)
+        if named is not None:
+            log.info("attention: %s compares the implementation's name with 'sdpa'; using HF's 'sdpa'", named)
+        target = KTINJECT_SDPA if named is None and register_sdpa() else "sdpa"
     if current == target:
         return current
     setter = getattr(model, "set_attn_implementation", None)

@@ -10,23 +10,30 @@ block class                      router   shared experts                     lay
 Qwen3MoeSparseMoeBlock           gate     -                                  hf       hidden
 OlmoeSparseMoeBlock              gate     -                                  hf       hidden
 MixtralSparseMoeBlock            gate     - (router jitter when training)    hf       hidden
-Qwen2MoeSparseMoeBlock           gate     shared_expert * sigmoid(gate(x))   hf       hidden
+Qwen2MoeSparseMoeBlock,          gate     shared_expert * sigmoid(gate(x))   hf       hidden
+Qwen3NextSparseMoeBlock,
+Qwen3_5MoeSparseMoeBlock
 DeepseekV2Moe                    gate     shared_experts(x), always          hf       hidden
 DeepseekV3MoE, Glm4MoeMoE,       gate     shared_experts(x), always          hf       hidden
-Glm4MoeLiteMoE, Dots1MoE
+Glm4MoeLiteMoE, Dots1MoE,
+DeepseekV32MoE, GlmMoeDsaMoE
 Ernie4_5_MoeSparseMoeBlock       gate     shared_experts(x), if configured   hf       hidden
 HunYuanMoEV1Moe                  gate (1) shared_mlp(x), always              hf       hidden
 MiniMaxM2SparseMoeBlock          gate (2) -                                  hf       hidden
 GptOssMLP                        router   -                                  gpt_oss  (hidden, router_scores)
+Llama4TextMoe                    router   shared_expert(x), always (3)       llama4   (hidden, router_logits)
 ===============================  =======  =================================  =======  ===========================
 
 (1) its [E, H] weight is ``gate.wg.weight``; (2) its forward also takes the block's ``e_score_correction_bias``
 buffer (sigmoid scores + bias choose the k experts, the scores renormalized weight them), which the hybrid block
-keeps under the same name and passes on (``Known.router_args``).
+keeps under the same name and passes on (``Known.router_args``); (3) Llama 4's router returns (scores [T, E],
+logits) and its scores weight each expert's *input* (``BlockSpec.weights_input``: the hybrid block feeds the native
+experts x * score per (token, slot) with weight 1, and adds the shared expert of the unweighted x itself).
 
 Blocks of other classes with the same structure are accepted (found from their attributes) with a warning.
 Layouts: ``hf`` is gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I], SiLU; ``gpt_oss`` is gate_up
-[E, H, 2I] interleaved (even columns gate, odd up) with biases, down [E, I, H] with bias, clamped SwiGLU.
+[E, H, 2I] interleaved (even columns gate, odd up) with biases, down [E, I, H] with bias, clamped SwiGLU;
+``llama4`` is ``hf`` transposed: gate_up [E, H, 2I] (gate columns, then up), down [E, I, H], SiLU, no biases.
 
 Legend: T tokens, E experts, H hidden, I expert intermediate, k experts per token.
 """
@@ -44,7 +51,10 @@ from ktinject.operators.base import OperatorError, tensor_bytes
 
 log = logging.getLogger(__name__)
 
-QUANTS = ("bf16", "int8", "int4")  # int4: group-wise (32, 64 or 128 inputs a scale; native.default_group_size)
+QUANTS = ("bf16", "int8", "int4", "fp8")  # int4: group-wise (32, 64 or 128 inputs a scale; native.default_group_size)
+GROUPED_QUANTS = ("int4", "fp8")  # quants with a group size (fp8: inputs per block scale, 128 unless the release says)
+FP8_GROUP = 128  # fp8 experts' inputs per scale when none is given (the FP8 releases' 128 x 128 blocks)
+FP8_BLOCK_ROWS = 16  # fp8 experts' output rows per scale: one per 16-row block holds any release's scales exactly
 # gpt-oss's clamped SwiGLU when its experts module does not say (transformers' GptOssExperts defaults)
 GPT_OSS_ALPHA = 1.702
 GPT_OSS_LIMIT = 7.0
@@ -58,6 +68,7 @@ class Known(NamedTuple):
     returns_scores: bool  # forward returns (hidden, router_scores)
     router_args: tuple[str, ...] = ()  # block attributes the router's forward takes after x, in order
     router_weight: str = "weight"  # the router's [E, H] weight, a path inside the router module
+    layout: str | None = None  # the experts' layout where their attributes do not say it (Llama 4's)
 
 
 KNOWN_BLOCKS: dict[str, Known] = {
@@ -65,15 +76,20 @@ KNOWN_BLOCKS: dict[str, Known] = {
     "OlmoeSparseMoeBlock": Known("gate", None, False),
     "MixtralSparseMoeBlock": Known("gate", None, False),
     "Qwen2MoeSparseMoeBlock": Known("gate", "gated", False),
+    "Qwen3NextSparseMoeBlock": Known("gate", "gated", False),  # Qwen2-MoE's block; hybrid linear attention
+    "Qwen3_5MoeSparseMoeBlock": Known("gate", "gated", False),  # likewise (router always renormalizes)
     "DeepseekV2Moe": Known("gate", "always", False),
     "DeepseekV3MoE": Known("gate", "always", False),
     "Glm4MoeMoE": Known("gate", "always", False),
     "Glm4MoeLiteMoE": Known("gate", "always", False),  # GLM-4.7-Flash: DeepSeek-V3's router and block, MLA
     "Dots1MoE": Known("gate", "always", False),  # dots.llm1: DeepSeek-V3's router and block
+    "DeepseekV32MoE": Known("gate", "always", False),  # DeepSeek-V3.2: V3's router and block; MLA + indexer
+    "GlmMoeDsaMoE": Known("gate", "always", False),  # GLM-5: the same
     "Ernie4_5_MoeSparseMoeBlock": Known("gate", "always", False),  # shared_experts None without shared experts
     "HunYuanMoEV1Moe": Known("gate", "mlp", False, router_weight="wg.weight"),
     "MiniMaxM2SparseMoeBlock": Known("gate", None, False, router_args=("e_score_correction_bias",)),
     "GptOssMLP": Known("router", None, True),
+    "Llama4TextMoe": Known("router", "unweighted", True, layout="llama4"),  # top-k sigmoid scores weight inputs
 }
 # attribute names of the shared-expert modules, by shared kind (kept under the same names in the hybrid block)
 SHARED_ATTRS: dict[str | None, tuple[str, ...]] = {
@@ -81,6 +97,7 @@ SHARED_ATTRS: dict[str | None, tuple[str, ...]] = {
     "always": ("shared_experts",),
     "mlp": ("shared_mlp",),  # Hunyuan's always-on shared MLP
     "gated": ("shared_expert", "shared_expert_gate"),
+    "unweighted": ("shared_expert",),  # Llama 4's: added by the hybrid block, of the block's unweighted input
 }
 
 
@@ -89,7 +106,7 @@ class BlockSpec:
     """How to drive one MoE block: names of its parts and the sizes of its routed experts."""
 
     router: str  # attribute holding the router module
-    shared: str | None  # None | "always" | "gated"
+    shared: str | None  # a key of SHARED_ATTRS
     returns_scores: bool  # forward returns (hidden, router_scores) instead of hidden
     layout: str  # "hf" | "gpt_oss"
     num_experts: int  # E
@@ -101,6 +118,11 @@ class BlockSpec:
     @property
     def has_bias(self) -> bool:
         return self.layout == "gpt_oss"
+
+    @property
+    def weights_input(self) -> bool:
+        """The routing weights scale each expert's input, not its output (Llama 4)."""
+        return self.layout == "llama4"
 
 
 #: tensors of an HF experts module that go to native experts (both layouts)
@@ -114,16 +136,18 @@ class ExpertStream:
 
     spec: BlockSpec
     quant: str
-    #: the int4 group, decided once here (``native.default_group_size`` when not given; 0 for bf16 / int8), so the
-    #: plan's bytes, the pack cache's key and the experts built agree whatever the environment does meanwhile
+    #: the int4 / fp8 group, decided once here (int4: ``native.default_group_size`` when not given, fp8:
+    #: FP8_GROUP; 0 for bf16 / int8), so the plan's bytes, the pack cache's key and the experts built agree whatever
+    #: the environment does meanwhile
     group_size: int | None = None
 
     def __post_init__(self):
         g = self.group_size
-        if self.quant != "int4":
+        if self.quant not in GROUPED_QUANTS:
             g = 0
         elif not g:  # None (or a bf16 stream's 0 carried over by dataclasses.replace): decided here
-            g = native.default_group_size(self.spec.hidden, self.spec.intermediate)
+            g = (native.default_group_size(self.spec.hidden, self.spec.intermediate) if self.quant == "int4"
+                 else FP8_GROUP)
         else:  # given: checked now, not when the experts are built
             g = native.Experts.checked_group_size(self.quant, g, self.spec.hidden, self.spec.intermediate)
         object.__setattr__(self, "group_size", g)
@@ -168,12 +192,20 @@ def _find_shared(module: nn.Module) -> str | None:
     return None
 
 
-def _expert_layout(name: str, module: nn.Module, experts: nn.Module) -> tuple[str, int, int, int]:
-    """(layout, E, H, I) of an experts module, checking shapes and activation."""
+def _expert_layout(name: str, module: nn.Module, experts: nn.Module,
+                   layout: str | None = None) -> tuple[str, int, int, int]:
+    """(layout, E, H, I) of an experts module, checking shapes and activation; ``layout``: the known block's."""
     gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3):
         raise _fail(name, module, "its 'experts' has no 3-D gate_up_proj/down_proj tensors (per-expert modules "
                     "of transformers 4.x are not supported: use transformers>=5.17)")
+    if layout == "llama4":
+        E, H, I2 = gu.shape  # [E, H, 2I]: gate columns, then up
+        _check_silu(name, module, experts)
+        if I2 % 2 or tuple(down.shape) != (E, I2 // 2, H):
+            raise _fail(name, module, f"gate_up_proj {tuple(gu.shape)} and down_proj {tuple(down.shape)} disagree "
+                        f"(expected down_proj {(E, I2 // 2, H)})")
+        return layout, E, H, I2 // 2
     transposed = bool(getattr(experts, "is_transposed", False))
     has_bias = bool(getattr(experts, "has_bias", False)) or isinstance(getattr(experts, "gate_up_proj_bias", None),
                                                                       torch.Tensor)
@@ -188,13 +220,17 @@ def _expert_layout(name: str, module: nn.Module, experts: nn.Module) -> tuple[st
         E, I2, H = gu.shape  # [E, 2I, H]
         layout, I = "hf", I2 // 2
         want_down = (E, H, I)
-        act = getattr(experts, "act_fn", None)
-        if act is not None and "silu" not in type(act).__name__.lower():
-            raise _fail(name, module, f"its experts use activation {type(act).__name__}; native experts do SiLU")
+        _check_silu(name, module, experts)
     if I2 % 2 or tuple(down.shape) != want_down:
         raise _fail(name, module, f"gate_up_proj {tuple(gu.shape)} and down_proj {tuple(down.shape)} disagree "
                     f"(expected down_proj {want_down})")
     return layout, E, H, I
+
+
+def _check_silu(name: str, module: nn.Module, experts: nn.Module) -> None:
+    act = getattr(experts, "act_fn", None)
+    if act is not None and "silu" not in type(act).__name__.lower():
+        raise _fail(name, module, f"its experts use activation {type(act).__name__}; native experts do SiLU")
 
 
 def inspect_block(module: nn.Module, name: str) -> BlockSpec:
@@ -204,11 +240,11 @@ def inspect_block(module: nn.Module, name: str) -> BlockSpec:
     experts = getattr(module, "experts", None)
     if not isinstance(experts, nn.Module):
         raise _fail(name, module, "it has no 'experts' submodule")
-    layout, E, H, I = _expert_layout(name, module, experts)
     cls = type(module).__name__
     known = KNOWN_BLOCKS.get(cls)
+    layout, E, H, I = _expert_layout(name, module, experts, known.layout if known is not None else None)
     if known is not None:
-        router, shared, returns_scores, router_args, weight_path = known
+        router, shared, returns_scores, router_args, weight_path, _ = known
         if not isinstance(getattr(module, router, None), nn.Module):
             raise _fail(name, module, f"it has no router module '{router}'")
         if shared is not None and getattr(module, SHARED_ATTRS[shared][0], None) is None:
@@ -262,9 +298,9 @@ def _activation(spec: BlockSpec, experts_module: nn.Module) -> dict:
 
 def new_experts(spec: BlockSpec, experts_module: nn.Module, quant: str, group_size: int | None = None):
     """Empty ``native.Experts`` for the block (filled expert by expert, e.g. by the streaming loader)."""
+    extra = {"block_rows": FP8_BLOCK_ROWS, "group_size": group_size or FP8_GROUP} if quant == "fp8" else {}
     return native.Experts(spec.num_experts, spec.hidden, spec.intermediate, quant=quant, bias=spec.has_bias,
-                          group_size=group_size,
-                          **_activation(spec, experts_module))
+                          **({"group_size": group_size} | extra), **_activation(spec, experts_module))
 
 
 def pack_experts(module: nn.Module, spec: BlockSpec, quant: str, name: str, group_size: int | None = None):
@@ -279,7 +315,10 @@ def pack_experts(module: nn.Module, spec: BlockSpec, quant: str, name: str, grou
             _cpu(ex.gate_up_proj), _cpu(ex.gate_up_proj_bias), _cpu(ex.down_proj), _cpu(ex.down_proj_bias),
             alpha=act["alpha"], limit=act["limit"], quant=quant, group_size=group_size,
         )
-    return native.Experts.from_hf(_cpu(ex.gate_up_proj), _cpu(ex.down_proj), quant=quant, group_size=group_size)
+    gate_up, down = _cpu(ex.gate_up_proj), _cpu(ex.down_proj)
+    if spec.layout == "llama4":  # [E, H, 2I], [E, I, H]: their transposes (views) are the hf layout
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    return native.Experts.from_hf(gate_up, down, quant=quant, group_size=group_size)
 
 
 def gpt_oss_biases(experts_module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,6 +357,8 @@ def free_experts(module: nn.Module) -> None:
 def shared_output(block: nn.Module, kind: str | None, x: torch.Tensor) -> torch.Tensor | None:
     """Shared-expert output for x [T, H] (on x's device), or None when the family has none."""
     if kind is None:
+        return None
+    if kind == "unweighted":  # Llama 4: x here is the experts' weighted input; the block adds its own
         return None
     if kind == "gated":
         return torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)  # Qwen2-MoE

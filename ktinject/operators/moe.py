@@ -17,9 +17,10 @@ The router's fast path (softmax -> top-k routers in fewer kernels) and the host 
 Rule keyword arguments: ``quant``: ``bf16`` (default), ``int8`` (W8A8: int8 weights with per-output-channel
 scales, activations quantized per token on the fly) or ``int4`` (W4A8: int4 weights with a scale per group of 128
 inputs where the block's sizes are multiples of 128, else 64: ~4.25 / ~4.5 bits a weight; int8 activations;
-dequantized to bf16 for AMX when an expert has many rows); ``group_size`` (with int4 only: 32, 64 or 128 inputs a
-scale instead of that default, which it overrides, as it does KTINJECT_INT4_GROUP; smaller groups follow the weights
-more closely and read more bytes);
+dequantized to bf16 for AMX when an expert has many rows) or ``fp8`` (W8A16: float8 e4m3 weights with a scale
+per block of 16 outputs x 128 inputs, bf16 activations; what an FP8 release's experts load as, bit for bit);
+``group_size`` (with int4 or fp8 only: 32, 64 or 128 inputs a scale instead of that default, which it overrides, as
+it does KTINJECT_INT4_GROUP for int4; smaller groups follow the weights more closely and read more bytes);
 ``defer``: d (an int, default 0) of each token's k experts, the lowest-weighted, or (a float m, 0 < m < 1) its
 lowest-weighted experts up to a share m of its routing weight, deferred in decode steps to the next MoE block, which
 adds their output to its own while the CPU has computed them during that block's attention
@@ -43,12 +44,12 @@ from torch import nn
 from ktinject import native
 from ktinject.operators import fast_path_report as fastpaths
 from ktinject.operators import handshake as stream_experts
-from ktinject.operators import cpu_overlap, deferral, register
+from ktinject.operators import cpu_overlap, deferral, input_weighted, register
 from ktinject.operators.kernels import common as fused
 from ktinject.operators.base import Operator, OperatorError, tensor_bytes
 from ktinject.operators.families import (
-    QUANTS, SHARED_ATTRS, BlockSpec, ExpertStream, experts_nbytes, free_experts, gpt_oss_biases, inspect_block,
-    pack_experts, packed_nbytes, shared_output,
+    GROUPED_QUANTS, QUANTS, SHARED_ATTRS, BlockSpec, ExpertStream, experts_nbytes, free_experts, gpt_oss_biases,
+    inspect_block, pack_experts, packed_nbytes, shared_output,
 )
 from ktinject.operators.routing import (
     fast_routing, fused_router_fits, hooked, router_f32_extra, softmax_topk_router, staging,
@@ -65,18 +66,19 @@ def _quant(kwargs: Mapping[str, Any], name: str) -> str:
 
 
 def _group(kwargs: Mapping[str, Any], name: str) -> int | None:
-    """The ``group_size`` kwarg (int4 only: inputs per scale), checked; None: ``native.default_group_size``."""
+    """The ``group_size`` kwarg (int4 and fp8 only: inputs per scale), checked; None: the quant's default (int4:
+    ``native.default_group_size``, fp8: 128)."""
     group = kwargs.get("group_size")
     if group is None:
         return None
     quant = _quant(kwargs, name)
-    if quant != "int4":
-        raise OperatorError(f"moe: group_size {group!r} for {name!r} applies to quant int4 only (the quant in effect "
-                            f"is {quant}: the rule's, else bf16, unless quant= / --quant given to the call overrides "
-                            f"it); drop it or set quant: int4")
+    if quant not in GROUPED_QUANTS:
+        raise OperatorError(f"moe: group_size {group!r} for {name!r} applies to quant int4 or fp8 only (the quant in "
+                            f"effect is {quant}: the rule's, else bf16, unless quant= / --quant given to the call "
+                            f"overrides it); drop it or set quant: int4")
     if isinstance(group, bool) or group not in native.GROUP_SIZES:
         raise OperatorError(f"moe: group_size {group!r} for {name!r} is not supported; use one of "
-                            f"{', '.join(map(str, native.GROUP_SIZES))} (int4 inputs per scale)")
+                            f"{', '.join(map(str, native.GROUP_SIZES))} ({quant} inputs per scale)")
     return int(group)
 
 
@@ -143,6 +145,8 @@ class HybridMoE(nn.Module):
         pairs, writes x, ids and weights into the runner's pinned buffers (``runner.staged_ids``: no copies) and
         raises the runner's go (``runner.raised_ids``: no stream operation)."""
         router = self._modules[self.spec.router]  # "gate" or "router" (gpt-oss); checked per call: may be replaced
+        if self.spec.weights_input:  # Llama 4's router returns (scores, logits)
+            return input_weighted.llama4_routing(router, x)[:2]
         report = fastpaths.report_for(self)
         if not softmax_topk_router(router):
             report.unavailable("fast_router", f"{type(router).__name__} is not a softmax -> top-k router")
@@ -183,6 +187,8 @@ class HybridMoE(nn.Module):
         self.counts.index_add_(0, flat.to(self.counts.device), ones.to(self.counts.device))
 
     def forward(self, hidden_states: torch.Tensor):
+        if self.spec.weights_input:  # Llama 4 (input_weighted.py)
+            return input_weighted.forward(self, hidden_states)
         B, S, H = hidden_states.shape  # [B, S, H]
         if self.training and self.jitter_noise > 0:  # Mixtral's router jitter (HF applies it in training only)
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
@@ -364,7 +370,12 @@ class MoEOperator(Operator):
 
     @classmethod
     def expert_stream(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> ExpertStream:
-        return ExpertStream(inspect_block(module, name), _quant(kwargs, name), _group(kwargs, name))
+        spec = inspect_block(module, name)
+        if spec.layout == "llama4":
+            raise OperatorError(f"moe: {name!r} ({type(module).__name__}) has Llama 4's transposed experts, which the "
+                                f"streaming loader does not read yet; load the model with transformers' "
+                                f"from_pretrained, then ktinject.inject(model)")
+        return ExpertStream(spec, _quant(kwargs, name), _group(kwargs, name))
 
     @classmethod
     def build(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any], device: torch.device) -> nn.Module:
@@ -390,6 +401,9 @@ def _defer(kwargs: Mapping[str, Any], module: nn.Module, spec: BlockSpec, name: 
     """The ``defer`` kwarg (slots per token, or a share of each token's routing weight, deferred to the next MoE
     block in decode steps), checked (against k for a count)."""
     k = getattr(getattr(module, spec.router, None), "top_k", None)
+    if spec.weights_input and kwargs.get("defer"):
+        raise OperatorError(f"moe: defer for {name!r} ({type(module).__name__}): expert deferral does not take "
+                            f"blocks whose routing weights scale the experts' input (Llama 4); drop it")
     return deferral.check_defer(kwargs.get("defer", 0), k if isinstance(k, int) else None, repr(name))
 
 

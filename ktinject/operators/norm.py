@@ -7,9 +7,14 @@ the fused kernel rounds once at the end where HF rounds the normalized value to 
 by the weight in that dtype (GptOssRMSNorm multiplies in float32 first, as the fused kernel does), so in bf16 the
 two differ by about one bf16 ulp, and the fused result is the closer one to float64 (tests/operators/test_norm.py).
 
-Only the classes in ``KNOWN`` are taken (all ``weight * x * rsqrt(mean(x^2) + eps)``, eps in ``variance_epsilon``);
-another class is refused with its name, since e.g. Gemma's norm scales by ``1 + weight``. The fused module keeps
-the ``weight`` parameter under the same name, so state-dict keys do not change. The attention operator fuses the
+Only the classes in ``KNOWN`` are taken (all ``weight * x * rsqrt(mean(x^2) + eps)``, eps in ``variance_epsilon``;
+``EPS_ATTR``: the same with eps under another name),
+and the zero-centered ones in ``ZERO_CENTERED`` (Qwen3-Next, Qwen3.5: ``(1 + weight) * x * rsqrt(...)`` in float32,
+eps in ``eps``), which become a ``ZeroCenteredRMSNorm`` (one float32 ``torch.rms_norm`` and the scale: HF's
+arithmetic, in its order); another class is refused with its name (e.g. Gemma's norm, which rounds otherwise). The
+fused modules keep the ``weight`` parameter under the same name, so state-dict keys do not change. Only
+``FusedRMSNorm`` feeds the decode layer's fused residual add + norm (``fuse_problem``): the zero-centered scale is
+not the weight that kernel multiplies by. The attention operator fuses the
 norms inside attention modules too (q/k norms, DeepSeek's MLA norms) with ``fuse_children``.
 """
 from __future__ import annotations
@@ -28,7 +33,13 @@ log = logging.getLogger(__name__)
 #: HF RMSNorm classes whose forward is weight * normalize(x), eps in ``variance_epsilon``
 KNOWN = frozenset({"Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm", "OlmoeRMSNorm", "DeepseekV2RMSNorm",
                    "DeepseekV3RMSNorm", "Glm4MoeRMSNorm", "GptOssRMSNorm", "MiniMaxM2RMSNorm", "Glm4MoeLiteRMSNorm",
-                   "Ernie4_5_MoeRMSNorm", "HunYuanMoEV1RMSNorm", "Dots1RMSNorm"})
+                   "Ernie4_5_MoeRMSNorm", "HunYuanMoEV1RMSNorm", "Dots1RMSNorm", "DeepseekV32RMSNorm",
+                   "GlmMoeDsaRMSNorm"})
+#: HF RMSNorm classes of the same formula that keep their eps under another name (class -> attribute); the decode
+#: paths read ``variance_epsilon`` of HF norms that pass ``fuse_problem``, so these pass only ``replace_problem``
+EPS_ATTR = {"Llama4TextRMSNorm": "eps"}
+#: HF RMSNorm classes whose forward is ((1 + weight) * normalize(x)) in float32, cast back; eps in ``eps``
+ZERO_CENTERED = frozenset({"Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm"})
 
 
 class FusedRMSNorm(nn.Module):
@@ -56,12 +67,41 @@ class FusedRMSNorm(nn.Module):
         return f"{self.class_name}, {self._shape[0]}, eps={self.variance_epsilon:g}, fused"
 
 
+class ZeroCenteredRMSNorm(nn.Module):
+    """``((1 + weight) * rms_norm(x))`` in float32, cast to x's dtype: HF's zero-centered RMSNorm in fewer kernels."""
+
+    def __init__(self, weight: nn.Parameter, eps: float, class_name: str):
+        super().__init__()
+        self.weight = weight
+        self.eps = float(eps)
+        self.class_name = class_name
+        self._shape = (int(weight.shape[0]),)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = torch.rms_norm(hidden_states.float(), self._shape, None, self.eps)
+        return (x * (1.0 + self.weight.float())).to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.class_name}, {self._shape[0]}, eps={self.eps:g}, zero-centered, fused"
+
+
+def _weight_and_eps_problem(module: nn.Module, eps_attr: str) -> str | None:
+    """Why ``module`` (a ``ZERO_CENTERED`` or ``EPS_ATTR`` class) has no 1-D weight and numeric eps, or None."""
+    w = getattr(module, "weight", None)
+    if not isinstance(w, nn.Parameter) or w.dim() != 1:
+        return f"its weight is {None if w is None else tuple(w.shape)}, expected a 1-D parameter"
+    if not isinstance(getattr(module, eps_attr, None), (int, float)):
+        return f"it has no numeric {eps_attr}"
+    return None
+
+
 def fuse_problem(module: nn.Module) -> str | None:
     """Why ``module`` cannot become a FusedRMSNorm, or None when it can."""
     cname = type(module).__name__
     if cname not in KNOWN:
-        return (f"its class {cname} is not a known HF RMSNorm (known: {', '.join(sorted(KNOWN))}); other norms "
-                f"(e.g. scaled by 1 + weight) would compute something else")
+        return (f"its class {cname} is not a known HF RMSNorm (known: "
+                f"{', '.join(sorted(KNOWN | ZERO_CENTERED | set(EPS_ATTR)))}); "
+                f"other norms would compute something else")
     w = getattr(module, "weight", None)
     if not isinstance(w, nn.Parameter) or w.dim() != 1:
         return f"its weight is {None if w is None else tuple(w.shape)}, expected a 1-D parameter"
@@ -106,16 +146,28 @@ def take_prenormed(x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
     return y if ok else None
 
 
-def fuse(module: nn.Module) -> FusedRMSNorm:
-    """A FusedRMSNorm sharing ``module``'s weight (``module`` must pass ``fuse_problem``)."""
-    return FusedRMSNorm(module.weight, module.variance_epsilon, type(module).__name__)
+def replace_problem(module: nn.Module) -> str | None:
+    """Why the rmsnorm operator cannot take ``module`` (plain or zero-centered), or None when it can."""
+    cname = type(module).__name__
+    if cname in ZERO_CENTERED or cname in EPS_ATTR:
+        return _weight_and_eps_problem(module, EPS_ATTR.get(cname, "eps"))
+    return fuse_problem(module)
+
+
+def fuse(module: nn.Module) -> nn.Module:
+    """A FusedRMSNorm (a ZeroCenteredRMSNorm for the ``ZERO_CENTERED`` classes) sharing ``module``'s weight
+    (``module`` must pass ``replace_problem``)."""
+    cname = type(module).__name__
+    if cname in ZERO_CENTERED:
+        return ZeroCenteredRMSNorm(module.weight, module.eps, cname)
+    return FusedRMSNorm(module.weight, getattr(module, EPS_ATTR.get(cname, "variance_epsilon")), cname)
 
 
 def fuse_children(module: nn.Module) -> int:
-    """Replace every known RMSNorm below ``module`` by a FusedRMSNorm in place; returns how many."""
+    """Replace every known RMSNorm below ``module`` by its fused module in place; returns how many."""
     n = 0
     for name, child in list(module.named_modules()):
-        if name and fuse_problem(child) is None:
+        if name and replace_problem(child) is None:
             parent, _, attr = name.rpartition(".")
             setattr(module.get_submodule(parent) if parent else module, attr, fuse(child))
             n += 1
@@ -124,13 +176,13 @@ def fuse_children(module: nn.Module) -> int:
 
 @register("rmsnorm")
 class RMSNormOperator(Operator):
-    """Replace a known HF RMSNorm by one fused kernel call on ``device``."""
+    """Replace a known HF RMSNorm by one fused kernel call (zero-centered ones: one and the scale) on ``device``."""
 
     kwargs_allowed = frozenset()
 
     @classmethod
     def check(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> None:
-        problem = fuse_problem(module)
+        problem = replace_problem(module)
         if problem:
             raise OperatorError(f"rmsnorm: cannot take module {name!r} ({type(module).__name__}): {problem}")
 

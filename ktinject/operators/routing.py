@@ -95,7 +95,8 @@ def router_f32_extra(router: nn.Module) -> int:
 # summation order than cuBLAS) may round the other way. Eligibility is by class (and flag):
 # tests/operators/test_router.py checks each class against the installed transformers.
 _SOFTMAX_TOPK_ROUTERS = {"Qwen3MoeTopKRouter": "norm_topk_prob", "Qwen2MoeTopKRouter": "norm_topk_prob",
-                         "OlmoeTopKRouter": "norm_topk_prob", "MixtralTopKRouter": None}
+                         "OlmoeTopKRouter": "norm_topk_prob", "MixtralTopKRouter": None,
+                         "Qwen3NextTopKRouter": "norm_topk_prob", "Qwen3_5MoeTopKRouter": None}
 
 
 def softmax_topk_router(router: nn.Module) -> bool:

@@ -23,7 +23,7 @@ from tests.operators.test_fused_kernels import dev  # noqa: F401
 
 BF = torch.bfloat16
 SHAPES = [(3, 130, 70), (2, 200, 96), (1, 16, 64), (2, 64, 16), (2, 1, 1), (3, 37, 21)]  # (E, H, I)
-CASES = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 0), ("bf16", 0)]
+CASES = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 0), ("bf16", 0), ("fp8", 128), ("fp8", 32)]
 
 
 def _experts(E, H, I, quant, group, seed=0):
@@ -81,8 +81,8 @@ def test_bad_calls_name_the_problem():
     lay = expert_layout(ex)
     rows = PackedRegion(ex).tensor.view(2, lay.expert_bytes)
     m = lay.mats[0]
-    with pytest.raises(ValueError, match="quant 'fp8'"):
-        dequant.unpack_matrix(rows, m, "fp8", torch.empty(2, m.N, m.K, dtype=BF))
+    with pytest.raises(ValueError, match="quant 'fp4'"):
+        dequant.unpack_matrix(rows, m, "fp4", torch.empty(2, m.N, m.K, dtype=BF))
     with pytest.raises(ValueError, match=r"dst \[2, 32, 63\]"):
         dequant.unpack_matrix(rows, m, "int4", torch.empty(2, m.N, m.K - 1, dtype=BF), lay.group)
     with pytest.raises(ValueError, match="group size 48"):

@@ -41,7 +41,7 @@ def _up(x, m):
     return -(-x // m) * m
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "fp8"])
 @pytest.mark.parametrize("E, H, I", SHAPES)
 def test_raw_view_describes_the_packed_matrix(quant, E, H, I):
     ex = _experts(E, H, I, quant)
@@ -56,7 +56,7 @@ def test_raw_view_describes_the_packed_matrix(quant, E, H, I):
             kq = max(64, ex.group_size) if quant == "int4" else 64
             assert (r.quant, r.N, r.K, r.Np, r.Kp) == (quant, N, K, _up(N, 16), _up(K, kq))
             assert r.expert == base + e * r.expert_bytes and r.expert_bytes * E == nbytes
-            assert r.data_bytes == r.Np * r.Kp * {"bf16": 2, "int8": 1, "int4": 0.5}[quant]
+            assert r.data_bytes == r.Np * r.Kp * {"bf16": 2, "int8": 1, "int4": 0.5, "fp8": 1}[quant]
             assert r.expert <= r.data and r.data + r.data_bytes <= r.expert + r.expert_bytes
             assert (r.scale != 0) == (quant != "bf16") and r.bias == 0
             # the documented element formula, read straight from the mapping
@@ -66,6 +66,12 @@ def test_raw_view_describes_the_packed_matrix(quant, E, H, I):
             if quant == "bf16":
                 q = data.view(torch.bfloat16)[((n // 16) * (r.Kp // 2) + c // 2) * 32 + (n % 16) * 2 + c % 2]
                 assert float(q) == float(ref[n, c])
+            elif quant == "fp8":
+                byte = data[((n // 16) * r.Kp + c) * 16 + n % 16:][:1]
+                ng = -(-r.Kp // ex.group_size)
+                scales = region[r.scale - base:r.scale - base + 4 * (r.Np // 16) * ng].view(torch.float32)
+                scale = scales[(n // 16) * ng + c // ex.group_size]
+                assert float(byte.view(torch.float8_e4m3fn).float()[0] * scale) == float(ref[n, c])
             elif quant == "int4":
                 byte = int(data[((n // 16) * (r.Kp // 8) + c // 8) * 64 + (n % 16) * 4 + c % 4])
                 nib = (byte >> 4 * ((c // 4) % 2)) & 15
@@ -79,7 +85,7 @@ def test_raw_view_describes_the_packed_matrix(quant, E, H, I):
                 assert float(torch.tensor(float(q)) * scale) == float(ref[n, c])
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "fp8"])
 @pytest.mark.parametrize("E, H, I", SHAPES)
 def test_unpack_matrix_equals_get(quant, E, H, I):
     ex = _experts(E, H, I, quant, seed=E + H)
@@ -96,7 +102,7 @@ def test_unpack_matrix_equals_get(quant, E, H, I):
                 assert torch.equal(dst, ref.to(dtype)), f"{quant} {which} e={e} {dtype}"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "fp8"])
 @pytest.mark.parametrize("E, H, I", SHAPES + [(4, 128, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_unpack_experts_batched(quant, E, H, I, dtype):
@@ -123,7 +129,7 @@ def _hot(ex, dtype, biases=None) -> HotExperts:
     return HotExperts(block, ex.num_experts, dtype=dtype, dynamic=True)
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "fp8"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_upload_equals_host_weights(quant, bias, dtype):

@@ -85,12 +85,59 @@ def test_fp8_loads_as_its_float32_dequantization(tmp_path_factory, family, quant
     assert (got - hf).abs().max() / hf.abs().max() < tol
 
 
-def test_fp8_default_format_and_bf16_scales(tmp_path_factory, tmp_path):
+def test_fp8_blocks_of_other_sizes_and_bf16_scales(tmp_path_factory, tmp_path):
+    """Blocks of 48 inputs are no native fp8 group (32, 64, 128): such a release loads as int8, requantized."""
     src = _bf16(tmp_path_factory, "qwen3_moe")
     q = qc.write_fp8(src, tmp_path / "q", tmp_path / "ref", block=(16, 48), scale_dtype=torch.bfloat16)
-    model = _load(q)  # no quant: the release's format, int8 for FP8 experts
+    model = _load(q)  # no quant: the closest native format
     assert {m.quant for m in _experts(model)} == {"int8"}
     assert torch.equal(_logits(model), _logits(_load(tmp_path / "ref", quant="int8")))
+
+
+def _stored_exactly(model, deq, key_of) -> int:
+    """How many expert matrices were compared: each native matrix (ktk_experts_get: e4m3 * scale in float32)
+    equals the float32 dequantization the test wrote, bit for bit."""
+    n = 0
+    for m in _experts(model):
+        name = next(n for n, mod in model.named_modules() if mod is m)
+        for e in (0, m.num_experts - 1):
+            for which in ("gate", "up", "down"):
+                assert torch.equal(m.native_experts.get(e, which), key_of(deq, name, e, which)), (name, e, which)
+                n += 1
+    return n
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_fp8_experts_stay_fp8(tmp_path_factory, family):
+    """The default: FP8 experts as released (the bytes and block scales), nothing quantized again."""
+    q, ref = _quantized(tmp_path_factory, "fp8", family)
+    model = _load(q)
+    assert {(m.quant, m.native_experts.group_size) for m in _experts(model)} == {("fp8", 32)}
+    assert model._ktinject_load_stats["experts"] == []
+    keys = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    assert _stored_exactly(model, qc.read_all(ref),
+                           lambda d, name, e, w: d[f"{name}.experts.{e}.{keys[w]}.weight"]) > 0
+    hf = _logits(_hf_float32(ref))
+    assert (_logits(model) - hf).abs().max() / hf.abs().max() < 0.03  # W8A16: bf16 activations only
+
+
+def test_mxfp4_experts_are_fp8_exactly(tmp_path_factory):
+    """MXFP4's e2m1 x 2^e lands in fp8 with groups of 32 without a changed value (blocks of 16 rows take their
+    largest power of two); the model matches HF float32 on the dequantized weights."""
+    q, ref = _quantized(tmp_path_factory, "mxfp4", "gpt_oss", intermediate_size=64)
+    model = _load(q)
+    assert {(m.quant, m.native_experts.group_size) for m in _experts(model)} == {("fp8", 32)}
+    assert model._ktinject_load_stats["experts"] == []
+
+    def want(d, name, e, which):
+        if which == "down":
+            return d[f"{name}.experts.down_proj"][e].t()
+        first = 0 if which == "gate" else 1  # gate_up [H, 2I]: gate at even columns, up at odd ones
+        return d[f"{name}.experts.gate_up_proj"][e][:, first::2].t()
+
+    assert _stored_exactly(model, qc.read_all(ref), want) > 0
+    hf = _logits(_hf_float32(ref))
+    assert (_logits(model) - hf).abs().max() / hf.abs().max() < 0.03
 
 
 def test_compressed_int4_is_stored_exactly(tmp_path_factory):
@@ -210,3 +257,42 @@ def test_inject_on_transformers_quantized_modules_names_from_pretrained():
     model.config.quantization_config = {"quant_method": "fp8"}
     with pytest.raises(InjectError, match=r"quant_method 'fp8'.*ktinject.from_pretrained"):
         ktinject.inject(model, gpu="cpu")
+
+
+@pytest.mark.parametrize("choice", ["attention", "mlp", "all"])
+def test_dense_fp8_keeps_the_release_bits(tmp_path_factory, choice):
+    """dense_fp8: the chosen kinds' FP8 linears become FP8Linear modules holding the checkpoint's bytes and scales
+    (here on the CPU: the kernel's torch reference, x rounded to bf16); the rest is dequantized as by default."""
+    from safetensors import safe_open
+
+    from ktinject.operators.fp8_linear import FP8Linear, kind_of
+
+    q, ref = _quantized(tmp_path_factory, "fp8", "deepseek_v3")
+    model = _load(q, dense_fp8=choice, quant="int8")
+    kept = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    kinds = {"attention", "mlp"} if choice == "all" else {choice}
+    assert kept and {kind_of(n) for n in kept} == kinds
+    plain = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and kind_of(n) in kinds]
+    assert all(not n.startswith("model.layers.") or "experts" in n or n.endswith("gate") for n in plain), plain
+    stored = {}
+    for f in q.glob("*.safetensors"):
+        with safe_open(f, "pt") as fh:
+            stored.update({k: fh.get_tensor(k) for k in fh.keys() if k.endswith((".weight", ".weight_scale_inv"))})
+    for name, m in list(kept.items())[:6]:
+        assert torch.equal(m.weight.view(torch.uint8), stored[f"{name}.weight"].view(torch.uint8)), name
+        assert torch.equal(m.weight_scale_inv, stored[f"{name}.weight_scale_inv"].float()), name
+        # the module's product: x rounded to bf16 (the kernel's A16), the dequantized weight in float32
+        x = torch.randn(3, m.in_features)
+        w = stored[f"{name}.weight"].float() * m.weight_scale_inv.repeat_interleave(32, 0).repeat_interleave(32, 1)[
+            :m.out_features, :m.in_features]
+        want = x.to(torch.bfloat16).float() @ w.t()
+        assert torch.allclose(m(x), want, rtol=1e-5, atol=1e-5), name
+    # a bf16-rounded activation can flip a routing choice of these tiny random models: the bound is loose
+    hf = _logits(_hf_float32(ref))
+    assert (_logits(model) - hf).abs().max() / hf.abs().max() < 0.2
+
+
+def test_dense_fp8_bad_choice_is_named(tmp_path_factory):
+    q, _ = _quantized(tmp_path_factory, "fp8", "qwen3_moe")
+    with pytest.raises(LoadError, match=r"dense_fp8='some'.*none, attention, mlp, all"):
+        _load(q, dense_fp8="some", quant="int8")

@@ -49,6 +49,11 @@ INT4_KL_BOUND = 0.25
 # (d): logits are bf16 (one ulp is 1/32 at magnitude 4..8): a batched run may pick the other token of a top-2 pair
 # closer than two ulps; anything farther apart must not change.
 TIE_MARGIN = 1 / 16
+# (d) families whose unmodified HF model gives a left-padded row other logits than the row alone (float32, same
+# weights): the DSA indexer's top-k over a padded row's keys selects otherwise once a row holds more keys than
+# index_topk. The batched-vs-alone comparison would measure HF's behaviour, not ktinject's; test_hf_left_padding_differs
+# keeps the claim checked.
+HF_LEFT_PADDING_DIFFERS = {"deepseek_v32", "glm_moe_dsa"}
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -119,6 +124,7 @@ def test_moe_blocks_no_worse_than_hf_bf16(models):
         out_truth = first(truth_block(x.float()))
         out_yard = first(yard_block(x))
         assert out_inj.shape == out_truth.shape and out_inj.dtype == x.dtype
+        out_inj, out_truth, out_yard = (o.view(x.shape) for o in (out_inj, out_truth, out_yard))  # Llama 4: [T, H]
         e_inj, e_yard = rel_err(out_inj, out_truth), rel_err(out_yard, out_truth)
         same = _same_routing(truth_block, yard_block, models.inj.get_submodule(name), x)  # [B, S]
         s_inj, s_yard = rel_err(out_inj[same], out_truth[same]), rel_err(out_yard[same], out_truth[same])
@@ -138,7 +144,10 @@ def _same_routing(truth_block, yard_block, inj_block, x: torch.Tensor) -> torch.
     x2 = x.reshape(-1, x.shape[-1])  # [T, H]
 
     def hf_ids(block, h):  # the router's own call: MiniMax-M2's takes the block's e_score_correction_bias too
-        return getattr(block, spec.router)(h, *(getattr(block, a) for a in spec.router_args))[2].sort(-1).values
+        router = getattr(block, spec.router)
+        if spec.weights_input:  # Llama 4's returns (scores, logits): its experts are the logits' top k
+            return torch.topk(router(h)[1], router.top_k, dim=1).indices.sort(-1).values
+        return router(h, *(getattr(block, a) for a in spec.router_args))[2].sort(-1).values
 
     ids_truth, ids_yard = hf_ids(truth_block, x2.float()), hf_ids(yard_block, x2)
     ids_inj = inj_block.routing(x2.to(device_of_module(inj_block)))[1].cpu().sort(-1).values
@@ -239,6 +248,8 @@ def test_left_padded_batch_matches_single(models):
     log.info("%s left-padded batch, greedy tokens in truth top-2: injected %d, HF bf16 %d of %d", models.family,
              hits_inj, hits_yard, 2 * NEW_TOKENS)
     assert_misses_no_worse(2 * NEW_TOKENS, hits_inj, hits_yard)
+    if models.family in HF_LEFT_PADDING_DIFFERS:
+        pytest.skip(f"{models.family}: HF's own model gives a left-padded row other logits than the row alone")
 
     singles = [_greedy(models.inj, p[None])[0] for p in (a, b)]  # full sequences [S_i]
     S = max(len(s) for s in singles)
@@ -270,6 +281,21 @@ def test_left_padded_batch_matches_single(models):
                          step, margin)
                 assert margin <= TIE_MARGIN, f"row {row} step {step}: batched token differs at margin {margin:.3f}"
                 break
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", sorted(HF_LEFT_PADDING_DIFFERS))
+def test_hf_left_padding_differs(family):
+    """The reason (d) stops early for these families: HF float32 itself, left-padded, differs from the row alone."""
+    if missing_reason(family):
+        pytest.skip(missing_reason(family))
+    model = build_tiny_model(family, seed=0)
+    a, b = tiny_prompts(1, 20, seed=3)[0], tiny_prompts(1, 25, seed=4)[0]
+    ids, mask = torch.stack([torch.cat([torch.zeros(5, dtype=torch.long), a]), b]), torch.ones(2, 25, dtype=torch.long)
+    mask[0, :5] = 0
+    batch = logits(model, ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))[0, 5:]
+    alone = logits(model, a[None])[0]
+    assert ((batch - alone).norm(dim=-1) / alone.norm(dim=-1)).max() > 0.1
 
 
 @torch.no_grad()
@@ -350,5 +376,5 @@ def test_routing_weights_dtype(models):
     x = torch.randn(5, block.hidden_size, dtype=torch.bfloat16, device=device_of(models.inj))
     weights, ids = block.routing(x)
     assert ids.dtype == torch.int64 and ids.shape == weights.shape == (5, block.top_k)
-    assert block.top_k == models.inj.config.num_experts_per_tok
+    assert block.top_k == models.inj.config.get_text_config().num_experts_per_tok  # (a wrapper's: its text model's)
     assert weights.dtype == torch.float32  # the injected router runs in float32 for every family (moe.py)

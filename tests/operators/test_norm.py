@@ -7,13 +7,16 @@ import pytest
 import torch
 
 from ktinject.operators.base import OperatorError
-from ktinject.operators.norm import KNOWN, FusedRMSNorm, RMSNormOperator, fuse, fuse_children
+from ktinject.operators.norm import (KNOWN, ZERO_CENTERED, FusedRMSNorm, RMSNormOperator, ZeroCenteredRMSNorm, fuse,
+                                     fuse_children)
 
 FAMILY_OF = {"Qwen3MoeRMSNorm": "qwen3_moe", "Qwen2MoeRMSNorm": "qwen2_moe", "MixtralRMSNorm": "mixtral",
              "OlmoeRMSNorm": "olmoe", "DeepseekV2RMSNorm": "deepseek_v2", "DeepseekV3RMSNorm": "deepseek_v3",
              "Glm4MoeRMSNorm": "glm4_moe", "GptOssRMSNorm": "gpt_oss", "MiniMaxM2RMSNorm": "minimax_m2",
              "Glm4MoeLiteRMSNorm": "glm4_moe_lite", "Ernie4_5_MoeRMSNorm": "ernie4_5_moe",
-             "HunYuanMoEV1RMSNorm": "hunyuan_v1_moe", "Dots1RMSNorm": "dots1"}
+             "HunYuanMoEV1RMSNorm": "hunyuan_v1_moe", "Dots1RMSNorm": "dots1", "DeepseekV32RMSNorm": "deepseek_v32",
+             "GlmMoeDsaRMSNorm": "glm_moe_dsa"}
+ZERO_CENTERED_FAMILY_OF = {"Qwen3NextRMSNorm": "qwen3_next", "Qwen3_5MoeRMSNorm": "qwen3_5_moe"}
 
 
 def hf_norm(cls_name: str, hidden: int, eps: float = 1e-6):
@@ -54,6 +57,34 @@ def test_fused_equals_hf(cls_name, shape):
             err_f = (got.double() - truth).norm() / truth.norm()
             err_h = (ref.double() - truth).norm() / truth.norm()
             assert err_f <= err_h * 1.05
+
+
+@pytest.mark.parametrize("cls_name", sorted(ZERO_CENTERED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_centered_equals_hf(cls_name, dtype):
+    """(1 + weight) * normalize(x) in float32, cast back (Qwen3-Next, Qwen3.5): HF's arithmetic in its order, so
+    equal to rounding in float32 and within one bf16 ulp in bf16; never taken by the decode layer's fused norm."""
+    from ktinject.operators.norm import fuse_problem
+    from ktinject.tiny_models import missing_reason
+
+    fam = ZERO_CENTERED_FAMILY_OF[cls_name]
+    if missing_reason(fam):
+        pytest.skip(missing_reason(fam))
+    mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
+    H = 44
+    norm = getattr(mod, cls_name)(H, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.3 * torch.randn(H, generator=torch.Generator().manual_seed(5)))
+    norm = norm.to(dtype)
+    fused = fuse(norm)
+    assert isinstance(fused, ZeroCenteredRMSNorm) and not isinstance(fused, FusedRMSNorm)
+    assert fused.weight is norm.weight and fuse_problem(norm) is not None
+    x = (torch.randn(3, 5, H, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    with torch.no_grad():
+        ref, got = norm(x), fused(x)
+    assert got.dtype == ref.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 
 
 def test_mixed_dtypes_fall_back_to_the_hf_formula():

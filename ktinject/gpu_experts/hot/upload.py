@@ -7,12 +7,13 @@ own the CPU then, so a move must not compute on it. The native packed storage of
 ``native.Experts``, ``ktk_experts_region``) is page-locked once when its bank is made for re-placement
 (``PackedRegion``), and a move is, on a side stream:
 
-    H2D copy of the expert's packed region (``ktk_experts_raw``: its three matrices as stored, bf16, int8 + scales
-    or int4 + group scales, and gpt-oss biases; in chunks) into a device staging buffer [expert_bytes]
+    H2D copy of the expert's packed region (``ktk_experts_raw``: its three matrices as stored, bf16, int8 + scales,
+    int4 + group scales or e4m3 + block scales, and gpt-oss biases; in chunks) into a device staging buffer
     unpack on the device (torch ops into preallocated buffers): the block layout of native/src/kernels/kernels.h
-    [Np/16][Kp/2][16][2] (bf16), [Np/16][Kp/4][16][4] (int8) or nibbles [Np/16][Kp/8][16][4] (int4) is permuted
-    into a work buffer [Np, Kp], then its [N, K] corner goes into the slot: a copy (bf16) or q * scale in float32
-    (int8: per row; int4: per row and group of G inputs), rounded once to the bank's dtype.
+    [Np/16][Kp/2][16][2] (bf16), [Np/16][Kp/4][16][4] (int8), nibbles [Np/16][Kp/8][16][4] (int4) or
+    [Np/16][Kp][16] (fp8) is permuted into a work buffer [Np, Kp], then its [N, K] corner goes into the slot: a copy
+    (bf16) or q * scale in float32 (int8: per row; int4: per row and group of G inputs; fp8: per 16 rows and group),
+    rounded once to the bank's dtype.
 
 That is half (bf16), about a quarter (int8) or an eighth (int4) of the bytes of the float32 host path
 (``HotExperts.host_weights``, ``ktk_experts_get`` on a CPU thread), and bit-identical to it converted to the bank
@@ -40,7 +41,7 @@ from ktinject.native import cuda_driver
 
 log = logging.getLogger(__name__)
 
-GPU_QUANTS = ("bf16", "int8", "int4")  # quants with a raw view that unpack_matrix knows
+GPU_QUANTS = ("bf16", "int8", "int4", "fp8")  # quants with a raw view that unpack_matrix knows
 MATRICES = ("gate", "up", "down")
 
 
@@ -59,7 +60,7 @@ class MatLayout(NamedTuple):
     def work_bytes(self, quant: str) -> int:
         """Bytes of the work buffer unpacking this matrix needs: the block layout permuted to [Np, Kp] (int4: as
         int8, one byte per weight)."""
-        return self.Np * self.Kp if quant == "int4" else self.data_bytes
+        return self.Np * self.Kp if quant in ("int4", "fp8") else self.data_bytes
 
 
 class ExpertLayout(NamedTuple):
@@ -68,7 +69,7 @@ class ExpertLayout(NamedTuple):
     quant: str
     expert_bytes: int
     mats: tuple  # (gate, up, down) MatLayout
-    group: int = 0  # int4: inputs per scale (G); 0 for the other quants
+    group: int = 0  # int4, fp8: inputs per scale (G); 0 for the other quants
 
     @property
     def work_bytes(self) -> int:
@@ -89,7 +90,7 @@ def expert_layout(experts) -> ExpertLayout:
                           rel(last, last.scale), rel(last, last.bias)):
             raise RuntimeError(f"packed experts: {which} lies differently in the first and the last expert")
         mats.append(m)
-    group = int(experts.group_size) if first.quant == "int4" else 0
+    group = int(experts.group_size) if first.quant in ("int4", "fp8") else 0
     return ExpertLayout(first.quant, first.expert_bytes, tuple(mats), group)
 
 
@@ -107,6 +108,14 @@ def _matrix_views(buf: torch.Tensor, m: MatLayout, quant: str, work: torch.Tenso
         buf = buf.unsqueeze(0)
     n, Np, Kp, N, K = buf.shape[0], m.Np, m.Kp, m.N, m.K
     data = buf[:, m.data_off:m.data_off + m.data_bytes]  # [n, data_bytes]
+    if quant == "fp8":  # byte (n, c, j): output 16n + j, input c; a scale per 16 outputs and group of G inputs
+        src = data.view(n, Np // 16, Kp, 16).permute(0, 1, 3, 2)  # [n, Np/16, 16, Kp]
+        if work.numel() < n * Np * Kp:
+            raise ValueError(f"unpack: a work buffer of {work.numel()} bytes for {n} fp8 matrices [{Np}, {Kp}]")
+        w = work[:n * Np * Kp].view(n, Np // 16, 16, Kp)
+        ng = -(-Kp // group)
+        scale = buf[:, m.scale_off:m.scale_off + 4 * (Np // 16) * ng].view(torch.float32).view(n, Np // 16, 1, ng, 1)
+        return quant, src, w, w.view(n, Np, Kp)[:, :N, :K], (scale, group)
     if quant == "int4":  # byte (n, r, j) holds inputs 8r + j (low nibble) and 8r + 4 + j (high)
         src = data.view(n, Np // 16, Kp // 8, 16, 4).permute(0, 1, 3, 2, 4)  # [n, Np/16, 16, Kp/8, 4]
         if work.numel() < n * Np * Kp:
@@ -150,6 +159,9 @@ def _unpack(views: tuple, dst: torch.Tensor) -> None:
         w.copy_(src)
         torch.mul(corner, scale, out=dst)
         return
+    if quant == "fp8":
+        _unpack_fp8(src, w, corner, scale, dst)
+        return
     s8 = src.view(torch.int8)  # arithmetic shifts of the signed bytes give the nibbles sign-extended: q in [-8, 7]
     lo = w[..., 0, :]
     torch.bitwise_left_shift(s8, 4, out=lo)  # low nibble to the top (wraps)...
@@ -163,6 +175,22 @@ def _unpack(views: tuple, dst: torch.Tensor) -> None:
         torch.mul(q, scale, out=dst.view(q.shape))
     else:  # padded matrix (awkward shapes): through a temporary of the padded size
         dst.copy_(torch.mul(q, scale).view(n, nb * 16, kq * 8)[:, :N, :K])
+
+
+def _unpack_fp8(src, w, corner, scale, dst) -> None:
+    """dst = e4m3 * scale of its block: the bytes permuted into ``w``, converted (exactly) to dst's dtype, then one
+    float32 product rounded once, in place where the matrix has no padding and whole groups."""
+    scale, G = scale
+    w.copy_(src)
+    n, nb, _, Kp = w.shape
+    ng = scale.shape[3]
+    N, K = dst.shape[1:]
+    if N == nb * 16 and K == Kp and ng * G == Kp and dst.dtype != torch.float32:
+        dst.copy_(corner.view(torch.float8_e4m3fn))
+        dst.view(n, nb, 16, ng, G).mul_(scale)
+        return
+    full = scale.expand(n, nb, 16, ng, G).reshape(n, nb * 16, ng * G)[:, :N, :K]
+    dst.copy_(corner.view(torch.float8_e4m3fn).float().mul_(full))
 
 
 def unpack_matrix(buf: torch.Tensor, m: MatLayout, quant: str, dst: torch.Tensor, work: torch.Tensor,

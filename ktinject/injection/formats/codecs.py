@@ -13,8 +13,12 @@ A ``Codec`` belongs to a ``TensorRef`` whose bytes are one or more stored tensor
 ``decode(buf, shape)`` gives float32 values of the logical ``shape`` (the model tensor's, or one expert's slice
 of it). ``quantized(buf, shape, quant, group)`` gives the stored integers and scales instead, when they are
 exactly a native expert format (``quant``, ``group``): the loader then stores them without rounding again; None
-when they are not, and the loader requantizes ``decode``'s values (and reports the error). ``native`` names the
-native expert format closest to the stored one (the default ``quant`` of a checkpoint in this format).
+when they are not, and the loader requantizes ``decode``'s values (and reports the error). ``fp8_parts(buf,
+shape)`` gives what the native fp8 experts can hold exactly (e4m3 values and the scales of their groups of inputs),
+or None. ``native`` names the native expert format that keeps the stored values (the default ``quant`` of a
+checkpoint in this format): FP8 -> fp8 as released (the bytes and scales as they are); MXFP4 -> fp8 with groups of
+32 (e2m1 x 2^e is an e4m3 value once each block of 16 rows x 32 inputs takes the largest of its power-of-two
+scales; 8 bits a weight); int4 with groups of 32, 64 or 128 -> int4 as released.
 """
 from __future__ import annotations
 
@@ -48,6 +52,13 @@ class Codec:
         ``group`` inputs per scale; else None."""
         return None
 
+    def fp8_parts(self, buf: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(q, scale, group) for native fp8 experts, or None: q of the logical ``shape`` (uint8 e4m3 bytes, or
+        float32 values that are e4m3 values once each block's scale is chosen), scale float32 of ``shape`` with its
+        input dimension (the last; the one before for a transposed tensor) counted in groups of ``group``: the
+        value of an element is q * the scale of its group. Sliced like the values (``hf_keys.expert_matrices``)."""
+        return None
+
     def __repr__(self) -> str:
         return self.name
 
@@ -72,11 +83,11 @@ def _rows(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, int]:
 class FP8Block(Codec):
     """e4m3 values [..., N, K] and float scales [..., ceil(N/bn), ceil(K/bk)]: value = fp8 * scale of its block."""
 
-    native = ("int8", None)
-
     def __init__(self, block: tuple[int, int] = (128, 128), scale_dtype: torch.dtype = torch.float32):
         self.block, self.scale_dtype = tuple(block), scale_dtype
         self.name = f"fp8 e4m3, {block[0]}x{block[1]} block scales"
+        # the native fp8 format's groups are 32, 64 or 128 inputs; blocks of rows are held per 16 rows
+        self.native = ("fp8", block[1]) if block[1] in (32, 64, 128) else ("int8", None)
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         lead, N, K = _rows(shape)
@@ -92,6 +103,19 @@ class FP8Block(Codec):
         scale = s.view(self.scale_dtype).view(self.scale_shape(shape)).float()
         scale = scale.repeat_interleave(self.block[0], -2)[..., :N, :].repeat_interleave(self.block[1], -1)[..., :K]
         return values.mul_(scale)
+
+    def parts(self, buf, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 bytes uint8 of ``shape``, float32 scales [..., ceil(N/bn), ceil(K/bk)]): views of ``buf``."""
+        w, s = _split(buf, self.nbytes(shape))
+        return w.view(shape), s.view(self.scale_dtype).view(self.scale_shape(shape)).float()
+
+    def fp8_parts(self, buf, shape):
+        if self.native[0] != "fp8":
+            return None
+        w, s = _split(buf, self.nbytes(shape))
+        N = shape[-2]
+        scale = s.view(self.scale_dtype).view(self.scale_shape(shape)).float()
+        return w.view(shape), scale.repeat_interleave(self.block[0], -2)[..., :N, :], self.block[1]
 
 
 class PackedInt(Codec):
@@ -140,7 +164,7 @@ class MXFP4(Codec):
     """e2m1 codes two to a byte [..., N, K/32, 16] and e8m0 exponents [..., N, K/32]: value = e2m1 * 2^(e - 127).
     ``transpose``: the model holds the tensor as [..., K, N] (gpt-oss's experts), so the logical shape is that."""
 
-    native = ("int8", None)
+    native = ("fp8", 32)
 
     def __init__(self, transpose: bool = False):
         self.transpose = transpose
@@ -157,14 +181,25 @@ class MXFP4(Codec):
         lead, N, K = self.stored(shape)
         return [math.prod(lead) * N * K // 2, math.prod(lead) * N * K // 32]
 
-    def decode(self, buf, shape):
+    def _values(self, buf, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e2m1 values float32 [..., N, K], their exponents e - 127 as int32 [..., N, K/32]), as stored."""
         lead, N, K = self.stored(shape)
         blocks, scales = _split(buf, self.nbytes(shape))
         lut = torch.tensor(E2M1, dtype=torch.float32)
         blocks = blocks.view(*lead, N, K // 2).long()
-        out = torch.empty(*lead, N, K, dtype=torch.float32)
-        out[..., 0::2] = lut[blocks & 0x0F]
-        out[..., 1::2] = lut[blocks >> 4]
-        exp = scales.view(*lead, N, K // 32).to(torch.int32) - 127
-        out = torch.ldexp(out.view(*lead, N, K // 32, 32), exp.unsqueeze(-1).float()).view(*lead, N, K)
+        q = torch.empty(*lead, N, K, dtype=torch.float32)
+        q[..., 0::2] = lut[blocks & 0x0F]
+        q[..., 1::2] = lut[blocks >> 4]
+        return q, scales.view(*lead, N, K // 32).to(torch.int32) - 127
+
+    def decode(self, buf, shape):
+        q, exp = self._values(buf, shape)
+        out = torch.ldexp(q.unflatten(-1, (-1, 32)), exp.unsqueeze(-1).float()).flatten(-2)
         return out.transpose(-1, -2) if self.transpose else out
+
+    def fp8_parts(self, buf, shape):
+        q, exp = self._values(buf, shape)
+        scale = torch.ldexp(torch.ones(()), exp.float())
+        if self.transpose:
+            return q.transpose(-1, -2), scale.transpose(-1, -2), 32
+        return q, scale, 32

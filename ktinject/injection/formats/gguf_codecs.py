@@ -20,7 +20,8 @@ experts), ``Transposed`` (gpt-oss ``down_proj``).
 A quantized tensor's blocks run along its last (input) dimension, row after row, so one expert's slice of a fused
 ``[E, N, K]`` tensor is a contiguous run of whole blocks. ``Permuted`` undoes llama.cpp's Q/K row permutation of
 llama-architecture models after decoding (as transformers' GGUF loader does). K-quants decode with
-``gguf.quants.dequantize``; Q8_0 / Q4_0 with torch (the tests compare both with gguf's).
+``gguf_kquants`` (torch ops, the numpy dequantizers' operations in their order); Q8_0 / Q4_0 / MXFP4 with torch,
+in chunks (the tests compare all with ``gguf.quants.dequantize``).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import math
 
 import torch
 
+from ktinject.injection.formats import gguf_kquants as kquants
 from ktinject.injection.formats.base import LoadError
 from ktinject.injection.formats.codecs import E2M1, Codec
 
@@ -77,23 +79,26 @@ class GGMLCodec(Codec):
     def decode(self, buf, shape):
         if self.qtype in PLAIN:
             return buf.view(PLAIN[self.qtype]).view(shape).float()
-        if self.qtype == "Q8_0":
-            b = self._blocks(buf, shape)
-            d = b[:, :2].contiguous().view(torch.float16).float()
-            return (b[:, 2:].contiguous().view(torch.int8).float() * d).view(shape)
-        if self.qtype == "Q4_0":
-            q, d = self._q4_0(buf, shape)
-            return (q.float().view(-1, 32) * d.view(-1, 1)).view(shape)
-        if self.qtype == "MXFP4":
-            b = self._blocks(buf, shape)
-            codes = torch.cat([b[:, 1:] & 0x0F, b[:, 1:] >> 4], dim=1).long()  # low nibbles 0..15, high 16..31
-            exp = b[:, :1].to(torch.int32) - 127
-            return torch.ldexp(torch.tensor(E2M1, dtype=torch.float32)[codes], exp.float()).view(shape)
-        import gguf  # (the reader imported it already)
+        b = self._blocks(buf, shape)
+        if self.qtype in kquants.SIZES:
+            return kquants.dequantize(b, self.qtype).view(shape)
+        out = torch.empty(b.shape[0], 32, dtype=torch.float32)
+        for i in range(0, b.shape[0], kquants.CHUNK * 8):  # in chunks: a few chunk-sized temporaries at a time
+            out[i:i + kquants.CHUNK * 8] = self._decode32(b[i:i + kquants.CHUNK * 8])
+        return out.view(shape)
 
-        b = self._blocks(buf, shape).numpy()
-        values = gguf.quants.dequantize(b, gguf.GGMLQuantizationType[self.qtype])
-        return torch.from_numpy(values.astype("float32", copy=False)).reshape(shape)
+    def _decode32(self, b: torch.Tensor) -> torch.Tensor:
+        """Blocks of 32 values (Q8_0, Q4_0, MXFP4) -> float32 [n, 32]."""
+        if self.qtype == "Q8_0":
+            d = b[:, :2].contiguous().view(torch.float16).float()
+            return b[:, 2:].contiguous().view(torch.int8).float() * d
+        if self.qtype == "Q4_0":
+            d = b[:, :2].contiguous().view(torch.float16).float()
+            q = torch.cat([b[:, 2:] & 0x0F, b[:, 2:] >> 4], dim=1).to(torch.int8) - 8
+            return q.float() * d
+        codes = torch.cat([b[:, 1:] & 0x0F, b[:, 1:] >> 4], dim=1).long()  # MXFP4: low nibbles 0..15, high 16..31
+        exp = b[:, :1].to(torch.int32) - 127
+        return torch.ldexp(torch.tensor(E2M1, dtype=torch.float32)[codes], exp.float())
 
     def _q4_0(self, buf, shape) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [..., K] in [-8, 7], d float32 [..., K / 32])."""

@@ -9,6 +9,7 @@ Per element (n, c) of matrix ``m`` of expert e, exactly what upload.unpack_matri
           value = float32(q) * scale[((n/16)*(Kp/G) + c/G)*16 + n%16]
     int8: q = int8 at ((n/16)*(Kp/4) + c/4)*64 + (n%16)*4 + c%4; value = float32(q) * scale[n]
     bf16: value = bf16 at ((n/16)*(Kp/2) + c/2)*32 + (n%16)*2 + c%2
+    fp8:  q = e4m3 at ((n/16)*Kp + c)*16 + n%16; value = float32(q) * scale[(n/16)*ceil(Kp/G) + c/G]
 
 one float32 product (no fused add: nothing to contract), rounded once to dst's dtype (round to nearest even, as
 torch's cast): bit-identical to the torch path. Only the [N, K] corner is read, so padding costs nothing and no
@@ -27,7 +28,7 @@ import torch
 from ktinject import envs
 from ktinject.operators.kernels import common as fused
 
-QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
+QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "fp8": 3}
 BN, BK, WARPS = 32, 128, 4  # 4096 elements a program: 32 per thread, rows of 256 bytes (bf16) per store
 
 
@@ -45,7 +46,12 @@ def _build(triton, tl):
         nb = n // 16
         r = n % 16
         base = src + e * s_src
-        if QUANT == 2:
+        if QUANT == 3:
+            byte = tl.load(base + (nb * Kp + c) * 16 + r, mask=inside, other=0)
+            q = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            s = tl.load(scale + e * s_scale + nb * tl.cdiv(Kp, G) + c // G, mask=inside, other=0.0)
+            v = q * s
+        elif QUANT == 2:
             byte = tl.load(base + (nb * (Kp // 8) + c // 8) * 64 + r * 4 + c % 4, mask=inside, other=0)
             # the byte's nibble moved to the top of an int32 and shifted back arithmetically: q sign-extended
             q = (byte.to(tl.int32) << (28 - 4 * ((c // 4) % 2))) >> 28
@@ -98,13 +104,16 @@ def unpack_matrix(buf: torch.Tensor, m, quant: str, dst: torch.Tensor, group: in
     if not _layout_ok(buf, (dst,)):
         raise ValueError("dequant: buf must be uint8 [n, expert_bytes] rows (4-byte aligned, contiguous last dim) "
                          "and dst a float [n, N, K] with contiguous rows")
-    elem = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.int8}[quant]
+    if quant == "fp8" and group <= 0:
+        raise ValueError(f"dequant: fp8 group size {group}")
+    elem = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.int8, "fp8": torch.uint8}[quant]
     src = buf[:, m.data_off:m.data_off + m.data_bytes].view(elem)  # [n, data elements]
     if quant == "bf16":
         scale = dst  # unused
         s_scale = 0
     else:
-        ns = m.Np * (m.Kp // group if quant == "int4" else 1)
+        ns = (m.Np // 16 * -(-m.Kp // group) if quant == "fp8"
+              else m.Np * (m.Kp // group if quant == "int4" else 1))
         scale = buf[:, m.scale_off:m.scale_off + 4 * ns].view(torch.float32)
         s_scale = scale.stride(0)
     grid = (-(-m.N // BN) * -(-m.K // BK), n)

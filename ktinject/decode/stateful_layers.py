@@ -1,0 +1,62 @@
+"""Decoder-layer parts whose decode state ktinject's KVCache does not hold, and what that means for decode steps.
+
+``KVCache`` (``kv_cache.py``) holds K and V (or MLA latents) per layer and row, at fixed addresses a CUDA graph can
+replay. Some families keep other state between steps, written through Hugging Face cache methods the KVCache does
+not have: the gated-DeltaNet layers of Qwen3-Next and Qwen3.5 (a causal-conv window and a recurrent matrix per head,
+``get_conv_state`` / ``update_recurrent_state``), the lightning indexer of DeepSeek-V3.2 and GLM-5 (its own key cache,
+``update_indexer``). Layer types whose masks the KVCache's ``attention_masks`` does not build (Llama 4's chunked
+attention) are another such case. A model with such a part decodes through Hugging Face's ``generate`` and its own cache, one
+eager forward per step: no graph, no fast decode attention. ``eager_decode_reason`` names the part, so the plan,
+the inject line and the fast-path report (``graph_decode``) say why, never a silent slow path.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+#: class name -> the state it keeps outside ktinject's KVCache
+UNHELD_STATE = {
+    "Qwen3NextGatedDeltaNet": "linear-attention conv and recurrent states",
+    "Qwen3_5MoeGatedDeltaNet": "linear-attention conv and recurrent states",
+    "DeepseekV32Indexer": "the lightning indexer's key cache",
+    "GlmMoeDsaIndexer": "the lightning indexer's key cache",
+}
+_REASON_ATTR = "_ktinject_eager_decode_reason"
+
+
+def eager_decode_reason(model: nn.Module) -> str | None:
+    """Why ``model``'s decode steps run eagerly in Hugging Face's cache (the first such part, its class and how many
+    there are), or None when every layer's state fits the KVCache. Reads classes only: works on meta-device models."""
+    found = [(name, type(m).__name__) for name, m in model.named_modules() if type(m).__name__ in UNHELD_STATE]
+    if not found:
+        return _unmasked_layer_types(model)
+    name, cls = found[0]
+    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+    return (f"{name} ({cls}){more} keep {UNHELD_STATE[cls]}, which ktinject's KVCache does not hold: decode steps "
+            f"run eagerly through Hugging Face's generate and cache (no CUDA graph)")
+
+
+def remember(model: nn.Module) -> str | None:
+    """``eager_decode_reason`` computed once and kept on the model (injected models do not change class)."""
+    if _REASON_ATTR not in model.__dict__:
+        model.__dict__[_REASON_ATTR] = eager_decode_reason(model)
+    return model.__dict__[_REASON_ATTR]
+
+
+#: layer types whose masks are the full causal mask (their other state is the parts above)
+_FULL_MASK_TYPES = ("linear_attention", "indexed_attention")
+
+
+def _unmasked_layer_types(model: nn.Module) -> str | None:
+    """Why the config's ``layer_types`` name layers whose masks ``kv_cache.attention_masks`` does not build, or
+    None."""
+    from ktinject.decode.kv_cache import MASK_TYPES
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = list(getattr(text, "layer_types", None) or ())
+    other = sorted({t for t in types if t not in MASK_TYPES + _FULL_MASK_TYPES})
+    if not other:
+        return None
+    n = sum(t in other for t in types)
+    return (f"{n} of its {len(types)} layers are {', '.join(other)} (layer_types), whose masks ktinject's KVCache "
+            f"does not build: decode steps run eagerly through Hugging Face's generate and cache (no CUDA graph)")
