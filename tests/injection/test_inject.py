@@ -213,8 +213,8 @@ def test_int4_group_size_rule_kwarg(tmp_path):
            if a.operator == "moe"]
     assert moe and all(a - b == packed[32] - packed[None] for a, b in moe)
     assert torch.isfinite(model(tiny_prompts(1, 8, vocab=cfg.vocab_size)).logits).all()
-    for kwargs, match in (("{quant: bf16, group_size: 64}", "group_size 64 .* applies to quant int4 only"),
-                          ("{group_size: 64}", "applies to quant int4 only .* in effect is bf16"),
+    for kwargs, match in (("{quant: bf16, group_size: 64}", "group_size 64 .* applies to quant int4 or fp8 only"),
+                          ("{group_size: 64}", "applies to quant int4 or fp8 only .* in effect is bf16"),
                           ("{quant: int4, group_size: 48}", "group_size 48 .* use one of 32, 64, 128"),
                           ("{quant: int4, group_size: true}", "group_size True .* use one of 32, 64, 128")):
         with pytest.raises(OperatorError, match=match):
