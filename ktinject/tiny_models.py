@@ -163,7 +163,7 @@ _TINY: dict[str, dict[str, Any]] = {
         num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=40, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, head_dim=8, n_routed_experts=12, n_shared_experts=1, num_experts_per_tok=3, n_group=4,
         topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
-        mlp_layer_types=["dense", "sparse", "sparse"], layer_types=["indexed_attention"] * 3, index_topk=6,
+        mlp_layer_types=["dense", "sparse", "sparse"], index_topk=6,
         index_head_dim=24, index_n_heads=2,
     ),
     # GLM-5: the same layout, ungrouped routing
@@ -172,7 +172,7 @@ _TINY: dict[str, dict[str, Any]] = {
         num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=24, qk_rope_head_dim=8,
         v_head_dim=24, head_dim=8, n_routed_experts=10, n_shared_experts=1, num_experts_per_tok=3, n_group=1,
         topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True, first_k_dense_replace=1,
-        mlp_layer_types=["dense", "sparse", "sparse"], layer_types=["indexed_attention"] * 3,
+        mlp_layer_types=["dense", "sparse", "sparse"],
         indexer_types=["full"] * 3, index_topk=5, index_head_dim=16, index_n_heads=2,
     ),
     # Llama 4 text (model_type llama4_text): top-1 sigmoid routing weighting the expert's input, a shared expert,
