@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 16 on a GPU: a bounded set of shapes keeps host memory flat; 1 on the CPU: none)")
     p.add_argument("--max-request-mb", type=positive, default=8,
                    help="largest request body in MiB; longer ones get 413 before they are read whole (default 8)")
+    p.add_argument("--tool-call-parser", metavar="NAME", default="auto",
+                   help="how tool calls are read from replies: qwen3, deepseek_v3, glm45, kimi_k2, minimax_m2, "
+                        "llama4_pythonic, none (text), or auto (by the model's type; the default)")
+    p.add_argument("--reasoning-parser", metavar="NAME", default="auto", choices=("auto", "think", "none"),
+                   help="split <think> blocks into reasoning_content: think, none, or auto (by the model's type; the "
+                        "default)")
     cli.add_model_options(p)
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs (for comparison)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs, the injection plan and tracebacks")
@@ -123,6 +129,13 @@ def serve(args: argparse.Namespace) -> int:
     from ktinject.serve.engine import Engine, EngineConfig
 
     api_key = args.api_key or envs.get("KTINJECT_API_KEY") or None
+    from ktinject.serve.tool_parsers import parser_name
+
+    if args.tool_call_parser not in ("auto", "none"):
+        try:
+            parser_name(args.tool_call_parser)
+        except ValueError as e:
+            raise CliError(f"--tool-call-parser: {e}") from None
     if args.max_queue < 0:
         raise CliError(f"--max-queue must be >= 0, got {args.max_queue}")
     sock = _bind(args.host, args.port)
@@ -141,7 +154,8 @@ def serve(args: argparse.Namespace) -> int:
     url = _url(sock)
     print(f"Serving {name!r} at {url}/v1 (OpenAI API; {'API key required' if api_key else 'no API key'}); "
           f"Ctrl-C stops.", flush=True)
-    app = create_app(engine, aliases, api_key=api_key, max_body=args.max_request_mb << 20)
+    app = create_app(engine, aliases, api_key=api_key, max_body=args.max_request_mb << 20,
+                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     # graceful wait: the requests end at the engine's next step, which may take seconds on a large model's prefill
     server = _stopping_server(uvicorn, engine)(uvicorn.Config(app, log_level="debug" if args.verbose else "info",
                                                               timeout_graceful_shutdown=30))

@@ -9,6 +9,8 @@ Its modules, each importing only those listed before it:
 - ``model_runner.py``: the forwards on the model (KV-cache rows, prefill chunks, the batched decode step);
 - ``engine.py``: the engine and its loop (``Engine``: schedule -> execute -> update on a thread that owns the model),
   no HTTP;
+- ``tool_parsers.py``: tool calls read from a reply's text, one parser per family; ``reasoning.py``: ``<think>``
+  blocks split off; ``chat_output.py``: both over a chat reply, whole or streamed (pure text functions);
 - ``protocol.py``: OpenAI request/response bodies; ``api.py``: the FastAPI app; ``__main__.py``: the CLI.
 
 Nothing is imported here (FastAPI and uvicorn are the ``serve`` extra; torch loads with the engine).

@@ -16,6 +16,7 @@ step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -26,7 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ktinject.serve import protocol
+from ktinject.serve import protocol, reasoning, tool_parsers
+from ktinject.serve.chat_output import ChatOutput, chat_parsers
 from ktinject.serve.errors import ApiError, EngineUnavailable, QueueFull, RequestError
 from ktinject.serve.types import Output
 
@@ -45,11 +47,14 @@ MAX_CONTAINERS = 250_000  # a cap: beyond it, 64 a token of a long context would
 
 
 def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key: str | None = None,
-               max_body: int = MAX_BODY):
+               max_body: int = MAX_BODY, tool_call_parser: str | None = "auto", reasoning_parser: str | None = "auto"):
     """The FastAPI app serving ``engine`` (started by the caller) under ``model_names`` (the first one is listed
     by /v1/models; the others are accepted aliases). A request body over ``max_body`` bytes gets 413 before it
-    is parsed (FastAPI reads a body whole into memory, and uvicorn sets no limit)."""
+    is parsed (FastAPI reads a body whole into memory, and uvicorn sets no limit). ``tool_call_parser`` and
+    ``reasoning_parser``: a name (``tool_parsers.PARSERS``; ``"think"``), "auto" (from the model's type) or
+    None / "none" (the reply stays text)."""
     names = (model_names,) if isinstance(model_names, str) else tuple(model_names or (engine.name,))
+    tool_parser, think = chat_parsers(engine, tool_call_parser, reasoning_parser)
     created = int(time.time())
 
     def error(status: int, message: str, **kw) -> JSONResponse:
@@ -131,7 +136,12 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
         tools = body.tools if body.tool_choice != "none" else None
         kwargs = _checked(body.template_kwargs)
         prompt = await _in_thread(engine.render_chat, messages, tools, **kwargs)
-        return await _serve(engine, body, prompt, request, names[0], chat=True)
+        parser = tool_parsers.make(tool_parser, tools) if tool_parser and tools else None
+        inside = None
+        if think:
+            inside = reasoning.prompt_opens_think(await asyncio.to_thread(engine.prompt_tail_text, prompt))
+        output = ChatOutput(parser, inside) if parser is not None or inside is not None else None
+        return await _serve(engine, body, prompt, request, names[0], chat=True, output=output)
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
@@ -141,10 +151,13 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
         prompt = await _in_thread(engine.encode, value) if isinstance(value, str) else value
         return await _serve(engine, body, prompt, request, names[0], chat=False)
 
-    async def _serve(engine, body, prompt: list[int], request, model_name: str, chat: bool):
+    async def _serve(engine, body, prompt: list[int], request, model_name: str, chat: bool,
+                     output: ChatOutput | None = None):
         max_tokens = _checked(engine.check_length, len(prompt), body.limit, "messages" if chat else "prompt",
                               body.limit_param)
         params = _checked(body.sampling, engine.default_params(), max_tokens)
+        if output is not None and output.tools is not None:  # a family's markers may be special tokens
+            params = dataclasses.replace(params, skip_special_tokens=False)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -168,7 +181,7 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
         gone = asyncio.ensure_future(_cancel_on_disconnect(request, req))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _stream(req, queue, gone, rid, model_name, chat, include_usage)
+            events = _stream(req, queue, gone, rid, model_name, chat, include_usage, output)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         parts, last = await _collect(req, queue, gone)
@@ -178,8 +191,14 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
             return error(500, last.error or "generation failed", code="generation_failed")
         if last.finish_reason == "cancelled":
             return error(503, last.error or "the request was cancelled", code="cancelled")
+        text = "".join(parts)
+        if chat and output is not None:
+            message = output.message(text)
+            finish = "tool_calls" if message.get("tool_calls") and last.finish_reason == "stop" else last.finish_reason
+            return protocol.chat_response(rid, model_name, text, finish, last.prompt_tokens, last.completion_tokens,
+                                          message)
         build = protocol.chat_response if chat else protocol.completion_response
-        return build(rid, model_name, "".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+        return build(rid, model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens)
 
     return app
 
@@ -309,8 +328,10 @@ async def _collect(req, queue, gone: asyncio.Task):
         req.cancel()  # a no-op once finished
 
 
-async def _stream(req, queue, gone: asyncio.Task, rid: str, model: str, chat: bool, include_usage: bool):
-    """Server-sent events of a streamed request: chunks, the final chunk with finish_reason, [DONE]."""
+async def _stream(req, queue, gone: asyncio.Task, rid: str, model: str, chat: bool, include_usage: bool,
+                  output: ChatOutput | None = None):
+    """Server-sent events of a streamed request: chunks, the final chunk with finish_reason, [DONE]. ``output``:
+    a chat reply's text is sent as its parts' deltas (reasoning_content, content, tool_calls)."""
     created = int(time.time())
 
     def sse(body: dict) -> str:
@@ -320,6 +341,14 @@ async def _stream(req, queue, gone: asyncio.Task, rid: str, model: str, chat: bo
         if include_usage:
             body.setdefault("usage", None)
         return sse(body)
+
+    def parts(text: str, final: bool = False):
+        if output is None:
+            return [chunk(text)] if text else []
+        deltas = output.feed(text) if text else []
+        if final:
+            deltas += output.finish()
+        return [chunk_sse(protocol.chat_chunk(rid, model, created, d)) for d in deltas]
 
     def chunk(text: str | None, finish: str | None = None, use: dict | None = None) -> str:
         if chat:
@@ -341,12 +370,15 @@ async def _stream(req, queue, gone: asyncio.Task, rid: str, model: str, chat: bo
                                               code=out.finish_reason))
                 break
             if out.finish_reason is None:
-                if out.text:
-                    yield chunk(out.text)
+                for line in parts(out.text):
+                    yield line
                 continue
-            if out.text:
-                yield chunk(out.text)
-            yield chunk("", out.finish_reason)
+            for line in parts(out.text, final=True):
+                yield line
+            finish = out.finish_reason
+            if output is not None and output.calls and finish == "stop":
+                finish = "tool_calls"
+            yield chunk("", finish)
             if include_usage:
                 yield chunk(None, use=protocol.usage(out.prompt_tokens, out.completion_tokens))
             break

@@ -156,11 +156,15 @@ class Engine:
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param="prompt")
+        bad = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               param="logit_bias")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer (this engine has none)", param="stop")
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         req = Request(rid, prompt, params, sink or (lambda out: None), self.cancel,
-                      Detokenizer(self.tokenizer, prompt, params.stop), params.rng())
+                      Detokenizer(self.tokenizer, prompt, params.stop, params.skip_special_tokens), params.rng())
         with self._cond:
             if not self.alive or self.failure is not None:
                 raise EngineUnavailable("the engine is not running" + (
@@ -211,6 +215,10 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (``PromptTokenizer.encode``); RequestError where it cannot be a prompt."""
         return self.prompts.encode(text)
+
+    def prompt_tail_text(self, ids: list[int], tokens: int = 4) -> str:
+        """The text of a prompt's last ``tokens`` tokens, special tokens kept (``PromptTokenizer.tail_text``)."""
+        return self.prompts.tail_text(ids, tokens)
 
     def render_chat(self, messages: list[dict], tools: list | None = None, **template_kwargs) -> list[int]:
         """Token ids of ``messages`` through the chat template (``PromptTokenizer.render_chat``)."""

@@ -3,9 +3,9 @@
 Requests are pydantic models in strict mode (a number sent as a string is an error, as OpenAI's API has it); unknown
 fields are ignored, and null for an optional field is its default. Fields whose JSON type varies (``content``,
 ``stop``, ``prompt``) are checked here by hand so that errors name the field plainly (``messages[1].content``).
-Parameters the engine does not implement (n > 1, logprobs, penalties, forced tool calls, JSON response formats, echo,
-suffix) are refused with 400 rather than ignored. Extensions, as in vLLM: ``top_k``, ``ignore_eos``,
-``chat_template_kwargs``.
+Parameters the engine does not implement (n > 1, logprobs, penalties, forced tool calls: tool_choice "required"
+or a named function, JSON response formats, echo, suffix) are refused with 400 rather than ignored. Extensions, as
+in vLLM: ``top_k``, ``min_p``, ``ignore_eos``, ``chat_template_kwargs``.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ class _Common(_Model):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
 
     def check_unsupported(self, extra: dict) -> None:
@@ -61,8 +62,6 @@ class _Common(_Model):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise RequestError(f"{name} is not supported (send 0 or leave it out)", param=name)
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", param="logit_bias")
         for name, (value, fine) in extra.items():
             if value is not None and value is not False and not fine(value):
                 raise RequestError(f"{name} is not supported (got {_json(value)})", param=name)
@@ -71,7 +70,8 @@ class _Common(_Model):
         pick = {k: getattr(self, k) if getattr(self, k) is not None else defaults[k]
                 for k in ("temperature", "top_p", "top_k")}
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=stop_strings(self.stop),
-                              ignore_eos=self.ignore_eos, **pick)
+                              ignore_eos=self.ignore_eos, min_p=self.min_p or 0.0,
+                              logit_bias=logit_bias(self.logit_bias), **pick)
 
 
 class ChatRequest(_Common):
@@ -89,7 +89,7 @@ class ChatRequest(_Common):
                                 "response_format": (self.response_format, _text_format)})
         if self.tool_choice not in (None, "none", "auto"):
             raise RequestError(f"tool_choice: only \"auto\" and \"none\" are supported, got {_json(self.tool_choice)} "
-                               "(the model decides; its tool calls come back as text)", param="tool_choice")
+                               "(the model decides whether to call a tool)", param="tool_choice")
         for i, tool in enumerate(self.tools or []):
             fn = tool.get("function")
             if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -115,6 +115,8 @@ class ChatRequest(_Common):
             # null is absent here too (a template testing `tool_calls is defined` or its length must not see None)
             msg = {k: v for k, v in m.items()
                    if k in ("name", "tool_calls", "tool_call_id", "reasoning_content") and v is not None}
+            if isinstance(msg.get("tool_calls"), list):
+                msg["tool_calls"] = _template_tool_calls(msg["tool_calls"])
             msg["role"] = "system" if role == "developer" else role
             text = _content_text(m.get("content", _ABSENT), i, tool_calls=bool(m.get("tool_calls")))
             msg["content"] = check_unicode(text, f"messages[{i}].content")
@@ -194,6 +196,19 @@ def _text_format(value) -> bool:
     return value == {"type": "text"}
 
 
+def logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as (id, bias) pairs; RequestError naming the field for a key that is no id or
+    a bias that is no number (SamplingParams checks the ranges)."""
+    out = []
+    for key, value in (bias or {}).items():
+        if not (isinstance(key, str) and key.isdigit()) or isinstance(value, bool) or \
+                not isinstance(value, (int, float)):
+            raise RequestError(f"logit_bias: expected token ids (as strings) mapped to numbers, got {_json(key)}: "
+                               f"{_json(value)}", param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
 def stop_strings(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -205,6 +220,27 @@ def stop_strings(stop) -> tuple[str, ...]:
     for s in items:
         check_unicode(s, "stop")
     return tuple(dict.fromkeys(items))
+
+
+def _template_tool_calls(calls: list) -> list:
+    """An assistant message's tool calls as chat templates read them: each call's ``arguments`` (JSON text, as
+    OpenAI clients send them back) as an object where it parses as one (templates render it with ``tojson`` or
+    iterate over its items; a string would come out quoted twice)."""
+    out = []
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            out.append(call)
+            continue
+        fn = dict(call["function"])
+        if isinstance(fn.get("arguments"), str):
+            try:
+                parsed = json.loads(fn["arguments"])
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                fn["arguments"] = parsed
+        out.append({**call, "function": fn})
+    return out
 
 
 _ABSENT = object()  # a message without "content" (its error says so, not "null")
@@ -249,9 +285,12 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int) -> dict:
+def chat_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int,
+                  message: dict | None = None) -> dict:
+    """``message``: the reply's parts (``chat_output.ChatOutput.message``); default, ``text`` as its content."""
+    message = message or {"role": "assistant", "content": text}
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
                          "finish_reason": finish}],
             "usage": usage(prompt, completion)}
 

@@ -11,6 +11,8 @@ pick other GEMM kernels and move the last bits, enough to flip a token at a top_
 All rows are computed together on the logits' device (one sort for the sampled rows, only when some row samples),
 and ``Sampler`` does it without a host synchronisation: the engine queues the next decode step before it reads this
 one's tokens (see ``engine.py``).
+``logit_bias`` is added to a row's logits before either (greedy rows too); ``min_p`` keeps, of a sampled row, the
+tokens at least min_p x the most likely one's probability (after temperature), with top_k and top_p.
 Legend: n rows, m sampled rows, V vocabulary.
 """
 from __future__ import annotations
@@ -27,6 +29,8 @@ from ktinject.serve.errors import RequestError
 GREEDY_BELOW = 1e-5
 #: stop strings a request may give, and their longest (each is searched in the text at every token)
 STOP_MAX, STOP_MAX_CHARS = 16, 1024
+#: logit_bias: the most entries a request may give, and the range of a bias (OpenAI's)
+BIAS_MAX, BIAS_RANGE = 300, 100.0
 #: the largest top_k accepted (any larger keeps every token of any vocabulary; float64 holds it exactly)
 TOP_K_MAX = 1 << 31
 
@@ -43,6 +47,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False: special tokens stay in the text (tool-call markers that are special)
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def __post_init__(self):
         problems = []
@@ -60,6 +67,12 @@ class SamplingParams:
         elif len(self.stop) > STOP_MAX or any(len(s) > STOP_MAX_CHARS for s in self.stop):
             problems.append(("stop", f"at most {STOP_MAX} stop strings of at most {STOP_MAX_CHARS} characters each, "
                                      f"got {len(self.stop)} (longest {max(map(len, self.stop))})"))
+        if not 0 <= self.min_p <= 1:
+            problems.append(("min_p", f"must be in [0, 1] (0 = off), got {self.min_p!r}"))
+        if len(self.logit_bias) > BIAS_MAX:
+            problems.append(("logit_bias", f"at most {BIAS_MAX} entries, got {len(self.logit_bias)}"))
+        elif any(not isinstance(t, int) or t < 0 or not -BIAS_RANGE <= b <= BIAS_RANGE for t, b in self.logit_bias):
+            problems.append(("logit_bias", f"token ids >= 0 with biases in [-{BIAS_RANGE:g}, {BIAS_RANGE:g}]"))
         if problems:
             raise RequestError(problems[0][1], param=problems[0][0])
 
@@ -84,7 +97,7 @@ class Sampler:
     and no synchronisation (the engine reads the tokens back later, in one copy of the whole step).
     ``rows``: the most rows a call gets."""
 
-    _COLUMNS = 5  # row index, temperature, top_p, top_k, u: float64 holds each exactly (top_k, rows: < 2**53)
+    _COLUMNS = 6  # row index, temperature, top_p, top_k, u, min_p: float64 holds each exactly (top_k, rows: < 2**53)
 
     def __init__(self, rows: int, device: torch.device):
         self.device = torch.device(device)
@@ -99,6 +112,12 @@ class Sampler:
         """logits [n, V], one SamplingParams and random stream per row -> out [n] (int64, logits' device)."""
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         logits = logits.float()  # torch's CPU argmax of bf16 is slower than the cast and the float argmax
+        biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+        if biased:  # (a copy: the forward's logits may be a captured graph's output)
+            logits = logits.clone()
+            rows, cols, vals = zip(*biased)
+            at = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+            logits.index_put_(at, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
         torch.argmax(logits, dim=-1, out=out)
         if not sampled:
             return
@@ -107,15 +126,15 @@ class Sampler:
         self._next ^= 1
         if self._uploaded[k] is not None:
             self._uploaded[k].synchronize()  # the last upload from this buffer has run (two steps ago: at once)
-        stage = self._stage[k][:len(sampled)]  # [m, 5]
-        stage.numpy()[:] = [(i, params[i].temperature, params[i].top_p, params[i].top_k or V, rngs[i].random())
-                            for i in sampled]
+        stage = self._stage[k][:len(sampled)]  # [m, 6]
+        stage.numpy()[:] = [(i, params[i].temperature, params[i].top_p, params[i].top_k or V, rngs[i].random(),
+                             params[i].min_p) for i in sampled]
         dev = stage.to(self.device, non_blocking=True)
         if self._uploaded[k] is not None:
             self._uploaded[k].record()
         rows = dev[:, 0].long()
         picked = _sample_rows(logits.index_select(0, rows), dev[:, 1].float(), dev[:, 2].float(),
-                              dev[:, 3].long(), dev[:, 4])  # [m]
+                              dev[:, 3].long(), dev[:, 4], dev[:, 5])  # [m]
         out.index_copy_(0, rows, picked)
 
 
@@ -129,14 +148,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], rngs: list[random
     return out.tolist()
 
 
-def _sample_rows(logits, temps, top_p, top_k, u):
-    """logits [m, V], temps/top_p/top_k/u [m] -> tokens [m] (inverse CDF over the kept tokens)."""
+def _sample_rows(logits, temps, top_p, top_k, u, min_p=None):
+    """logits [m, V], temps/top_p/top_k/u/min_p [m] -> tokens [m] (inverse CDF over the kept tokens)."""
     scaled = logits / temps[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [m, V]
     probs = sorted_logits.softmax(dim=-1).double()
     rank = torch.arange(probs.shape[1], device=probs.device)
     before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each
     keep = (before < top_p[:, None]) & (rank[None, :] < top_k[:, None])
+    if min_p is not None:  # (probs sorted: the kept tokens stay a prefix)
+        keep &= probs >= min_p[:, None] * probs[:, :1]
     keep[:, 0] = True
     kept = probs * keep
     cdf = kept.cumsum(dim=-1)  # [m, V]

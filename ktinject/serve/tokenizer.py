@@ -82,6 +82,13 @@ class PromptTokenizer:
             raise RequestError(f"the messages cannot be tokenized: {type(e).__name__}: {str(e)[:200]}",
                                param="messages") from e
 
+    def tail_text(self, ids: list[int], tokens: int = 4) -> str:
+        """The text of the last ``tokens`` of ``ids``, special tokens kept ("" without a tokenizer)."""
+        if self.tokenizer is None:
+            return ""
+        with self._lock:
+            return self.tokenizer.decode(list(ids[-tokens:]), skip_special_tokens=False)
+
     def _check_chars(self, text: str, param: str) -> None:
         """RequestError where ``text`` has more characters than max_context tokens of the longest token can hold:
         too long for the context whatever it tokenizes to (so a huge prompt is refused before it is tokenized)."""

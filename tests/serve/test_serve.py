@@ -431,6 +431,17 @@ def test_top_logprobs_0_and_negative_seeds(served):
     assert texts[7][0] == texts[7][1] and texts[-7][0] != texts[7][0]
 
 
+def test_logit_bias_forces_a_token_and_a_bias_outside_the_vocabulary_is_400(served):
+    eng = served.engine
+    tok = eng.encode("robot")[-1]
+    r = served.client.completions.create(model=NAME, prompt=served.prompt(5), max_tokens=3, temperature=0,
+                                         logit_bias={str(tok): 100}, extra_body=NO_EOS)
+    assert r.choices[0].text == eng.tokenizer.decode([tok] * 3)
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client.completions.create(model=NAME, prompt="x", max_tokens=1, logit_bias={str(10**9): 1})
+    assert e.value.body["param"] == "logit_bias"
+
+
 def test_context_overflow_names_both_numbers_and_the_engine_keeps_serving(served):
     stream = served.client.completions.create(model=NAME, prompt=served.prompt(3), max_tokens=30, temperature=0,
                                               stream=True, extra_body=NO_EOS)

@@ -348,8 +348,13 @@ def test_request_checks_name_the_field():
         with pytest.raises(RequestError, match=f"messages\\[0\\].content: expected a string .*, {got} "):
             chat({"messages": [msg]}).template_messages()
     calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    as_object = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]
+    # a message with tool_calls may have no content; its calls' arguments (JSON text) reach the template as objects
     assert chat({"messages": [{"role": "assistant", "content": None, "tool_calls": calls}]}).template_messages() == [
-        {"role": "assistant", "content": "", "tool_calls": calls}]  # a message with tool_calls may have no content
+        {"role": "assistant", "content": "", "tool_calls": as_object}]
+    assert calls[0]["function"]["arguments"] == "{}"  # the request itself is left as it was
+    odd = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]  # not an object: as sent
+    assert chat({"messages": [{"role": "assistant", "tool_calls": odd}]}).template_messages()[0]["tool_calls"] == odd
     # null keys of a message are left out (a template must not see tool_calls None), and do not excuse the content
     assert chat({"messages": [{"role": "user", "content": "x", "name": None}]}).template_messages() == [
         {"role": "user", "content": "x"}]
