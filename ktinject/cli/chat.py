@@ -61,8 +61,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_top_p, help="nucleus sampling threshold in (0, 1] (default: the model's)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--prompt", help="answer this one message and exit")
+    add_prefix_cache_options(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print the injection plan, logs and tracebacks")
     return p
+
+
+def add_prefix_cache_options(p: argparse.ArgumentParser) -> None:
+    """--prefix-cache and its budgets (``ktinject.decode.prefix_cache``; docs/prefix-cache.md)."""
+    p.add_argument("--prefix-cache", choices=["gpu", "ram", "disk", "off"], default="ram",
+                   help="reuse the conversation's computed prefix, so a turn prefills only what is new: the lowest "
+                        "tier kept (gpu: GPU memory; ram: GPU and host RAM; disk: those and a directory that "
+                        "survives restarts) or off (default: ram)")
+    for tier in ("gpu", "ram", "disk"):
+        p.add_argument(f"--prefix-cache-{tier}", metavar="SIZE", type=_byte_size,
+                       help=f"bytes of the prefix cache's {tier} tier, e.g. 2GiB "
+                            f"(default {_DEFAULT_BUDGET_TEXT[tier]})")
+    p.add_argument("--prefix-cache-dir", metavar="DIR",
+                   help="the disk tier's directory (default ~/.cache/ktinject/prefix)")
+    p.add_argument("--prefix-block", metavar="N", type=positive,
+                   help="tokens per prefix cache block (default 256)")
+
+
+_DEFAULT_BUDGET_TEXT = {"gpu": "4GiB", "ram": "8GiB", "disk": "64GiB"}
+
+
+def _byte_size(text: str) -> int:
+    from ktinject.gpu_experts.hot.settings import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def make_prefix_cache(args: argparse.Namespace, device: str):
+    """The chat's PrefixCache from its options (None with --prefix-cache off); it keeps the replies too, so a
+    follow-up turn prefills only the new message."""
+    if getattr(args, "prefix_cache", "off") == "off":
+        return None
+    from ktinject.decode.prefix_cache import PrefixCache
+    from ktinject.decode.prefix_cache.store import DEFAULT_BLOCK_SIZE
+
+    return PrefixCache(tier=args.prefix_cache, block_size=args.prefix_block or DEFAULT_BLOCK_SIZE,
+                       gpu_bytes=args.prefix_cache_gpu, ram_bytes=args.prefix_cache_ram,
+                       disk_bytes=args.prefix_cache_disk, disk_path=args.prefix_cache_dir,
+                       device=device if device.startswith("cuda") else "cpu", keep_generated=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,6 +140,7 @@ def _top_p(text: str) -> float:
 class Totals:
     turns: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
     prefill_s: float = 0.0
     new_tokens: int = 0
     decode_tokens: int = 0  # new tokens after the first, the ones the decode time covers
@@ -114,6 +158,7 @@ class Chat:
     messages: list[dict] = field(default_factory=list)
     totals: Totals = field(default_factory=Totals)
     notes: object = None
+    prefix_cache: object = None  # a ktinject.decode.prefix_cache.PrefixCache (attached to the model), or None
 
     def __post_init__(self):
         self.clear()
@@ -145,6 +190,7 @@ class Chat:
         device = self.model.get_input_embeddings().weight.device
         stop = _StopFlag()
         streamer = _make_streamer(self.tokenizer, out)
+        reused_before = self.prefix_cache.stats.hit_tokens if self.prefix_cache is not None else 0
         t0 = time.perf_counter()
         with _sigint_sets(stop):
             output = self.model.generate(
@@ -155,7 +201,8 @@ class Chat:
         print(" [stopped]" if stop.stop else "", file=out, flush=True)
         self.messages.append({"role": "assistant", "content": answer})
         new = int(output.shape[-1] - ids.shape[-1])
-        print(self._account(ids.shape[-1], new, t0, streamer.t_first, t_end), file=status or out, flush=True)
+        cached = self.prefix_cache.stats.hit_tokens - reused_before if self.prefix_cache is not None else 0
+        print(self._account(ids.shape[-1], new, t0, streamer.t_first, t_end, cached), file=status or out, flush=True)
         return answer
 
     def _tokens(self, add_generation_prompt: bool = True):
@@ -218,16 +265,21 @@ class Chat:
             kw.update({k: v for k, v in (("temperature", t), ("top_p", p)) if v is not None})
         return kw
 
-    def _account(self, prompt: int, new: int, t0: float, t_first: float | None, t_end: float) -> str:
+    def _account(self, prompt: int, new: int, t0: float, t_first: float | None, t_end: float,
+                 cached: int = 0) -> str:
+        """The speed line; ``cached``: prompt tokens restored from the prefix cache (the prefill rate counts the
+        tokens computed)."""
         tot = self.totals
         tot.turns += 1
         if t_first is None or new == 0:
             return "[no tokens generated]"
         ttft = t_first - t0
         tot.prompt_tokens, tot.prefill_s = tot.prompt_tokens + prompt, tot.prefill_s + ttft
+        tot.cached_tokens += cached
         tot.new_tokens, tot.decode_tokens = tot.new_tokens + new, tot.decode_tokens + new - 1
         tot.decode_s += t_end - t_first
-        return (f"[prefill {prompt} tokens, {_rate(prompt, ttft)} | "
+        reused = f" ({cached} cached)" if cached else ""
+        return (f"[prefill {prompt} tokens{reused}, {_rate(prompt - cached, ttft)} | "
                 f"decode {new} tokens, {_rate(new - 1, t_end - t_first)}]")
 
     def stats(self) -> str:
@@ -235,10 +287,24 @@ class Chat:
         context = self._tokens(add_generation_prompt=False).shape[-1] if self.messages else 0
         return "\n".join([
             f"turns: {tot.turns}, history: {len(self.messages)} messages, {context} tokens",
-            f"prefill: {tot.prompt_tokens} tokens in {tot.prefill_s:.2f} s, {_rate(tot.prompt_tokens, tot.prefill_s)}",
+            f"prefill: {tot.prompt_tokens} tokens ({tot.cached_tokens} from the prefix cache) in "
+            f"{tot.prefill_s:.2f} s, {_rate(tot.prompt_tokens - tot.cached_tokens, tot.prefill_s)}",
             f"decode: {tot.new_tokens} tokens in {tot.decode_s:.2f} s, {_rate(tot.decode_tokens, tot.decode_s)}",
+            *(self.prefix_cache.describe() if self.prefix_cache is not None else ["prefix cache: off"]),
             *_fast_path_lines(self.model),
         ])
+
+
+def _prefix_cache_text(model, prefix) -> str:
+    """The load line's prefix cache part: its tiers, or why it is off."""
+    if prefix is None:
+        return "prefix cache off"
+    from ktinject.decode.prefix_cache import uncacheable_reason
+
+    reason = uncacheable_reason(model)
+    if reason is not None:
+        return reason
+    return f"prefix cache {'+'.join(t.name for t in prefix.tiers.all)}, blocks of {prefix.block_size} tokens"
 
 
 def _fast_path_lines(model) -> list[str]:
@@ -364,9 +430,14 @@ def _main(args: argparse.Namespace) -> int:
     if placed is not None:
         print(placed, file=status)
     defer = cli.defer_format(model)
+    prefix = make_prefix_cache(args, gpu)
     print(f"Loaded {model_dir.name} in {seconds:.2f} s (gpu={gpu}, quant={cli.experts_format(model)}"
-          f"{', ' + defer if defer else ''}).", file=status, flush=True)
-    chat = Chat(model, tokenizer, args)
+          f"{', ' + defer if defer else ''}, {_prefix_cache_text(model, prefix)}).", file=status, flush=True)
+    if prefix is not None:
+        from ktinject.decode.generate import attach_prefix_cache
+
+        attach_prefix_cache(model, prefix)
+    chat = Chat(model, tokenizer, args, prefix_cache=prefix)
     if args.prompt is not None:
         chat.reply(args.prompt, status=sys.stderr)
     else:

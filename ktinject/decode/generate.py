@@ -16,6 +16,11 @@ must not hold the dropped step). HF then hands every decode step, and prompt chu
 eagerly. The runner (and its static caches and graphs) lives on the model, so a second call with another prompt
 length or a known batch size captures nothing.
 
+A ``prefix_cache`` (``ktinject.decode.prefix_cache.PrefixCache``, given to the call or attached to the model by
+``attach_prefix_cache`` / ``inject(..., prefix_cache=...)``) is looked up before the prefill: the longest prefix
+every row holds is restored into the rows of the runner's cache, and HF's generate, seeing a cache that already
+holds those positions, prefills the rest; afterwards the rows' new whole blocks are stored.
+
 ``enable(model)`` makes a plain ``model.generate(...)`` go through here (``ktinject.inject`` may call it);
 ``disable(model)`` undoes it. Without CUDA everything runs eagerly through the same path (static cache), giving
 HF's greedy tokens.
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import logging
@@ -289,11 +295,15 @@ def generate(model, *args, **kwargs):
     input_ids = kwargs.pop("inputs", None)
     if input_ids is None:
         input_ids = kwargs.pop("input_ids", None)
+    prefix = kwargs.pop("prefix_cache", None)
+    prefix = prefix if prefix is not None else model.__dict__.get(PREFIX_CACHE_ATTR)
     runner = get_runner(model)
     gc = _generation_config(model, kwargs)
     reason = _plain_reason(model, input_ids, kwargs, gc)
     if reason is not None:
         log.debug("ktinject.generate: %s -> Hugging Face generate", reason)
+        if prefix is not None:
+            _note_uncached(model, prefix, reason)
         return _hf_generate(model, input_ids, attention_mask=attention_mask, **kwargs)
 
     batch, prompt_len = input_ids.shape
@@ -312,6 +322,7 @@ def generate(model, *args, **kwargs):
 
     cache = runner.cache_for(rows, _needed_len(gc, prompt_len))
     kwargs[compat.cache_kwarg()] = cache
+    reused = 0 if prefix is None else _restore_prefix(model, prefix, input_ids, attention_mask, cache)
     chunk = prefill_chunk(model, prompt_len)
     if chunk and prompt_len > chunk and gc.prefill_chunk_size is None:
         kwargs["prefill_chunk_size"] = chunk
@@ -319,8 +330,71 @@ def generate(model, *args, **kwargs):
     with _hooked(model, runner, defer):
         out = _hf_generate(model, input_ids, attention_mask=attention_mask, **kwargs)
     field = compat.cache_kwarg()  # the output's field has the keyword's name ("cache" from transformers 5.24)
+    if prefix is not None:
+        _insert_prefix(model, prefix, out, input_ids, attention_mask, cache, batch)
+        log.debug("ktinject.generate: %d prompt tokens a row restored from the prefix cache", reused)
     if gc.return_dict_in_generate and getattr(out, field, None) is cache:
         setattr(out, field, _owned_cache(model, cache))
     return out[:batch] if pad else out
+
+
+#: where ``inject(..., prefix_cache=...)`` keeps the model's PrefixCache (used when generate is given none)
+PREFIX_CACHE_ATTR = "_ktinject_prefix_cache"
+
+
+def attach_prefix_cache(model, prefix_cache) -> None:
+    """Make ``prefix_cache`` (a ``ktinject.decode.prefix_cache.PrefixCache``, or None to detach) the one every
+    ``ktinject.generate`` of ``model`` uses when it is passed none, and route a plain ``model.generate(...)``
+    through ``ktinject.generate`` (``enable``; on the CPU too, where the runner's static cache gives HF's tokens);
+    a model whose layout cannot be cached says so once, in the log."""
+    if prefix_cache is None:
+        model.__dict__.pop(PREFIX_CACHE_ATTR, None)
+        return
+    model.__dict__[PREFIX_CACHE_ATTR] = prefix_cache
+    if not getattr(model.__dict__.get("generate"), "_ktinject", False):
+        enable(model)
+    reason = prefix_cache.why_uncached(model)
+    if reason is not None:
+        log.warning("ktinject: %s", reason)
+
+
+def _note_uncached(model, prefix, reason: str) -> None:
+    why = prefix.why_uncached(model) or f"prefix cache not used: {reason}; the prompt is prefilled whole"
+    if model.__dict__.get("_ktinject_prefix_note") != why:
+        model.__dict__["_ktinject_prefix_note"] = why
+        log.info("ktinject.generate: %s", why)
+
+
+def _unpadded(attention_mask) -> bool:
+    return attention_mask is None or bool(torch.all(attention_mask != 0))
+
+
+def _restore_prefix(model, prefix, input_ids, attention_mask, cache) -> int:
+    """Restore the longest prefix every row has cached (rows of one forward share a position) into the rows of
+    ``cache``; the tokens restored a row (0: none, or the rows are padded)."""
+    if not _unpadded(attention_mask):
+        return 0
+    hits = [prefix.lookup(model, row) for row in input_ids]
+    tokens = min(h.tokens for h in hits)
+    if tokens == 0:
+        return 0
+    done = min(prefix.restore(dataclasses.replace(h, tokens=tokens, keys=h.keys[:tokens // h.block_size]), cache, r)
+               for r, h in enumerate(hits))
+    if done < tokens:  # a block failed its check in some row: every row restarts from the shortest restore
+        cache.lengths[:] = torch.clamp(cache.lengths, max=done)
+    return done
+
+
+def _insert_prefix(model, prefix, out, input_ids, attention_mask, cache, batch: int) -> None:
+    """Store the whole blocks of each real row: its prompt, and with ``prefix.keep_generated`` what was generated
+    too (the positions the cache holds)."""
+    if not _unpadded(attention_mask):
+        return
+    sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+    if sequences is None:
+        return
+    length = None if prefix.keep_generated else input_ids.shape[1]
+    for r in range(min(batch, sequences.shape[0])):
+        prefix.insert(model, sequences[r], cache, r, length)
 
 

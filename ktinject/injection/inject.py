@@ -11,6 +11,7 @@ import logging
 
 from torch import nn
 
+from ktinject.decode.generate import attach_prefix_cache
 from ktinject.injection import apply
 from ktinject.injection.apply import InjectError, place_tensors  # noqa: F401  (public names of inject since round 1)
 from ktinject.gpu_experts.prefill.policy import mode_from_plan
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def inject(model: nn.Module, rules=None, *, quant: str | None = None, defer: int | float | None = None,
            gpu_experts_budget=None, placement: str | None = None, stats=None, rebalance_every: int | None = None,
-           checkpoint=None, prefill: str | None = None, **devices) -> Plan:
+           checkpoint=None, prefill: str | None = None, prefix_cache=None, **devices) -> Plan:
     """Plan and apply: swap in operators, move every other tensor to its device. Returns the Plan.
 
     ``rules``: a rule file path, parsed rules, or None for the packaged file of ``model.config.model_type``.
@@ -40,6 +41,8 @@ def inject(model: nn.Module, rules=None, *, quant: str | None = None, defer: int
     ``checkpoint``: for a model built on the meta device (``from_config`` under ``torch.device("meta")`` or
     ``from_pretrained(..., device_map="meta")``): a checkpoint whose weights are streamed straight into the
     operators and devices (ktinject.injection.loading).
+    ``prefix_cache``: a ``ktinject.decode.prefix_cache.PrefixCache`` every ``ktinject.generate`` of the model uses
+    (computed prompt prefixes reused; docs/prefix-cache.md).
     ``devices``: device variables, e.g. ``gpu="cuda:0"`` or ``gpu="cpu"`` (CPU-only run).
     """
     apply.check_fresh(model)
@@ -49,6 +52,8 @@ def inject(model: nn.Module, rules=None, *, quant: str | None = None, defer: int
     apply.check_devices(the_plan)
     options = dict(gpu_experts_budget=gpu_experts_budget, placement=placement, stats=stats,
                    rebalance_every=rebalance_every)
+    if prefix_cache is not None:
+        attach_prefix_cache(model, prefix_cache)
     if checkpoint is not None:
         return load_into(model, the_plan, checkpoint, prefill=prefill, **options)
     hot = HotExpertSettings.from_plan(the_plan, **options)  # bad options fail before anything is built

@@ -67,7 +67,8 @@ _CPU = torch.device("cpu")
 def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.dtype | str | None = None,
                     cache_dir=None, progress: bool = True, gpu_experts_budget=None, placement: str | None = None,
                     stats=None, rebalance_every: int | None = None, defer: int | float | None = None,
-                    prefill: str | None = None, dense_fp8: str | None = None, **devices) -> nn.Module:
+                    prefill: str | None = None, dense_fp8: str | None = None, prefix_cache=None,
+                    **devices) -> nn.Module:
     """A ready model from a local checkpoint directory (or a GGUF file), loaded without ever holding it twice.
 
     ``rules``: rule file / parsed rules / None (packaged rules of ``config.model_type``); ``quant``: expert
@@ -80,6 +81,7 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     ``prefill``: where prompts' routed experts run (``auto``, ``cpu``, ``gpu``), as for ``inject``;
     ``dense_fp8``: which FP8 linear weights of an FP8 release stay FP8 (``none``, the default: dequantized to
     ``dtype``; ``attention``, ``mlp``, ``all``: ``ktinject.operators.fp8_linear``);
+    ``prefix_cache``: a ``ktinject.decode.prefix_cache.PrefixCache`` its generate uses, as for ``inject``;
     ``devices``: device variables (``gpu="cuda:0"``, ``gpu="cpu"``). The
     plan is ``model._ktinject_plan``, load figures ``model._ktinject_load_stats``."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # heavy: on the first load only
@@ -114,6 +116,10 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     the_plan = make_plan(model, rules, quant=quant, defer=defer, group_size=group_size, **devices)
     load_into(model, the_plan, reader, cache_dir=cache_dir, progress=progress, gpu_experts_budget=gpu_experts_budget,
               placement=placement, stats=stats, rebalance_every=rebalance_every, prefill=prefill, dense_fp8=dense_fp8)
+    if prefix_cache is not None:
+        from ktinject.decode.generate import attach_prefix_cache
+
+        attach_prefix_cache(model, prefix_cache)
     return model
 
 

@@ -188,7 +188,7 @@ def _as_device(value: Any, what: str) -> torch.device:
 #: the keyword options of inject / from_pretrained / load_into: every other keyword is a device variable, so a
 #: misspelled option arrives here as one (suggestions are drawn from these)
 OPTIONS = ("quant", "defer", "prefill", "gpu_experts_budget", "placement", "stats", "rebalance_every", "checkpoint",
-           "cache_dir", "progress", "dtype")
+           "cache_dir", "progress", "dtype", "prefix_cache")
 
 
 def _check_device_names(devices: Mapping[str, Any], ruleset: RuleSet) -> None:

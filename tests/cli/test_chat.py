@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SPEED = re.compile(r"\[prefill (\d+) tokens, [\d.]+ tok/s \| decode (\d+) tokens, ([\d.]+|n/a) tok/s\]")
+SPEED = re.compile(r"\[prefill (\d+) tokens(?: \(\d+ cached\))?, [\d.]+ tok/s \| "
+                   r"decode (\d+) tokens, ([\d.]+|n/a) tok/s\]")
+CACHED = re.compile(r"\[prefill (\d+) tokens(?: \((\d+) cached\))?, ")
 
 
 def chat(env, *args, stdin: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -312,7 +314,8 @@ def test_stats_prints_one_line_per_fast_path(monkeypatch):
              "fast_router": {"active": None, "reason": None}}
     monkeypatch.setattr(ktinject, "info", lambda m: {"fast_paths": paths} if m is model else {}, raising=False)
     lines = Chat(model, None, argparse.Namespace(system=None)).stats().splitlines()
-    assert lines[3:] == ["fast path decode_attention: active",
+    assert lines[3] == "prefix cache: off"
+    assert lines[4:] == ["fast path decode_attention: active",
                          "fast path graph_decode: off (no CUDA device)",
                          "fast path fast_router: not run yet"]
 
@@ -337,3 +340,52 @@ def test_cpu_path_runs_torch_on_one_thread_unless_threads_say_otherwise():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_second_turn_prefills_only_the_new_tokens(demo_env, tmp_path):
+    """With the prefix cache (on by default) a follow-up turn restores the first turn's prompt and reply and
+    prefills the rest: at most the new message, its chat template tokens and the partial block before them; the
+    reply is the one the chat gives without the cache; /stats counts the reused tokens and the tier's hits."""
+    script = "hello there\nand now?\n/stats\n/exit\n"
+    common = ["--gpu", "cpu", "--max-new-tokens", "6", "--temperature", "0"]
+    r = chat(demo_env, *common, "--prefix-block", "4", stdin=script)
+    off = chat(demo_env, *common, "--prefix-cache", "off", stdin=script)
+    assert r.returncode == 0 and off.returncode == 0, (r.stderr, off.stderr)
+    assert "prefix cache ram, blocks of 4 tokens" in r.stdout, r.stdout
+    (p1, c1), (p2, c2) = [(int(a), int(b or 0)) for a, b in CACHED.findall(r.stdout)]
+    n1 = int(SPEED.findall(r.stdout)[0][1])
+    assert c1 == 0 and c2 > 0, r.stdout
+    fed = p1 + n1 - 1  # the first turn's tokens the cache holds (the last reply token was never fed)
+    assert c2 == fed // 4 * 4, r.stdout  # every whole block of them: the history re-renders to the same tokens
+    new = p2 - fed  # the second message with its template tokens
+    assert p2 - c2 == new + fed % 4  # what was prefilled: the new tokens and the partial block before them
+    replies = [line for line in r.stdout.splitlines() if line.startswith(">>> ")]
+    assert replies == [line for line in off.stdout.splitlines() if line.startswith(">>> ")]  # greedy: the same
+    assert re.search(rf"prefill: \d+ tokens \({c2} from the prefix cache\)", r.stdout), r.stdout
+    assert re.search(r"prefix cache ram: \d+ block hits", r.stdout) and "prefix cache: off" in off.stdout
+
+
+def test_prefix_cache_options_are_checked(capsys):
+    from ktinject.cli.chat import parse_args
+
+    a = parse_args(["--prefix-cache", "disk", "--prefix-cache-ram", "2GiB", "--prefix-block", "64"])
+    assert (a.prefix_cache, a.prefix_cache_ram, a.prefix_block) == ("disk", 2 * 2**30, 64)
+    assert parse_args([]).prefix_cache == "ram"
+    with pytest.raises(SystemExit):
+        parse_args(["--prefix-cache-gpu", "lots"])
+    assert "argument --prefix-cache-gpu: byte size" in capsys.readouterr().err
+
+
+def test_disk_tier_serves_the_next_chat_process(demo_env, tmp_path):
+    """--prefix-cache disk: a chat started again finds the blocks the last one wrote, so its first turn on the same
+    message is restored (all but the partial last block)."""
+    common = ["--gpu", "cpu", "--prompt", "hello there", "--max-new-tokens", "4", "--temperature", "0",
+              "--prefix-cache", "disk", "--prefix-cache-dir", str(tmp_path), "--prefix-block", "4"]
+    first, second = chat(demo_env, *common), chat(demo_env, *common)
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr, second.stderr)
+    assert "prefix cache ram+disk, blocks of 4 tokens" in first.stderr, first.stderr
+    (p1, c1), = [(int(a), int(b or 0)) for a, b in CACHED.findall(first.stderr)]
+    (p2, c2), = [(int(a), int(b or 0)) for a, b in CACHED.findall(second.stderr)]
+    assert p1 == p2 and c1 == 0 and c2 == (p2 - 1) // 4 * 4 > 0, second.stderr
+    assert first.stdout == second.stdout
+    assert list(tmp_path.glob("??/*.ktpc")), list(tmp_path.iterdir())
