@@ -31,7 +31,7 @@ def _greedy(m, ids, **kw):
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_greedy_output_with_a_hit_equals_output_without(family, tmp_path, caplog):
     m = _injected(family)
-    cache = PrefixCache(tier="disk", block_size=BLOCK, disk_path=tmp_path)
+    cache = PrefixCache(device="cpu", tier="disk", block_size=BLOCK, disk_path=tmp_path)
     ids = tiny_prompts(1, 27, seed=1)
     plain = _greedy(m, ids)
     caplog.set_level(logging.INFO, logger="ktinject.decode.generate")
@@ -54,11 +54,11 @@ def test_disk_tier_serves_a_restarted_store_and_rejects_a_damaged_block(tmp_path
     m = _injected("qwen3_moe")
     ids = tiny_prompts(1, 33, seed=4)
     plain = _greedy(m, ids)
-    _greedy(m, ids, prefix_cache=PrefixCache(tier="disk", block_size=BLOCK, disk_path=tmp_path))
-    restarted = PrefixCache(tier="disk", block_size=BLOCK, disk_path=tmp_path)  # as a new process finds it
+    _greedy(m, ids, prefix_cache=PrefixCache(device="cpu", tier="disk", block_size=BLOCK, disk_path=tmp_path))
+    restarted = PrefixCache(device="cpu", tier="disk", block_size=BLOCK, disk_path=tmp_path)  # as a new process finds it
     assert torch.equal(_greedy(m, ids, prefix_cache=restarted), plain)
     assert restarted.stats.hits["disk"] == 4 and restarted.stats.hit_tokens == 4 * BLOCK
-    again = PrefixCache(tier="disk", block_size=BLOCK, disk_path=tmp_path)
+    again = PrefixCache(device="cpu", tier="disk", block_size=BLOCK, disk_path=tmp_path)
     third = again.keys(m, ids[0])[2]
     path = again.tiers.disk.file_of(third)
     data = path.read_bytes()
@@ -71,7 +71,7 @@ def test_disk_tier_serves_a_restarted_store_and_rejects_a_damaged_block(tmp_path
 
 def test_inject_keyword_attaches_the_store():
     m = build_tiny_model("deepseek_v3")
-    cache = PrefixCache(tier="ram", block_size=4)
+    cache = PrefixCache(device="cpu", tier="ram", block_size=4)
     ktinject.inject(m, gpu="cpu", prefix_cache=cache)
     ids = tiny_prompts(1, 13, seed=2)
     a, b = ktinject.generate(m, ids, max_new_tokens=4, do_sample=False), ktinject.generate(
@@ -81,7 +81,7 @@ def test_inject_keyword_attaches_the_store():
 
 def test_rows_of_a_batch_share_the_shortest_hit():
     m = _injected("qwen3_moe")
-    cache = PrefixCache(tier="ram", block_size=4)
+    cache = PrefixCache(device="cpu", tier="ram", block_size=4)
     ids = tiny_prompts(2, 14, seed=5)
     _greedy(m, ids[:1], prefix_cache=cache)  # row 0 cached, row 1 not
     out = _greedy(m, ids, prefix_cache=cache)
@@ -95,7 +95,7 @@ def test_keep_generated_stores_the_reply_for_a_follow_up():
     tokens are computed (greedy tokens as without the cache here; a decode step's values may round differently
     from a prefill's, so a near-tie could flip)."""
     m = _injected("qwen3_moe")
-    cache = PrefixCache(tier="ram", block_size=BLOCK, keep_generated=True)
+    cache = PrefixCache(device="cpu", tier="ram", block_size=BLOCK, keep_generated=True)
     ids = tiny_prompts(1, 27, seed=1)
     first = _greedy(m, ids, prefix_cache=cache)
     follow = torch.cat([first, tiny_prompts(1, 5, seed=3)], dim=1)
@@ -106,7 +106,7 @@ def test_keep_generated_stores_the_reply_for_a_follow_up():
 
 def test_bad_settings_are_errors():
     with pytest.raises(ValueError, match="tier must be one of gpu, ram, disk"):
-        PrefixCache(tier="ssd")
+        PrefixCache(device="cpu", tier="ssd")
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         PrefixCache(block_size=0)
 
@@ -117,7 +117,7 @@ def test_the_calls_a_server_makes_on_a_slot():
     from ktinject.decode import kv_cache
 
     m = _injected("qwen3_moe")
-    cache = PrefixCache(tier="ram", block_size=4)
+    cache = PrefixCache(device="cpu", tier="ram", block_size=4)
     kv = kv_cache.new(m.config, 3, 64, "cpu")
     prompt = tiny_prompts(1, 18, seed=6)
     with torch.no_grad():

@@ -60,7 +60,7 @@ def test_model_identity_differs_by_weights_format_and_rules():
     from ktinject.decode.prefix_cache import PrefixCache
     from ktinject.tiny_models import build_tiny_model
 
-    cache = PrefixCache(tier="ram", block_size=4)
+    cache = PrefixCache(device="cpu", tier="ram", block_size=4)
     a, b, c = build_tiny_model("qwen3_moe"), build_tiny_model("qwen3_moe", seed=1), build_tiny_model("qwen3_moe")
     d = build_tiny_model("qwen3_moe")
     ktinject.inject(c, gpu="cpu")
