@@ -56,11 +56,14 @@ class TensorBytes:
     def __init__(self, ckpt: Reader, ref, buf: torch.Tensor, shape: tuple[int, ...]):
         self.ckpt, self.ref, self.buf, self.shape = ckpt, ref, buf, tuple(shape)
 
-    def values(self) -> torch.Tensor:
-        """As the checkpoint's dtype (plain) or decoded to float32 (quantized)."""
+    def values(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """As the checkpoint's dtype (plain) or decoded to float32 (quantized); with ``dtype``, quantized values are
+        decoded straight to it (``Codec.decode_as``: the same values as decoding and casting)."""
         if self.ref.codec is None:
             return self.buf.view(self.ckpt.torch_dtype(self.ref)).view(self.shape)
         try:
+            if dtype is not None:
+                return self.ref.codec.decode_as(self.buf, self.shape, dtype)
             return self.ref.codec.decode(self.buf, self.shape)
         except (RuntimeError, ValueError) as e:
             raise LoadError(f"tensor {self.ref.key!r} in {self.ref.file}: its {self.ref.codec.name} bytes do not "

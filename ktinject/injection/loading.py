@@ -320,8 +320,8 @@ class _Loader:
             self.buffers.put(buf)
         else:
             self.bytes_read += job.nbytes
-            x = TensorBytes(self.ckpt, piece.ref, buf, shape).values()
             dtype = self.dtypes.get(piece.target, piece.meta.dtype)
+            x = TensorBytes(self.ckpt, piece.ref, buf, shape).values(dtype)
             self._assign(piece.meta, x.to(device=self.devices.get(id(piece.meta), _CPU), dtype=dtype))
             if job.reuse:  # copied (synchronously) to another device or dtype
                 self.buffers.put(buf)

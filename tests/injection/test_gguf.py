@@ -156,6 +156,12 @@ def test_codecs_decode_as_gguf_dequantizes(qtype):
     buf = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(-1).copy())
     got = GGMLCodec(qtype.name).decode(buf, (3, 512))
     assert torch.equal(got, torch.from_numpy(want))
+    # straight to the model's dtype (the loader's path): the same values as casting, and never the read buffer
+    # itself (it goes back to the pool)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        as_dtype = GGMLCodec(qtype.name).decode_as(buf, (3, 512), dtype)
+        assert as_dtype.dtype == dtype and torch.equal(as_dtype, got.to(dtype))
+        assert as_dtype.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
 
 
 def test_split_set_loads_as_one_file(tmp_path_factory, tmp_path):

@@ -46,6 +46,12 @@ class Codec:
     def decode(self, buf: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_as(self, buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """``decode``'s values cast to ``dtype`` (the same values: the cast is elementwise). A codec that decodes in
+        chunks overrides it to write each chunk cast, so a large tensor (an embedding) never exists whole in float32
+        beside its model-dtype copy."""
+        return self.decode(buf, shape).to(dtype)
+
     def quantized(self, buf: torch.Tensor, shape: tuple[int, ...], quant: str,
                   group: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q int8 [..., N, K], scale float32 [..., N, groups]) when the stored values are exactly ``quant`` with

@@ -77,12 +77,15 @@ class GGMLCodec(Codec):
         return buf.view(-1, BLOCKS[self.qtype][1])
 
     def decode(self, buf, shape):
+        return self.decode_as(buf, shape, torch.float32)
+
+    def decode_as(self, buf, shape, dtype):
         if self.qtype in PLAIN:
-            return buf.view(PLAIN[self.qtype]).view(shape).float()
+            return buf.view(PLAIN[self.qtype]).view(shape).to(dtype, copy=True)  # (buf goes back to the pool)
         b = self._blocks(buf, shape)
         if self.qtype in kquants.SIZES:
-            return kquants.dequantize(b, self.qtype).view(shape)
-        out = torch.empty(b.shape[0], 32, dtype=torch.float32)
+            return kquants.dequantize(b, self.qtype, dtype).view(shape)
+        out = torch.empty(b.shape[0], 32, dtype=dtype)
         for i in range(0, b.shape[0], kquants.CHUNK * 8):  # in chunks: a few chunk-sized temporaries at a time
             out[i:i + kquants.CHUNK * 8] = self._decode32(b[i:i + kquants.CHUNK * 8])
         return out.view(shape)

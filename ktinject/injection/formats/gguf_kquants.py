@@ -69,10 +69,11 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 _DECODE = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
-def dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    """float32 [n * 256] values of ``blocks`` (uint8 [n, SIZES[qtype]])."""
+def dequantize(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[n * 256] values of ``blocks`` (uint8 [n, SIZES[qtype]]): float32, each chunk cast to ``dtype`` as it is
+    stored."""
     fn, n = _DECODE[qtype], blocks.shape[0]
-    out = torch.empty(n, 256, dtype=torch.float32)
+    out = torch.empty(n, 256, dtype=dtype)
     for i in range(0, n, CHUNK):
         out[i:i + CHUNK] = fn(blocks[i:i + CHUNK])
     return out.view(-1)
