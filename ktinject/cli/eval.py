@@ -206,6 +206,32 @@ def table(rows) -> str:
     return "\n".join(out) + f"\n\n{rows[0][1].n} predicted tokens"
 
 
+def _not_evaluable(model_dir) -> str | None:
+    """Why ``model_dir`` cannot be scored here, or None: the reference is Hugging Face's own float32 model, so the
+    checkpoint must be one transformers loads unquantized (a directory of config.json + safetensors)."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir)
+    if path.is_file():
+        return ("a file (GGUF?): eval compares against Hugging Face's float32 model, which needs a checkpoint "
+                "directory with config.json; run the chat or the server on the file (ktinject.from_pretrained "
+                "reads it)")
+    config = path / "config.json"
+    if not config.is_file():
+        return "no config.json there: give a Hugging Face checkpoint directory"
+    try:
+        quant = json.loads(config.read_text(encoding="utf-8")).get("quantization_config")
+    except (OSError, ValueError) as e:
+        return f"config.json does not read as JSON ({e})"
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        return (f"a quantized release (quantization_config: {method}): eval's reference is the unquantized "
+                "Hugging Face model, so it takes bf16 / float32 checkpoints; load this one with "
+                "ktinject.from_pretrained (the chat, the server)")
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ktinject.eval", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: the trained demo model)")
@@ -222,6 +248,9 @@ def main(argv=None) -> int:
     from ktinject import demo
 
     model_dir = a.model or demo.demo_model_dir()
+    problem = _not_evaluable(model_dir)
+    if problem:
+        p.error(f"--model {model_dir}: {problem}")
     try:
         text = open(a.text, encoding="utf-8").read() if a.text else demo.heldout_text()
     except OSError as e:
