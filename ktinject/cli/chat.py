@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 from ktinject.cli import options as cli
-from ktinject.cli.options import CliError, load_model, positive
+from ktinject.cli.options import CliError, add_prefix_cache_options, load_model, make_prefix_cache, positive
 from ktinject.decode.stop_tokens import context_limit, stop_token_ids
 
 __all__ = ["Chat", "CliError", "ContextError", "build_parser", "load_model", "main", "parse_args"]  # CliError,
@@ -64,48 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_cache_options(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print the injection plan, logs and tracebacks")
     return p
-
-
-def add_prefix_cache_options(p: argparse.ArgumentParser) -> None:
-    """--prefix-cache and its budgets (``ktinject.decode.prefix_cache``; docs/prefix-cache.md)."""
-    p.add_argument("--prefix-cache", choices=["gpu", "ram", "disk", "off"], default="ram",
-                   help="reuse the conversation's computed prefix, so a turn prefills only what is new: the lowest "
-                        "tier kept (gpu: GPU memory; ram: GPU and host RAM; disk: those and a directory that "
-                        "survives restarts) or off (default: ram)")
-    for tier in ("gpu", "ram", "disk"):
-        p.add_argument(f"--prefix-cache-{tier}", metavar="SIZE", type=_byte_size,
-                       help=f"bytes of the prefix cache's {tier} tier, e.g. 2GiB "
-                            f"(default {_DEFAULT_BUDGET_TEXT[tier]})")
-    p.add_argument("--prefix-cache-dir", metavar="DIR",
-                   help="the disk tier's directory (default ~/.cache/ktinject/prefix)")
-    p.add_argument("--prefix-block", metavar="N", type=positive,
-                   help="tokens per prefix cache block (default 256)")
-
-
-_DEFAULT_BUDGET_TEXT = {"gpu": "4GiB", "ram": "8GiB", "disk": "64GiB"}
-
-
-def _byte_size(text: str) -> int:
-    from ktinject.gpu_experts.hot.settings import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def make_prefix_cache(args: argparse.Namespace, device: str):
-    """The chat's PrefixCache from its options (None with --prefix-cache off); it keeps the replies too, so a
-    follow-up turn prefills only the new message."""
-    if getattr(args, "prefix_cache", "off") == "off":
-        return None
-    from ktinject.decode.prefix_cache import PrefixCache
-    from ktinject.decode.prefix_cache.store import DEFAULT_BLOCK_SIZE
-
-    return PrefixCache(tier=args.prefix_cache, block_size=args.prefix_block or DEFAULT_BLOCK_SIZE,
-                       gpu_bytes=args.prefix_cache_gpu, ram_bytes=args.prefix_cache_ram,
-                       disk_bytes=args.prefix_cache_disk, disk_path=args.prefix_cache_dir,
-                       device=device if device.startswith("cuda") else "cpu", keep_generated=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -430,7 +388,7 @@ def _main(args: argparse.Namespace) -> int:
     if placed is not None:
         print(placed, file=status)
     defer = cli.defer_format(model)
-    prefix = make_prefix_cache(args, gpu)
+    prefix = make_prefix_cache(args, gpu, keep_generated=True)  # a follow-up turn resends the reply
     print(f"Loaded {model_dir.name} in {seconds:.2f} s (gpu={gpu}, quant={cli.experts_format(model)}"
           f"{', ' + defer if defer else ''}, {_prefix_cache_text(model, prefix)}).", file=status, flush=True)
     if prefix is not None:

@@ -1,7 +1,8 @@
 """What the command-line programs share (``ktinject chat``, ``ktinject serve``, ...): the options that load a model,
 their checks before anything heavy loads, the one-line error, and ``--version``.
 
-``add_model_options(parser)`` adds --model, --rules, --quant, --defer, --prefill, --threads, --gpu-experts-budget,
+``add_prefix_cache_options(parser)`` adds --prefix-cache and its budgets (chat and serve), ``make_prefix_cache(args,
+device)`` makes the store. ``add_model_options(parser)`` adds --model, --rules, --quant, --defer, --prefill, --threads, --gpu-experts-budget,
 --placement, --expert-stats, --rebalance-every and --gpu; ``resolve(args, demo_line)`` checks the model directory and the rules
 (the demo model, and ``demo_line`` printed, without --model); ``hot_options(args)`` checks the hot-expert options
 with the code inject and from_pretrained use; ``device(args)`` picks the GPU device (a missing CUDA is an error, not
@@ -277,3 +278,45 @@ def run(prog: str, main, *args) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+
+
+def add_prefix_cache_options(p: argparse.ArgumentParser) -> None:
+    """--prefix-cache and its budgets (``ktinject.decode.prefix_cache``; docs/prefix-cache.md)."""
+    p.add_argument("--prefix-cache", choices=["gpu", "ram", "disk", "off"], default="ram",
+                   help="reuse the computed prefix of earlier prompts, so a prompt prefills only what is new: the "
+                        "lowest tier kept (gpu: GPU memory; ram: GPU and host RAM; disk: those and a directory that "
+                        "survives restarts) or off (default: ram)")
+    for tier in ("gpu", "ram", "disk"):
+        p.add_argument(f"--prefix-cache-{tier}", metavar="SIZE", type=_byte_size,
+                       help=f"bytes of the prefix cache's {tier} tier, e.g. 2GiB "
+                            f"(default {_DEFAULT_BUDGET_TEXT[tier]})")
+    p.add_argument("--prefix-cache-dir", metavar="DIR",
+                   help="the disk tier's directory (default ~/.cache/ktinject/prefix)")
+    p.add_argument("--prefix-block", metavar="N", type=positive,
+                   help="tokens per prefix cache block (default 256)")
+
+
+_DEFAULT_BUDGET_TEXT = {"gpu": "4GiB", "ram": "8GiB", "disk": "64GiB"}
+
+
+def _byte_size(text: str) -> int:
+    from ktinject.gpu_experts.hot.settings import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def make_prefix_cache(args: argparse.Namespace, device: str, keep_generated: bool = False):
+    """The PrefixCache of ``add_prefix_cache_options``' options (None with --prefix-cache off); ``keep_generated``
+    (the chat's): it keeps the replies too, so a follow-up turn prefills only the new message."""
+    if getattr(args, "prefix_cache", "off") == "off":
+        return None
+    from ktinject.decode.prefix_cache import PrefixCache
+    from ktinject.decode.prefix_cache.store import DEFAULT_BLOCK_SIZE
+
+    return PrefixCache(tier=args.prefix_cache, block_size=args.prefix_block or DEFAULT_BLOCK_SIZE,
+                       gpu_bytes=args.prefix_cache_gpu, ram_bytes=args.prefix_cache_ram,
+                       disk_bytes=args.prefix_cache_disk, disk_path=args.prefix_cache_dir,
+                       device=device if device.startswith("cuda") else "cpu", keep_generated=keep_generated)

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", metavar="NAME", default="auto", choices=("auto", "think", "none"),
                    help="split <think> blocks into reasoning_content: think, none, or auto (by the model's type; the "
                         "default)")
+    cli.add_prefix_cache_options(p)
     cli.add_model_options(p)
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs (for comparison)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs, the injection plan and tracebacks")
@@ -145,12 +146,13 @@ def serve(args: argparse.Namespace) -> int:
     aliases = (name,) + tuple(a for a in (args.model, str(model_dir)) if a and a != name)
     config = EngineConfig(max_batch=args.max_batch, max_context=_max_context(args, model), max_queue=args.max_queue,
                           prefill_chunk=args.prefill_chunk, graphs=False if args.no_graphs else None,
-                          prefill_pad=args.prefill_pad)
+                          prefill_pad=args.prefill_pad, prefix_cache=cli.make_prefix_cache(args, gpu))
     engine = Engine(model, tokenizer, config, name=name).start()
     graphs = "on" if engine.runner.graphs_enabled() else "off"
     print(f"Loaded {Path(model_dir).name} in {seconds:.1f} s (gpu={gpu}, quant={cli.experts_format(model)}); "
           f"KV cache {config.max_batch} x {config.max_context} tokens = {_kv_bytes(engine) / 2**30:.2f} GiB, "
-          f"CUDA graphs {graphs} for batches {', '.join(map(str, config.buckets))}.", flush=True)
+          f"CUDA graphs {graphs} for batches {', '.join(map(str, config.buckets))}; {_prefix_text(engine)}.",
+          flush=True)
     url = _url(sock)
     print(f"Serving {name!r} at {url}/v1 (OpenAI API; {'API key required' if api_key else 'no API key'}); "
           f"Ctrl-C stops.", flush=True)
@@ -170,6 +172,18 @@ def serve(args: argparse.Namespace) -> int:
         sock.close()
     print(f"{PROG}: stopped", flush=True)
     return 0 if engine.failure is None else 1
+
+
+def _prefix_text(engine) -> str:
+    """The load line's part on the prefix cache: off, why it cannot take the model, or its tiers."""
+    store = engine.prefix_cache
+    if store is None:
+        return "prefix cache off"
+    reason = store.why_uncached(engine.model)
+    if reason is not None:
+        return reason
+    tiers = ", ".join(f"{t.name} {t.budget / 2**30:.3g} GiB" for t in store.tiers.all)
+    return f"prefix cache {tiers}, blocks of {store.block_size} tokens"
 
 
 def _stopping_server(uvicorn, engine):

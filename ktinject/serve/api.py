@@ -196,9 +196,10 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
             message = output.message(text)
             finish = "tool_calls" if message.get("tool_calls") and last.finish_reason == "stop" else last.finish_reason
             return protocol.chat_response(rid, model_name, text, finish, last.prompt_tokens, last.completion_tokens,
-                                          message)
+                                          message, cached=last.cached_tokens)
         build = protocol.chat_response if chat else protocol.completion_response
-        return build(rid, model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+        return build(rid, model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens,
+                     cached=last.cached_tokens)
 
     return app
 
@@ -380,7 +381,7 @@ async def _stream(req, queue, gone: asyncio.Task, rid: str, model: str, chat: bo
                 finish = "tool_calls"
             yield chunk("", finish)
             if include_usage:
-                yield chunk(None, use=protocol.usage(out.prompt_tokens, out.completion_tokens))
+                yield chunk(None, use=protocol.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens))
             break
         yield "data: [DONE]\n\n"
     finally:

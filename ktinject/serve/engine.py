@@ -16,6 +16,11 @@ step t+1 before it waits for step t's tokens, and does their text, stop checks a
 price: a request that ends by end-of-sequence, a stop string or a cancel decodes one step more, whose token is
 dropped. ``EngineConfig(overlap=False)``: one step at a time.
 
+With ``EngineConfig.prefix_cache`` (a ``PrefixCache`` every request shares), a request that the scheduler starts
+is looked up (``_reuse``: its longest cached prefix, whole blocks), that prefix is restored into its row before its
+first chunk (``_restore``) and its prefill starts after it; once its last chunk is in, its new whole blocks are
+stored (``_store``). Its replies' ``cached_tokens`` say how many prompt tokens were restored.
+
 Batch invariance (greedy tokens alone = among others) holds on the CPU: a prompt is cut at the same places whatever
 else runs, and a row's logits are bit-identical in any batch (tests/serve/test_batch_invariance.py; what it does not
 cover: docs/serving.md). Requests fail alone (a prefill error); a failed decode step fails the requests of that
@@ -68,6 +73,8 @@ class Engine:
         self.model_runner = ModelRunner(model, self.config, pad_id(model, tokenizer))
         self.metrics = Metrics()
         self.scheduler = Scheduler(self.config.max_batch, self.config.max_queue)
+        self.prefix_cache = self.config.prefix_cache  # the shared PrefixCache, or None
+        self.metrics.prefix_cache = self.prefix_cache
         self._cond = threading.Condition()
         self._cancels: list[Request] = []
         self._tok_lock = threading.Lock()
@@ -203,7 +210,7 @@ class Engine:
         last = parts[-1]
         return Result("".join(p.text for p in parts), [t for p in parts for t in p.token_ids], last.finish_reason,
                       last.prompt_tokens, last.completion_tokens,
-                      None if req.t_first is None else req.t_first - req.t_arrival, last.error)
+                      None if req.t_first is None else req.t_first - req.t_arrival, last.error, last.cached_tokens)
 
     def counts(self) -> dict:
         """{running, waiting, free_rows}: running counts every request holding a row (prefilling or decoding)."""
@@ -245,6 +252,51 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.model_runner.setup()
         self.sampler = Sampler(self.kv.slots, self.device)
+        store = self.prefix_cache
+        if store is not None:
+            reason = store.why_uncached(self.model)
+            if reason is not None:
+                log.warning("%s", reason)
+            else:
+                store.root(self.model)  # the model's root key once, not in the first request's step
+                self.scheduler.reuse = self._reuse
+                log.info("%s", "; ".join(store.describe()))
+
+    # ---- the prefix cache (engine thread) ------------------------------------------------------------------
+    def _reuse(self, req: Request) -> int:
+        """The prompt tokens of ``req`` the prefix cache holds (whole blocks, < its prompt): the scheduler starts its
+        prefill there. Looked up again only where blocks were stored since (the scheduler may ask at every step
+        while it waits for a row or budget)."""
+        store = self.prefix_cache
+        mark = store.stats.inserted_blocks
+        if req.hit is None or req.hit_mark != mark:
+            req.hit, req.hit_mark = store.lookup(self.model, req.prompt), mark
+        return req.hit.tokens
+
+    def _restore(self, jobs) -> None:
+        """Before a prefill forward: the cached prefix of each request that starts in it goes into its row; where a
+        block went missing meanwhile, its job starts earlier (what was restored)."""
+        for j in jobs:
+            req = j.seq
+            hit, req.hit = req.hit, None
+            if hit is None or not hit.tokens:
+                continue
+            got = self.prefix_cache.restore(hit, self.kv, j.row)
+            if got < j.start:
+                log.warning("%s: prefix cache restored %d of %d tokens; prefilling the rest", req.id, got, j.start)
+                j.start = req.prefilled = got
+            req.cached = got
+
+    def _store(self, jobs) -> None:
+        """After a prefill forward: the whole blocks of the prompts it completed go into the prefix cache (a failure
+        is logged; the requests go on)."""
+        for j in jobs:
+            if not j.last:
+                continue
+            try:
+                self.prefix_cache.insert(self.model, j.seq.prompt, self.kv, j.row, length=j.seq.prompt_len)
+            except Exception:  # noqa: BLE001 - the cache is an optimisation: the request goes on
+                log.exception("storing the prompt of %s in the prefix cache failed", j.seq.id)
 
     def _step(self) -> bool:
         """One step of the loop (False once stopping): the cancelled requests end; prompt chunks are prefilled
@@ -292,7 +344,10 @@ class Engine:
             reqs = [j.seq for j in jobs]
             t0 = time.perf_counter()
             ends = [j.seq for j in jobs if j.last]
+            caching = self.scheduler.reuse is not None
             try:
+                if caching:
+                    self._restore(jobs)
                 firsts = self.model_runner.prefill(jobs, lambda logits, out: self.sampler(
                     logits, [r.params for r in ends], [r.rng for r in ends], out))
             except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
@@ -304,6 +359,8 @@ class Engine:
                 continue
             tokens = sum(j.end - j.start for j in jobs)
             self.metrics.prefill(tokens, time.perf_counter() - t0)
+            if caching:
+                self._store(jobs)
             budget -= tokens
             with self._cond:
                 done = self.scheduler.prefilled(jobs)
@@ -396,7 +453,8 @@ class Engine:
             req, reason, error = it[:3]
             text, toks = (it[3], it[4]) if len(it) > 3 else ("", [])
             self.metrics.finish(reason)
-            self._send(req, Output(req.id, text, toks, reason, req.prompt_len, len(req.out_ids), error))
+            self._send(req, Output(req.id, text, toks, reason, req.prompt_len, len(req.out_ids), error,
+                                   req.cached))
             log.info("%s", req.summary(reason, error))
 
     def _release(self, reqs: list[Request], done: bool) -> None:

@@ -2,7 +2,9 @@
 
 The engine thread records prefill chunks, decode steps, first tokens and finished requests; ``render()`` writes
 the Prometheus text exposition format (version 0.0.4) for a scrape. Decode tok/s is over the last
-``window`` seconds of decode steps (0 when none ran in it).
+``window`` seconds of decode steps (0 when none ran in it). With a prefix cache (``prefix_cache``, set by the
+engine: a ``PrefixCache``), its counters too: prompt tokens restored, lookups, block hits per tier, blocks and bytes
+per tier (read from the store's ``stats`` at the scrape).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class Metrics:
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
         self._steps: deque = deque()  # (end time, tokens) of recent decode steps
+        self.prefix_cache = None  # the engine's PrefixCache, or None (no prefix cache metrics)
 
     # ---- recording (engine thread) -------------------------------------------------------------------------
     def prefill(self, tokens: int, seconds: float) -> None:
@@ -118,6 +121,24 @@ class Metrics:
                    [(f'{{finish_reason="{k}"}}', v) for k, v in self.finished.items()])
             metric("requests_rejected_total", "counter", "Requests refused before admission, by reason.",
                    [(f'{{reason="{k}"}}', v) for k, v in sorted(self.rejected.items())] or [('{reason="none"}', 0)])
+            store = self.prefix_cache
+            if store is not None:
+                st, tiers = store.stats, store.tiers.all
+                metric("prefix_cache_hit_tokens_total", "counter",
+                       "Prompt tokens restored from the prefix cache instead of prefilled.", [("", st.hit_tokens)])
+                metric("prefix_cache_lookup_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.",
+                       [("", st.lookup_tokens)])
+                metric("prefix_cache_lookups_total", "counter", "Prefix cache lookups.", [("", st.lookups)])
+                metric("prefix_cache_inserted_blocks_total", "counter", "Blocks stored in the prefix cache.",
+                       [("", st.inserted_blocks)])
+                metric("prefix_cache_hits_total", "counter", "Prefix cache blocks restored, by the tier found in.",
+                       [(f'{{tier="{t.name}"}}', st.hits.get(t.name, 0)) for t in tiers])
+                metric("prefix_cache_blocks", "gauge", "Prefix cache blocks held, by tier.",
+                       [(f'{{tier="{t.name}"}}', t.stats.blocks) for t in tiers])
+                metric("prefix_cache_bytes", "gauge", "Prefix cache bytes held, by tier.",
+                       [(f'{{tier="{t.name}"}}', t.stats.bytes) for t in tiers])
+                metric("prefix_cache_budget_bytes", "gauge", "Prefix cache budget, by tier.",
+                       [(f'{{tier="{t.name}"}}', t.budget) for t in tiers])
             name = "time_to_first_token_seconds"
             lines.append(f"# HELP ktinject_{name} Time from arrival to the first generated token.")
             lines.append(f"# TYPE ktinject_{name} histogram")

@@ -275,8 +275,10 @@ def _content_text(content, i: int, tool_calls: bool) -> str:
 
 
 # ---- responses -----------------------------------------------------------------------------------------------
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage; ``cached``: prompt tokens restored from the prefix cache (``prompt_tokens_details``)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -286,13 +288,13 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 def chat_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int,
-                  message: dict | None = None) -> dict:
+                  message: dict | None = None, cached: int = 0) -> dict:
     """``message``: the reply's parts (``chat_output.ChatOutput.message``); default, ``text`` as its content."""
     message = message or {"role": "assistant", "content": text}
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": None,
                          "finish_reason": finish}],
-            "usage": usage(prompt, completion)}
+            "usage": usage(prompt, completion, cached)}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
@@ -304,10 +306,11 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: s
     return body
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int) -> dict:
+def completion_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int,
+                        cached: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            "usage": usage(prompt, completion)}
+            "usage": usage(prompt, completion, cached)}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None = None,

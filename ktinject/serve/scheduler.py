@@ -23,6 +23,9 @@ order. A waiting request takes the next row when its prefill starts and joins th
 chunk is in. Requests are admitted first come, first served.
 
 ``Scheduler`` works on any objects with a ``prompt_len`` attribute; it sets ``row`` and ``prefilled`` on them.
+With ``reuse`` (the engine's prefix cache: ``reuse(seq)`` -> prompt tokens its row will get restored, whole
+blocks, < prompt_len), a request's prefill starts at that position instead of 0; its chunks are cut as above from
+there.
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ class Scheduler:
         self.running: list = []  # running[i] holds row i
         self.prefilling = None  # the half-prefilled request, in row len(running)
         self._group: list[PrefillJob] = []  # the jobs of the prefill forward under way
+        self.reuse = None  # seq -> prompt tokens restored before its prefill (the prefix cache), or None: 0
 
     # ---- state ---------------------------------------------------------------------------------------------
     @property
@@ -120,30 +124,35 @@ class Scheduler:
         seq = self.prefilling
         if seq is None and not self.waiting:
             return []
-        done = 0 if seq is None else seq.prefilled
+        done = self._reused(self.waiting[0]) if seq is None else seq.prefilled
         take = min((seq or self.waiting[0]).prompt_len - done, chunk - done % chunk)  # to the next chunk boundary
         if take > budget:
             return []
         if seq is None:
             seq = self.waiting.popleft()
-            seq.row, seq.prefilled = n, 0
+            seq.row, seq.prefilled = n, done
         jobs = [PrefillJob(seq, seq.row, seq.prefilled, seq.prefilled + take)]
         self.prefilling = None  # in the group now; prefilled() puts a partial one back
         width, budget = take, budget - take
         while jobs[0].last and take >= MIN_SHARED and self.waiting and n + len(jobs) < self.max_batch:
             nxt = self.waiting[0]
-            wide = max(width, nxt.prompt_len)
-            fits = (len(jobs) + 1) * wide <= chunk and MIN_SHARED <= nxt.prompt_len <= budget
+            start = self._reused(nxt)
+            size = nxt.prompt_len - start
+            wide = max(width, size)
+            fits = (len(jobs) + 1) * wide <= chunk and MIN_SHARED <= size <= budget
             if max_len is not None:
-                fits = fits and all(j.start + wide <= max_len for j in jobs) and wide <= max_len
+                fits = fits and all(j.start + wide <= max_len for j in jobs) and start + wide <= max_len
             if not fits:
                 break
             self.waiting.popleft()
-            nxt.row, nxt.prefilled = n + len(jobs), 0
-            jobs.append(PrefillJob(nxt, nxt.row, 0, nxt.prompt_len))
-            width, budget = wide, budget - nxt.prompt_len
+            nxt.row, nxt.prefilled = n + len(jobs), start
+            jobs.append(PrefillJob(nxt, nxt.row, start, nxt.prompt_len))
+            width, budget = wide, budget - size
         self._group = jobs
         return jobs
+
+    def _reused(self, seq) -> int:
+        return 0 if self.reuse is None else int(self.reuse(seq))
 
     def prefilled(self, jobs: list[PrefillJob]) -> list:
         """Record that ``jobs`` ran; the requests whose whole prompt is in now (running from now on, in row order)."""

@@ -31,7 +31,10 @@ class EngineConfig:
     shapes of 1..max_batch x 1..prefill_chunk: without rounding a long-running server's heap keeps growing long
     after its warm-up; with it, a few hundred shapes at most. The cost: up to pad - 1 tokens a
     row (never past the step's prefill_chunk) go through the model like a shared forward's padding, routed to
-    experts (the hot-expert counts see them) but unseen by the row's tokens."""
+    experts (the hot-expert counts see them) but unseen by the row's tokens. ``prefix_cache``: a ``PrefixCache``
+    (``ktinject.decode.prefix_cache``) every request shares: before a request's prefill its longest cached prefix
+    (whole blocks) is restored into its row and only the rest is prefilled; after it, its new whole blocks are
+    stored (docs/prefix-cache.md). None (the default): off."""
 
     max_batch: int = 8
     max_context: int = 4096
@@ -41,6 +44,7 @@ class EngineConfig:
     warmup: bool = True
     overlap: bool = True
     prefill_pad: int | None = None
+    prefix_cache: object | None = None  # a ktinject.decode.prefix_cache.PrefixCache shared by every request; None: off
 
     def __post_init__(self):
         for name in ("max_batch", "max_context", "prefill_chunk"):
@@ -87,6 +91,7 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
 
 
 @dataclass
@@ -100,6 +105,7 @@ class Result:
     completion_tokens: int
     ttft: float | None
     error: str | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -121,6 +127,9 @@ class Request:
     cancelled: bool = False
     done: bool = False
     pending: int = 0  # decode steps queued for it whose token has not been read yet (0 or 1)
+    cached: int = 0  # prompt tokens its row gets from the prefix cache (its prefill starts there)
+    hit: object = None  # the prefix cache's Hit, looked up and not yet restored
+    hit_mark: int = -1  # the store's inserted blocks when ``hit`` was looked up (a later insert: look up again)
 
     @property
     def prompt_len(self) -> int:
