@@ -13,5 +13,7 @@ BENCHES: dict[str, str] = {
     "decode": "ktinject.bench.decode",     # decode tok/s: graph vs eager vs HF vs roofline, time split per token
     "prefill": "ktinject.bench.prefill",   # prefill tok/s at 512/2048/8192 tokens (same model as decode)
     "hot": "ktinject.bench.hot",           # hot experts on the GPU: tok/s by budget and strategy vs 1/(1-h)
+    "prefix": "ktinject.bench.prefix",     # prefix cache: a follow-up's first token from GPU / RAM / disk vs cold
+    "agents": "ktinject.bench.agents",     # agent-like serving load: shared context each turn, cache on vs off
     "serve": "ktinject.bench.serve",       # serving engine: aggregate tok/s and TTFT at 1/4/8/16 streams vs roofline
 }

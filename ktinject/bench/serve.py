@@ -107,7 +107,7 @@ def _batch1(model, device, tokens: int) -> float:
     return 1.0 / ktinject_decode(model, prompt, tokens, graphs=device.type == "cuda")["s_per_token"]
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
@@ -159,7 +159,7 @@ def run_streams(engine, streams: int, args, vocab: int, seed: int = 0) -> dict:
             "decode": rows / secs if secs else float("nan"), "batch": rows / steps if steps else 0.0,
             "step_ms": 1e3 * secs / steps if steps else float("nan"), "step_rows": step_rows,
             "engine_ms": 1e3 * (secs - forward[0]) / steps if steps else float("nan"),
-            "ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99)}
+            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99)}
 
 
 def measured_roofline(cfg, quant: str, bandwidth: float, prof: dict) -> tuple[float, float]:

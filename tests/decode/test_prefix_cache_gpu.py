@@ -43,5 +43,6 @@ def test_lower_hits_are_copied_up_to_the_gpu_and_ram_is_pinned(tmp_path):
     restarted = PrefixCache(tier="disk", block_size=BLOCK, disk_path=tmp_path, gpu_bytes=0)
     assert torch.equal(ktinject.generate(m, ids, prefix_cache=restarted, **kw), plain)
     assert restarted.stats.hits["disk"] == 4
-    ram = restarted.tiers.memory[1]  # the GPU tier has no room: the disk hits went up to RAM, page-locked
+    ram = restarted.tiers.memory[0]  # no GPU tier (budget 0): the disk hits went up to RAM, page-locked
+    assert [t.name for t in restarted.tiers.memory] == ["ram"]
     assert len(ram.blocks) == 4 and all(t.is_pinned() for b in ram.blocks.values() for t in b.values())

@@ -104,7 +104,8 @@ class PrefixCacheStats:
 class PrefixCache:
     """The store (see the module docstring). ``tier``: the lowest tier used (gpu: GPU memory only; ram: GPU and
     host RAM, page-locked where CUDA is; disk: both and the directory ``disk_path``); ``*_bytes``: each tier's
-    budget; ``device``: the GPU tier's device (None: ``cuda`` where available, else no GPU tier);
+    budget (0 leaves a memory tier out: ``tier="disk", gpu_bytes=0, ram_bytes=0`` reads every hit from disk);
+    ``device``: the GPU tier's device (None: ``cuda`` where available, else no GPU tier);
     ``keep_generated``: a generate also stores the positions its decode steps computed (the reply), so a follow-up
     that resends the reply prefills only what is new (a chat); their values are a decode step's, which may round
     differently from a prefill of the same tokens. Off, only prompt positions (computed by prefills) are stored,
@@ -123,9 +124,9 @@ class PrefixCache:
         budgets = {"gpu": gpu_bytes, "ram": ram_bytes, "disk": disk_bytes}
         budgets = {k: DEFAULT_BUDGETS[k] if v is None else int(v) for k, v in budgets.items()}
         memory = []
-        if cuda:
+        if cuda and budgets["gpu"] > 0:
             memory.append(MemoryTier("gpu", device or "cuda", budgets["gpu"]))
-        if tier in ("ram", "disk") or not cuda:
+        if (tier in ("ram", "disk") or not cuda) and budgets["ram"] > 0:
             memory.append(MemoryTier("ram", "cpu", budgets["ram"], pinned=cuda))
         disk = DiskTier(disk_path or default_disk_path(), budgets["disk"]) if tier == "disk" else None
         self.tiers = Tiers(memory, disk)
