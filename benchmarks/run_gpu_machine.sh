@@ -14,7 +14,8 @@
 #                  (pytest-xdist: -n $JOBS, default 8)
 #   families       tests/operators/test_families.py + tests/gpu_experts/test_placement.py with KTINJECT_ISA=amx
 #   families-cuda  tests/operators/test_families.py with gpu="cuda"
-#   bench-kernels bench-decode bench-prefill bench-load bench-hot bench-serve   python -m ktinject.bench <what>
+#   bench-kernels bench-decode bench-prefill bench-load bench-hot bench-serve bench-prefix bench-agents
+#                  python -m ktinject.bench <what>
 #   defer          the expert-deferral GPU tests (tests/operators/test_deferral_gpu.py)
 #   bench-defer    bench decode --defer $DEFER (default 0,1,2,3) per quant of $QUANTS (default "int4 bf16"), each cut
 #                  off after $BENCH_S seconds (130); $TOKENS (32) decode tokens a timing, $ROUNDS (3) rounds
@@ -75,6 +76,8 @@ for s in "$@"; do
     serve) stage serve python3 -m pytest -q -rs tests/serve/test_serve_gpu.py tests/serve/test_batch_invariance.py \
              tests/serve/test_serve_units.py ;;
     bench-serve) stage bench-serve python3 -m ktinject.bench serve ;;
+    bench-prefix) stage bench-prefix python3 -m ktinject.bench prefix ;;
+    bench-agents) stage bench-agents python3 -m ktinject.bench agents ;;
     # shellcheck disable=SC2086  # SOAK_ARGS: several options
     soak) stage soak python3 benchmarks/soak_serve.py --minutes "${SOAK_MIN:-5}" --disconnects "${SOAK_DISCONNECTS:-100}" \
             ${SOAK_ARGS:-} ;;
