@@ -68,3 +68,17 @@ def test_model_identity_differs_by_weights_format_and_rules():
     roots = [cache.root(m) for m in (a, b, c, d)]
     assert len(set(roots)) == 4, roots
     assert cache.root(build_tiny_model("qwen3_moe")) == roots[0]  # the same model: the same key
+
+
+def test_weights_fingerprint_samples_large_tensors_in_bounds():
+    """Sample indices of a tensor past 2^24 elements stay in bounds and include the last element."""
+    import torch
+    from torch import nn
+
+    from ktinject.decode.prefix_cache import store
+
+    big = nn.Module()
+    big.w = nn.Parameter(torch.arange(2**25 + 7, dtype=torch.int32), requires_grad=False)
+    (name, dtype, shape, sample), = store._weights_fingerprint(big)
+    assert name == "w" and shape == (2**25 + 7,) and len(sample) == 64
+    assert sample[0] == 0 and sample[-1] == 2**25 + 6 and sample == sorted(sample)

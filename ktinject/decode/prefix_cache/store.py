@@ -40,7 +40,7 @@ def default_disk_path() -> Path:
 
 def uncacheable_reason(model) -> str | None:
     """Why ``model``'s cache state cannot be stored by prefix, or None."""
-    reason = stateful_layers.remember(model)
+    reason = stateful_layers.prefix_uncached_reason(model)
     if reason is None:
         return None
     return f"prefix cache off for {type(model).__name__}: {reason.split(':')[0]}; every prompt is prefilled whole"
@@ -54,7 +54,8 @@ def _weights_fingerprint(model) -> list:
         if t.device.type == "meta" or t.numel() == 0:
             continue
         flat = t.detach().reshape(-1)
-        idx = torch.linspace(0, flat.numel() - 1, min(_FINGERPRINT_SAMPLES, flat.numel()), device=flat.device).long()
+        n = min(_FINGERPRINT_SAMPLES, flat.numel())  # evenly spaced, in integers (a float linspace rounds past
+        idx = torch.arange(n, device=flat.device) * (flat.numel() - 1) // max(n - 1, 1)  # the end above 2^24)
         sample = flat[idx].to("cpu", torch.float64).tolist()
         out.append((name, str(t.dtype), tuple(t.shape), sample))
     return out
