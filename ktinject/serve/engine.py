@@ -42,6 +42,7 @@ from ktinject.serve.detokenizer import Detokenizer
 from ktinject.serve.errors import EngineUnavailable, QueueFull, RequestError
 from ktinject.serve.metrics import Metrics
 from ktinject.serve.model_runner import ModelRunner, eos_ids, pad_id
+from ktinject.serve.penalties import PenaltyState
 from ktinject.serve.sampling import Sampler, SamplingParams
 from ktinject.serve.scheduler import Scheduler
 from ktinject.serve.tokenizer import PromptTokenizer
@@ -83,6 +84,7 @@ class Engine:
         self._ready = threading.Event()
         self.failure: BaseException | None = None  # what stopped the engine thread, if anything did
         self.sampler: Sampler | None = None  # made on the engine thread (pinned memory on CUDA)
+        self.penalties: PenaltyState | None = None  # the penalized rows' token counts (made with the sampler)
         self._inflight = None  # the decode step queued and not yet read: (its requests, model_runner.Decoded)
         self._ending: set[Request] = set()  # requests whose rows went back and whose last token is in flight
         self._decode_clock = 0.0  # decode time of the loop not yet given to a collected step
@@ -227,6 +229,16 @@ class Engine:
         """The text of a prompt's last ``tokens`` tokens, special tokens kept (``PromptTokenizer.tail_text``)."""
         return self.prompts.tail_text(ids, tokens)
 
+    def token_texts(self, ids) -> dict[int, str]:
+        """Each token id's own text (logprobs' tokens: ``PromptTokenizer.token_texts``)."""
+        return self.prompts.token_texts(ids)
+
+    def shares_prefixes(self, prompt_len: int) -> bool:
+        """Whether a prompt of ``prompt_len`` tokens, once prefilled, leaves whole blocks in the prefix cache that a
+        request of the same prompt then restores (the API prefills the prompt of ``n`` choices once)."""
+        store = self.prefix_cache
+        return store is not None and self.scheduler.reuse is not None and prompt_len > store.block_size
+
     def render_chat(self, messages: list[dict], tools: list | None = None, **template_kwargs) -> list[int]:
         """Token ids of ``messages`` through the chat template (``PromptTokenizer.render_chat``)."""
         return self.prompts.render_chat(messages, tools, **template_kwargs)
@@ -252,6 +264,8 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.model_runner.setup()
         self.sampler = Sampler(self.kv.slots, self.device)
+        self.penalties = PenaltyState(self.kv.slots, self.vocab_size, self.device)  # (tensors at first use)
+        self.model_runner.row_hooks.append(self.penalties)
         store = self.prefix_cache
         if store is not None:
             reason = store.why_uncached(self.model)
@@ -345,11 +359,12 @@ class Engine:
             t0 = time.perf_counter()
             ends = [j.seq for j in jobs if j.last]
             caching = self.scheduler.reuse is not None
+            got = []  # the sampler's logprobs of the first tokens, if any
             try:
                 if caching:
                     self._restore(jobs)
-                firsts = self.model_runner.prefill(jobs, lambda logits, out: self.sampler(
-                    logits, [r.params for r in ends], [r.rng for r in ends], out))
+                firsts = self.model_runner.prefill(jobs, lambda logits, out: got.append(self._sample_first(
+                    [j for j in jobs if j.last], logits, out)))
             except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
                 log.exception("prefill of %s failed", ", ".join(r.id for r in reqs))
                 with self._cond:
@@ -365,7 +380,17 @@ class Engine:
             with self._cond:
                 done = self.scheduler.prefilled(jobs)
             if done:
-                self._take_tokens(done, firsts)
+                self._take_tokens(done, firsts, got[0] if got else None)
+
+    def _sample_first(self, ends, logits, out):
+        """The first tokens of the prompts that the prefill jobs ``ends`` complete (their logits [k, V] -> out [k]):
+        a penalized request's row starts its counts from its prompt first."""
+        reqs = [j.seq for j in ends]
+        for j in ends:
+            if j.seq.params.penalized:
+                self.penalties.start_row(j.row, j.seq.prompt)
+        return self.sampler(logits, [r.params for r in reqs], [r.rng for r in reqs], out, rows=[j.row for j in ends],
+                            penalties=self.penalties)
 
     def _launch(self):
         """Queue one decode step of every running request: (its requests, ``Decoded``), or None. A request whose
@@ -380,8 +405,11 @@ class Engine:
             return None
         b = next(x for x in self.config.buckets if x >= n)
         params, rngs = [r.params for r in running], [r.rng for r in running]
+        got = []  # the sampler's logprobs of the step, if any row asks
+        rows = list(range(n))
         try:
-            decoded = self.model_runner.decode(n, b, lambda logits, out: self.sampler(logits, params, rngs, out))
+            decoded = self.model_runner.decode(n, b, lambda logits, out: got.append(self.sampler(
+                logits, params, rngs, out, rows=rows, penalties=self.penalties)))
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             log.exception("a decode step of %d requests failed", n)
             self._finish_many([(r, "error", f"decode step failed: {type(e).__name__}: {e}") for r in running])
@@ -389,12 +417,12 @@ class Engine:
         for r in running:
             r.pending += 1
         self.model_runner.after_decode()
-        return running, decoded
+        return running, decoded, got
 
     def _collect(self, step) -> tuple[int, float] | None:
         """The tokens of a step queued by ``_launch`` to its requests still going; (their count, the forward's
         seconds), or None when the step failed."""
-        reqs, decoded = step
+        reqs, decoded, got = step
         for r in reqs:
             r.pending -= 1
         try:
@@ -403,17 +431,24 @@ class Engine:
             log.exception("a decode step of %d requests failed", len(reqs))
             self._finish_many([(r, "error", f"decode step failed: {type(e).__name__}: {e}") for r in reqs])
             return None
-        live = [(r, t) for r, t in zip(reqs, tokens) if not r.done]  # a request may have ended since the launch
-        self._take_tokens([r for r, _ in live], [t for _, t in live])
+        live = [i for i, r in enumerate(reqs) if not r.done]  # a request may have ended since the launch
+        logprobs = got[0] if got else None
+        self._take_tokens([reqs[i] for i in live], [tokens[i] for i in live],
+                          None if logprobs is None else [logprobs.entry(i) for i in live])
         return len(live), decoded.forward_seconds
 
     # ---- tokens and endings --------------------------------------------------------------------------------
-    def _take_tokens(self, reqs: list[Request], tokens: list[int]) -> None:
-        """Each request's new token: text, stop checks, its event; finished ones release their rows."""
+    def _take_tokens(self, reqs: list[Request], tokens: list[int], logprobs=None) -> None:
+        """Each request's new token: text, stop checks, its event; finished ones release their rows. ``logprobs``:
+        a ``StepLogprobs`` of the step's rows (prefill), a list of each request's ``TokenLogprob`` or None (decode),
+        or None."""
         ended = []
         now = time.perf_counter()
+        if logprobs is not None and not isinstance(logprobs, list):
+            logprobs = [logprobs.entry(i) for i in range(len(reqs))]
         with self._tok_lock:
-            for req, tok in zip(reqs, tokens):
+            for i, (req, tok) in enumerate(zip(reqs, tokens)):
+                lp = [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None
                 if req.t_first is None:
                     req.t_first = now
                     self.metrics.first_token(now - req.t_arrival)
@@ -425,9 +460,9 @@ class Engine:
                     ended.append((req, "error", f"decoding token {tok} failed: {type(e).__name__}: {e}"))
                     continue
                 if finish is None:
-                    self._send(req, Output(req.id, text, [tok]))
+                    self._send(req, Output(req.id, text, [tok], logprobs=lp))
                 else:
-                    ended.append((req, finish, None, text, [tok]))
+                    ended.append((req, finish, None, text, [tok], lp))
         self.metrics.token(len(reqs))
         if ended:
             self._finish_many(ended)
@@ -444,17 +479,17 @@ class Engine:
         return None, text
 
     def _finish_many(self, items) -> None:
-        """End requests: (req, reason, error[, text, tokens]); rows freed and the layout compacted."""
+        """End requests: (req, reason, error[, text, tokens, logprobs]); rows freed and the layout compacted."""
         items = [it for it in items if not it[0].done]
         if not items:
             return
         self._release([it[0] for it in items], done=True)
         for it in items:
             req, reason, error = it[:3]
-            text, toks = (it[3], it[4]) if len(it) > 3 else ("", [])
+            text, toks, lp = (it[3], it[4], it[5]) if len(it) > 3 else ("", [], None)
             self.metrics.finish(reason)
             self._send(req, Output(req.id, text, toks, reason, req.prompt_len, len(req.out_ids), error,
-                                   req.cached))
+                                   req.cached, lp, req.detokenizer.stopped))
             log.info("%s", req.summary(reason, error))
 
     def _release(self, reqs: list[Request], done: bool) -> None:

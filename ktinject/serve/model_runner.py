@@ -56,6 +56,7 @@ class ModelRunner:
         self.pad = 1  # prefill widths rounded (padded_width); setup() sets it from the config and the device
         self._host: list[_HostSlot] = []  # two: a step in flight and the one whose tokens the host reads
         self._slot = 0
+        self.row_hooks: list = []  # per-row state beside the cache (serve's penalty counts): _move_row_state
 
     @property
     def device(self) -> torch.device:
@@ -173,6 +174,18 @@ class ModelRunner:
         lengths; next token), queued after the step in flight."""
         self.kv.copy_row(src, dst, min(int(length), self.kv.max_len))
         self.next_tokens[dst:dst + 1].copy_(self.next_tokens[src:src + 1])
+        self._move_row_state(src, dst)
+
+    def _move_row_state(self, src: int, dst: int) -> None:
+        """Each row hook's state of row ``src`` to ``dst`` (``row_hooks``: objects with ``move_row(src, dst)`` and
+        ``reset_rows(a, b)``, queued on the device like the cache's moves)."""
+        for hook in self.row_hooks:
+            hook.move_row(src, dst)
+
+    def _reset_row_state(self, a: int, b: int) -> None:
+        """Rows a..b-1 freed: each row hook forgets them."""
+        for hook in self.row_hooks:
+            hook.reset_rows(a, b)
 
     def reset_rows(self, rows) -> None:
         """Forget ``rows`` (consecutive): no tokens held, padding as next token; slices, so no host sync."""
@@ -184,6 +197,7 @@ class ModelRunner:
             raise ValueError(f"reset_rows takes consecutive rows, got {rows}")
         self.kv.lengths[:, a:b] = 0
         self.next_tokens[a:b] = self.pad_id
+        self._reset_row_state(a, b)
 
     def after_decode(self) -> None:
         if self._rebalancer is not None:

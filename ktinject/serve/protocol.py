@@ -3,9 +3,9 @@
 Requests are pydantic models in strict mode (a number sent as a string is an error, as OpenAI's API has it); unknown
 fields are ignored, and null for an optional field is its default. Fields whose JSON type varies (``content``,
 ``stop``, ``prompt``) are checked here by hand so that errors name the field plainly (``messages[1].content``).
-Parameters the engine does not implement (n > 1, logprobs, penalties, forced tool calls: tool_choice "required"
-or a named function, JSON response formats, echo, suffix) are refused with 400 rather than ignored. Extensions, as
-in vLLM: ``top_k``, ``min_p``, ``ignore_eos``, ``chat_template_kwargs``.
+Parameters the engine does not implement (forced tool calls: tool_choice "required" or a named function, JSON
+response formats, echo, suffix, best_of > 1) are refused with 400 rather than ignored. Extensions, as in vLLM:
+``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``chat_template_kwargs``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ktinject.serve.errors import RequestError, check_unicode
+from ktinject.serve.logprobs import MAX_TOP
 from ktinject.serve.sampling import STOP_MAX, TOP_K_MAX, SamplingParams
+
+#: the most choices (``n``) a request may ask for: each is a request of the engine, holding a KV-cache row
+N_MAX = 16
 
 
 class _Model(BaseModel):
@@ -50,28 +54,34 @@ class _Common(_Model):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
     logit_bias: dict | None = None
     min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
 
     def check_unsupported(self, extra: dict) -> None:
-        if self.n != 1:
-            raise RequestError(f"n: only 1 completion per request is supported, got {self.n}", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise RequestError(f"{name} is not supported (send 0 or leave it out)", param=name)
+        if not 1 <= self.n <= N_MAX:
+            raise RequestError(f"n: choices per request must be in 1..{N_MAX}, got {self.n}", param="n")
         for name, (value, fine) in extra.items():
             if value is not None and value is not False and not fine(value):
                 raise RequestError(f"{name} is not supported (got {_json(value)})", param=name)
+
+    def logprob_count(self) -> int | None:
+        """SamplingParams.logprobs: None (none), or how many top entries each token gets."""
+        return None
 
     def sampling(self, defaults: dict, max_tokens: int) -> SamplingParams:
         pick = {k: getattr(self, k) if getattr(self, k) is not None else defaults[k]
                 for k in ("temperature", "top_p", "top_k")}
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=stop_strings(self.stop),
                               ignore_eos=self.ignore_eos, min_p=self.min_p or 0.0,
-                              logit_bias=logit_bias(self.logit_bias), **pick)
+                              logit_bias=logit_bias(self.logit_bias), logprobs=self.logprob_count(),
+                              presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                              **pick)
 
 
 class ChatRequest(_Common):
@@ -80,13 +90,14 @@ class ChatRequest(_Common):
     tools: list[dict] | None = None
     tool_choice: Any = None
     response_format: Any = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     chat_template_kwargs: dict | None = None
 
     def check(self) -> None:
-        self.check_unsupported({"logprobs": (self.logprobs, _no), "top_logprobs": (self.top_logprobs, _zero),
-                                "response_format": (self.response_format, _text_format)})
+        self.check_unsupported({"response_format": (self.response_format, _text_format)})
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs \"logprobs\": true", param="top_logprobs")
         if self.tool_choice not in (None, "none", "auto"):
             raise RequestError(f"tool_choice: only \"auto\" and \"none\" are supported, got {_json(self.tool_choice)} "
                                "(the model decides whether to call a tool)", param="tool_choice")
@@ -95,6 +106,9 @@ class ChatRequest(_Common):
             if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise RequestError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
                                    param=f"tools[{i}]")
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def limit(self) -> int | None:
@@ -145,11 +159,14 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
 
     def check(self) -> None:
         self.check_unsupported({"echo": (self.echo, _no), "suffix": (self.suffix, _no),
-                                "logprobs": (self.logprobs, _no), "best_of": (self.best_of, lambda v: v == 1)})
+                                "best_of": (self.best_of, lambda v: v == self.n)})
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @property
     def limit(self) -> int | None:
@@ -177,10 +194,6 @@ class CompletionRequest(_Common):
 
 def _no(value) -> bool:
     return False
-
-
-def _zero(value) -> bool:
-    return value == 0
 
 
 def _json(value) -> str:
@@ -287,35 +300,38 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int,
-                  message: dict | None = None, cached: int = 0) -> dict:
-    """``message``: the reply's parts (``chat_output.ChatOutput.message``); default, ``text`` as its content."""
-    message = message or {"role": "assistant", "content": text}
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": finish}],
-            "usage": usage(prompt, completion, cached)}
+def chat_choice(index: int, message: dict, finish: str, logprobs: dict | None = None) -> dict:
+    """One choice of a chat reply: ``message`` (``chat_output.ChatOutput.message``, or role and content)."""
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
+            "usage": use}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
-               use: dict | None = None) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+               use: dict | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish}]
     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
     if use is not None:
         body["usage"] = use
     return body
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int,
-                        cached: int = 0) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            "usage": usage(prompt, completion, cached)}
+def completion_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices,
+            "usage": use}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None = None,
-                     use: dict | None = None) -> dict:
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+                     use: dict | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
+    choices = [] if text is None else [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
     body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if use is not None:
         body["usage"] = use

@@ -11,8 +11,12 @@ pick other GEMM kernels and move the last bits, enough to flip a token at a top_
 All rows are computed together on the logits' device (one sort for the sampled rows, only when some row samples),
 and ``Sampler`` does it without a host synchronisation: the engine queues the next decode step before it reads this
 one's tokens (see ``engine.py``).
-``logit_bias`` is added to a row's logits before either (greedy rows too); ``min_p`` keeps, of a sampled row, the
-tokens at least min_p x the most likely one's probability (after temperature), with top_k and top_p.
+``logit_bias`` is added to a row's logits before either (greedy rows too), then the penalties of the rows that have
+them (``penalties.py``: presence, frequency, repetition, from per-row token counts on the device); ``min_p`` keeps,
+of a sampled row, the tokens at least min_p x the most likely one's probability (after temperature), with top_k and
+top_p. Rows that ask for ``logprobs`` get the log-softmax of the forward's own logits (``logprobs.py``: before bias,
+penalties and temperature) for the token picked and their top ones. Each of these costs nothing (no kernel, no copy)
+in a step where no row uses it.
 Legend: n rows, m sampled rows, V vocabulary.
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ktinject.serve import logprobs as token_logprobs
 from ktinject.serve.errors import RequestError
 
 
@@ -33,6 +38,8 @@ STOP_MAX, STOP_MAX_CHARS = 16, 1024
 BIAS_MAX, BIAS_RANGE = 300, 100.0
 #: the largest top_k accepted (any larger keeps every token of any vocabulary; float64 holds it exactly)
 TOP_K_MAX = 1 << 31
+#: presence_penalty and frequency_penalty range (OpenAI's); the largest repetition_penalty
+PENALTY_RANGE, REPETITION_MAX = 2.0, 100.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,10 @@ class SamplingParams:
     skip_special_tokens: bool = True  # False: special tokens stay in the text (tool-call markers that are special)
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # None: none; k >= 0: the picked token's logprob and the k most likely ones'
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # x how many times each token was generated so far, subtracted
+    repetition_penalty: float = 1.0  # HF / vLLM: logits of tokens in the prompt or generated / it (x it if < 0)
 
     def __post_init__(self):
         problems = []
@@ -73,8 +84,23 @@ class SamplingParams:
             problems.append(("logit_bias", f"at most {BIAS_MAX} entries, got {len(self.logit_bias)}"))
         elif any(not isinstance(t, int) or t < 0 or not -BIAS_RANGE <= b <= BIAS_RANGE for t, b in self.logit_bias):
             problems.append(("logit_bias", f"token ids >= 0 with biases in [-{BIAS_RANGE:g}, {BIAS_RANGE:g}]"))
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or
+                                          not 0 <= self.logprobs <= token_logprobs.MAX_TOP):
+            problems.append(("logprobs", f"must be an integer in [0, {token_logprobs.MAX_TOP}], got {self.logprobs!r}"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+                problems.append((name, f"must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}] (0 = off), got {value!r}"))
+        if not 0 < self.repetition_penalty <= REPETITION_MAX:
+            problems.append(("repetition_penalty", f"must be in (0, {REPETITION_MAX:g}] (1 = off), got "
+                                                   f"{self.repetition_penalty!r}"))
         if problems:
             raise RequestError(problems[0][1], param=problems[0][0])
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes this request's logits (its rows then keep token counts: ``penalties.py``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -95,7 +121,9 @@ class Sampler:
     argmax; when some rows sample, their indices and parameters (temperature, top_p, top_k and the row's u, drawn
     here from its request's stream) go to the device in one copy from pinned memory, so a step costs one upload
     and no synchronisation (the engine reads the tokens back later, in one copy of the whole step).
-    ``rows``: the most rows a call gets."""
+    ``rows``: the most rows a call gets. With ``penalties`` (a ``penalties.PenaltyState``) and ``rows`` (the KV-cache
+    row of each logits row), the rows whose requests have penalties are penalized and their counts updated; a call
+    returns the step's ``logprobs.StepLogprobs`` when some row asks for logprobs, else None."""
 
     _COLUMNS = 6  # row index, temperature, top_p, top_k, u, min_p: float64 holds each exactly (top_k, rows: < 2**53)
 
@@ -108,19 +136,35 @@ class Sampler:
         self._next = 0
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random],
-                 out: torch.Tensor) -> None:
-        """logits [n, V], one SamplingParams and random stream per row -> out [n] (int64, logits' device)."""
+                 out: torch.Tensor, rows: list[int] | None = None, penalties=None):
+        """logits [n, V], one SamplingParams and random stream per row -> out [n] (int64, logits' device); returns
+        the rows' logprobs (``StepLogprobs``) where some row asks for them, else None."""
+        raw = logits
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         logits = logits.float()  # torch's CPU argmax of bf16 is slower than the cast and the float argmax
         biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
         if biased:  # (a copy: the forward's logits may be a captured graph's output)
             logits = logits.clone()
-            rows, cols, vals = zip(*biased)
-            at = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+            at_rows, cols, vals = zip(*biased)
+            at = (torch.tensor(at_rows, device=logits.device), torch.tensor(cols, device=logits.device))
             logits.index_put_(at, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+        penalized = penalties is not None and any(p.penalized for p in params)
+        if penalized:
+            if rows is None:
+                raise ValueError("penalties need the KV-cache row of each logits row (rows=)")
+            logits = penalties.apply(logits if biased else logits.clone(), rows, params)
         torch.argmax(logits, dim=-1, out=out)
-        if not sampled:
-            return
+        if sampled:
+            self._sample(logits, params, rngs, out, sampled)
+        if penalized:
+            penalties.count(out)
+        asks = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not asks:
+            return None
+        return token_logprobs.compute(raw, out, asks, [params[i].logprobs for i in asks])
+
+    def _sample(self, logits, params, rngs, out, sampled: list[int]) -> None:
+        """The sampled rows' tokens into ``out`` (see the class docstring)."""
         V = logits.shape[1]
         k = self._next
         self._next ^= 1
@@ -132,10 +176,10 @@ class Sampler:
         dev = stage.to(self.device, non_blocking=True)
         if self._uploaded[k] is not None:
             self._uploaded[k].record()
-        rows = dev[:, 0].long()
-        picked = _sample_rows(logits.index_select(0, rows), dev[:, 1].float(), dev[:, 2].float(),
+        at = dev[:, 0].long()
+        picked = _sample_rows(logits.index_select(0, at), dev[:, 1].float(), dev[:, 2].float(),
                               dev[:, 3].long(), dev[:, 4], dev[:, 5])  # [m]
-        out.index_copy_(0, rows, picked)
+        out.index_copy_(0, at, picked)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]) -> list[int]:

@@ -17,6 +17,9 @@ from ktinject.serve.errors import RequestError, check_unicode
 
 log = logging.getLogger("ktinject.serve")
 
+#: token texts kept by ``PromptTokenizer.token_texts`` (logprobs' tokens) before the store starts over
+TOKEN_TEXTS_KEPT = 1 << 16
+
 
 class PromptTokenizer:
     """``encode`` and ``render_chat`` on a copy of ``tokenizer`` (None: token ids only, both refuse) for a context of
@@ -27,6 +30,7 @@ class PromptTokenizer:
         self.max_context = max_context
         self._lock = threading.Lock()
         self._max_token_chars: int | None = None
+        self._token_text: dict[int, str] = {}  # token_texts(): id -> text
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (special tokens added as the tokenizer does). RequestError where it cannot be
@@ -88,6 +92,22 @@ class PromptTokenizer:
             return ""
         with self._lock:
             return self.tokenizer.decode(list(ids[-tokens:]), skip_special_tokens=False)
+
+    def token_texts(self, ids) -> dict[int, str]:
+        """Each token id's own text (special tokens kept; ``"token_id:ID"`` without a tokenizer), kept once
+        decoded."""
+        cache = self._token_text
+        missing = [i for i in set(ids) if i not in cache]
+        if missing:
+            if self.tokenizer is None:
+                got = [f"token_id:{i}" for i in missing]
+            else:
+                with self._lock:
+                    got = [self.tokenizer.decode([i], skip_special_tokens=False) for i in missing]
+            if len(cache) + len(got) > TOKEN_TEXTS_KEPT:
+                cache.clear()
+            cache.update(zip(missing, got))
+        return {i: cache[i] for i in ids}
 
     def _check_chars(self, text: str, param: str) -> None:
         """RequestError where ``text`` has more characters than max_context tokens of the longest token can hold:

@@ -82,7 +82,8 @@ class EngineConfig:
 @dataclass
 class Output:
     """One event of a request: new text and tokens; the last one has ``finish_reason`` (stop, length, cancelled,
-    error; ``error`` says what went wrong)."""
+    error; ``error`` says what went wrong) and, where a stop string ended the text, ``stop_string``. ``logprobs``:
+    where the request asked for them, one ``logprobs.TokenLogprob`` per token of ``token_ids``."""
 
     request_id: str
     text: str
@@ -92,6 +93,8 @@ class Output:
     completion_tokens: int = 0
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
+    logprobs: list | None = None
+    stop_string: str | None = None
 
 
 @dataclass

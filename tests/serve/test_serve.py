@@ -350,7 +350,7 @@ def test_client_disconnect_frees_the_slot(served):
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": 7}, "stop", "stop"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, "max_tokens",
      "100000"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n", "n"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, "n", "1..16"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream", "boolean"),
     ("completions", {"prompt": 5}, "prompt", "prompt"),
     ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p", "1"),

@@ -137,3 +137,44 @@ def test_decode_steps_are_queued_without_waiting_for_the_device(engine, monkeypa
     got = _together(engine, prompts, params)
     assert all(g.error is None and g.completion_tokens == 8 for g in got), [g.error for g in got]
     assert engine.config.overlap and engine.metrics.decode_forward_seconds > 0
+
+
+def test_logprobs_and_penalties_through_graph_decode(engine):
+    """Through the captured decode graphs, beside other requests: a greedy request's logprobs are the log-softmax of a
+    plain forward of the model, and a penalized one's tokens follow the penalties applied to the plain forward's logits
+    (its counts kept on the device and moved with its row as the others end)."""
+    from ktinject.serve.sampling import SamplingParams
+
+    prompts = _prompts(engine)[:4]
+    replays = engine.runner.stats.replays
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(4)]
+    params[1] = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=4)
+    params[3] = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, frequency_penalty=1.5,
+                               repetition_penalty=1.3)
+    events = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+    with engine._cond:
+        for i, p in enumerate(prompts):
+            engine.submit(p, params[i], lambda o, i=i: (events[i].append(o), o.finish_reason and done[i].set()))
+    assert all(d.wait(300) for d in done)
+    assert engine.runner.stats.replays > replays
+    model = engine.model
+    ids = [t for o in events[1] for t in o.token_ids]
+    entries = [e for o in events[1] for e in o.logprobs]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompts[1] + ids], device=engine.device)).logits[0].float().log_softmax(-1)
+    for k, e in enumerate(entries):
+        row = ref[len(prompts[1]) - 1 + k]
+        assert e.token == ids[k] and abs(e.logprob - row[ids[k]].item()) < 1e-3
+        assert [t for t, _ in e.top] == row.topk(4).indices.tolist()
+    prompt, out = prompts[3], []
+    for _ in range(16):
+        with torch.no_grad():
+            last = model(torch.tensor([prompt + out], device=engine.device)).logits[0, -1].float()
+        seen = torch.zeros_like(last, dtype=torch.bool)
+        seen[prompt + out] = True
+        last = torch.where(seen, torch.where(last > 0, last / 1.3, last * 1.3), last)
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=last.shape[0]).to(last) if out else 0
+        out.append(int((last - 1.5 * counts).argmax()))
+    assert [t for o in events[3] for t in o.token_ids] == out
+    assert engine.penalties.live == set()

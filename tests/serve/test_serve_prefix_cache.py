@@ -238,3 +238,25 @@ def test_serve_cli_prefix_cache_options():
     assert (args.prefix_cache, args.prefix_cache_gpu, args.prefix_block) == ("gpu", 2**30, 16)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--prefix-cache", "ssd"])
+
+
+def test_n_choices_prefill_their_prompt_once(demo_api):
+    """n = 3 with the prefix cache: choice 0 prefills the prompt, choices 1 and 2 restore its whole blocks (only the
+    last partial block is computed again), and each gets what a request of n = 1 gets (greedy)."""
+    httpx, serve = demo_api
+    body = {"model": "demo", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What did it paint?"}]}
+    store = PrefixCache(device="cpu", tier="ram", block_size=16)
+    with serve(store) as (engine, url):
+        before = engine.metrics.prompt_tokens
+        r = httpx.post(f"{url}/v1/chat/completions", json={**body, "n": 3}, timeout=120)
+        assert r.status_code == 200, r.text
+        prefilled = engine.metrics.prompt_tokens - before
+        one = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    use = r.json()["usage"]
+    prompt = use["prompt_tokens"]
+    whole = prompt - 1 - (prompt - 1) % 16  # the blocks a later request restores (its last token is computed)
+    assert prefilled == prompt + 2 * (prompt - whole), (prefilled, prompt)
+    assert use["completion_tokens"] == 12 and use["total_tokens"] == prompt + 12
+    texts = [c["message"]["content"] for c in r.json()["choices"]]
+    assert texts == [one["choices"][0]["message"]["content"]] * 3

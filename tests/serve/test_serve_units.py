@@ -364,9 +364,9 @@ def test_request_checks_name_the_field():
                      ({"type": "image_url"}, "got type 'image_url'")):
         with pytest.raises(RequestError, match=f"content\\[0\\]: only text parts are supported, {got}$"):
             chat({"messages": [{"role": "user", "content": [bad]}]}).template_messages()
-    assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "n": 2}).check()) == "n"
-    assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).check()) == \
-        "logprobs"
+    assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "n": 17}).check()) == "n"
+    assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}).check()) == \
+        "top_logprobs"  # (without "logprobs": true)
     assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})
                  .check()) == "tool_choice"
     assert param(lambda: stop_strings(["a", 3])) == "stop"
@@ -405,13 +405,13 @@ def test_held_text_matches_a_plain_search(seed=0):
 
 
 def test_body_limit_middleware_reads_chunks_and_hands_the_body_on_whole():
-    """serve.api._BodyLimit at the ASGI level: a body in several messages reaches the app as one, later receives go
-    to the connection; over the limit by Content-Length (nothing read) or mid-stream: 413 and no app; a client gone
-    before its body is whole: nothing at all."""
+    """serve.api_middleware.BodyLimit at the ASGI level: a body in several messages reaches the app as one, later
+    receives go to the connection; over the limit by Content-Length (nothing read) or mid-stream: 413 and no app; a
+    client gone before its body is whole: nothing at all."""
     pytest.importorskip("fastapi", reason="the server needs the serve extra (pip install -e \".[serve]\")")
     import asyncio
 
-    from ktinject.serve.api import _BodyLimit
+    from ktinject.serve.api_middleware import BodyLimit
 
     def run(messages, headers=(), limit=10, path="/v1/completions"):
         got, sent, reads = [], [], []
@@ -433,7 +433,7 @@ def test_body_limit_middleware_reads_chunks_and_hands_the_body_on_whole():
             return respond
 
         scope = {"type": "http", "method": "POST", "headers": list(headers), "path": path}
-        asyncio.run(_BodyLimit(app, limit, reply)(scope, receive, send))
+        asyncio.run(BodyLimit(app, limit, reply)(scope, receive, send))
         return got, sent, len(reads)
 
     part = lambda body, more: {"type": "http.request", "body": body, "more_body": more}  # noqa: E731
