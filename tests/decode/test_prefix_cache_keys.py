@@ -70,6 +70,27 @@ def test_model_identity_differs_by_weights_format_and_rules():
     assert cache.root(build_tiny_model("qwen3_moe")) == roots[0]  # the same model: the same key
 
 
+def test_model_identity_differs_by_routed_expert_values_alone():
+    """Two injected models whose only difference is one routed expert's values (held in the native core, not in
+    parameters) get different root keys; the same values give the same key."""
+    import torch
+
+    import ktinject
+    from ktinject.decode.prefix_cache import PrefixCache
+    from ktinject.tiny_models import build_tiny_model
+
+    cache = PrefixCache(device="cpu", tier="ram", block_size=4)
+    a, b, c = (build_tiny_model("qwen3_moe") for _ in range(3))
+    with torch.no_grad():
+        experts = next(m for n, m in b.named_modules() if n.endswith("mlp.experts"))
+        experts.gate_up_proj.mul_(-1.0)
+    for m in (a, b, c):
+        ktinject.inject(m, gpu="cpu")
+    assert [n for n, _ in b.named_parameters() if "experts" in n] == []  # the values live in the native core only
+    ra, rb, rc = (cache.root(m) for m in (a, b, c))
+    assert ra != rb and ra == rc
+
+
 def test_weights_fingerprint_samples_large_tensors_in_bounds():
     """Sample indices of a tensor past 2^24 elements stay in bounds and include the last element."""
     import torch

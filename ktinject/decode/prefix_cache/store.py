@@ -61,6 +61,24 @@ def _weights_fingerprint(model) -> list:
     return out
 
 
+def _experts_fingerprint(model) -> list:
+    """(module name, sampled bytes) of every routed-experts module's packed storage (``native_experts``, in the
+    native core's memory: not a parameter), so two models that differ only in their experts' values differ."""
+    from ktinject.native.experts import experts_region_view
+
+    out = []
+    for name, m in model.named_modules():
+        experts = getattr(m, "native_experts", None)
+        if experts is None:
+            continue
+        _, view = experts_region_view(experts)
+        words = view[:view.numel() // 8 * 8].view(torch.int64)  # whole 8-byte words: every byte of a value
+        n = min(_FINGERPRINT_SAMPLES * 8, words.numel())
+        idx = torch.arange(n) * (words.numel() - 1) // max(n - 1, 1)
+        out.append((name, words[idx].tolist()))
+    return out
+
+
 def identity_parts(model, block_size: int) -> dict:
     """What a model's cached values depend on (the parts of its root key)."""
     from importlib import metadata
@@ -78,7 +96,8 @@ def identity_parts(model, block_size: int) -> dict:
                       for m in model.modules() if getattr(m, "native_experts", None) is not None})
     return {"layout": "kv_cache rows", "block_size": block_size, "model": type(model).__name__, "config": config,
             "plan": repr(getattr(model, "_ktinject_plan", None)), "experts": experts,
-            "weights": _weights_fingerprint(model), "ktinject": version, "torch": torch.__version__,
+            "weights": _weights_fingerprint(model), "expert_values": _experts_fingerprint(model),
+            "ktinject": version, "torch": torch.__version__,
             "transformers": transformers.__version__}
 
 
