@@ -84,7 +84,7 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     ``prefix_cache``: a ``ktinject.decode.prefix_cache.PrefixCache`` its generate uses, as for ``inject``;
     ``devices``: device variables (``gpu="cuda:0"``, ``gpu="cpu"``). The
     plan is ``model._ktinject_plan``, load figures ``model._ktinject_load_stats``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # heavy: on the first load only
+    from transformers import AutoConfig, GenerationConfig  # heavy: on the first load only
 
     path = Path(path)
     not_dir = LoadError(f"{path} is not a checkpoint directory (config.json + *.safetensors) or GGUF file")
@@ -105,7 +105,7 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
         del config.quantization_config
     dtype = model_dtype(config, dtype)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = _auto_class(config).from_config(config, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
     if (path / "generation_config.json").is_file():
@@ -121,6 +121,17 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
 
         attach_prefix_cache(model, prefix_cache)
     return model
+
+
+def _auto_class(config):
+    """The transformers auto class whose model a checkpoint of ``config`` holds: a causal LM, or for image-text
+    families without one (Kimi-K2.5) the image-text-to-text model (its language model is what ktinject injects)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if type(config) in AutoModelForCausalLM._model_mapping or type(config) not in \
+            AutoModelForImageTextToText._model_mapping:
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
 
 
 def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: bool = True,

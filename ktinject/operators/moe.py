@@ -371,10 +371,6 @@ class MoEOperator(Operator):
     @classmethod
     def expert_stream(cls, module: nn.Module, name: str, kwargs: Mapping[str, Any]) -> ExpertStream:
         spec = inspect_block(module, name)
-        if spec.layout == "llama4":
-            raise OperatorError(f"moe: {name!r} ({type(module).__name__}) has Llama 4's transposed experts, which the "
-                                f"streaming loader does not read yet; load the model with transformers' "
-                                f"from_pretrained, then ktinject.inject(model)")
         return ExpertStream(spec, _quant(kwargs, name), _group(kwargs, name))
 
     @classmethod

@@ -199,6 +199,14 @@ def expert_matrices(spec, piece: Piece, x: torch.Tensor) -> list[tuple[str, torc
         if leaf == "down_proj":
             return [("down", x.t())]
         return [("down_bias", x.contiguous())]
+    if spec.layout == "llama4":  # gate_up [H, 2I]: gate columns, then up; down [I, H]
+        if piece.parts != 1:
+            raise LoadError(f"tensor {piece.ref.key!r}: per-part Llama 4 expert tensors are not supported")
+        if leaf == "gate_up_proj":
+            return [("gate", x[:, :I].t()), ("up", x[:, I:].t())]
+        if leaf == "down_proj":
+            return [("down", x.t())]
+        raise LoadError(f"tensor {piece.ref.key!r}: Llama 4 experts have no {leaf}")
     if leaf == "gate_up_proj":  # [2I, H]: gate rows, then up rows; a part holds one of them
         if piece.parts == 2:
             return [("gate" if piece.part == 0 else "up", x)]
