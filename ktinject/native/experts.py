@@ -333,6 +333,32 @@ class Experts:
 
     __call__ = forward
 
+    def backward(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dy: torch.Tensor,
+                 skip: torch.Tensor | None = None, dx: bool = True, dweights: bool = True,
+                 pool: Pool | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Gradients of ``forward(hidden, ids, weights, skip)`` given dy = d loss / d out [T, H] (f32/bf16,
+        contiguous): (dx [T, H] in dy's dtype, dweights [T, k] float32), each None where not asked for; the expert
+        weights are constants. Float arithmetic with the stored weights dequantized and hidden, dy as given
+        (ktk_backward in the header); gate and up are recomputed."""
+        _, lib = ffi_lib()
+        if not (dx or dweights):
+            raise NativeError(ERR_SHAPE, "backward: neither dx nor dweights asked for (nothing to compute)")
+        dy = checked_tensor("dy", dy, _OUT_DTYPES, (None, self.hidden))
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 2 and hidden.shape[0] != dy.shape[0]:
+            raise NativeError(ERR_SHAPE, f"dy has {dy.shape[0]} rows, hidden {hidden.shape[0]} (one per token)")
+        args, (hidden, ids, weights, skip, _) = self._forward_args(hidden, ids, weights, skip, dy)  # (out: dy)
+        T, k = ids.shape
+        gx = torch.empty(T, self.hidden, dtype=dy.dtype) if dx else None
+        gw = torch.empty(T, k, dtype=torch.float32) if dweights else None
+        if T == 0:
+            return gx, gw
+        null = ffi_lib()[0].NULL
+        pool = default_pool() if pool is None else pool
+        check_rc(lib.ktk_backward(pool.ptr, self._p, *args[:8], pointer(dy), DTYPES[dy.dtype],
+                                  null if gx is None else pointer(gx), DTYPES[dy.dtype],
+                                  null if gw is None else pointer(gw, "float *")))
+        return gx, gw
+
 
 Experts.__module__ = "ktinject.native"  # where users import it from
 

@@ -29,7 +29,8 @@ model-wide, applied once every block is built (``ktinject.gpu_experts``).
 
 Each forward also counts the routed (token, slot) pairs per expert into ``counts`` [E] on the device (statistics),
 and GPU-resident experts (``hot``, a ``ktinject.gpu_experts.hot.bank.HotExperts``, set by placement) run on the device
-between the host submit and wait, while the native experts skip them through ``skip``.
+between the host submit and wait, while the native experts skip them through ``skip``. Where a gradient is wanted
+(training), the routed experts go through ``moe_backward`` instead: all of them on the CPU, under autograd.
 
 Legend: B batch, S sequence, T tokens (B*S), E experts, H hidden, I expert intermediate, k experts per token.
 """
@@ -44,7 +45,7 @@ from torch import nn
 from ktinject import native
 from ktinject.operators import fast_path_report as fastpaths
 from ktinject.operators import handshake as stream_experts
-from ktinject.operators import cpu_overlap, deferral, input_weighted, register
+from ktinject.operators import cpu_overlap, deferral, input_weighted, moe_backward, register
 from ktinject.operators.kernels import common as fused
 from ktinject.operators.base import Operator, OperatorError, tensor_bytes
 from ktinject.operators.families import (
@@ -152,7 +153,7 @@ class HybridMoE(nn.Module):
             report.unavailable("fast_router", f"{type(router).__name__} is not a softmax -> top-k router")
         elif hooked(router):
             report.fell_back("fast_router", f"{type(router).__name__} has hooks or its own forward", True)
-        elif torch.is_grad_enabled() and router.weight.requires_grad:
+        elif torch.is_grad_enabled() and (router.weight.requires_grad or x.requires_grad):
             report.fell_back("fast_router", "autograd through the router", True)
         else:
             report.ran("fast_router")
@@ -199,7 +200,7 @@ class HybridMoE(nn.Module):
         if self.collect_stats and ids.numel() and (runner is None or runner.staged_ids is not ids):
             self._count(ids)  # (else counted by the routing kernel)
         pending = None if self.defer_chain is None else self.defer_chain.take(self)  # the previous block's
-        d = self._defer_now(S, x.shape[0], ids.shape[1])
+        d = 0 if moe_backward.wanted(x, weights) else self._defer_now(S, x.shape[0], ids.shape[1])
         if d:
             on_cuda = x.device.type == "cuda"
             cpu_overlap.settle()  # (a task a prompt's forward left running)
@@ -254,6 +255,8 @@ class HybridMoE(nn.Module):
         if T == 0:
             return x.new_zeros((0, H)), shared_output(self, self.spec.shared, x)
         cpu_overlap.settle()  # the block before's task, left running (or an earlier forward's): its error raised
+        if moe_backward.wanted(x, weights):  # training: autograd through every expert, on the CPU
+            return moe_backward.routed(self.native_experts, x, ids, weights), shared_output(self, self.spec.shared, x)
         if self.prefill is not None and not (on_cuda and stream_experts.active()):  # never inside graph capture
             taken = self.prefill(self, x, ids, weights)
             if taken is not None:

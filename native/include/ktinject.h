@@ -258,6 +258,18 @@ int ktk_forward(ktk_pool *pool, ktk_experts *ex, int T, int k,
                 const void *weights, int weights_dtype, const uint8_t *skip,
                 void *out, int out_dtype);
 
+/* Backward of ktk_forward with the same hidden, ids, weights and skip (training): given dy = d loss / d out [T, H]
+ * (dy_dtype F32/BF16), writes dx = d loss / d hidden [T, H] (dx_dtype F32/BF16; NULL: not computed) and dweights =
+ * d loss / d weights [T, k] float32 (NULL: not computed; 0 for a slot skip masks). The expert weights are constants
+ * (no gradient for them). Computed in float with the stored weights dequantized (the values ktk_experts_get gives)
+ * and hidden, dy as given (not rounded as the forward's activations are); gate and up are recomputed from hidden.
+ * Runs on the pool as a forward does (inline when it is idle); results do not depend on its thread count. Checks as
+ * ktk_forward's; KTK_ERR_NULL for dy NULL or dx and dweights both NULL. */
+int ktk_backward(ktk_pool *pool, ktk_experts *ex, int T, int k,
+                 const void *hidden, int hidden_dtype, const int64_t *ids,
+                 const void *weights, int weights_dtype, const uint8_t *skip,
+                 const void *dy, int dy_dtype, void *dx, int dx_dtype, float *dweights);
+
 /* A 32-bit word (pinned host memory, 4-byte aligned) that every submitted run stores 1 to (release) at its end,
  * once out is complete, also when the run fails (its error is then ktk_wait's), before the task is idle: a CUDA
  * stream can wait for the run (a kernel polling the word) while the host goes on, and call ktk_wait later (streamed

@@ -376,6 +376,23 @@ int ktk_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidde
                                        out_dtype) : rc;
 }
 
+int ktk_backward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
+                 const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, const void *dy,
+                 int dy_dtype, void *dx, int dx_dtype, float *dweights) {
+    const char *fn = "ktk_backward";
+    CHECK_NULL(pool, fn);
+    CHECK_NULL(dy, fn);
+    if (!dx && !dweights)
+        return ktki_error(KTK_ERR_NULL, "%s: dx and dweights are both NULL (nothing to compute: pass one)", fn);
+    int rc = check_dtype(fn, "dy_dtype", dy_dtype, 0);
+    if (rc == KTK_OK && dx) rc = check_dtype(fn, "dx_dtype", dx_dtype, 0);
+    /* the forward's own checks (dy in out's place: checked above, named there) */
+    if (rc == KTK_OK)
+        rc = check_forward(fn, ex, T, k, hidden, hidden_dtype, ids, weights, weights_dtype, (void *)dy, dy_dtype);
+    return rc == KTK_OK ? ktki_backward(pool, ex, T, k, hidden, hidden_dtype, ids, weights, weights_dtype, skip, dy,
+                                        dy_dtype, dx, dx_dtype, dweights) : rc;
+}
+
 int ktk_task_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done) {
     return ktk_task_watch_then(task, go, done, NULL);
 }

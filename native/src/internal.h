@@ -223,5 +223,9 @@ int ktki_forward_step(ktk_pool *pool, ktk_task *task, int first, ktki_phase *ph)
 int ktki_forward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
                  const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, void *out,
                  int out_dtype);
+/* moe/backward.c: the backward of such a forward (synchronous, as ktki_forward); dx or dweights may be NULL */
+int ktki_backward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidden, int hidden_dtype,
+                  const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, const void *dy,
+                  int dy_dtype, void *dx, int dx_dtype, float *dweights);
 
 #endif
