@@ -47,7 +47,7 @@ from ktinject.injection.formats import open_checkpoint
 from ktinject.injection.formats.base import BufferPool, LoadError, Reader, ReadJob
 from ktinject.injection.formats.codecs import FP8Block
 from ktinject.injection.model_dtypes import model_dtype, release_format, target_dtypes
-from ktinject.injection.formats.hf_keys import Piece, check_expert_piece, map_checkpoint
+from ktinject.injection.formats.hf_keys import Piece, check_expert_piece, convert_tensor, map_checkpoint
 from ktinject.injection.requant import RequantError
 from ktinject.injection.expert_packing import Packer, TensorBytes, pack_expert
 from ktinject.gpu_experts.prefill.policy import mode_from_plan
@@ -298,7 +298,7 @@ class _Loader:
         if piece.expert_leaf is not None and piece.expert is None:  # [E, ...]: expert slices
             return [ReadJob((piece, e, ref.shape[1:]), ref.expert_spans(e), reuse=True) for e in range(ref.shape[0])]
         # the read buffer is reused unless it becomes the tensor itself (same dtype, on the CPU, not decoded)
-        copied = (ref.codec is not None or self.devices.get(id(piece.meta), _CPU).type != "cpu"
+        copied = (ref.codec is not None or piece.converted is not None or self.devices.get(id(piece.meta), _CPU).type != "cpu"
                   or self.ckpt.torch_dtype(ref) != self.dtypes.get(piece.target, piece.meta.dtype))
         return [ReadJob((piece, piece.expert, ref.shape), ref.all_spans(), reuse=piece.expert_leaf is not None or copied)]
 
@@ -326,6 +326,13 @@ class _Loader:
         piece, expert, shape = job.what
         if piece.expert_leaf is not None:
             self._submit_pack(self.units[piece.unit], job, buf)
+        elif piece.converted is not None:  # one tensor transformers converts into several (e.g. q, k, v)
+            self.bytes_read += job.nbytes
+            x = TensorBytes(self.ckpt, piece.ref, buf, shape).values(self.dtypes.get(piece.target, piece.meta.dtype))
+            for meta, value in convert_tensor(piece, x, self.model):
+                device = self.devices.get(id(meta), _CPU)
+                self._assign(meta, value.to(device=device, dtype=meta.dtype, copy=True))
+            self.buffers.put(buf)
         elif self._keep_fp8(piece, buf, shape):
             self.bytes_read += job.nbytes
             self.buffers.put(buf)

@@ -38,6 +38,17 @@ class Piece:
     expert: int | None = None  # per-expert checkpoint tensor: its expert (None: the tensor holds all experts)
     part: int = 0  # per-expert tensor fused by concatenation: which part (0 gate, 1 up) of how many
     parts: int = 1
+    converted: "Converted | None" = None  # a non-expert tensor transformers converts into several targets
+
+
+@dataclass
+class Converted:
+    """A non-expert checkpoint tensor that transformers converts (e.g. a fused ``wqkv`` chunked into q / k / v and
+    permuted for rope): its converter and the model tensors it fills, by name."""
+
+    converter: object  # a transformers WeightConverter
+    pattern: str  # the source pattern it matched
+    targets: dict[str, torch.Tensor]  # target name -> the model's (meta) tensor
 
 
 class _KeyMapper:
@@ -101,7 +112,11 @@ def map_checkpoint(model: nn.Module, ckpt: Reader, is_expert: Callable[[str], tu
         _check_dtype(ref, ckpt.torch_dtype(ref), meta, target)
         ex = is_expert(target)
         piece = Piece(ref, target, meta, unit_of(target), ex[1] if ex else None)
-        if conv is not None:
+        if conv is not None and ex is None and len(conv.source_patterns) == 1:
+            piece.converted = _converted(ref, target, conv, pattern, state)
+            for name, t in piece.converted.targets.items():
+                filled[id(t)] = ref.key
+        elif conv is not None:
             _per_expert(piece, conv, pattern, mapper, coverage)
         elif tuple(ref.shape) != tuple(meta.shape):
             raise _shape_error(ref, target, tuple(meta.shape))
@@ -132,6 +147,56 @@ def _check_dtype(ref: TensorRef, dtype: torch.dtype | None, meta: torch.Tensor, 
 def _shape_error(ref: TensorRef, target: str, want: tuple) -> LoadError:
     return LoadError(f"tensor {ref.key!r} in {ref.file} has shape {list(ref.shape)}, {target!r} needs "
                      f"{list(want)} (a checkpoint of another configuration?)")
+
+
+def _converted(ref: TensorRef, target: str, conv, pattern: str, state: dict) -> Converted:
+    """The model tensors a one-source conversion of ``ref`` fills: ``target`` (named after the converter's first
+    target pattern) with that pattern replaced by each of them; LoadError if one is not in the model."""
+    first = conv.target_patterns[0]
+    if first not in target:
+        raise LoadError(f"tensor {ref.key!r} in {ref.file}: transformers converts it to {target!r}, which does not "
+                        f"hold its target pattern {first!r}; this conversion is not supported by streaming loading "
+                        f"(load with transformers and inject instead)")
+    names = [target.replace(first, t, 1) for t in conv.target_patterns]
+    missing = [n for n in names if n not in state]
+    if missing:
+        raise LoadError(f"tensor {ref.key!r} in {ref.file}: transformers converts it to {', '.join(names)}, but the "
+                        f"model has no {', '.join(missing)} (a checkpoint of another model?)")
+    return Converted(conv, pattern, {n: state[n] for n in names})
+
+
+def convert_tensor(piece: Piece, value: torch.Tensor, model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(model meta tensor, its value) for each target of ``piece.converted``, running transformers' own
+    conversion operations on the read ``value`` as its loader does (chunks, rope permutations, ...); every value's
+    shape checked against its target."""
+    conv = piece.converted
+    first = next(iter(conv.targets))
+    tensors = {conv.pattern: [value]}
+    try:
+        for op in conv.converter.operations:
+            tensors = op.convert(tensors, source_patterns=conv.converter.source_patterns,
+                                 target_patterns=conv.converter.target_patterns, full_layer_name=first, model=model,
+                                 config=model.config, missing_keys=None)
+    except Exception as e:  # noqa: BLE001 - transformers' private conversion API: any failure is a load error
+        raise LoadError(f"tensor {piece.ref.key!r} in {piece.ref.file}: transformers' conversion "
+                        f"({', '.join(type(op).__name__ for op in conv.converter.operations)}) failed: {e}") from e
+    pattern0 = conv.converter.target_patterns[0]
+    prefix, _, suffix = first.partition(pattern0)
+    out = []
+    for pattern, t in tensors.items():
+        name = prefix + pattern + suffix
+        t = t[0] if isinstance(t, list) else t
+        meta = conv.targets.get(name)
+        if meta is None:
+            raise LoadError(f"tensor {piece.ref.key!r}: transformers' conversion gave {name!r}, which is not "
+                            f"one of {', '.join(conv.targets)}")
+        if tuple(t.shape) != tuple(meta.shape):
+            raise _shape_error(piece.ref, name, tuple(meta.shape))
+        out.append((meta, t))
+    if len(out) != len(conv.targets):
+        raise LoadError(f"tensor {piece.ref.key!r}: transformers' conversion gave {len(out)} tensors, the model "
+                        f"needs {len(conv.targets)} ({', '.join(conv.targets)})")
+    return out
 
 
 def _per_expert(piece: Piece, conv, pattern: str, mapper: _KeyMapper, coverage: dict) -> None:
