@@ -20,23 +20,45 @@ from ktinject.injection.requant import RequantError
 from ktinject.operators.families import set_bias
 
 
+def _malloc_trim():
+    """glibc's malloc_trim, or None elsewhere (another C library: nothing to trim)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 class Packer:
     """Runs packing jobs on a few threads (native set() releases the GIL and is thread-safe for different
-    (expert, matrix)); at most 2 jobs per thread in flight, so the memory they hold stays small."""
+    (expert, matrix)); at most 2 jobs per thread in flight, so the memory they hold stays small. After each job the
+    C heap's free memory goes back to the OS (glibc's malloc_trim): a job's decoded float32 temporaries (megabytes
+    each) would otherwise stay in the packer threads' malloc arenas, and the process's peak grow through the load."""
 
     def __init__(self):
         workers = envs.get("KTINJECT_PACK_THREADS") or max(1, min(16, native.physical_cores()))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="ktinject-pack") if workers > 1 else None
         self.pending: deque = deque()
         self.limit = 2 * workers
+        self._trim = _malloc_trim()
+
+    def _run(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        finally:
+            if self._trim is not None:
+                self._trim(0)
 
     def submit(self, fn, *args) -> None:
         if self.pool is None:
-            fn(*args)
+            self._run(fn, *args)
             return
         while len(self.pending) >= self.limit:
             self.pending.popleft().result()
-        self.pending.append(self.pool.submit(fn, *args))
+        self.pending.append(self.pool.submit(self._run, fn, *args))
 
     def drain(self) -> None:
         while self.pending:

@@ -103,11 +103,17 @@ class BufferPool:
         self._kept, self.limit = 0, limit
 
     def get(self, nbytes: int) -> torch.Tensor:
+        """A buffer of ``nbytes``: a kept one of that size, else a new one, after the kept buffers of other sizes
+        are let go where keeping them beside it would pass ``limit`` (largest first)."""
         with self._lock:
             free = self._free.get(nbytes)
             if free:
                 self._kept -= nbytes
                 return free.pop()
+            while self.limit is not None and self._kept and self._kept + nbytes > self.limit:
+                size = max(k for k, v in self._free.items() if v)
+                self._free[size].pop()
+                self._kept -= size
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def put(self, buf: torch.Tensor) -> None:
