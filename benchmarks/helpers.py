@@ -23,7 +23,7 @@ def decode_setup(quant: str, layers: int, threads: int | None = None, prompt_len
     from ktinject.decode.generate import get_runner
 
     model, device = bench_model(False, layers, threads)
-    ktinject.inject(model, gpu=str(device), quant=quant)
+    ktinject.inject(model, gpu=str(device), quant=quant, gpu_experts_budget=0)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device)
     runner = get_runner(model, prefill_chunk=2048)
     gen_time(model, prompt, 3)

@@ -44,7 +44,7 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="the native pool's threads (default: the library's)")
     a = ap.parse_args()
     model, device = bench_model(False, a.layers, a.threads)
-    ktinject.inject(model, gpu=str(device), quant=a.quant, prefill="cpu")
+    ktinject.inject(model, gpu=str(device), quant=a.quant, prefill="cpu", gpu_experts_budget=0)
     get_runner(model, use_graphs=False, prefill_chunk="auto")
     probe = stream.attach(model, "gpu")
     probe.switch("auto")

@@ -97,7 +97,7 @@ def graph_decode(layers: int, quant: str, tokens: int, batch: int) -> None:
     dev = torch.device("cuda")
     model = build_model(layers, dev)
     set_generation_defaults(model)
-    ktinject.inject(model, gpu="cuda", quant=quant)
+    ktinject.inject(model, gpu="cuda", quant=quant, gpu_experts_budget=0)
     print(f"# graph {quant} {layers} layers batch {batch}: {_huge()}", flush=True)
     prompt = torch.randint(3, model.config.vocab_size, (batch, 32), device=dev)
     r = ktinject_decode(model, prompt, 8, graphs=True)  # capture, warm-up

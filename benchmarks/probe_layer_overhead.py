@@ -69,7 +69,7 @@ def main():
     ap.add_argument("--trace", default=None, help="write the profiled forward's chrome trace here")
     a = ap.parse_args()
     model, device = bench_model(a.tiny, a.layers, None)
-    ktinject.inject(model, gpu=str(device), quant=a.quant, prefill="cpu")
+    ktinject.inject(model, gpu=str(device), quant=a.quant, prefill="cpu", gpu_experts_budget=0)
     blocks = stream.blocks_of(model)
     L = len(blocks)
 

@@ -67,7 +67,7 @@ def main():
     for quant in a.quant.split(","):
         model, device = bench_model(a.tiny, a.layers, None)
         cuda = device.type == "cuda"
-        ktinject.inject(model, gpu=str(device), quant=quant, prefill="cpu")
+        ktinject.inject(model, gpu=str(device), quant=quant, prefill="cpu", gpu_experts_budget=0)
         s = stream.attach(model, "gpu")  # (auto would attach nothing off CUDA)
         s.setup()
         block = s.blocks[0]

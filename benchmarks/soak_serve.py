@@ -85,7 +85,7 @@ def _engine(args):
 
         model, tokenizer, name = build_model(args.bench_layers, torch.device(device)), None, "bench"
         set_generation_defaults(model)
-        ktinject.inject(model, gpu=device, quant=args.quant)
+        ktinject.inject(model, gpu=device, quant=args.quant, gpu_experts_budget=0)
     else:
         from ktinject.cli.chat import load_model
         from ktinject.demo import demo_model_dir

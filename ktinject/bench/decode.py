@@ -53,7 +53,7 @@ from ktinject.bench.decode_rows import (add_row, compare_rows, coordination_rows
 from ktinject.operators.kernels import dense as fused_dense
 from ktinject.bench.memory import measure_read_bandwidth
 from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and the probe build the same model)
-    set_generation_defaults, build_model, build_tiny, checkpoint_model, experts_quant, quants_of,
+    add_budget_option, set_generation_defaults, build_model, build_tiny, checkpoint_model, experts_quant, quants_of,
 )
 from ktinject.bench.targets import ROOF_RUNS as ROOF_ROUNDS, noise_targets, our_rate, target_rows
 from ktinject.bench.timing import (  # the measurements (bench serve imports two of them from here too)
@@ -77,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (native pool and torch); default: cores")
     p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
+    add_budget_option(p)
     p.add_argument("--profile", action="store_true", help="print the kernels of a muted decode-graph replay")
     p.add_argument("--quant", default=None,
                    help="comma-separated expert quantizations (bf16, int8, int4; default bf16): the whole run once per "
@@ -197,7 +198,7 @@ def run(args, quant: str | None = "bf16", first: bool = True) -> tuple[str, list
     rows: list[tuple[str, str, str, str]] = []  # (what, tok/s, ms/token, note)
     t0 = time.perf_counter()
     if args.checkpoint:
-        model, what = checkpoint_model(args.checkpoint, quant, device)
+        model, what = checkpoint_model(args.checkpoint, quant, device, gpu_experts_budget=args.gpu_experts_budget)
         quant = experts_quant(model)
         args.layers = model.config.num_hidden_layers  # (the targets, the table and the peer's scale read it)
     else:
@@ -240,7 +241,7 @@ def run(args, quant: str | None = "bf16", first: bool = True) -> tuple[str, list
 
     t0 = time.perf_counter()
     if not args.checkpoint:
-        ktinject.inject(model, gpu=str(device), quant=quant)
+        ktinject.inject(model, gpu=str(device), quant=quant, gpu_experts_budget=args.gpu_experts_budget)
     pool = native.default_pool()
     pinned = pool.pin if envs.get("KTINJECT_PIN") is None else envs.get("KTINJECT_PIN")  # (the native override)
     if device.type == "cuda":

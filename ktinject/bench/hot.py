@@ -272,7 +272,7 @@ def run(args) -> list[tuple]:
     model = build_tiny(device) if args.tiny else build_model(args.layers, device)
     cfg = model.config
     set_generation_defaults(model)
-    ktinject.inject(model, gpu=str(device))
+    ktinject.inject(model, gpu=str(device), gpu_experts_budget=0)  # each row places its own budget
     blocks = expert_stats.hybrid_blocks(model)
     L, E, k = len(blocks), blocks[0][1].num_experts, cfg.num_experts_per_tok
     print(f"# {'tiny qwen3_moe' if args.tiny else 'Qwen3-30B-A3B shapes'}: {cfg.num_hidden_layers} layers ({L} MoE), "

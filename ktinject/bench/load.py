@@ -94,7 +94,7 @@ def child(phase: str, d: Path, cache: Path, quant: str | None) -> dict:
         from ktinject.injection.inject import inject
 
         model = AutoModelForCausalLM.from_pretrained(d)
-        inject(model, gpu=dev, quant=quant)
+        inject(model, gpu=dev, quant=quant, gpu_experts_budget=0)
         host = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
                    if t.device.type == "cpu")
         host += sum(m.native_experts.nbytes for m in model.modules() if hasattr(m, "native_experts"))
@@ -102,6 +102,7 @@ def child(phase: str, d: Path, cache: Path, quant: str | None) -> dict:
                  "experts": []}
     else:
         model = ktinject.from_pretrained(d, quant=quant, gpu=dev, cache_dir=False if phase == "stream" else cache,
+                                         gpu_experts_budget=0,
                                          progress=False, dtype=torch.bfloat16)
         stats = model._ktinject_load_stats
         host = stats["resident"].get("cpu", 0)

@@ -112,12 +112,13 @@ def checkpoint_model(path, quant: str | None, device: torch.device, **options) -
     on ``device`` (bf16 on a GPU, as the in-memory model): experts as released unless ``quant`` overrides it, no
     packed-expert cache (a bench must not write GBs beside the
     checkpoint), greedy defaults.
-    ``options``: more of from_pretrained's (e.g. ``prefill``)."""
+    ``options``: more of from_pretrained's (e.g. ``prefill``; ``gpu_experts_budget`` 0 unless given)."""
     import ktinject
     from ktinject.cli.options import experts_format
 
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if device.type == "cuda" else None  # (a GGUF's own default is float32, as HF's)
+    options.setdefault("gpu_experts_budget", 0)
     model = ktinject.from_pretrained(path, quant=quant, gpu=str(device), cache_dir=False, progress=False,
                                      dtype=dtype, **options)
     set_generation_defaults(model)
@@ -126,6 +127,14 @@ def checkpoint_model(path, quant: str | None, device: torch.device, **options) -
     return model, (f"checkpoint {path}: {', '.join(stats['formats']) or 'unquantized'}; experts "
                    f"{experts_format(model)} ({how}); loaded in {time.perf_counter() - t0:.1f} s, "
                    f"{stats['bytes_read'] / 1e9:.2f} GB read")
+
+
+def add_budget_option(p) -> None:
+    """--gpu-experts-budget of the benches that time a model: 0 (every routed expert on the CPU: the configuration
+    their targets stand for) unless asked; ``auto`` is the library's default (docs/hot-experts.md)."""
+    p.add_argument("--gpu-experts-budget", default="0", metavar="SIZE",
+                   help="hot experts' GPU budget as inject takes it: 0 (default here: every expert on the CPU), "
+                        "auto (the library's default), a size (12GiB) or a fraction")
 
 
 def quants_of(args) -> list:

@@ -42,7 +42,7 @@ import time
 import torch
 
 from ktinject.bench import llamacpp as peer
-from ktinject.bench.model import bench_model, checkpoint_model, experts_quant, quants_of
+from ktinject.bench.model import add_budget_option, bench_model, checkpoint_model, experts_quant, quants_of
 from ktinject.gpu_experts.prefill.feedback import TRIALS
 
 
@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
                    "(bench.memory: >= 32x the LLC), once per quant, for the host-memory row (0: no probe; never with "
                    "--tiny)")
     p.add_argument("--tiny", action="store_true", help="the tiny qwen3_moe test model (runs on a CPU)")
+    add_budget_option(p)
     peer.add_arguments(p)
     return p
 
@@ -128,12 +129,13 @@ def run(args, quant: str | None, ours: dict | None = None) -> list[tuple[str, st
             native.set_default_threads(args.threads)
             torch.set_num_threads(args.threads)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model, what = checkpoint_model(args.checkpoint, quant, device, prefill="cpu")
+        model, what = checkpoint_model(args.checkpoint, quant, device, prefill="cpu",
+                                       gpu_experts_budget=args.gpu_experts_budget)
         quant = experts_quant(model)
         args.layers = model.config.num_hidden_layers
     else:
         model, device = bench_model(args.tiny, args.layers, args.threads)
-        ktinject.inject(model, gpu=str(device), quant=quant, prefill="cpu")
+        ktinject.inject(model, gpu=str(device), quant=quant, prefill="cpu", gpu_experts_budget=args.gpu_experts_budget)
         what = "tiny qwen3_moe" if args.tiny else "Qwen3-30B-A3B shapes"
     cfg = model.config
     L = cfg.num_hidden_layers

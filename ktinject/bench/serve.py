@@ -87,7 +87,7 @@ def _build(args, quant: str, device: torch.device):
     t0 = time.perf_counter()
     model = build_tiny(device) if args.tiny else build_model(args.layers, device)
     set_generation_defaults(model)
-    ktinject.inject(model, gpu=str(device), quant=quant)
+    ktinject.inject(model, gpu=str(device), quant=quant, gpu_experts_budget=0)
     cfg = model.config
     what = "tiny qwen3_moe" if args.tiny else (
         f"Qwen3-30B-A3B shapes, {cfg.num_hidden_layers} of its {WHOLE} layers"
