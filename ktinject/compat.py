@@ -15,6 +15,13 @@ call sites never guess with ``try``/``except``. Checked against each release's s
 - ``StaticLayer`` (the base of ``ktinject.decode.kv_cache``'s layers: ``__init__(max_cache_len)``, ``lazy_initialization``,
   ``get_mask_sizes``, ``cumulative_length`` read by HF as the cache length): unchanged from 5.17 to 5.24 in what
   ktinject relies on; ``Cache(layers=[...])`` likewise.
+- The gated-DeltaNet layers' cache calls (Qwen3-Next, Qwen3.5). 5.17: ``cache_params.has_previous_state(i,
+  state_idx=0)``, then ``cache_params.layers[i].record_past`` / ``.conv_states[0]`` / ``.recurrent_states[0]``;
+  5.24: ``cache.get_conv_state(i)`` / ``get_recurrent_state(i)`` / ``is_recording_past(i)``, HF's ``Cache`` methods
+  that read the same layer attributes; both: ``update_conv_state(x, i, conv_kernel_size=K)`` and
+  ``update_recurrent_state(s, i)``, and ``LinearAttentionCacheLayerMixin`` as the layer's base. ktinject's
+  ``LinearLayer`` (``decode/linear_attention_state.py``) has those attributes, so both releases' calls reach the
+  same buffers: no entry needed.
 - ``DeferredStopCheck`` (generation/utils): same signature 5.17-5.24; looked up by name with ``getattr``.
 - Rotary ``__init__(config, device=None)``: ``device`` deprecated in 5.18, removed in 5.24; ktinject passes
   ``config`` alone.

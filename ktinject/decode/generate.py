@@ -25,8 +25,9 @@ holds those positions, prefills the rest; afterwards the rows' new whole blocks 
 ``disable(model)`` undoes it. Without CUDA everything runs eagerly through the same path (static cache), giving
 HF's greedy tokens.
 
+Hybrid models (Qwen3-Next, Qwen3.5) are served too: the KVCache holds their linear-attention states.
 Calls the runner cannot serve go to HF's generate unchanged: models with layer state the KVCache does not hold
-(linear attention, indexer caches: ``stateful_layers``, reported as ``graph_decode`` unavailable), beam search, assisted decoding, a caller's own
+(indexer caches: ``stateful_layers``, reported as ``graph_decode`` unavailable), beam search, assisted decoding, a caller's own
 ``past_key_values`` or ``cache_implementation``, ``use_cache=False``, ``inputs_embeds``, encoder-decoder models.
 A batch size without a bucket is padded up to the next bucket with copies of its first row (when the result is
 a plain tensor and nothing else would see the copies: no streamer, logits processor, stopping criterion,
@@ -48,6 +49,7 @@ import torch
 from ktinject import compat
 from ktinject.gpu_experts.prefill.streamer import MIN_CHUNK, streamer_of
 from ktinject.operators.base import on_layout_change
+from ktinject.decode import linear_attention_state as linear_state
 from ktinject.decode import stateful_layers
 from ktinject.decode.graph_runner import GraphRunner
 from ktinject.operators import fast_path_report as fastpaths
@@ -280,6 +282,10 @@ def _owned_cache(model, cache):
     for i, layer in enumerate(cache.layers):
         if not layer.is_initialized:
             continue
+        if linear_state.is_linear_layer(layer):  # conv windows [B, C, K], recurrent matrices [B, Hv, Dk, Dv]
+            out.update_conv_state(layer.conv_states[0].clone(), i, conv_kernel_size=layer.conv_kernel_size[0])
+            out.update_recurrent_state(layer.recurrent_states[0].clone(), i)
+            continue
         n = int(layer.row_lengths.max())
         out.update(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone(), i)
     return out
@@ -322,6 +328,8 @@ def generate(model, *args, **kwargs):
 
     cache = runner.cache_for(rows, _needed_len(gc, prompt_len))
     kwargs[compat.cache_kwarg()] = cache
+    if prefix is not None and prefix.why_uncached(model) is not None:
+        _note_uncached(model, prefix, "")
     reused = 0 if prefix is None else _restore_prefix(model, prefix, input_ids, attention_mask, cache)
     chunk = prefill_chunk(model, prompt_len)
     if chunk and prompt_len > chunk and gc.prefill_chunk_size is None:

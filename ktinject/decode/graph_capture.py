@@ -6,9 +6,9 @@ memory pool; what it calls to make a graph is here, with the record it keeps of 
 Static inputs: a clone of each tensor argument, except the 2D padding mask [B, n] of the tokens so far, held in a
 [B, L] buffer whose first n columns each replay fills (``static_input``, ``fill_static``; the rest is masked as
 future positions anyway). Capture: warm-up steps on a side stream (as torch requires; they also make the
-stream-experts runners and any lazily allocated buffer), with the cache's row lengths put back after each
-(``warm_up``), then the capture itself, which executes nothing (``capture_pieces``), both with the MoE blocks in
-stream mode (``ktinject.operators.handshake``). Legend: B batch, L max cache length.
+stream-experts runners and any lazily allocated buffer), with the cache's row lengths and linear-attention states
+put back after each (``warm_up``), then the capture itself, which executes nothing (``capture_pieces``), both with
+the MoE blocks in stream mode (``ktinject.operators.handshake``). Legend: B batch, L max cache length.
 """
 from __future__ import annotations
 
@@ -83,13 +83,15 @@ def fill_static(buf: torch.Tensor, value: torch.Tensor) -> None:
 
 def warm_up(forward: Callable, inputs: dict, rest: dict, cache, saved, steps: int, device: torch.device) -> None:
     """``max(steps, 1)`` steps of ``forward`` on the static ``inputs`` and the other arguments ``rest``, on a side
-    stream in stream mode, each followed by ``cache.restore_lengths(saved)``."""
+    stream in stream mode, each followed by ``cache.restore_step_state(saved)``."""
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with stream_experts.stream_mode(), torch.cuda.stream(side):
         for _ in range(max(steps, 1)):
             forward({**inputs, **rest})
-            cache.restore_lengths(saved)  # the warm-up wrote K/V at this step's positions; a replay rewrites
+            # the warm-up wrote K/V at this step's positions (a replay rewrites them) and advanced the lengths and
+            # the linear-attention states (put back: the first replay starts from them)
+            cache.restore_step_state(saved)
     torch.cuda.current_stream(device).wait_stream(side)
 
 

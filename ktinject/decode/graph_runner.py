@@ -10,8 +10,10 @@ Static state (addresses fixed for the life of the graphs):
 - one ``ktinject.decode.kv_cache.KVCache`` of ``max_cache_len`` tokens x ``slots`` rows; a batch of B rows uses rows
   0..B-1 (a view). Each row's length is a device tensor that a forward advances in place, so a replay writes K/V
   at every row's own position with no host involvement, and the step's masks are built from those lengths inside
-  the graph (rows may sit at different positions; sliding-window layers are masks too, so gpt-oss replays); a new
-  ``generate`` resets the rows' lengths in place;
+  the graph (rows may sit at different positions; sliding-window layers are masks too, so gpt-oss replays); the
+  gated-DeltaNet layers of hybrid models (Qwen3-Next, Qwen3.5) keep their conv and recurrent states in the same
+  cache, per row, written in place by the step; a new ``generate`` resets the rows in place (lengths to zero,
+  linear-attention states zeroed);
 - per graph, input buffers filled before each replay: input_ids [B,1], position_ids [B,1] and the attention mask:
   either the 4D mask [B,1,1,L] that HF builds for static caches, or (through ``ktinject.generate``, which stops HF
   from building that mask on the host every step) the 2D padding mask [B,n] of the n tokens so far, copied into a
@@ -24,8 +26,8 @@ Static state (addresses fixed for the life of the graphs):
   Just before each replay the runner wakes those pools (``Pool.wake``): their threads spin through the step, so
   no layer's go pays a futex wake-up, and sleep again ~1 ms after its last layer (KTINJECT_WATCH_SPIN_US).
 
-Capture (``ktinject.decode.graph_capture``): two warm-up steps on a side stream, with the cache counters put back
-after each, then the capture itself, which executes nothing, in ``graph_pieces`` graphs cut at decoder layers.
+Capture (``ktinject.decode.graph_capture``): two warm-up steps on a side stream, with the cache counters (and
+linear-attention states) put back after each, then the capture itself, which executes nothing, in ``graph_pieces`` graphs cut at decoder layers.
 Legend: B batch, L max cache length, V vocabulary.
 """
 from __future__ import annotations
@@ -176,7 +178,7 @@ class GraphRunner:
         cache = self.caches.get(batch)
         if cache is None:
             cache = self.caches[batch] = self.kv.rows(0, batch)
-        cache.reset()  # the rows' lengths only: the graphs keep their addresses
+        cache.reset()  # lengths (and linear-attention states) in place: the graphs keep their addresses
         return cache
 
     def rows(self, batch: int):
@@ -296,7 +298,7 @@ class GraphRunner:
                 log.info("ktinject graph: cannot set the host wait mode (driver older than CUDA 12.1)")
         inputs = {n: static_input(n, v, self.max_cache_len) for n, v in kwargs.items() if isinstance(v, torch.Tensor)}
         rest = {n: v for n, v in kwargs.items() if not isinstance(v, torch.Tensor)}
-        saved = cache.save_lengths()
+        saved = cache.save_step_state()
         try:
             warm_up(self._forward, inputs, rest, cache, saved, self.warmup, self.device)
             if self._pool is None:
@@ -305,7 +307,7 @@ class GraphRunner:
                                            self._pool, self.device)
         except Exception as e:  # noqa: BLE001 - any capture problem means: run this shape eagerly
             torch.cuda.synchronize(self.device)
-            cache.restore_lengths(saved)
+            cache.restore_step_state(saved)
             self._after_failed_step(key[0])
             fastpaths.report_for(self.model).fell_back(
                 "graph_decode", f"capture of batch {key[0]} failed: {type(e).__name__}: {e}")

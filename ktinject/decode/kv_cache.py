@@ -15,6 +15,13 @@ built by HF for a batch whose rows share one position) work on it unchanged. ``r
 [a, b) that shares storage: ``generate`` of B rows uses ``rows(0, B)``, a server prefills a request into its slot
 through ``rows(s, s + 1)``. Rows can be reset, copied, exported and imported (``reset_rows``, ``copy_row``,
 ``export_row``, ``import_row``). The cache outlives ``generate()`` when the caller keeps it.
+
+Hybrid models (Qwen3-Next, Qwen3.5-MoE: ``config.layer_types`` naming "linear_attention" layers) hold their
+linear-attention layers' conv and recurrent states in a ``linear_attention_state.LinearAttentionState`` member
+(``cache.linear``, shared by every view), allocated once for all rows: those layers are ``LinearLayer``s, which take
+no K/V memory and hold no length (``lengths`` has a row per K/V layer only); row resets, copies and the capture's
+save / restore cover their state too. Their masks: the 2D padding mask of a forward's own tokens for
+"linear_attention" layers (None for one-token steps), beside the full-attention layers' 4D masks.
 Legend: N slots, B rows of a forward, H heads, L max length, D head dim, S new tokens per row.
 """
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ktinject import compat
+from ktinject.decode import linear_attention_state as linear_state
 
 MASK_TYPES = ("full_attention", "sliding_attention")
 
@@ -108,34 +116,56 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
     class KVCache(Cache):
         """The cache (see the module docstring): ``KVCache.new(config, slots, max_len, device)``."""
 
-        def __init__(self, layers, slots: int, max_len: int, lengths: torch.Tensor, parent=None, first: int = 0):
+        def __init__(self, layers, slots: int, max_len: int, lengths: torch.Tensor, parent=None, first: int = 0,
+                     linear=None):
             super().__init__(layers=layers)
             self.slots, self.max_len = slots, max_len
-            self.lengths = lengths  # [slots, layers] int64: column i is layer i's row_lengths
+            self.lengths = lengths  # [K/V layers, slots] int64: row j is the j-th K/V layer's row_lengths
             self.parent, self.first = parent, first
+            self.linear = linear  # LinearAttentionState (hybrid models), else None
 
         @classmethod
         def new(cls, config, slots: int, max_len: int, device) -> "KVCache":
-            n = config.get_text_config(decoder=True).num_hidden_layers if hasattr(config, "get_text_config") \
-                else config.num_hidden_layers
+            n = linear_state.text_config(config).num_hidden_layers
             if slots < 1 or max_len < 1:
                 raise ValueError(f"KVCache needs slots >= 1 and max_len >= 1, got {slots} and {max_len}")
-            lengths = torch.zeros((n, slots), dtype=torch.int64, device=device)
-            return cls([KVLayer(max_len, lengths[i]) for i in range(n)], slots, max_len, lengths)
+            layout = linear_state.layout_of(config)
+            linear_layers = set(layout.layers) if layout is not None else set()
+            if len(linear_layers) == n:
+                raise ValueError("KVCache needs at least one attention layer (every layer is linear attention)")
+            lengths = torch.zeros((n - len(linear_layers), slots), dtype=torch.int64, device=device)
+            linear = linear_state.LinearAttentionState(layout, slots) if layout is not None else None
+            layers, j = [], 0
+            for i in range(n):
+                if i in linear_layers:
+                    layers.append(linear_state.layer_class()(linear, i, 0, slots))
+                else:
+                    layers.append(KVLayer(max_len, lengths[j]))
+                    j += 1
+            return cls(layers, slots, max_len, lengths, linear=linear)
 
         def rows(self, a: int, b: int) -> "KVCache":
             """A view of rows [a, b) sharing this cache's storage (writes land here)."""
             if not 0 <= a < b <= self.slots:
                 raise IndexError(f"rows({a}, {b}) of a KVCache with {self.slots} slots")
             base = self.parent or self
-            a0 = self.first + a
-            layers = [KVLayer(self.max_len, base.lengths[i, a0:a0 + b - a], (base.layers[i], a0, a0 + b - a))
-                      for i in range(len(base.layers))]
-            return KVCache(layers, b - a, self.max_len, base.lengths[:, a0:a0 + b - a], base, a0)
+            a0, b0 = self.first + a, self.first + b
+            layers, j = [], 0
+            for i, layer in enumerate(base.layers):
+                if linear_state.is_linear_layer(layer):
+                    layers.append(linear_state.layer_class()(base.linear, i, a0, b0))
+                else:
+                    layers.append(KVLayer(self.max_len, base.lengths[j, a0:b0], (layer, a0, b0)))
+                    j += 1
+            return KVCache(layers, b - a, self.max_len, base.lengths[:, a0:b0], base, a0, base.linear)
+
+        def kv_layers(self) -> list:
+            """The layers that hold K/V (every layer but the linear-attention ones)."""
+            return [layer for layer in self.layers if not linear_state.is_linear_layer(layer)]
 
         @property
         def row_lengths(self) -> torch.Tensor:
-            """[slots] int64: tokens held per row (layer 0's count; every layer agrees after a whole forward)."""
+            """[slots] int64: tokens held per row (the first K/V layer's count; all agree after a whole forward)."""
             return self.lengths[0]
 
         @property
@@ -143,27 +173,48 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
             return all(layer.is_initialized for layer in self.layers)
 
         def reset_rows(self, rows) -> None:
-            """Forget rows (an index, a list or a tensor of row indices)."""
-            self.lengths[:, torch.as_tensor(rows, device=self.lengths.device)] = 0
+            """Forget rows (an index, a slice, a range, a list or a tensor of row indices): lengths 0,
+            linear-attention state zero. An index, a slice or a range of step 1 needs no host-to-device copy."""
+            self.lengths[:, linear_state.row_index(rows, self.lengths.device)] = 0
+            if self.linear is not None:
+                linear_state.reset_rows(self.linear, self._base_rows(rows))
+
+        def _base_rows(self, rows):
+            """``rows`` of this view as rows of the base cache's storage."""
+            index = linear_state.row_index(rows, self.lengths.device)
+            if isinstance(index, slice):
+                start, stop, _ = index.indices(self.slots)
+                return slice(self.first + start, self.first + stop)
+            return index + self.first
 
         def copy_row(self, src: int, dst: int, length: int | None = None) -> None:
-            """Row ``dst`` becomes a copy of row ``src`` (K, V and length); ``length``: copy only that many
-            positions (the row's length read on the host when None: positions past it are never read)."""
+            """Row ``dst`` becomes a copy of row ``src`` (K, V, length and linear-attention state); ``length``: copy
+            only that many positions (the row's length read on the host when None: positions past it are never
+            read)."""
             n = int(self.lengths[0, src]) if length is None else int(length)
-            for layer in self.layers:
+            for layer in self.kv_layers():
                 if layer.is_initialized:
                     layer.keys[dst, :, :n].copy_(layer.keys[src, :, :n])
                     layer.values[dst, :, :n].copy_(layer.values[src, :, :n])
             self.lengths[:, dst].copy_(self.lengths[:, src])
+            if self.linear is not None:
+                linear_state.copy_rows(self.linear, self.first + src, self.first + dst)
+
+        def _positions_only(self, what: str) -> None:
+            if self.linear is not None:
+                raise ValueError(f"{what}: this cache holds linear-attention states, which are not positions and "
+                                 f"cannot be cut into blocks (linear_attention_state.save_rows copies a row's state)")
 
         def export_row(self, row: int, start: int = 0, end: int | None = None) -> list:
             """[(K [H, n, Dk], V [H, n, Dv]) per layer] of positions [start, end) of ``row`` (copies)."""
+            self._positions_only("export_row")
             end = int(self.lengths[0, row]) if end is None else end
             return [(layer.keys[row, :, start:end].clone(), layer.values[row, :, start:end].clone())
                     for layer in self.layers]
 
         def import_row(self, row: int, kv: list, start: int = 0) -> None:
             """Write ``export_row``'s blocks at positions ``start``.. of ``row``; its length becomes their end."""
+            self._positions_only("import_row")
             if len(kv) != len(self.layers):
                 raise ValueError(f"import_row: {len(kv)} layers given, the cache has {len(self.layers)}")
             end = start + kv[0][0].shape[1]
@@ -176,11 +227,18 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
                 layer.values[row, :, start:end].copy_(v)
             self.lengths[:, row] = end
 
-        def save_lengths(self) -> torch.Tensor:
-            return self.lengths.clone()
+        def save_step_state(self):
+            """What a forward of these rows changes besides K/V past their lengths: the lengths and the
+            linear-attention state (a capture's warm-up steps put it back with ``restore_step_state``)."""
+            linear = None if self.linear is None else linear_state.save_rows(self.linear, self.first,
+                                                                              self.first + self.slots)
+            return self.lengths.clone(), linear
 
-        def restore_lengths(self, saved: torch.Tensor) -> None:
-            self.lengths.copy_(saved)
+        def restore_step_state(self, saved) -> None:
+            lengths, linear = saved
+            self.lengths.copy_(lengths)
+            if linear is not None:
+                linear_state.restore_rows(self.linear, self.first, self.first + self.slots, linear)
 
     return KVLayer, KVCache
 
@@ -202,8 +260,8 @@ def decode_slots(cache, layer_idx: int, B: int, like: torch.Tensor):
     if not is_kv_cache(cache) or not 0 <= layer_idx < len(cache.layers):
         return None
     layer = cache.layers[layer_idx]
-    if not layer.is_initialized or layer.keys.dtype != like.dtype or layer.keys.device != like.device or (
-            layer.values.dtype != like.dtype or B > layer.keys.shape[0]):
+    if linear_state.is_linear_layer(layer) or not layer.is_initialized or layer.keys.dtype != like.dtype or (
+            layer.keys.device != like.device or layer.values.dtype != like.dtype or B > layer.keys.shape[0]):
         return None
     return layer.keys[:B], layer.values[:B], layer.row_lengths[:B]
 
@@ -213,13 +271,29 @@ def mask_layout(config) -> tuple[bool, int | None, int | None]:
     """(the model takes a dict of masks per layer type, its full layers' window, its sliding layers' window).
 
     Models with ``layer_types`` naming sliding layers (gpt-oss, Qwen2-MoE) take {"full_attention": ...,
-    "sliding_attention": ...}; the others one mask, windowed when the config has a sliding window (Mixtral, Qwen3
-    with use_sliding_window: HF then builds its mask with create_sliding_window_causal_mask)."""
+    "sliding_attention": ...}, hybrid ones (Qwen3-Next, Qwen3.5) {"full_attention": ..., "linear_attention": ...};
+    the others one mask, windowed when the config has a sliding window (Mixtral, Qwen3 with use_sliding_window: HF
+    then builds its mask with create_sliding_window_causal_mask)."""
+    config = linear_state.text_config(config)
     window = getattr(config, "sliding_window", None) or None
     types = getattr(config, "layer_types", None) or ()
     if "sliding_attention" in types:
         return True, None, window
-    return False, window, window
+    return linear_state.LINEAR in types, window, window
+
+
+def linear_attention_mask(lengths: torch.Tensor, S: int, pad2d: torch.Tensor | None) -> torch.Tensor | None:
+    """The linear-attention layers' mask of a forward of S tokens per row after ``lengths`` [B]: [B, S] bool, False
+    where ``pad2d`` (as in ``attention_masks``) marks the token at that row's position as padding (HF zeroes those
+    tokens' inputs: a left-padded row's state stays zero until its first token). None for one-token steps (a
+    generated token is never padding) and without ``pad2d``, as HF's create_recurrent_attention_mask."""
+    if pad2d is None or S == 1:
+        return None
+    dev = lengths.device
+    pad = pad2d.to(device=dev, dtype=torch.bool)
+    pos = lengths[:, None] + torch.arange(S, device=dev)  # [B, S]: each token's own position
+    inside = pos < pad.shape[1]
+    return torch.where(inside, pad.gather(1, pos.clamp(max=pad.shape[1] - 1)), True)
 
 
 def attention_masks(config, lengths: torch.Tensor, S: int, L: int, pad2d: torch.Tensor | None = None,
@@ -227,7 +301,8 @@ def attention_masks(config, lengths: torch.Tensor, S: int, L: int, pad2d: torch.
     """The masks of a forward of S tokens per row on rows whose lengths before it are ``lengths`` [B]: [B, 1, S, L],
     True (or 0.0) where query s of row b may see key j: j <= lengths[b] + s, within the window for sliding layers,
     and ``pad2d`` [B, n <= L] (1 = real token; positions past n count as real) allows j. Bool masks, or additive
-    float masks of ``float_dtype`` (eager attention). A dict per layer type where the model takes one."""
+    float masks of ``float_dtype`` (eager attention). A dict per layer type where the model takes one (its
+    "linear_attention" entry: ``linear_attention_mask``)."""
     takes_dict, full_window, sliding_window = mask_layout(config)
     B, dev = lengths.shape[0], lengths.device
     j = torch.arange(L, device=dev)  # [L]
@@ -247,9 +322,12 @@ def attention_masks(config, lengths: torch.Tensor, S: int, L: int, pad2d: torch.
         return torch.where(m, torch.zeros((), dtype=float_dtype, device=dev),
                            torch.full((), torch.finfo(float_dtype).min, dtype=float_dtype, device=dev))
 
-    if takes_dict:
-        return {"full_attention": finish(full_window), "sliding_attention": finish(sliding_window)}
-    return finish(full_window)
+    if not takes_dict:
+        return finish(full_window)
+    types = getattr(linear_state.text_config(config), "layer_types", None) or ()
+    if linear_state.LINEAR in types:
+        return {"full_attention": finish(full_window), linear_state.LINEAR: linear_attention_mask(lengths, S, pad2d)}
+    return {"full_attention": finish(full_window), "sliding_attention": finish(sliding_window)}
 
 
 def mask_float_dtype(model) -> torch.dtype | None:

@@ -1,13 +1,18 @@
 """Decoder-layer parts whose decode state ktinject's KVCache does not hold, and what that means for decode steps.
 
 ``KVCache`` (``kv_cache.py``) holds K and V (or MLA latents) per layer and row, at fixed addresses a CUDA graph can
-replay. Some families keep other state between steps, written through Hugging Face cache methods the KVCache does
-not have: the gated-DeltaNet layers of Qwen3-Next and Qwen3.5 (a causal-conv window and a recurrent matrix per head,
-``get_conv_state`` / ``update_recurrent_state``), the lightning indexer of DeepSeek-V3.2 and GLM-5 (its own key cache,
-``update_indexer``). Layer types whose masks the KVCache's ``attention_masks`` does not build (Llama 4's chunked
-attention) are another such case. A model with such a part decodes through Hugging Face's ``generate`` and its own cache, one
-eager forward per step: no graph, no fast decode attention. ``eager_decode_reason`` names the part, so the plan,
-the inject line and the fast-path report (``graph_decode``) say why, never a silent slow path.
+replay, and the gated-DeltaNet layers' conv windows and recurrent matrices of Qwen3-Next and Qwen3.5
+(``linear_attention_state.py``): those families decode through ktinject's path like the others (graphs on CUDA).
+Some families keep other state between steps, written through Hugging Face cache methods the KVCache does not have:
+the lightning indexer of DeepSeek-V3.2 and GLM-5 (its own key cache, ``update_indexer``). Layer types whose masks
+the KVCache's ``attention_masks`` does not build (Llama 4's chunked attention) are another such case. A model with
+such a part decodes through Hugging Face's ``generate`` and its own cache, one eager forward per step: no graph, no
+fast decode attention. ``eager_decode_reason`` names the part, so the plan, the inject line and the fast-path
+report (``graph_decode``) say why, never a silent slow path.
+
+State the KVCache holds but a prefix cache cannot rebuild from K/V blocks (the linear-attention states: a recurrent
+matrix is not cut at a token; checkpoints at block boundaries are not written yet) is named by
+``prefix_uncached_reason``, which the prefix cache reports.
 """
 from __future__ import annotations
 
@@ -15,22 +20,34 @@ from torch import nn
 
 #: class name -> the state it keeps outside ktinject's KVCache
 UNHELD_STATE = {
-    "Qwen3NextGatedDeltaNet": "linear-attention conv and recurrent states",
-    "Qwen3_5MoeGatedDeltaNet": "linear-attention conv and recurrent states",
     "DeepseekV32Indexer": "the lightning indexer's key cache",
     "GlmMoeDsaIndexer": "the lightning indexer's key cache",
 }
+#: class name -> the state it keeps in ktinject's KVCache that cannot be restored from K/V blocks
+UNBLOCKED_STATE = {
+    "Qwen3NextGatedDeltaNet": "linear-attention conv and recurrent states",
+    "Qwen3_5MoeGatedDeltaNet": "linear-attention conv and recurrent states",
+}
 _REASON_ATTR = "_ktinject_eager_decode_reason"
+_PREFIX_ATTR = "_ktinject_prefix_uncached_reason"
+
+
+def _found(model: nn.Module, classes: dict) -> tuple[str, str, str] | None:
+    """(module name, class, " and N more") of the first module of one of ``classes``, or None."""
+    found = [(name, type(m).__name__) for name, m in model.named_modules() if type(m).__name__ in classes]
+    if not found:
+        return None
+    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+    return found[0][0], found[0][1], more
 
 
 def eager_decode_reason(model: nn.Module) -> str | None:
     """Why ``model``'s decode steps run eagerly in Hugging Face's cache (the first such part, its class and how many
     there are), or None when every layer's state fits the KVCache. Reads classes only: works on meta-device models."""
-    found = [(name, type(m).__name__) for name, m in model.named_modules() if type(m).__name__ in UNHELD_STATE]
-    if not found:
+    found = _found(model, UNHELD_STATE)
+    if found is None:
         return _unmasked_layer_types(model)
-    name, cls = found[0]
-    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+    name, cls, more = found
     return (f"{name} ({cls}){more} keep {UNHELD_STATE[cls]}, which ktinject's KVCache does not hold: decode steps "
             f"run eagerly through Hugging Face's generate and cache (no CUDA graph)")
 
@@ -40,6 +57,20 @@ def remember(model: nn.Module) -> str | None:
     if _REASON_ATTR not in model.__dict__:
         model.__dict__[_REASON_ATTR] = eager_decode_reason(model)
     return model.__dict__[_REASON_ATTR]
+
+
+def prefix_uncached_reason(model: nn.Module) -> str | None:
+    """Why a prefix cache cannot restore ``model``'s rows from K/V blocks (its ``eager_decode_reason``, or state the
+    KVCache holds that is not positions), or None; computed once and kept on the model."""
+    if _PREFIX_ATTR not in model.__dict__:
+        reason = remember(model)
+        found = _found(model, UNBLOCKED_STATE) if reason is None else None
+        if found is not None:
+            name, cls, more = found
+            reason = (f"{name} ({cls}){more} keep {UNBLOCKED_STATE[cls]}, which cannot be rebuilt from K/V blocks "
+                      f"(no state checkpoints at block boundaries yet)")
+        model.__dict__[_PREFIX_ATTR] = reason
+    return model.__dict__[_PREFIX_ATTR]
 
 
 #: layer types whose masks are the full causal mask (their other state is the parts above)

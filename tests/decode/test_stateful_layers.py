@@ -1,6 +1,7 @@
-"""Families whose layers keep state ktinject's KVCache does not hold (linear attention, DSA indexers): their decode
+"""Families whose layers keep state ktinject's KVCache does not hold (DSA indexers, chunked attention): their decode
 steps run eagerly through Hugging Face's generate and cache, and the plan, the inject log line and the fast-path
-report say so by name. The other families keep the graph path; an image-text wrapper's decoder layers are its
+report say so by name. The other families, the hybrid linear-attention ones among them (their states are in the
+KVCache: test_linear_attention_state.py), keep the graph path; an image-text wrapper's decoder layers are its
 language model's, not its vision tower's."""
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from ktinject.decode.graph_capture import decoder_layers
 from ktinject.decode.stateful_layers import eager_decode_reason
 from ktinject.tiny_models import build_tiny_model, missing_reason, tiny_prompts
 
-STATEFUL = {"qwen3_next": "Qwen3NextGatedDeltaNet", "qwen3_5_moe": "Qwen3_5MoeGatedDeltaNet",
-            "deepseek_v32": "DeepseekV32Indexer", "glm_moe_dsa": "GlmMoeDsaIndexer", "llama4": "chunked_attention"}
+STATEFUL = {"deepseek_v32": "DeepseekV32Indexer", "glm_moe_dsa": "GlmMoeDsaIndexer", "llama4": "chunked_attention"}
 
 
 def _tiny(family: str, **kw):
@@ -55,7 +55,8 @@ def test_generate_runs_hf_generate_and_cache(family):
         disable(model)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "kimi_k25", "minimax_m2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "kimi_k25", "minimax_m2", "qwen3_next",
+                                    "qwen3_5_moe"])
 def test_other_families_keep_the_graph_path(family):
     model = _tiny(family)
     assert eager_decode_reason(model) is None

@@ -40,7 +40,7 @@ def default_disk_path() -> Path:
 
 def uncacheable_reason(model) -> str | None:
     """Why ``model``'s cache state cannot be stored by prefix, or None."""
-    reason = stateful_layers.remember(model)
+    reason = stateful_layers.prefix_uncached_reason(model)
     if reason is None:
         return None
     return f"prefix cache off for {type(model).__name__}: {reason.split(':')[0]}; every prompt is prefilled whole"
