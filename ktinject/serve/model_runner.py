@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ktinject.decode import linear_attention_state as linear_state
 from ktinject.serve.scheduler import PrefillJob
 
 log = logging.getLogger("ktinject.serve")
@@ -54,6 +55,7 @@ class ModelRunner:
         self.runner = self.kv = self.next_tokens = None
         self._rebalancer = None
         self.pad = 1  # prefill widths rounded (padded_width); setup() sets it from the config and the device
+        self.hybrid = False  # linear-attention state in the cache (setup() reads it): no padding, rows kept
         self._host: list[_HostSlot] = []  # two: a step in flight and the one whose tokens the host reads
         self._slot = 0
         self.row_hooks: list = []  # per-row state beside the cache (serve's penalty counts): _move_row_state
@@ -75,6 +77,9 @@ class ModelRunner:
         self.next_tokens = torch.full((self.kv.slots,), self.pad_id, dtype=torch.long, device=self.device)
         cuda = self.device.type == "cuda"
         self.pad = cfg.prefill_pad if cfg.prefill_pad is not None else (16 if cuda else 1)
+        self.hybrid = getattr(self.kv, "linear", None) is not None  # linear-attention state beside K/V
+        if self.hybrid:  # a recurrent state has no padding mask: a padded position would move it
+            self.pad = 1
         # the host waits for a step's tokens as it waits for the GPU elsewhere: sleeping where the runner
         # leaves the cores to the native expert threads ("block"), else spinning
         blocking = cuda and self.runner.host_wait == "block"
@@ -115,6 +120,11 @@ class ModelRunner:
         r0, B = jobs[0].row, len(jobs)
         self.reset_rows([j.row for j in jobs if j.fresh])
         sizes = [j.end - j.start for j in jobs]
+        if self.hybrid and len(set(sizes)) > 1:  # no padding into a recurrent state: one forward per job
+            first = []
+            for j in jobs:
+                first += self.prefill([j], sample)
+            return first
         room = min(self.kv.max_len - max(j.start for j in jobs), max(self.config.prefill_chunk // B, max(sizes)))
         S = padded_width(max(sizes), self.pad, room)  # padding never takes a forward past the step's chunk
         ids = torch.full((B, S), self.pad_id, dtype=torch.long)  # [B, S]
@@ -160,6 +170,7 @@ class ModelRunner:
         cache = self.runner.rows(b)
         ids = self.next_tokens[:b].view(b, 1)  # a graph copies it into its static input; eager reads it first
         pos = cache.row_lengths[:b, None].clone()  # [b, 1]: every row at its own position (the forward moves them)
+        saved = linear_state.save_rows(self.kv.linear, n, b) if self.hybrid and b > n else None
         if slot is not None:
             slot.start()
         out = self.runner(input_ids=ids, position_ids=pos, use_cache=True, **compat.cache_arg(cache))
@@ -167,6 +178,8 @@ class ModelRunner:
             slot.stop()
         if b > n:
             self.kv.lengths[:, n:b] -= 1  # padding rows: their dummy token is forgotten
+            if saved is not None:  # (a recurrent state forgets it only by being put back)
+                linear_state.restore_rows(self.kv.linear, n, b, saved)
         return out.logits[:n, -1]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -195,7 +208,7 @@ class ModelRunner:
         a, b = rows[0], rows[-1] + 1
         if rows != list(range(a, b)):
             raise ValueError(f"reset_rows takes consecutive rows, got {rows}")
-        self.kv.lengths[:, a:b] = 0
+        self.kv.reset_rows(slice(a, b))  # lengths 0 and, for hybrid models, zero linear-attention state
         self.next_tokens[a:b] = self.pad_id
         self._reset_row_state(a, b)
 
