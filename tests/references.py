@@ -243,7 +243,7 @@ def pair(family: str, dtype: torch.dtype):
             if ".experts." in name:
                 p.copy_(p.to(torch.bfloat16).to(dtype))
     inj = build_tiny_model(family, dtype=dtype)
-    ktinject.inject(inj, gpu="cuda")
+    ktinject.inject(inj, gpu="cuda", gpu_experts_budget=0)  # every expert native; tests place them
     return ref, inj
 
 

@@ -59,7 +59,8 @@ def lines() -> list[str]:
 def info(model=None) -> dict:
     """Versions, and for a model injected by ktinject its fast paths: ``{"fast_paths": {path: {"active": True |
     False | None (not run yet), "reason": why it last fell back or cannot run, "fast_calls", "fallback_calls"}}}``
-    (see ``ktinject.operators.fast_path_report``)."""
+    (see ``ktinject.operators.fast_path_report``), and where the hot-expert budget was ``auto`` (or a share) the
+    lines of how it was found (``"gpu_budget"``: ``ktinject.gpu_experts.hot.budget.Budget.lines``)."""
     try:
         import transformers  # optional here: the report says when it is missing
         tf_version = transformers.__version__
@@ -87,6 +88,9 @@ def info(model=None) -> dict:
 
         st.update(active=False, reason=no_cuda_reason(device))  # known before a run
     out["fast_paths"] = paths
+    budget = model.__dict__.get("_ktinject_budget")  # ktinject.injection.gpu_budget: how an auto budget was found
+    if budget is not None:
+        out["gpu_budget"] = budget.lines()
     return out
 
 

@@ -2,13 +2,15 @@
 their checks before anything heavy loads, the one-line error, and ``--version``.
 
 ``add_prefix_cache_options(parser)`` adds --prefix-cache and its budgets (chat and serve), ``make_prefix_cache(args,
-device)`` makes the store. ``add_model_options(parser)`` adds --model, --rules, --quant, --defer, --prefill, --threads, --gpu-experts-budget,
---placement, --expert-stats, --rebalance-every and --gpu; ``resolve(args, demo_line)`` checks the model directory and the rules
-(the demo model, and ``demo_line`` printed, without --model); ``hot_options(args)`` checks the hot-expert options
-with the code inject and from_pretrained use; ``device(args)`` picks the GPU device (a missing CUDA is an error, not
-a slow surprise) and sets the threads; ``load(args, demo_line, setup)`` does all of it and loads through ktinject,
-a failure being one line (with -v the traceback). A user error is a ``CliError``: ``run(prog, main)`` prints it as ``PROG: error: ...`` on stderr and
-gives exit code 2.
+device)`` makes the store. ``add_model_options(parser)`` adds --model, --rules, --quant, --defer, --prefill,
+--threads, --gpu-experts-budget, --gpu-memory, --placement, --expert-stats, --rebalance-every and --gpu;
+``resolve(args, demo_line)`` checks the model directory and the rules (the demo model, and ``demo_line`` printed,
+without --model); ``hot_options(args)`` checks the hot-expert options with the code inject and from_pretrained use,
+and adds the GPU budget's (``gpu_budget_options``: the cap, the KV cache, the prefix cache's GPU tier;
+``check_gpu_memory`` checks the cap against the device); ``device(args)`` picks the GPU device (a missing CUDA is an
+error, not a slow surprise) and sets the threads; ``load(args, demo_line, setup)`` does all of it and loads through
+ktinject, a failure being one line (with -v the traceback). A user error is a ``CliError``: ``run(prog, main)``
+prints it as ``PROG: error: ...`` on stderr and gives exit code 2.
 
 torch and transformers are imported inside the functions that need them, so --help and these checks answer at once.
 """
@@ -105,7 +107,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for the experts and for torch (default: experts one per physical core, less one "
                         "from 8 cores up; torch one on the CPU path)")
     p.add_argument("--gpu-experts-budget", metavar="SIZE",
-                   help="GPU bytes for hot routed experts, e.g. 12GiB (default: none, or the rules' kwarg)")
+                   help="GPU bytes for hot routed experts: auto (what the GPU has left after the dense part, the KV "
+                        "cache, the prefill ring, workspace and a margin), 0 (every expert on the CPU), a size like "
+                        "12GiB, or a share of what is left like 0.5 (default: the rules' kwarg, else auto)")
+    p.add_argument("--gpu-memory", metavar="SIZE", type=_byte_size,
+                   help="at most this much of the GPU for the whole run (weights, KV cache, prefill ring, hot "
+                        "experts), e.g. 24GiB (default: the whole card)")
     p.add_argument("--placement", choices=STRATEGIES,
                    help="how hot experts are chosen (default: frequency with --expert-stats, else dynamic)")
     p.add_argument("--expert-stats", metavar="FILE", help="expert statistics from python -m ktinject.calibrate")
@@ -153,14 +160,51 @@ def resolve(args: argparse.Namespace, demo_line: str, out=None) -> tuple[Path, s
 
 def hot_options(args: argparse.Namespace) -> dict:
     """from_pretrained's hot-expert options from --gpu-experts-budget / --placement / --expert-stats /
-    --rebalance-every, checked before anything loads (the same check inject and from_pretrained make)."""
+    --rebalance-every, checked before anything loads (the same check inject and from_pretrained make), and those of
+    the GPU budget (``gpu_budget_options``)."""
     options = dict(gpu_experts_budget=args.gpu_experts_budget, placement=args.placement, stats=args.expert_stats,
                    rebalance_every=args.rebalance_every)
     try:
         HotExpertSettings.make(**options)
     except ValueError as e:
         raise CliError(f"hot experts: {e}") from e
+    return {**options, **gpu_budget_options(args)}
+
+
+def gpu_budget_options(args: argparse.Namespace) -> dict:
+    """What the GPU budget leaves room for, from the program's options: --gpu-memory (the cap), the server's
+    --max-batch / --max-context (the KV cache; the chat's: generate's), the GPU tier of the prefix cache the program
+    makes after the load (--prefix-cache, --prefix-cache-gpu)."""
+    options = {}
+    if getattr(args, "gpu_memory", None) is not None:
+        options["gpu_memory"] = args.gpu_memory
+    for name in ("max_batch", "max_context"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
+    if getattr(args, "prefix_cache", "off") in ("gpu", "ram", "disk"):
+        from ktinject.decode.prefix_cache.store import DEFAULT_BUDGETS
+
+        gpu_tier = getattr(args, "prefix_cache_gpu", None)
+        options["gpu_reserve"] = DEFAULT_BUDGETS["gpu"] if gpu_tier is None else gpu_tier
     return options
+
+
+def check_gpu_memory(args: argparse.Namespace, gpu: str) -> None:
+    """--gpu-memory against the device: a CliError for a CPU-only run or a cap larger than the card."""
+    cap = getattr(args, "gpu_memory", None)
+    if cap is None:
+        return
+    if not gpu.startswith("cuda"):
+        raise CliError(f"--gpu-memory: the dense part runs on {gpu} (no CUDA device), so there is no GPU memory to "
+                       f"cap; leave --gpu-memory out")
+    import torch
+
+    from ktinject.gpu_experts.hot.settings import human_bytes
+
+    total = torch.cuda.get_device_properties(torch.device(gpu)).total_memory
+    if cap > total:
+        raise CliError(f"--gpu-memory {human_bytes(cap)} is more than {gpu} has ({human_bytes(total)}): give at "
+                       f"most that, or leave --gpu-memory out to use the whole card")
 
 
 def quiet_transformers() -> None:
@@ -252,6 +296,7 @@ def load(args: argparse.Namespace, demo_line: str, setup, out=None) -> tuple[Pat
     model_dir, rules = resolve(args, demo_line, out)
     hot = hot_options(args)
     gpu = setup(args)
+    check_gpu_memory(args, gpu)
     t0 = time.perf_counter()
     try:
         fp8 = {"dense_fp8": args.dense_fp8} if getattr(args, "dense_fp8", None) else {}

@@ -51,7 +51,10 @@ from ktinject.injection.formats.hf_keys import Piece, check_expert_piece, conver
 from ktinject.injection.requant import RequantError
 from ktinject.injection.expert_packing import Packer, TensorBytes, pack_expert
 from ktinject.gpu_experts.prefill.policy import mode_from_plan
+from ktinject.gpu_experts.hot.budget import Workload
 from ktinject.gpu_experts.hot.settings import HotExpertSettings
+from ktinject.injection import gpu_budget
+from ktinject.injection import lora as lora_merge
 from ktinject.operators import fp8_linear
 from ktinject.operators.families import empty_biases
 from ktinject.injection.pack_cache import CorruptCache, PackCache
@@ -68,7 +71,8 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
                     cache_dir=None, progress: bool = True, gpu_experts_budget=None, placement: str | None = None,
                     stats=None, rebalance_every: int | None = None, defer: int | float | None = None,
                     prefill: str | None = None, dense_fp8: str | None = None, prefix_cache=None,
-                    **devices) -> nn.Module:
+                    gpu_memory=None, max_batch: int | None = None, max_context: int | None = None,
+                    gpu_reserve=None, lora=None, **devices) -> nn.Module:
     """A ready model from a local checkpoint directory (or a GGUF file), loaded without ever holding it twice.
 
     ``rules``: rule file / parsed rules / None (packaged rules of ``config.model_type``); ``quant``: expert
@@ -77,11 +81,14 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     directory, True (``$KTINJECT_CACHE`` or ``<dir>/.ktinject-cache``), False (none), or None: that default
     place, but only for quantized (int8, int4) experts, where it saves time (see ``ktinject.injection.pack_cache``);
     ``gpu_experts_budget``, ``placement``, ``stats``, ``rebalance_every``: hot experts, as for ``inject``
-    (``ktinject.gpu_experts.hot.settings``); ``defer``: expert deferral in decode steps, as for ``inject``;
+    (``ktinject.gpu_experts.hot.settings``; the budget ``auto`` unless given); ``gpu_memory``, ``max_batch``,
+    ``max_context``, ``gpu_reserve``: the GPU cap and what the budget leaves room for, as for ``inject`` (a
+    ``prefix_cache``'s GPU tier is left room too); ``defer``: expert deferral in decode steps, as for ``inject``;
     ``prefill``: where prompts' routed experts run (``auto``, ``cpu``, ``gpu``), as for ``inject``;
     ``dense_fp8``: which FP8 linear weights of an FP8 release stay FP8 (``none``, the default: dequantized to
     ``dtype``; ``attention``, ``mlp``, ``all``: ``ktinject.operators.fp8_linear``);
     ``prefix_cache``: a ``ktinject.decode.prefix_cache.PrefixCache`` its generate uses, as for ``inject``;
+    ``lora``: a PEFT LoRA adapter directory merged into the weights after the load, as for ``inject``;
     ``devices``: device variables (``gpu="cuda:0"``, ``gpu="cpu"``). The
     plan is ``model._ktinject_plan``, load figures ``model._ktinject_load_stats``."""
     from transformers import AutoConfig, GenerationConfig  # heavy: on the first load only
@@ -90,6 +97,7 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     not_dir = LoadError(f"{path} is not a checkpoint directory (config.json + *.safetensors) or GGUF file")
     if not path.exists():
         raise not_dir
+    adapter = None if lora is None else lora_merge.read_adapter(lora)  # a bad adapter fails before the load
     reader = open_checkpoint(path)
     config = reader.config()  # a GGUF's from its metadata; None: config.json
     if config is None:
@@ -115,7 +123,11 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
         quant, group_size = release_format(reader)
     the_plan = make_plan(model, rules, quant=quant, defer=defer, group_size=group_size, **devices)
     load_into(model, the_plan, reader, cache_dir=cache_dir, progress=progress, gpu_experts_budget=gpu_experts_budget,
-              placement=placement, stats=stats, rebalance_every=rebalance_every, prefill=prefill, dense_fp8=dense_fp8)
+              placement=placement, stats=stats, rebalance_every=rebalance_every, prefill=prefill, dense_fp8=dense_fp8,
+              gpu_memory=gpu_memory, max_batch=max_batch, max_context=max_context,
+              gpu_reserve=_with_prefix_tier(gpu_reserve, prefix_cache))
+    if adapter is not None:
+        lora_merge.merge_adapter(model, adapter)
     if prefix_cache is not None:
         from ktinject.decode.generate import attach_prefix_cache
 
@@ -135,16 +147,18 @@ def _auto_class(config):
 
 
 def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: bool = True,
-              prefill: str | None = None, dense_fp8: str | None = None, **hot_options):
+              prefill: str | None = None, dense_fp8: str | None = None, gpu_memory=None,
+              max_batch: int | None = None, max_context: int | None = None, gpu_reserve=None, **hot_options):
     """Fill a meta-device ``model`` from ``checkpoint`` (a directory, one .safetensors file, or an open
     ``formats.Reader``) following ``plan`` (made from this model): operators built and tensors on their devices,
-    as ``inject`` leaves a loaded model. ``prefill``, ``hot_options``: the options of ``inject``; ``dense_fp8``: as
-    for ``from_pretrained``. Returns the plan
-    (also set as ``model._ktinject_plan``)."""
+    as ``inject`` leaves a loaded model. ``prefill``, ``gpu_memory``, ``max_batch``, ``max_context``, ``gpu_reserve``,
+    ``hot_options``: the options of ``inject``; ``dense_fp8``: as for ``from_pretrained``. Returns the plan, with
+    its GPU budget (also set as ``model._ktinject_plan``)."""
     if getattr(model, "_ktinject_plan", None) is not None:
         raise LoadError(f"{type(model).__name__} was already injected; load into a fresh meta-device model")
     apply.check_devices(plan)
     hot = HotExpertSettings.from_plan(plan, **hot_options)  # bad options fail before a byte is read
+    workload = Workload.make(gpu_memory, max_batch, max_context, gpu_reserve)
     prefill = mode_from_plan(plan, prefill)
     try:
         fp8_kinds = fp8_linear.kinds_of(dense_fp8)
@@ -153,6 +167,7 @@ def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: b
     reader = open_checkpoint(checkpoint)
     if getattr(model, "config", None) is not None and not reader.config_checked:  # (from_pretrained checked it)
         reader.check_config(model.config)
+    gpu_budget.prepare(model, plan, workload)  # the cap holds from the first tensor on
     try:
         _Loader(model, plan, reader, cache_dir, progress, fp8_kinds).run()
     except LoadError as e:
@@ -160,8 +175,18 @@ def load_into(model: nn.Module, plan, checkpoint, *, cache_dir=None, progress: b
             raise
         notes = "; ".join(unmatched_note(rule, model) for rule in plan.unmatched_rules)
         raise LoadError(f"{notes}\nbecause of that, loading failed: {e}") from e
+    hot, found = gpu_budget.resolve(model, plan, hot, workload, prefill)
+    plan.record_budget(found)
     apply.finish(model, plan, hot, prefill)
     return plan
+
+
+def _with_prefix_tier(gpu_reserve, prefix_cache):
+    """``gpu_reserve`` plus the GPU tier of the prefix cache attached after the load (the budget leaves it room)."""
+    tier = gpu_budget.prefix_cache_reserve(prefix_cache)
+    if not tier:
+        return gpu_reserve
+    return tier + (0 if gpu_reserve is None else Workload.make(gpu_reserve=gpu_reserve).reserve)
 
 
 # ---------------------------------------------------------------------------------------------- loading

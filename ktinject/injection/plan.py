@@ -66,6 +66,9 @@ class Plan:
     unclaimed_nbytes: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     #: why the model's decode steps will run eagerly in HF's cache (``decode.stateful_layers``), or None
     eager_decode: str | None = None
+    #: how an ``auto`` (or share) hot-expert budget was found once the model was injected
+    #: (``gpu_experts.hot.budget.Budget``), or None: a budget in bytes, or not injected yet
+    gpu_budget: Any = None
 
     def bytes_per_device(self) -> dict[str, int]:
         """Total bytes each device will hold: {str(device): bytes}."""
@@ -73,6 +76,11 @@ class Plan:
         for entry in self.entries:
             total.update(entry.nbytes)
         return dict(total)
+
+    def record_budget(self, budget: Any) -> None:
+        """Set ``gpu_budget``: the one field filled after planning, by the injection that measured the GPU (the
+        plan stays the object the caller holds, so printing it shows the budget)."""
+        object.__setattr__(self, "gpu_budget", budget)
 
     def operator_entries(self) -> tuple[PlanEntry, ...]:
         """The entries an operator will replace, in walk order."""
@@ -188,7 +196,8 @@ def _as_device(value: Any, what: str) -> torch.device:
 #: the keyword options of inject / from_pretrained / load_into: every other keyword is a device variable, so a
 #: misspelled option arrives here as one (suggestions are drawn from these)
 OPTIONS = ("quant", "defer", "prefill", "gpu_experts_budget", "placement", "stats", "rebalance_every", "checkpoint",
-           "cache_dir", "progress", "dtype", "prefix_cache")
+           "cache_dir", "progress", "dtype", "prefix_cache", "gpu_memory", "max_batch", "max_context",
+           "gpu_reserve")
 
 
 def _check_device_names(devices: Mapping[str, Any], ruleset: RuleSet) -> None:
@@ -416,6 +425,8 @@ def format_plan(p: Plan) -> str:
         lines.append(f"unmatched rule: {rule.where}")
     if p.eager_decode:
         lines.append(f"decode: eager, {p.eager_decode}")
+    if p.gpu_budget is not None:
+        lines.extend(p.gpu_budget.lines())
     return "\n".join(lines)
 
 

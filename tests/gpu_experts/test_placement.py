@@ -241,7 +241,8 @@ def test_hot_expert_settings_defaults_and_errors(tmp_path):
     assert make("1GiB", stats=str(stats)).strategy == "frequency"
     assert make(None, "uniform", rebalance_every=8) == settings.HotExpertSettings(0, "uniform", None, 8)
     for kwargs, message in [
-        (dict(gpu_experts_budget="lots"), r"gpu_experts_budget: expected bytes or a size like '12GiB', got 'lots'"),
+        (dict(gpu_experts_budget="lots"), r"gpu_experts_budget: expected 'auto', bytes or a size like '12GiB', or a "
+                                          r"share like 0.5, got 'lots'"),
         (dict(placement="hottest"), r"placement: expected one of frequency, uniform, dynamic, none, got 'hottest'"),
         (dict(rebalance_every=0), r"rebalance_every: expected a positive number of tokens, got 0"),
         (dict(stats=str(tmp_path / "missing.json")), r"stats: expert statistics file not found"),
@@ -256,13 +257,16 @@ def test_hot_expert_settings_defaults_and_errors(tmp_path):
         return type("Plan", (), {"operator_entries": lambda self: entries})()
 
     from_plan = settings.HotExpertSettings.from_plan
-    assert from_plan(plan_with({"quant": "int8"})) is None  # nothing asked: nothing placed
+    auto = from_plan(plan_with({"quant": "int8"}))  # nothing asked: auto, measured where the model is injected
+    assert auto == settings.HotExpertSettings(0, "dynamic", None, 64, 1.0) and auto.request == "auto"
+    assert from_plan(plan_with({"gpu_experts_budget": 0})) is None  # 0: nothing placed
+    assert from_plan(plan_with({}), placement="none") is None
     got = from_plan(plan_with({"gpu_experts_budget": "1KiB"}, {"gpu_experts_budget": "1KiB"}), rebalance_every=5)
     assert got == settings.HotExpertSettings(1024, "dynamic", None, 5)
     assert from_plan(plan_with({"gpu_experts_budget": "1KiB"}), gpu_experts_budget=2048).budget == 2048
     with pytest.raises(ValueError, match=r"moe rules disagree on placement: 'uniform' \(rules.yaml rule 0\)"):
         from_plan(plan_with({"placement": "uniform"}, {"placement": "frequency"}))
-    with pytest.raises(ValueError, match=r"rules.yaml rule 1: gpu_experts_budget: expected bytes"):
+    with pytest.raises(ValueError, match=r"rules.yaml rule 1: gpu_experts_budget: expected .auto., bytes"):
         from_plan(plan_with({}, {"gpu_experts_budget": "lots"}))
     with pytest.raises(TypeError, match="unknown hot-expert option"):
         from_plan(plan_with({}), budget="1GiB")

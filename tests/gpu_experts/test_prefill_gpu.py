@@ -98,7 +98,7 @@ def test_gpu_and_auto_equal_cpu(family, quant, monkeypatch):
     with torch.no_grad():
         f32 = build_tiny_model(family).to(DEV)(tiny_prompts(2, 40, seed=1).to(DEV)).logits
     model = build_tiny_model(family, dtype=torch.bfloat16)
-    ktinject.inject(model, gpu="cuda", quant=quant, prefill="cpu")
+    ktinject.inject(model, gpu="cuda", gpu_experts_budget=0, quant=quant, prefill="cpu")
     ids = tiny_prompts(2, 40, seed=1).to(DEV)
     P = ids.shape[1]
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -176,7 +176,7 @@ def test_copies_overlap_compute():
 
 def test_no_memory_growth_across_prompts():
     model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16)
-    ktinject.inject(model, gpu="cuda", prefill="gpu")
+    ktinject.inject(model, gpu="cuda", gpu_experts_budget=0, prefill="gpu")
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
     sizes = []
     for i in range(20):
@@ -198,7 +198,7 @@ def test_cpu_path_overlap_is_exact(family, quant, monkeypatch):
     from ktinject.operators import cpu_overlap
 
     model = build_tiny_model(family, dtype=torch.bfloat16)
-    ktinject.inject(model, gpu="cuda", quant=quant, prefill="cpu")
+    ktinject.inject(model, gpu="cuda", gpu_experts_budget=0, quant=quant, prefill="cpu")
     moe_blocks = len(stream.blocks_of(model))
     ids = tiny_prompts(2, 40, seed=3).to(DEV)
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -228,7 +228,7 @@ def test_cpu_path_overlap_raises_a_failed_task_in_the_same_forward(monkeypatch):
     from ktinject.operators import cpu_overlap
 
     model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16)
-    ktinject.inject(model, gpu="cuda", quant="bf16", prefill="cpu")
+    ktinject.inject(model, gpu="cuda", gpu_experts_budget=0, quant="bf16", prefill="cpu")
     blocks = stream.blocks_of(model)
     assert len(blocks) >= 2
     ids = tiny_prompts(1, 24, seed=4).to(DEV)
@@ -273,7 +273,7 @@ def test_gated_ahead_layers_equal_cpu(family, quant, monkeypatch):
     from ktinject.gpu_experts.prefill import split
 
     model = build_tiny_model(family, dtype=torch.bfloat16, num_hidden_layers=5)
-    ktinject.inject(model, gpu="cuda", quant=quant, prefill="cpu")
+    ktinject.inject(model, gpu="cuda", gpu_experts_budget=0, quant=quant, prefill="cpu")
     moe_blocks = len(stream.blocks_of(model))
     assert moe_blocks >= 4  # both gates used, each settled two layers on
     ids = tiny_prompts(2, 40, seed=5).to(DEV)
@@ -314,7 +314,7 @@ def test_gated_layers_survive_a_forward_stopped_midway_and_a_failed_task(monkeyp
     from ktinject import native
 
     model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16, num_hidden_layers=5)
-    ktinject.inject(model, gpu="cuda", quant="bf16", prefill="cpu")
+    ktinject.inject(model, gpu="cuda", gpu_experts_budget=0, quant="bf16", prefill="cpu")
     assert len(stream.blocks_of(model)) >= 4  # layers 0-2 gated, stopped at 2
     ids = tiny_prompts(1, 32, seed=6).to(DEV)
     monkeypatch.setenv("KTINJECT_PREFILL_GATED", "1")
@@ -375,7 +375,7 @@ def test_gated_layers_left_by_a_forward_stopped_outside_them_and_their_counts(mo
     from tests.references import MoeTrace
 
     model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16, num_hidden_layers=5)
-    ktinject.inject(model, gpu="cuda", quant="bf16", prefill="cpu")
+    ktinject.inject(model, gpu="cuda", gpu_experts_budget=0, quant="bf16", prefill="cpu")
     blocks = stream.blocks_of(model)
     assert len(blocks) >= 4
     ids = tiny_prompts(1, 32, seed=7).to(DEV)

@@ -20,6 +20,7 @@ N = 16
 
 
 def _load(path, **kw):
+    kw.setdefault("gpu_experts_budget", 0)  # the formats' native kernels, not GPU banks
     return ktinject.from_pretrained(path, gpu="cuda", cache_dir=False, progress=False, dtype=torch.float32, **kw)
 
 

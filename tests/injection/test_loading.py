@@ -325,7 +325,8 @@ def test_from_pretrained_takes_the_hot_expert_options(tmp_path_factory):
     model = ktinject.from_pretrained(d, gpu="cpu", cache_dir=False, progress=False, gpu_experts_budget="64KiB",
                                      stats=str(stats), rebalance_every=8)
     assert model._ktinject_placement.strategy == "frequency" and placement.rebalancer(model) is None
-    with pytest.raises(ValueError, match=r"gpu_experts_budget: expected bytes or a size like '12GiB', got 'lots'"):
+    with pytest.raises(ValueError, match=r"gpu_experts_budget: expected 'auto', bytes or a size like '12GiB', or a "
+                                         r"share like 0.5, got 'lots'"):
         ktinject.from_pretrained(d, gpu="cpu", cache_dir=False, progress=False, gpu_experts_budget="lots")
     with pytest.raises(ValueError, match=r"rebalance_every: expected a positive number of tokens, got 0"):
         ktinject.from_pretrained(d, gpu="cpu", cache_dir=False, progress=False, placement="dynamic",

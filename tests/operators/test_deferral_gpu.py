@@ -28,7 +28,7 @@ N = 32
 def _model(family: str, **kw):
     overrides, d = FAMILIES[family]
     m = build_tiny_model(family, dtype=torch.bfloat16, **overrides)
-    ktinject.inject(m, gpu="cuda", **{"defer": d, **kw})
+    ktinject.inject(m, gpu="cuda", **{"defer": d, "gpu_experts_budget": 0, **kw})
     return m
 
 
@@ -104,7 +104,7 @@ def test_graph_equals_eager_with_mass_deferral(family, batch):
 def test_new_setting_captures_anew_and_zero_is_the_plain_path():
     m = _model("deepseek_v3")
     ref = build_tiny_model("deepseek_v3", dtype=torch.bfloat16, **FAMILIES["deepseek_v3"][0])
-    ktinject.inject(ref, gpu="cuda")
+    ktinject.inject(ref, gpu="cuda", gpu_experts_budget=0)
     ids, mask = _prompts(2, seed=5)
     try:
         deferred, runner = _generate(m, ids, mask, graphs=True)

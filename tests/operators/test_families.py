@@ -73,11 +73,11 @@ class Models:
         self.yard = build_tiny_model(family, seed=0, dtype=torch.bfloat16)
         self.inj = build_tiny_model(family, seed=0, dtype=torch.bfloat16)
         self.hf_experts = {n: m.experts.gate_up_proj for n, m in self.inj.named_modules() if hasattr(m, "experts")}
-        self.plan = inject(self.inj, gpu=str(DEVICE))
+        self.plan = inject(self.inj, gpu=str(DEVICE), gpu_experts_budget=0)
         self.inj8 = build_tiny_model(family, seed=0, dtype=torch.bfloat16)
-        self.plan8 = inject(self.inj8, gpu=str(DEVICE), quant="int8")
+        self.plan8 = inject(self.inj8, gpu=str(DEVICE), quant="int8", gpu_experts_budget=0)
         self.inj4 = build_tiny_model(family, seed=0, dtype=torch.bfloat16)
-        inject(self.inj4, gpu=str(DEVICE), quant="int4")
+        inject(self.inj4, gpu=str(DEVICE), quant="int4", gpu_experts_budget=0)
         self.moe_names = [e.name for e in self.plan.operator_entries() if e.operator == "moe"]
 
 
@@ -335,7 +335,7 @@ def test_int4_groups_of_128_kl(models, monkeypatch):
 
     monkeypatch.setenv("KTINJECT_INT4_GROUP", "128")
     model = build_tiny_model(models.family, seed=0, dtype=torch.bfloat16)
-    inject(model, gpu=str(DEVICE), quant="int4")
+    inject(model, gpu=str(DEVICE), quant="int4", gpu_experts_budget=0)
     assert {model.get_submodule(n).native_experts.group_size for n in models.moe_names} == {128}
     lp16 = torch.log_softmax(logits(models.inj, PROMPTS), -1)
     lp4 = torch.log_softmax(logits(model, PROMPTS), -1)

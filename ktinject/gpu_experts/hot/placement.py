@@ -183,6 +183,9 @@ def place(model, budget, strategy: str | None = None, stats: ExpertStats | str |
 def apply_settings(model, settings: HotExpertSettings, *, dtype: torch.dtype | None = None,
                    **rebalance) -> Placement:
     """``place`` with validated settings (what inject, from_pretrained and the chat call)."""
+    if settings.fraction is not None:
+        raise ValueError(f"placement: a budget of {settings.request} is measured where the model is injected "
+                         f"(inject / from_pretrained); give place() a budget in bytes")
     budget, strategy = settings.budget, settings.strategy
     blocks = injected_blocks(model)
     names = tuple(n for n, _ in blocks)

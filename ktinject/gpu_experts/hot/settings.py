@@ -2,7 +2,9 @@
 moe rule kwargs) turns its options into a ``HotExpertSettings`` here, so they share names, defaults and errors.
 
     option (keyword / rule kwarg)   chat flag               meaning
-    gpu_experts_budget              --gpu-experts-budget    GPU bytes for resident experts: an int or '12GiB'
+    gpu_experts_budget              --gpu-experts-budget    GPU bytes for resident experts: 'auto' (the default),
+                                                            0 (none), a size (an int or '12GiB') or a share of
+                                                            what the run leaves free (a float, 0 < f <= 1: '0.5')
     placement                       --placement             frequency | uniform | dynamic | none
     stats                           --expert-stats          statistics file (python -m ktinject.calibrate) or
                                                             an ExpertStats
@@ -10,12 +12,16 @@ moe rule kwargs) turns its options into a ``HotExpertSettings`` here, so they sh
 
 Defaults: ``placement`` is ``frequency`` when ``stats`` are given, else ``dynamic`` (without statistics there is
 nothing to rank by before decoding; ``dynamic`` learns the ranking from the routing while it decodes);
-``rebalance_every`` is 64 tokens. Nothing is placed unless a budget or a placement is given.
+``rebalance_every`` is 64 tokens. The budget is ``auto`` unless one is given (here or in the moe rules): the free
+GPU memory less what the run needs (``budget.fit``), measured where the model is injected
+(``ktinject.injection.gpu_budget``); ``auto`` and a share are held as ``fraction`` until then (``budget`` 0). A
+budget of 0 or placement ``none`` places nothing.
 
 Pure: no torch, no model; the module a CLI may import before anything heavy loads.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -58,6 +64,19 @@ def parse_bytes(value: Any) -> int:
     return int(n)
 
 
+def parse_budget(value: Any) -> tuple[int, float | None]:
+    """(bytes, fraction) of a ``gpu_experts_budget``: 'auto' -> (0, 1.0); a float (or a unitless decimal string)
+    0 < f <= 1 -> (0, f), a share of what the run leaves free; anything else a byte size -> (bytes, None)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return 0, 1.0
+    share = value if isinstance(value, float) else None
+    if isinstance(value, str) and re.fullmatch(r"\s*[0-9]*\.[0-9]+\s*", value):
+        share = float(value)
+    if share is not None and 0 < share <= 1:
+        return 0, share
+    return parse_bytes(value), None
+
+
 def check_strategy(strategy: str) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"placement strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
@@ -72,12 +91,26 @@ def default_strategy(stats: Any) -> str:
 @dataclass(frozen=True)
 class HotExpertSettings:
     """Validated hot-expert options. ``budget`` bytes; ``strategy`` one of STRATEGIES; ``stats`` None, a file path
-    or an ExpertStats (``ktinject.gpu_experts.hot.stats``); ``rebalance_every`` tokens (used by ``dynamic``)."""
+    or an ExpertStats (``ktinject.gpu_experts.hot.stats``); ``rebalance_every`` tokens (used by ``dynamic``);
+    ``fraction``: None for a budget in bytes, else the share of what the run leaves free on the GPU (1.0: ``auto``)
+    that ``budget`` becomes once measured (``resolved``)."""
 
     budget: int
     strategy: str
     stats: Any = None
     rebalance_every: int = DEFAULT_REBALANCE_EVERY
+    fraction: float | None = None
+
+    @property
+    def request(self) -> str:
+        """The budget as asked for, for reports: 'auto', '0.5 of what is left', '12.0 GiB'."""
+        if self.fraction is None:
+            return human_bytes(self.budget)
+        return "auto" if self.fraction == 1 else f"{self.fraction:g} of what is left"
+
+    def resolved(self, budget: int) -> HotExpertSettings:
+        """These settings with a measured budget of ``budget`` bytes."""
+        return dataclasses.replace(self, budget=int(budget), fraction=None)
 
     @classmethod
     def make(cls, gpu_experts_budget: Any = None, placement: str | None = None, stats: Any = None,
@@ -86,10 +119,10 @@ class HotExpertSettings:
         option (and ``where`` it was written, e.g. a rule) and what to write instead."""
         at = f"{where}: " if where else ""
         try:
-            budget = 0 if gpu_experts_budget is None else parse_bytes(gpu_experts_budget)
+            budget, fraction = (0, None) if gpu_experts_budget is None else parse_budget(gpu_experts_budget)
         except ValueError as e:
-            raise ValueError(f"{at}gpu_experts_budget: expected bytes or a size like '12GiB', got "
-                             f"{gpu_experts_budget!r} ({e})") from None
+            raise ValueError(f"{at}gpu_experts_budget: expected 'auto', bytes or a size like '12GiB', or a share "
+                             f"like 0.5, got {gpu_experts_budget!r} ({e})") from None
         if stats is not None and not isinstance(stats, (str, Path)) and not hasattr(stats, "counts"):
             raise ValueError(f"{at}stats: expected a statistics file (python -m ktinject.calibrate) or an "
                              f"ExpertStats, got {type(stats).__name__}")
@@ -102,13 +135,14 @@ class HotExpertSettings:
         every = DEFAULT_REBALANCE_EVERY if rebalance_every is None else rebalance_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"{at}rebalance_every: expected a positive number of tokens, got {rebalance_every!r}")
-        return cls(budget, strategy, stats, every)
+        return cls(budget, strategy, stats, every, fraction)
 
     @classmethod
     def from_plan(cls, plan: Any, **given: Any) -> HotExpertSettings | None:
         """Settings from the moe rules' kwargs in ``plan`` (the rules must agree: the options are model-wide),
-        overridden by the ones ``given`` as keywords (None: not given); None when neither a budget nor a placement
-        is set anywhere. A bad value raises ValueError naming the rule or the keyword."""
+        overridden by the ones ``given`` as keywords (None: not given); a budget set nowhere is ``auto``. None when
+        nothing is to be placed (a budget of 0 with no placement, or placement ``none``). A bad value raises
+        ValueError naming the rule or the keyword."""
         unknown = sorted(set(given) - set(OPTIONS))
         if unknown:
             raise TypeError(f"unknown hot-expert option(s) {', '.join(unknown)}; expected {', '.join(OPTIONS)}")
@@ -127,6 +161,10 @@ class HotExpertSettings:
                     found[name] = (value, where)
         merged = {name: value for name, (value, _) in found.items()}
         merged.update({k: v for k, v in given.items() if v is not None})
-        if merged.get("gpu_experts_budget") is None and merged.get("placement") in (None, "none"):
+        if merged.get("placement") == "none":
             return None
-        return cls.make(**merged)
+        merged.setdefault("gpu_experts_budget", "auto")
+        settings = cls.make(**merged)
+        if settings.fraction is None and settings.budget == 0 and merged.get("placement") is None:
+            return None
+        return settings
