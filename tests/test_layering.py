@@ -31,13 +31,14 @@ LAYERS = (
     ("ktinject.gpu_experts",),
     ("ktinject.decode",),
     ("ktinject.injection",),
+    ("ktinject.train",),
     ("ktinject.serve",),
     ("ktinject.demo",),
     ("ktinject.cli",),
     ("ktinject.bench",),
 )
 FRONT_DOOR = ("ktinject", "ktinject.__main__", "ktinject.chat", "ktinject.eval", "ktinject.calibrate", "ktinject.info",
-              "ktinject.serve.__main__")
+              "ktinject.finetune", "ktinject.serve.__main__")
 
 
 def layer_of(module: str) -> int | None:

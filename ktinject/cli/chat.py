@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ktinject.cli import lora_option
 from ktinject.cli import options as cli
 from ktinject.cli.options import CliError, add_prefix_cache_options, load_model, make_prefix_cache, positive
 from ktinject.decode.stop_tokens import context_limit, stop_token_ids
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description="Chat with a MoE model through ktinject.")
     cli.add_version(p)
     cli.add_model_options(p)
+    lora_option.add_lora_option(p)
     p.add_argument("--max-new-tokens", type=positive,
                    help=f"reply length limit (default {DEFAULT_MAX_NEW_TOKENS}, or what the model's context leaves); "
                         f"a prompt that leaves less room is refused")
@@ -381,9 +383,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     # one-shot: stdout carries the reply alone (piped), everything about it goes to stderr
     status = sys.stderr if args.prompt is not None else sys.stdout
+    adapter = lora_option.read_adapter(args)
     model_dir, model, tokenizer, gpu, seconds = cli.load(
         args, "Using the ktinject demo model at {path}: a tiny MoE trained on fortune cookies, so expect fortunes.",
         _setup, out=status)
+    lora_option.merge(model, adapter, args)
     placed = model.__dict__.get("_ktinject_placement")
     if placed is not None:
         print(placed, file=status)

@@ -1,4 +1,4 @@
-"""The ``ktinject`` command: ``ktinject chat|serve|eval|info|bench|calibrate [options]`` runs that program's
+"""The ``ktinject`` command: ``ktinject chat|serve|eval|info|bench|calibrate|finetune [options]`` runs that program's
 ``main`` with the options (the same as ``python -m ktinject.<name> [options]``); ``ktinject --version`` prints the
 version."""
 from __future__ import annotations
@@ -18,6 +18,7 @@ COMMANDS = {
     "info": ("ktinject.cli.info", "the CPU, the ISA chosen, the native library and the versions"),
     "bench": ("ktinject.bench.__main__", "benchmarks (ktinject bench NAME --help)"),
     "calibrate": ("ktinject.cli.calibrate", "expert statistics for hot-expert placement"),
+    "finetune": ("ktinject.cli.finetune", "train a LoRA adapter (experts frozen on the CPU)"),
 }
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from ktinject import envs
+from ktinject.cli import lora_option
 from ktinject.cli import options as cli
 from ktinject.cli.options import CliError, positive
 
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default)")
     cli.add_prefix_cache_options(p)
     cli.add_model_options(p)
+    lora_option.add_lora_option(p)
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs (for comparison)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs, the injection plan and tracebacks")
     return p
@@ -139,9 +141,11 @@ def serve(args: argparse.Namespace) -> int:
             raise CliError(f"--tool-call-parser: {e}") from None
     if args.max_queue < 0:
         raise CliError(f"--max-queue must be >= 0, got {args.max_queue}")
+    adapter = lora_option.read_adapter(args)
     sock = _bind(args.host, args.port)
     model_dir, model, tokenizer, gpu, seconds = cli.load(
         args, "Serving the ktinject demo model at {path} (a tiny model, for trying the server out).", _setup)
+    lora_option.merge(model, adapter, args)
     name = args.served_model_name or ("ktinject-demo" if args.model is None else Path(model_dir).name)
     aliases = (name,) + tuple(a for a in (args.model, str(model_dir)) if a and a != name)
     config = EngineConfig(max_batch=args.max_batch, max_context=_max_context(args, model), max_queue=args.max_queue,

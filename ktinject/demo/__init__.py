@@ -5,7 +5,9 @@
 <|im_end|>, eos = <|im_end|>), trained on the English text of Debian's `fortunes` package (BSD licence:
 LICENSE.fortunes) by ``examples/train_demo_model.py``; ``heldout.txt`` is fortunes it never saw, for
 ``python -m ktinject.eval``. It answers in fortune-like English. Its files are checked against SHA256SUMS.json
-before first use. This is the default model of the chat, the examples and the notebook.
+before first use. This is the default model of the chat, the examples and the notebook. `finetune_text()`
+(``lighthouse.txt``) is a short original text in the fortunes' style, sayings of a lighthouse keeper, for the
+fine-tuning example (``ktinject finetune --model demo --text demo``, docs/finetune.md).
 
 `random_model_dir()` builds a tiny Qwen3-MoE with random weights (4 layers, hidden 256, 8 experts top-2) for tests
 that need a quick checkpoint of a fixed shape: it writes gibberish by design. It is built once per spec and cached
@@ -132,6 +134,11 @@ def demo_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
 def heldout_text() -> str:
     """Fortunes the demo model never saw in training (for python -m ktinject.eval)."""
     return (demo_model_dir() / "heldout.txt").read_text()
+
+
+def finetune_text() -> Path:
+    """The packaged text of the fine-tuning example: sayings from a lighthouse almanac, in the fortunes' style."""
+    return Path(__file__).resolve().parent / "lighthouse.txt"
 
 
 def random_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:

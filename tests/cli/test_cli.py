@@ -47,13 +47,13 @@ def test_version_falls_back_to_the_package(monkeypatch):
 def test_help_lists_the_commands(demo_env):
     r = ktinject(demo_env, "--help")
     assert r.returncode == 0, r.stderr
-    for name in ("chat", "serve", "eval", "info", "bench", "calibrate"):
+    for name in ("chat", "serve", "eval", "info", "bench", "calibrate", "finetune"):
         assert f"\n  {name} " in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("name, needle", [
     ("chat", "--max-new-tokens"), ("serve", "--max-context"), ("eval", "--configs"), ("bench", "benchmarks:"),
-    ("calibrate", "--prompts"),
+    ("calibrate", "--prompts"), ("finetune", "--target-modules"),
 ])
 def test_subcommand_help_is_the_programs(demo_env, name, needle):
     r = ktinject(demo_env, name, "--help")
