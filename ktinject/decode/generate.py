@@ -331,6 +331,8 @@ def generate(model, *args, **kwargs):
     if prefix is not None and prefix.why_uncached(model) is not None:
         _note_uncached(model, prefix, "")
     reused = 0 if prefix is None else _restore_prefix(model, prefix, input_ids, attention_mask, cache)
+    if prefix is not None and stateful_layers.needs_state_checkpoints(model):
+        _prefill_to_checkpoint(model, prefix, input_ids, attention_mask, cache)
     chunk = prefill_chunk(model, prompt_len)
     if chunk and prompt_len > chunk and gc.prefill_chunk_size is None:
         kwargs["prefill_chunk_size"] = chunk
@@ -382,6 +384,8 @@ def _restore_prefix(model, prefix, input_ids, attention_mask, cache) -> int:
     ``cache``; the tokens restored a row (0: none, or the rows are padded)."""
     if not _unpadded(attention_mask):
         return 0
+    if input_ids.shape[0] > 1 and stateful_layers.needs_state_checkpoints(model):
+        return 0  # (rows cut to a common length would need a state checkpoint there: one row at a time)
     hits = [prefix.lookup(model, row) for row in input_ids]
     tokens = min(h.tokens for h in hits)
     if tokens == 0:
@@ -391,6 +395,28 @@ def _restore_prefix(model, prefix, input_ids, attention_mask, cache) -> int:
     if done < tokens:  # a block failed its check in some row: every row restarts from the shortest restore
         cache.lengths[:] = torch.clamp(cache.lengths, max=done)
     return done
+
+
+@torch.no_grad()
+def _prefill_to_checkpoint(model, prefix, input_ids, attention_mask, cache) -> None:
+    """A model with state that a prefix cache checkpoints (linear attention): prefill one row's prompt up to its last
+    whole block before the last token (in chunks, from what was restored) and store those blocks with the state at
+    their end, so a later prompt that starts the same resumes there; HF's generate then prefills the rest. Rows of a
+    batch, or padded ones, are left to HF's prefill (and get no checkpoint)."""
+    from ktinject.decode import kv_cache
+
+    if input_ids.shape[0] != 1 or not _unpadded(attention_mask):
+        return
+    block = prefix.block_size
+    start, end = int(cache.lengths[0, 0]), (input_ids.shape[1] - 1) // block * block
+    if end <= start:
+        return
+    chunk = prefill_chunk(model, end - start) or (end - start)
+    row = cache.rows(0, 1)
+    for a in range(start, end, chunk):
+        b = min(a + chunk, end)
+        kv_cache.forward(model, row, input_ids[:, a:b], logits_to_keep=1)
+    prefix.insert(model, input_ids[0, :end], cache, 0, end)
 
 
 def _insert_prefix(model, prefix, out, input_ids, attention_mask, cache, batch: int) -> None:

@@ -200,32 +200,51 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
             if self.linear is not None:
                 linear_state.copy_rows(self.linear, self.first + src, self.first + dst)
 
-        def _positions_only(self, what: str) -> None:
-            if self.linear is not None:
-                raise ValueError(f"{what}: this cache holds linear-attention states, which are not positions and "
-                                 f"cannot be cut into blocks (linear_attention_state.save_rows copies a row's state)")
-
         def export_row(self, row: int, start: int = 0, end: int | None = None) -> list:
-            """[(K [H, n, Dk], V [H, n, Dv]) per layer] of positions [start, end) of ``row`` (copies)."""
-            self._positions_only("export_row")
+            """[(K [H, n, Dk], V [H, n, Dv]) per K/V layer] of positions [start, end) of ``row`` (copies). A hybrid
+            model's linear-attention state is not positions: ``export_state`` copies it, at the row's length."""
             end = int(self.lengths[0, row]) if end is None else end
             return [(layer.keys[row, :, start:end].clone(), layer.values[row, :, start:end].clone())
-                    for layer in self.layers]
+                    for layer in self.kv_layers()]
 
         def import_row(self, row: int, kv: list, start: int = 0) -> None:
             """Write ``export_row``'s blocks at positions ``start``.. of ``row``; its length becomes their end."""
-            self._positions_only("import_row")
-            if len(kv) != len(self.layers):
-                raise ValueError(f"import_row: {len(kv)} layers given, the cache has {len(self.layers)}")
+            layers = self.kv_layers()
+            if len(kv) != len(layers):
+                raise ValueError(f"import_row: {len(kv)} layers given, the cache has {len(layers)}")
             end = start + kv[0][0].shape[1]
             if end > self.max_len:
                 raise ValueError(f"import_row: positions up to {end} do not fit a cache of {self.max_len}")
-            for layer, (k, v) in zip(self.layers, kv):
+            for layer, (k, v) in zip(layers, kv):
                 if not layer.is_initialized:
                     layer.lazy_initialization(k[None], v[None])
                 layer.keys[row, :, start:end].copy_(k)
                 layer.values[row, :, start:end].copy_(v)
             self.lengths[:, row] = end
+
+        def export_state(self, row: int) -> dict:
+            """A hybrid model's linear-attention state of ``row`` (conv windows and recurrent matrices: what its
+            tokens so far left, at the row's length), as named copies; {} for other models."""
+            if self.linear is None:
+                return {}
+            saved = linear_state.save_rows(self.linear, self.first + row, self.first + row + 1)
+            return {f"{kind}.{layer}": t[0] for (kind, layer), t in saved.items()}
+
+        def import_state(self, row: int, state: dict) -> None:
+            """``export_state``'s tensors back into ``row`` (every allocated buffer must be given)."""
+            if self.linear is None:
+                return
+            saved = {}
+            for key in state:
+                kind, _, layer = key.partition(".")
+                saved[(kind, int(layer))] = state[key][None]
+            missing = [k for k in linear_state.buffer_keys(self.linear) if k not in saved]
+            if missing:
+                raise ValueError(f"import_state: no state given for {missing[:3]}")
+            saved = {k: v.to(self.lengths.device) for k, v in saved.items()}
+            for (kind, layer), t in saved.items():
+                linear_state.ensure_allocated(self.linear, kind, layer, t)
+            linear_state.restore_rows(self.linear, self.first + row, self.first + row + 1, saved)
 
         def save_step_state(self):
             """What a forward of these rows changes besides K/V past their lengths: the lengths and the

@@ -171,6 +171,23 @@ def _buffers(state: LinearAttentionState) -> dict:
     return {**conv, **{("recurrent", layer): t for layer, t in state.recurrent.items()}}
 
 
+def buffer_keys(state: LinearAttentionState) -> list:
+    """(kind, layer) of every allocated buffer."""
+    return list(_buffers(state))
+
+
+def ensure_allocated(state: LinearAttentionState, kind: str, layer: int, like: torch.Tensor) -> None:
+    """Allocate ``layer``'s ``kind`` ("conv" or "recurrent") buffer for every row if it is not yet, shaped and typed
+    as ``like`` [1, ...] (a saved row): a restore into a cache no forward has written yet."""
+    table = state.conv if kind == "conv" else state.recurrent
+    if kind not in ("conv", "recurrent"):
+        raise ValueError(f"linear-attention state kind {kind!r}: expected conv or recurrent")
+    if layer not in table:
+        want = state.layout.conv_shape(1) if kind == "conv" else state.layout.recurrent_shape(1)
+        state._check(layer, kind, like.shape[1:], want[1:])
+        table[layer] = torch.zeros((state.slots, *like.shape[1:]), dtype=like.dtype, device=like.device)
+
+
 def save_rows(state: LinearAttentionState, a: int, b: int) -> dict:
     """Copies of rows a..b-1 of every buffer, for ``restore_rows``."""
     return {key: t[a:b].clone() for key, t in _buffers(state).items()}

@@ -10,9 +10,10 @@ such a part decodes through Hugging Face's ``generate`` and its own cache, one e
 fast decode attention. ``eager_decode_reason`` names the part, so the plan, the inject line and the fast-path
 report (``graph_decode``) say why, never a silent slow path.
 
-State the KVCache holds but a prefix cache cannot rebuild from K/V blocks (the linear-attention states: a recurrent
-matrix is not cut at a token; checkpoints at block boundaries are not written yet) is named by
-``prefix_uncached_reason``, which the prefix cache reports.
+State the KVCache holds that a prefix cache cannot rebuild from K/V blocks (the linear-attention states: a recurrent
+matrix is not cut at a token) is stored as a checkpoint at block boundaries (``needs_state_checkpoints``: the prefix
+cache keeps a row's state beside the block it ends, and a hit ends at a block that has one);
+``prefix_uncached_reason`` names what a prefix cache cannot take at all (the eager-decode parts).
 """
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ UNHELD_STATE = {
     "DeepseekV32Indexer": "the lightning indexer's key cache",
     "GlmMoeDsaIndexer": "the lightning indexer's key cache",
 }
-#: class name -> the state it keeps in ktinject's KVCache that cannot be restored from K/V blocks
+#: class name -> the state it keeps in ktinject's KVCache that cannot be restored from K/V blocks (a prefix cache
+#: checkpoints it at block boundaries)
 UNBLOCKED_STATE = {
     "Qwen3NextGatedDeltaNet": "linear-attention conv and recurrent states",
     "Qwen3_5MoeGatedDeltaNet": "linear-attention conv and recurrent states",
 }
 _REASON_ATTR = "_ktinject_eager_decode_reason"
-_PREFIX_ATTR = "_ktinject_prefix_uncached_reason"
+_PREFIX_ATTR = "_ktinject_prefix_state_checkpoints"
 
 
 def _found(model: nn.Module, classes: dict) -> tuple[str, str, str] | None:
@@ -60,16 +62,16 @@ def remember(model: nn.Module) -> str | None:
 
 
 def prefix_uncached_reason(model: nn.Module) -> str | None:
-    """Why a prefix cache cannot restore ``model``'s rows from K/V blocks (its ``eager_decode_reason``, or state the
-    KVCache holds that is not positions), or None; computed once and kept on the model."""
+    """Why a prefix cache cannot restore ``model``'s rows at all (its ``eager_decode_reason``: state outside the
+    KVCache), or None."""
+    return remember(model)
+
+
+def needs_state_checkpoints(model: nn.Module) -> bool:
+    """Whether ``model``'s rows hold state besides positions (``UNBLOCKED_STATE``), which a prefix cache restores
+    from a checkpoint taken at a block boundary; computed once and kept on the model."""
     if _PREFIX_ATTR not in model.__dict__:
-        reason = remember(model)
-        found = _found(model, UNBLOCKED_STATE) if reason is None else None
-        if found is not None:
-            name, cls, more = found
-            reason = (f"{name} ({cls}){more} keep {UNBLOCKED_STATE[cls]}, which cannot be rebuilt from K/V blocks "
-                      f"(no state checkpoints at block boundaries yet)")
-        model.__dict__[_PREFIX_ATTR] = reason
+        model.__dict__[_PREFIX_ATTR] = _found(model, UNBLOCKED_STATE) is not None
     return model.__dict__[_PREFIX_ATTR]
 
 

@@ -171,8 +171,13 @@ def test_hybrid_cache_layout_and_state_after_a_prefill(models):
     assert all(t[:2].eq(0).all() and t[2].abs().sum() > 0 for t in cache.linear.tensors())
     cache.reset_rows([2])
     assert cache.row_lengths.tolist() == [0, 0, 0] and all(t.eq(0).all() for t in cache.linear.tensors())
-    with pytest.raises(ValueError, match="linear-attention states"):
-        cache.export_row(1)
+    kv = cache.export_row(2, 0, 0)  # K/V of the full-attention layers only; the state comes apart
+    assert len(kv) == len(cache.kv_layers()) < len(cache.layers)
+    kv_cache.forward(inj, cache.rows(2, 3), tiny_prompts(1, 3, seed=2))
+    state = cache.export_state(2)
+    assert set(state) == {f"{kind}.{i}" for kind in ("conv", "recurrent") for i in linear}
+    cache.import_state(0, state)
+    assert all(t[0].equal(t[2]) for t in cache.linear.tensors())
 
 
 def test_greedy_one_row_equals_hf(models):
@@ -282,10 +287,10 @@ def test_returned_cache_continues_like_hf(models):
 
 
 @pytest.mark.parametrize("family", HYBRID)
-def test_plan_says_graph_decode_and_the_prefix_cache_still_refuses(family):
+def test_plan_says_graph_decode_and_the_prefix_cache_checkpoints_state(family):
+    from ktinject.decode import stateful_layers
     from ktinject.decode.prefix_cache import uncacheable_reason
 
     model = _tiny(family)
     assert ktinject.plan(model, gpu="cpu").eager_decode is None
-    reason = uncacheable_reason(model)
-    assert reason is not None and "GatedDeltaNet" in reason and "K/V blocks" in reason
+    assert uncacheable_reason(model) is None and stateful_layers.needs_state_checkpoints(model)

@@ -55,3 +55,20 @@ def test_mixed_batch_equals_each_alone_and_generate(hybrid):
     for p, got in zip(prompts, alone):
         ref = ktinject.generate(hybrid, torch.tensor([p]), max_new_tokens=6, do_sample=False)
         assert ref[0, len(p):].tolist() == got
+
+
+def test_shared_prefix_restores_state_checkpoints_and_equals_the_cache_off(hybrid):
+    """A prompt of whole blocks leaves a state checkpoint at its end; a later prompt that starts with it restores K/V
+    and that state (cached_tokens) and gets the greedy tokens of the cache off."""
+    from ktinject.decode.prefix_cache import PrefixCache
+
+    a = tiny_prompts(1, 16, seed=7)[0].tolist()
+    b = a + tiny_prompts(1, 5, seed=8)[0].tolist()
+    config = EngineConfig(max_batch=2, max_context=64, prefill_chunk=8)
+    with Engine(hybrid, None, config) as engine:
+        plain = [engine.generate(p, _greedy(), timeout=300) for p in (a, b)]
+    store = PrefixCache(device="cpu", tier="ram", block_size=8)
+    with Engine(hybrid, None, EngineConfig(max_batch=2, max_context=64, prefill_chunk=8, prefix_cache=store)) as e:
+        cached = [e.generate(p, _greedy(), timeout=300) for p in (a, b)]
+    assert [r.token_ids for r in cached] == [r.token_ids for r in plain]
+    assert [r.cached_tokens for r in cached] == [0, 16] and store.stats.state_checkpoints >= 1

@@ -7,8 +7,12 @@
     cache.insert(model, token_ids, kv, row)               # store the row's whole blocks not stored yet
 
 A block holds, per layer, the K and V (MLA: the latents as the KVCache holds them) of ``block_size`` positions of
-one row (``KVCache.export_row``). Layouts whose state cannot be cut at a token (linear-attention states, indexer
-caches: ``stateful_layers``) are not cached: ``uncacheable_reason`` says why, and lookups of such a model miss.
+one row (``KVCache.export_row``). State that cannot be cut at a token (the linear-attention layers' conv windows
+and recurrent matrices) is stored as a checkpoint beside the block at whose end it was taken (``state_key``): a hit
+of such a model ends at a block with one, and its restore puts that state back; a checkpoint is taken when an
+insert finds the row's length at a block boundary (``ktinject.generate`` prefills up to the prompt's last whole
+block first, so it does). Layouts the KVCache does not hold (indexer caches: ``stateful_layers``) are not cached:
+``uncacheable_reason`` says why, and lookups of such a model miss.
 """
 from __future__ import annotations
 
@@ -118,6 +122,7 @@ class PrefixCacheStats:
     hit_tokens: int = 0  # prompt tokens restored instead of computed
     lookup_tokens: int = 0
     inserted_blocks: int = 0
+    state_checkpoints: int = 0  # linear-attention states stored at block boundaries (hybrid models)
     hits: dict = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))  # blocks restored, per tier found in
 
 
@@ -176,6 +181,9 @@ class PrefixCache:
         limit = block_keys.usable_hit_tokens(len(tokens), len(tokens)) // self.block_size
         keys = self.keys(model, tokens[:limit * self.block_size])
         n = block_keys.hit_blocks(keys, self.tiers.holds)
+        if stateful_layers.needs_state_checkpoints(model):  # a hit ends where a state checkpoint was taken
+            while n and not self.tiers.holds(state_key(keys[n - 1])):
+                n -= 1
         return Hit(n * self.block_size, keys[:n], self.block_size)
 
     def restore(self, hit: Hit, cache, row: int) -> int:
@@ -191,12 +199,18 @@ class PrefixCache:
             if found is None:
                 break
             block, tier = found
-            n_layers = len(cache.layers)
+            n_layers = len(cache.kv_layers())
             kv = [(block[f"k.{i}"], block[f"v.{i}"]) for i in range(n_layers)]
             cache.import_row(row, [(k.to(_device(cache, k)), v.to(_device(cache, v))) for k, v in kv], start=done)
             done += self.block_size
             self.stats.hits[tier] += 1
             self.tiers.all[[t.name for t in self.tiers.all].index(tier)].stats.hits += 1
+        if done and cache.linear is not None:  # the state at the last restored block's end
+            found = self.tiers.get(state_key(hit.keys[done // self.block_size - 1]))
+            if found is None:  # (evicted or damaged meanwhile): nothing restored, the prompt is computed whole
+                cache.reset_rows(row)
+                return 0
+            cache.import_state(row, found[0])
         self.stats.hit_tokens += done
         return done
 
@@ -206,9 +220,11 @@ class PrefixCache:
         if uncacheable_reason(model) is not None or not kv_cache.is_kv_cache(cache):
             return 0
         tokens = _as_list(tokens)
-        n = min(len(tokens), int(cache.lengths[0, row]) if length is None else int(length))
+        held = int(cache.lengths[0, row])
+        n = min(len(tokens), held if length is None else int(length))
         added = 0
-        for i, key in enumerate(self.keys(model, tokens[:n])):
+        keys = self.keys(model, tokens[:n])
+        for i, key in enumerate(keys):
             if self.tiers.holds(key):
                 continue
             start = i * self.block_size
@@ -216,6 +232,10 @@ class PrefixCache:
             block = {f"{kind}.{j}": t for j, pair in enumerate(kv) for kind, t in zip("kv", pair)}
             self.tiers.put(key, block)
             added += 1
+        if cache.linear is not None and keys and held == len(keys) * self.block_size and \
+                not self.tiers.holds(state_key(keys[-1])):  # the row's state is at a block boundary: checkpoint it
+            self.tiers.put(state_key(keys[-1]), cache.export_state(row))
+            self.stats.state_checkpoints += 1
         self.stats.inserted_blocks += added
         return added
 
@@ -240,8 +260,13 @@ class PrefixCache:
         self.tiers.clear()
 
 
+def state_key(block_key: str) -> str:
+    """The key of the state checkpoint taken at the end of the block ``block_key`` (hybrid models)."""
+    return f"{block_key}-state"
+
+
 def _device(cache, t: torch.Tensor) -> torch.device:
-    layer = cache.layers[0]
+    layer = cache.kv_layers()[0]
     return layer.keys.device if layer.is_initialized else cache.lengths.device
 
 
