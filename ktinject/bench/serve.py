@@ -30,8 +30,15 @@ Per quant and stream count:
               model's routing need not be uniform (a random router spreads a batch's tokens over more experts than
               uniform draws would); "experts/layer" is their mean beside the uniform expectation
   batch 1     ``ktinject.generate`` (HF's loop, graph replay) at batch 1, prompt 32, the reference figure
+  grammar     ``--grammar on`` (or ``off,on``: both, on the same engine): every request is held to a JSON schema
+              (constrained decoding, ``ktinject.serve.grammar``; the ``structured`` extra) that no reply of
+              ``--tokens`` tokens completes, so each still runs ``--tokens`` tokens: the same load with and without
+              the per-step masks. The bench model has no tokenizer: the grammar engine gets a synthetic one of the
+              model's vocabulary (the 256 bytes, then distinct 2-8 letter words), whose masks cost what a real
+              vocabulary's of that size do to within the mix of its words
 Under the table on CUDA runs, a verdict line per quant: the serving targets at 8 streams (overlap on), decode >= 80%
-of the roofline and >= 1.2x batch 1 (``verdicts``).
+of the roofline and >= 1.2x batch 1, and with ``--grammar off,on`` constrained decoding costing <= 5% of decode
+tok/s (``verdicts``).
 Legend: B batch (streams decoding together), N streams, L layers.
 """
 from __future__ import annotations
@@ -77,7 +84,39 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-graphs", action="store_true", help="decode steps eagerly (for comparison)")
     p.add_argument("--overlap", default="on",
                    help="comma-separated: on (queue each decode step ahead, the default), off (one at a time)")
+    p.add_argument("--grammar", default="off",
+                   help="comma-separated: off (the default), on (every request held to a JSON schema)")
     return p
+
+
+#: ``--grammar on``: a schema no reply of a bench's length completes (so every request runs --tokens tokens)
+BENCH_SCHEMA = {"type": "array", "minItems": 100000, "items": {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "n": {"type": "integer"}, "ok": {"type": "boolean"}},
+    "required": ["name", "n", "ok"], "additionalProperties": False}}
+
+
+def synthetic_ll_tokenizer(vocab: int, eos: int):
+    """llguidance's tokenizer over ``vocab`` synthetic tokens (see the module docstring); ``eos`` ends a reply."""
+    import random
+
+    import llguidance
+
+    rng, words, seen = random.Random(0), [bytes([b]) for b in range(min(vocab, 256))], set()
+    while len(words) < vocab:
+        w = ("" if rng.random() < 0.5 else " ") + "".join(rng.choice("etaoinshrdlucmfwypvbgkqjxz")
+                                                          for _ in range(rng.randint(2, 8)))
+        if w not in seen:
+            seen.add(w)
+            words.append(w.encode())
+    words[eos] = b"<eos>"
+
+    class Vocabulary:
+        eos_token_id, bos_token_id, tokens, special_token_ids = eos, None, words, [eos]
+
+        def __call__(self, data):
+            return list(data.encode() if isinstance(data, str) else data)
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary()), n_vocab=vocab)
 
 
 def _build(args, quant: str, device: torch.device):
@@ -112,16 +151,16 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def run_streams(engine, streams: int, args, vocab: int, seed: int = 0) -> dict:
-    """``streams`` closed-loop clients of ``args.rounds`` requests each; the row's figures, with ``step_rows``: the
-    rows of every decode step that ran (for the roofline of those steps)."""
+def run_streams(engine, streams: int, args, vocab: int, seed: int = 0, grammar: str | None = None) -> dict:
+    """``streams`` closed-loop clients of ``args.rounds`` requests each (``grammar``: held to it); the row's figures,
+    with ``step_rows``: the rows of every decode step that ran (for the roofline of those steps)."""
     from ktinject.serve.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     lengths = args.prompts
     jobs = [[torch.randint(3, vocab, (lengths[(s + r) % len(lengths)],), generator=gen).tolist()
              for r in range(args.rounds)] for s in range(streams)]
-    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=grammar is None, grammar=grammar)
     results, errors = [], []
     m = engine.metrics
     steps0, rows0, secs0 = m.decode_steps, m.decode_rows, m.decode_seconds
@@ -219,23 +258,30 @@ def run(args, quant: str) -> list[dict]:
     engine = Engine(model, None, config, name="bench").start()
     print(f"# engine ready in {time.perf_counter() - t0:.1f} s: {engine.runner.describe()}", flush=True)
     rows = []
+    rule = None
+    if "on" in args.grammars:
+        from ktinject.serve import grammar
+
+        eos = min(engine.eos_ids) if engine.eos_ids else cfg.vocab_size - 1
+        engine.grammars.use(synthetic_ll_tokenizer(cfg.vocab_size, eos))
+        rule = grammar.json_schema(BENCH_SCHEMA, "--grammar")
+        engine.check_grammar(rule, "--grammar")
     try:
         run_streams(engine, 1, argparse.Namespace(**{**vars(args), "rounds": 1, "tokens": 4}), cfg.vocab_size)
         pool = default_pool()  # the engine's native forwards run on it
-        for n in args.streams:
-            for overlap in args.overlaps:
-                engine.config.overlap = overlap == "on"  # read by the engine thread at each step; it is idle now
-                with pool.profiling() as prof:
-                    row = run_streams(engine, n, args, cfg.vocab_size, seed=n)
-                row["measured"], row["experts"] = measured_roofline(cfg, quant, bw, prof)
-                per_tok = expert_bytes_per_token(cfg, n, quant)  # bytes of distinct experts per step of n / n
-                steps = row.pop("step_rows")
-                row.update(quant=quant, overlap=overlap, roofline=roofline(cfg, quant, bw, steps),
-                           batch1=one, step_gb=per_tok * n / 1e9,
-                           uniform=statistics.fmean(distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, b)
-                                                   for b in steps) if steps else float("nan"))
-                rows.append(row)
-                print("# " + _line(row), flush=True)
+        for n, overlap, held in [(n, o, g) for n in args.streams for o in args.overlaps for g in args.grammars]:
+            engine.config.overlap = overlap == "on"  # read by the engine thread at each step; it is idle now
+            with pool.profiling() as prof:
+                row = run_streams(engine, n, args, cfg.vocab_size, seed=n, grammar=rule if held == "on" else None)
+            row["measured"], row["experts"] = measured_roofline(cfg, quant, bw, prof)
+            per_tok = expert_bytes_per_token(cfg, n, quant)  # bytes of distinct experts per step of n / n
+            steps = row.pop("step_rows")
+            row.update(quant=quant, overlap=overlap, grammar=held, roofline=roofline(cfg, quant, bw, steps),
+                       batch1=one, step_gb=per_tok * n / 1e9,
+                       uniform=statistics.fmean(distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, b)
+                                               for b in steps) if steps else float("nan"))
+            rows.append(row)
+            print("# " + _line(row), flush=True)
         stats = engine.runner.stats
         print(f"# graph replays {stats.replays}, eager decode steps {stats.eager_decode}"
               + (f", capture failures: {stats.capture_failures}" if stats.capture_failures else ""), flush=True)
@@ -253,13 +299,14 @@ def run(args, quant: str) -> list[dict]:
     return rows
 
 
-HEAD = ("| quant | streams | overlap | aggregate tok/s | decode tok/s | mean batch | step ms | engine ms | CPU experts "
-        "alone ms | TTFT p50 ms | TTFT p99 ms | roofline tok/s (GB/step) | decode / roofline | experts/layer measured "
+HEAD = ("| quant | streams | overlap | grammar | aggregate tok/s | decode tok/s | mean batch | step ms | engine ms "
+        "| CPU experts alone ms | TTFT p50 ms | TTFT p99 ms | roofline tok/s (GB/step) | decode / roofline | experts/layer measured "
         "(uniform) | measured roofline tok/s | decode / measured | decode / batch 1 |")
 
 
 def _line(r: dict) -> str:
-    return (f"| {r['quant']} | {r['streams']} | {r['overlap']} | {r['aggregate']:.1f} | {r['decode']:.1f} | "
+    return (f"| {r['quant']} | {r['streams']} | {r['overlap']} | {r.get('grammar', 'off')} | {r['aggregate']:.1f} | "
+            f"{r['decode']:.1f} | "
             f"{r['batch']:.1f} | {r['step_ms']:.2f} | {r['engine_ms']:.2f} | {r.get('cpu_ms', float('nan')):.2f} | "
             f"{1e3 * r['ttft_p50']:.0f} | "
             f"{1e3 * r['ttft_p99']:.0f} | "
@@ -272,13 +319,24 @@ def _line(r: dict) -> str:
 #: the serving targets at 8 streams: decode >= this share of the roofline of the steps that ran, and >= this many
 #: times the batch-1 figure (judged on CUDA runs of the Qwen3-30B-A3B shapes, printed under the table)
 TARGET_STREAMS, TARGET_ROOF, TARGET_BATCH1 = 8, 0.80, 1.2
+#: constrained decoding's target: decode tok/s with a JSON schema on every row >= this share of the same load's without
+TARGET_GRAMMAR = 0.95
 
 
 def verdicts(rows: list[dict]) -> list[str]:
     """One line per quant with a TARGET_STREAMS row (overlap on): the serving targets met or not, with the figures."""
     out = []
+    plain = {r["quant"]: r for r in rows if r["streams"] == TARGET_STREAMS and r["overlap"] == "on" and
+             r.get("grammar", "off") == "off"}
     for r in rows:
         if r["streams"] != TARGET_STREAMS or r["overlap"] != "on":
+            continue
+        if r.get("grammar") == "on":
+            if r["quant"] in plain:
+                share = r["decode"] / plain[r["quant"]]["decode"]
+                out.append(f"target: {r['quant']} at {TARGET_STREAMS} streams, a JSON schema on every row >= "
+                           f"{TARGET_GRAMMAR:.0%} of decode tok/s without: "
+                           f"{'met' if share >= TARGET_GRAMMAR else 'NOT met'} ({r['decode']:.1f} vs {plain[r['quant']]['decode']:.1f} tok/s, {100 * share:.1f}%)")
             continue
         share, ratio = r["decode"] / r["roofline"], r["decode"] / r["batch1"]
         ok = share >= TARGET_ROOF and ratio >= TARGET_BATCH1
@@ -300,6 +358,14 @@ def main(argv=None) -> int:
     args.overlaps = [o.strip() for o in args.overlap.split(",") if o.strip()]
     if not args.overlaps or any(o not in ("on", "off") for o in args.overlaps):
         raise SystemExit(f"--overlap {args.overlap!r}: expected on, off or on,off")
+    args.grammars = [g.strip() for g in args.grammar.split(",") if g.strip()]
+    if not args.grammars or any(g not in ("on", "off") for g in args.grammars):
+        raise SystemExit(f"--grammar {args.grammar!r}: expected off, on or off,on")
+    if "on" in args.grammars:
+        from ktinject.serve import grammar
+
+        if not grammar.available():
+            raise SystemExit(f"--grammar on needs the grammar engine: {grammar.EXTRA}")
     rows, t0 = [], time.perf_counter()
     for q in quants:
         rows += run(args, q)

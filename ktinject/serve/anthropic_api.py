@@ -3,7 +3,8 @@
 these paths in that shape).
 
 A reply is read as a chat reply is (``chat_output.ChatOutput``: reasoning split at ``<think>``, tool calls by the
-family's parser) and given as content blocks: ``thinking``, ``text``, ``tool_use``. Streamed, it is Anthropic's
+family's parser; a forced ``tool_choice``, ``any`` or a named tool, holds it to one call: ``constraints.py``) and
+given as content blocks: ``thinking``, ``text``, ``tool_use``. Streamed, it is Anthropic's
 event sequence: ``message_start``; per block ``content_block_start``, its deltas (``thinking_delta``,
 ``text_delta``, ``input_json_delta`` with the call's whole arguments, as a call is parsed once complete),
 ``content_block_stop``; then ``message_delta`` (``stop_reason``: ``end_turn``, ``max_tokens``, ``stop_sequence``
@@ -12,14 +13,15 @@ with the string, ``tool_use``; the output tokens) and ``message_stop``. A failur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ktinject.serve import anthropic_protocol as ap
-from ktinject.serve import reasoning, tool_parsers
-from ktinject.serve.api_requests import Replies, ServerContext, check_model, checked, in_thread
+from ktinject.serve import constraints, reasoning, tool_parsers
+from ktinject.serve.api_requests import Replies, ServerContext, check_model, checked, grammar_for, in_thread
 from ktinject.serve.chat_output import ChatOutput
 
 log = logging.getLogger("ktinject.serve")
@@ -57,6 +59,11 @@ def add_routes(app, ctx: ServerContext) -> None:
         output = ChatOutput(tool_parsers.make(ctx.tool_parser, tools) if parse else None, inside)
         max_tokens = checked(engine.check_length, len(prompt), body.max_tokens, "messages", "max_tokens")
         params = checked(body.sampling, engine.default_params(), max_tokens, parse)
+        if body.forced_tool is not False:
+            rule = await grammar_for(engine, lambda: constraints.forced_call(
+                ctx.tool_parser, tools, body.forced_tool, lambda text: engine.grammars.literal(text), bool(inside)),
+                "tool_choice")
+            params = checked(lambda: dataclasses.replace(params, grammar=rule))
         replies = Replies(engine, request)
         await replies.start(prompt, [params])
         mid = ap.message_id()

@@ -6,9 +6,9 @@ A request is strict pydantic as OpenAI's are (``protocol.py``; unknown fields ig
 the content, ``thinking`` an assistant's ``reasoning_content``, ``tool_use`` an assistant's ``tool_calls`` (input as
 the arguments object), ``tool_result`` a ``tool`` message (``tool_call_id``: its ``tool_use_id``) before the rest of
 its user message; other blocks (images, documents) get 400. ``tools`` (``name``, ``description``, ``input_schema``)
-go to the template as functions; ``tool_choice`` ``auto`` (the default) or ``none`` (no tools rendered, nothing
-parsed); ``any`` and a named tool are refused (constrained decoding is not built). ``thinking`` ``{"type":
-"enabled"}`` / ``{"type": "disabled"}`` reaches the template as ``enable_thinking``.
+go to the template as functions; ``tool_choice`` ``auto`` (the default), ``none`` (no tools rendered, nothing
+parsed), ``any`` or ``{"type": "tool", "name": ...}`` (one call forced by a grammar: ``constraints.py``).
+``thinking`` ``{"type": "enabled"}`` / ``{"type": "disabled"}`` reaches the template as ``enable_thinking``.
 
 Usage as Anthropic counts it: ``input_tokens`` the prompt tokens computed, ``cache_read_input_tokens`` those restored
 from the prefix cache (their sum is the prompt), ``output_tokens`` the reply's.
@@ -56,10 +56,11 @@ class CountTokensRequest(_Model):
 
     def check(self) -> None:
         kind = (self.tool_choice or {}).get("type", "auto")
-        if kind not in ("auto", "none"):
-            raise RequestError(f"tool_choice: only {{\"type\": \"auto\"}} and {{\"type\": \"none\"}} are supported, "
-                               f"got type {_json(kind)} (the model decides whether to call a tool)",
+        if kind not in ("auto", "none", "any", "tool"):
+            raise RequestError(f"tool_choice.type: expected \"auto\", \"none\", \"any\" or \"tool\", got {_json(kind)}",
                                param="tool_choice")
+        if kind == "tool" and not isinstance(self.tool_choice.get("name"), str):
+            raise RequestError("tool_choice: {\"type\": \"tool\"} needs the tool's \"name\"", param="tool_choice")
         if self.thinking is not None and self.thinking.get("type") not in ("enabled", "disabled"):
             raise RequestError(f"thinking.type: expected \"enabled\" or \"disabled\", got "
                                f"{_json(self.thinking.get('type'))}", param="thinking.type")
@@ -79,6 +80,12 @@ class CountTokensRequest(_Model):
                 fn["description"] = tool["description"]
             out.append({"type": "function", "function": fn})
         return out
+
+    @property
+    def forced_tool(self) -> str | None | bool:
+        """False: no call forced; None: a call of any tool ("any"); else the tool's name."""
+        choice = self.tool_choice or {}
+        return None if choice.get("type") == "any" else choice["name"] if choice.get("type") == "tool" else False
 
     def template_kwargs(self) -> dict:
         return {} if self.thinking is None else {"enable_thinking": self.thinking["type"] == "enabled"}

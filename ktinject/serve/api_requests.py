@@ -48,6 +48,18 @@ async def in_thread(fn, *args, **kwargs):
         raise ApiError(400, str(e), param=e.param, code=e.code) from None
 
 
+async def grammar_for(engine, build: Callable[[], str | None], param: str) -> str | None:
+    """A request's grammar: ``build()`` (``constraints.py``) and the engine's check that it compiles, in a worker
+    thread (the first grammar builds the grammar engine's view of the tokenizer); a RequestError is a 400."""
+    def run():
+        text = build()
+        if text is not None:
+            engine.check_grammar(text, param)
+        return text
+
+    return await in_thread(run)
+
+
 def check_model(name: str | None, names: tuple[str, ...]) -> None:
     if name is not None and name not in names:
         raise ApiError(404, f"model {name!r} is not served here; this server serves {names[0]!r}", param="model",

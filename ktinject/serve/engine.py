@@ -6,7 +6,8 @@ out prompt chunks of waiting requests, oldest first, at most ``prefill_chunk`` t
 (``model_runner.py``) prefills them into their KV-cache rows, short prompts sharing one forward; a request whose last
 chunk went in samples its first token and is running; then one decode step of every running request, one forward of
 the batch bucket b >= n (on CUDA a graph replay), each row sampled on the device with its own parameters
-(``sampling.py``); each request gets its tokens and text (``detokenizer.py``), and finished ones give their rows back.
+(``sampling.py``; the steps queued and read: ``decode_steps.py``); each request gets its tokens and text
+(``detokenizer.py``), and finished ones give their rows back.
 Other threads call ``start``/``stop``, ``submit`` (a request's ``Output`` events go to its ``sink``, called on the
 engine thread: keep it short), ``cancel``, the blocking ``generate``, ``counts``, and the tokenizer's side
 (``encode``, ``render_chat``: ``tokenizer.py``).
@@ -17,9 +18,17 @@ price: a request that ends by end-of-sequence, a stop string or a cancel decodes
 dropped. ``EngineConfig(overlap=False)``: one step at a time.
 
 With ``EngineConfig.prefix_cache`` (a ``PrefixCache`` every request shares), a request that the scheduler starts
-is looked up (``_reuse``: its longest cached prefix, whole blocks), that prefix is restored into its row before its
-first chunk (``_restore``) and its prefill starts after it; once its last chunk is in, its new whole blocks are
-stored (``_store``). Its replies' ``cached_tokens`` say how many prompt tokens were restored.
+is looked up, its longest cached prefix restored into its row before its first chunk and its prefill started after
+it; its new whole blocks are stored once its prompt is in (``prefix_reuse.py``). Its replies' ``cached_tokens`` say
+how many prompt tokens were restored. What each request is told, token by token and at its end:
+``request_outputs.py``.
+
+Constrained decoding (``SamplingParams.grammar``: ``grammar.py``): such a request has a matcher, advanced with each
+of its tokens as the host reads it; the step that samples its next token masks the tokens its grammar forbids
+(``grammar_masks.py``, on the device, in the sampler). With ``overlap``, the next step's forward is queued first and
+the tokens of the step in flight are read while it runs, to advance the matchers and fill the masks before its
+sampling is queued: the host's mask work runs beside the device's forward. Steps without a grammar row do none of
+this.
 
 Batch invariance (greedy tokens alone = among others) holds on the CPU: a prompt is cut at the same places whatever
 else runs, and a row's logits are bit-identical in any batch (tests/serve/test_batch_invariance.py; what it does not
@@ -39,10 +48,15 @@ from typing import Callable
 import torch
 
 from ktinject.serve.detokenizer import Detokenizer
+from ktinject.serve import grammar
+from ktinject.serve.decode_steps import DecodeSteps
 from ktinject.serve.errors import EngineUnavailable, QueueFull, RequestError
+from ktinject.serve.grammar_masks import GrammarMasks
 from ktinject.serve.metrics import Metrics
 from ktinject.serve.model_runner import ModelRunner, eos_ids, pad_id
 from ktinject.serve.penalties import PenaltyState
+from ktinject.serve.prefix_reuse import PrefixReuse
+from ktinject.serve.request_outputs import RequestOutputs
 from ktinject.serve.sampling import Sampler, SamplingParams
 from ktinject.serve.scheduler import Scheduler
 from ktinject.serve.tokenizer import PromptTokenizer
@@ -78,13 +92,17 @@ class Engine:
         self.metrics.prefix_cache = self.prefix_cache
         self._cond = threading.Condition()
         self._cancels: list[Request] = []
-        self._tok_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._ready = threading.Event()
         self.failure: BaseException | None = None  # what stopped the engine thread, if anything did
         self.sampler: Sampler | None = None  # made on the engine thread (pinned memory on CUDA)
         self.penalties: PenaltyState | None = None  # the penalized rows' token counts (made with the sampler)
+        self.masks: GrammarMasks | None = None  # the grammar rows' masks (made with the sampler)
+        self.steps: DecodeSteps | None = None  # queues and reads the decode steps (made with the sampler)
+        self.reuse: PrefixReuse | None = None  # the prefix cache's use (at start, where it can cache this model)
+        self.outputs = RequestOutputs(self.eos_ids, self.metrics, self._release, self.cancel)
+        self.grammars = grammar.Grammars(tokenizer, self.vocab_size, grammar.end_token(tokenizer, self.eos_ids))
         self._inflight = None  # the decode step queued and not yet read: (its requests, model_runner.Decoded)
         self._ending: set[Request] = set()  # requests whose rows went back and whose last token is in flight
         self._decode_clock = 0.0  # decode time of the loop not yet given to a collected step
@@ -171,9 +189,13 @@ class Engine:
                                param="logit_bias")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer (this engine has none)", param="stop")
+        if params.grammar is not None:
+            grammar.require("grammar")
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         req = Request(rid, prompt, params, sink or (lambda out: None), self.cancel,
                       Detokenizer(self.tokenizer, prompt, params.stop, params.skip_special_tokens), params.rng())
+        if params.grammar is not None:
+            req.matcher = self.grammars.matcher(params.grammar)
         with self._cond:
             if not self.alive or self.failure is not None:
                 raise EngineUnavailable("the engine is not running" + (
@@ -243,6 +265,12 @@ class Engine:
         """Token ids of ``messages`` through the chat template (``PromptTokenizer.render_chat``)."""
         return self.prompts.render_chat(messages, tools, **template_kwargs)
 
+    def check_grammar(self, text: str, param: str) -> None:
+        """RequestError naming ``param`` where the grammar ``text`` does not compile for this model's tokenizer
+        (``grammar.Grammars.check``; the first call builds the grammar engine's view of the tokenizer)."""
+        grammar.require(param)
+        self.grammars.check(text, param)
+
     # ---- the engine thread ---------------------------------------------------------------------------------
     def _main(self) -> None:
         try:
@@ -266,56 +294,19 @@ class Engine:
         self.sampler = Sampler(self.kv.slots, self.device)
         self.penalties = PenaltyState(self.kv.slots, self.vocab_size, self.device)  # (tensors at first use)
         self.model_runner.row_hooks.append(self.penalties)
-        store = self.prefix_cache
-        if store is not None:
-            reason = store.why_uncached(self.model)
-            if reason is not None:
-                log.warning("%s", reason)
-            else:
-                store.root(self.model)  # the model's root key once, not in the first request's step
-                self.scheduler.reuse = self._reuse
-                log.info("%s", "; ".join(store.describe()))
-
-    # ---- the prefix cache (engine thread) ------------------------------------------------------------------
-    def _reuse(self, req: Request) -> int:
-        """The prompt tokens of ``req`` the prefix cache holds (whole blocks, < its prompt): the scheduler starts its
-        prefill there. Looked up again only where blocks were stored since (the scheduler may ask at every step
-        while it waits for a row or budget)."""
-        store = self.prefix_cache
-        mark = store.stats.inserted_blocks
-        if req.hit is None or req.hit_mark != mark:
-            req.hit, req.hit_mark = store.lookup(self.model, req.prompt), mark
-        return req.hit.tokens
-
-    def _restore(self, jobs) -> None:
-        """Before a prefill forward: the cached prefix of each request that starts in it goes into its row; where a
-        block went missing meanwhile, its job starts earlier (what was restored)."""
-        for j in jobs:
-            req = j.seq
-            hit, req.hit = req.hit, None
-            if hit is None or not hit.tokens:
-                continue
-            got = self.prefix_cache.restore(hit, self.kv, j.row)
-            if got < j.start:
-                log.warning("%s: prefix cache restored %d of %d tokens; prefilling the rest", req.id, got, j.start)
-                j.start = req.prefilled = got
-            req.cached = got
-
-    def _store(self, jobs) -> None:
-        """After a prefill forward: the whole blocks of the prompts it completed go into the prefix cache (a failure
-        is logged; the requests go on)."""
-        for j in jobs:
-            if not j.last:
-                continue
-            try:
-                self.prefix_cache.insert(self.model, j.seq.prompt, self.kv, j.row, length=j.seq.prompt_len)
-            except Exception:  # noqa: BLE001 - the cache is an optimisation: the request goes on
-                log.exception("storing the prompt of %s in the prefix cache failed", j.seq.id)
+        if grammar.available():
+            self.masks = GrammarMasks(self.kv.slots, self.vocab_size, self.device)
+        self.steps = DecodeSteps(self.config, self.scheduler, self.model_runner, self.outputs, self._release,
+                                 self.sampler, self.penalties, self.masks)
+        if self.prefix_cache is not None:
+            self.reuse = PrefixReuse.attach(self.prefix_cache, self.model, self.kv)
+            if self.reuse is not None:
+                self.scheduler.reuse = self.reuse.lookup
 
     def _step(self) -> bool:
         """One step of the loop (False once stopping): the cancelled requests end; prompt chunks are prefilled
-        (``_prefill``); one decode step is queued (``_launch``) and the tokens of the step before it are read
-        (``_collect``): with ``overlap`` the step just queued stays in flight until the next one."""
+        (``_prefill``); one decode step is queued and the tokens of the step before it are read
+        (``decode_steps.DecodeSteps``): with ``overlap`` the step just queued stays in flight until the next one."""
         with self._cond:
             while not (self._stopping or self._cancels or self._inflight or not self.scheduler.idle()):
                 self._cond.wait()
@@ -323,15 +314,15 @@ class Engine:
                 return False
             cancels, self._cancels = self._cancels, []
         t0 = time.perf_counter()
-        self._finish_many([(r, "cancelled", None) for r in cancels if not r.done])
+        self.outputs.finish_many([(r, "cancelled", None) for r in cancels if not r.done])
         prefill = time.perf_counter()
         self._prefill()
         prefill = time.perf_counter() - prefill
-        launched = self._launch()
+        launched = self.steps.launch(self._inflight)
         ready = [s for s in (self._inflight, launched) if s is not None]  # oldest first
         ahead = ready.pop() if launched is not None and self.config.overlap else None
         for step in ready:
-            got = self._collect(step)
+            got = self.steps.collect(step)
             # decode time: the loop's time but the prefill forwards', given to the step collected
             t1 = time.perf_counter()
             self._decode_clock += t1 - t0 - prefill
@@ -362,7 +353,7 @@ class Engine:
             got = []  # the sampler's logprobs of the first tokens, if any
             try:
                 if caching:
-                    self._restore(jobs)
+                    self.reuse.restore(jobs)
                 firsts = self.model_runner.prefill(jobs, lambda logits, out: got.append(self._sample_first(
                     [j for j in jobs if j.last], logits, out)))
             except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
@@ -370,17 +361,18 @@ class Engine:
                 with self._cond:
                     self.scheduler.prefill_failed(jobs)
                 self.model_runner.reset_rows([j.row for j in jobs])
-                self._finish_many([(r, "error", f"prefill failed: {type(e).__name__}: {e}") for r in reqs])
+                self.outputs.finish_many([(r, "error", f"prefill failed: {type(e).__name__}: {e}") for r in reqs])
                 continue
             tokens = sum(j.end - j.start for j in jobs)
             self.metrics.prefill(tokens, time.perf_counter() - t0)
             if caching:
-                self._store(jobs)
+                self.reuse.insert(jobs)
             budget -= tokens
             with self._cond:
                 done = self.scheduler.prefilled(jobs)
             if done:
-                self._take_tokens(done, firsts, got[0] if got else None)
+                grammar.advance(done, firsts)
+                self.outputs.take_tokens(done, firsts, got[0] if got else None)
 
     def _sample_first(self, ends, logits, out):
         """The first tokens of the prompts that the prefill jobs ``ends`` complete (their logits [k, V] -> out [k]):
@@ -390,108 +382,9 @@ class Engine:
             if j.seq.params.penalized:
                 self.penalties.start_row(j.row, j.seq.prompt)
         return self.sampler(logits, [r.params for r in reqs], [r.rng for r in reqs], out, rows=[j.row for j in ends],
-                            penalties=self.penalties)
+                            penalties=self.penalties, masks=self.masks and self.masks.of(reqs))
 
-    def _launch(self):
-        """Queue one decode step of every running request: (its requests, ``Decoded``), or None. A request whose
-        step in flight brings its last token (max_tokens) gives its row back first: it ends when that token
-        arrives."""
-        ending = [r for r in self.scheduler.running if len(r.out_ids) + r.pending >= r.params.max_tokens]
-        if ending:
-            self._release(ending, done=False)
-        running = list(self.scheduler.running)  # only this thread changes it
-        n = len(running)
-        if n == 0:
-            return None
-        b = next(x for x in self.config.buckets if x >= n)
-        params, rngs = [r.params for r in running], [r.rng for r in running]
-        got = []  # the sampler's logprobs of the step, if any row asks
-        rows = list(range(n))
-        try:
-            decoded = self.model_runner.decode(n, b, lambda logits, out: got.append(self.sampler(
-                logits, params, rngs, out, rows=rows, penalties=self.penalties)))
-        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
-            log.exception("a decode step of %d requests failed", n)
-            self._finish_many([(r, "error", f"decode step failed: {type(e).__name__}: {e}") for r in running])
-            return None
-        for r in running:
-            r.pending += 1
-        self.model_runner.after_decode()
-        return running, decoded, got
-
-    def _collect(self, step) -> tuple[int, float] | None:
-        """The tokens of a step queued by ``_launch`` to its requests still going; (their count, the forward's
-        seconds), or None when the step failed."""
-        reqs, decoded, got = step
-        for r in reqs:
-            r.pending -= 1
-        try:
-            tokens = decoded.tokens()  # the one wait of a step: for its tokens, while the next step runs
-        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
-            log.exception("a decode step of %d requests failed", len(reqs))
-            self._finish_many([(r, "error", f"decode step failed: {type(e).__name__}: {e}") for r in reqs])
-            return None
-        live = [i for i, r in enumerate(reqs) if not r.done]  # a request may have ended since the launch
-        logprobs = got[0] if got else None
-        self._take_tokens([reqs[i] for i in live], [tokens[i] for i in live],
-                          None if logprobs is None else [logprobs.entry(i) for i in live])
-        return len(live), decoded.forward_seconds
-
-    # ---- tokens and endings --------------------------------------------------------------------------------
-    def _take_tokens(self, reqs: list[Request], tokens: list[int], logprobs=None) -> None:
-        """Each request's new token: text, stop checks, its event; finished ones release their rows. ``logprobs``:
-        a ``StepLogprobs`` of the step's rows (prefill), a list of each request's ``TokenLogprob`` or None (decode),
-        or None."""
-        ended = []
-        now = time.perf_counter()
-        if logprobs is not None and not isinstance(logprobs, list):
-            logprobs = [logprobs.entry(i) for i in range(len(reqs))]
-        with self._tok_lock:
-            for i, (req, tok) in enumerate(zip(reqs, tokens)):
-                lp = [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None
-                if req.t_first is None:
-                    req.t_first = now
-                    self.metrics.first_token(now - req.t_arrival)
-                req.out_ids.append(tok)
-                try:
-                    finish, text = self._text(req, tok)
-                except Exception as e:  # noqa: BLE001 - a token the tokenizer cannot decode fails its request only
-                    log.exception("decoding the text of %s failed", req.id)
-                    ended.append((req, "error", f"decoding token {tok} failed: {type(e).__name__}: {e}"))
-                    continue
-                if finish is None:
-                    self._send(req, Output(req.id, text, [tok], logprobs=lp))
-                else:
-                    ended.append((req, finish, None, text, [tok], lp))
-        self.metrics.token(len(reqs))
-        if ended:
-            self._finish_many(ended)
-
-    def _text(self, req: Request, tok: int) -> tuple[str | None, str]:
-        """(finish reason or None, the text to send) after ``tok``."""
-        if tok in self.eos_ids and not req.params.ignore_eos:
-            return "stop", req.detokenizer.finish()
-        text = req.detokenizer.push(tok)
-        if req.detokenizer.stopped is not None:
-            return "stop", text
-        if len(req.out_ids) >= req.params.max_tokens:
-            return "length", text + req.detokenizer.finish()
-        return None, text
-
-    def _finish_many(self, items) -> None:
-        """End requests: (req, reason, error[, text, tokens, logprobs]); rows freed and the layout compacted."""
-        items = [it for it in items if not it[0].done]
-        if not items:
-            return
-        self._release([it[0] for it in items], done=True)
-        for it in items:
-            req, reason, error = it[:3]
-            text, toks, lp = (it[3], it[4], it[5]) if len(it) > 3 else ("", [], None)
-            self.metrics.finish(reason)
-            self._send(req, Output(req.id, text, toks, reason, req.prompt_len, len(req.out_ids), error,
-                                   req.cached, lp, req.detokenizer.stopped))
-            log.info("%s", req.summary(reason, error))
-
+    # ---- endings -------------------------------------------------------------------------------------------
     def _release(self, reqs: list[Request], done: bool) -> None:
         """Give the rows of ``reqs`` back and compact the layout (queued on the device after the step in flight);
         ``done``: they have ended, else they end when the token in flight arrives (``_ending`` until then)."""
@@ -516,14 +409,6 @@ class Engine:
             log.exception("moving KV-cache rows failed")
             raise
 
-    def _send(self, req: Request, out: Output) -> None:
-        try:
-            req.sink(out)
-        except Exception:  # noqa: BLE001 - a broken consumer cancels its request, nothing else
-            log.exception("the consumer of %s failed; cancelling it", req.id)
-            if out.finish_reason is None:
-                self.cancel(req)
-
     def _close(self) -> None:
         """The thread ends: every request still held is told so."""
         with self._cond:
@@ -533,11 +418,4 @@ class Engine:
         self._tell_ended(held)
 
     def _tell_ended(self, reqs) -> None:
-        """Each of ``reqs`` not yet done ends (``cancelled``, "the engine stopped"; ``error`` after a failure) and is
-        told so (any thread; the caller took them out of the scheduler)."""
-        why = "the engine stopped" if self.failure is None else f"the engine failed: {self.failure}"
-        for req in reqs:
-            if not req.done:
-                req.done = True
-                self._send(req, Output(req.id, "", [], "cancelled" if self.failure is None else "error",
-                                       req.prompt_len, len(req.out_ids), why))
+        self.outputs.tell_ended(reqs, self.failure)

@@ -4,9 +4,11 @@
 A request's ``n`` choices are engine requests of one prompt (``api_requests.Replies``); streamed, their chunks go
 out as their tokens come, each with its choice's ``index``, each choice ending with its own ``finish_reason`` chunk,
 and with ``stream_options.include_usage`` one usage chunk after the last (the prompt counted once). A chat reply's
-text is split into reasoning, content and tool calls per choice (``chat_output.ChatOutput``). Logprobs
-(``logprobs`` / ``top_logprobs``; completions' ``logprobs``) come with the tokens they belong to; where a chat
-parser holds a token's text back, its logprobs go out with the next chunk of that choice.
+text is split into reasoning, content and tool calls per choice (``chat_output.ChatOutput``). ``response_format``
+JSON and a forced ``tool_choice`` hold the replies to a grammar (``constraints.py``, built and checked in a worker
+thread: an invalid schema or an unknown tool is a 400); a forced call ends with ``finish_reason: "tool_calls"``.
+Logprobs (``logprobs`` / ``top_logprobs``; completions' ``logprobs``) come with the tokens they belong to; where a
+chat parser holds a token's text back, its logprobs go out with the next chunk of that choice.
 """
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ import time
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ktinject.serve import logprob_format, protocol, reasoning, tool_parsers
+from ktinject.serve import constraints, logprob_format, protocol, reasoning, tool_parsers
 from ktinject.serve.api_requests import Replies, ServerContext, check_model, checked, choice_params, failure, \
-    in_thread, summed_usage
+    grammar_for, in_thread, summed_usage
 from ktinject.serve.chat_output import ChatOutput
 
 log = logging.getLogger("ktinject.serve")
@@ -44,7 +46,16 @@ def add_routes(app, ctx: ServerContext) -> None:
             inside = reasoning.prompt_opens_think(await asyncio.to_thread(engine.prompt_tail_text, prompt))
         outputs = [ChatOutput(tool_parsers.make(ctx.tool_parser, tools) if parse else None, inside)
                    if parse or inside is not None else None for _ in range(body.n)]
-        return await _serve(ctx, body, prompt, request, chat=True, outputs=outputs, special=parse)
+        forced, think = body.forced_tool, bool(inside)
+        if forced is not False:
+            rule = await grammar_for(engine, lambda: constraints.forced_call(
+                ctx.tool_parser, tools, forced, lambda text: engine.grammars.literal(text), think), "tool_choice")
+        elif body.json_format:
+            rule = await grammar_for(engine, lambda: constraints.response_format(body.response_format, think),
+                                     "response_format")
+        else:
+            rule = None
+        return await _serve(ctx, body, prompt, request, chat=True, outputs=outputs, special=parse, grammar=rule)
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
@@ -55,15 +66,17 @@ def add_routes(app, ctx: ServerContext) -> None:
         return await _serve(ctx, body, prompt, request, chat=False, outputs=[None] * body.n)
 
 
-async def _serve(ctx: ServerContext, body, prompt: list[int], request, chat: bool, outputs: list, special=False):
+async def _serve(ctx: ServerContext, body, prompt: list[int], request, chat: bool, outputs: list, special=False,
+                 grammar: str | None = None):
     """One request of ``len(outputs)`` choices: submitted, then answered whole or streamed. ``special``: keep
-    special tokens in the text (a tool parser reads family markers that may be special tokens)."""
+    special tokens in the text (a tool parser reads family markers that may be special tokens); ``grammar``: what
+    the replies are held to (``constraints.py``)."""
     engine = ctx.engine
     max_tokens = checked(engine.check_length, len(prompt), body.limit, "messages" if chat else "prompt",
                          body.limit_param)
     params = checked(body.sampling, engine.default_params(), max_tokens)
-    if special:
-        params = dataclasses.replace(params, skip_special_tokens=False)
+    if special or grammar is not None:
+        params = checked(lambda: dataclasses.replace(params, skip_special_tokens=not special, grammar=grammar))
     replies = Replies(engine, request)
     await replies.start(prompt, choice_params(params, len(outputs)))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{replies.id}"

@@ -3,13 +3,15 @@
 Requests are pydantic models in strict mode (a number sent as a string is an error, as OpenAI's API has it); unknown
 fields are ignored, and null for an optional field is its default. Fields whose JSON type varies (``content``,
 ``stop``, ``prompt``) are checked here by hand so that errors name the field plainly (``messages[1].content``).
-Parameters the engine does not implement (forced tool calls: tool_choice "required" or a named function, JSON
-response formats, echo, suffix, best_of > 1) are refused with 400 rather than ignored. Extensions, as in vLLM:
+Parameters the engine does not implement (echo, suffix, best_of > 1) are refused with 400 rather than ignored.
+``response_format`` (``text``, ``json_object``, ``json_schema``) and a forced ``tool_choice`` (``"required"``, a named
+function) are checked for shape here and become grammars in ``constraints.py``. Extensions, as in vLLM:
 ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``chat_template_kwargs``.
 """
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -95,12 +97,19 @@ class ChatRequest(_Common):
     chat_template_kwargs: dict | None = None
 
     def check(self) -> None:
-        self.check_unsupported({"response_format": (self.response_format, _text_format)})
+        self.check_unsupported({})
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs \"logprobs\": true", param="top_logprobs")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise RequestError(f"tool_choice: only \"auto\" and \"none\" are supported, got {_json(self.tool_choice)} "
-                               "(the model decides whether to call a tool)", param="tool_choice")
+        _check_response_format(self.response_format)
+        choice = self.tool_choice
+        named = isinstance(choice, dict) and choice.get("type") == "function" and \
+            isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+        if choice not in (None, "none", "auto", "required") and not named:
+            raise RequestError(f"tool_choice: expected \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                               f"\"function\": {{\"name\": ...}}}}, got {_json(choice)}", param="tool_choice")
+        if self.forced_tool is not False and self.json_format:
+            raise RequestError("response_format cannot be combined with a forced tool_choice (the reply is the "
+                               "call)", param="response_format")
         for i, tool in enumerate(self.tools or []):
             fn = tool.get("function")
             if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -109,6 +118,20 @@ class ChatRequest(_Common):
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def forced_tool(self) -> str | None | bool:
+        """False: no call forced; None: a call of any tool ("required"); else the tool's name."""
+        if self.tool_choice == "required":
+            return None
+        if isinstance(self.tool_choice, dict):
+            return self.tool_choice["function"]["name"]
+        return False
+
+    @property
+    def json_format(self) -> bool:
+        """Whether ``response_format`` holds the reply to JSON."""
+        return isinstance(self.response_format, dict) and self.response_format.get("type") != "text"
 
     @property
     def limit(self) -> int | None:
@@ -205,8 +228,34 @@ def _json(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _text_format(value) -> bool:
-    return value == {"type": "text"}
+#: response_format's json_schema name: OpenAI's pattern
+_SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def _check_response_format(value) -> None:
+    """RequestError naming the field where ``response_format`` is not OpenAI's shape."""
+    param = "response_format"
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise RequestError(f"{param}: expected {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or {{\"type\": "
+                           f"\"json_schema\", \"json_schema\": {{...}}}}, got {_json(value)}", param=param)
+    if kind != "json_schema":
+        return
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise RequestError(f"{param}.json_schema: expected an object with name and schema",
+                           param=f"{param}.json_schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise RequestError(f"{param}.json_schema.name: expected 1-64 letters, digits, _ or -, got {_json(name)}",
+                           param=f"{param}.json_schema.name")
+    if "schema" in spec and not isinstance(spec["schema"], dict):
+        raise RequestError(f"{param}.json_schema.schema: expected a JSON schema object, got {_json(spec['schema'])}",
+                           param=f"{param}.json_schema.schema")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise RequestError(f"{param}.json_schema.strict: expected a boolean", param=f"{param}.json_schema.strict")
 
 
 def logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:

@@ -14,9 +14,10 @@ one's tokens (see ``engine.py``).
 ``logit_bias`` is added to a row's logits before either (greedy rows too), then the penalties of the rows that have
 them (``penalties.py``: presence, frequency, repetition, from per-row token counts on the device); ``min_p`` keeps,
 of a sampled row, the tokens at least min_p x the most likely one's probability (after temperature), with top_k and
-top_p. Rows that ask for ``logprobs`` get the log-softmax of the forward's own logits (``logprobs.py``: before bias,
-penalties and temperature) for the token picked and their top ones. Each of these costs nothing (no kernel, no copy)
-in a step where no row uses it.
+top_p. Rows with a grammar (constrained decoding: ``grammar_masks.py``) get their forbidden tokens at -inf last,
+before the argmax and the sampling. Rows that ask for ``logprobs`` get the log-softmax of the forward's own logits
+(``logprobs.py``: before bias, penalties, grammar and temperature) for the token picked and their top ones. Each
+of these costs nothing (no kernel, no copy) in a step where no row uses it.
 Legend: n rows, m sampled rows, V vocabulary.
 """
 from __future__ import annotations
@@ -61,6 +62,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
     frequency_penalty: float = 0.0  # x how many times each token was generated so far, subtracted
     repetition_penalty: float = 1.0  # HF / vLLM: logits of tokens in the prompt or generated / it (x it if < 0)
+    grammar: str | None = None  # llguidance's grammar text the tokens must follow (``grammar.py``), or None
 
     def __post_init__(self):
         problems = []
@@ -94,6 +96,9 @@ class SamplingParams:
         if not 0 < self.repetition_penalty <= REPETITION_MAX:
             problems.append(("repetition_penalty", f"must be in (0, {REPETITION_MAX:g}] (1 = off), got "
                                                    f"{self.repetition_penalty!r}"))
+        if self.grammar is not None and self.ignore_eos:
+            problems.append(("ignore_eos", "ignore_eos cannot be combined with a grammar (response_format or a forced "
+                                           "tool_choice): the grammar's reply ends with end-of-sequence"))
         if problems:
             raise RequestError(problems[0][1], param=problems[0][0])
 
@@ -122,7 +127,8 @@ class Sampler:
     here from its request's stream) go to the device in one copy from pinned memory, so a step costs one upload
     and no synchronisation (the engine reads the tokens back later, in one copy of the whole step).
     ``rows``: the most rows a call gets. With ``penalties`` (a ``penalties.PenaltyState``) and ``rows`` (the KV-cache
-    row of each logits row), the rows whose requests have penalties are penalized and their counts updated; a call
+    row of each logits row), the rows whose requests have penalties are penalized and their counts updated; with
+    ``masks`` (a ``grammar_masks.StepMask``) the rows it names are constrained to their grammars' tokens; a call
     returns the step's ``logprobs.StepLogprobs`` when some row asks for logprobs, else None."""
 
     _COLUMNS = 6  # row index, temperature, top_p, top_k, u, min_p: float64 holds each exactly (top_k, rows: < 2**53)
@@ -136,7 +142,7 @@ class Sampler:
         self._next = 0
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random],
-                 out: torch.Tensor, rows: list[int] | None = None, penalties=None):
+                 out: torch.Tensor, rows: list[int] | None = None, penalties=None, masks=None):
         """logits [n, V], one SamplingParams and random stream per row -> out [n] (int64, logits' device); returns
         the rows' logprobs (``StepLogprobs``) where some row asks for them, else None."""
         raw = logits
@@ -153,6 +159,8 @@ class Sampler:
             if rows is None:
                 raise ValueError("penalties need the KV-cache row of each logits row (rows=)")
             logits = penalties.apply(logits if biased else logits.clone(), rows, params)
+        if masks is not None:
+            logits = masks.apply(logits if biased or penalized else logits.clone())
         torch.argmax(logits, dim=-1, out=out)
         if sampled:
             self._sample(logits, params, rngs, out, sampled)

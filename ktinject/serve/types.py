@@ -1,6 +1,6 @@
 """What the engine takes and gives, near the bottom of ``ktinject.serve`` (below it: ``errors.py``): its settings
 (``EngineConfig``), a request inside it (``Request``), the events a request gets (``Output``) and a whole completion
-(``Result``). Plain data, shared by the engine and the API without either importing the other.
+(``Result``), a decode step in flight (``DecodeStep``). Plain data, shared by the engine and the API without either importing the other.
 """
 from __future__ import annotations
 
@@ -133,6 +133,7 @@ class Request:
     cached: int = 0  # prompt tokens its row gets from the prefix cache (its prefill starts there)
     hit: object = None  # the prefix cache's Hit, looked up and not yet restored
     hit_mark: int = -1  # the store's inserted blocks when ``hit`` was looked up (a later insert: look up again)
+    matcher: object = None  # its grammar's grammar.Matcher (constrained decoding), or None
 
     @property
     def prompt_len(self) -> int:
@@ -149,3 +150,15 @@ class Request:
         rate = f"{(n - 1) / (now - self.t_first):.1f} tok/s" if self.t_first and n > 1 and now > self.t_first else "n/a"
         return (f"{self.id}: {reason} after {self.prompt_len} prompt + {n} completion tokens, first token {ttft}, "
                 f"decode {rate}{f' ({error})' if error else ''}")
+
+
+@dataclass(eq=False)
+class DecodeStep:
+    """A decode step in flight (the engine's): its requests, the model runner's ``Decoded``, the sampler's logprobs
+    (a list of one, or empty) and, once read, its tokens."""
+
+    reqs: list
+    decoded: object
+    got: list
+    tokens: list | None = None
+    failed: bool = False

@@ -114,7 +114,7 @@ def test_tool_choice_none_renders_no_tools(recorded):
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages[0].content[0]: a user message may hold text, tool_result blocks, got \"image\""),
-    ({"max_tokens": 5, "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"max_tokens": 5, "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "sometimes"}}, "tool_choice"),
     ({"max_tokens": 5, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "tools[0]"),
     ({"max_tokens": 5, "messages": ASK, "stop_sequences": [""]}, "stop_sequences"),

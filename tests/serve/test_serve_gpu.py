@@ -178,3 +178,34 @@ def test_logprobs_and_penalties_through_graph_decode(engine):
         out.append(int((last - 1.5 * counts).argmax()))
     assert [t for o in events[3] for t in o.token_ids] == out
     assert engine.penalties.live == set()
+
+
+def test_grammar_masks_inside_graph_decode_steps(engine):
+    """JSON-schema rows beside plain rows through the decode graphs: every grammar reply validates, the plain rows
+    get the tokens they get alone, and every decode step of the run replayed a graph (the mask is applied in the
+    sampling after the replay, the matchers advanced while the next forward runs)."""
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    import json
+
+    from ktinject.serve import grammar
+    from ktinject.serve.sampling import SamplingParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                        "maxItems": 3}},
+              "required": ["name", "n", "tags"], "additionalProperties": False}
+    rule = grammar.json_schema(schema, "response_format")
+    engine.check_grammar(rule, "response_format")
+    prompts = _prompts(engine)
+    plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    held = [SamplingParams(max_tokens=120, temperature=t, seed=i, grammar=rule) for i, t in enumerate((0, 1, 0, 1))]
+    alone = [engine.generate(p, plain, timeout=300) for p in prompts[0::2]]
+    eager = engine.runner.stats.eager_decode
+    mixed = _together(engine, prompts, [plain, held[0], plain, held[1], plain, held[2], plain, held[3]])
+    assert engine.runner.stats.eager_decode == eager
+    assert [m.token_ids for m in mixed[0::2]] == [a.token_ids for a in alone]
+    for r in mixed[1::2]:
+        assert r.finish_reason == "stop", r.text
+        jsonschema.validate(json.loads(r.text), schema)

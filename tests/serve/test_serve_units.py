@@ -367,7 +367,7 @@ def test_request_checks_name_the_field():
     assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "n": 17}).check()) == "n"
     assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}).check()) == \
         "top_logprobs"  # (without "logprobs": true)
-    assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})
+    assert param(lambda: chat({"messages": [{"role": "user", "content": "x"}], "tool_choice": "always"})
                  .check()) == "tool_choice"
     assert param(lambda: stop_strings(["a", 3])) == "stop"
     assert param(lambda: CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompt_value()) == "prompt"
