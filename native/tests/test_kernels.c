@@ -26,7 +26,13 @@
  * fp8 (G = 128 and 32, 128 and 16 rows per scale in turn; every e4m3 code but NaN, rows of x scaled far from 1): the
  * generic kernel against float64 of the dequantized weights; each ISA's direct path must be bit-exact against it
  * (workspaces of 0 rows up to more than n: chunks of rows, the generic fallback), its dequantizing path as int4's,
- * its dequantization the generic one's bits; gemv against gemm with one row as for the other quants.
+ * its dequantization the generic one's bits; gemv against gemm with one row as for the other quants. Half the fp8
+ * cases are remapped as a checkpoint looks (few subnormal codes, so most 64-byte lines hold none) with rows of
+ * zeros and of +-448. The vdpbf16ps kernels of fp8_bf16.c ("avx512 fp8 dp (raw)", run wherever the CPU has
+ * AVX512_BF16 and VBMI, whether or not the table picks them) must be bit-exact where a probe finds vdpbf16ps
+ * rounding as Intel documents it (dp_rounds_as_documented); elsewhere they are held to |y - generic| / sum_c |x_c
+ * w_c| <= 1e-5 (the generic kernel's own bound against float64) and how many outputs matched bit for bit is
+ * printed. Their gemv must match their direct kernel with one row bit for bit.
  * Prints the ISAs it ran and those it could not (not on this CPU). Exit code 1 on any failure.
  */
 #define _GNU_SOURCE
@@ -38,6 +44,7 @@
 #include <string.h>
 #include <time.h>
 #include <cpuid.h>
+#include <immintrin.h>
 #include <unistd.h>
 #include <sys/syscall.h>
 #include "../include/ktinject.h"
@@ -57,12 +64,13 @@ void ktk_avx512_gemm_int4_vnni(const ktk_mat *w, int nb0, int nb1, const ktk_act
 void ktk_avx512_dequant_int4(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
 void ktk_avx512_dequant_int4_plain(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
 void ktk_avx2_dequant_fp8(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
-void ktk_avx512_dequant_fp8(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
+#include "../src/kernels/avx512/fp8.h"
 
 #include "test_kernels_pack.h"
 
 /* ---------------- correctness ---------------- */
-typedef struct { const char *name; ktk_gemm_fn fn[4]; } variant;   /* by quant: bf16, int8, int4, fp8 */
+typedef struct { const char *name; ktk_gemm_fn fn[4]; int fp8_tol; } variant;   /* by quant: bf16, int8, int4, fp8;
+                                                                        fp8_tol: direct fp8 to 1e-5, not bits */
 
 #define NCOL 6
 static int nvariants;
@@ -73,6 +81,8 @@ static const char *const COL[NCOL] = {"bf16", "int8", "int4", "int4 dq", "fp8", 
 static const char *const QNAME[4] = {"bf16", "int8", "int4", "fp8"};   /* by KTK_QUANT_* */
 static int avx512_dequant;    /* check ktk_avx512_dequant_int4 / _fp8 against the generic ones */
 static int avx2_dequant;      /* check ktk_avx2_dequant_fp8 against the generic one */
+static int64_t dp_outputs, dp_same;   /* fp8 outputs of the tolerance variants, of which bit-identical to generic */
+static int dp_exact;          /* vdpbf16ps rounds as documented: fp8_bf16.c's kernels must be bit-exact */
 
 static void add_variant(const char *name, ktk_gemm_fn bf16, ktk_gemm_fn int8, ktk_gemm_fn int4, ktk_gemm_fn fp8) {
     variants[nvariants] = (variant){name, {bf16, int8, int4, fp8}};
@@ -147,6 +157,7 @@ static void check_case(int N, int K, int n, int col, int G, int br, int nb0, int
     const int quant = col < 2 ? col : col < 4 ? KTK_QUANT_INT4 : KTK_QUANT_FP8, dq = col == 3 || col == 5;
     const int exact = col == 1 || col == 2 || col == 4;
     packed p = pack(N, K, quant, G, br);
+    if (quant == KTK_QUANT_FP8 && xr() % 2) fp8_checkpoint_like(&p);
     acts x = make_acts(n, K, p.m.Kp, quant);
     int64_t ldy = (int64_t)(nb1 - nb0) * 16 + 5;
     char who[160], what[32];
@@ -193,10 +204,16 @@ static void check_case(int N, int K, int n, int col, int G, int br, int nb0, int
         float *out = run_framed(fn, &p, &x, nb0, nb1, ldy, who);
         float *o = out + ldy;
         double err = 0, err_bf16w = 0;
+        const int tol_dp = col == 4 && variants[v].fp8_tol;
         for (int t = 0; t < n; t++)
             for (int j = nb0 * 16; j < nb1 * 16; j++) {
                 double a = o[(int64_t)t * ldy + j - nb0 * 16], b = r[(int64_t)t * ldy + j - nb0 * 16], e;
-                if (exact) {
+                if (tol_dp) {
+                    dp_outputs++;
+                    dp_same += memcmp(&o[(int64_t)t * ldy + j - nb0 * 16], &r[(int64_t)t * ldy + j - nb0 * 16], 4) == 0;
+                    if (j < N) dot64(&p, &x, t, j, 0, &sa); else sa = 1e-30;
+                    e = fabs(a - b) / sa;
+                } else if (exact) {
                     e = a == b ? 0 : fabs(a - b) / (fabs(b) + 1e-30);
                 } else {
                     double s = j < N ? dot64(&p, &x, t, j, dq, &sa) : 0;
@@ -218,7 +235,7 @@ static void check_case(int N, int K, int n, int col, int G, int br, int nb0, int
             x.a.tiles = NULL;
         }
         if (!(err <= worst[v][col])) worst[v][col] = err;
-        double tol = col == 0 ? 1e-4 : dq ? 4.5e-3 : col == 4 ? 0 : 1e-6;
+        double tol = col == 0 ? 1e-4 : dq ? 4.5e-3 : tol_dp ? 1e-5 : col == 4 ? 0 : 1e-6;
         if (!(err <= tol) || !(err_bf16w <= 1e-4)) {
             printf("FAIL %s: err %.3g (tol %.0e), vs bf16-rounded weights %.3g\n", who, err, tol, err_bf16w);
             failures++;
@@ -288,6 +305,22 @@ static void check_gemv(const char *name, const ktk_kernels *t) {
     }
 }
 
+/* fp8_bf16.c's direct kernel, or the dp table entry where the dequantizing path is forced (its dq path is fp8.c's) */
+static void gemm_fp8_dp_raw(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
+    if (x->fp8_path == KTK_FP8_PATH_DEQUANT) ktk_avx512_gemm_fp8_dp(w, nb0, nb1, x, y, ldy);
+    else ktk_avx512_fp8_dp_kernels(1).direct(w, nb0, nb1, x, y, ldy);
+}
+
+/* The dp entries' choice: fp8.c's FMA kernels for use_dp 0, fp8_bf16.c's others for 1. */
+static void check_fp8_dp_choice(void) {
+    const ktk_fp8_kernels off = ktk_avx512_fp8_dp_kernels(0), on = ktk_avx512_fp8_dp_kernels(1);
+    if (off.direct != ktk_avx512_gemm_fp8_direct || off.gemv != ktk_avx512_gemv_fp8 ||
+        on.direct == ktk_avx512_gemm_fp8_direct || on.gemv == ktk_avx512_gemv_fp8) {
+        printf("FAIL fp8 dp: ktk_avx512_fp8_dp_kernels does not fall back to the FMA kernels\n");
+        failures++;
+    }
+}
+
 static int run_tests(void) {
     static const int shapes[][2] = {{1, 1}, {16, 64}, {17, 65}, {5, 130}, {33, 200}, {64, 128}, {100, 257},
                                     {250, 1000}, {48, 2048}, {40, 7168}, {130, 96}};
@@ -319,6 +352,12 @@ static int run_tests(void) {
         check_gemv("avx512 (plain F/BW)", ktk_kernels_avx512());
         unsetenv("KTINJECT_AVX512_PLAIN");
         check_gemv(ktk_kernels_avx512()->name, ktk_kernels_avx512());
+        check_fp8_dp_choice();
+        if (f.bf16 && f.vbmi) {
+            const ktk_kernels dpt = {.name = "avx512 fp8 dp (raw)", .gemm_fp8 = gemm_fp8_dp_raw,
+                                     .gemv_fp8 = ktk_avx512_fp8_dp_kernels(1).gemv};
+            check_gemv(dpt.name, &dpt);
+        }
     }
     if (f.amx) check_gemv("amx (table)", ktk_kernels_amx());
     printf("%d cases x %d variants; gemv: %d cases bit-identical to gemm with one row\n", ncases, nvariants,
@@ -331,8 +370,11 @@ static int run_tests(void) {
         for (int c = 0; c < NCOL; c++) printf(" %-10.3g", worst[v][c]);
         printf("\n");
     }
-    printf("(bf16, int4 dq, fp8 dq: |y - generic| / sum|x w| per output; int8, int4, fp8: relative difference, 0 = "
-           "bit-exact)\n");
+    printf("(bf16, int4 dq, fp8 dq, fp8 of avx512 fp8 dp: |y - generic| / sum|x w| per output; int8, int4, fp8: "
+           "relative difference, 0 = bit-exact)\n");
+    if (dp_outputs)
+        printf("avx512 fp8 dp (raw): %lld of %lld fp8 outputs bit-identical to generic\n", (long long)dp_same,
+               (long long)dp_outputs);
     printf("ISAs run: generic%s%s%s; not run (not on this CPU / OS): %s%s%s\n", f.avx2 ? ", avx2" : "",
            f.avx512 ? ", avx512" : "", f.amx ? ", amx" : "", f.avx2 ? "" : "avx2 ", f.avx512 ? "" : "avx512 ",
            f.amx ? "" : "amx");
@@ -366,6 +408,13 @@ int main(int argc, char **argv) {
         ktk_gemm_fn vn = f.vnni && best->gemm_int8 != ktk_avx512_gemm_int8_vnni ? ktk_avx512_gemm_int8_vnni : NULL;
         ktk_gemm_fn v4 = f.vnni && best->gemm_int4 != ktk_avx512_gemm_int4_vnni ? ktk_avx512_gemm_int4_vnni : NULL;
         if (dp || vn || v4) add_variant("avx512 dp/vnni (raw)", dp, vn, v4, NULL);
+        if (f.bf16 && f.vbmi) {   /* fp8_bf16.c's kernels even where the table does not pick them (Intel) */
+            add_variant("avx512 fp8 dp (raw)", NULL, NULL, NULL, gemm_fp8_dp_raw);
+            dp_exact = dp_rounds_as_documented();
+            variants[nvariants - 1].fp8_tol = !dp_exact;
+            printf("vdpbf16ps rounds as documented: %s (fp8 dp: %s)\n", dp_exact ? "yes" : "no",
+                   dp_exact ? "bit-exact required" : "tolerance 1e-5");
+        }
     }
     if (f.amx) {
         const ktk_kernels *amx = ktk_kernels_amx();

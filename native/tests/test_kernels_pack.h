@@ -1,6 +1,7 @@
 // CPU features and test data of native/tests/test_kernels.c (included there: one file to compile). See that file's
 // header. What the CPU and the OS offer (detect); random matrices packed as native/src/kernels/kernels.h lays them
-// out, with the values they stand for beside them (pack); activations in each quant's form (make_acts).
+// out, with the values they stand for beside them (pack); activations in each quant's form (make_acts); fp8 codes
+// as a checkpoint has them and the probe of vdpbf16ps's rounding (the fp8_bf16.c kernels' tests).
 /* ---------------- CPU / OS features ---------------- */
 static uint64_t xgetbv0(void) {
     uint32_t a, d;
@@ -8,7 +9,7 @@ static uint64_t xgetbv0(void) {
     return ((uint64_t)d << 32) | a;
 }
 
-typedef struct { int avx2, avx512, bf16, vnni, amx; } features;
+typedef struct { int avx2, avx512, bf16, vnni, amx, vbmi; } features;
 
 static features detect(void) {
     features f = {0};
@@ -23,6 +24,7 @@ static features detect(void) {
     f.avx512 = zmm && ((b >> 16) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1);   /* F, BW, VL */
     f.vnni = f.avx512 && ((c >> 11) & 1);
     f.bf16 = f.avx512 && ((a1 >> 5) & 1);
+    f.vbmi = f.avx512 && ((c >> 1) & 1);
     int amx_hw = ((d >> 24) & 1) && ((d >> 22) & 1) && ((d >> 25) & 1);        /* TILE, BF16, INT8 */
     if (amx_hw && f.bf16 && f.vnni) {
         /* ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 */
@@ -172,4 +174,38 @@ static acts make_acts(int n, int K, int Kp, int quant) {
 static void acts_free(acts *r) {
     free((void *)r->a.x_bf16); free((void *)r->a.x_i8); free((void *)r->a.x_scale); free((void *)r->a.x_sum);
     free(r->xf); free(r->a.work);
+}
+
+/* ---------------- fp8: checkpoint-like codes, the vdpbf16ps rounding probe ---------------- */
+/* fp8 codes as a checkpoint has them (31 in 32 subnormal codes made normal, so that most 64-byte lines hold none)
+ * and rows of zeros (n % 8 == 5) and of +-448 (n % 8 == 6); the values beside them updated. */
+static void fp8_checkpoint_like(packed *p) {
+    uint8_t *d = (uint8_t *)p->m.data_f8;
+    const int G = p->m.group, ng = ktk_fp8_groups(&p->m);
+    for (int n = 0; n < p->m.N; n++)
+        for (int c = 0; c < p->m.K; c++) {
+            uint8_t *v = &d[((int64_t)(n / 16) * p->m.Kp + c) * 16 + n % 16];
+            if (n % 8 == 5) *v = 0;
+            else if (n % 8 == 6) *v = c % 3 ? 0x7e : 0xfe;
+            else if (!(*v & 0x78) && (*v & 7) && xr() % 32) *v |= 0x08;
+            p->wf[(size_t)n * p->m.K + c] = ktk_e4m3_to_f32(*v) * p->m.scale[(n / 16) * ng + c / G];
+        }
+}
+
+/* Whether this CPU's vdpbf16ps computes, per lane, (acc + odd product) rounded, + even product, rounded (Intel's
+ * documented order, which makes fp8_bf16.c's kernels bit-identical to the generic one): 20000 random probes. */
+__attribute__((target("avx512f,avx512bf16"))) static int dp_rounds_as_documented(void) {
+    for (int i = 0; i < 20000; i++) {
+        uint16_t h[5];
+        for (int k = 0; k < 5; k++)   /* normal bf16 of exponents 2^-20..2^19, both signs */
+            h[k] = (uint16_t)(((xr() >> 63) << 15) | ((107 + xr() % 40) << 7) | (xr() % 128));
+        const float acc = ktk_bf16_to_f32(h[4]) * (float)(1 + xr() % 1000);
+        const __m512 r = _mm512_dpbf16_ps(_mm512_set1_ps(acc), (__m512bh)_mm512_set1_epi32((int)(h[1] << 16 | h[0])),
+                                          (__m512bh)_mm512_set1_epi32((int)(h[3] << 16 | h[2])));
+        volatile float p1 = ktk_bf16_to_f32(h[1]) * ktk_bf16_to_f32(h[3]);
+        volatile float p0 = ktk_bf16_to_f32(h[0]) * ktk_bf16_to_f32(h[2]);
+        volatile float s1 = acc + p1, want = s1 + p0;
+        if (_mm512_cvtss_f32(r) != want) return 0;
+    }
+    return 1;
 }

@@ -101,9 +101,15 @@ typedef struct {
  *       e4m3(W[j][c]), acc = fmaf(p_g, scale[j/16][g], acc) from acc = 0, y = acc: the generic kernel literally; the
  *       ISA kernels compute the same operations on x * 2^a and w * 2^-120 (powers of two: exact while nothing leaves
  *       the normal range, which a per-row a keeps so for scales from about 2^-75) and scale y back by 2^(120 - a),
- *       so they match it bit for bit on such data; dequantizing path: gemm_bf16 of x_bf16 and bf16(e4m3 * scale)
- *       (weights rounded to bf16: <= 2^-9 relative). Needs x->work of at least ktk_fp8_rows_bytes(Kp, 1) bytes
- *       (the ISA kernels fall back to the generic one without).
+ *       so they match it bit for bit on such data. The vdpbf16ps kernels (avx512/fp8_bf16.c, run by the
+ *       avx512+bf16 tables where the CPU has AVX512_VBMI and is not Intel's) do the same steps in the same order
+ *       but through vdpbf16ps (per lane: acc + the odd pair element's product, rounded, + the even one's, rounded,
+ *       as Intel documents it; subnormal inputs and results flushed): bit-identical where the instruction rounds
+ *       so (Intel's cores), else within 1e-5 of sum_c |x[t][c] w[j][c]| of the generic result (what the kernel
+ *       harness holds them to). Their gemv is bit-identical to their gemm with one row on every CPU.
+ *       Dequantizing path: gemm_bf16 of x_bf16 and bf16(e4m3 * scale) (weights rounded to bf16: <= 2^-9
+ *       relative). Needs x->work of at least ktk_fp8_rows_bytes(Kp, 1) bytes (the ISA kernels fall back to the
+ *       generic one without).
  * No bias, no activation, y is overwritten. Called concurrently from pool threads on disjoint outputs. */
 typedef void (*ktk_gemm_fn)(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
 /* int4 / fp8 blocks [nb0, nb1) -> bf16 packed layout (block b at dst + (b - nb0) * 16 * Kp), value bf16(q * scale)

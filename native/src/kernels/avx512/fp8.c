@@ -1,5 +1,6 @@
-/* AVX-512 fp8 (W8A16) kernels: the direct kernel, the decode gemv and the dequantization to bf16 (AVX-512 F/BW:
- * every variant of the table, and the AMX table below its crossover).
+/* AVX-512 fp8 (W8A16) kernels: the direct FMA kernel, its decode gemv and the dequantization to bf16 (AVX-512 F/BW:
+ * every variant of the table, and the AMX table below its crossover), and the gemm_fp8 table entries (the
+ * avx512+bf16 variants' direct kernel and gemv, with vdpbf16ps: fp8_bf16.c).
  *
  *   direct:   x rows converted once per call to float times 2^a (ktk_fp8_rows, the caller's workspace); a 16-byte
  *             packed row (16 outputs of one input): vpmovsxbd -> vpslld 20 -> vpandd 0x87f00000, floats of value
@@ -7,26 +8,32 @@
  *             group p = sum of those products, acc = fma(p, the block's scale, acc); y = acc * 2^(120 - a): the
  *             float operations of the generic reference on scaled operands (bit-identical where nothing leaves the
  *             normal range). MR <= 4 rows share each converted weight vector; NB blocks, MR * NB <= 8 (p and acc:
- *             16 zmm).
+ *             16 zmm). e4m3 subnormal codes become float subnormals: exact, but Intel cores take a microcode assist
+ *             for each FMA with a subnormal operand (slow on data with many of them; fp8_bf16.c avoids it).
  *   gemv:     M matrices with one row each (ktk_gemv_fn): M x NB weight streams in one loop over K (NB <= 2 for
  *             M <= 4, else 1), each accumulator as the direct kernel's with one row: bit-identical to it.
  *   dequant:  the same conversion, * 2^120 (exact), * scale, rounded to bf16 (nearest even, by integer ops: the
  *             generic dequantization's bits, denormal products included) and interleaved in pairs.
- * gemm_fp8 takes the dequantizing path (+ the table's gemm_bf16) from KTK_AVX512_FP8_DEQUANT_ROWS rows or when
- * forced, else the direct kernel. Layouts: see ../kernels.h. Called concurrently: no mutable globals, no allocation.
+ * gemm_fp8 takes the dequantizing path (+ the table's gemm_bf16) from KTK_AVX512_FP8_DEQUANT_ROWS rows (FMA direct
+ * kernel) or KTK_AVX512_FP8_DP_DEQUANT_ROWS rows (vdpbf16ps direct kernel) or when forced, else the direct kernel.
+ * Layouts: see ../kernels.h. Called concurrently: no mutable globals, no allocation.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <immintrin.h>
 #include "../kernels.h"
 #include "drive.h"
-#include "gemv.h"
+#include "fp8.h"
 
 /* Rows from which gemm_fp8 dequantizes to bf16 and runs the table's bf16 kernel on a CPU without AMX; 0: never
- * (forced only). A starting point, not measured yet (A/B: the kernel bench, TK_QUANT=fp8): on AVX2 the direct kernel
- * won at every row count; here vdpbf16ps (the avx512+bf16 variants) may pay for the dequantization from some rows. */
+ * (forced only). The crossovers of the two direct kernels, in one place (A/B: the kernel bench, TK_QUANT=fp8, its
+ * "dq" columns; figures in docs/performance.md). FMA: a starting point, not measured (on AVX2 the direct kernel won
+ * at every row count). */
 #ifndef KTK_AVX512_FP8_DEQUANT_ROWS
 #define KTK_AVX512_FP8_DEQUANT_ROWS 16
+#endif
+#ifndef KTK_AVX512_FP8_DP_DEQUANT_ROWS
+#define KTK_AVX512_FP8_DP_DEQUANT_ROWS 16
 #endif
 
 const ktk_kernels *ktk_kernels_avx512(void);
@@ -219,10 +226,23 @@ void ktk_avx512_dequant_fp8(const ktk_mat *w, int nb0, int nb1, uint16_t *dst) {
 }
 #pragma GCC pop_options
 
-/* The table entry of every AVX-512 variant (the bf16 kernel of the dequantizing path is the variant's). */
-void ktk_avx512_gemm_fp8(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
-    if (ktk_fp8_dequant(w, x, KTK_AVX512_FP8_DEQUANT_ROWS))
+static void gemm_fp8(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy, ktk_gemm_fn direct,
+                     int dequant_rows) {
+    if (ktk_fp8_dequant(w, x, dequant_rows))
         ktk_fp8_dequant_gemm(w, nb0, nb1, x, y, ldy, ktk_avx512_dequant_fp8, ktk_kernels_avx512()->gemm_bf16);
     else
-        ktk_avx512_gemm_fp8_direct(w, nb0, nb1, x, y, ldy);
+        direct(w, nb0, nb1, x, y, ldy);
+}
+
+/* The table entries (the bf16 kernel of the dequantizing path is the variant's): the FMA direct kernel, and for the
+ * avx512+bf16 variants the vdpbf16ps one (fp8_bf16.c). */
+void ktk_avx512_gemm_fp8(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
+    gemm_fp8(w, nb0, nb1, x, y, ldy, ktk_avx512_gemm_fp8_direct, KTK_AVX512_FP8_DEQUANT_ROWS);
+}
+
+void ktk_avx512_gemm_fp8_dp(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy) {
+    if (ktk_avx512_fp8_dp_used())
+        gemm_fp8(w, nb0, nb1, x, y, ldy, ktk_avx512_fp8_dp_kernels(1).direct, KTK_AVX512_FP8_DP_DEQUANT_ROWS);
+    else
+        ktk_avx512_gemm_fp8(w, nb0, nb1, x, y, ldy);
 }

@@ -7,7 +7,8 @@
  *   int8 "vnni":  acc += vpdpbusd(broadcast (x + 128) as u8 x4, W row (16 outputs x 4 s8)); acc -= 128 * wsum
  *   int8 plain:   W row -> (w0,w2) / (w1,w3) int16 pairs by shifts, vpmaddwd with (x0,x2) / (x1,x3): exact int32
  *   int4:         int4.c (direct vnni / plain, dequantization to bf16); the driver is drive.h
- *   fp8:          fp8.c (direct FMA kernel, its gemv, dequantization to bf16), in every variant
+ *   fp8:          fp8.c (direct FMA kernel, its gemv, dequantization to bf16); the bf16 variants: fp8_bf16.c
+ *                 (vdpbf16ps on e4m3 bytes placed by vpermb, where the CPU has AVX512_VBMI)
  *   decode:       gemv.c (several matrices with one row each; bf16 both variants, int8 and int4 with VNNI)
  * Every variant is one register-blocked micro-kernel (MR rows x NB column blocks of 16 outputs, all of K), driven
  * by one loop (ktk_drive) that picks MR/NB from the row count: decode (n <= 4) keeps all rows in one group
@@ -278,8 +279,9 @@ void ktk_avx512_gemm_int4_vnni(const ktk_mat *w, int nb0, int nb1, const ktk_act
 /* decode kernels: gemv.c */
 #include "gemv.h"
 
-/* fp8: fp8.c (one FMA kernel for every variant; its dequantizing path runs the variant's bf16 kernel) */
-void ktk_avx512_gemm_fp8(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
+/* fp8: fp8.c (FMA kernels), fp8_bf16.c (vdpbf16ps: the bf16 variants); the dequantizing path runs the variant's bf16
+ * kernel */
+#include "fp8.h"
 
 static const ktk_kernels table_plain = {.name = "avx512", .gemm_bf16 = ktk_avx512_gemm_bf16_plain,
                                         .gemm_int8 = gemm_int8_plain, .gemm_int4 = ktk_avx512_gemm_int4_plain,
@@ -287,8 +289,8 @@ static const ktk_kernels table_plain = {.name = "avx512", .gemm_bf16 = ktk_avx51
                                         .gemv_fp8 = ktk_avx512_gemv_fp8};
 static const ktk_kernels table_bf16 = {.name = "avx512+bf16", .gemm_bf16 = ktk_avx512_gemm_bf16_dp,
                                        .gemm_int8 = gemm_int8_plain, .gemm_int4 = ktk_avx512_gemm_int4_plain,
-                                       .gemv_bf16 = ktk_avx512_gemv_bf16_dp, .gemm_fp8 = ktk_avx512_gemm_fp8,
-                                       .gemv_fp8 = ktk_avx512_gemv_fp8};
+                                       .gemv_bf16 = ktk_avx512_gemv_bf16_dp, .gemm_fp8 = ktk_avx512_gemm_fp8_dp,
+                                       .gemv_fp8 = ktk_avx512_gemv_fp8_dp};
 static const ktk_kernels table_vnni = {.name = "avx512+vnni", .gemm_bf16 = ktk_avx512_gemm_bf16_plain,
                                        .gemm_int8 = ktk_avx512_gemm_int8_vnni, .gemm_int4 = ktk_avx512_gemm_int4_vnni,
                                        .gemv_bf16 = ktk_avx512_gemv_bf16_plain, .gemv_int8 = ktk_avx512_gemv_int8_vnni,
@@ -297,8 +299,8 @@ static const ktk_kernels table_vnni = {.name = "avx512+vnni", .gemm_bf16 = ktk_a
 static const ktk_kernels table_both = {.name = "avx512+bf16+vnni", .gemm_bf16 = ktk_avx512_gemm_bf16_dp,
                                        .gemm_int8 = ktk_avx512_gemm_int8_vnni, .gemm_int4 = ktk_avx512_gemm_int4_vnni,
                                        .gemv_bf16 = ktk_avx512_gemv_bf16_dp, .gemv_int8 = ktk_avx512_gemv_int8_vnni,
-                                       .gemv_int4 = ktk_avx512_gemv_int4_vnni, .gemm_fp8 = ktk_avx512_gemm_fp8,
-                                       .gemv_fp8 = ktk_avx512_gemv_fp8};
+                                       .gemv_int4 = ktk_avx512_gemv_int4_vnni, .gemm_fp8 = ktk_avx512_gemm_fp8_dp,
+                                       .gemv_fp8 = ktk_avx512_gemv_fp8_dp};
 
 /* CPUID bits, read once: 1 = use vdpbf16ps, 2 = AVX512_VNNI (leaf 7: ECX bit 11; sub-leaf 1: EAX bit 5 =
  * AVX512_BF16; EDX bit 22 = AMX-BF16). vdpbf16ps is used only on CPUs without AMX: on the AMX Xeons it ran
