@@ -126,6 +126,9 @@ class Scheduler:
             return []
         done = self._reused(self.waiting[0]) if seq is None else seq.prefilled
         take = min((seq or self.waiting[0]).prompt_len - done, chunk - done % chunk)  # to the next chunk boundary
+        cut = getattr(seq or self.waiting[0], "cut_at", None)  # a position a chunk must end at (a state checkpoint)
+        if cut is not None and done < cut:
+            take = min(take, cut - done)
         if take > budget:
             return []
         if seq is None:

@@ -133,6 +133,7 @@ class Request:
     cached: int = 0  # prompt tokens its row gets from the prefix cache (its prefill starts there)
     hit: object = None  # the prefix cache's Hit, looked up and not yet restored
     hit_mark: int = -1  # the store's inserted blocks when ``hit`` was looked up (a later insert: look up again)
+    cut_at: int | None = None  # a prompt position a prefill chunk ends at (a state checkpoint: prefix_reuse.py)
     matcher: object = None  # its grammar's grammar.Matcher (constrained decoding), or None
 
     @property

@@ -72,3 +72,20 @@ def test_shared_prefix_restores_state_checkpoints_and_equals_the_cache_off(hybri
         cached = [e.generate(p, _greedy(), timeout=300) for p in (a, b)]
     assert [r.token_ids for r in cached] == [r.token_ids for r in plain]
     assert [r.cached_tokens for r in cached] == [0, 16] and store.stats.state_checkpoints >= 1
+
+
+def test_a_prompt_of_any_length_leaves_a_checkpoint_at_its_last_whole_block(hybrid):
+    """The engine cuts a hybrid model's prefill at the prompt's last whole block and stores the state there: a later
+    prompt sharing more than that block restores it and gets the greedy tokens of the cache off."""
+    from ktinject.decode.prefix_cache import PrefixCache
+
+    a = tiny_prompts(1, 21, seed=9)[0].tolist()  # whole blocks of 8 before its last token: a checkpoint at 16
+    b = a + tiny_prompts(1, 6, seed=10)[0].tolist()
+    config = dict(max_batch=2, max_context=64, prefill_chunk=32)
+    with Engine(hybrid, None, EngineConfig(**config)) as engine:
+        plain = [engine.generate(p, _greedy(), timeout=300) for p in (a, b)]
+    store = PrefixCache(device="cpu", tier="ram", block_size=8)
+    with Engine(hybrid, None, EngineConfig(**config, prefix_cache=store)) as engine:
+        cached = [engine.generate(p, _greedy(), timeout=300) for p in (a, b)]
+    assert [r.token_ids for r in cached] == [r.token_ids for r in plain]
+    assert [r.cached_tokens for r in cached] == [0, 16] and store.stats.state_checkpoints == 2
