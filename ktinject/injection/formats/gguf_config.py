@@ -142,6 +142,33 @@ def hf_shape(fam: Family, gguf_name: str, shape: tuple) -> tuple:
     return (1, *shape) if gguf_name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1 else shape
 
 
+#: llama.cpp architecture names -> transformers' (as load_gguf_checkpoint renames them)
+_HF_ARCH = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+
+
+def mapped_config(meta: dict[str, Any], shapes: dict[str, tuple], mapping: dict, defaults: dict) -> dict[str, Any]:
+    """The config keys transformers' GGUF loader (``load_gguf_checkpoint``) takes from the metadata, through its own
+    key table ``mapping`` (``GGUF_CONFIG_MAPPING``) and ``defaults``, from the metadata this reader already parsed:
+    the file is not read again (transformers' reader parses every field, tokenizer arrays included, one numpy view
+    at a time: most of a small GGUF's load time)."""
+    arch = str(meta.get("general.architecture", ""))
+    hf = _HF_ARCH.get(arch, arch)
+    cfg: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in shapes}
+    for key, value in (defaults.get(hf) or defaults.get(arch) or {}).items():
+        cfg.setdefault(key, value)
+    for key, value in meta.items():
+        prefix, _, rest = key.replace(arch, hf).partition(".")
+        renamed = (mapping.get(prefix) or {}).get(rest)
+        if renamed is None or renamed == -1:
+            continue
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, hf)
+        cfg[renamed] = value
+    if "vocab_size" not in cfg and "tokenizer.ggml.tokens" in meta:  # (as transformers: from the tokenizer)
+        cfg["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    return cfg
+
+
 def build_config(fam: Family, meta: dict[str, Any], shapes: dict[str, tuple], first: Path):
     """The transformers config of the GGUF model (see the module doc), checked against ``shapes``."""
     if fam.arch in gguf_arch.BUILDERS:
@@ -151,13 +178,10 @@ def build_config(fam: Family, meta: dict[str, Any], shapes: dict[str, tuple], fi
             raise LoadError(f"{first}: building a {fam.arch} config needs transformers ({e})") from None
     try:
         from transformers import CONFIG_MAPPING
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+        from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
     except ImportError as e:
         raise LoadError(f"{first}: reading a GGUF config needs transformers' GGUF support ({e})") from None
-    try:
-        cfg = dict(load_gguf_checkpoint(str(first), return_tensors=False)["config"])
-    except (ValueError, KeyError, NotImplementedError) as e:
-        raise LoadError(f"{first}: transformers cannot read the GGUF metadata ({e})") from None
+    cfg = mapped_config(meta, shapes, GGUF_CONFIG_MAPPING, GGUF_CONFIG_DEFAULTS_MAPPING)
     a = fam.arch
     layers = sorted({int(m.group(1)) for n in shapes if (m := _NAME.fullmatch(n))})
     moe_layers = [i for i in layers if f"blk.{i}.ffn_gate_exps.weight" in shapes]
