@@ -95,8 +95,17 @@ KTK_AI __m512bh bf16_of(__m512i L, __m512i idx, const consts *k) {
 }
 
 /* The 16 codes of line lane i as floats of value e4m3 * 2^-112 (normal for every code but 0). */
+KTK_AI __m128i lane_of(__m512i L, int i) {  /* (a literal per case: the immediate needs no constant folding) */
+    switch (i) {
+    case 0: return _mm512_extracti32x4_epi32(L, 0);
+    case 1: return _mm512_extracti32x4_epi32(L, 1);
+    case 2: return _mm512_extracti32x4_epi32(L, 2);
+    default: return _mm512_extracti32x4_epi32(L, 3);
+    }
+}
+
 KTK_AI __m512 f8x16_normal(__m512i L, int i) {
-    const __m512i v = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(L, i));
+    const __m512i v = _mm512_cvtepi8_epi32(lane_of(L, i));
     const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
     const __m512i nrm = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(8 << 23));
     const __m512i sub = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-121f)));
