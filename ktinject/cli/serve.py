@@ -50,10 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body in MiB; longer ones get 413 before they are read whole (default 8)")
     p.add_argument("--tool-call-parser", metavar="NAME", default="auto",
                    help="how tool calls are read from replies: qwen3, deepseek_v3, glm45, kimi_k2, minimax_m2, "
-                        "llama4_pythonic, none (text), or auto (by the model's type; the default)")
-    p.add_argument("--reasoning-parser", metavar="NAME", default="auto", choices=("auto", "think", "none"),
-                   help="split <think> blocks into reasoning_content: think, none, or auto (by the model's type; the "
-                        "default)")
+                        "llama4_pythonic, harmony (gpt-oss), none (text), or auto (by the model's type; the default)")
+    p.add_argument("--reasoning-parser", metavar="NAME", default="auto", choices=("auto", "think", "harmony", "none"),
+                   help="split reasoning into reasoning_content: think (<think> blocks), harmony (gpt-oss's analysis "
+                        "channel), none, or auto (by the model's type; the default)")
     cli.add_prefix_cache_options(p)
     cli.add_model_options(p)
     lora_option.add_lora_option(p)
@@ -139,6 +139,9 @@ def serve(args: argparse.Namespace) -> int:
             parser_name(args.tool_call_parser)
         except ValueError as e:
             raise CliError(f"--tool-call-parser: {e}") from None
+        if args.reasoning_parser == "harmony" and parser_name(args.tool_call_parser) != "harmony":
+            raise CliError(f"--reasoning-parser harmony reads tool calls in harmony's channels: use "
+                           f"--tool-call-parser harmony, auto or none (got {args.tool_call_parser})")
     if args.max_queue < 0:
         raise CliError(f"--max-queue must be >= 0, got {args.max_queue}")
     adapter = lora_option.read_adapter(args)

@@ -11,10 +11,12 @@ Its modules, each importing only those listed before it:
 - ``engine.py``: the engine and its loop (``Engine``: schedule -> execute -> update on a thread that owns the model),
   no HTTP;
 - ``tool_parsers.py``: tool calls read from a reply's text, one parser per family; ``reasoning.py``: ``<think>``
-  blocks split off; ``chat_output.py``: both over a chat reply, whole or streamed (pure text functions);
-- ``protocol.py`` and ``logprob_format.py``: OpenAI request/response bodies; ``anthropic_protocol.py``: Anthropic's;
-  ``api_middleware.py`` (the key, body limits) and ``api_requests.py`` (a request's choices submitted, their events
-  merged); ``openai_api.py`` and ``anthropic_api.py``: each API's endpoints; ``api.py``: the FastAPI app;
+  blocks split off; ``harmony.py``: gpt-oss's channels (reasoning, content and calls at once); ``chat_output.py``:
+  them over a chat reply, whole or streamed (pure text functions);
+- ``protocol.py`` and ``logprob_format.py``: OpenAI request/response bodies; ``responses_protocol.py``: its Responses
+  API's; ``anthropic_protocol.py``: Anthropic's; ``api_middleware.py`` (the key, body limits) and
+  ``api_requests.py`` (a request's choices submitted, their events merged); ``openai_api.py``,
+  ``responses_api.py`` and ``anthropic_api.py``: each API's endpoints; ``api.py``: the FastAPI app;
   ``__main__.py``: the CLI.
 
 Nothing is imported here (FastAPI and uvicorn are the ``serve`` extra; torch loads with the engine).

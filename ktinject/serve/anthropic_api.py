@@ -56,9 +56,9 @@ def add_routes(app, ctx: ServerContext) -> None:
         inside = None
         if ctx.think:
             inside = reasoning.prompt_opens_think(await asyncio.to_thread(engine.prompt_tail_text, prompt))
-        output = ChatOutput(tool_parsers.make(ctx.tool_parser, tools) if parse else None, inside)
+        output = ChatOutput(tool_parsers.make(ctx.tool_parser, tools) if parse else None, inside, ctx.harmony)
         max_tokens = checked(engine.check_length, len(prompt), body.max_tokens, "messages", "max_tokens")
-        params = checked(body.sampling, engine.default_params(), max_tokens, parse)
+        params = checked(body.sampling, engine.default_params(), max_tokens, parse or ctx.harmony)
         if body.forced_tool is not False:
             rule = await grammar_for(engine, lambda: constraints.forced_call(
                 ctx.tool_parser, tools, body.forced_tool, lambda text: engine.grammars.literal(text), bool(inside)),

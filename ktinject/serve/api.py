@@ -1,7 +1,7 @@
 """The HTTP face of the engine: a FastAPI app (``create_app(engine)``) serving OpenAI's API and Anthropic's.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (``openai_api.py``),
-``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (``anthropic_api.py``), ``GET /health``, ``GET
+``POST /v1/responses`` (``responses_api.py``), ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (``anthropic_api.py``), ``GET /health``, ``GET
 /metrics`` (Prometheus text). Errors come in the shape of the API a path belongs to: OpenAI's ``{"error":
 {"message", "type", "param", "code"}}``, Anthropic's ``{"type": "error", "error": {"type", "message"}}`` under
 ``/v1/messages``: 400 for bad input (malformed JSON, wrong types, a prompt that does not fit the context,
@@ -26,10 +26,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ktinject.serve import anthropic_api, anthropic_protocol, openai_api, protocol
+from ktinject.serve import anthropic_api, anthropic_protocol, openai_api, protocol, responses_api
 from ktinject.serve.api_middleware import CONTAINERS_PER_TOKEN, MAX_BODY, BodyLimit, KeyCheck, container_limit
 from ktinject.serve.api_requests import ServerContext, check_model
-from ktinject.serve.chat_output import chat_parsers
+from ktinject.serve.chat_output import chat_parsers, harmony_replies
 from ktinject.serve.errors import ApiError
 
 log = logging.getLogger("ktinject.serve")
@@ -41,8 +41,8 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
     """The FastAPI app serving ``engine`` (started by the caller) under ``model_names`` (the first one is listed
     by /v1/models; the others are accepted aliases). A request body over ``max_body`` bytes gets 413 before it
     is parsed (FastAPI reads a body whole into memory, and uvicorn sets no limit). ``tool_call_parser`` and
-    ``reasoning_parser``: a name (``tool_parsers.PARSERS``; ``"think"``), "auto" (from the model's type) or
-    None / "none" (the reply stays text)."""
+    ``reasoning_parser``: a name (``tool_parsers.PARSERS``; ``reasoning.PARSERS``), "auto" (from the model's type)
+    or None / "none" (the reply stays text)."""
     names = (model_names,) if isinstance(model_names, str) else tuple(model_names or (engine.name,))
     tool_parser, think = chat_parsers(engine, tool_call_parser, reasoning_parser)
     created = int(time.time())
@@ -122,9 +122,11 @@ def create_app(engine, model_names: tuple[str, ...] | str | None = None, api_key
         check_model(name, names)
         return listed()
 
-    ctx = ServerContext(engine, names, tool_parser, think, error)
+    ctx = ServerContext(engine, names, tool_parser, think == "think", error,
+                        harmony=harmony_replies(tool_parser, think))
     openai_api.add_routes(app, ctx)
     anthropic_api.add_routes(app, ctx)
+    responses_api.add_routes(app, ctx)
     return app
 
 

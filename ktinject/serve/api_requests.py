@@ -25,13 +25,15 @@ log = logging.getLogger("ktinject.serve")
 @dataclass
 class ServerContext:
     """What the endpoints of one app share: the engine, the model names served (the first is the one listed), the
-    tool-call parser's name (or None) and whether replies are split at ``<think>``."""
+    tool-call parser's name (or None), whether replies are split at ``<think>``, and whether they are read as
+    harmony's channels (gpt-oss: reasoning, content and calls at once; ``chat_output.ChatOutput``)."""
 
     engine: object
     names: tuple[str, ...]
     tool_parser: str | None
     think: bool
     error: Callable  # (status, message, path=..., **fields) -> a JSONResponse in the path's API's shape
+    harmony: bool = False
 
 
 def checked(fn, *args):

@@ -2,30 +2,46 @@
 calls parsed out of the content (``tool_parsers.py``). ``ChatOutput.feed(delta)`` and ``finish()`` give the stream's
 deltas (``{"reasoning_content": ...}``, ``{"content": ...}``, ``{"tool_calls": [...]}``); ``message(text)`` the whole
 reply's message fields. Either part may be off (None). ``chat_parsers``: which parts a server's model gets.
+
+A harmony reply (gpt-oss, ``harmony=True``) is read by ``harmony.HarmonyStreamer`` instead, which gives all three
+parts at once (its calls only where a tool parser is on; else their markup stays text).
 """
 from __future__ import annotations
 
+from ktinject.serve import harmony as harmony_format
 from ktinject.serve import reasoning, tool_parsers
 from ktinject.serve.reasoning import ThinkStreamer
-from ktinject.serve.tool_parsers import ToolParser
+from ktinject.serve.tool_parsers import ToolCall, ToolParser
 
 
 class ChatOutput:
-    def __init__(self, tool_parser: ToolParser | None = None, think_inside: bool | None = None):
-        """``think_inside``: None, no reasoning split; else whether the prompt opened a ``<think>`` block."""
-        self.think = None if think_inside is None else ThinkStreamer(think_inside)
-        self.tools = tool_parser.streamer() if tool_parser is not None else None
+    def __init__(self, tool_parser: ToolParser | None = None, think_inside: bool | None = None,
+                 harmony: bool = False):
+        """``think_inside``: None, no reasoning split; else whether the prompt opened a ``<think>`` block.
+        ``harmony``: the reply is in harmony's channels (then ``think_inside`` is not used, and ``tool_parser``
+        only says whether calls are read)."""
+        self.harmony = harmony_format.HarmonyStreamer(calls=tool_parser is not None) if harmony else None
+        self.think = None if think_inside is None or harmony else ThinkStreamer(think_inside)
+        self.tools = tool_parser.streamer() if tool_parser is not None and not harmony else None
         self.calls = 0
 
     def feed(self, delta: str) -> list[dict]:
+        if self.harmony is not None:
+            return self._harmony(self.harmony.feed(delta))
         return self._parts(*(self.think.feed(delta) if self.think else ("", delta)), final=False)
 
     def finish(self) -> list[dict]:
+        if self.harmony is not None:
+            return self._harmony(self.harmony.finish())
         return self._parts(*(self.think.finish() if self.think else ("", "")), final=True)
 
-    def _parts(self, reasoning: str, content: str, final: bool) -> list[dict]:
+    def _harmony(self, got) -> list[dict]:
+        reasoning, content, calls = got
+        return self._parts(reasoning, content, final=False, calls=[ToolCall(n, a) for n, a in calls])
+
+    def _parts(self, reasoning: str, content: str, final: bool, calls=()) -> list[dict]:
         out = [{"reasoning_content": reasoning}] if reasoning else []
-        calls = []
+        calls = list(calls)
         if self.tools is not None:
             text, calls = self.tools.feed(content) if content else ("", [])
             if final:
@@ -54,14 +70,26 @@ class ChatOutput:
 
 
 def chat_parsers(engine, tool_call_parser: str | None, reasoning_parser: str | None):
-    """(the tool-call parser's name or None, whether replies are split at <think>) for ``engine``'s model: "auto"
-    chooses by the model's ``config.model_type``; ValueError for a name that is no parser."""
+    """(the tool-call parser's name or None, the reasoning parser's: ``"think"``, ``"harmony"`` or None) for
+    ``engine``'s model: "auto" chooses by the model's ``config.model_type``; ValueError for a name that is no
+    parser, or for harmony reasoning with another family's tool calls."""
     model_type = getattr(getattr(getattr(engine, "model", None), "config", None), "model_type", None)
     tools = None if tool_call_parser in (None, "none") else (
         tool_parsers.for_model_type(model_type) if tool_call_parser == "auto"
         else tool_parsers.parser_name(tool_call_parser))
-    if reasoning_parser not in (None, "none", "auto", "think"):
-        raise ValueError(f"no reasoning parser {reasoning_parser!r}; choose think, auto or none")
-    think = reasoning_parser == "think" or (reasoning_parser == "auto" and
-                                            reasoning.for_model_type(model_type) is not None)
+    if reasoning_parser not in (None, "none", "auto") + reasoning.PARSERS:
+        raise ValueError(f"no reasoning parser {reasoning_parser!r}; choose {', '.join(reasoning.PARSERS)}, auto "
+                         f"or none")
+    think = reasoning.for_model_type(model_type) if reasoning_parser == "auto" else (
+        None if reasoning_parser in (None, "none") else reasoning_parser)
+    if think == "harmony" and tool_call_parser == "auto":
+        tools = "harmony"  # harmony's calls are in its channels, whatever the model's type says
+    if think == "harmony" and tools not in (None, "harmony"):
+        raise ValueError(f"harmony replies carry their tool calls in harmony's channels: the {tools} tool-call "
+                         f"parser cannot read them (use --tool-call-parser harmony, auto or none)")
     return tools, think
+
+
+def harmony_replies(tool_parser: str | None, reasoning_parser: str | None) -> bool:
+    """Whether replies are read as harmony (either parser, as ``chat_parsers`` chose them, is harmony's)."""
+    return "harmony" in (tool_parser, reasoning_parser)

@@ -5,7 +5,9 @@ reads the reply back as one call, with arguments valid for the tool's ``paramete
 
 Forced calls exist for the families whose calls carry JSON arguments (``FORCED``): ``qwen3``
 (``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``), ``deepseek_v3`` (V3.1's form: the name,
-``<｜tool▁sep｜>`` and the arguments in one call block, inside the calls markers) and ``kimi_k2``; the others get a
+``<｜tool▁sep｜>`` and the arguments in one call block, inside the calls markers), ``kimi_k2`` and ``harmony``
+(gpt-oss: ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``, the reply's first message;
+the call's end, ``<|call|>``, is an end-of-sequence token that follows the finished grammar); the others get a
 RequestError that says so. A marker that is one special token of the tokenizer is matched as that
 token (``literal``: the grammar's text of a marker), else as its text.
 
@@ -71,8 +73,13 @@ def _kimi_k2(name: str, lit) -> tuple[str, str]:
             f'{lit("<|tool_call_end|>")} {lit("<|tool_calls_section_end|>")}')
 
 
+def _harmony(name: str, lit) -> tuple[str, str]:
+    return (f'{lit("<|channel|>")} {grammar.lark_string(f"commentary to=functions.{name} ")} {lit("<|constrain|>")} '
+            f'{grammar.lark_string("json")} {lit("<|message|>")}', "")
+
+
 #: parser -> (tool name, literal) -> (the grammar before a call's JSON arguments, after them)
-FORCED: dict[str, Callable] = {"qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "kimi_k2": _kimi_k2}
+FORCED: dict[str, Callable] = {"qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "kimi_k2": _kimi_k2, "harmony": _harmony}
 
 
 def forced_call(parser: str | None, tools: list[dict], name: str | None, literal: Callable[[str], str],

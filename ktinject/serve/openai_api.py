@@ -44,8 +44,8 @@ def add_routes(app, ctx: ServerContext) -> None:
         inside = None
         if ctx.think:
             inside = reasoning.prompt_opens_think(await asyncio.to_thread(engine.prompt_tail_text, prompt))
-        outputs = [ChatOutput(tool_parsers.make(ctx.tool_parser, tools) if parse else None, inside)
-                   if parse or inside is not None else None for _ in range(body.n)]
+        outputs = [ChatOutput(tool_parsers.make(ctx.tool_parser, tools) if parse else None, inside, ctx.harmony)
+                   if parse or inside is not None or ctx.harmony else None for _ in range(body.n)]
         forced, think = body.forced_tool, bool(inside)
         if forced is not False:
             rule = await grammar_for(engine, lambda: constraints.forced_call(
@@ -55,7 +55,8 @@ def add_routes(app, ctx: ServerContext) -> None:
                                      "response_format")
         else:
             rule = None
-        return await _serve(ctx, body, prompt, request, chat=True, outputs=outputs, special=parse, grammar=rule)
+        return await _serve(ctx, body, prompt, request, chat=True, outputs=outputs, special=parse or ctx.harmony,
+                            grammar=rule)
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):

@@ -5,6 +5,9 @@
 MiniMax-M2 end their generation prompt with ``<think>``), so the reply starts as reasoning until ``</think>``.
 Otherwise a reply that begins with ``<think>`` (after white space) reasons until ``</think>``; any other reply is all
 content. Text that might be the beginning of a marker is held back until the next delta decides.
+
+gpt-oss reasons in harmony's ``analysis`` channel instead (``harmony.py``): ``for_model_type`` names its parser
+``"harmony"``.
 """
 from __future__ import annotations
 
@@ -12,11 +15,18 @@ OPEN, CLOSE = "<think>", "</think>"
 
 #: model_type prefixes of the families that think in <think> blocks
 THINKING_TYPES = ("qwen3", "deepseek", "glm4_moe", "glm", "minimax", "kimi", "mimo")
+#: model_type prefixes of the families that reason in harmony's analysis channel
+HARMONY_TYPES = ("gpt_oss",)
+#: the reasoning parsers, by the name ``--reasoning-parser`` takes
+PARSERS = ("think", "harmony")
 
 
 def for_model_type(model_type: str | None) -> str | None:
-    """``"think"`` for a family that reasons in ``<think>`` blocks, else None."""
+    """``"think"`` for a family that reasons in ``<think>`` blocks, ``"harmony"`` for harmony's channels, else
+    None."""
     t = (model_type or "").lower()
+    if any(t.startswith(p) for p in HARMONY_TYPES):
+        return "harmony"
     return "think" if any(t.startswith(p) for p in THINKING_TYPES) else None
 
 

@@ -10,7 +10,9 @@ Markers that only wrap a section of calls (``drops``) leave the content once fou
 Families (``PARSERS``; chosen from the model type by ``for_model_type``, first match of ``MODEL_TYPES`` wins):
 ``qwen3`` (``<tool_call>{json}</tool_call>``, and Qwen3-Coder / Qwen3.5's ``<tool_call><function=..><parameter=..>``
 inside the same markers), ``deepseek_v3`` (V3 / R1 and V3.1 forms), ``glm45`` (``<arg_key>``/``<arg_value>``),
-``kimi_k2``, ``minimax_m2`` (``<invoke name=..>``), ``llama4_pythonic`` (``[f(a=1)]`` as the whole reply).
+``kimi_k2``, ``minimax_m2`` (``<invoke name=..>``), ``llama4_pythonic`` (``[f(a=1)]`` as the whole reply),
+``harmony`` (gpt-oss: ``<|channel|>commentary to=functions.NAME ...<|message|>{json}<|call|>``, read by
+``harmony.py``, which also splits the reply's reasoning off: a chat reply gets all of it from ``chat_output``).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+
+from ktinject.serve import harmony
 
 
 @dataclass(frozen=True)
@@ -327,16 +331,47 @@ class _WholeReplyStreamer(ToolStreamer):
         return ("", got) if got else (text, [])
 
 
+class HarmonyToolParser(ToolParser):
+    """gpt-oss's harmony channels (``harmony.py``): calls are the messages to ``functions.NAME``; content is the
+    ``final`` and ``commentary`` channels' text (the ``analysis`` channel is reasoning, not content: this interface
+    has no place for it, ``harmony.split`` and ``chat_output.ChatOutput`` keep it)."""
+
+    name = "harmony"
+
+    def streamer(self):
+        return _HarmonyToolStreamer()
+
+
+class _HarmonyToolStreamer:
+    """``ToolStreamer``'s interface on ``harmony.HarmonyStreamer`` (the reasoning left out)."""
+
+    def __init__(self):
+        self.reader = harmony.HarmonyStreamer(calls=True)
+        self.calls = 0
+
+    def _out(self, got) -> tuple[str, list[ToolCall]]:
+        _, content, calls = got
+        self.calls += len(calls)
+        return content, [ToolCall(name, args) for name, args in calls]
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        return self._out(self.reader.feed(delta))
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        return self._out(self.reader.finish())
+
+
 #: every parser, by the name ``--tool-call-parser`` takes
 PARSERS: dict[str, type[ToolParser]] = {c.name: c for c in (
     Qwen3ToolParser, DeepSeekV3ToolParser, Glm45ToolParser, KimiK2ToolParser, MiniMaxM2ToolParser,
-    Llama4PythonicToolParser)}
+    Llama4PythonicToolParser, HarmonyToolParser)}
 ALIASES = {"hermes": "qwen3", "qwen3_coder": "qwen3", "qwen3_xml": "qwen3", "glm47": "glm45",
-           "llama4": "llama4_pythonic"}
+           "llama4": "llama4_pythonic", "gpt_oss": "harmony", "openai": "harmony"}
 
 #: model_type prefix -> parser (first match wins)
 MODEL_TYPES = (("qwen", "qwen3"), ("deepseek", "deepseek_v3"), ("kimi", "kimi_k2"), ("glm4_moe", "glm45"),
-               ("glm", "glm45"), ("minimax", "minimax_m2"), ("llama4", "llama4_pythonic"), ("mimo", "qwen3"))
+               ("glm", "glm45"), ("minimax", "minimax_m2"), ("llama4", "llama4_pythonic"), ("mimo", "qwen3"),
+               ("gpt_oss", "harmony"))
 
 
 def parser_name(name: str) -> str:

@@ -273,7 +273,7 @@ def _accepts(grammars, rule: str, ids: list[int]) -> bool:
     return all(m.consume(t) for t in ids) and m.ll.is_accepting()
 
 
-@pytest.mark.parametrize("parser", ["deepseek_v3", "kimi_k2", "qwen3"])
+@pytest.mark.parametrize("parser", ["deepseek_v3", "kimi_k2", "qwen3", "harmony"])
 def test_forced_call_markers_that_are_special_tokens_are_matched_by_id(demo_engine_model, parser):
     """A family whose call markers are special tokens (DeepSeek's, Kimi's): the grammar takes each marker as its
     token, not as its text, and the family's parser reads the call back from the text with the markers kept."""
@@ -284,7 +284,8 @@ def test_forced_call_markers_that_are_special_tokens_are_matched_by_id(demo_engi
     tok = copy.deepcopy(demo_engine_model[1])
     markers = ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
                "<｜tool▁calls▁end｜>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
-               "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>"]
+               "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>", "<|channel|>",
+               "<|constrain|>", "<|message|>"]
     tok.add_special_tokens({"additional_special_tokens": markers})
     gs = grammar.Grammars(tok, len(tok), tok.eos_token_id)
     rule = constraints.forced_call(parser, TOOLS, "add", gs.literal)
@@ -292,7 +293,8 @@ def test_forced_call_markers_that_are_special_tokens_are_matched_by_id(demo_engi
     args = '{"a": 2, "b": 3}'
     text = {"deepseek_v3": f"{markers[0]}{markers[1]}add{markers[2]}{args}{markers[3]}{markers[4]}",
             "kimi_k2": f"{markers[5]}{markers[6]}functions.add:0{markers[7]}{args}{markers[8]}{markers[9]}",
-            "qwen3": f'<tool_call>\n{{"name": "add", "arguments": {args}}}\n</tool_call>'}[parser]
+            "qwen3": f'<tool_call>\n{{"name": "add", "arguments": {args}}}\n</tool_call>',
+            "harmony": f"{markers[10]}commentary to=functions.add {markers[11]}json{markers[12]}{args}"}[parser]
     ids = tok.encode(text, add_special_tokens=False)
     if parser != "qwen3":
         assert set(tok.convert_tokens_to_ids(markers)) & set(ids)  # the markers went in as their tokens

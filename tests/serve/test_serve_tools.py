@@ -176,8 +176,66 @@ def test_parsers_chosen_and_overridden():
     from ktinject.serve.chat_output import chat_parsers
 
     engine = RecordedEngine("deepseek_v3")
-    assert chat_parsers(engine, "auto", "auto") == ("deepseek_v3", True)
-    assert chat_parsers(engine, "hermes", "none") == ("qwen3", False)
-    assert chat_parsers(RecordedEngine("mixtral"), "auto", "auto") == (None, False)
+    assert chat_parsers(engine, "auto", "auto") == ("deepseek_v3", "think")
+    assert chat_parsers(engine, "hermes", "none") == ("qwen3", None)
+    assert chat_parsers(RecordedEngine("mixtral"), "auto", "auto") == (None, None)
     with pytest.raises(ValueError):
         chat_parsers(engine, "nope", "auto")
+
+
+HARMONY_CALL = ('<|channel|>analysis<|message|>the user wants weather<|end|><|start|>assistant<|channel|>commentary '
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')  # (<|call|>: end token)
+
+
+@pytest.fixture(scope="module")
+def served_gpt_oss():
+    from ktinject.serve.api import create_app
+
+    engine = RecordedEngine("gpt_oss")
+    server, thread, sock = _free_server(create_app(engine, "recorded"))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0)
+    yield engine, client, sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gpt_oss_harmony_call_and_reasoning(served_gpt_oss, stream):
+    engine, client, _ = served_gpt_oss
+    engine.replies[:] = [HARMONY_CALL]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    if stream:
+        reasoning, content, names, args, finish = "", "", "", "", None
+        for chunk in client.chat.completions.create(model="recorded", messages=messages, tools=TOOLS, stream=True):
+            d = chunk.choices[0].delta
+            reasoning += getattr(d, "reasoning_content", None) or ""
+            content += d.content or ""
+            for c in d.tool_calls or ():
+                names += c.function.name or ""
+                args += c.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+    else:
+        r = client.chat.completions.create(model="recorded", messages=messages, tools=TOOLS)
+        m, finish = r.choices[0].message, r.choices[0].finish_reason
+        reasoning, content = m.model_extra.get("reasoning_content"), m.content
+        names, args = m.tool_calls[0].function.name, m.tool_calls[0].function.arguments
+    assert (reasoning, content or "", names, json.loads(args), finish) == \
+        ("the user wants weather", "", "get_weather", {"city": "Paris"}, "tool_calls")
+    assert engine.params[-1].skip_special_tokens is False
+
+
+def test_gpt_oss_answer_without_tools_is_split_by_channel(served_gpt_oss):
+    """Without tools the markers are kept too (they are special tokens), the channels split, the reply no call."""
+    engine, client, port = served_gpt_oss
+    engine.replies[:] = ["<|channel|>analysis<|message|>greeting<|end|><|start|>assistant<|channel|>final"
+                         "<|message|>Hello!"] * 2
+    r = client.chat.completions.create(model="recorded", messages=[{"role": "user", "content": "hi"}])
+    m = r.choices[0].message
+    assert (m.model_extra.get("reasoning_content"), m.content, r.choices[0].finish_reason) == \
+        ("greeting", "Hello!", "stop")
+    assert engine.params[-1].skip_special_tokens is False
+    import httpx
+
+    body = httpx.post(f"http://127.0.0.1:{port}/v1/messages", json={
+        "model": "recorded", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert [b["type"] for b in body["content"]] == ["thinking", "text"] and body["content"][1]["text"] == "Hello!"

@@ -51,6 +51,12 @@ CASES = [  # (parser, text, content, [(name, arguments)])
     ("llama4_pythonic", "[1, 2, 3]", "[1, 2, 3]", []),
     ("llama4_pythonic", "[f(x)]", "[f(x)]", []),  # positional arguments: not a call of this form
     ("llama4_pythonic", "Hello [there]", "Hello [there]", []),
+    ("harmony", '<|channel|>analysis<|message|>need weather<|end|><|start|>assistant<|channel|>commentary '
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>', "",
+     [("get_weather", W)]),  # (the analysis channel is reasoning: test_harmony.py)
+    ("harmony", "<|channel|>final<|message|>plain text", "plain text", []),
+    ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": ',
+     '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": ', []),  # cut off
 ]
 
 
@@ -93,7 +99,8 @@ def test_kimi_keeps_the_models_call_id():
 @pytest.mark.parametrize("model_type,parser", [("qwen3_moe", "qwen3"), ("qwen3_5_moe", "qwen3"),
                                                ("deepseek_v3", "deepseek_v3"), ("kimi_k2", "kimi_k2"),
                                                ("glm4_moe", "glm45"), ("minimax_m2", "minimax_m2"),
-                                               ("llama4", "llama4_pythonic"), ("mixtral", None), (None, None)])
+                                               ("llama4", "llama4_pythonic"), ("gpt_oss", "harmony"),
+                                               ("mixtral", None), (None, None)])
 def test_parser_by_model_type(model_type, parser):
     assert tool_parsers.for_model_type(model_type) == parser
 
