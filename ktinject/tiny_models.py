@@ -28,7 +28,7 @@ FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepse
 #: families added later: checked end to end against HF in tests/operators/test_families.py, kept out of the slower
 #: suites that iterate FAMILIES (CI time); their attention runs HF's own forward (no decode fast path)
 MORE_FAMILIES = ("minimax_m2", "glm4_moe_lite", "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "qwen3_next", "qwen3_5_moe",
-                 "kimi_k25", "deepseek_v32", "glm_moe_dsa", "llama4")
+                 "kimi_k25", "deepseek_v32", "glm_moe_dsa", "llama4", "deepseek_v4")
 ALL_FAMILIES = FAMILIES + MORE_FAMILIES
 #: the transformers release that first has each family's model_type (the others: every supported release, 5.17+)
 MIN_TRANSFORMERS: dict[str, str] = {}
@@ -184,6 +184,20 @@ _TINY: dict[str, dict[str, Any]] = {
         attention_chunk_size=8, no_rope_layer_interval=2, use_qk_norm=True, router_jitter_noise=0.0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
+    # DeepSeek-V4: hash-routed MoE layers (a frozen token -> experts table, drawn below) then top-k ones (sqrtsoftplus
+    # scores plus a correction bias), a clamped SwiGLU (limit reached by some activations) in routed and shared
+    # experts; a sliding-window layer and compressed layers (CSA with its indexer keeping fewer entries than a test
+    # prompt has, HCA) with windows shorter than the test prompts; hyper-connections of three streams
+    "deepseek_v4": dict(
+        hidden_size=72, moe_intermediate_size=40, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=24, partial_rotary_factor=1 / 3, q_lora_rank=40, o_groups=2, o_lora_rank=20, n_routed_experts=12,
+        n_shared_experts=1, num_experts_per_tok=3, routed_scaling_factor=1.5, swiglu_limit=1.5,
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, sliding_window=8,
+        index_n_heads=2, index_head_dim=16, index_topk=3, hc_mult=3,
+    ),
 }
 #: the model_type a family's tiny model is built as, where it is not the family's name
 _MODEL_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
@@ -194,6 +208,10 @@ _AUTO_CLASS = {"kimi_k25": "AutoModelForImageTextToText"}
 _ZERO_CENTERED_NORMS = {"qwen3_next", "qwen3_5_moe"}
 # gpt-oss and Llama 4 experts are stored transposed ([E, H, 2I] and [E, I, H]): their fan-in is dim 1, not dim 2.
 _TRANSPOSED_EXPERTS = {"gpt_oss", "llama4"}
+# families whose non-strict _keep_in_fp32_modules is applied as from_pretrained applies it, for float16 only
+# (DeepSeek-V4's lists compressor projections that take the model's bf16 activations: kept in float32 they would
+# not run); the other families keep that list in float32 for every dtype, as their tests were measured
+_FP32_LIST_FP16_ONLY = {"deepseek_v4"}
 # gpt-oss gate_up is scaled up so the swiglu clamp (limit 7) is reached by some activations; down scaled back.
 _EXPERT_SCALE = {"gpt_oss": (4.0, 0.25)}
 
@@ -274,11 +292,18 @@ def _randomize(model: nn.Module, family: str, seed: int) -> None:
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             b.copy_(_init_tensor(name, b, gen, family))
+    for name, router in model.named_modules():  # DeepSeek-V4's hash routers: k distinct experts for every token id
+        table = getattr(router, "tid2eid", None)
+        if isinstance(table, torch.Tensor) and not table.is_floating_point():
+            V, k = table.shape
+            table.copy_(torch.stack([torch.randperm(router.num_experts, generator=gen)[:k] for _ in range(V)]))
 
 
-def _fp32_patterns(model: nn.Module) -> list[re.Pattern]:
-    names = list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    names += list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+def _fp32_patterns(model: nn.Module, dtype: torch.dtype) -> list[re.Pattern]:
+    names = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if dtype == torch.float16 or family not in _FP32_LIST_FP16_ONLY:
+        names += list(getattr(model, "_keep_in_fp32_modules", None) or [])
     return [re.compile(rf"(^|\.){re.escape(n)}(\.|$)") for n in names]
 
 
@@ -287,7 +312,7 @@ def cast_like_hf(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast floating parameters/buffers to ``dtype`` except those the class keeps in float32 (as from_pretrained).
 
     Rotary ``inv_freq`` buffers stay float32 too (HF never casts them)."""
-    keep = _fp32_patterns(model)
+    keep = _fp32_patterns(model, dtype)
     done: dict[int, torch.Tensor] = {}  # id(old tensor) -> new: tied tensors stay one tensor
     for mod_name, mod in model.named_modules():
         for store in (mod._parameters, mod._buffers):

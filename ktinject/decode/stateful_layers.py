@@ -23,6 +23,9 @@ from torch import nn
 UNHELD_STATE = {
     "DeepseekV32Indexer": "the lightning indexer's key cache",
     "GlmMoeDsaIndexer": "the lightning indexer's key cache",
+    # DeepSeek-V4: a shared K=V sliding window, and in compressed layers the compressors' window buffers, compressed
+    # entries and overlap (CSA: its indexer's too), all in HF's own cache layers
+    "DeepseekV4Attention": "a K=V sliding window and compressed-attention states in DeepSeek-V4's cache layers",
 }
 #: class name -> the state it keeps in ktinject's KVCache that cannot be restored from K/V blocks (a prefix cache
 #: checkpoints it at block boundaries)

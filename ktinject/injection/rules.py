@@ -79,6 +79,7 @@ FAMILIES: Mapping[str, str] = MappingProxyType({
     "deepseek_v32": "deepseek_v32.yaml",
     "glm_moe_dsa": "glm_moe_dsa.yaml",
     "llama4_text": "llama4.yaml",  # the text model (Llama4ForCausalLM)
+    "deepseek_v4": "deepseek_v4.yaml",
 })
 
 _CLASS_RE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")

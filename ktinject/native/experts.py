@@ -91,7 +91,8 @@ class Experts:
     ``default_group_size(hidden, intermediate)``; activations as int8) or "fp8" (W8A16: float8 e4m3 weights with a
     float scale per block of ``block_rows`` outputs x ``group_size`` inputs, multiples of 16, both 128 by default as
     in the FP8 releases; ``set_fp8`` keeps a release's bits, ``set`` quantizes per block; activations bf16).
-    activation: "silu" (silu(g) * u) or "gptoss" (clamped, alpha/limit; usually with bias=True).
+    activation: "silu" (silu(g) * u), "gptoss" (clamped, alpha/limit; usually with bias=True) or "swiglu_limit"
+    (DeepSeek-V4's clamped SwiGLU: silu(min(g, limit)) * clamp(u, -limit, limit); alpha unused).
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, quant: str = "bf16",
@@ -253,15 +254,18 @@ class Experts:
 
     @classmethod
     def from_hf(cls, gate_up: torch.Tensor, down: torch.Tensor, quant: str = "bf16",
-                group_size: int | None = None, block_rows: int | None = None) -> "Experts":
-        """transformers 5 fused experts: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I]."""
+                group_size: int | None = None, block_rows: int | None = None, activation: str = "silu",
+                limit: float = 7.0) -> "Experts":
+        """transformers 5 fused experts: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I];
+        ``activation`` "silu" or "swiglu_limit" (with ``limit``: DeepSeek-V4's ``swiglu_limit``)."""
         gate_up = checked_tensor("gate_up", gate_up, _WEIGHT_DTYPES, (None, None, None), contiguous=False)
         E, I2, H = gate_up.shape
         if I2 % 2:
             raise NativeError(ERR_SHAPE, f"gate_up: expected shape [E, 2I, H], got {list(gate_up.shape)} (odd 2I)")
         I = I2 // 2
         down = checked_tensor("down", down, _WEIGHT_DTYPES, (E, H, I), contiguous=False)
-        ex = cls(E, H, I, quant=quant, group_size=group_size, block_rows=block_rows)
+        ex = cls(E, H, I, quant=quant, group_size=group_size, block_rows=block_rows, activation=activation,
+                 limit=limit)
         jobs = []
         for e in range(E):
             jobs += [(ex.set, e, "gate", gate_up[e, :I]), (ex.set, e, "up", gate_up[e, I:]),

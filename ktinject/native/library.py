@@ -36,7 +36,7 @@ QUANTS = {"bf16": 0, "int8": 1, "int4": 2, "fp8": 3}
 GROUP_SIZES = (32, 64, 128)  # int4: inputs per scale (fp8: any multiple of 16 up to FP8_MAX_GROUP)
 FP8_MAX_GROUP = 512  # fp8: inputs per scale at most
 FP8_DEFAULT_BLOCK = 128  # fp8: inputs and output rows per scale when none are given (the FP8 releases' 128 x 128)
-ACTIVATIONS = {"silu": 0, "gptoss": 1}
+ACTIVATIONS = {"silu": 0, "gptoss": 1, "swiglu_limit": 2}
 MATRICES = {"gate": 0, "up": 1, "down": 2}
 _INT_MAX = 2**31 - 1
 

@@ -20,6 +20,7 @@ DeepseekV32MoE, GlmMoeDsaMoE
 Ernie4_5_MoeSparseMoeBlock       gate     shared_experts(x), if configured   hf       hidden
 HunYuanMoEV1Moe                  gate (1) shared_mlp(x), always              hf       hidden
 MiniMaxM2SparseMoeBlock          gate (2) -                                  hf       hidden
+DeepseekV4SparseMoeBlock         gate (4) shared_experts(x), always          hf (5)   hidden
 GptOssMLP                        router   -                                  gpt_oss  (hidden, router_scores)
 Llama4TextMoe                    router   shared_expert(x), always (3)       llama4   (hidden, router_logits)
 ===============================  =======  =================================  =======  ===========================
@@ -28,7 +29,13 @@ Llama4TextMoe                    router   shared_expert(x), always (3)       lla
 buffer (sigmoid scores + bias choose the k experts, the scores renormalized weight them), which the hybrid block
 keeps under the same name and passes on (``Known.router_args``); (3) Llama 4's router returns (scores [T, E],
 logits) and its scores weight each expert's *input* (``BlockSpec.weights_input``: the hybrid block feeds the native
-experts x * score per (token, slot) with weight 1, and adds the shared expert of the unweighted x itself).
+experts x * score per (token, slot) with weight 1, and adds the shared expert of the unweighted x itself);
+(4) DeepSeek-V4: a top-k router (score function of the config's ``scoring_func`` plus ``e_score_correction_bias``
+choose, the scores renormalized and scaled weight) or, in its ``mlp_layer_types == "hash_moe"`` layers (the block's
+``is_hash``), a hash router whose experts are a frozen ``tid2eid[input_ids]`` table: its forward takes the token
+ids, which the decoder layer passes to the block (``BlockSpec.token_routed``: the hybrid block passes them on);
+(5) with a clamped SwiGLU, silu(min(g, limit)) * clamp(u, -limit, limit), ``limit`` the experts module's
+(``swiglu_limit``; the native ``swiglu_limit`` activation, ``BlockSpec.activation``).
 
 Blocks of other classes with the same structure are accepted (found from their attributes) with a warning.
 Layouts: ``hf`` is gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I], SiLU; ``gpt_oss`` is gate_up
@@ -69,6 +76,8 @@ class Known(NamedTuple):
     router_args: tuple[str, ...] = ()  # block attributes the router's forward takes after x, in order
     router_weight: str = "weight"  # the router's [E, H] weight, a path inside the router module
     layout: str | None = None  # the experts' layout where their attributes do not say it (Llama 4's)
+    activation: str | None = None  # the experts' native activation where not their layout's ("swiglu_limit")
+    token_routed: str | None = None  # block attribute: True where the router takes the token ids (hash routing)
 
 
 KNOWN_BLOCKS: dict[str, Known] = {
@@ -88,6 +97,7 @@ KNOWN_BLOCKS: dict[str, Known] = {
     "Ernie4_5_MoeSparseMoeBlock": Known("gate", "always", False),  # shared_experts None without shared experts
     "HunYuanMoEV1Moe": Known("gate", "mlp", False, router_weight="wg.weight"),
     "MiniMaxM2SparseMoeBlock": Known("gate", None, False, router_args=("e_score_correction_bias",)),
+    "DeepseekV4SparseMoeBlock": Known("gate", "always", False, activation="swiglu_limit", token_routed="is_hash"),
     "GptOssMLP": Known("router", None, True),
     "Llama4TextMoe": Known("router", "unweighted", True, layout="llama4"),  # top-k sigmoid scores weight inputs
 }
@@ -114,6 +124,8 @@ class BlockSpec:
     intermediate: int  # I
     known: bool  # class is one of KNOWN_BLOCKS (verified against transformers)
     router_args: tuple[str, ...] = ()  # block attributes (tensors) the router's forward takes after x
+    activation: str = "silu"  # the native experts' activation: "silu", "gptoss" (gpt_oss layout), "swiglu_limit"
+    token_routed: bool = False  # the router's forward takes the token ids [T] after x (DeepSeek-V4's hash layers)
 
     @property
     def has_bias(self) -> bool:
@@ -244,7 +256,7 @@ def inspect_block(module: nn.Module, name: str) -> BlockSpec:
     known = KNOWN_BLOCKS.get(cls)
     layout, E, H, I = _expert_layout(name, module, experts, known.layout if known is not None else None)
     if known is not None:
-        router, shared, returns_scores, router_args, weight_path, _ = known
+        router, shared, returns_scores, router_args, weight_path = known[:5]
         if not isinstance(getattr(module, router, None), nn.Module):
             raise _fail(name, module, f"it has no router module '{router}'")
         if shared is not None and getattr(module, SHARED_ATTRS[shared][0], None) is None:
@@ -265,7 +277,26 @@ def inspect_block(module: nn.Module, name: str) -> BlockSpec:
         shape = tuple(rw.shape) if isinstance(rw, torch.Tensor) else None
         raise _fail(name, module, f"router weight {router}.{weight_path} {shape} does not match {E} experts of "
                     f"hidden {H}")
-    return BlockSpec(router, shared, returns_scores, layout, E, H, I, known is not None, router_args)
+    activation = _activation_of(name, module, experts, layout, known)
+    token_routed = bool(known is not None and known.token_routed and getattr(module, known.token_routed, False))
+    return BlockSpec(router, shared, returns_scores, layout, E, H, I, known is not None, router_args, activation,
+                     token_routed)
+
+
+def _activation_of(name: str, module: nn.Module, experts: nn.Module, layout: str, known: Known | None) -> str:
+    """The native activation of the block's experts: the layout's, or the known class's (with its ``limit``)."""
+    limit = getattr(experts, "limit", None)
+    if layout == "gpt_oss":
+        return "gptoss"
+    if known is not None and known.activation is not None:
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
+            raise _fail(name, module, f"its experts' clamped activation needs a finite limit > 0 (the config's "
+                        f"swiglu_limit), got {limit!r}")
+        return known.activation
+    if limit is not None:  # a clamp the native experts would silently leave out
+        raise _fail(name, module, f"its experts clamp their activation (limit {limit!r}) in a form not verified "
+                    f"against native experts")
+    return "silu"
 
 
 def packed_nbytes(spec: BlockSpec, quant: str, group_size: int | None = None) -> int:
@@ -290,6 +321,8 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
 
 def _activation(spec: BlockSpec, experts_module: nn.Module) -> dict:
     """native.Experts' activation keywords for the block (attributes only: works on meta-device modules)."""
+    if spec.activation == "swiglu_limit":  # DeepSeek-V4 (limit checked by inspect_block)
+        return {"activation": "swiglu_limit", "limit": float(experts_module.limit)}
     if spec.layout != "gpt_oss":
         return {"activation": "silu"}
     return {"activation": "gptoss", "alpha": float(getattr(experts_module, "alpha", GPT_OSS_ALPHA)),
@@ -318,7 +351,7 @@ def pack_experts(module: nn.Module, spec: BlockSpec, quant: str, name: str, grou
     gate_up, down = _cpu(ex.gate_up_proj), _cpu(ex.down_proj)
     if spec.layout == "llama4":  # [E, H, 2I], [E, I, H]: their transposes (views) are the hf layout
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    return native.Experts.from_hf(gate_up, down, quant=quant, group_size=group_size)
+    return native.Experts.from_hf(gate_up, down, quant=quant, group_size=group_size, **act)
 
 
 def gpt_oss_biases(experts_module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

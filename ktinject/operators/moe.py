@@ -53,7 +53,7 @@ from ktinject.operators.families import (
     inspect_block, pack_experts, packed_nbytes, shared_output,
 )
 from ktinject.operators.routing import (
-    fast_routing, fused_router_fits, hooked, router_f32_extra, softmax_topk_router, staging,
+    fast_routing, fused_router_fits, hooked, router_f32_extra, softmax_topk_router, staging, token_ids,
 )
 
 log = logging.getLogger(__name__)
@@ -138,13 +138,16 @@ class HybridMoE(nn.Module):
         # (E x H weights: negligible memory and time). Weights come back float32 for every family.
         self._modules[spec.router].float()
 
-    def routing(self, x: torch.Tensor, runner=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """HF's router, in float32, on x [T, H]: (weights [T, k] float32, ids [T, k] int64). For the softmax ->
-        top-k -> renormalize routers, the same weights by ``fast_routing`` (ids in its order), unless the router is
-        hooked, replaced or recorded by autograd (HF's own forward, bitwise, for hooks and training). ``runner``:
-        the StreamExperts this decode step will start: where the one-kernel router runs, it also counts the routed
-        pairs, writes x, ids and weights into the runner's pinned buffers (``runner.staged_ids``: no copies) and
-        raises the runner's go (``runner.raised_ids``: no stream operation)."""
+    def routing(self, x: torch.Tensor, runner=None, input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's router, in float32, on x [T, H]: (weights [T, k] float32, ids [T, k] int64); ``input_ids`` (the T
+        token ids, any shape) for a router that chooses by token (``spec.token_routed``: DeepSeek-V4's hash layers).
+        For the softmax -> top-k -> renormalize routers, the same weights by ``fast_routing`` (ids in its order),
+        unless the router is hooked, replaced or recorded by autograd (HF's own forward, bitwise, for hooks and
+        training). ``runner``: the StreamExperts this decode step will start: where the one-kernel router runs, it
+        also counts the routed pairs, writes x, ids and weights into the runner's pinned buffers
+        (``runner.staged_ids``: no copies) and raises the runner's go (``runner.raised_ids``: no stream
+        operation)."""
         router = self._modules[self.spec.router]  # "gate" or "router" (gpt-oss); checked per call: may be replaced
         if self.spec.weights_input:  # Llama 4's router returns (scores, logits)
             return input_weighted.llama4_routing(router, x)[:2]
@@ -168,6 +171,9 @@ class HybridMoE(nn.Module):
                 runner.raised_ids = ids if go is not None else None
                 return w, ids
             return fast_routing(router, x)
+        if self.spec.token_routed:  # the frozen token -> experts table chooses; the router's scores weight them
+            _, weights, ids = router(x.float(), token_ids(input_ids, x.shape[0], self.device, self.class_name))
+            return weights, ids
         _, weights, ids = router(x.float(), *(getattr(self, a) for a in self.spec.router_args))  # float32
         return weights, ids
 
@@ -187,7 +193,9 @@ class HybridMoE(nn.Module):
             ones = self._ones[key] = torch.ones(flat.numel(), dtype=torch.int64, device=flat.device)
         self.counts.index_add_(0, flat.to(self.counts.device), ones.to(self.counts.device))
 
-    def forward(self, hidden_states: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None):
+        """hidden_states [B, S, H] -> what the HF block returns; ``input_ids`` [B, S]: the token ids, which
+        DeepSeek-V4's decoder layer passes to its block (read by token-routed layers only)."""
         if self.spec.weights_input:  # Llama 4 (input_weighted.py)
             return input_weighted.forward(self, hidden_states)
         B, S, H = hidden_states.shape  # [B, S, H]
@@ -196,7 +204,7 @@ class HybridMoE(nn.Module):
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, H)  # [T, H]
         runner = self._decode_runner(x, S)
-        weights, ids = self.routing(x, runner)  # [T, k], [T, k]
+        weights, ids = self.routing(x, runner, input_ids)  # [T, k], [T, k]
         if self.collect_stats and ids.numel() and (runner is None or runner.staged_ids is not ids):
             self._count(ids)  # (else counted by the routing kernel)
         pending = None if self.defer_chain is None else self.defer_chain.take(self)  # the previous block's

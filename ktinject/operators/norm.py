@@ -4,8 +4,9 @@ HF's RMSNorm is eight elementwise/reduction kernels (cast, pow, mean, add, rsqrt
 step of a Qwen3-30B-A3B-shaped model runs four per layer (input, post-attention, q and k norms), 1,500 small
 kernels per token. ``torch.rms_norm`` is one kernel on CUDA. The arithmetic is the same normalization in float32;
 the fused kernel rounds once at the end where HF rounds the normalized value to the input dtype and then multiplies
-by the weight in that dtype (GptOssRMSNorm multiplies in float32 first, as the fused kernel does), so in bf16 the
-two differ by about one bf16 ulp, and the fused result is the closer one to float64 (tests/operators/test_norm.py).
+by the weight in that dtype (GptOssRMSNorm and DeepseekV4RMSNorm multiply in float32 first, as the fused kernel
+does), so in bf16 the two differ by about one bf16 ulp, and the fused result is the closer one to float64
+(tests/operators/test_norm.py).
 
 Only the classes in ``KNOWN`` are taken (all ``weight * x * rsqrt(mean(x^2) + eps)``, eps in ``variance_epsilon``;
 ``EPS_ATTR``: the same with eps under another name),
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 KNOWN = frozenset({"Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm", "OlmoeRMSNorm", "DeepseekV2RMSNorm",
                    "DeepseekV3RMSNorm", "Glm4MoeRMSNorm", "GptOssRMSNorm", "MiniMaxM2RMSNorm", "Glm4MoeLiteRMSNorm",
                    "Ernie4_5_MoeRMSNorm", "HunYuanMoEV1RMSNorm", "Dots1RMSNorm", "DeepseekV32RMSNorm",
-                   "GlmMoeDsaRMSNorm"})
+                   "GlmMoeDsaRMSNorm", "DeepseekV4RMSNorm"})
 #: HF RMSNorm classes of the same formula that keep their eps under another name (class -> attribute); the decode
 #: paths read ``variance_epsilon`` of HF norms that pass ``fuse_problem``, so these pass only ``replace_problem``
 EPS_ATTR = {"Llama4TextRMSNorm": "eps"}
@@ -112,8 +113,8 @@ def fuse_problem(module: nn.Module) -> str | None:
 
 def rounds_twice(module: nn.Module) -> bool:
     """Whether ``module`` (a FusedRMSNorm or a ``KNOWN`` class) rounds the normalized value to the input dtype
-    before the weight (HF's classes but GptOssRMSNorm), rather than once at the end."""
-    return not isinstance(module, FusedRMSNorm) and type(module).__name__ != "GptOssRMSNorm"
+    before the weight (HF's classes but GptOssRMSNorm and DeepseekV4RMSNorm), rather than once at the end."""
+    return not isinstance(module, FusedRMSNorm) and type(module).__name__ not in ("GptOssRMSNorm", "DeepseekV4RMSNorm")
 
 
 # The decoder layer's decode forward (decode/layer.py) ends with the residual add; the kernel that adds

@@ -9,6 +9,8 @@ deferral share the thread's ``staging`` buffers.
 - ``softmax_topk_router`` / ``fast_routing``: softmax -> top-k -> renormalize routers computed as the softmax over
   the k largest logits, the same weights in fewer kernels (``fused.router_topk`` for decode-sized T on CUDA;
   ``row_logits``: on the CPU row by row, so a token's logits do not depend on the rows beside it).
+- ``token_ids``: the token ids a router that chooses by token reads (DeepSeek-V4's hash layers: a frozen
+  ``tid2eid[input_ids]`` table picks the experts, the router's scores weight them), checked.
 - ``hooked``: anything that would see or change a module's forward (then HF's own forward runs).
 - ``router_f32_extra``: the bytes a router gains when HybridMoE makes it float32 (placement).
 
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from ktinject.operators import handshake as stream_experts
+from ktinject.operators.base import OperatorError
 from ktinject.operators.kernels import common as fused
 
 
@@ -137,6 +140,18 @@ def row_logits(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     if xf.device.type != "cpu":
         return torch.nn.functional.linear(xf, W)
     return torch.bmm(xf.unsqueeze(1), W.t().unsqueeze(0).expand(xf.shape[0], -1, -1)).squeeze(1)
+
+
+def token_ids(input_ids: torch.Tensor | None, T: int, device: torch.device, block: str) -> torch.Tensor:
+    """The ids [T] of the T tokens a token-routed router reads (``input_ids`` of any shape holding T integers), on
+    ``device``; an OperatorError saying what to pass otherwise (``block``: the block's class, for the message)."""
+    if input_ids is None:
+        raise OperatorError(f"moe: {block} routes this layer by token id (a hash_moe layer of mlp_layer_types): "
+                            f"call the model with input_ids (inputs_embeds alone do not say which tokens they are)")
+    if input_ids.numel() != T or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise OperatorError(f"moe: {block} got input_ids {tuple(input_ids.shape)} ({input_ids.dtype}) for {T} "
+                            f"tokens: expected one integer token id per token")
+    return input_ids.reshape(-1).to(device)
 
 
 def _idle_capture_hook(fn) -> bool:

@@ -9,6 +9,7 @@
  *     out[t] = sum_{j < k, !skip[ids[t,j]]} w[t,j] * down_e( act(gate_e(x_t), up_e(x_t)) ),  e = ids[t,j]
  *   act = KTK_ACT_SILU:   silu(g) * u
  *   act = KTK_ACT_GPTOSS: g' = min(g, limit); u' = clamp(u, -limit, limit); g' * sigmoid(alpha * g') * (u' + 1)
+ *   act = KTK_ACT_SWIGLU_LIMIT: g', u' as for KTK_ACT_GPTOSS; silu(g') * u'  (DeepSeek-V4's clamped SwiGLU)
  *   (with optional per-expert biases on gate, up (before act) and down (before the routing weight)).
  * Quantization: KTK_QUANT_BF16 keeps bf16 weights; KTK_QUANT_INT8 is W8A8: weights symmetric int8 per output
  * channel (quantized at load), activations symmetric int8 per token (quantized on the fly), int32 accumulation.
@@ -57,6 +58,7 @@ extern "C" {
 /* ---- activations ---- */
 #define KTK_ACT_SILU 0
 #define KTK_ACT_GPTOSS 1
+#define KTK_ACT_SWIGLU_LIMIT 2
 
 /* ---- which matrix of an expert ---- */
 #define KTK_MAT_GATE 0  /* [I, H]: out = I, in = H */
@@ -152,7 +154,7 @@ typedef struct {
     int32_t activation;    /* KTK_ACT_* */
     int32_t has_bias;      /* gpt-oss: per-expert biases on gate, up and down */
     float alpha;           /* KTK_ACT_GPTOSS */
-    float limit;           /* KTK_ACT_GPTOSS */
+    float limit;           /* KTK_ACT_GPTOSS, KTK_ACT_SWIGLU_LIMIT: > 0 */
     int32_t group_size;    /* KTK_QUANT_INT4: inputs per scale, 32, 64 or 128 (0: 64); KTK_QUANT_FP8: inputs per
                               scale, a multiple of 16 up to 512 (0: 128); else 0 (or one of 32, 64, 128) */
     int32_t block_rows;    /* KTK_QUANT_FP8: output rows per scale, a multiple of 16 up to 2^20 (0: 128); else 0 */
@@ -326,6 +328,16 @@ uint64_t ktk_task_slots_rest(ktk_task *task, int reset);
  * reset (reset != 0: returns the sum and sets it to 0; ktk_task_bind keeps it). Read it when the task is not running
  * (a run adds its rows when it starts). 0 for NULL. */
 uint64_t ktk_task_slots_run(ktk_task *task, int reset);
+
+/* ---- GGUF K-quant blocks (the loader's dequantization of llama.cpp checkpoints) ----
+ * qtype is the ggml type number: KTK_GGUF_Q4_K (144-byte blocks), KTK_GGUF_Q5_K (176), KTK_GGUF_Q6_K (210), each
+ * block 256 values. Writes nblocks * 256 float32 values to out, bit for bit the values of gguf.quants' numpy
+ * dequantizers (float32 operations in their order, none fused; NaN payloads aside). KTK_ERR_DTYPE for another qtype, KTK_ERR_SHAPE for
+ * nblocks < 0 or above 2^36, KTK_ERR_NULL for NULL blocks or out (with nblocks > 0). Single-threaded. */
+#define KTK_GGUF_Q4_K 12
+#define KTK_GGUF_Q5_K 13
+#define KTK_GGUF_Q6_K 14
+int ktk_gguf_dequantize(int qtype, const uint8_t *blocks, int64_t nblocks, float *out);
 
 #ifdef __cplusplus
 }

@@ -141,14 +141,17 @@ static int check_config(const ktk_experts_config *c) {
             return ktki_error(KTK_ERR_SHAPE, "%s: block_rows = %d (only fp8 experts have block scales; expected 0)",
                               fn, c->block_rows);
     }
-    if (c->activation != KTK_ACT_SILU && c->activation != KTK_ACT_GPTOSS)
-        return ktki_error(KTK_ERR_DTYPE, "%s: activation = %d (expected KTK_ACT_SILU=0 or KTK_ACT_GPTOSS=1)", fn,
-                          c->activation);
+    if (c->activation != KTK_ACT_SILU && c->activation != KTK_ACT_GPTOSS && c->activation != KTK_ACT_SWIGLU_LIMIT)
+        return ktki_error(KTK_ERR_DTYPE, "%s: activation = %d (expected KTK_ACT_SILU=0, KTK_ACT_GPTOSS=1 or "
+                          "KTK_ACT_SWIGLU_LIMIT=2)", fn, c->activation);
     if (c->has_bias != 0 && c->has_bias != 1)
         return ktki_error(KTK_ERR_SHAPE, "%s: has_bias = %d (expected 0 or 1)", fn, c->has_bias);
     if (c->activation == KTK_ACT_GPTOSS && (!isfinite(c->alpha) || !(c->limit > 0.0f) || !isfinite(c->limit)))
         return ktki_error(KTK_ERR_SHAPE, "%s: gptoss activation needs finite alpha and limit > 0 (got alpha = %g, "
                           "limit = %g)", fn, (double)c->alpha, (double)c->limit);
+    if (c->activation == KTK_ACT_SWIGLU_LIMIT && (!(c->limit > 0.0f) || !isfinite(c->limit)))
+        return ktki_error(KTK_ERR_SHAPE, "%s: swiglu_limit activation needs a finite limit > 0 (got limit = %g)", fn,
+                          (double)c->limit);
     int64_t H = c->hidden, I = c->intermediate;
     int64_t per = 3 * (H + 16) * (I + 64) * 2 + 3 * (H + I + 32) * 8;   /* upper bound of one expert's bytes */
     if (per * c->num_experts > MAX_NBYTES)
@@ -459,4 +462,22 @@ uint64_t ktk_task_slots_run(ktk_task *task, int reset) {
 int ktk_task_unwatch(ktk_task *task) {
     CHECK_NULL(task, "ktk_task_unwatch");
     return ktki_task_unwatch(task);
+}
+
+/* ---- GGUF K-quant blocks ---- */
+#define MAX_GGUF_BLOCKS (1LL << 36)
+
+int ktk_gguf_dequantize(int qtype, const uint8_t *blocks, int64_t nblocks, float *out) {
+    const char *fn = "ktk_gguf_dequantize";
+    if (ktki_gguf_dequant_block_bytes(qtype) == 0)
+        return ktki_error(KTK_ERR_DTYPE, "%s: qtype = %d is not a K-quant (expected KTK_GGUF_Q4_K=12, "
+                          "KTK_GGUF_Q5_K=13 or KTK_GGUF_Q6_K=14)", fn, qtype);
+    if (nblocks < 0 || nblocks > MAX_GGUF_BLOCKS)
+        return ktki_error(KTK_ERR_SHAPE, "%s: nblocks = %lld is out of range (expected 0..2^36)", fn,
+                          (long long)nblocks);
+    if (nblocks == 0) return KTK_OK;
+    CHECK_NULL(blocks, fn);
+    CHECK_NULL(out, fn);
+    ktki_gguf_dequant(qtype, blocks, nblocks, out);
+    return KTK_OK;
 }

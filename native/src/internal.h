@@ -228,4 +228,8 @@ int ktki_backward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hid
                   const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, const void *dy,
                   int dy_dtype, void *dx, int dx_dtype, float *dweights);
 
+/* ---- GGUF K-quant blocks (gguf_dequant.c) ---- */
+int64_t ktki_gguf_dequant_block_bytes(int qtype);   /* bytes of one block of KTK_GGUF_* qtype; 0 for another */
+void ktki_gguf_dequant(int qtype, const uint8_t *blocks, int64_t nblocks, float *out);   /* [nblocks * 256] */
+
 #endif

@@ -29,6 +29,9 @@ static void check_act(int act, int n, int bias) {
         double gg = (double)g[i] + (bias ? bg[i] : 0), uu = (double)u[i] + (bias ? bu[i] : 0), ref;
         if (act == KTK_ACT_SILU) {
             ref = gg / (1.0 + exp(-gg)) * uu;
+        } else if (act == KTK_ACT_SWIGLU_LIMIT) {
+            gg = fmin(gg, limit), uu = fmin(fmax(uu, -limit), limit);
+            ref = gg / (1.0 + exp(-gg)) * uu;
         } else {
             gg = fmin(gg, limit), uu = fmin(fmax(uu, -limit), limit);
             ref = gg / (1.0 + exp(-alpha * gg)) * (uu + 1.0);
@@ -73,7 +76,7 @@ static void check_quantize(int n) {
 int main(void) {
     const int ns[] = {1, 7, 15, 16, 17, 33, 768, 1000, 2049};
     for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
-        for (int act = KTK_ACT_SILU; act <= KTK_ACT_GPTOSS; act++)
+        for (int act = KTK_ACT_SILU; act <= KTK_ACT_SWIGLU_LIMIT; act++)
             for (int bias = 0; bias < 2; bias++) check_act(act, ns[k], bias);
         check_quantize(ns[k]);
     }

@@ -16,7 +16,8 @@ from ktinject.decode.graph_capture import decoder_layers
 from ktinject.decode.stateful_layers import eager_decode_reason
 from ktinject.tiny_models import build_tiny_model, missing_reason, tiny_prompts
 
-STATEFUL = {"deepseek_v32": "DeepseekV32Indexer", "glm_moe_dsa": "GlmMoeDsaIndexer", "llama4": "chunked_attention"}
+STATEFUL = {"deepseek_v32": "DeepseekV32Indexer", "glm_moe_dsa": "GlmMoeDsaIndexer", "llama4": "chunked_attention",
+            "deepseek_v4": "DeepseekV4Attention"}
 
 
 def _tiny(family: str, **kw):

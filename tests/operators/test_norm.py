@@ -15,7 +15,7 @@ FAMILY_OF = {"Qwen3MoeRMSNorm": "qwen3_moe", "Qwen2MoeRMSNorm": "qwen2_moe", "Mi
              "Glm4MoeRMSNorm": "glm4_moe", "GptOssRMSNorm": "gpt_oss", "MiniMaxM2RMSNorm": "minimax_m2",
              "Glm4MoeLiteRMSNorm": "glm4_moe_lite", "Ernie4_5_MoeRMSNorm": "ernie4_5_moe",
              "HunYuanMoEV1RMSNorm": "hunyuan_v1_moe", "Dots1RMSNorm": "dots1", "DeepseekV32RMSNorm": "deepseek_v32",
-             "GlmMoeDsaRMSNorm": "glm_moe_dsa"}
+             "GlmMoeDsaRMSNorm": "glm_moe_dsa", "DeepseekV4RMSNorm": "deepseek_v4"}
 ZERO_CENTERED_FAMILY_OF = {"Qwen3NextRMSNorm": "qwen3_next", "Qwen3_5MoeRMSNorm": "qwen3_5_moe"}
 
 

@@ -73,8 +73,8 @@ def grouped_mm_usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Activation(NamedTuple):
-    """The experts' gated activation: [S, 2I] (gate, up) -> [S, I] in float32. ``kind``: "silu" (silu(g) * u) or
-    "gptoss" (clamped: g * sigmoid(alpha * g) * (u + 1))."""
+    """The experts' gated activation: [S, 2I] (gate, up) -> [S, I] in float32. ``kind``: "silu" (silu(g) * u),
+    "gptoss" (clamped: g * sigmoid(alpha * g) * (u + 1)) or "swiglu_limit" (clamped: silu(g) * u)."""
 
     kind: str
     I: int
@@ -92,6 +92,8 @@ class Activation(NamedTuple):
             return torch.nn.functional.silu(g) * u
         g = g.clamp(max=self.limit)
         u = u.clamp(-self.limit, self.limit)
+        if self.kind == "swiglu_limit":  # DeepSeek-V4
+            return torch.nn.functional.silu(g) * u
         return g * torch.sigmoid(self.alpha * g) * (u + 1)
 
 

@@ -20,7 +20,8 @@ experts), ``Transposed`` (gpt-oss ``down_proj``).
 A quantized tensor's blocks run along its last (input) dimension, row after row, so one expert's slice of a fused
 ``[E, N, K]`` tensor is a contiguous run of whole blocks. ``Permuted`` undoes llama.cpp's Q/K row permutation of
 llama-architecture models after decoding (as transformers' GGUF loader does). K-quants decode with
-``gguf_kquants`` (torch ops, the numpy dequantizers' operations in their order); Q8_0 / Q4_0 / MXFP4 with torch,
+``gguf_kquants`` (the native core's ``ktk_gguf_dequantize``, or torch ops without it: the numpy dequantizers'
+operations in their order either way); Q8_0 / Q4_0 / MXFP4 with torch,
 in chunks (the tests compare all with ``gguf.quants.dequantize``).
 """
 from __future__ import annotations

@@ -84,8 +84,10 @@ class _KeyMapper:
         renamed = key
         for r in self.renamings:
             renamed, _ = r.rename_source_key(renamed)
-        m = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), renamed)
-        return int(m.group(1)) if m and m.groups() else None
+        # transformers' source patterns are regexes whose "*" stands for the expert number (DeepSeek-V4 writes
+        # r"\.experts.*.w2.weight", the others plain names such as "mlp.experts.*.down_proj.weight")
+        m = re.search(pattern.replace("*", r"(?P<expert>\d+)", 1).replace("*", r"\d+"), renamed)
+        return int(m.group("expert")) if m else None
 
 
 def map_checkpoint(model: nn.Module, ckpt: Reader, is_expert: Callable[[str], tuple[str, str] | None],

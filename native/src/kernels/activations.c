@@ -1,9 +1,10 @@
-/* The activation functions of gate/up on a row segment: silu(g) * u (SiLU experts) or gpt-oss's clamped variant,
- * with the biases. Vectorized where the CPU has AVX-512 (a long prefill computes tens of millions of them a layer,
- * and scalar expf was a visible part of its time): exp from a degree-6 polynomial after range reduction (Cephes'
- * expf constants, about 1 ulp, inputs clamped to +-88; past 88 the product is 0), so results may differ from the
- * scalar expf path in the last bits; one CPU always takes the same path. Elsewhere: libm's expf. gpt-oss's clamps
- * take a NaN gate or up to the limit, as fminf / fmaxf do (the scalar path, and the same as before vectorizing). */
+/* The activation functions of gate/up on a row segment: silu(g) * u (SiLU experts), gpt-oss's clamped variant or
+ * DeepSeek-V4's clamped SwiGLU (silu(min(g, limit)) * clamp(u, -limit, limit)), with the biases. Vectorized where
+ * the CPU has AVX-512 (a long prefill computes tens of millions of them a layer, and scalar expf was a visible part
+ * of its time): exp from a degree-6 polynomial after range reduction (Cephes' expf constants, about 1 ulp, inputs
+ * clamped to +-88; past 88 the product is 0), so results may differ from the scalar expf path in the last bits; one
+ * CPU always takes the same path. Elsewhere: libm's expf. The clamps of both clamped activations take a NaN gate or
+ * up to the limit, as fminf / fmaxf do (the scalar path, and the same as before vectorizing). */
 #include <immintrin.h>
 #include <math.h>
 
@@ -13,6 +14,7 @@ static inline float act_scalar(int act, float alpha, float limit, float g, float
     if (act == KTK_ACT_SILU) return g / (1.0f + expf(-g)) * u;
     g = fminf(g, limit);
     u = fminf(fmaxf(u, -limit), limit);
+    if (act == KTK_ACT_SWIGLU_LIMIT) return g / (1.0f + expf(-g)) * u;
     return g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
 }
 
@@ -55,8 +57,9 @@ static void act_avx512(int act, float alpha, float limit, const float *g, const 
         } else {
             gv = _mm512_min_ps(gv, lim);
             uv = _mm512_min_ps(_mm512_max_ps(uv, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-            arg = _mm512_mul_ps(nalpha, gv);
-            y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, exp512(arg))), _mm512_add_ps(uv, one));
+            const int swiglu = act == KTK_ACT_SWIGLU_LIMIT;
+            arg = swiglu ? _mm512_sub_ps(_mm512_setzero_ps(), gv) : _mm512_mul_ps(nalpha, gv);
+            y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, exp512(arg))), swiglu ? uv : _mm512_add_ps(uv, one));
         }
         /* exp's argument past 88 (clamped there): sigmoid is below 1e-38, the product 0 to float precision */
         y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(arg, _mm512_set1_ps(88.0f), _CMP_GT_OQ), y, _mm512_setzero_ps());

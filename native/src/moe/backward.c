@@ -117,6 +117,12 @@ static float act_grad(const bctx *c, float g, float u, float *dg, float *du) {
         return silu * u;
     }
     const float gc = fminf(g, c->limit), uc = fminf(fmaxf(u, -c->limit), c->limit);
+    if (c->act == KTK_ACT_SWIGLU_LIMIT) {   /* silu(gc) * uc */
+        const float s = 1.0f / (1.0f + expf(-gc)), silu = gc * s;
+        *dg = g <= c->limit ? uc * s * (1.0f + gc * (1.0f - s)) : 0.0f;
+        *du = u >= -c->limit && u <= c->limit ? silu : 0.0f;
+        return silu * uc;
+    }
     const float s = 1.0f / (1.0f + expf(-c->alpha * gc)), glu = gc * s;
     *dg = g <= c->limit ? (uc + 1.0f) * s * (1.0f + c->alpha * gc * (1.0f - s)) : 0.0f;
     *du = u >= -c->limit && u <= c->limit ? glu : 0.0f;
