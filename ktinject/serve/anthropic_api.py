@@ -12,7 +12,6 @@ with the string, ``tool_use``; the output tokens) and ``message_stop``. A failur
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 
@@ -20,8 +19,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ktinject.serve import anthropic_protocol as ap
-from ktinject.serve import constraints, reasoning, tool_parsers
-from ktinject.serve.api_requests import Replies, ServerContext, check_model, checked, grammar_for, in_thread
+from ktinject.serve.api_requests import Replies, ServerContext, chat_output, check_model, checked, \
+    forced_call_grammar, in_thread, reply_parsing
 from ktinject.serve.chat_output import ChatOutput
 
 log = logging.getLogger("ktinject.serve")
@@ -52,17 +51,12 @@ def add_routes(app, ctx: ServerContext) -> None:
     @app.post("/v1/messages")
     async def messages(body: ap.MessagesRequest, request: Request):
         prompt, tools = await render(body)
-        parse = ctx.tool_parser is not None and bool(tools)
-        inside = None
-        if ctx.think:
-            inside = reasoning.prompt_opens_think(await asyncio.to_thread(engine.prompt_tail_text, prompt))
-        output = ChatOutput(tool_parsers.make(ctx.tool_parser, tools) if parse else None, inside, ctx.harmony)
+        parse, inside = await reply_parsing(ctx, prompt, tools)
+        output = chat_output(ctx, tools, parse, inside)
         max_tokens = checked(engine.check_length, len(prompt), body.max_tokens, "messages", "max_tokens")
         params = checked(body.sampling, engine.default_params(), max_tokens, parse or ctx.harmony)
         if body.forced_tool is not False:
-            rule = await grammar_for(engine, lambda: constraints.forced_call(
-                ctx.tool_parser, tools, body.forced_tool, lambda text: engine.grammars.literal(text), bool(inside)),
-                "tool_choice")
+            rule = await forced_call_grammar(ctx, tools, body.forced_tool, inside)
             params = checked(lambda: dataclasses.replace(params, grammar=rule))
         replies = Replies(engine, request)
         await replies.start(prompt, [params])

@@ -16,6 +16,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+from ktinject.serve import constraints, reasoning, tool_parsers
+from ktinject.serve.chat_output import ChatOutput
 from ktinject.serve.errors import ApiError, EngineUnavailable, QueueFull, RequestError
 from ktinject.serve.types import Output
 
@@ -60,6 +62,30 @@ async def grammar_for(engine, build: Callable[[], str | None], param: str) -> st
         return text
 
     return await in_thread(run)
+
+
+async def reply_parsing(ctx: ServerContext, prompt: list[int], tools) -> tuple[bool, bool | None]:
+    """How a chat reply to ``prompt`` is read: (whether the tool-call parser reads its calls: there is one and the
+    request offers ``tools``; whether the prompt already opened a ``<think>`` block, None where replies are not split
+    at ``<think>``)."""
+    parse = ctx.tool_parser is not None and bool(tools)
+    inside = None
+    if ctx.think:
+        inside = reasoning.prompt_opens_think(await asyncio.to_thread(ctx.engine.prompt_tail_text, prompt))
+    return parse, inside
+
+
+def chat_output(ctx: ServerContext, tools, parse: bool, inside: bool | None) -> ChatOutput:
+    """A reply's reader (``chat_output.ChatOutput``) from ``reply_parsing``'s answer."""
+    return ChatOutput(tool_parsers.make(ctx.tool_parser, tools) if parse else None, inside, ctx.harmony)
+
+
+async def forced_call_grammar(ctx: ServerContext, tools, forced, inside: bool | None) -> str | None:
+    """The grammar of a forced tool call (``constraints.forced_call``: ``forced`` a tool's name or None for any),
+    checked to compile; a RequestError is a 400 on ``tool_choice``."""
+    engine = ctx.engine
+    return await grammar_for(engine, lambda: constraints.forced_call(
+        ctx.tool_parser, tools, forced, lambda text: engine.grammars.literal(text), bool(inside)), "tool_choice")
 
 
 def check_model(name: str | None, names: tuple[str, ...]) -> None:

@@ -348,7 +348,6 @@ class Engine:
                 return
             reqs = [j.seq for j in jobs]
             t0 = time.perf_counter()
-            ends = [j.seq for j in jobs if j.last]
             caching = self.scheduler.reuse is not None
             got = []  # the sampler's logprobs of the first tokens, if any
             try:

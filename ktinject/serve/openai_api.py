@@ -21,10 +21,9 @@ import time
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ktinject.serve import constraints, logprob_format, protocol, reasoning, tool_parsers
-from ktinject.serve.api_requests import Replies, ServerContext, check_model, checked, choice_params, failure, \
-    grammar_for, in_thread, summed_usage
-from ktinject.serve.chat_output import ChatOutput
+from ktinject.serve import constraints, logprob_format, protocol
+from ktinject.serve.api_requests import Replies, ServerContext, chat_output, check_model, checked, choice_params, \
+    failure, forced_call_grammar, grammar_for, in_thread, reply_parsing, summed_usage
 
 log = logging.getLogger("ktinject.serve")
 
@@ -40,18 +39,13 @@ def add_routes(app, ctx: ServerContext) -> None:
         tools = body.tools if body.tool_choice != "none" else None
         kwargs = checked(body.template_kwargs)
         prompt = await in_thread(engine.render_chat, messages, tools, **kwargs)
-        parse = ctx.tool_parser is not None and bool(tools)
-        inside = None
-        if ctx.think:
-            inside = reasoning.prompt_opens_think(await asyncio.to_thread(engine.prompt_tail_text, prompt))
-        outputs = [ChatOutput(tool_parsers.make(ctx.tool_parser, tools) if parse else None, inside, ctx.harmony)
-                   if parse or inside is not None or ctx.harmony else None for _ in range(body.n)]
-        forced, think = body.forced_tool, bool(inside)
-        if forced is not False:
-            rule = await grammar_for(engine, lambda: constraints.forced_call(
-                ctx.tool_parser, tools, forced, lambda text: engine.grammars.literal(text), think), "tool_choice")
+        parse, inside = await reply_parsing(ctx, prompt, tools)
+        outputs = [chat_output(ctx, tools, parse, inside) if parse or inside is not None or ctx.harmony else None
+                   for _ in range(body.n)]
+        if body.forced_tool is not False:
+            rule = await forced_call_grammar(ctx, tools, body.forced_tool, inside)
         elif body.json_format:
-            rule = await grammar_for(engine, lambda: constraints.response_format(body.response_format, think),
+            rule = await grammar_for(engine, lambda: constraints.response_format(body.response_format, bool(inside)),
                                      "response_format")
         else:
             rule = None

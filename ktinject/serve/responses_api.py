@@ -15,7 +15,6 @@ with the whole response and its usage. A generation that fails ends with ``respo
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -23,9 +22,9 @@ import logging
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ktinject.serve import constraints, reasoning, tool_parsers
 from ktinject.serve import responses_protocol as rp
-from ktinject.serve.api_requests import Replies, ServerContext, check_model, checked, failure, grammar_for, in_thread
+from ktinject.serve.api_requests import Replies, ServerContext, chat_output, check_model, checked, failure, \
+    forced_call_grammar, in_thread, reply_parsing
 from ktinject.serve.chat_output import ChatOutput
 
 log = logging.getLogger("ktinject.serve")
@@ -41,17 +40,12 @@ def add_routes(app, ctx: ServerContext) -> None:
         messages = checked(body.template_messages)
         tools = checked(body.chat_tools) if body.tool_choice != "none" else None
         prompt = await in_thread(engine.render_chat, messages, tools, **body.template_kwargs())
-        parse = ctx.tool_parser is not None and bool(tools)
-        inside = None
-        if ctx.think:
-            inside = reasoning.prompt_opens_think(await asyncio.to_thread(engine.prompt_tail_text, prompt))
-        output = ChatOutput(tool_parsers.make(ctx.tool_parser, tools) if parse else None, inside, ctx.harmony)
+        parse, inside = await reply_parsing(ctx, prompt, tools)
+        output = chat_output(ctx, tools, parse, inside)
         max_tokens = checked(engine.check_length, len(prompt), body.max_output_tokens, "input", "max_output_tokens")
         params = checked(body.sampling, engine.default_params(), max_tokens, parse or ctx.harmony)
         if body.forced_tool is not False:
-            rule = await grammar_for(engine, lambda: constraints.forced_call(
-                ctx.tool_parser, tools, body.forced_tool, lambda text: engine.grammars.literal(text), bool(inside)),
-                "tool_choice")
+            rule = await forced_call_grammar(ctx, tools, body.forced_tool, inside)
             params = checked(lambda: dataclasses.replace(params, grammar=rule))
         replies = Replies(engine, request)
         await replies.start(prompt, [params])
