@@ -59,7 +59,7 @@ def test_auto_places_a_model_that_fits_whole(family, uncapped):
 def test_a_capped_run_never_exceeds_its_cap(uncapped):
     torch.cuda.reset_peak_memory_stats()
     held = torch.cuda.memory_reserved()  # what the process holds already counts under the cap
-    cap = held + 2 * GiB
+    cap = held + 3 * GiB // 2  # usable 1.5 GiB: after the fixed costs (~1.3 GiB) room for part of the 576 MiB of experts
     context = LARGER["max_position_embeddings"]
     model = build_tiny_model("qwen3_moe", dtype=torch.bfloat16, **LARGER)
     plan = ktinject.inject(model, gpu="cuda", gpu_memory=cap, max_context=context)
