@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=_positive_float, default=16.0, help="LoRA alpha: scaling alpha / r (default 16)")
     p.add_argument("--dropout", type=_fraction, default=0.05, help="LoRA dropout (default 0.05)")
     p.add_argument("--target-modules", metavar="NAMES",
-                   help="comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear "
-                        "projection of the attention modules)")
+                   help="comma-separated module names to adapt, e.g. q_proj,v_proj; 'experts': the routed "
+                        "experts' gate, up and down projections (per-expert adapters on the CPU) (default: every "
+                        "linear projection of the attention modules)")
     p.add_argument("--lr", type=_positive_float, default=2e-4, help="learning rate of AdamW (default 0.0002)")
     p.add_argument("--steps", type=positive, help="optimizer steps (default: one epoch)")
     p.add_argument("--epochs", type=_positive_float, help="passes over the training blocks (instead of --steps)")

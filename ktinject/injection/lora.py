@@ -3,7 +3,11 @@
 ``inject(model, lora=DIR)`` and ``from_pretrained(..., lora=DIR)`` call ``merge_adapter`` once the model is built:
 for every adapted ``nn.Linear`` (attention projections, dense MLPs, shared experts) its weight becomes
 ``W + scaling * B @ A`` (PEFT's own merge: the product in float32, added in place), so the decode step, its graph and
-its kernels are those of the base model, with other numbers in the same tensors. ``save_merged(base, adapter, out)``
+its kernels are those of the base model, with other numbers in the same tensors. Adapters of the routed experts
+(``...mlp.experts.E.expert_gate_proj`` / ``expert_up_proj`` / ``expert_down_proj``, or transformers 4.x's per-expert
+``gate_proj`` / ``up_proj`` / ``down_proj``) cannot be merged into packed int4 / int8 / fp8 experts without
+requantizing them: they are applied on the CPU at every forward instead (``ktinject.operators.expert_lora``;
+``save_merged`` refuses them). ``save_merged(base, adapter, out)``
 writes the merged checkpoint: the base directory's files with the adapted tensors replaced, every other tensor (the
 routed experts' included) copied byte for byte.
 
@@ -31,6 +35,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from ktinject.operators import expert_lora
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +156,8 @@ def write_base_file(adapter_dir, model: nn.Module, names) -> None:
     """ktinject_base.json in ``adapter_dir``: the fingerprint of ``model``'s base weights of modules ``names``."""
     modules = dict(model.named_modules())
     data = {"config": {f: getattr(model.config, f, None) for f in _CONFIG_FIELDS},
-            "weights": fingerprint({n: _base_linear(modules[n]).weight for n in names})}
+            "weights": fingerprint({n: _base_linear(modules[n]).weight for n in names
+                                    if expert_lora.split_name(n) is None})}  # (routed experts: no weight here)
     (Path(adapter_dir) / BASE_FILE).write_text(json.dumps(data, indent=1) + "\n")
 
 
@@ -164,6 +171,12 @@ def check_base(adapter: Adapter, config, weights: dict[str, torch.Tensor], what:
     weight) where it has one, else its base_model_name_or_path's config against ``config``; ``what`` names the
     model in messages."""
     if adapter.base is not None:
+        theirs = adapter.base.get("config") or {}
+        diff = [f"{f} {theirs[f]} vs {getattr(config, f, None)}" for f in _CONFIG_FIELDS
+                if theirs.get(f) is not None and getattr(config, f, None) is not None and theirs[f] != getattr(config, f)]
+        if diff:
+            raise LoraError(f"the LoRA adapter {adapter.path} was trained on another model than {what} "
+                            f"({'; '.join(diff)})")
         for name, sample in adapter.base.get("weights", {}).items():
             if name not in weights:
                 continue
@@ -191,23 +204,44 @@ def merge_adapter(model: nn.Module, lora) -> list[str]:
     merged modules' names. Everything is checked before the first weight changes."""
     adapter = lora if isinstance(lora, Adapter) else read_adapter(lora)
     modules = dict(model.named_modules())
-    targets = {name: _target(model, modules, name, pair, adapter.path) for name, pair in adapter.pairs.items()}
+    experts = _expert_pairs(model, modules, adapter)
+    targets = {name: _target(model, modules, name, pair, adapter.path) for name, pair in adapter.pairs.items()
+               if expert_lora.split_name(name) is None}
     check_base(adapter, model.config, {n: m.weight for n, m in targets.items()}, type(model).__name__)
+    for block_name, pairs in experts.items():  # (checked by attach before the block changes)
+        try:
+            expert_lora.attach(modules[block_name], block_name, pairs)
+        except ValueError as e:
+            raise LoraError(f"the LoRA adapter {adapter.path}: {e}") from None
     with torch.no_grad():
         for name, module in targets.items():
             module.weight.data += adapter.pairs[name].delta(module.weight.device)  # PEFT's merge
-    log.info("lora: merged %s into %d modules (%s)", adapter.path, len(targets), _summary(targets))
+    log.info("lora: merged %s into %d modules (%s)%s", adapter.path, len(targets), _summary(targets),
+             f"; routed-expert adapters of {len(experts)} MoE blocks applied on the CPU" if experts else "")
     model.__dict__.setdefault("_ktinject_lora", []).append(str(adapter.path))
     return sorted(targets)
+
+
+def _expert_pairs(model: nn.Module, modules: dict, adapter: Adapter) -> dict[str, dict]:
+    """{MoE block name: {(expert, projection): (A, B, scaling)}} of the adapter's routed-expert modules."""
+    out: dict[str, dict] = {}
+    for name, pair in adapter.pairs.items():
+        split = expert_lora.split_name(name)
+        if split is None:
+            continue
+        block_name, e, proj = split
+        block = modules.get(block_name)
+        if not isinstance(modules.get(f"{block_name}.experts"), expert_lora.ExpertSlots):
+            raise LoraError(f"the LoRA adapter {adapter.path} targets {name}, a routed expert, but {block_name} "
+                            f"({type(block).__name__ if block is not None else 'missing'}) is not an injected MoE "
+                            f"block (its experts on the CPU): inject the model with the moe operator first")
+        out.setdefault(block_name, {})[(e, proj)] = (pair.a, pair.b, pair.scaling)
+    return out
 
 
 def _target(model: nn.Module, modules: dict, name: str, pair: LoraPair, where: Path) -> nn.Linear:
     module = modules.get(name)
     if module is None:
-        routed = re.search(r"\.experts\.", name + ".") and not re.search(r"shared_experts?\.", name)
-        if routed:
-            raise LoraError(f"the LoRA adapter {where} targets {name}, one of the routed experts: LoRA on the routed "
-                            f"experts is not supported yet (target the attention and dense modules)")
         near = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, nn.Linear)})
         raise LoraError(f"the LoRA adapter {where} targets {name}, which {type(model).__name__} has not: the adapter "
                         f"was made for another model (this one's linear modules: {', '.join(near)})")
@@ -244,6 +278,11 @@ def save_merged(base_dir, lora, out_dir) -> Path:
     if out_dir.exists() and (out_dir.resolve() == base_dir.resolve() or any(out_dir.iterdir())):
         raise LoraError(f"save_merged: {out_dir} exists and is not empty: give a new directory")
     adapter = lora if isinstance(lora, Adapter) else read_adapter(lora)
+    routed = sorted(n for n in adapter.pairs if expert_lora.split_name(n) is not None)
+    if routed:
+        raise LoraError(f"save_merged: the adapter {adapter.path} adapts the routed experts ({routed[0]} and "
+                        f"{len(routed) - 1} more): merging them would rewrite the fused (and, where quantized, "
+                        f"requantized) expert tensors; load the base model with lora={adapter.path} instead")
     keys = {f"{name}.weight": name for name in adapter.pairs}
     where: dict[str, Path] = {}
     for shard in shards:

@@ -30,7 +30,9 @@ model-wide, applied once every block is built (``ktinject.gpu_experts``).
 Each forward also counts the routed (token, slot) pairs per expert into ``counts`` [E] on the device (statistics),
 and GPU-resident experts (``hot``, a ``ktinject.gpu_experts.hot.bank.HotExperts``, set by placement) run on the device
 between the host submit and wait, while the native experts skip them through ``skip``. Where a gradient is wanted
-(training), the routed experts go through ``moe_backward`` instead: all of them on the CPU, under autograd.
+(training), the routed experts go through ``moe_backward`` instead: all of them on the CPU, under autograd. A block
+whose ``experts`` stand-ins carry LoRA adapters (PEFT's, or an inference adapter: ``expert_lora``) computes its
+routed experts in torch on the CPU with the adapters instead (``expert_lora_path``), in training and inference.
 
 Legend: B batch, S sequence, T tokens (B*S), E experts, H hidden, I expert intermediate, k experts per token.
 """
@@ -45,7 +47,9 @@ from torch import nn
 from ktinject import native
 from ktinject.operators import fast_path_report as fastpaths
 from ktinject.operators import handshake as stream_experts
-from ktinject.operators import cpu_overlap, deferral, input_weighted, moe_backward, register
+from ktinject.operators import (
+    cpu_overlap, deferral, expert_lora, expert_lora_path, input_weighted, moe_backward, register,
+)
 from ktinject.operators.kernels import common as fused
 from ktinject.operators.base import Operator, OperatorError, tensor_bytes
 from ktinject.operators.families import (
@@ -137,6 +141,10 @@ class HybridMoE(nn.Module):
         # output a lot; in float32 the injected model routes as the float32 reference does more often than HF bf16
         # (E x H weights: negligible memory and time). Weights come back float32 for every family.
         self._modules[spec.router].float()
+        # stand-ins of the routed experts' projections for PEFT to adapt (no storage, no state-dict keys); an
+        # inference adapter is kept in ``expert_lora`` (``ktinject.operators.expert_lora``)
+        self.experts = expert_lora.slots(spec)
+        self.expert_lora = None
 
     def routing(self, x: torch.Tensor, runner=None, input_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,6 +204,7 @@ class HybridMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None):
         """hidden_states [B, S, H] -> what the HF block returns; ``input_ids`` [B, S]: the token ids, which
         DeepSeek-V4's decoder layer passes to its block (read by token-routed layers only)."""
+        lora = expert_lora.factors(self)  # expert adapters (None: none); an error for a block that cannot take them
         if self.spec.weights_input:  # Llama 4 (input_weighted.py)
             return input_weighted.forward(self, hidden_states)
         B, S, H = hidden_states.shape  # [B, S, H]
@@ -203,12 +212,12 @@ class HybridMoE(nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, H)  # [T, H]
-        runner = self._decode_runner(x, S)
+        runner = None if lora is not None else self._decode_runner(x, S)
         weights, ids = self.routing(x, runner, input_ids)  # [T, k], [T, k]
         if self.collect_stats and ids.numel() and (runner is None or runner.staged_ids is not ids):
             self._count(ids)  # (else counted by the routing kernel)
         pending = None if self.defer_chain is None else self.defer_chain.take(self)  # the previous block's
-        d = 0 if moe_backward.wanted(x, weights) else self._defer_now(S, x.shape[0], ids.shape[1])
+        d = 0 if lora is not None or moe_backward.wanted(x, weights) else self._defer_now(S, x.shape[0], ids.shape[1])
         if d:
             on_cuda = x.device.type == "cuda"
             cpu_overlap.settle()  # (a task a prompt's forward left running)
@@ -218,7 +227,8 @@ class HybridMoE(nn.Module):
             routed = _combine(routed, extra)
         else:
             self._lazy_runner = None  # (take_lazy_collect took the last one)
-            routed, shared = self._experts(x, ids, weights, lazy=self.caller_collects and deferral.lazy_ok(pending))
+            routed, shared = self._experts(x, ids, weights, lazy=self.caller_collects and deferral.lazy_ok(pending),
+                                           lora=lora)
             prev = None
             if self._lazy_runner is not None:  # the previous block's deferred output joins the caller's collect
                 self._lazy_runner = deferral.lazy_with(self._lazy_runner, pending)
@@ -254,15 +264,18 @@ class HybridMoE(nn.Module):
         r, self._lazy_runner = self._lazy_runner, None
         return r
 
-    def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lazy: bool = False):
+    def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lazy: bool = False, lora=None):
         """(routed [T, H] on x's device, shared [T, H] or None), the two computed concurrently. ``lazy``: in graph
-        decode, where routed would be the runner's output alone, return it uncollected (take_lazy_collect)."""
+        decode, where routed would be the runner's output alone, return it uncollected (take_lazy_collect);
+        ``lora``: the block's expert adapters (``expert_lora.factors``): every expert in torch on the CPU."""
         T, H = x.shape
         k = ids.shape[1]
         on_cuda = x.device.type == "cuda"
         if T == 0:
             return x.new_zeros((0, H)), shared_output(self, self.spec.shared, x)
         cpu_overlap.settle()  # the block before's task, left running (or an earlier forward's): its error raised
+        if lora is not None:
+            return expert_lora_path.routed(self, lora, x, ids, weights), shared_output(self, self.spec.shared, x)
         if moe_backward.wanted(x, weights):  # training: autograd through every expert, on the CPU
             return moe_backward.routed(self.native_experts, x, ids, weights), shared_output(self, self.spec.shared, x)
         if self.prefill is not None and not (on_cuda and stream_experts.active()):  # never inside graph capture

@@ -4,7 +4,9 @@
             one: no hot experts, whose GPU kernels have no backward; prompts' experts on the CPU too)
     data    ``ktinject.train.data``: files -> documents -> packed blocks [N, S]; the last share held out
     adapt   peft.get_peft_model(LoraConfig(r, alpha, dropout, target_modules)): by default every linear projection
-            of the attention modules; the adapters in float32, everything else frozen
+            of the attention modules; ``experts`` among the targets: the routed experts' gate, up and down
+            projections too (``ktinject.operators.expert_lora``: per-expert adapters computed on the CPU); the
+            adapters in float32, everything else frozen
     train   AdamW (constant learning rate, no weight decay) on micro-batches of ``batch`` blocks, ``grad_accum``
             of them per step, the blocks shuffled each epoch with ``seed``; a progress bar with the loss and
             tokens/s; the adapter saved every ``save_every`` steps (``OUT/checkpoint-STEP``) and at the end (``OUT``)
@@ -31,6 +33,8 @@ import torch
 from torch import nn
 
 from ktinject.injection import lora as lora_merge
+from ktinject.operators import expert_lora
+from ktinject.operators.base import OperatorError
 from ktinject.train import data
 
 log = logging.getLogger(__name__)
@@ -122,6 +126,27 @@ def attention_projections(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
+def peft_targets(targets: list[str]) -> list[str]:
+    """PEFT's target_modules for ``targets``: the alias ``experts`` becomes the routed experts' projections."""
+    if "experts" not in targets:
+        return list(targets)
+    return [t for t in targets if t != "experts"] + list(expert_lora.PROJECTIONS)
+
+
+def check_expert_adapters(model: nn.Module) -> int:
+    """The number of MoE blocks with routed-expert adapters; a FinetuneError for a block that cannot take them."""
+    from ktinject.operators.moe import HybridMoE
+
+    n = 0
+    for name, block in model.named_modules():
+        if isinstance(block, HybridMoE):
+            try:
+                n += expert_lora.factors(block, name) is not None
+            except OperatorError as e:
+                raise FinetuneError(f"--target-modules: {e}") from None
+    return n
+
+
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -195,7 +220,7 @@ def finetune(config: FinetuneConfig, progress: bool = True, report=None) -> Fine
     train, held = data.split(make_blocks(config, tokenizer, _context(config.model)), config.eval_fraction)
     model = from_pretrained(config.model, quant=config.quant, progress=progress, gpu=config.device,
                             gpu_experts_budget=0, prefill="cpu")  # (bad data fails before this)
-    targets = config.target_modules or attention_projections(model)
+    targets = peft_targets(config.target_modules or attention_projections(model))
     if not targets:
         raise FinetuneError(f"{type(model).__name__} has no linear layers in its attention modules: name the "
                             f"modules to adapt with --target-modules")
@@ -209,6 +234,7 @@ def finetune(config: FinetuneConfig, progress: bool = True, report=None) -> Fine
                                                                task_type="CAUSAL_LM"))
     except ValueError as e:
         raise FinetuneError(f"--target-modules {','.join(targets)}: {e}") from None
+    check_expert_adapters(model)
     adapted = sorted(n for n, m in model.base_model.model.named_modules() if hasattr(m, "lora_A"))
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in trainable)

@@ -366,6 +366,7 @@ def test_int4_groups_of_128_kl(models, monkeypatch):
 def test_one_resident_copy(models):
     """(f) After inject: no HF expert tensors left (freed, not just unlinked); native holds the packed size."""
     from ktinject.operators.base import tensor_bytes
+    from ktinject.operators.expert_lora import ExpertSlots
     from ktinject.operators.families import packed_nbytes
     from ktinject.operators.moe import HybridMoE
     from ktinject.operators.routing import router_f32_extra
@@ -377,7 +378,7 @@ def test_one_resident_copy(models):
         for name in models.moe_names:
             block = model.get_submodule(name)
             assert isinstance(block, HybridMoE)
-            assert not hasattr(block, "experts")
+            assert isinstance(block.experts, ExpertSlots) and not list(block.experts.parameters())  # LoRA stand-ins
             assert all(t.dim() < 3 for t in block.state_dict().values()), "a 3-D (expert) tensor is left"
             hf_block = models.yard.get_submodule(name)
             router_extra = router_f32_extra(getattr(hf_block, block.spec.router))  # the router runs in float32
