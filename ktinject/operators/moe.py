@@ -244,7 +244,7 @@ class HybridMoE(nn.Module):
         """The StreamExperts this forward's experts will start (graph warm-up and capture: ``_experts`` and
         ``deferral.experts_deferred`` ask runner_for for the same key), or None."""
         T, H = x.shape
-        if x.device.type != "cuda" or not stream_experts.active() or not T or not self.top_k:
+        if x.device.type != "cuda" or not stream_experts.active() or not T or not self.top_k or self._gpu_only():
             return None
         d = self._defer_now(S, T, self.top_k)
         return stream_experts.runner_for(self.native_experts, T, self.top_k, H, x.device, dtype=x.dtype,
@@ -254,7 +254,7 @@ class HybridMoE(nn.Module):
         """The deferral setting of this forward: ``defer`` in a decode step (one token per row) of a chained block
         that is not the model's last MoE block, else 0."""
         chain = self.defer_chain
-        if not self.defer or S != 1 or T == 0 or chain is None or chain.is_last(self):
+        if not self.defer or self._gpu_only() or S != 1 or T == 0 or chain is None or chain.is_last(self):
             return 0
         return deferral.check_defer(self.defer, k, repr(self.class_name))
 
@@ -278,6 +278,9 @@ class HybridMoE(nn.Module):
             return expert_lora_path.routed(self, lora, x, ids, weights), shared_output(self, self.spec.shared, x)
         if moe_backward.wanted(x, weights):  # training: autograd through every expert, on the CPU
             return moe_backward.routed(self.native_experts, x, ids, weights), shared_output(self, self.spec.shared, x)
+        if self._gpu_only():  # every expert resident: no CPU task, no handshake with the pool
+            shared = shared_output(self, self.spec.shared, x)
+            return self.hot(x, ids, weights).to(x.dtype), shared
         if self.prefill is not None and not (on_cuda and stream_experts.active()):  # never inside graph capture
             taken = self.prefill(self, x, ids, weights)
             if taken is not None:
@@ -334,6 +337,10 @@ class HybridMoE(nn.Module):
         routed = torch.empty((T, H), dtype=x.dtype, device=x.device)
         routed.copy_(o, non_blocking=on_cuda)  # pinned host -> device; stream order protects `o` until done
         return _combine(routed, extra), shared
+
+    def _gpu_only(self) -> bool:
+        """The hot bank holds every expert for good (``HotExperts.holds_all``): the routed experts are its alone."""
+        return self.hot is not None and self.hot.holds_all()
 
     def _mirror_skip(self, non_blocking: bool) -> None:
         """Re-placement on: this step's native skip mask is the device residency table (stream order keeps the

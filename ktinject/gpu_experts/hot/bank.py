@@ -201,6 +201,10 @@ class HotExperts:
     def residents(self) -> list[int]:
         return sorted(e for e in self.slot_expert if e >= 0)
 
+    def holds_all(self) -> bool:
+        """Every expert of the block is resident and stays so (no re-placement): the CPU has nothing to compute."""
+        return not self.dynamic and self.C == self.E and -1 not in self.slot_expert
+
     # ---- weights -----------------------------------------------------------------------------------------------
     def host_weights(self, expert: int, pin: bool = False) -> dict[str, torch.Tensor]:
         """One expert's bank rows as float32 host tensors written directly by native (no torch CPU kernels: this
