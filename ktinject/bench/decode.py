@@ -53,7 +53,8 @@ from ktinject.bench.decode_rows import (add_row, compare_rows, coordination_rows
 from ktinject.operators.kernels import dense as fused_dense
 from ktinject.bench.memory import measure_read_bandwidth
 from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and the probe build the same model)
-    add_budget_option, set_generation_defaults, build_model, build_tiny, checkpoint_model, experts_quant, quants_of,
+    add_budget_option, set_generation_defaults, build_model, build_tiny, checkpoint_model, experts_quant, print_budget,
+    quants_of,
 )
 from ktinject.bench.targets import ROOF_RUNS as ROOF_ROUNDS, noise_targets, our_rate, target_rows
 from ktinject.bench.timing import (  # the measurements (bench serve imports two of them from here too)
@@ -242,6 +243,7 @@ def run(args, quant: str | None = "bf16", first: bool = True) -> tuple[str, list
     t0 = time.perf_counter()
     if not args.checkpoint:
         ktinject.inject(model, gpu=str(device), quant=quant, gpu_experts_budget=args.gpu_experts_budget)
+    print_budget(model)
     pool = native.default_pool()
     pinned = pool.pin if envs.get("KTINJECT_PIN") is None else envs.get("KTINJECT_PIN")  # (the native override)
     if device.type == "cuda":

@@ -137,6 +137,15 @@ def add_budget_option(p) -> None:
                         "auto (the library's default), a size (12GiB) or a fraction")
 
 
+def print_budget(model) -> None:
+    """The injection's GPU budget report (what ``--gpu-experts-budget`` chose and what fills the card), one ``#``
+    line each; nothing where no budget was planned (0, or no GPU)."""
+    plan = getattr(model, "_ktinject_plan", None)
+    budget = None if plan is None else plan.gpu_budget
+    if budget is not None:
+        print("\n".join(f"# {line}" for line in budget.lines()), flush=True)
+
+
 def quants_of(args) -> list:
     """The runs' expert formats from ``--quant`` of bench decode / prefill (default bf16; with ``--checkpoint``:
     [None], the release's, unless given); SystemExit naming what does not fit."""

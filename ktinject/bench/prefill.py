@@ -42,7 +42,7 @@ import time
 import torch
 
 from ktinject.bench import llamacpp as peer
-from ktinject.bench.model import add_budget_option, bench_model, checkpoint_model, experts_quant, quants_of
+from ktinject.bench.model import add_budget_option, bench_model, checkpoint_model, experts_quant, print_budget, quants_of
 from ktinject.gpu_experts.prefill.feedback import TRIALS
 
 
@@ -137,6 +137,7 @@ def run(args, quant: str | None, ours: dict | None = None) -> list[tuple[str, st
         model, device = bench_model(args.tiny, args.layers, args.threads)
         ktinject.inject(model, gpu=str(device), quant=quant, prefill="cpu", gpu_experts_budget=args.gpu_experts_budget)
         what = "tiny qwen3_moe" if args.tiny else "Qwen3-30B-A3B shapes"
+    print_budget(model)
     cfg = model.config
     L = cfg.num_hidden_layers
     blocks = stream.blocks_of(model)
