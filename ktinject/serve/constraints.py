@@ -7,9 +7,10 @@ Forced calls exist for the families whose calls carry JSON arguments (``FORCED``
 (``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``), ``deepseek_v3`` (V3.1's form: the name,
 ``<｜tool▁sep｜>`` and the arguments in one call block, inside the calls markers), ``kimi_k2`` and ``harmony``
 (gpt-oss: ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``, the reply's first message;
-the call's end, ``<|call|>``, is an end-of-sequence token that follows the finished grammar); the others get a
-RequestError that says so. A marker that is one special token of the tokenizer is matched as that
-token (``literal``: the grammar's text of a marker), else as its text.
+the call's end, ``<|call|>``, is an end-of-sequence token that follows the finished grammar). The families whose
+calls carry their arguments one parameter at a time (``PER_PARAMETER``: ``qwen3_coder``, ``glm45``, ``minimax_m2``,
+``llama4_pythonic``) get their grammars from ``call_grammars.py``. A marker that is one special token of the
+tokenizer is matched as that token (``literal``: the grammar's text of a marker), else as its text.
 
 Where the prompt opened a reasoning block (``think``: the template ended it with ``<think>``), the grammar lets the
 reasoning run up to the first ``</think>`` and holds what follows; otherwise it holds the reply from its first token.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from ktinject.serve import grammar
+from ktinject.serve import call_grammars, grammar
 from ktinject.serve.errors import RequestError
 
 #: the reasoning a prompt opened, up to its end (llguidance's lazy rule: the shortest text that ends with it)
@@ -80,6 +81,8 @@ def _harmony(name: str, lit) -> tuple[str, str]:
 
 #: parser -> (tool name, literal) -> (the grammar before a call's JSON arguments, after them)
 FORCED: dict[str, Callable] = {"qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "kimi_k2": _kimi_k2, "harmony": _harmony}
+#: the parsers whose forced calls come one parameter at a time (``call_grammars.py``)
+PER_PARAMETER = (*call_grammars.XML_FORMS, "llama4_pythonic")
 
 
 def forced_call(parser: str | None, tools: list[dict], name: str | None, literal: Callable[[str], str],
@@ -90,9 +93,9 @@ def forced_call(parser: str | None, tools: list[dict], name: str | None, literal
     if parser is None:
         raise RequestError(f"{param}: a forced tool call needs a tool-call parser for this model "
                            f"(--tool-call-parser)", param=param)
-    if parser not in FORCED:
+    if parser not in FORCED and parser not in PER_PARAMETER:
         raise RequestError(f"{param}: forced tool calls are not supported for the {parser} tool-call parser (they are "
-                           f"for {', '.join(sorted(FORCED))}); use \"auto\"", param=param)
+                           f"for {', '.join(sorted((*FORCED, *PER_PARAMETER)))}); use \"auto\"", param=param)
     if not tools:
         raise RequestError(f"{param}: a forced tool call needs tools", param=param)
     names = [t["function"]["name"] for t in tools]
@@ -102,8 +105,14 @@ def forced_call(parser: str | None, tools: list[dict], name: str | None, literal
     picked = [t for t in tools if name is None or t["function"]["name"] == name]
     rules, calls = [], []
     for i, tool in enumerate(picked):
-        before, after = FORCED[parser](tool["function"]["name"], literal)
+        fn, schema = tool["function"]["name"], _tool_schema(tool)
         calls.append(f"call{i}")
-        rules.append(f"call{i}: {before} args{i} {after}\n" + _json_rule(f"args{i}", _tool_schema(tool)))
+        if parser == "llama4_pythonic":
+            rules.append(call_grammars.pythonic_call(f"call{i}", fn, schema, param))
+        elif parser in call_grammars.XML_FORMS:
+            rules.append(call_grammars.xml_call(parser, f"call{i}", fn, schema, literal, param))
+        else:
+            before, after = FORCED[parser](fn, literal)
+            rules.append(f"call{i}: {before} args{i} {after}\n" + _json_rule(f"args{i}", schema))
     return grammar.lark(_start(" | ".join(calls) if len(calls) == 1 else f"({' | '.join(calls)})", think)
                         + "".join(rules), param)

@@ -9,7 +9,8 @@ Markers that only wrap a section of calls (``drops``) leave the content once fou
 
 Families (``PARSERS``; chosen from the model type by ``for_model_type``, first match of ``MODEL_TYPES`` wins):
 ``qwen3`` (``<tool_call>{json}</tool_call>``, and Qwen3-Coder / Qwen3.5's ``<tool_call><function=..><parameter=..>``
-inside the same markers), ``deepseek_v3`` (V3 / R1 and V3.1 forms), ``glm45`` (``<arg_key>``/``<arg_value>``),
+inside the same markers; ``qwen3_coder`` reads the same, its forced calls are the XML form), ``deepseek_v3``
+(V3 / R1 and V3.1 forms), ``glm45`` (``<arg_key>``/``<arg_value>``),
 ``kimi_k2``, ``minimax_m2`` (``<invoke name=..>``), ``llama4_pythonic`` (``[f(a=1)]`` as the whole reply),
 ``harmony`` (gpt-oss: ``<|channel|>commentary to=functions.NAME ...<|message|>{json}<|call|>``, read by
 ``harmony.py``, which also splits the reply's reasoning off: a chat reply gets all of it from ``chat_output``).
@@ -20,6 +21,7 @@ import ast
 import json
 import re
 import uuid
+import warnings
 from dataclasses import dataclass, field
 
 from ktinject.serve import harmony
@@ -198,6 +200,12 @@ class Qwen3ToolParser(ToolParser):
         return [ToolCall(name, json.dumps(params, ensure_ascii=False))]
 
 
+class Qwen3CoderToolParser(Qwen3ToolParser):
+    """Qwen3-Coder / Qwen3.5: read as ``qwen3`` reads (both forms); its forced calls are written in the XML form."""
+
+    name = "qwen3_coder"
+
+
 class DeepSeekV3ToolParser(ToolParser):
     """DeepSeek-V3 / R1: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>``;
     V3.1: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``; calls inside
@@ -293,8 +301,10 @@ class Llama4PythonicToolParser(ToolParser):
 
     def decode(self, match):
         try:
-            tree = ast.parse(match.group(1), mode="eval").body
-        except SyntaxError:
+            with warnings.catch_warnings():  # a JSON string's escapes ("\\/") are no Python escapes
+                warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+                tree = ast.parse(match.group(1), mode="eval").body
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
             return None
         if not isinstance(tree, ast.List) or not tree.elts:
             return None
@@ -303,13 +313,24 @@ class Llama4PythonicToolParser(ToolParser):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
                 return None
             try:
-                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-            except ValueError:
+                args = {kw.arg: self._literal(match.group(1), kw.value) for kw in node.keywords}
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 return None
             if None in args:
                 return None
             calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False)))
         return calls
+
+
+    @staticmethod
+    def _literal(source: str, node):
+        """A keyword's value: JSON where its text is JSON (``true``, ``null``, JSON's escapes), else a Python
+        literal."""
+        text = ast.get_source_segment(source, node)
+        try:
+            return json.loads(text)
+        except (ValueError, TypeError):
+            return ast.literal_eval(node)
 
 
 class _WholeReplyStreamer(ToolStreamer):
@@ -363,15 +384,15 @@ class _HarmonyToolStreamer:
 
 #: every parser, by the name ``--tool-call-parser`` takes
 PARSERS: dict[str, type[ToolParser]] = {c.name: c for c in (
-    Qwen3ToolParser, DeepSeekV3ToolParser, Glm45ToolParser, KimiK2ToolParser, MiniMaxM2ToolParser,
+    Qwen3ToolParser, Qwen3CoderToolParser, DeepSeekV3ToolParser, Glm45ToolParser, KimiK2ToolParser, MiniMaxM2ToolParser,
     Llama4PythonicToolParser, HarmonyToolParser)}
-ALIASES = {"hermes": "qwen3", "qwen3_coder": "qwen3", "qwen3_xml": "qwen3", "glm47": "glm45",
+ALIASES = {"hermes": "qwen3", "qwen3_xml": "qwen3_coder", "glm47": "glm45",
            "llama4": "llama4_pythonic", "gpt_oss": "harmony", "openai": "harmony"}
 
 #: model_type prefix -> parser (first match wins)
-MODEL_TYPES = (("qwen", "qwen3"), ("deepseek", "deepseek_v3"), ("kimi", "kimi_k2"), ("glm4_moe", "glm45"),
-               ("glm", "glm45"), ("minimax", "minimax_m2"), ("llama4", "llama4_pythonic"), ("mimo", "qwen3"),
-               ("gpt_oss", "harmony"))
+MODEL_TYPES = (("qwen3_5", "qwen3_coder"), ("qwen", "qwen3"), ("deepseek", "deepseek_v3"), ("kimi", "kimi_k2"),
+               ("glm4_moe", "glm45"), ("glm", "glm45"), ("minimax", "minimax_m2"), ("llama4", "llama4_pythonic"),
+               ("mimo", "qwen3"), ("gpt_oss", "harmony"))
 
 
 def parser_name(name: str) -> str:

@@ -317,3 +317,89 @@ def test_after_an_opened_think_block_the_reasoning_runs_free_then_the_grammar_ho
     tools = constraints.forced_call("qwen3", TOOLS, None, gs.literal, think=True)
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": -2}}\n</tool_call>'
     assert _accepts(gs, tools, tok.encode(f"ok</think>\n{call}", add_special_tokens=False))
+
+
+PER_PARAMETER = ["glm45", "minimax_m2", "qwen3_coder", "llama4_pythonic"]
+
+
+@pytest.fixture(scope="module")
+def parser_urls(served):
+    """parser -> the URL of an app over the same engine with that tool-call parser chosen."""
+    from ktinject.serve.api import create_app
+
+    urls, servers = {}, []
+    for parser in PER_PARAMETER:
+        server, thread, sock = _free_server(create_app(served[0], NAME, tool_call_parser=parser))
+        servers.append((server, thread))
+        urls[parser] = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield urls
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("parser", PER_PARAMETER)
+def test_forced_calls_of_the_per_parameter_families_are_valid(parser_urls, parser, choice, stream):
+    client = openai.OpenAI(base_url=f"{parser_urls[parser]}/v1", api_key="none", max_retries=0, timeout=120)
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "weather in Paris?"}], tools=TOOLS,
+              tool_choice=choice, max_tokens=160)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or ())]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        r = client.chat.completions.create(**kw)
+        calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+    assert finish == "tool_calls" and len(calls) == 1, calls
+    if isinstance(choice, dict):
+        assert calls[0].function.name == "get_weather"
+    _check_call(calls[0].function.name, calls[0].function.arguments)
+
+
+NOTE = {"type": "object", "properties": {"text": {"type": "string", "minLength": 1}, "tag": {"enum": ["a", "b"]},
+                                         "n": {"type": ["integer", "null"]}},
+        "required": ["text"], "additionalProperties": False}
+#: parser -> (a reply its grammar accepts, its arguments; a reply it refuses)
+REPLIES = {
+    "qwen3_coder": ('<tool_call>\n<function=note>\n<parameter=text>\n\na <b>\n\n</parameter>\n<parameter=n>\nnull\n'
+                    '</parameter>\n</function>\n</tool_call>', {"text": "\na <b>\n", "n": None},
+                    '<tool_call>\n<function=note>\n<parameter=text>\na</parameter>b\n</parameter>\n</function>\n'
+                    '</tool_call>'),
+    "glm45": ('<tool_call>note\n<arg_key>text</arg_key>\n<arg_value>x < y\nz</arg_value>\n<arg_key>tag</arg_key>\n'
+              '<arg_value>"b"</arg_value>\n</tool_call>', {"text": "x < y\nz", "tag": "b"},
+              '<tool_call>note\n<arg_key>tag</arg_key>\n<arg_value>"b"</arg_value>\n</tool_call>'),  # text missing
+    "minimax_m2": ('<minimax:tool_call>\n<invoke name="note">\n<parameter name="text">hi <there></parameter>\n'
+                   '<parameter name="n">4</parameter>\n</invoke>\n</minimax:tool_call>', {"text": "hi <there>", "n": 4},
+                   '<minimax:tool_call>\n<invoke name="note">\n<parameter name="text">\nhi</parameter>\n</invoke>\n'
+                   '</minimax:tool_call>'),  # a leading newline the parser would strip
+    "llama4_pythonic": ('[note(text="a \\"q\\"", n=null)]', {"text": 'a "q"', "n": None}, '[note(text="")]'),
+}
+
+
+@pytest.mark.parametrize("parser", PER_PARAMETER)
+def test_per_parameter_grammars_accept_what_their_parser_reads_as_the_call(demo_engine_model, parser):
+    from ktinject.serve import constraints, tool_parsers
+
+    tok = demo_engine_model[1]
+    gs = grammar.Grammars(tok, len(tok), tok.eos_token_id)
+    tools = [{"type": "function", "function": {"name": "note", "parameters": NOTE}}]
+    rule = constraints.forced_call(parser, tools, None, gs.literal)
+    gs.check(rule, "tool_choice")
+    good, args, bad = REPLIES[parser]
+    assert _accepts(gs, rule, tok.encode(good, add_special_tokens=False))
+    assert not _accepts(gs, rule, tok.encode(bad, add_special_tokens=False))
+    content, calls = tool_parsers.make(parser, tools).parse(good)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("note", args)] and not content.strip()
+    jsonschema.validate(args, NOTE)
+
+
+@pytest.mark.parametrize("parser", PER_PARAMETER)
+def test_per_parameter_forms_refuse_schemas_they_cannot_hold(parser):
+    from ktinject.serve import constraints
+    from ktinject.serve.errors import RequestError
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "anyOf": [{}]}}}]
+    with pytest.raises(RequestError, match="anyOf"):
+        constraints.forced_call(parser, tools, None, lambda t: grammar.lark_string(t))

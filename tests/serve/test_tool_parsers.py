@@ -96,7 +96,7 @@ def test_kimi_keeps_the_models_call_id():
     assert tool_parsers.make("kimi_k2").parse(text)[1][0].id == "functions.f:3"
 
 
-@pytest.mark.parametrize("model_type,parser", [("qwen3_moe", "qwen3"), ("qwen3_5_moe", "qwen3"),
+@pytest.mark.parametrize("model_type,parser", [("qwen3_moe", "qwen3"), ("qwen3_5_moe", "qwen3_coder"),
                                                ("deepseek_v3", "deepseek_v3"), ("kimi_k2", "kimi_k2"),
                                                ("glm4_moe", "glm45"), ("minimax_m2", "minimax_m2"),
                                                ("llama4", "llama4_pythonic"), ("gpt_oss", "harmony"),
