@@ -157,7 +157,8 @@ _VARS = (
             "test_deferral_native.py); the crossover between them is measured with it"),
     Var("KTINJECT_FP8_PATH", "choice", "auto", "force the fp8 kernels' path: `direct` (e4m3 converted in "
         "registers) or `dequant` (bf16 of e4m3 x scale + the bf16 kernels; for many rows) (read at each fp8 "
-        "forward)", "developer", _NATIVE, choices=("auto", "direct", "dequant"),
+        "forward; the native mxfp4 format's kernels obey it too)", "developer", _NATIVE,
+        choices=("auto", "direct", "dequant"),
         why="tests run each path on one model (tests/native/test_fp8.py); the crossover between them is measured "
             "with it"),
     Var("KTINJECT_TILES", "int", None, "`0`: never hand the kernels x and h in AMX tile order; `N`: from N rows "

@@ -1,7 +1,7 @@
 """Expert kernels: decode GB/s and prefill TFLOPS of one MoE layer, next to torch and the machine's limits.
 
 ``python -m ktinject.bench kernels [--threads N] [--quick | --full] [--isa NAME,...|all] [--quant bf16,int8,...]
-[--sweep ROWS,...|off]``
+[--sweep ROWS,...|off] [--backward]``
 
 Layers (legend: T tokens, k experts per token, E experts, H hidden, I expert intermediate):
   Qwen3-30B-A3B  H 2048, I 768,  E 128, k 8
@@ -16,6 +16,8 @@ Random bf16 weights, built in memory for E' <= E experts (a DeepSeek-V3 layer is
            (few-token path) against amx (many-token path) where the CPU has AMX: the measured crossover next to the
            dispatcher's thresholds (see ktinject.bench.crossover).
   accuracy each quant against a float64 torch reference from the bf16 weights, decode (1 token) and prefill (32).
+backward (--backward: instead of the tables above) the experts' backward beside their forward at 1, 16 and 256
+           tokens, every quant and ISA asked for (ktinject.bench.backward).
 Baseline: the same work in torch on the CPU, the transformers "eager" experts loop (bf16 weights, F.linear per
 expert). Limits: memory read bandwidth over a buffer of >= 32x the LLC, one pinned thread per core, the best of
 several native read-loop variants and a torch int64 sum, each the median of its passes (ktinject.bench.memory), for
@@ -252,6 +254,8 @@ def _parser():
     rows_full, rows_quick = (",".join(map(str, r)) for r in (crossover.ROWS_FULL, crossover.ROWS_QUICK))
     ap.add_argument("--sweep", default=None, help="rows per expert of the crossover sweep, a comma list, or 'off' "
                                                   f"(default: {rows_full}; quick: {rows_quick})")
+    ap.add_argument("--backward", action="store_true",
+                    help="time the experts' backward beside their forward (1, 16, 256 tokens) instead of the tables")
     return ap
 
 
@@ -366,6 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     sweep_isas = crossover.sweep_isas(available, isas)
     sweep_layer = next((l for l in layers if l.name == "Qwen3-30B-A3B"), layers[0])
     torch.set_num_threads(threads)
+    if args.backward:
+        from ktinject.bench import backward
+        built = 32 if quick else 128
+        print(f"ktinject kernels bench --backward  CPU: {cpu_model()}  threads: {threads}  ISA(s): {', '.join(isas)}")
+        rows = backward.measure(native, quants, isas, threads, built, repeats)
+        fwd_isa = next((i for i in isas if i != "generic"), isas[0])
+        print("\n".join(backward.report(rows, threads, built, repeats, fwd_isa)))
+        return 0
 
     print(f"ktinject kernels bench  CPU: {cpu_model()}  ({native.physical_cores()} physical cores, "
           f"{_mem_total_gb():.0f} GB RAM)")

@@ -23,6 +23,15 @@
  * e4m3 rounded to nearest even); activations bf16 as for KTK_QUANT_BF16, float accumulation (per group, then times
  * the group's scale). Many rows per expert (prefill) may instead run on weights dequantized to bf16(e4m3 * scale)
  * (AMX-BF16), chosen per call by row count.
+ * KTK_QUANT_MXFP4 is W4A16, the OCP microscaling FP4 of the MXFP4 releases (gpt-oss, DeepSeek-V4-Flash): weights
+ * e2m1 (4 bits: sign, 2 exponent bits of bias 1, 1 mantissa bit; values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+ * negatives), two to a byte, the lower input in the low nibble (the release's bytes), with one e8m0 byte e per
+ * (output row, group of 32 inputs): value = e2m1 * 2^(e - 127) (e in 0..254; 255, e8m0's NaN, is refused). group_size
+ * is 32 (0 means 32), hidden and intermediate multiples of 32. 4.25 bits a weight. ktk_experts_set_mxfp4 keeps a
+ * release's bits; ktk_experts_set quantizes per group of 32: e = the smallest exponent with amax / 2^(e-127) <= 6,
+ * e2m1 rounded to nearest even. Activations bf16 as for KTK_QUANT_BF16, float accumulation (per group, then times
+ * 2^(e - 127)). Many rows per expert (prefill) may instead run on weights dequantized to bf16 (exact: e2m1 * 2^k
+ * has two significant bits), chosen per call by row count. AMX hosts run the AVX-512 mxfp4 kernels.
  */
 #ifndef KTINJECT_H
 #define KTINJECT_H
@@ -54,6 +63,7 @@ extern "C" {
 #define KTK_QUANT_INT8 1
 #define KTK_QUANT_INT4 2   /* needs ktk_experts_config.group_size */
 #define KTK_QUANT_FP8 3    /* ktk_experts_config.group_size and block_rows: the scale blocks */
+#define KTK_QUANT_MXFP4 4  /* group_size 32 (or 0); hidden and intermediate multiples of 32 */
 
 /* ---- activations ---- */
 #define KTK_ACT_SILU 0
@@ -156,7 +166,8 @@ typedef struct {
     float alpha;           /* KTK_ACT_GPTOSS */
     float limit;           /* KTK_ACT_GPTOSS, KTK_ACT_SWIGLU_LIMIT: > 0 */
     int32_t group_size;    /* KTK_QUANT_INT4: inputs per scale, 32, 64 or 128 (0: 64); KTK_QUANT_FP8: inputs per
-                              scale, a multiple of 16 up to 512 (0: 128); else 0 (or one of 32, 64, 128) */
+                              scale, a multiple of 16 up to 512 (0: 128); KTK_QUANT_MXFP4: 32 (0: 32); else 0 (or
+                              one of 32, 64, 128) */
     int32_t block_rows;    /* KTK_QUANT_FP8: output rows per scale, a multiple of 16 up to 2^20 (0: 128); else 0 */
 } ktk_experts_config;
 
@@ -171,6 +182,9 @@ void ktk_experts_destroy(ktk_experts *ex);
  * fp8 experts quantize per block of block_rows x group_size: scale = amax / 448 (1 for an all-zero block; NaN, with
  * every q 0, for a block holding an inf or NaN), q = e4m3 of w / scale rounded to nearest even (subnormals down to
  * 2^-9), saturating at +-448.
+ * mxfp4 experts quantize per (row, group of 32): e = the smallest e8m0 exponent (>= 0) with amax <= 6 * 2^(e - 127)
+ * (e 127 for an all-zero group), q = e2m1 of w / 2^(e - 127) rounded to nearest even, saturating at +-6;
+ * KTK_ERR_RANGE (naming the element; nothing stored) for an inf or NaN.
  * The caller may free the source afterwards. Thread-safe for different (expert, which). */
 int ktk_experts_set(ktk_experts *ex, int expert, int which, const void *src, int src_dtype,
                     int64_t stride_out, int64_t stride_in);
@@ -192,6 +206,13 @@ int ktk_experts_set_quantized(ktk_experts *ex, int expert, int which, const int8
  * checked before a byte is stored. Thread-safe for different (expert, which). */
 int ktk_experts_set_fp8(ktk_experts *ex, int expert, int which, const uint8_t *q, int64_t q_stride_out,
                         int64_t q_stride_in, const float *scale, int64_t scale_stride_out, int64_t scale_stride_group);
+/* One mxfp4 matrix of one expert as an MXFP4 release ships it (*_blocks, *_scales), bit for bit: row n's K / 2 bytes
+ * of e2m1 pairs (input 2i in the low nibble of byte i, 2i + 1 in the high one) at blocks + n * blocks_stride_out, its
+ * K / 32 e8m0 bytes at scales + n * scales_stride_out (in bytes). KTK_ERR_DTYPE for experts of another quant,
+ * KTK_ERR_RANGE (naming the row, group, expert and matrix) for a scale byte 255 (e8m0's NaN): everything is checked
+ * before a byte is stored. Thread-safe for different (expert, which). */
+int ktk_experts_set_mxfp4(ktk_experts *ex, int expert, int which, const uint8_t *blocks, int64_t blocks_stride_out,
+                          const uint8_t *scales, int64_t scales_stride_out);
 /* Bias of one matrix of one expert (has_bias only): [out] contiguous, src_dtype F32/BF16/F16. */
 int ktk_experts_set_bias(ktk_experts *ex, int expert, int which, const void *src, int src_dtype);
 /* Read back one matrix, dequantized, as float32 [out, in] row-major (tests, GPU upload of hot experts). */
@@ -214,6 +235,10 @@ int ktk_experts_import(ktk_experts *ex, const void *src, int64_t size);
  *   fp8:  data = e4m3 bytes [Np/16][Kp][16]: element (n, c) at ((n/16)*Kp + c)*16 + n%16 (16 outputs of one input are
  *         16 consecutive bytes); scale = float [Np/16][ng], ng = ceil(Kp/G) (G = the config's group_size; each 16-row
  *         block holds its block_rows block's scale): value = (float)e4m3 * scale[(n/16)*ng + c/G]
+ *   mxfp4: data = e2m1 nibbles [Np/16][Kp/8][16][4]: element (n, c) in byte ((n/16)*(Kp/8) + c/8)*64 + (n%16)*4 +
+ *         (c%8)/2, the low nibble for even c (each 4-byte word: 4 consecutive bytes of the release's row); scale =
+ *         e8m0 bytes (read it as uint8_t, not float) [Np/16][Kp/32][16]: value = e2m1 * 2^(e - 127), e =
+ *         scale[((n/16)*(Kp/32) + c/32)*16 + n%16] (padding: code 0, e 0)
  * Padding rows/columns (n >= N, c >= K) are zero. All of one expert's matrices, scales and biases lie inside
  * [expert, expert + expert_bytes), so one copy of that range carries the whole expert. */
 typedef struct {
@@ -221,9 +246,9 @@ typedef struct {
     int32_t N, K;            /* logical [out, in] */
     int32_t Np, Kp;          /* padded: Np = round_up(N, 16), Kp = round_up(K, 64) (int4: K, max(64, G)) */
     const void *data;        /* the packed matrix */
-    int64_t data_bytes;      /* bf16: Np * Kp * 2; int8, fp8: Np * Kp; int4: Np * Kp / 2 */
-    const float *scale;      /* int8: [Np] per output row; int4: [Np/16][Kp/G][16]; fp8: [Np/16][ceil(Kp/G)]; NULL
-                                for bf16 */
+    int64_t data_bytes;      /* bf16: Np * Kp * 2; int8, fp8: Np * Kp; int4, mxfp4: Np * Kp / 2 */
+    const float *scale;      /* int8: [Np] per output row; int4: [Np/16][Kp/G][16]; fp8: [Np/16][ceil(Kp/G)]; mxfp4:
+                                the e8m0 bytes [Np/16][Kp/32][16] (uint8_t); NULL for bf16 */
     const float *bias;       /* has_bias: float [Np] (zero padded); NULL without bias */
     const void *expert;      /* this expert's whole packed region */
     int64_t expert_bytes;    /* its size (the same for every expert, a multiple of 64) */

@@ -123,10 +123,20 @@ static int check_config(const ktk_experts_config *c) {
         return ktki_error(KTK_ERR_SHAPE, "%s: hidden = %d (expected 1..%d)", fn, c->hidden, MAX_DIM);
     if (c->intermediate < 1 || c->intermediate > MAX_DIM)
         return ktki_error(KTK_ERR_SHAPE, "%s: intermediate = %d (expected 1..%d)", fn, c->intermediate, MAX_DIM);
-    if (c->quant < KTK_QUANT_BF16 || c->quant > KTK_QUANT_FP8)
+    if (c->quant < KTK_QUANT_BF16 || c->quant > KTK_QUANT_MXFP4)
         return ktki_error(KTK_ERR_DTYPE, "%s: quant = %d (expected KTK_QUANT_BF16=0, KTK_QUANT_INT8=1, "
-                          "KTK_QUANT_INT4=2 or KTK_QUANT_FP8=3)", fn, c->quant);
-    if (c->quant == KTK_QUANT_FP8) {
+                          "KTK_QUANT_INT4=2, KTK_QUANT_FP8=3 or KTK_QUANT_MXFP4=4)", fn, c->quant);
+    if (c->quant == KTK_QUANT_MXFP4) {
+        if (c->group_size != 0 && c->group_size != 32)
+            return ktki_error(KTK_ERR_SHAPE, "%s: group_size = %d for mxfp4 (its scales are per 32 inputs: expected 32 "
+                              "or 0)", fn, c->group_size);
+        if (c->block_rows != 0)
+            return ktki_error(KTK_ERR_SHAPE, "%s: block_rows = %d (only fp8 experts have block scales; expected 0)",
+                              fn, c->block_rows);
+        if (c->hidden % 32 || c->intermediate % 32)
+            return ktki_error(KTK_ERR_SHAPE, "%s: hidden = %d, intermediate = %d for mxfp4 (both must be multiples of "
+                              "32: its scales are per 32 inputs)", fn, c->hidden, c->intermediate);
+    } else if (c->quant == KTK_QUANT_FP8) {
         if (c->group_size < 0 || c->group_size > MAX_FP8_GROUP || c->group_size % 16)
             return ktki_error(KTK_ERR_SHAPE, "%s: group_size = %d for fp8 (expected inputs per scale, a multiple of "
                               "16 up to %d, or 0 for the default 128)", fn, c->group_size, MAX_FP8_GROUP);
@@ -208,7 +218,9 @@ int ktk_experts_set_quantized(ktk_experts *ex, int expert, int which, const int8
     if (ex->cfg.quant != KTK_QUANT_INT8 && ex->cfg.quant != KTK_QUANT_INT4)
         return ktki_error(KTK_ERR_DTYPE, "%s: experts were created with quant %d; quantized values are stored only "
                           "in int8 (%d) or int4 (%d) experts%s", fn, ex->cfg.quant, KTK_QUANT_INT8, KTK_QUANT_INT4,
-                          ex->cfg.quant == KTK_QUANT_FP8 ? " (fp8 experts take ktk_experts_set_fp8)" : "");
+                          ex->cfg.quant == KTK_QUANT_FP8     ? " (fp8 experts take ktk_experts_set_fp8)"
+                          : ex->cfg.quant == KTK_QUANT_MXFP4 ? " (mxfp4 experts take ktk_experts_set_mxfp4)"
+                                                             : "");
     rc = check_strides(fn, q_stride_out, q_stride_in, scale_stride_out, scale_stride_group);
     if (rc != KTK_OK) return rc;
     return ktki_experts_set_quantized(ex, expert, which, q, q_stride_out, q_stride_in, scale, scale_stride_out,
@@ -230,6 +242,22 @@ int ktk_experts_set_fp8(ktk_experts *ex, int expert, int which, const uint8_t *q
     if (rc != KTK_OK) return rc;
     return ktki_experts_set_fp8(ex, expert, which, q, q_stride_out, q_stride_in, scale, scale_stride_out,
                                 scale_stride_group);
+}
+
+int ktk_experts_set_mxfp4(ktk_experts *ex, int expert, int which, const uint8_t *blocks, int64_t blocks_stride_out,
+                          const uint8_t *scales, int64_t scales_stride_out) {
+    const char *fn = "ktk_experts_set_mxfp4";
+    CHECK_NULL(ex, fn);
+    CHECK_NULL(blocks, fn);
+    CHECK_NULL(scales, fn);
+    int rc = check_expert(fn, ex, expert, which);
+    if (rc != KTK_OK) return rc;
+    if (ex->cfg.quant != KTK_QUANT_MXFP4)
+        return ktki_error(KTK_ERR_DTYPE, "%s: experts were created with quant %d; mxfp4 blocks are stored only in "
+                          "mxfp4 (%d) experts", fn, ex->cfg.quant, KTK_QUANT_MXFP4);
+    rc = check_strides(fn, blocks_stride_out, 1, scales_stride_out, 1);
+    if (rc != KTK_OK) return rc;
+    return ktki_experts_set_mxfp4(ex, expert, which, blocks, blocks_stride_out, scales, scales_stride_out);
 }
 
 int ktk_experts_set_bias(ktk_experts *ex, int expert, int which, const void *src, int src_dtype) {

@@ -124,6 +124,8 @@ int ktki_experts_set_quantized(ktk_experts *ex, int e, int which, const int8_t *
                                const float *scale, int64_t sso, int64_t ssg);
 int ktki_experts_set_fp8(ktk_experts *ex, int e, int which, const uint8_t *q, int64_t qso, int64_t qsi,
                          const float *scale, int64_t sso, int64_t ssg);
+int ktki_experts_set_mxfp4(ktk_experts *ex, int e, int which, const uint8_t *blocks, int64_t bso,
+                           const uint8_t *scales, int64_t sso);
 int ktki_experts_set_bias(ktk_experts *ex, int e, int which, const void *src, int dtype);
 int ktki_experts_get(const ktk_experts *ex, int e, int which, float *dst);
 int ktki_experts_import(ktk_experts *ex, const void *src, int64_t size);
@@ -150,6 +152,11 @@ uint8_t ktki_pack_f32_to_e4m3(float f);
 void ktki_pack_fp8(const ktk_mat *m, uint8_t *data, float *scale, int n0, int n1, const float *rows);
 void ktki_pack_fp8_q(const ktk_mat *m, uint8_t *data, float *scale, int n, const uint8_t *q, int64_t qsi,
                      const float *s, int64_t ssg);
+/* mxfp4: row n (finite: checked by the caller) quantized per group of 32; row n from a release's
+ * bytes (K / 2 bytes of e2m1 pairs, K / 32 e8m0 bytes; scales checked by the caller). */
+void ktki_pack_mxfp4(const ktk_mat *m, uint8_t *data, uint8_t *scale, int n, const float *row);
+void ktki_pack_mxfp4_q(const ktk_mat *m, uint8_t *data, uint8_t *scale, int n, const uint8_t *blocks,
+                       const uint8_t *scales);
 void ktki_pack_unpack(const ktk_mat *m, int n, float *row);   /* row n as float (dequantized), c < K */
 
 /* ---- activation functions (kernels/activations.c) ---- */

@@ -67,6 +67,7 @@ void ktk_avx2_dequant_fp8(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
 #include "../src/kernels/avx512/fp8.h"
 
 #include "test_kernels_pack.h"
+#include "test_kernels_mxfp4.h"
 
 /* ---------------- correctness ---------------- */
 typedef struct { const char *name; ktk_gemm_fn fn[4]; int fp8_tol; } variant;   /* by quant: bf16, int8, int4, fp8;
@@ -378,6 +379,7 @@ static int run_tests(void) {
     printf("ISAs run: generic%s%s%s; not run (not on this CPU / OS): %s%s%s\n", f.avx2 ? ", avx2" : "",
            f.avx512 ? ", avx512" : "", f.amx ? ", amx" : "", f.avx2 ? "" : "avx2 ", f.avx512 ? "" : "avx512 ",
            f.amx ? "" : "amx");
+    failures += test_mxfp4();
     printf(failures ? "FAILED: %d\n" : "ALL OK\n", failures);
     return failures ? 1 : 0;
 }

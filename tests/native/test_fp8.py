@@ -422,7 +422,7 @@ def test_config_errors():
             (3, 128, -16, kn.ERR_SHAPE, "block_rows = -16 for fp8"),
             (0, 0, 16, kn.ERR_SHAPE, "block_rows = 16 (only fp8 experts have block scales; expected 0)"),
             (2, 64, 128, kn.ERR_SHAPE, "block_rows = 128 (only fp8"),
-            (4, 0, 0, kn.ERR_DTYPE, "KTK_QUANT_FP8=3")):
+            (5, 0, 0, kn.ERR_DTYPE, "KTK_QUANT_FP8=3 or KTK_QUANT_MXFP4=4")):
         cfg = ffi.new("ktk_experts_config *", {"num_experts": 2, "hidden": 8, "intermediate": 8, "quant": quant,
                                                "group_size": group, "block_rows": rows})
         assert lib.ktk_experts_create(cfg, out) == code and out[0] == ffi.NULL

@@ -315,7 +315,7 @@ def test_errors():
     out = ffi.new("ktk_experts **")
     for quant, group, code, msg in ((2, 48, kn.ERR_SHAPE, "group_size = 48 (expected 32, 64 or 128, or 0"),
                                     (0, -1, kn.ERR_SHAPE, "group_size = -1"),
-                                    (4, 64, kn.ERR_DTYPE, "KTK_QUANT_FP8=3")):
+                                    (5, 64, kn.ERR_DTYPE, "KTK_QUANT_FP8=3 or KTK_QUANT_MXFP4=4")):
         cfg = ffi.new("ktk_experts_config *", {"num_experts": 2, "hidden": 8, "intermediate": 8, "quant": quant,
                                                "group_size": group})
         assert lib.ktk_experts_create(cfg, out) == code and out[0] == ffi.NULL

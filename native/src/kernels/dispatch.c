@@ -27,6 +27,7 @@
 extern const ktk_kernels *ktk_kernels_avx2(void) __attribute__((weak));
 extern const ktk_kernels *ktk_kernels_avx512(void) __attribute__((weak));
 extern const ktk_kernels *ktk_kernels_amx(void) __attribute__((weak));
+extern const ktk_bwd_kernels *ktk_bwd_kernels_avx512(void) __attribute__((weak));
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static uint32_t g_features;
@@ -228,4 +229,12 @@ const ktk_kernels *ktki_dispatch_kernels(void) {
     case KTK_ISA_AVX2: return ktk_kernels_avx2();
     default: return ktk_kernels_generic();
     }
+}
+
+/* The backward kernels of the ISA in use (amx: the AVX-512 ones), or NULL: the generic step (generic, avx2). */
+const ktk_bwd_kernels *ktki_dispatch_backward(void) {
+    init();
+    const int isa = atomic_load(&g_isa);
+    if ((isa == KTK_ISA_AMX || isa == KTK_ISA_AVX512) && ktk_bwd_kernels_avx512) return ktk_bwd_kernels_avx512();
+    return NULL;
 }

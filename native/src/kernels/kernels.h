@@ -54,7 +54,7 @@
 typedef struct {
     int32_t N, K;        /* logical sizes */
     int32_t Np, Kp;      /* padded: Np % 16 == 0, Kp % 64 == 0 (int4: also Kp % G == 0) */
-    int32_t quant;       /* KTK_QUANT_BF16, KTK_QUANT_INT8, KTK_QUANT_INT4 or KTK_QUANT_FP8 */
+    int32_t quant;       /* KTK_QUANT_BF16, KTK_QUANT_INT8, KTK_QUANT_INT4, KTK_QUANT_FP8 or KTK_QUANT_MXFP4 */
     const uint16_t *data_bf16;  /* bf16 layout above, or NULL */
     const int8_t *data_i8;      /* int8 layout above, or NULL */
     const float *scale;         /* int8: [Np]; int4: [Np/16][ng][16]; fp8: [Np/16][ng] */
@@ -62,6 +62,8 @@ typedef struct {
     const uint8_t *data_i4;     /* int4 layout above, or NULL */
     int32_t group;              /* int4: G, inputs per scale (32, 64 or 128; divides Kp); fp8: G (a multiple of 16) */
     const uint8_t *data_f8;     /* fp8 layout above, or NULL */
+    const uint8_t *data_f4;     /* mxfp4 layout below, or NULL */
+    const uint8_t *scale_e8;    /* mxfp4: e8m0 bytes [Np/16][Kp/32][16] */
 } ktk_mat;
 
 typedef struct {
@@ -136,11 +138,44 @@ typedef struct {
     ktk_gemv_fn gemv_int8;
     ktk_gemv_fn gemv_int4;   /* the direct int4 x int8 kernel's arithmetic */
     int gemv_default;        /* the forward uses the gemv kernels unless KTINJECT_GEMV says otherwise */
-    int tile_rows[4];        /* by KTK_QUANT_*: > 0: gemm reads act.tiles where given; the forward gives them for
+    int tile_rows[5];        /* by KTK_QUANT_*: > 0: gemm reads act.tiles where given; the forward gives them for
                                 the experts with at least this many rows (0: never) */
     ktk_gemm_fn gemm_fp8;    /* picks the direct or the dequantizing path (x->fp8_path, row count) */
     ktk_gemv_fn gemv_fp8;    /* the direct fp8 kernel's arithmetic; may be NULL */
+    ktk_gemm_fn gemm_mxfp4;  /* picks the direct or the dequantizing path (x->fp8_path, row count) */
+    ktk_gemv_fn gemv_mxfp4;  /* the direct mxfp4 kernel's arithmetic; may be NULL */
 } ktk_kernels;
+
+/* mxfp4 (W4A16; the layout below): the act fields of fp8 (x_bf16, work, fp8_path) with the same meaning.
+ *   layout: e2m1 nibbles, Kp = round_up(K, 64) (K % 32 == 0): per block of 16 outputs Kp/8 rows of 64 bytes, row r =
+ *         inputs 8r..8r+7, byte (n%16) * 4 + i holding inputs 8r + 2i (low nibble) and 8r + 2i + 1 (high nibble) of
+ *         output n, i.e. element (n, c) in data_f4[((n/16) * (Kp/8) + c/8) * 64 + (n%16) * 4 + (c%8)/2], nibble c%2:
+ *         a 32-bit lane = output n's 8 consecutive inputs, nibble k (bits 4k..4k+3) input 8r + k. e8m0 exponents
+ *         scale_e8[((n/16) * (Kp/32) + c/32) * 16 + n%16]: value = e2m1 * 2^(e - 127) (e 0: 2^-127, a subnormal).
+ *   direct path: y[t][j] = sum_g fmaf(p_g, 2^(e_jg - 127), .) (ascending g, from 0.0f), p_g = the fmaf sum over the
+ *         group's 32 inputs (ascending, from 0.0f) of float(x[t][c]) * e2m1(W[j][c]): the generic kernel literally,
+ *         and every ISA kernel bit for bit (the same float operations; no scaling of the operands).
+ *   dequantizing path: gemm_bf16 of x_bf16 and bf16(e2m1 * 2^(e - 127)) (exact: no rounding of the weights).
+ *   x->work: float rows of x for the direct path (ktk_fp8_rows_bytes(Kp, rows)), the dequantized blocks for the
+ *         other; the ISA kernels fall back to the generic one where it cannot hold one row. */
+#define KTK_MXFP4_GROUP 32
+void ktk_generic_gemm_mxfp4_direct(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
+void ktk_generic_dequant_mxfp4(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
+void ktk_generic_gemm_mxfp4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
+/* x->x_bf16 rows [t0, t0 + n) as float at dst (rows Kp apart), unscaled. */
+void ktk_mxfp4_rows(const ktk_act *x, int t0, int n, float *dst);
+/* 2^(e - 127) as a float for an e8m0 byte e < 255 (e 0: the subnormal 2^-127). */
+static inline float ktk_e8m0_to_f32(uint8_t e) {
+    union { uint32_t u; float f; } v;
+    v.u = e ? (uint32_t)e << 23 : 0x00400000u;
+    return v.f;
+}
+/* e2m1 code (bit 3 the sign) -> float, exact. */
+static inline float ktk_e2m1_to_f32(uint8_t q) {
+    static const float lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    return lut[q & 15];
+}
 
 /* int4 helpers of kernels/generic/int4.c, shared by the ISA files. */
 /* Dequantizing path: blocks in chunks that fit x->work -> dq -> gemm_bf16 on x->x_bf16, then y *= x_scale[t]. */
@@ -186,6 +221,35 @@ static inline int ktk_fp8_dequant(const ktk_mat *w, const ktk_act *x, int min_ro
     if (x->fp8_path == KTK_FP8_PATH_DEQUANT) return 1;
     return x->fp8_path == KTK_FP8_PATH_AUTO && min_rows > 0 && x->n >= min_rows;
 }
+
+/* Backward of the routed experts (moe/backward.c's rows step on an ISA; its generic step is their reference).
+ * Float throughout; Kt = round_up(K, 16). Called concurrently from pool threads on disjoint outputs. */
+typedef struct {
+    const char *name;
+    /* Block b of w (rows 16b + j, j < 16; zero past N, as the packing pads) dequantized as the generic code does
+     * (bf16 value, q * scale, e4m3 * scale; bit for bit): wt[c * 16 + j] (c < Kt; wt may be NULL) and
+     * wr[j * ldr + c] (c < Kt, ldr >= Kt) = W[16b + j][c]. */
+    void (*unpack)(const ktk_mat *w, int b, float *wt, float *wr, int64_t ldr);
+    /* g[i * 16 + j] = sum_{c < Kt} x[i * ldx + c] wtg[c * 16 + j], u the same with wtu, for i < n */
+    void (*gate_up)(const float *wtg, const float *wtu, int Kt, const float *x, int64_t ldx, int n, float *g,
+                    float *u);
+    /* out[i * ldo + c] += sum_{j < 16} d1[i * ldd + j] w1[j * ldw + c] (+ the same of d2, w2 unless w2 is NULL), for
+     * i < n, c < K (nothing at c >= K is written) */
+    void (*tprod)(const float *w1, const float *d1, const float *w2, const float *d2, int64_t ldd, int64_t ldw,
+                  int K, int n, float *out, int64_t ldo);
+    /* Chunks of at most few_rows rows (0: none; at most 4) take these instead, on the stored blocks (no unpack): */
+    int few_rows;
+    /* gate_up's g, u of block b of g and u, x rows ldx apart (Kt of them read) */
+    void (*gate_up_packed)(const ktk_mat *g, const ktk_mat *u, int b, const float *x, int64_t ldx, int n, float *G,
+                           float *U);
+    /* A[(i * Kt + c) * 16 + j] += d[i * ldd + j] W[16b + j][c] for i < n, c < Kt, j < 16 (per-lane partial sums) */
+    void (*tacc)(const ktk_mat *w, int b, const float *d, int64_t ldd, int n, float *A);
+    /* out[i * ldo + c] = sum_j A[(i * Kt + c) * 16 + j] for i < n, c < K (Kt = round_up(K, 16)) */
+    void (*hsum)(const float *A, int K, int n, float *out, int64_t ldo);
+} ktk_bwd_kernels;
+const ktk_bwd_kernels *ktk_bwd_kernels_avx512(void);   /* kernels/avx512/backward.c */
+/* kernels/dispatch.c: those of the ISA in use, or NULL where the generic step runs (generic, avx2) */
+const ktk_bwd_kernels *ktki_dispatch_backward(void);
 
 /* One per ISA file; each returns a static table. Only call the one for an ISA the CPU has. */
 const ktk_kernels *ktk_kernels_generic(void);

@@ -22,8 +22,11 @@
  *        per-row table dxr [R][H];
  *   combine (items of TOK_ITEM tokens): dx[t] = the sum of its slots' rows of dxr in slot order; dw by slot (0 for
  *        a slot not computed here).
- * Every sum runs in a fixed order: results do not depend on the threads. Not vectorized by hand (the compiler's
- * baseline vectorization only); the ISA kernels are for later, with this file as their reference.
+ * Every sum runs in a fixed order: results do not depend on the threads. The rows step here is generic C (the
+ * compiler's baseline vectorization only): the reference of the ISA one (rows_item_isa, on the kernels of
+ * ktki_dispatch_backward: avx512 / amx), which dequantizes each block once per chunk to float in both orders (columns
+ * for g, u; rows for the transposed products) and sums with FMAs in its own fixed order (kernels/avx512/backward.c):
+ * equal to this step to float rounding, not bit for bit.
  * Legend: T tokens, k slots per token, E experts, H hidden, I expert intermediate, A active experts, R rows.
  */
 #include <math.h>
@@ -57,6 +60,7 @@ typedef struct {
     double *dwr;                                  /* [R] */
     bwd_item *items;
     int64_t nitems;
+    const ktk_bwd_kernels *bk;                    /* NULL: the generic rows step */
 } bctx;
 
 static size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -226,6 +230,109 @@ static void rows_item(void *ctx, int64_t item, int tid) {
     }
 }
 
+/* ---- rows, on an ISA's kernels ---- */
+static size_t r16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+/* Thread scratch of rows_item_isa (floats): X, DY [BR][Hp], V [BR][Ip], the gate and up blocks in both orders
+ * [wide][16] and [16][wide] (down's block rows reuse the gate's), G, U, dG, dU [BR][16]; Hp, Ip: H, I to 16. */
+static size_t rows_scratch_isa(const bctx *c) {
+    const size_t Hp = r16(c->H), Ip = r16(c->I), wide = Hp > Ip ? Hp : Ip;
+    return (a64((size_t)BR * Hp * 4) * 2 + a64((size_t)BR * Ip * 4) + a64(16 * wide * 4) * 4 +
+            a64((size_t)BR * 16 * 4) * 4) + 64;
+}
+
+/* Block b of gate / up for the chunk's n rows from g, u (G, U [n][16]) and v (V rows Ip apart): dw += <v, h>, dG, dU
+ * [n][16] = w v act' (zero past I) */
+static void act_block(const bctx *c, const bwd_item *it, int b, int n, const float *G, const float *U,
+                      const float *V, int Ip, float *DG, float *DU) {
+    const ktk_task *t = &c->b->t;
+    const int e = c->act_e[it->a], jn = c->I - b * 16 < 16 ? c->I - b * 16 : 16;
+    const float *bg = ktki_experts_bias(c->ex, e, KTK_MAT_GATE), *bu = ktki_experts_bias(c->ex, e, KTK_MAT_UP);
+    for (int i = 0; i < n; i++) {
+        const int r = it->r0 + i;
+        const float *vr = V + (int64_t)i * Ip + b * 16;
+        const float w = weight_of(t, c->slot[r]);
+        double dw = 0.0;
+        for (int jj = 0; jj < 16; jj++) {
+            float hg = 0.0f, hu = 0.0f;
+            if (jj < jn) {
+                const int j = b * 16 + jj;
+                const float h = act_grad(c, G[i * 16 + jj] + (bg ? bg[j] : 0.0f),
+                                         U[i * 16 + jj] + (bu ? bu[j] : 0.0f), &hg, &hu);
+                dw += (double)vr[jj] * h;
+            }
+            DG[i * 16 + jj] = w * vr[jj] * hg;   /* zero past I: padded rows of the block add nothing */
+            DU[i * 16 + jj] = w * vr[jj] * hu;
+        }
+        c->dwr[r] += dw;
+    }
+}
+
+static void rows_item_isa(void *ctx, int64_t item, int tid) {
+    const bctx *c = ctx;
+    const ktk_bwd_kernels *bk = c->bk;
+    const bwd_item it = c->items[item];
+    const ktk_task *t = &c->b->t;
+    const int e = c->act_e[it.a], n = it.r1 - it.r0, H = c->H, I = c->I;
+    const int Hp = (int)r16(H), Ip = (int)r16(I), wide = Hp > Ip ? Hp : Ip, few = n <= bk->few_rows;
+    float *X = ktki_pool_thread_scratch(c->pool, tid);
+    float *DY = X + a64((size_t)BR * Hp * 4) / 4, *V = DY + a64((size_t)BR * Hp * 4) / 4;
+    float *WTg = V + a64((size_t)BR * Ip * 4) / 4, *WTu = WTg + a64(16 * (size_t)wide * 4) / 4;
+    float *WRg = WTu + a64(16 * (size_t)wide * 4) / 4, *WRu = WRg + a64(16 * (size_t)wide * 4) / 4;
+    float *G = WRu + a64(16 * (size_t)wide * 4) / 4, *U = G + a64((size_t)BR * 16 * 4) / 4;
+    float *DG = U + a64((size_t)BR * 16 * 4) / 4, *DU = DG + a64((size_t)BR * 16 * 4) / 4;
+    float *Av = WTg, *Ax = WTg;   /* few rows: per-lane sums [n][Ip][16], then [n][Hp][16] (n <= few_rows <= 4) */
+    const int64_t hes = ktki_dtype_size(t->hidden_dtype), des = ktki_dtype_size(c->b->dy_dtype);
+    for (int i = 0; i < n; i++) {   /* rows padded with zeros to Hp: the kernels read whole vectors */
+        const int64_t tok = c->slot[it.r0 + i] / c->k;
+        float *xr = X + (int64_t)i * Hp, *dyr = DY + (int64_t)i * Hp;
+        ktki_pack_to_f32((const char *)t->hidden + tok * H * hes, t->hidden_dtype, H, 1, xr);
+        ktki_pack_to_f32((const char *)c->b->dy + tok * H * des, c->b->dy_dtype, H, 1, dyr);
+        memset(xr + H, 0, (size_t)(Hp - H) * sizeof *xr);
+        memset(dyr + H, 0, (size_t)(Hp - H) * sizeof *dyr);
+    }
+    /* v = down^T dy block by block of 16 of down's H rows */
+    const ktk_mat d = ktki_experts_mat(c->ex, e, KTK_MAT_DOWN);
+    const float *bd = ktki_experts_bias(c->ex, e, KTK_MAT_DOWN);
+    memset(few ? Av : V, 0, (size_t)n * Ip * (few ? 16 : 1) * sizeof *V);
+    for (int b = 0; b < Hp / 16; b++) {
+        if (few) {
+            bk->tacc(&d, b, DY + b * 16, Hp, n, Av);
+            continue;
+        }
+        bk->unpack(&d, b, NULL, WRg, Ip);
+        bk->tprod(WRg, DY + b * 16, NULL, NULL, Hp, Ip, I, n, V, Ip);
+    }
+    if (few) {
+        memset(V, 0, (size_t)n * Ip * sizeof *V);
+        bk->hsum(Av, I, n, V, Ip);
+    }
+    for (int i = 0; i < n; i++) c->dwr[it.r0 + i] = bd ? (double)dot(DY + (int64_t)i * Hp, bd, H) : 0.0;
+    /* gate and up block by block of 16 of their I rows: g, u, h, dw, then dx += gate^T dg + up^T du */
+    const ktk_mat g = ktki_experts_mat(c->ex, e, KTK_MAT_GATE), u = ktki_experts_mat(c->ex, e, KTK_MAT_UP);
+    float *dxr = c->dxr ? c->dxr + (int64_t)it.r0 * H : NULL;
+    if (dxr && few) memset(Ax, 0, (size_t)n * Hp * 16 * sizeof *Ax);
+    else if (dxr) memset(dxr, 0, (size_t)n * H * sizeof *dxr);
+    for (int b = 0; b < Ip / 16; b++) {
+        if (few) {
+            bk->gate_up_packed(&g, &u, b, X, Hp, n, G, U);
+        } else {
+            bk->unpack(&g, b, WTg, WRg, Hp);
+            bk->unpack(&u, b, WTu, WRu, Hp);
+            bk->gate_up(WTg, WTu, Hp, X, Hp, n, G, U);
+        }
+        act_block(c, &it, b, n, G, U, V, Ip, DG, DU);
+        if (!dxr) continue;
+        if (few) {
+            bk->tacc(&g, b, DG, 16, n, Ax);
+            bk->tacc(&u, b, DU, 16, n, Ax);
+        } else {
+            bk->tprod(WRg, DG, WRu, DU, 16, Hp, H, n, dxr, H);
+        }
+    }
+    if (dxr && few) bk->hsum(Ax, H, n, dxr, H);
+}
+
 /* ---- combine ---- */
 static void combine_item(void *ctx, int64_t item, int tid) {
     const bctx *c = ctx;
@@ -279,7 +386,11 @@ static int start(bctx *c, ktk_pool *pool, const bwd_task *b) {
     for (int a = 0; a < c->A; a++)
         for (int r0 = c->off[a]; r0 < c->off[a + 1]; r0 += BR)
             c->items[m++] = (bwd_item){a, r0, r0 + BR < c->off[a + 1] ? r0 + BR : c->off[a + 1]};
-    const size_t per = rows_scratch(c) > (size_t)c->H * 4 + 64 ? rows_scratch(c) : (size_t)c->H * 4 + 64;
+    c->bk = ktki_dispatch_backward();
+    const int q = ex->cfg.quant;   /* the ISA kernels know these formats; any other runs the generic step */
+    if (q != KTK_QUANT_BF16 && q != KTK_QUANT_INT8 && q != KTK_QUANT_INT4 && q != KTK_QUANT_FP8) c->bk = NULL;
+    const size_t rs_bytes = c->bk ? rows_scratch_isa(c) : rows_scratch(c);
+    const size_t per = rs_bytes > (size_t)c->H * 4 + 64 ? rs_bytes : (size_t)c->H * 4 + 64;
     if (!ktki_pool_thread_scratch_reserve(pool, per))
         return ktki_error(KTK_ERR_NOMEM, "backward: out of memory (thread scratch of %zu bytes)", per);
     return KTK_OK;
@@ -296,7 +407,7 @@ static int backward_step(ktk_pool *pool, ktk_task *task, int first, ktki_phase *
         switch (c->step++) {
         case 0:
             if (c->nitems == 0) break;
-            *ph = (ktki_phase){rows_item, NULL, c, c->nitems, 1, 0, 1, 0};
+            *ph = (ktki_phase){c->bk ? rows_item_isa : rows_item, NULL, c, c->nitems, 1, 0, 1, 0};
             return KTKI_PHASE;
         case 1:
             *ph = (ktki_phase){combine_item, NULL, c, (c->T + TOK_ITEM - 1) / TOK_ITEM, 1, 0, 1, 0};

@@ -8,6 +8,8 @@
  *     int4: data [Np * Kp / 2] nibbles, scale [Np / 16][Kp / G][16] float (Kp = round_up(K, max(64, G)))
  *     fp8:  data [Np * Kp] e4m3 bytes, scale [Np / 16][ceil(Kp / G)] float, its bytes rounded up to 64 (Kp =
  *           round_up(K, 64); each 16-row block holds the scale of its block_rows block)
+ *     mxfp4: data [Np * Kp / 2] e2m1 nibbles, scale [Np / 16][Kp / 32][16] e8m0 bytes, rounded up to 64 (Kp =
+ *           round_up(K, 64))
  *   with has_bias: gate bias [Np(I)] float, up bias [Np(I)] float, down bias [Np(H)] float (zero padding).
  */
 #define _GNU_SOURCE
@@ -23,12 +25,14 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int64_t mat_bytes(int quant, int64_t Np, int64_t Kp, int64_t G) {
     if (quant == KTK_QUANT_INT4) return Np * Kp / 2 + Np * (Kp / G) * 4;   /* both multiples of 64 */
     if (quant == KTK_QUANT_FP8) return Np * Kp + round_up(Np / 16 * ((Kp + G - 1) / G) * 4, 64);
+    if (quant == KTK_QUANT_MXFP4) return Np * Kp / 2 + round_up(Np * Kp / KTK_MXFP4_GROUP, 64);
     return quant == KTK_QUANT_BF16 ? Np * Kp * 2 : Np * Kp + Np * 4 + Np * 4;
 }
 
 /* int4 / fp8 group size of a config (0 means the default: 64, 128), and fp8's rows per scale (0: 128) */
 static int32_t group_of(const ktk_experts_config *cfg) {
     if (cfg->quant == KTK_QUANT_FP8) return cfg->group_size ? cfg->group_size : 128;
+    if (cfg->quant == KTK_QUANT_MXFP4) return KTK_MXFP4_GROUP;
     return cfg->quant != KTK_QUANT_INT4 ? 0 : cfg->group_size ? cfg->group_size : 64;
 }
 static int32_t block_rows_of(const ktk_experts_config *cfg) {
@@ -85,9 +89,13 @@ ktk_mat ktki_experts_mat(const ktk_experts *ex, int e, int which) {
     uint8_t *p = ex->base + ex->expert_bytes * e + ex->mat_off[which];
     int64_t Np = ex->Np[which], Kp = ex->Kp[which];
     ktk_mat m = {ex->out_n[which], ex->in_k[which], (int32_t)Np, (int32_t)Kp, ex->cfg.quant, NULL, NULL, NULL, NULL,
-                 NULL, 0, NULL};
+                 NULL, 0, NULL, NULL, NULL};
     if (ex->cfg.quant == KTK_QUANT_BF16) {
         m.data_bf16 = (const uint16_t *)p;
+    } else if (ex->cfg.quant == KTK_QUANT_MXFP4) {
+        m.data_f4 = p;
+        m.scale_e8 = p + Np * Kp / 2;
+        m.group = KTK_MXFP4_GROUP;
     } else if (ex->cfg.quant == KTK_QUANT_FP8) {
         m.data_f8 = p;
         m.scale = (const float *)(p + Np * Kp);
@@ -127,8 +135,32 @@ static int set_fp8_bands(ktk_experts *ex, int e, int which, const char *src, int
     return KTK_OK;
 }
 
+/* mxfp4: every row checked (finite: every finite float fits under e8m0's largest scale) before a byte is stored */
+static int set_mxfp4_rows(ktk_experts *ex, int e, int which, const char *src, int dtype, int64_t so, int64_t si) {
+    ktk_mat m = ktki_experts_mat(ex, e, which);
+    float *rows = malloc((size_t)m.N * m.K * sizeof(float));
+    if (!rows) return ktki_error(KTK_ERR_NOMEM, "ktk_experts_set: out of memory (%d rows of %d)", m.N, m.K);
+    const int64_t es = ktki_dtype_size(dtype);
+    for (int n = 0; n < m.N; n++) {
+        float *row = rows + (int64_t)n * m.K;
+        ktki_pack_to_f32(src + (int64_t)n * so * es, dtype, m.K, si, row);
+        for (int c = 0; c < m.K; c++)
+            if (!isfinite(row[c])) {
+                free(rows);
+                return ktki_error(KTK_ERR_RANGE, "ktk_experts_set: element [%d][%d] = %g cannot be mxfp4 (finite "
+                                  "values expected; expert %d, matrix %d)", n, c, (double)row[c], e, which);
+            }
+    }
+    for (int n = 0; n < m.N; n++)
+        ktki_pack_mxfp4(&m, (uint8_t *)m.data_f4, (uint8_t *)m.scale_e8, n, rows + (int64_t)n * m.K);
+    free(rows);
+    ex->ready[(int64_t)e * 3 + which] = 1;
+    return KTK_OK;
+}
+
 int ktki_experts_set(ktk_experts *ex, int e, int which, const void *src, int dtype, int64_t so, int64_t si) {
     if (ex->cfg.quant == KTK_QUANT_FP8) return set_fp8_bands(ex, e, which, src, dtype, so, si);
+    if (ex->cfg.quant == KTK_QUANT_MXFP4) return set_mxfp4_rows(ex, e, which, src, dtype, so, si);
     ktk_mat m = ktki_experts_mat(ex, e, which);
     float *row = malloc((size_t)m.K * sizeof(float));
     int8_t *q = m.quant == KTK_QUANT_INT8 ? malloc((size_t)m.K) : NULL;
@@ -208,6 +240,22 @@ int ktki_experts_set_fp8(ktk_experts *ex, int e, int which, const uint8_t *q, in
     return KTK_OK;
 }
 
+int ktki_experts_set_mxfp4(ktk_experts *ex, int e, int which, const uint8_t *blocks, int64_t bso,
+                           const uint8_t *scales, int64_t sso) {
+    ktk_mat m = ktki_experts_mat(ex, e, which);
+    const int groups = m.K / KTK_MXFP4_GROUP;
+    for (int n = 0; n < m.N; n++)   /* everything checked before a byte is stored */
+        for (int g = 0; g < groups; g++)
+            if (scales[n * sso + g] == 0xff)
+                return ktki_error(KTK_ERR_RANGE, "ktk_experts_set_mxfp4: scale of row %d, group %d (inputs %d..%d) is "
+                                  "0xff, the NaN code of e8m0 (expert %d, matrix %d)", n, g, g * KTK_MXFP4_GROUP,
+                                  g * KTK_MXFP4_GROUP + KTK_MXFP4_GROUP - 1, e, which);
+    for (int n = 0; n < m.N; n++)
+        ktki_pack_mxfp4_q(&m, (uint8_t *)m.data_f4, (uint8_t *)m.scale_e8, n, blocks + n * bso, scales + n * sso);
+    ex->ready[(int64_t)e * 3 + which] = 1;
+    return KTK_OK;
+}
+
 int ktki_experts_set_bias(ktk_experts *ex, int e, int which, const void *src, int dtype) {
     float *b = (float *)ktki_experts_bias(ex, e, which);
     ktki_pack_to_f32(src, dtype, ex->out_n[which], 1, b);
@@ -241,11 +289,14 @@ int ktki_experts_raw(const ktk_experts *ex, int e, int which, ktk_raw *out) {
     } else if (m.quant == KTK_QUANT_FP8) {
         out->data = m.data_f8;
         out->data_bytes = (int64_t)m.Np * m.Kp;
+    } else if (m.quant == KTK_QUANT_MXFP4) {
+        out->data = m.data_f4;
+        out->data_bytes = (int64_t)m.Np * m.Kp / 2;
     } else {
         out->data = m.quant == KTK_QUANT_BF16 ? (const void *)m.data_bf16 : (const void *)m.data_i8;
         out->data_bytes = (int64_t)m.Np * m.Kp * (m.quant == KTK_QUANT_BF16 ? 2 : 1);
     }
-    out->scale = m.quant == KTK_QUANT_BF16 ? NULL : m.scale;
+    out->scale = m.quant == KTK_QUANT_BF16 ? NULL : m.quant == KTK_QUANT_MXFP4 ? (const float *)m.scale_e8 : m.scale;
     out->bias = ktki_experts_bias(ex, e, which);
     out->expert = ex->base + ex->expert_bytes * e;
     out->expert_bytes = ex->expert_bytes;

@@ -35,7 +35,8 @@
  * never with KTINJECT_INT4_PATH=dequant or KTINJECT_FP8_PATH=dequant (those paths are for many rows).
  * fp8 weights take bf16 activations (as bf16 weights) and every thread a workspace: the direct kernel converts its
  * rows of x or h to float there, the dequantizing path (from KTK_FP8_DEQUANT_MIN_ROWS_ANY rows, or
- * KTINJECT_FP8_PATH=dequant) its bf16 blocks; KTINJECT_FP8_PATH=direct never plans the latter.
+ * KTINJECT_FP8_PATH=dequant) its bf16 blocks; KTINJECT_FP8_PATH=direct never plans the latter. mxfp4 weights
+ * likewise (the same workspace, path and KTINJECT_FP8_PATH).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -59,7 +60,7 @@ static int choose_cw(int64_t row_chunks, int units, int threads) {
 static int64_t work_bytes(const fctx *c) {
     const int cw = c->cw_gu > c->cw_dn ? c->cw_gu : c->cw_dn, kp = c->KpH > c->KpI ? c->KpH : c->KpI;
     if (c->copies) return ktk_int4_work_bytes(kp, cw);
-    if (c->quant != KTK_QUANT_FP8) return 0;
+    if (c->quant != KTK_QUANT_FP8 && c->quant != KTK_QUANT_MXFP4) return 0;   /* mxfp4: as fp8 */
     int rows = c->maxrows < FP8_DIRECT_ROWS ? c->maxrows : FP8_DIRECT_ROWS;
     rows = c->gemv && rows < KTK_GEMV_MAX ? KTK_GEMV_MAX : rows < 1 ? 1 : rows;
     int64_t n = ktk_fp8_rows_bytes(kp, rows);
@@ -318,15 +319,18 @@ static int start(fctx *c, ktk_pool *pool, ktk_task *t) {
                 .I = cfg->intermediate, .quant = cfg->quant, .act = cfg->activation, .alpha = cfg->alpha,
                 .limit = cfg->limit, .KpH = ex->Kp[KTK_MAT_GATE], .KpI = ex->Kp[KTK_MAT_DOWN],
                 .UI = ex->Np[KTK_MAT_GATE] / 16, .UH = ex->Np[KTK_MAT_DOWN] / 16};
-    const ktk_gemm_fn gemms[4] = {kern->gemm_bf16, kern->gemm_int8, kern->gemm_int4, kern->gemm_fp8};
-    const ktk_gemv_fn gemvs[4] = {kern->gemv_bf16, kern->gemv_int8, kern->gemv_int4, kern->gemv_fp8};
+    const ktk_gemm_fn gemms[5] = {kern->gemm_bf16, kern->gemm_int8, kern->gemm_int4, kern->gemm_fp8,
+                                  kern->gemm_mxfp4};
+    const ktk_gemv_fn gemvs[5] = {kern->gemv_bf16, kern->gemv_int8, kern->gemv_int4, kern->gemv_fp8,
+                                  kern->gemv_mxfp4};
     c->gemm = gemms[cfg->quant];
     c->a8 = cfg->quant == KTK_QUANT_INT8 || cfg->quant == KTK_QUANT_INT4;
     c->nt = ktki_pool_threads(pool);
     if (cfg->quant == KTK_QUANT_INT4 && (c->int4_path = path_env("KTINJECT_INT4_PATH")) < 0)
         return ktki_error(KTK_ERR_SHAPE, "KTINJECT_INT4_PATH=%.40s: expected auto, direct or dequant",
                           getenv("KTINJECT_INT4_PATH"));
-    if (cfg->quant == KTK_QUANT_FP8 && (c->fp8_path = path_env("KTINJECT_FP8_PATH")) < 0)
+    if ((cfg->quant == KTK_QUANT_FP8 || cfg->quant == KTK_QUANT_MXFP4) &&   /* mxfp4: fp8's path switch */
+        (c->fp8_path = path_env("KTINJECT_FP8_PATH")) < 0)
         return ktki_error(KTK_ERR_SHAPE, "KTINJECT_FP8_PATH=%.40s: expected auto, direct or dequant",
                           getenv("KTINJECT_FP8_PATH"));
     c->nparts = t->slots == KTK_SLOTS_SPLIT ? 2 : 1;

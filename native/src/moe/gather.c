@@ -29,7 +29,8 @@ static int plan_tiles(fctx *c) {
     c->xt = c->ht = NULL;
     int64_t groups = 0;
     const int on = min > 0 && !c->gemv && (c->quant != KTK_QUANT_INT4 || c->copies) &&
-                   (c->quant != KTK_QUANT_FP8 || c->fp8_path != KTK_FP8_PATH_DIRECT);   /* fp8 direct: float rows */
+                   ((c->quant != KTK_QUANT_FP8 && c->quant != KTK_QUANT_MXFP4) ||
+                    c->fp8_path != KTK_FP8_PATH_DIRECT);   /* fp8 / mxfp4 direct: float rows */
     for (int a = 0; a < c->A; a++) {
         const int n = c->off[a + 1] - c->off[a];
         c->tg[a] = on && n >= min ? (int32_t)groups : -1;
@@ -172,7 +173,7 @@ ktk_act ktki_gather_rows(const fctx *c, int h, int a, int r0, int r1, int tid) {
         x.tiles = (h ? c->ht : c->xt) + ((int64_t)c->tg[a] + rel / 16) * 16 * x.Kp * c->tes;
     if (!c->a8) {   /* bf16 rows; fp8 also the thread's workspace */
         x.x_bf16 = (h ? c->h16 : c->x16) + o;
-        if (c->quant == KTK_QUANT_FP8) {
+        if (c->quant == KTK_QUANT_FP8 || c->quant == KTK_QUANT_MXFP4) {
             x.fp8_path = c->fp8_path;
             x.work = (char *)ktki_pool_thread_scratch(c->pool, tid) + c->work_off;
             x.work_bytes = c->work_bytes;

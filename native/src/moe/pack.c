@@ -1,5 +1,5 @@
-/* Dtype conversions, symmetric int8 / group-wise int4 / block-wise fp8 quantization and the packed layouts of
- * kernels/kernels.h (generic C). */
+/* Dtype conversions, symmetric int8 / group-wise int4 / block-wise fp8 / mxfp4 quantization and the packed layouts
+ * of kernels/kernels.h (generic C). */
 #include <math.h>
 #include <string.h>
 
@@ -223,7 +223,62 @@ void ktki_pack_fp8_q(const ktk_mat *m, uint8_t *data, float *scale, int n, const
     for (int c = 0; c < m->K; c++) data[off_f8(m, n, c)] = q[c * qsi];
 }
 
+/* ---- mxfp4 (e2m1 nibbles, an e8m0 exponent per row and 32 inputs) ---- */
+static inline int64_t off_f4(const ktk_mat *m, int n, int c) {
+    return ((int64_t)(n / 16) * (m->Kp / 8) + c / 8) * 64 + (n % 16) * 4 + (c % 8) / 2;
+}
+static inline int64_t off_e8(const ktk_mat *m, int n, int g) {
+    return ((int64_t)(n / 16) * (m->Kp / KTK_MXFP4_GROUP) + g) * 16 + n % 16;
+}
+
+/* |v| <= 6 -> e2m1 code, round to nearest even (ties to the even code: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
+ * 2.5 -> 2, 3.5 -> 4, 5 -> 4); the sign bit only on a nonzero code. */
+static uint8_t f32_to_e2m1(float v) {
+    const float a = fabsf(v);
+    uint8_t q = (uint8_t)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                          (a > 5.0f));
+    return q && v < 0.0f ? q | 8 : q;
+}
+
+void ktki_pack_mxfp4(const ktk_mat *m, uint8_t *data, uint8_t *scale, int n, const float *row) {
+    for (int g = 0; g < m->Kp / KTK_MXFP4_GROUP; g++) {
+        const int c0 = g * KTK_MXFP4_GROUP;
+        float amax = 0.0f;
+        for (int c = c0; c < c0 + KTK_MXFP4_GROUP && c < m->K; c++) amax = fabsf(row[c]) > amax ? fabsf(row[c]) : amax;
+        int e = 127;
+        if (c0 >= m->K) e = 0;   /* padding group */
+        else if (amax > 0.0f) {   /* the smallest e >= 0 with amax <= 6 * 2^(e - 127) (<= 254: amax is finite) */
+            int x;
+            (void)frexpf(amax / 6.0f, &x);
+            e = x + 126 < 0 ? 0 : x + 126;
+            while (e > 0 && amax <= ldexpf(6.0f, e - 128)) e--;
+            while (amax > ldexpf(6.0f, e - 127)) e++;
+        }
+        scale[off_e8(m, n, g)] = (uint8_t)e;
+        for (int c = c0; c < c0 + KTK_MXFP4_GROUP; c++) {
+            const uint8_t q = c < m->K ? f32_to_e2m1(ldexpf(row[c], 127 - e)) : 0;
+            uint8_t *p = data + off_f4(m, n, c);
+            *p = c % 2 ? (uint8_t)((*p & 0x0f) | (q << 4)) : (uint8_t)((*p & 0xf0) | q);
+        }
+    }
+}
+
+void ktki_pack_mxfp4_q(const ktk_mat *m, uint8_t *data, uint8_t *scale, int n, const uint8_t *blocks,
+                       const uint8_t *scales) {
+    const int groups = m->K / KTK_MXFP4_GROUP;
+    for (int g = 0; g < m->Kp / KTK_MXFP4_GROUP; g++) scale[off_e8(m, n, g)] = g < groups ? scales[g] : 0;
+    for (int c = 0; c < m->Kp; c += 2) data[off_f4(m, n, c)] = c < m->K ? blocks[c / 2] : 0;
+}
+
 void ktki_pack_unpack(const ktk_mat *m, int n, float *row) {
+    if (m->quant == KTK_QUANT_MXFP4) {
+        for (int c = 0; c < m->K; c++) {
+            const uint8_t b = m->data_f4[off_f4(m, n, c)];
+            row[c] = ktk_e2m1_to_f32(c % 2 ? b >> 4 : b & 15) *
+                     ktk_e8m0_to_f32(m->scale_e8[off_e8(m, n, c / KTK_MXFP4_GROUP)]);
+        }
+        return;
+    }
     if (m->quant == KTK_QUANT_FP8) {
         for (int c = 0; c < m->K; c++)
             row[c] = ktk_e4m3_to_f32(m->data_f8[off_f8(m, n, c)]) * m->scale[off_s8(m, n, c / m->group)];

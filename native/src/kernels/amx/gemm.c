@@ -267,6 +267,9 @@ static void gemm_int8_amx(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, 
 
 void ktk_amx_gemm_int4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy); /* int4.c */
 void ktk_amx_gemm_fp8(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);  /* fp8.c */
+void ktk_avx512_gemm_mxfp4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
+void ktk_avx512_gemv_mxfp4(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
+                           float *const *y);   /* avx512/mxfp4.c */
 
 /* decode kernels (one row per matrix): those of the AVX-512 kernels this table runs below its crossovers */
 #include "../avx512/gemv.h"
@@ -276,6 +279,9 @@ static const ktk_kernels amx_table = {
     .gemv_bf16 = ktk_avx512_gemv_bf16_plain, .gemv_int8 = ktk_avx512_gemv_int8_vnni,
     .gemv_int4 = ktk_avx512_gemv_int4_vnni, .gemv_default = 1,
     .tile_rows = {KTK_AMX_MIN_ROWS_BF16, KTK_AMX_MIN_ROWS_INT8, KTK_AMX_INT4_DEQUANT_ROWS, KTK_AMX_FP8_DEQUANT_ROWS},
-    .gemm_fp8 = ktk_amx_gemm_fp8, .gemv_fp8 = ktk_avx512_gemv_fp8};
+    .gemm_fp8 = ktk_amx_gemm_fp8, .gemv_fp8 = ktk_avx512_gemv_fp8,
+    /* mxfp4: the AVX-512 kernels (direct FMA; from their crossover, dequantized to bf16 + the AVX-512 bf16 kernel, no
+     * tiles): no AMX code for mxfp4 */
+    .gemm_mxfp4 = ktk_avx512_gemm_mxfp4, .gemv_mxfp4 = ktk_avx512_gemv_mxfp4};
 
 const ktk_kernels *ktk_kernels_amx(void) { return &amx_table; }

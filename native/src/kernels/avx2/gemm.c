@@ -171,6 +171,8 @@ void ktk_avx2_gemv_fp8(int M, const ktk_mat *const *w, int nb0, int nb1, const k
 /* gemv only for fp8, not used by default (KTINJECT_GEMV=1 takes it: tests) */
 static const ktk_kernels avx2_table = {.name = "avx2", .gemm_bf16 = gemm_bf16_avx2, .gemm_int8 = gemm_int8_avx2,
                                        .gemm_int4 = ktk_avx2_gemm_int4, .gemm_fp8 = ktk_avx2_gemm_fp8,
-                                       .gemv_fp8 = ktk_avx2_gemv_fp8};
+                                       .gemv_fp8 = ktk_avx2_gemv_fp8,
+                                       /* mxfp4: the generic kernels (no AVX2 mxfp4 kernel yet) */
+                                       .gemm_mxfp4 = ktk_generic_gemm_mxfp4};
 
 const ktk_kernels *ktk_kernels_avx2(void) { return &avx2_table; }

@@ -283,24 +283,31 @@ void ktk_avx512_gemm_int4_vnni(const ktk_mat *w, int nb0, int nb1, const ktk_act
  * kernel */
 #include "fp8.h"
 
+/* mxfp4: mxfp4.c (FMA direct kernel, its gemv, dequantization to bf16; the dequantizing path runs the table's bf16
+ * kernel) */
+void ktk_avx512_gemm_mxfp4(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
+void ktk_avx512_gemv_mxfp4(int M, const ktk_mat *const *w, int nb0, int nb1, const ktk_act *const *x,
+                           float *const *y);
+#define MXFP4_ENTRIES .gemm_mxfp4 = ktk_avx512_gemm_mxfp4, .gemv_mxfp4 = ktk_avx512_gemv_mxfp4
+
 static const ktk_kernels table_plain = {.name = "avx512", .gemm_bf16 = ktk_avx512_gemm_bf16_plain,
                                         .gemm_int8 = gemm_int8_plain, .gemm_int4 = ktk_avx512_gemm_int4_plain,
                                         .gemv_bf16 = ktk_avx512_gemv_bf16_plain, .gemm_fp8 = ktk_avx512_gemm_fp8,
-                                        .gemv_fp8 = ktk_avx512_gemv_fp8};
+                                        .gemv_fp8 = ktk_avx512_gemv_fp8, MXFP4_ENTRIES};
 static const ktk_kernels table_bf16 = {.name = "avx512+bf16", .gemm_bf16 = ktk_avx512_gemm_bf16_dp,
                                        .gemm_int8 = gemm_int8_plain, .gemm_int4 = ktk_avx512_gemm_int4_plain,
                                        .gemv_bf16 = ktk_avx512_gemv_bf16_dp, .gemm_fp8 = ktk_avx512_gemm_fp8_dp,
-                                       .gemv_fp8 = ktk_avx512_gemv_fp8_dp};
+                                       .gemv_fp8 = ktk_avx512_gemv_fp8_dp, MXFP4_ENTRIES};
 static const ktk_kernels table_vnni = {.name = "avx512+vnni", .gemm_bf16 = ktk_avx512_gemm_bf16_plain,
                                        .gemm_int8 = ktk_avx512_gemm_int8_vnni, .gemm_int4 = ktk_avx512_gemm_int4_vnni,
                                        .gemv_bf16 = ktk_avx512_gemv_bf16_plain, .gemv_int8 = ktk_avx512_gemv_int8_vnni,
                                        .gemv_int4 = ktk_avx512_gemv_int4_vnni, .gemm_fp8 = ktk_avx512_gemm_fp8,
-                                       .gemv_fp8 = ktk_avx512_gemv_fp8};
+                                       .gemv_fp8 = ktk_avx512_gemv_fp8, MXFP4_ENTRIES};
 static const ktk_kernels table_both = {.name = "avx512+bf16+vnni", .gemm_bf16 = ktk_avx512_gemm_bf16_dp,
                                        .gemm_int8 = ktk_avx512_gemm_int8_vnni, .gemm_int4 = ktk_avx512_gemm_int4_vnni,
                                        .gemv_bf16 = ktk_avx512_gemv_bf16_dp, .gemv_int8 = ktk_avx512_gemv_int8_vnni,
                                        .gemv_int4 = ktk_avx512_gemv_int4_vnni, .gemm_fp8 = ktk_avx512_gemm_fp8_dp,
-                                       .gemv_fp8 = ktk_avx512_gemv_fp8_dp};
+                                       .gemv_fp8 = ktk_avx512_gemv_fp8_dp, MXFP4_ENTRIES};
 
 /* CPUID bits, read once: 1 = use vdpbf16ps, 2 = AVX512_VNNI (leaf 7: ECX bit 11; sub-leaf 1: EAX bit 5 =
  * AVX512_BF16; EDX bit 22 = AMX-BF16). vdpbf16ps is used only on CPUs without AMX: on the AMX Xeons it ran

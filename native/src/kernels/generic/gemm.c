@@ -53,6 +53,6 @@ void ktk_generic_gemm_fp8(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, 
 
 static const ktk_kernels generic_table = {.name = "generic", .gemm_bf16 = gemm_bf16_generic,
                                           .gemm_int8 = gemm_int8_generic, .gemm_int4 = ktk_generic_gemm_int4,
-                                          .gemm_fp8 = ktk_generic_gemm_fp8};
+                                          .gemm_fp8 = ktk_generic_gemm_fp8, .gemm_mxfp4 = ktk_generic_gemm_mxfp4};
 
 const ktk_kernels *ktk_kernels_generic(void) { return &generic_table; }
