@@ -4,6 +4,7 @@ memory sampled throughout; pass = no error and no leak.
     python benchmarks/soak_serve.py                      # CUDA, demo model, 16 streams, 10 minutes, 100 disconnects
     python benchmarks/soak_serve.py --gpu cpu --minutes 1.5 --disconnects 20    # a short run on a CPU
     python benchmarks/soak_serve.py --bench-layers 8 --quant int4               # Qwen3-30B-A3B shapes, 8 layers
+    python benchmarks/soak_serve.py --gpu cpu --minutes 1 --disconnects 10 --mix  # mixed traffic on a CPU
 
 Each of ``--streams`` client threads sends requests back to back until the time is up: prompts of 1..--prompt-max
 tokens, 8..--max-tokens new tokens, greedy or seeded sampling, some with a stop string. ``--disconnects`` of them,
@@ -12,6 +13,16 @@ connection (HTTP mode: the server must notice and cancel) or cancels its request
 default where FastAPI, uvicorn and httpx are installed): the OpenAI API served by uvicorn in this process, clients
 over httpx (completions, and chat where the tokenizer has a template); engine mode (``--no-http``, or without
 those packages, as on the GPU machine): ``Engine.submit`` / ``Request.cancel``, as the API calls them.
+
+``--mix`` (HTTP mode only): each request is drawn from a mix of kinds instead (``soak_mix.py``), all streamed: plain
+chat; chat with tools (tool_choice "auto", and "required", whose stream must end in a call whose arguments validate);
+response_format json_schema (a reply that finished with "stop" must parse and validate with jsonschema; one cut by
+max_tokens may not); Anthropic ``/v1/messages`` (events in order: message_start, content_block_start / delta... /
+stop, message_delta, message_stop); chat with n = 4 (four choices, each finished). The grammar kinds need llguidance
+and jsonschema: without them one line says so and the mix leaves out json_schema and "required". Disconnects fall
+on any kind (a grammar request that ends before its client leaves gives its disconnect to a later request; one of
+n = 4 may cancel up to four engine requests). The summary adds requests / errors per kind; pass also needs every
+kind run at least once.
 
 Every ``--sample-every`` seconds a row: process RSS, torch.cuda allocated / reserved, the engine's running / waiting
 requests, requests done, disconnects, errors, tok/s, threads and open files. After the warm-up (the first
@@ -36,6 +47,9 @@ import threading
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import soak_mix  # noqa: E402 - beside this script
 
 WORDS = "the small robot wanted to learn to paint by the sea in a quiet town every morning".split()
 
@@ -63,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int,
                    help="torch and expert threads (default: the library's; on the CPU torch gets 1: its OpenMP "
                         "workers spin-wait for each other, many times slower beside the client threads)")
+    p.add_argument("--mix", action="store_true",
+                   help="HTTP clients draw each request from a mix: plain chat, chat with tools, JSON schema, "
+                        "Anthropic streaming, n = 4 (see soak_mix.py)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -144,6 +161,8 @@ class Tally:
         self.done = self.tokens = self.disconnected = self.errors = 0
         self._pending = 0  # requests that took a disconnect and have not ended yet
         self.first_errors: list[str] = []
+        self.kinds: dict[str, list[int]] = {}  # kind -> [requests, errors] (--mix)
+        self.extra_cancels = 0  # engine requests beyond one that a disconnect may cancel (n > 1)
         self.target, self.spread = disconnects, 0.9 * seconds
         self.t0 = time.monotonic()
 
@@ -156,13 +175,22 @@ class Tally:
                 return True
             return False
 
-    def ended(self, tokens: int, disconnected: bool = False, error: str | None = None) -> None:
+    def ended(self, tokens: int, disconnected: bool = False, error: str | None = None, kind: str | None = None,
+              took: bool | None = None, extra: int = 0) -> None:
+        """One request ended; ``took``: it had taken a disconnect (default: ``disconnected``) — one that ended before
+        its client could leave gives it back, for a later request to take."""
         with self.lock:
             self.done += 1
             self.tokens += tokens
-            if disconnected:
+            if disconnected if took is None else took:
                 self._pending -= 1
+            if disconnected:
                 self.disconnected += 1
+                self.extra_cancels += extra
+            if kind is not None:
+                row = self.kinds.setdefault(kind, [0, 0])
+                row[0] += 1
+                row[1] += error is not None
             if error is not None:
                 self.errors += 1
                 if len(self.first_errors) < 5:
@@ -217,6 +245,15 @@ def _http_client(url: str, name: str, args, vocab: int, chat_ok: bool, tally: Ta
         while time.monotonic() < deadline:
             r = _request(rng, args, vocab, chat_ok)
             drop = tally.take_disconnect()
+            after = rng.randint(1, max(1, r["max_tokens"] // 2))
+            if args.mix:
+                kind = rng.choice(args.mix_kinds)
+                text = " ".join(rng.choice(WORDS) for _ in range(len(r["prompt"]) // 4 + 1))
+                sampled = {"temperature": r["temperature"], **({"seed": r["seed"]} if r["seed"] is not None else {})}
+                path, body = soak_mix.build(kind, rng, name, text, r["max_tokens"], sampled, drop, args.grammar)
+                chunks, left, error = soak_mix.stream(client, kind, path, body, drop, after)
+                tally.ended(chunks, left, error, kind, took=drop, extra=soak_mix.N - 1 if kind == "n4" else 0)
+                continue
             body = {"model": name, "max_tokens": r["max_tokens"], "temperature": r["temperature"], "stream": True,
                     "ignore_eos": drop}
             if r["seed"] is not None:
@@ -228,7 +265,6 @@ def _http_client(url: str, name: str, args, vocab: int, chat_ok: bool, tally: Ta
                 path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
             else:
                 path, body["prompt"] = "/v1/completions", r["prompt"]
-            after = rng.randint(1, max(1, r["max_tokens"] // 2))
             tally.ended(*_http_stream(client, path, body, drop, after))
 
 
@@ -321,17 +357,25 @@ def _verdict(args, rows: list[tuple], engine, tally: Tally, cancelled: int) -> l
         (tally.errors == 0, f"errors: {tally.errors}" + (f" (first: {tally.first_errors})" if tally.errors else "")),
         (tally.disconnected >= args.disconnects,
          f"disconnects mid-stream: {tally.disconnected} of {args.disconnects} asked"),
-        (cancelled == tally.disconnected, f"requests the engine cancelled: {cancelled} (= disconnects)"),
+        (tally.disconnected <= cancelled <= tally.disconnected + tally.extra_cancels,
+         f"requests the engine cancelled: {cancelled} (= disconnects"
+         + (f", up to {tally.extra_cancels} more for n > 1)" if tally.extra_cancels else ")")),
         (c["running"] == 0 and c["waiting"] == 0 and c["free_rows"] == engine.config.max_batch,
          f"rows at the end: {c}"),
         (engine.alive and engine.failure is None, f"engine alive: {engine.alive}, failure: {engine.failure}"),
     ]
+    if args.mix:
+        missing = [k for k in args.mix_kinds if k not in tally.kinds]
+        checks.append((not missing, f"every kind of the mix ran: {'yes' if not missing else 'not ' + str(missing)}"))
     return checks
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     http = _have_http() if args.http is None else args.http
+    if args.mix and not http:
+        print("# --mix needs the HTTP clients (fastapi, uvicorn and httpx installed, no --no-http)", flush=True)
+        return 2
     torch.manual_seed(args.seed)
     t_load = time.monotonic()
     engine, device = _engine(args)
@@ -351,6 +395,13 @@ def main(argv=None) -> int:
     t0 = tally.t0
     deadline = t0 + seconds
     chat_ok = bool(engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None))
+    if args.mix:
+        args.grammar = soak_mix.grammar_ok()
+        args.mix_kinds = soak_mix.kinds(args.grammar)
+        if not args.grammar:
+            print("# --mix: llguidance or jsonschema is not installed: no response_format json_schema and no "
+                  "tool_choice \"required\" in the mix", flush=True)
+        print(f"# --mix: {', '.join(args.mix_kinds)}", flush=True)
     cancelled0 = engine.metrics.finished["cancelled"]
     clients = [threading.Thread(target=_http_client if http else _engine_client, daemon=True,
                                 args=((url, engine.name, args, engine.vocab_size, chat_ok) if http else (engine, args))
@@ -375,6 +426,9 @@ def main(argv=None) -> int:
           f"warm-up: the first {args.warmup * seconds:.0f} s")
     for ok, line in checks:
         print(f"# {'ok  ' if ok else 'FAIL'} {line}")
+    if args.mix:
+        print("# per kind (requests / errors): " + ", ".join(f"{k} {tally.kinds.get(k, [0, 0])[0]} / "
+                                                            f"{tally.kinds.get(k, [0, 0])[1]}" for k in args.mix_kinds))
     passed = all(ok for ok, _ in checks)
     print(f"# soak {'PASSED' if passed else 'FAILED'}", flush=True)
     if server is not None:
