@@ -376,6 +376,19 @@ def test_serve_verdicts_at_8_streams():
     assert verdicts(rows[3:4]) == ["target: not judged (no run of 8 streams with overlap on)"]
 
 
+def test_serve_grammar_verdict_on_interleaved_runs():
+    """--grammar off,on,off,on: one constrained-decoding line per quant, on the means of the interleaved runs."""
+    from ktinject.bench.serve import verdicts
+
+    row = {"quant": "int4", "streams": 8, "overlap": "on", "roofline": 500.0, "batch1": 200.0}
+    rows = [{**row, "grammar": g, "decode": d} for g, d in (("off", 400.0), ("on", 390.0), ("off", 420.0),
+                                                            ("on", 380.0))]
+    grammar = [line for line in verdicts(rows) if "JSON schema" in line]
+    assert grammar == ["target: int4 at 8 streams, a JSON schema on every row >= 95% of decode tok/s without: "
+                       "NOT met (385.0 (390.0, 380.0) vs 410.0 (400.0, 420.0) tok/s, 93.9%)"]
+    assert len(verdicts(rows)) == 3  # the two plain runs' serving lines, and the one grammar line
+
+
 
 def test_read_loop_without_its_source_falls_back_to_torch(monkeypatch, caplog, tmp_path):
     """readloop.c missing from an installation: a warning and torch's figure alone, no exception, no temp dir left."""
