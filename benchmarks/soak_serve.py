@@ -48,8 +48,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import soak_mix  # noqa: E402 - beside this script
+import soak_mix  # (beside this script: run as a script, its folder is on sys.path)
 
 WORDS = "the small robot wanted to learn to paint by the sea in a quiet town every morning".split()
 

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from ktinject.serve import grammar  # noqa: E402
 from ktinject.serve.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
+from tests.serve.soak_mix_module import soak_mix  # noqa: E402
 from tests.serve.test_serve import _free_server  # noqa: E402
 
 NAME = "ktinject-demo"
@@ -49,17 +50,7 @@ SCHEMAS = {
             "required": ["k", "v"], "additionalProperties": False}}},
         "required": ["items"], "additionalProperties": False},
 }
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                                            "unit": {"enum": ["C", "F"]}},
-           "required": ["city", "days", "unit"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
-                                        "b": {"type": "integer", "minimum": -99, "maximum": 99}},
-       "required": ["a", "b"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "a city's weather",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}}]
-SCHEMA_OF = {"get_weather": WEATHER, "add": ADD}
+ADD, SCHEMA_OF, TOOLS = soak_mix.ADD, soak_mix.SCHEMA_OF, soak_mix.TOOLS  # (the tool schemas the soak sends too)
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
+from tests.serve.soak_mix_module import soak_mix  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import soak_mix  # noqa: E402
 
 
 def test_a_short_mixed_soak_passes_and_runs_every_kind():
