@@ -166,6 +166,7 @@ class HotExperts:
         self.resident = torch.zeros(E, dtype=torch.uint8, device=dev)  # [E]
         self.hits = torch.zeros((), dtype=torch.int64, device=dev)
         self.slot_expert: list[int] = [-1] * C  # host view of the bank: expert in each slot (-1 empty)
+        self._filled = 0  # slots of slot_expert that hold an expert (admit / retire keep it)
         self.grouped = grouped_mm_usable(dev, dtype)
         self._bounds = torch.arange(1, C + 1, dtype=torch.int64, device=dev)  # [C] searchsorted bounds
         self.packed = None  # upload.PackedRegion: source of re-placement moves (page-locked on CUDA); close() frees
@@ -203,7 +204,7 @@ class HotExperts:
 
     def holds_all(self) -> bool:
         """Every expert of the block is resident and stays so (no re-placement): the CPU has nothing to compute."""
-        return not self.dynamic and self.C == self.E and -1 not in self.slot_expert
+        return not self.dynamic and self.C == self.E and self._filled == self.C
 
     # ---- weights -----------------------------------------------------------------------------------------------
     def host_weights(self, expert: int, pin: bool = False) -> dict[str, torch.Tensor]:
@@ -234,6 +235,7 @@ class HotExperts:
         """Tables: ``expert`` is served from ``slot`` from the next operation on the current stream on."""
         self.slot_of[expert:expert + 1].fill_(slot)
         self.resident[expert:expert + 1].fill_(1)
+        self._filled += self.slot_expert[slot] < 0
         self.slot_expert[slot] = expert
 
     def retire(self, slot: int) -> int:
@@ -242,6 +244,7 @@ class HotExperts:
         if expert >= 0:
             self.slot_of[expert:expert + 1].fill_(-1)
             self.resident[expert:expert + 1].fill_(0)
+            self._filled -= 1
         self.slot_expert[slot] = -1
         return expert
 
