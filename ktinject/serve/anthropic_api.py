@@ -12,15 +12,14 @@ with the string, ``tool_use``; the output tokens) and ``message_stop``. A failur
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ktinject.serve import anthropic_protocol as ap
-from ktinject.serve.api_requests import Replies, ServerContext, chat_output, check_model, checked, \
-    forced_call_grammar, in_thread, reply_parsing
+from ktinject.serve.api_requests import Replies, ServerContext, check_model, checked, in_thread, \
+    start_chat_reply
 from ktinject.serve.chat_output import ChatOutput
 
 log = logging.getLogger("ktinject.serve")
@@ -51,15 +50,8 @@ def add_routes(app, ctx: ServerContext) -> None:
     @app.post("/v1/messages")
     async def messages(body: ap.MessagesRequest, request: Request):
         prompt, tools = await render(body)
-        parse, inside = await reply_parsing(ctx, prompt, tools)
-        output = chat_output(ctx, tools, parse, inside)
-        max_tokens = checked(engine.check_length, len(prompt), body.max_tokens, "messages", "max_tokens")
-        params = checked(body.sampling, engine.default_params(), max_tokens, parse or ctx.harmony)
-        if body.forced_tool is not False:
-            rule = await forced_call_grammar(ctx, tools, body.forced_tool, inside)
-            params = checked(lambda: dataclasses.replace(params, grammar=rule))
-        replies = Replies(engine, request)
-        await replies.start(prompt, [params])
+        replies, output, params = await start_chat_reply(ctx, request, body, prompt, tools, body.max_tokens,
+                                                         "messages", "max_tokens")
         mid = ap.message_id()
         if body.stream:
             return StreamingResponse(_stream(replies, output, mid, ctx.names[0], len(prompt)),

@@ -19,9 +19,10 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from ktinject.serve.errors import RequestError, check_unicode
+from ktinject.serve.request_model import RequestModel
 from ktinject.serve.sampling import STOP_MAX, TOP_K_MAX, SamplingParams
 
 #: Anthropic's error type of each status (anything else >= 500: api_error)
@@ -30,21 +31,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                429: "rate_limit_error", 529: "overloaded_error"}
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data):
-        """null for a field that has a default means that default; a required field's null stays an error."""
-        if not isinstance(data, dict):
-            return data
-        optional = {key for name, f in cls.model_fields.items() if not f.is_required()
-                    for key in (name, f.alias) if key}
-        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
-class CountTokensRequest(_Model):
+class CountTokensRequest(RequestModel):
     """The conversation: what ``/v1/messages/count_tokens`` takes, and the start of a messages request."""
 
     model: str | None = None

@@ -203,6 +203,24 @@ class Replies:
         self.cancel()
 
 
+async def start_chat_reply(ctx: ServerContext, request, body, prompt: list[int], tools, limit: int | None,
+                           what: str, param: str) -> tuple["Replies", ChatOutput, object]:
+    """One chat reply of the Anthropic or Responses API, submitted: how it is read (``reply_parsing``), its sampling
+    parameters (``limit`` new tokens checked against the context: a 400 names ``what`` / ``param``), a forced tool
+    call's grammar. Returns (the replies, the reply's ChatOutput, the sampling parameters)."""
+    engine = ctx.engine
+    parse, inside = await reply_parsing(ctx, prompt, tools)
+    output = chat_output(ctx, tools, parse, inside)
+    max_tokens = checked(engine.check_length, len(prompt), limit, what, param)
+    params = checked(body.sampling, engine.default_params(), max_tokens, parse or ctx.harmony)
+    if body.forced_tool is not False:
+        rule = await forced_call_grammar(ctx, tools, body.forced_tool, inside)
+        params = checked(lambda: dataclasses.replace(params, grammar=rule))
+    replies = Replies(engine, request)
+    await replies.start(prompt, [params])
+    return replies, output, params
+
+
 def failure(last: list[Output]) -> Output | None:
     """The first of the choices' last events that did not end well (error, cancelled), or None."""
     return next((o for o in last if o.finish_reason in ("error", "cancelled")), None)

@@ -15,9 +15,10 @@ import re
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from ktinject.serve.errors import RequestError, check_unicode
+from ktinject.serve.request_model import RequestModel
 from ktinject.serve.logprobs import MAX_TOP
 from ktinject.serve.sampling import STOP_MAX, TOP_K_MAX, SamplingParams
 
@@ -25,26 +26,13 @@ from ktinject.serve.sampling import STOP_MAX, TOP_K_MAX, SamplingParams
 N_MAX = 16
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data):
-        """null for a field that has a default means that default, as in OpenAI's API, whose schema makes them
-        nullable (clients send "stream": null, "n": null); a required field's null stays an error that names it."""
-        if not isinstance(data, dict):
-            return data
-        optional = {key for name, f in cls.model_fields.items() if not f.is_required()
-                    for key in (name, f.alias) if key}
-        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
-class StreamOptions(_Model):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class _Common(_Model):
+class _Common(RequestModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)

@@ -15,7 +15,6 @@ with the whole response and its usage. A generation that fails ends with ``respo
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 
@@ -23,8 +22,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ktinject.serve import responses_protocol as rp
-from ktinject.serve.api_requests import Replies, ServerContext, chat_output, check_model, checked, failure, \
-    forced_call_grammar, in_thread, reply_parsing
+from ktinject.serve.api_requests import Replies, ServerContext, check_model, checked, failure, in_thread, \
+    start_chat_reply
 from ktinject.serve.chat_output import ChatOutput
 
 log = logging.getLogger("ktinject.serve")
@@ -40,15 +39,8 @@ def add_routes(app, ctx: ServerContext) -> None:
         messages = checked(body.template_messages)
         tools = checked(body.chat_tools) if body.tool_choice != "none" else None
         prompt = await in_thread(engine.render_chat, messages, tools, **body.template_kwargs())
-        parse, inside = await reply_parsing(ctx, prompt, tools)
-        output = chat_output(ctx, tools, parse, inside)
-        max_tokens = checked(engine.check_length, len(prompt), body.max_output_tokens, "input", "max_output_tokens")
-        params = checked(body.sampling, engine.default_params(), max_tokens, parse or ctx.harmony)
-        if body.forced_tool is not False:
-            rule = await forced_call_grammar(ctx, tools, body.forced_tool, inside)
-            params = checked(lambda: dataclasses.replace(params, grammar=rule))
-        replies = Replies(engine, request)
-        await replies.start(prompt, [params])
+        replies, output, params = await start_chat_reply(ctx, request, body, prompt, tools, body.max_output_tokens,
+                                                         "input", "max_output_tokens")
         rid, created = f"resp_{replies.id}", rp.now()
         if body.stream:
             stream = _Stream(replies, output, rid, created, ctx.names[0], body, params)

@@ -22,9 +22,10 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from ktinject.serve.errors import RequestError, check_unicode
+from ktinject.serve.request_model import RequestModel
 from ktinject.serve.sampling import SamplingParams
 
 #: fields of a stored-conversation API this stateless server refuses (name -> what to do instead)
@@ -34,21 +35,9 @@ _STATEFUL = {"previous_response_id": "send the whole conversation as input",
 _ROLES = ("user", "system", "developer", "assistant")
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data):
-        """null for a field that has a default means that default; a required field's null stays an error."""
-        if not isinstance(data, dict):
-            return data
-        optional = {key for name, f in cls.model_fields.items() if not f.is_required()
-                    for key in (name, f.alias) if key}
-        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(RequestModel):
     model: str | None = None
     input: Any
     instructions: str | None = None
