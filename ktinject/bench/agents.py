@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=4, help="turns per client")
     p.add_argument("--message", type=int, default=50, help="new tokens a client sends each turn")
     p.add_argument("--reply", type=int, default=32, help="tokens of each reply")
-    p.add_argument("--quant", default="int4", help="routed experts' format (bf16, int8, int4, fp8)")
+    p.add_argument("--quant", default="int4", help="routed experts' format (bf16, int8, int4, fp8, mxfp4)")
     p.add_argument("--layers", type=int, default=48, help="decoder layers (48 = the real model)")
     p.add_argument("--tier", default="ram", choices=("gpu", "ram"), help="the prefix cache's lowest tier")
     p.add_argument("--block", type=int, default=256, help="prefix cache block size in tokens")

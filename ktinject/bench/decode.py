@@ -81,9 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     add_budget_option(p)
     p.add_argument("--profile", action="store_true", help="print the kernels of a muted decode-graph replay")
     p.add_argument("--quant", default=None,
-                   help="comma-separated expert quantizations (bf16, int8, int4; default bf16): the whole run once per "
-                        "quant, one model build each; with --checkpoint: the format overriding the release's (default: "
-                        "the release's)")
+                   help="comma-separated expert quantizations (bf16, int8, int4, fp8, mxfp4; default bf16): the "
+                        "whole run once per quant, one model build each; with --checkpoint: the format overriding the "
+                        "release's (default: the release's)")
     p.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="load the model with ktinject.from_pretrained(PATH) (a GGUF file or a checkpoint directory, "
                         "e.g. from bench load --keep) instead of building the random one in memory")

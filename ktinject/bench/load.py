@@ -174,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warm", action="store_true", help="do not drop the files from the page cache between runs")
     ap.add_argument("--phases", default=None, help=f"comma-separated subset of {','.join(PHASES)} (default: all for "
                     "--format bf16 alone, else stream)")
-    ap.add_argument("--quant", default=None, choices=("bf16", "int8", "int4", "fp8"),
+    ap.add_argument("--quant", default=None, choices=("bf16", "int8", "int4", "fp8", "mxfp4"),
                     help="expert format, overriding the release's (default: the release's; bf16 for bf16)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--cache", type=Path, help=argparse.SUPPRESS)

@@ -151,7 +151,7 @@ def quants_of(args) -> list:
     [None], the release's, unless given); SystemExit naming what does not fit."""
     from ktinject import native
 
-    known = [q for q in ("bf16", "int8", "int4", "fp8") if q in native.QUANTS]
+    known = [q for q in ("bf16", "int8", "int4", "fp8", "mxfp4") if q in native.QUANTS]
     if args.checkpoint:
         if args.tiny:
             raise SystemExit("--checkpoint and --tiny: the model comes from one of them; give one")

@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ktinject.bench prefix", description=__doc__.split("\n")[0])
     p.add_argument("--history", default="4000,32000", help="comma-separated history lengths (tokens)")
     p.add_argument("--new", type=int, default=50, help="new tokens after the history (the follow-up message)")
-    p.add_argument("--quant", default="int4", help="routed experts' format (bf16, int8, int4, fp8)")
+    p.add_argument("--quant", default="int4", help="routed experts' format (bf16, int8, int4, fp8, mxfp4)")
     p.add_argument("--layers", type=int, default=48, help="decoder layers (48 = the real model)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per row (median shown, every run listed)")
     p.add_argument("--block", type=int, default=256, help="prefix cache block size in tokens")

@@ -359,8 +359,8 @@ def verdicts(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     quants = [q.strip() for q in args.quant.split(",") if q.strip()]
-    if not quants or any(q not in ("bf16", "int8", "int4") for q in quants):
-        raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of bf16, int8, int4")
+    if not quants or any(q not in ("bf16", "int8", "int4", "mxfp4") for q in quants):
+        raise SystemExit(f"--quant {args.quant!r}: expected a comma-separated list of bf16, int8, int4, mxfp4")
     args.overlaps = [o.strip() for o in args.overlap.split(",") if o.strip()]
     if not args.overlaps or any(o not in ("on", "off") for o in args.overlaps):
         raise SystemExit(f"--overlap {args.overlap!r}: expected on, off or on,off")

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=positive, metavar="N", help="also save the adapter every N steps to "
                                                                     "OUT/checkpoint-N")
     p.add_argument("--save-merged", metavar="DIR", help="also write the checkpoint with the adapter merged to DIR")
-    p.add_argument("--quant", choices=["bf16", "int8", "int4", "fp8"],
+    p.add_argument("--quant", choices=["bf16", "int8", "int4", "fp8", "mxfp4"],
                    help="format of the frozen routed experts (default: the checkpoint's own)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each layer's activations in the backward (less memory, more time)")

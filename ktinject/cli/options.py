@@ -90,9 +90,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
     p.add_argument("--rules", help="rules YAML file or packaged name (default: the model family's file)")
     # quant, defer and prefill default to None: the rules' own kwargs then hold (an option given overrides them)
-    p.add_argument("--quant", choices=["bf16", "int8", "int4", "fp8"],
-                   help="expert weight format (default: a quantized checkpoint's own format, else the rules' quant, "
-                        "else bf16)")
+    p.add_argument("--quant", choices=["bf16", "int8", "int4", "fp8", "mxfp4"],
+                   help="expert weight format (default: a quantized checkpoint's own format, e.g. mxfp4 for an MXFP4 "
+                        "release, else the rules' quant, else bf16)")
     p.add_argument("--defer", metavar="D|M", type=defer_setting,
                    help="expert deferral: the D lowest-weighted of each token's experts (an int), or its "
                         "lowest-weighted experts up to a share M of its routing weight (a float, 0 < M < 1), run one "

@@ -2,8 +2,9 @@
 decoded where they are quantized, go into the native experts on a few packer threads.
 
 ``TensorBytes`` holds the bytes and how they decode (plain dtype or the ref's codec); ``pack_expert`` stores one
-expert's matrices (values the experts' format holds exactly are stored as released, others are quantized again and
-the error sampled; ``fp8_blocks`` fits e4m3 values and group scales into the native fp8 layout); ``Packer`` runs
+expert's matrices (values the experts' format holds exactly are stored as released: MXFP4 bytes into mxfp4
+experts as they are, others are quantized again and the error sampled; ``fp8_blocks`` fits e4m3 values and group
+scales into the native fp8 layout); ``Packer`` runs
 those jobs with a bounded number in flight.
 """
 from __future__ import annotations
@@ -95,6 +96,10 @@ class TensorBytes:
         codec = self.ref.codec
         return None if codec is None else codec.quantized(self.buf, self.shape, quant, group)
 
+    def mxfp4_parts(self):
+        """``Codec.mxfp4_parts``: the stored e2m1 pairs and e8m0 exponents, or None (not MXFP4)."""
+        return None if self.ref.codec is None else self.ref.codec.mxfp4_parts(self.buf, self.shape)
+
     def fp8_parts(self, group: int | None):
         """``Codec.fp8_parts`` where its groups are the experts' ``group``, else None."""
         parts = None if self.ref.codec is None else self.ref.codec.fp8_parts(self.buf, self.shape)
@@ -144,6 +149,12 @@ def pack_expert(unit, piece: Piece, expert: int, data: TensorBytes, dtype: torch
     spec, stream = unit.stream.spec, unit.stream
     which = "?"
     try:
+        mx = data.mxfp4_parts() if stream.quant == "mxfp4" else None
+        if mx is not None:  # the release's bytes, as they are (expert_matrices slices output rows only)
+            for (which, bw), (_, sw) in zip(expert_matrices(spec, piece, mx[0]), expert_matrices(spec, piece, mx[1])):
+                unit.experts.set_mxfp4(expert, which, bw, sw)
+            buffers.put(data.buf)
+            return
         fp8 = data.fp8_parts(stream.group_size) if stream.quant == "fp8" else None
         blocks = None
         if fp8 is not None:

@@ -46,7 +46,7 @@ from ktinject import envs
 from ktinject.injection.formats import open_checkpoint
 from ktinject.injection.formats.base import BufferPool, LoadError, Reader, ReadJob
 from ktinject.injection.formats.codecs import FP8Block
-from ktinject.injection.model_dtypes import model_dtype, release_format, target_dtypes
+from ktinject.injection.model_dtypes import model_dtype, release_format, release_group, target_dtypes
 from ktinject.injection.formats.hf_keys import Piece, check_expert_piece, convert_tensor, map_checkpoint
 from ktinject.injection.requant import RequantError
 from ktinject.injection.expert_packing import Packer, TensorBytes, pack_expert
@@ -76,10 +76,12 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     """A ready model from a local checkpoint directory (or a GGUF file), loaded without ever holding it twice.
 
     ``rules``: rule file / parsed rules / None (packaged rules of ``config.model_type``); ``quant``: expert
-    quantization for every MoE block (``bf16``, ``int8``, ``int4``; None keeps the rules' choice, bf16 by default);
+    quantization for every MoE block (``bf16``, ``int8``, ``int4``, ``fp8``, ``mxfp4``; None keeps a quantized
+    release's format (FP8 -> fp8, MXFP4 -> mxfp4, int4 -> int4), else the rules' choice, bf16 by default);
     ``dtype``: model dtype (default: the config's, as transformers); ``cache_dir``: packed-expert cache: a
     directory, True (``$KTINJECT_CACHE`` or ``<dir>/.ktinject-cache``), False (none), or None: that default
-    place, but only for quantized (int8, int4) experts, where it saves time (see ``ktinject.injection.pack_cache``);
+    place, but only for quantized (int8, int4, fp8, mxfp4) experts, where it saves time (see
+    ``ktinject.injection.pack_cache``);
     ``gpu_experts_budget``, ``placement``, ``stats``, ``rebalance_every``: hot experts, as for ``inject``
     (``ktinject.gpu_experts.hot.settings``; the budget ``auto`` unless given); ``gpu_memory``, ``max_batch``,
     ``max_context``, ``gpu_reserve``: the GPU cap and what the budget leaves room for, as for ``inject`` (a
@@ -121,6 +123,8 @@ def from_pretrained(path, rules=None, quant: str | None = None, *, dtype: torch.
     group_size = None
     if quant is None and rules is None:  # the packaged rules: keep the release's expert format
         quant, group_size = release_format(reader)
+    elif rules is None:  # a format asked for: in the group that holds the release's values exactly, if one does
+        group_size = release_group(reader, quant)
     the_plan = make_plan(model, rules, quant=quant, defer=defer, group_size=group_size, **devices)
     load_into(model, the_plan, reader, cache_dir=cache_dir, progress=progress, gpu_experts_budget=gpu_experts_budget,
               placement=placement, stats=stats, rebalance_every=rebalance_every, prefill=prefill, dense_fp8=dense_fp8,

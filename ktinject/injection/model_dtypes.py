@@ -11,17 +11,29 @@ from torch import nn
 from ktinject.injection.formats.base import LoadError, Reader
 
 
+def _expert_refs(reader: Reader) -> list:
+    """The quantized tensors of a checkpoint's routed experts."""
+    return [r for r in reader.refs if r.codec is not None
+            and (".experts." in r.key or r.key.endswith(("experts.gate_up_proj", "experts.down_proj")))]
+
+
 def release_format(reader: Reader) -> tuple[str | None, int | None]:
     """(quant, group size) of the native expert format that holds a quantized checkpoint's routed experts best
     (``Codec.native``), or (None, None) for an unquantized one (the rules' choice)."""
     codecs = [r.codec for r in reader.refs if r.codec is not None]
-    experts = [c for r, c in zip([r for r in reader.refs if r.codec is not None], codecs)
-               if ".experts." in r.key or r.key.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    experts = [r.codec for r in _expert_refs(reader)]
     found = Counter(c.native for c in (experts or codecs))
     if not found:
         return None, None
     quant, group = found.most_common(1)[0][0]
-    return (quant, group if quant in ("int4", "fp8") else None) if quant != "bf16" else (None, None)
+    return (quant, group if quant in ("int4", "fp8") else None) if quant != "bf16" else (None, None)  # (mxfp4: 32)
+
+
+def release_group(reader: Reader, quant: str) -> int | None:
+    """The group size of native ``quant`` experts that holds a quantized checkpoint's routed experts exactly
+    (``Codec.exact_group``: an MXFP4 release asked for fp8 takes groups of 32), or None (the quant's default)."""
+    groups = Counter(r.codec.exact_group(quant) for r in _expert_refs(reader))
+    return groups.most_common(1)[0][0] if groups else None
 
 
 def model_dtype(config, dtype) -> torch.dtype:

@@ -16,8 +16,8 @@ never computed with. A cache directory is written under a temporary name and ren
 ``$KTINJECT_CACHE``, else ``<checkpoint>/.ktinject-cache`` when the checkpoint directory is writable (for the
 built-in demo model, which lies inside the package: ``$XDG_CACHE_HOME/ktinject/packed``, by default under
 ``~/.cache``); ``False`` or ``KTINJECT_CACHE=off`` disables it. By default (``cache_dir=None``, no ``$KTINJECT_CACHE``) it is used only for
-quantized packings (int8, int4): a bf16 cache holds as many bytes as the checkpoint's experts, so reading it is no
-faster than streaming them, and writing it costs a second copy (docs/performance.md, Why the defaults are what
+quantized packings (int8, int4, fp8, mxfp4): a bf16 cache holds as many bytes as the checkpoint's experts, so reading
+it is no faster than streaming them, and writing it costs a second copy (docs/performance.md, Why the defaults are what
 they are).
 """
 from __future__ import annotations

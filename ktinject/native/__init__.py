@@ -23,8 +23,8 @@ from ktinject.native.experts import (  # noqa: F401  (re-exported)
     Experts, RawMatrix, default_group_size, experts_raw, experts_region, experts_region_view)
 from ktinject.native.library import (  # noqa: F401  (re-exported)
     ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_ISA, ERR_NOMEM, ERR_NULL, ERR_RANGE, ERR_SHAPE, ERR_STATE, ERR_THREAD,
-    ERROR_NAMES, GROUP_SIZES, ISA_NAMES, MATRICES, OK, QUANTS, NativeError, available_isas, best_isa, cpu_features,
-    default_threads, isa, library_path, physical_cores, set_isa, usable_cpus, version)
+    ERROR_NAMES, GROUP_SIZES, ISA_NAMES, MATRICES, MXFP4_GROUP, OK, QUANTS, NativeError, available_isas, best_isa,
+    cpu_features, default_threads, isa, library_path, physical_cores, set_isa, usable_cpus, version)
 # the library handle and argument checks under their former names (tests call native._native() and native._ptr)
 from ktinject.native.library import (  # noqa: F401  (re-exported)
     check_rc as _check, checked_int as _cint, checked_tensor as _tensor, ffi_lib as _native, pointer as _ptr)

@@ -18,12 +18,15 @@ import torch
 
 from ktinject import envs
 from ktinject.native.library import (ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_RANGE, ERR_SHAPE, FP8_DEFAULT_BLOCK,
-                                     FP8_MAX_GROUP, GROUP_SIZES, MATRICES, QUANTS, NativeError, check_rc, checked_int,
-                                     checked_tensor, ffi_lib, physical_cores, pointer)
+                                     FP8_MAX_GROUP, GROUP_SIZES, MATRICES, MXFP4_GROUP, QUANTS, NativeError, check_rc,
+                                     checked_int, checked_tensor, ffi_lib, physical_cores, pointer)
 from ktinject.native.pool import Pool, default_pool
 
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPES = (torch.uint8, torch.float8_e4m3fn)  # set_fp8: e4m3 bits, or the tensor of the release itself
+_MXFP4_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)  # set_mxfp4's blocks: e2m1 pairs
+_E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)  # set_mxfp4's scales: e8m0 exponents
+_GROUPED = ("int4", "fp8", "mxfp4")  # quants whose config carries a group size
 _FP8_MAX_BLOCK_ROWS = 1 << 20
 _OUT_DTYPES = (torch.float32, torch.bfloat16)
 _PARALLEL_SET_ELEMENTS = 1 << 24  # from_hf/from_gpt_oss pack in threads above this many weight elements
@@ -50,11 +53,26 @@ def _multiple_of_16(name: str, value: Any, hi: int, what: str) -> int:
     return value
 
 
+def _mxfp4_args(group_size: Any, hidden: int, intermediate: int) -> int:
+    """mxfp4's group (32 or None) and sizes (multiples of 32: a scale per 32 inputs of every row)."""
+    if group_size is not None and (isinstance(group_size, bool) or group_size != MXFP4_GROUP):
+        raise NativeError(ERR_SHAPE, f"group_size = {group_size!r} for mxfp4 (its e8m0 scales are per 32 inputs: "
+                                     f"pass 32 or None)")
+    if hidden % MXFP4_GROUP or intermediate % MXFP4_GROUP:
+        raise NativeError(ERR_SHAPE, f"hidden = {hidden}, intermediate = {intermediate}: mxfp4 experts need both to "
+                                     f"be multiples of 32 (a scale per 32 inputs); use quant fp8, int8, int4 or bf16 "
+                                     f"for these sizes")
+    return MXFP4_GROUP
+
+
 def _quant_args(quant: Any, group_size: Any, hidden: int, intermediate: int) -> int:
-    """Check quant and group_size (int4: 32, 64 or 128, validated for every quant but fp8; None: default_group_size;
-    fp8: a multiple of 16 up to 512, None: 128); returns the group size."""
+    """Check quant and group_size (int4: 32, 64 or 128, validated for every quant but fp8 and mxfp4; None:
+    default_group_size; fp8: a multiple of 16 up to 512, None: 128; mxfp4: 32, None: 32, with hidden and
+    intermediate multiples of 32); returns the group size."""
     if quant not in QUANTS:
         raise NativeError(ERR_DTYPE, f"quant = {quant!r} (expected one of {', '.join(QUANTS)})")
+    if quant == "mxfp4":
+        return _mxfp4_args(group_size, hidden, intermediate)
     if quant == "fp8":
         return FP8_DEFAULT_BLOCK if group_size is None else _multiple_of_16(
             "group_size", group_size, FP8_MAX_GROUP, "fp8 inputs per scale")
@@ -90,7 +108,10 @@ class Experts:
     "int4" (W4A8: int4 per output channel and group of ``group_size`` inputs, 32, 64 or 128, by default
     ``default_group_size(hidden, intermediate)``; activations as int8) or "fp8" (W8A16: float8 e4m3 weights with a
     float scale per block of ``block_rows`` outputs x ``group_size`` inputs, multiples of 16, both 128 by default as
-    in the FP8 releases; ``set_fp8`` keeps a release's bits, ``set`` quantizes per block; activations bf16).
+    in the FP8 releases; ``set_fp8`` keeps a release's bits, ``set`` quantizes per block; activations bf16) or
+    "mxfp4" (W4A16, 4.25 bits a weight: e2m1 weights with an e8m0 power-of-two scale per output row and 32 inputs,
+    the MXFP4 releases' format; group_size 32 only, hidden and intermediate multiples of 32; ``set_mxfp4`` keeps a
+    release's bytes, ``set`` quantizes; activations bf16).
     activation: "silu" (silu(g) * u), "gptoss" (clamped, alpha/limit; usually with bias=True) or "swiglu_limit"
     (DeepSeek-V4's clamped SwiGLU: silu(min(g, limit)) * clamp(u, -limit, limit); alpha unused).
     """
@@ -111,7 +132,7 @@ class Experts:
         cfg = ffi.new("ktk_experts_config *", {
             "num_experts": self.num_experts, "hidden": self.hidden, "intermediate": self.intermediate,
             "quant": QUANTS[quant], "activation": ACTIVATIONS[activation], "has_bias": int(self.bias),
-            "alpha": self.alpha, "limit": self.limit, "group_size": self.group_size if quant in ("int4", "fp8") else 0,
+            "alpha": self.alpha, "limit": self.limit, "group_size": self.group_size if quant in _GROUPED else 0,
             "block_rows": self.block_rows})
         out = ffi.new("ktk_experts **")
         check_rc(lib.ktk_experts_create(cfg, out))
@@ -123,7 +144,7 @@ class Experts:
         return _quant_args(quant, group_size, hidden, intermediate)
 
     def __repr__(self) -> str:
-        group = f", group_size={self.group_size}" if self.quant in ("int4", "fp8") else ""
+        group = f", group_size={self.group_size}" if self.quant in _GROUPED else ""
         group += f", block_rows={self.block_rows}" if self.quant == "fp8" else ""
         return (f"Experts(E={self.num_experts}, H={self.hidden}, I={self.intermediate}, quant={self.quant!r}{group}, "
                 f"activation={self.activation!r}, bias={self.bias}, nbytes={self.nbytes})")
@@ -177,6 +198,30 @@ class Experts:
         check_rc(lib.ktk_experts_set_fp8(self._p, e, w, pointer(q, "uint8_t *"), q.stride(0), q.stride(1),
                                          pointer(scale, "float *"), scale.stride(0), scale.stride(1)))
 
+    def set_mxfp4(self, expert: int, which: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """Store one mxfp4 matrix as an MXFP4 release ships it, bit for bit: ``blocks`` uint8 [out, in / 2] (e2m1
+        pairs, input 2i in the low nibble of byte i: a release's ``*_blocks`` row [in / 32, 16] flattened; or
+        float4_e2m1fn_x2), ``scales`` uint8 [out, in / 32] (e8m0 exponents, value = e2m1 * 2^(e - 127); or
+        float8_e8m0fnu). Rows may be strided (e.g. every other row of a fused gate_up), each row's bytes
+        consecutive. NativeError(KTK_ERR_RANGE) names a scale byte 255 (e8m0's NaN; nothing is stored)."""
+        _, lib = ffi_lib()
+        e, w = self._expert(expert), _which(which)
+        out, inp = self.shape(which)
+        if self.quant != "mxfp4":
+            raise NativeError(ERR_DTYPE, f"set_mxfp4: experts of quant {self.quant!r} (e2m1 blocks are stored only "
+                                         f"in mxfp4 experts)")
+        blocks = checked_tensor(f"{which} blocks of expert {e}", blocks, _MXFP4_DTYPES, (out, inp // 2),
+                                contiguous=False).view(torch.uint8)
+        scales = checked_tensor(f"{which} scales of expert {e}", scales, _E8M0_DTYPES, (out, inp // MXFP4_GROUP),
+                                contiguous=False).view(torch.uint8)
+        for name, t in (("blocks", blocks), ("scales", scales)):
+            if t.stride(1) != 1 and t.shape[1] > 1:
+                raise NativeError(ERR_SHAPE, f"set_mxfp4: {which} {name} of expert {e} have strides {t.stride()}: "
+                                             f"each row's bytes must be consecutive (stride 1 along the inputs); "
+                                             f"call .contiguous()")
+        check_rc(lib.ktk_experts_set_mxfp4(self._p, e, w, pointer(blocks, "uint8_t *"), blocks.stride(0),
+                                           pointer(scales, "uint8_t *"), scales.stride(0)))
+
     def set_bias(self, expert: int, which: str, bias: torch.Tensor) -> None:
         """Bias [out] of one matrix (experts created with bias=True)."""
         _, lib = ffi_lib()
@@ -187,8 +232,9 @@ class Experts:
         check_rc(lib.ktk_experts_set_bias(self._p, e, w, pointer(bias), DTYPES[bias.dtype]))
 
     def get(self, expert: int, which: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """One matrix as stored (bf16-rounded, or int8/int4/fp8-dequantized: q * scale), float32 [out, in]; written into
-        ``out`` (contiguous float32 of that shape, e.g. a pinned buffer) when given, with no torch kernel."""
+        """One matrix as stored (bf16-rounded, or int8/int4/fp8-dequantized: q * scale; mxfp4: e2m1 * 2^(e - 127)),
+        float32 [out, in]; written into ``out`` (contiguous float32 of that shape, e.g. a pinned buffer) when given,
+        with no torch kernel."""
         _, lib = ffi_lib()
         e, w = self._expert(expert), _which(which)
         if out is None:
@@ -210,8 +256,9 @@ class Experts:
         matrix to 16 output rows x 64 inputs (int4: x max(64, group size)); int8 adds a float scale and an int32 row
         sum per output row; int4 is half a byte per weight plus a float scale per output row and group; fp8 is a byte
         per weight plus a float scale per 16 output rows and group (ceil(padded inputs / group)), rounded up to 64
-        bytes (block_rows does not change the size); biases are float per (padded) output row; each expert's region
-        is a multiple of 64 bytes."""
+        bytes (block_rows does not change the size); mxfp4 is half a byte per weight plus an e8m0 byte per (padded)
+        output row and 32 inputs, rounded up to 64 bytes; biases are float per (padded) output row; each expert's
+        region is a multiple of 64 bytes."""
         G = _quant_args(quant, group_size, hidden, intermediate)
         E, H, I = num_experts, hidden, intermediate
         up = lambda x, m: -(-x // m) * m  # noqa: E731
@@ -222,6 +269,8 @@ class Experts:
                 total += Np * Kp // 2 + 4 * Np * (Kp // G)
             elif quant == "fp8":
                 total += Np * Kp + up(4 * (Np // 16) * -(-Kp // G), 64)
+            elif quant == "mxfp4":
+                total += Np * Kp // 2 + up(Np * Kp // MXFP4_GROUP, 64)
             else:
                 total += Np * Kp * 2 if quant == "bf16" else Np * Kp + 8 * Np
             total += 4 * Np if bias else 0
@@ -373,7 +422,9 @@ class RawMatrix(NamedTuple):
     storage, valid while the native.Experts lives. Layouts (native/src/kernels/kernels.h): bf16 data = bf16 bits
     [Np/16][Kp/2][16][2]; int8 data = int8 [Np/16][Kp/4][16][4] with value q * scale[n]; int4 data = nibbles
     [Np/16][Kp/8][16][4] (low nibble inputs 8r..8r+3, high 8r+4..8r+7) with scale [Np/16][Kp/G][16]; fp8 data = e4m3
-    bytes [Np/16][Kp][16] with scale [Np/16][ceil(Kp/G)] (value e4m3 * scale of the 16-row block). ``scale``/``bias``
+    bytes [Np/16][Kp][16] with scale [Np/16][ceil(Kp/G)] (value e4m3 * scale of the 16-row block); mxfp4 data = e2m1
+    nibbles [Np/16][Kp/8][16][4] (byte j of a 4-byte word: inputs 8r+2j (low) and 8r+2j+1 (high)) with ``scale`` the
+    address of e8m0 bytes (uint8, not float) [Np/16][Kp/32][16] (value e2m1 * 2^(e - 127)). ``scale``/``bias``
     are 0 when absent (bf16 / no bias); ``expert``, ``expert_bytes``: the expert's whole region (all its matrices)."""
 
     quant: str

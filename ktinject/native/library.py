@@ -32,10 +32,11 @@ ERROR_NAMES = {ERR_NULL: "KTK_ERR_NULL", ERR_SHAPE: "KTK_ERR_SHAPE", ERR_RANGE: 
                ERR_STATE: "KTK_ERR_STATE", ERR_THREAD: "KTK_ERR_THREAD"}
 ISA_NAMES = ("generic", "avx2", "avx512", "amx")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-QUANTS = {"bf16": 0, "int8": 1, "int4": 2, "fp8": 3}
+QUANTS = {"bf16": 0, "int8": 1, "int4": 2, "fp8": 3, "mxfp4": 4}
 GROUP_SIZES = (32, 64, 128)  # int4: inputs per scale (fp8: any multiple of 16 up to FP8_MAX_GROUP)
 FP8_MAX_GROUP = 512  # fp8: inputs per scale at most
 FP8_DEFAULT_BLOCK = 128  # fp8: inputs and output rows per scale when none are given (the FP8 releases' 128 x 128)
+MXFP4_GROUP = 32  # mxfp4: inputs per e8m0 scale (the only size; hidden and intermediate must be multiples of it)
 ACTIVATIONS = {"silu": 0, "gptoss": 1, "swiglu_limit": 2}
 MATRICES = {"gate": 0, "up": 1, "down": 2}
 _INT_MAX = 2**31 - 1

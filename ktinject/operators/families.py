@@ -58,8 +58,10 @@ from ktinject.operators.base import OperatorError, tensor_bytes
 
 log = logging.getLogger(__name__)
 
-QUANTS = ("bf16", "int8", "int4", "fp8")  # int4: group-wise (32, 64 or 128 inputs a scale; native.default_group_size)
-GROUPED_QUANTS = ("int4", "fp8")  # quants with a group size (fp8: inputs per block scale, 128 unless the release says)
+QUANTS = ("bf16", "int8", "int4", "fp8", "mxfp4")  # int4: group-wise (32, 64 or 128 inputs a scale;
+#   native.default_group_size); mxfp4: e2m1 with an e8m0 scale per 32 inputs (the MXFP4 releases' format)
+GROUPED_QUANTS = ("int4", "fp8", "mxfp4")  # quants with a group size (fp8: inputs per block scale, 128 unless the
+#   release says; mxfp4: always 32)
 FP8_GROUP = 128  # fp8 experts' inputs per scale when none is given (the FP8 releases' 128 x 128 blocks)
 FP8_BLOCK_ROWS = 16  # fp8 experts' output rows per scale: one per 16-row block holds any release's scales exactly
 # gpt-oss's clamped SwiGLU when its experts module does not say (transformers' GptOssExperts defaults)
@@ -157,6 +159,8 @@ class ExpertStream:
         g = self.group_size
         if self.quant not in GROUPED_QUANTS:
             g = 0
+        elif self.quant == "mxfp4":  # 32 (checked, with the block's sizes: multiples of 32)
+            g = native.Experts.checked_group_size(self.quant, g or None, self.spec.hidden, self.spec.intermediate)
         elif not g:  # None (or a bf16 stream's 0 carried over by dataclasses.replace): decided here
             g = (native.default_group_size(self.spec.hidden, self.spec.intermediate) if self.quant == "int4"
                  else FP8_GROUP)
@@ -303,7 +307,8 @@ def packed_nbytes(spec: BlockSpec, quant: str, group_size: int | None = None) ->
     """Bytes the native experts will hold (the packed, padded layout: ``native.Experts.packed_nbytes``).
 
     About 2 B/weight for bf16, 1 B/weight plus per-row scales for int8, 0.5 B/weight plus a scale per group (32, 64
-    or 128) of weights for int4; gpt-oss adds f32 biases. Pure: no library load, works for meta-device modules."""
+    or 128) of weights for int4, 0.5 B/weight plus a byte per 32 weights for mxfp4; gpt-oss adds f32 biases. Pure:
+    no library load, works for meta-device modules."""
     if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r}; use one of {', '.join(QUANTS)}")
     return native.Experts.packed_nbytes(spec.num_experts, spec.hidden, spec.intermediate, quant, bias=spec.has_bias,

@@ -18,9 +18,12 @@ Rule keyword arguments: ``quant``: ``bf16`` (default), ``int8`` (W8A8: int8 weig
 scales, activations quantized per token on the fly) or ``int4`` (W4A8: int4 weights with a scale per group of 128
 inputs where the block's sizes are multiples of 128, else 64: ~4.25 / ~4.5 bits a weight; int8 activations;
 dequantized to bf16 for AMX when an expert has many rows) or ``fp8`` (W8A16: float8 e4m3 weights with a scale
-per block of 16 outputs x 128 inputs, bf16 activations; what an FP8 release's experts load as, bit for bit);
-``group_size`` (with int4 or fp8 only: 32, 64 or 128 inputs a scale instead of that default, which it overrides, as
-it does KTINJECT_INT4_GROUP for int4; smaller groups follow the weights more closely and read more bytes);
+per block of 16 outputs x 128 inputs, bf16 activations; what an FP8 release's experts load as, bit for bit) or
+``mxfp4`` (W4A16, 4.25 bits a weight: e2m1 weights with an e8m0 power-of-two scale per output row and 32 inputs,
+bf16 activations; what an MXFP4 release's experts (gpt-oss) load as, bit for bit; hidden and expert intermediate
+sizes must be multiples of 32); ``group_size`` (with int4 or fp8: 32, 64 or 128 inputs a scale instead of that
+default, which it overrides, as it does KTINJECT_INT4_GROUP for int4; smaller groups follow the weights more closely
+and read more bytes; mxfp4 takes 32 only);
 ``defer``: d (an int, default 0) of each token's k experts, the lowest-weighted, or (a float m, 0 < m < 1) its
 lowest-weighted experts up to a share m of its routing weight, deferred in decode steps to the next MoE block, which
 adds their output to its own while the CPU has computed them during that block's attention
@@ -78,9 +81,12 @@ def _group(kwargs: Mapping[str, Any], name: str) -> int | None:
         return None
     quant = _quant(kwargs, name)
     if quant not in GROUPED_QUANTS:
-        raise OperatorError(f"moe: group_size {group!r} for {name!r} applies to quant int4 or fp8 only (the quant in "
-                            f"effect is {quant}: the rule's, else bf16, unless quant= / --quant given to the call "
-                            f"overrides it); drop it or set quant: int4")
+        raise OperatorError(f"moe: group_size {group!r} for {name!r} applies to quant int4, fp8 or mxfp4 only (the "
+                            f"quant in effect is {quant}: the rule's, else bf16, unless quant= / --quant given to the "
+                            f"call overrides it); drop it or set quant: int4")
+    if quant == "mxfp4" and group != native.MXFP4_GROUP:
+        raise OperatorError(f"moe: group_size {group!r} for {name!r}: mxfp4 has a scale per 32 inputs, no other "
+                            f"group; drop group_size or set it to 32")
     if isinstance(group, bool) or group not in native.GROUP_SIZES:
         raise OperatorError(f"moe: group_size {group!r} for {name!r} is not supported; use one of "
                             f"{', '.join(map(str, native.GROUP_SIZES))} ({quant} inputs per scale)")

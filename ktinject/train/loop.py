@@ -39,7 +39,7 @@ from ktinject.train import data
 
 log = logging.getLogger(__name__)
 
-QUANTS = ("bf16", "int8", "int4", "fp8")
+QUANTS = ("bf16", "int8", "int4", "fp8", "mxfp4")
 
 
 class FinetuneError(ValueError):

@@ -1,7 +1,8 @@
 """Zero-copy views of packed experts (ktk_experts_raw / ktk_experts_region) and the unpack that re-placement moves and
 streamed prefill run on the device (ktinject.gpu_experts.hot.upload), here with torch ops on CPU tensors: bit-identical to
-ktk_experts_get (HotExperts.host_weights) converted to the bank dtype, for bf16, int8 and int4, one expert or n at
-once, shapes that are not multiples of 16 / 64, with and without gpt-oss biases.
+ktk_experts_get (HotExperts.host_weights) converted to the bank dtype, for bf16, int8, int4, fp8 and mxfp4, one
+expert or n at once, shapes that are not multiples of 16 / 64 (mxfp4: multiples of 32, not of 64), with and without
+gpt-oss biases.
 
 Legend: E experts, H hidden, I intermediate, N/K a matrix's out/in sizes, Np/Kp padded.
 """
@@ -21,6 +22,7 @@ from ktinject.gpu_experts.hot.upload import (
 
 # (E, H, I); the last takes int4 groups of 128 by default
 SHAPES = [(3, 37, 21), (2, 64, 16), (2, 130, 70), (1, 16, 64), (2, 1, 1), (2, 256, 128)]
+MXFP4_SHAPES = [(3, 96, 32), (2, 32, 160), (2, 64, 64), (1, 224, 96)]  # mxfp4: sizes in whole groups of 32
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -85,8 +87,10 @@ def test_raw_view_describes_the_packed_matrix(quant, E, H, I):
                 assert float(torch.tensor(float(q)) * scale) == float(ref[n, c])
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "fp8"])
-@pytest.mark.parametrize("E, H, I", SHAPES)
+CASES = [(q, *s) for q in ("bf16", "int8", "int4", "fp8") for s in SHAPES] + [("mxfp4", *s) for s in MXFP4_SHAPES]
+
+
+@pytest.mark.parametrize("quant, E, H, I", CASES)
 def test_unpack_matrix_equals_get(quant, E, H, I):
     ex = _experts(E, H, I, quant, seed=E + H)
     layout = expert_layout(ex)
@@ -102,8 +106,8 @@ def test_unpack_matrix_equals_get(quant, E, H, I):
                 assert torch.equal(dst, ref.to(dtype)), f"{quant} {which} e={e} {dtype}"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "fp8"])
-@pytest.mark.parametrize("E, H, I", SHAPES + [(4, 128, 64)])
+@pytest.mark.parametrize("quant, E, H, I", CASES + [(q, 4, 128, 64) for q in ("bf16", "int8", "int4", "fp8",
+                                                                              "mxfp4")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_unpack_experts_batched(quant, E, H, I, dtype):
     """n experts at once from a strided [n, expert_bytes] view (every other expert of the region, as a ring slot
@@ -129,11 +133,11 @@ def _hot(ex, dtype, biases=None) -> HotExperts:
     return HotExperts(block, ex.num_experts, dtype=dtype, dynamic=True)
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "fp8"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "fp8", "mxfp4"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_upload_equals_host_weights(quant, bias, dtype):
-    E, H, I = 3, 45, 27
+    E, H, I = (3, 45, 27) if quant != "mxfp4" else (3, 96, 32)
     ex, biases = _experts(E, H, I, quant, bias=True, seed=7) if bias else (_experts(E, H, I, quant, seed=7), None)
     ref, got = _hot(ex, dtype, biases), _hot(ex, dtype, biases)
     assert got.packed is not None and not got.packed.pinned

@@ -2,8 +2,9 @@
 
 Each tiny checkpoint is written by ``quantized_checkpoints`` with its float32 dequantization beside it (computed by
 the test's own code). A format whose values are quantized again (FP8 or MXFP4 experts into int8 / bf16) must load
-bit for bit as that float32 checkpoint loads with the same quant; a format mapped without loss (int4 group 32) must
-hold exactly the stored values; and every loaded model is checked against HF float32 on the dequantized weights.
+bit for bit as that float32 checkpoint loads with the same quant; a format mapped without loss (int4 group 32; MXFP4
+experts into mxfp4, the release's bytes as they are) must hold exactly the stored values; and every loaded model is
+checked against HF float32 on the dequantized weights.
 Damaged, inconsistent or mislabelled files give an error naming file and tensor.
 """
 from __future__ import annotations
@@ -121,21 +122,66 @@ def test_fp8_experts_stay_fp8(tmp_path_factory, family):
     assert (_logits(model) - hf).abs().max() / hf.abs().max() < 0.03  # W8A16: bf16 activations only
 
 
-def test_mxfp4_experts_are_fp8_exactly(tmp_path_factory):
-    """MXFP4's e2m1 x 2^e lands in fp8 with groups of 32 without a changed value (blocks of 16 rows take their
-    largest power of two); the model matches HF float32 on the dequantized weights."""
+def _gpt_oss_want(d, name, e, which):
+    """Expert ``e``'s ``which`` matrix [out, in] of a gpt-oss experts module's float tensors in ``d``."""
+    if which == "down":
+        return d[f"{name}.experts.down_proj"][e].t()
+    first = 0 if which == "gate" else 1  # gate_up [H, 2I]: gate at even columns, up at odd ones
+    return d[f"{name}.experts.gate_up_proj"][e][:, first::2].t()
+
+
+def test_mxfp4_experts_stay_mxfp4(tmp_path_factory):
+    """The default for an MXFP4 release: mxfp4 experts holding the checkpoint's bytes as they are (e2m1 pairs and
+    e8m0 exponents of every output row, 4.25 bits a weight), nothing decoded or quantized again; the model matches
+    HF float32 on the dequantized weights."""
+    from tests.native.test_mxfp4 import raw_parts
+
     q, ref = _quantized(tmp_path_factory, "mxfp4", "gpt_oss", intermediate_size=64)
     model = _load(q)
+    assert {(m.quant, m.native_experts.group_size) for m in _experts(model)} == {("mxfp4", 32)}
+    assert model._ktinject_load_stats["experts"] == []
+    stored = qc.read_all(q)  # gate_up_proj_blocks [E, 2I, H/32, 16] (rows interleaved: gate, up), scales [E, 2I, H/32]
+    n = 0
+    for m in _experts(model):
+        name = next(n for n, mod in model.named_modules() if mod is m)
+        for e in (0, 1, m.num_experts - 1):
+            for which in ("gate", "up", "down"):
+                leaf = "down_proj" if which == "down" else "gate_up_proj"
+                rows = slice(None) if which == "down" else slice(0 if which == "gate" else 1, None, 2)
+                blocks = stored[f"{name}.experts.{leaf}_blocks"][e, rows].flatten(1)
+                scales = stored[f"{name}.experts.{leaf}_scales"][e, rows]
+                got_b, got_s, raw = raw_parts(m.native_experts, e, which)
+                assert raw.quant == "mxfp4"
+                assert torch.equal(got_b[:raw.N, :raw.K // 2], blocks), (name, e, which)
+                assert torch.equal(got_s[:raw.N, :raw.K // 32], scales), (name, e, which)
+                n += 1
+    assert n > 0
+    assert _stored_exactly(model, qc.read_all(ref), _gpt_oss_want) > 0
+    hf = _logits(_hf_float32(ref))
+    assert (_logits(model) - hf).abs().max() / hf.abs().max() < 0.03  # W4A16: bf16 activations only
+
+
+def test_mxfp4_packed_cache_holds_mxfp4(tmp_path_factory, tmp_path):
+    q, _ = _quantized(tmp_path_factory, "mxfp4", "gpt_oss", intermediate_size=64)
+    load = lambda **kw: ktinject.from_pretrained(q, gpu="cpu", progress=False, dtype=torch.float32,  # noqa: E731
+                                                 cache_dir=tmp_path / "cache", **kw)
+    first, second = load(), load()
+    assert (first._ktinject_load_stats["cache"], second._ktinject_load_stats["cache"]) == ("written", "hit")
+    assert {m.quant for m in _experts(second)} == {"mxfp4"}
+    for a, b in zip(_experts(first), _experts(second)):
+        assert torch.equal(a.native_experts.export(), b.native_experts.export())
+    assert torch.equal(_logits(first), _logits(second))
+    assert load(quant="fp8")._ktinject_load_stats["cache"] == "written"  # another packing: another entry
+
+
+def test_mxfp4_experts_are_fp8_exactly(tmp_path_factory):
+    """Asked for fp8: MXFP4's e2m1 x 2^e lands in fp8 with groups of 32 without a changed value (blocks of 16 rows
+    take their largest power of two; 8 bits a weight); the model matches HF float32 on the dequantized weights."""
+    q, ref = _quantized(tmp_path_factory, "mxfp4", "gpt_oss", intermediate_size=64)
+    model = _load(q, quant="fp8")
     assert {(m.quant, m.native_experts.group_size) for m in _experts(model)} == {("fp8", 32)}
     assert model._ktinject_load_stats["experts"] == []
-
-    def want(d, name, e, which):
-        if which == "down":
-            return d[f"{name}.experts.down_proj"][e].t()
-        first = 0 if which == "gate" else 1  # gate_up [H, 2I]: gate at even columns, up at odd ones
-        return d[f"{name}.experts.gate_up_proj"][e][:, first::2].t()
-
-    assert _stored_exactly(model, qc.read_all(ref), want) > 0
+    assert _stored_exactly(model, qc.read_all(ref), _gpt_oss_want) > 0
     hf = _logits(_hf_float32(ref))
     assert (_logits(model) - hf).abs().max() / hf.abs().max() < 0.03
 
@@ -161,13 +207,20 @@ def test_compressed_int4_is_stored_exactly(tmp_path_factory):
     assert m8._ktinject_load_stats["experts"][0]["from"] == "compressed-tensors int4, group 32"
 
 
-@pytest.mark.parametrize("quant", ["int8", "bf16"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "bf16"])
 def test_mxfp4_gpt_oss(tmp_path_factory, quant):
+    """Asked for another format: bf16 holds the values exactly; int8 / int4 quantize them again, the error
+    reported, and load as the float32 dequantization loads with that quant."""
     q, ref = _quantized(tmp_path_factory, "mxfp4", "gpt_oss", intermediate_size=64)
     model = _load(q, quant=quant)
+    assert {m.quant for m in _experts(model)} == {quant}
     assert torch.equal(_logits(model), _logits(_load(ref, quant=quant)))
+    if quant != "bf16":
+        (entry,) = model._ktinject_load_stats["experts"]
+        assert entry["from"] == "mxfp4 (e2m1, e8m0 scales per 32)" and entry["to"] == quant
+        assert 0 < entry["rel_rms_error"] < (0.02 if quant == "int8" else 0.2)
     hf = _logits(_hf_float32(ref))
-    assert (_logits(model) - hf).abs().max() / hf.abs().max() < (0.03 if quant == "bf16" else 0.08)
+    assert (_logits(model) - hf).abs().max() / hf.abs().max() < {"bf16": 0.03, "int8": 0.08, "int4": 0.5}[quant]
 
 
 def test_mxfp4_bf16_experts_hold_the_values_exactly(tmp_path_factory):

@@ -4,10 +4,10 @@ Each tiny GGUF is written by ``gguf_checkpoints`` as llama.cpp's converter write
 ``attn_k_b`` / ``attn_v_b`` split or the older ``attn_kv_b``, GLM's NextN block, gpt-oss's split experts); the
 oracle is the HF model in float32 holding the GGUF's own dequantized values (``gguf.quants.dequantize``). Bounds on
 |logits - oracle| / max |oracle| (measured in brackets): F16 experts in bf16, max 0.03 (deepseek_v3 0.003); MXFP4
-experts in bf16 (every MXFP4 value exactly) max 0.03 (0.005); Q4_0 experts into int4 group 32 (the stored values
-exactly; the int8 activations of W4A8 alone differ, and on a near-tie they flip one token's routing: deepseek_v3's
-max is 0.14 on one token) the 75th percentile of the per-token error 0.02 (0.003-0.006). Non-expert tensors equal
-the dequantized values exactly.
+experts in bf16 (every MXFP4 value exactly) max 0.03 (0.005), in mxfp4 (the stored bytes as they are, bf16
+activations) max 0.03 (0.005); Q4_0 experts into int4 group 32 (the stored values exactly; the int8 activations of
+W4A8 alone differ, and on a near-tie they flip one token's routing: deepseek_v3's max is 0.14 on one token) the 75th
+percentile of the per-token error 0.02 (0.003-0.006). Non-expert tensors equal the dequantized values exactly.
 """
 from __future__ import annotations
 
@@ -124,6 +124,33 @@ def _repack(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     codes = np.stack([lo, hi], -1).reshape(*blocks.shape[:-1], 32)  # element order
     qs = codes[..., :16] | (codes[..., 16:] << 4)
     return np.concatenate([scales[..., None], qs], -1).astype(np.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_stay_mxfp4(tmp_path_factory):
+    """The default for MXFP4 experts: native mxfp4 holding the GGUF's codes and exponents as they are (the nibbles
+    in the release's order: the native bytes repacked as llama.cpp does give the file's blocks back), nothing
+    quantized again; the model matches the oracle as bf16 experts do (W4A16: bf16 activations only)."""
+    from tests.native.test_mxfp4 import raw_parts
+
+    f, weights = _written(tmp_path_factory, "gpt_oss", Q.MXFP4)
+    model = _load(f)
+    blocks = _blocks(model)
+    assert blocks and {(m.quant, m.native_experts.group_size) for _, m in blocks} == {("mxfp4", 32)}
+    assert model._ktinject_load_stats["experts"] == []
+    stored = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(f).tensors}
+    for layer, (name, m) in enumerate(blocks):
+        gate_up, down = weights[f"{name}.experts.gate_up_proj"], weights[f"{name}.experts.down_proj"]
+        for e in (0, 1, m.num_experts - 1):
+            assert torch.equal(m.native_experts.get(e, "gate"), gate_up[e][:, 0::2].t()), (name, e)
+            assert torch.equal(m.native_experts.get(e, "up"), gate_up[e][:, 1::2].t()), (name, e)
+            assert torch.equal(m.native_experts.get(e, "down"), down[e].t()), (name, e)
+            for which, leaf in (("gate", "ffn_gate_exps"), ("up", "ffn_up_exps"), ("down", "ffn_down_exps")):
+                got_b, got_s, raw = raw_parts(m.native_experts, e, which)
+                release = got_b[:raw.N, :raw.K // 2].numpy().reshape(raw.N, raw.K // 32, 16)
+                ggml = _repack(release, got_s[:raw.N, :raw.K // 32].numpy()).reshape(raw.N, -1)
+                assert np.array_equal(ggml, stored[f"blk.{layer}.{leaf}.weight"][e]), (name, e, which)
+    assert _rel(_logits(model), _logits(gw.reference_model(_model("gpt_oss", **dict(_OVER["gpt_oss"])),
+                                                           weights))) < 0.03
 
 
 def test_mxfp4_decodes_as_gguf_and_as_the_release():

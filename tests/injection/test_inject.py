@@ -1,6 +1,8 @@
 """inject(): placement mechanics, tied weights, the returned plan, errors, generate() afterwards; GPU checks."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -186,6 +188,44 @@ def test_bad_quant_names_choices():
         inject(model, gpu="cpu", quant="int3")
 
 
+def test_mxfp4_rule_kwarg(tmp_path):
+    """quant: mxfp4 in a rule (or the call's quant=): mxfp4 experts of groups of 32, quantized from the model's
+    weights; group_size 32 only; sizes that are not multiples of 32 are refused with a message saying what to use."""
+    from ktinject import inject, native
+    from ktinject.operators.base import OperatorError
+
+    def rules(kwargs: str):
+        path = tmp_path / "rules.yaml"
+        path.write_text(f"- match: {{class: GptOssMLP}}\n  replace: moe\n  kwargs: {kwargs}\n"
+                        "- include: common.yaml\n")
+        return path
+
+    for rule, call in (("{quant: mxfp4}", None), ("{quant: mxfp4, group_size: 32}", None), ("{quant: int8}", "mxfp4")):
+        model = build_tiny_model("gpt_oss", intermediate_size=64)
+        hf = copy.deepcopy(model)
+        gate0 = model.model.layers[0].mlp.experts.gate_up_proj[0, :, 0::2].t().detach().clone()
+        inject(model, rules(rule), gpu="cpu", quant=call)
+        blocks = [(n, m) for n, m in model.named_modules() if hasattr(m, "native_experts")]
+        assert blocks and {(b.quant, b.native_experts.group_size) for _, b in blocks} == {("mxfp4", 32)}
+        want = native.Experts(1, gate0.shape[1], gate0.shape[0], quant="mxfp4")
+        want.set(0, "gate", gate0)  # quantized by set(), as the header says
+        assert torch.equal(blocks[0][1].native_experts.get(0, "gate"), want.get(0, "gate"))
+        with torch.no_grad():  # HF float32 on the stored (dequantized) values
+            for name, b in blocks:
+                ex, nat = hf.get_submodule(name).experts, b.native_experts
+                for e in range(nat.num_experts):
+                    ex.gate_up_proj[e, :, 0::2] = nat.get(e, "gate").t()
+                    ex.gate_up_proj[e, :, 1::2] = nat.get(e, "up").t()
+                    ex.down_proj[e] = nat.get(e, "down").t()
+            x = tiny_prompts(2, 8, vocab=model.config.vocab_size)
+            got, ref = model(x).logits, hf(x).logits
+        assert (got - ref).abs().max() / ref.abs().max() < 0.03  # W4A16: bf16 activations only
+    with pytest.raises(OperatorError, match=r"group_size 64 .*mxfp4 has a scale per 32 inputs"):
+        inject(build_tiny_model("gpt_oss", intermediate_size=64), rules("{quant: mxfp4, group_size: 64}"), gpu="cpu")
+    with pytest.raises(native.NativeError, match=r"multiples of 32.*use quant fp8, int8, int4 or bf16"):
+        inject(build_tiny_model("qwen3_moe", moe_intermediate_size=40), gpu="cpu", quant="mxfp4")
+
+
 def test_int4_group_size_rule_kwarg(tmp_path):
     """moe's group_size kwarg: the blocks hold that group and the plan counts its bytes; it needs int4 and one of
     the native group sizes, and says so."""
@@ -213,8 +253,8 @@ def test_int4_group_size_rule_kwarg(tmp_path):
            if a.operator == "moe"]
     assert moe and all(a - b == packed[32] - packed[None] for a, b in moe)
     assert torch.isfinite(model(tiny_prompts(1, 8, vocab=cfg.vocab_size)).logits).all()
-    for kwargs, match in (("{quant: bf16, group_size: 64}", "group_size 64 .* applies to quant int4 or fp8 only"),
-                          ("{group_size: 64}", "applies to quant int4 or fp8 only .* in effect is bf16"),
+    for kwargs, match in (("{quant: bf16, group_size: 64}", "group_size 64 .* applies to quant int4, fp8 or mxfp4"),
+                          ("{group_size: 64}", "applies to quant int4, fp8 or mxfp4 only .* in effect is bf16"),
                           ("{quant: int4, group_size: 48}", "group_size 48 .* use one of 32, 64, 128"),
                           ("{quant: int4, group_size: true}", "group_size True .* use one of 32, 64, 128")):
         with pytest.raises(OperatorError, match=match):

@@ -308,7 +308,7 @@ def test_errors():
            group_size=48)
     expect(kn.ERR_SHAPE, "group_size = '64'", kn.Experts, 2, 8, 8, quant="int4", group_size="64")
     expect(kn.ERR_SHAPE, "group_size = 16", kn.Experts.packed_nbytes, 2, 8, 8, "int4", group_size=16)
-    expect(kn.ERR_DTYPE, r"quant = 'int3' \(expected one of bf16, int8, int4, fp8\)", kn.Experts, 2, 8, 8,
+    expect(kn.ERR_DTYPE, r"quant = 'int3' \(expected one of bf16, int8, int4, fp8, mxfp4\)", kn.Experts, 2, 8, 8,
            quant="int3")
     expect(kn.ERR_DTYPE, "quant = 'q4'.*bf16, int8, int4, fp8", kn.Experts.packed_nbytes, 2, 8, 8, "q4")
     ffi, lib = kn._native()  # the C API checks on its own

@@ -8,12 +8,14 @@ own the CPU then, so a move must not compute on it. The native packed storage of
 (``PackedRegion``), and a move is, on a side stream:
 
     H2D copy of the expert's packed region (``ktk_experts_raw``: its three matrices as stored, bf16, int8 + scales,
-    int4 + group scales or e4m3 + block scales, and gpt-oss biases; in chunks) into a device staging buffer
+    int4 + group scales, e4m3 + block scales or e2m1 + e8m0 exponents, and gpt-oss biases; in chunks) into a device
+    staging buffer
     unpack on the device (torch ops into preallocated buffers): the block layout of native/src/kernels/kernels.h
-    [Np/16][Kp/2][16][2] (bf16), [Np/16][Kp/4][16][4] (int8), nibbles [Np/16][Kp/8][16][4] (int4) or
+    [Np/16][Kp/2][16][2] (bf16), [Np/16][Kp/4][16][4] (int8), nibbles [Np/16][Kp/8][16][4] (int4, mxfp4) or
     [Np/16][Kp][16] (fp8) is permuted into a work buffer [Np, Kp], then its [N, K] corner goes into the slot: a copy
-    (bf16) or q * scale in float32 (int8: per row; int4: per row and group of G inputs; fp8: per 16 rows and group),
-    rounded once to the bank's dtype.
+    (bf16) or q * scale in float32 (int8: per row; int4: per row and group of G inputs; fp8: per 16 rows and group;
+    mxfp4: e2m1 * 2^(e - 127) per row and 32 inputs, through float32 temporaries of a few rows at a time), rounded
+    once to the bank's dtype.
 
 That is half (bf16), about a quarter (int8) or an eighth (int4) of the bytes of the float32 host path
 (``HotExperts.host_weights``, ``ktk_experts_get`` on a CPU thread), and bit-identical to it converted to the bank
@@ -41,7 +43,9 @@ from ktinject.native import cuda_driver
 
 log = logging.getLogger(__name__)
 
-GPU_QUANTS = ("bf16", "int8", "int4", "fp8")  # quants with a raw view that unpack_matrix knows
+GPU_QUANTS = ("bf16", "int8", "int4", "fp8", "mxfp4")  # quants with a raw view that unpack_matrix knows
+_MXFP4_ROWS = 1 << 22  # mxfp4 unpack: weights per float32 temporary (rows of a matrix at a time)
+_tables: dict = {}  # device -> (e2m1 values [16], e8m0 powers of two [256]) as float32
 MATRICES = ("gate", "up", "down")
 
 
@@ -60,7 +64,7 @@ class MatLayout(NamedTuple):
     def work_bytes(self, quant: str) -> int:
         """Bytes of the work buffer unpacking this matrix needs: the block layout permuted to [Np, Kp] (int4: as
         int8, one byte per weight)."""
-        return self.Np * self.Kp if quant in ("int4", "fp8") else self.data_bytes
+        return self.Np * self.Kp if quant in ("int4", "fp8", "mxfp4") else self.data_bytes
 
 
 class ExpertLayout(NamedTuple):
@@ -100,8 +104,8 @@ def expert_layout(experts) -> ExpertLayout:
 def _matrix_views(buf: torch.Tensor, m: MatLayout, quant: str, work: torch.Tensor, group: int = 0) -> tuple:
     """(quant, src: packed data permuted to the row-major block order of w, w: work in that shape (row-major
     [n, Np, Kp]; None where not needed: bf16 and int8 without padding go straight into place), corner: w's
-    [n, N, K], scale: float32 (int8 [n, N, 1], or [n, Np/16, 16, 1, 1] straight; int4 [n, Np/16, 16, Kp/G, 1])
-    or None)."""
+    [n, N, K], scale: float32 (int8 [n, N, 1], or [n, Np/16, 16, 1, 1] straight; int4 [n, Np/16, 16, Kp/G, 1];
+    mxfp4: the e8m0 bytes [n, Np/16, 16, Kp/32]) or None)."""
     if quant not in GPU_QUANTS:
         raise ValueError(f"unpack: quant {quant!r} has no device unpack (expected one of {GPU_QUANTS})")
     if buf.dim() == 1:
@@ -116,6 +120,13 @@ def _matrix_views(buf: torch.Tensor, m: MatLayout, quant: str, work: torch.Tenso
         ng = -(-Kp // group)
         scale = buf[:, m.scale_off:m.scale_off + 4 * (Np // 16) * ng].view(torch.float32).view(n, Np // 16, 1, ng, 1)
         return quant, src, w, w.view(n, Np, Kp)[:, :N, :K], (scale, group)
+    if quant == "mxfp4":  # byte (n, r, j) holds inputs 8r + 2j (low nibble) and 8r + 2j + 1 (high)
+        src = data.view(n, Np // 16, Kp // 8, 16, 4).permute(0, 1, 3, 2, 4)  # [n, Np/16, 16, Kp/8, 4]
+        if work.numel() < n * Np * Kp:
+            raise ValueError(f"unpack: a work buffer of {work.numel()} bytes for {n} mxfp4 matrices [{Np}, {Kp}]")
+        w = work[:n * Np * Kp].view(n, Np // 16, 16, Kp // 8, 4, 2)  # one e2m1 code a byte, inputs in order
+        exps = buf[:, m.scale_off:m.scale_off + Np * Kp // 32].view(n, Np // 16, Kp // 32, 16).permute(0, 1, 3, 2)
+        return quant, src, w, w.view(n, Np, Kp)[:, :N, :K], exps  # (a view: read when unpacking)
     if quant == "int4":  # byte (n, r, j) holds inputs 8r + j (low nibble) and 8r + 4 + j (high)
         src = data.view(n, Np // 16, Kp // 8, 16, 4).permute(0, 1, 3, 2, 4)  # [n, Np/16, 16, Kp/8, 4]
         if work.numel() < n * Np * Kp:
@@ -162,6 +173,9 @@ def _unpack(views: tuple, dst: torch.Tensor) -> None:
     if quant == "fp8":
         _unpack_fp8(src, w, corner, scale, dst)
         return
+    if quant == "mxfp4":
+        _unpack_mxfp4(src, w, corner, scale, dst)
+        return
     s8 = src.view(torch.int8)  # arithmetic shifts of the signed bytes give the nibbles sign-extended: q in [-8, 7]
     lo = w[..., 0, :]
     torch.bitwise_left_shift(s8, 4, out=lo)  # low nibble to the top (wraps)...
@@ -191,6 +205,26 @@ def _unpack_fp8(src, w, corner, scale, dst) -> None:
         return
     full = scale.expand(n, nb, 16, ng, G).reshape(n, nb * 16, ng * G)[:, :N, :K]
     dst.copy_(corner.view(torch.float8_e4m3fn).float().mul_(full))
+
+
+def _unpack_mxfp4(src, w, corner, exps, dst) -> None:
+    """dst = e2m1 * 2^(e - 127) (float32, exact), rounded once to dst's dtype: the codes split into ``w`` (a byte
+    each), then a few rows at a time through float32 tables of the 16 codes and the 256 exponents."""
+    if dst.device not in _tables:  # (2^(e - 127) exactly, 2^-127 a float32 subnormal; e 255 is never stored)
+        values = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+        _tables[dst.device] = (torch.tensor(values, dtype=torch.float32).to(dst.device),
+                               torch.exp2(torch.arange(256, dtype=torch.float64) - 127).float().to(dst.device))
+    e2m1, e8m0 = _tables[dst.device]
+    torch.bitwise_and(src, 15, out=w[..., 0])
+    torch.bitwise_right_shift(src, 4, out=w[..., 1])
+    N, K = dst.shape[1:]
+    rows, groups = max(1, _MXFP4_ROWS // K), K // 32
+    for i in range(dst.shape[0]):
+        e = exps[i].reshape(-1, exps.shape[-1])  # [Np, Kp/32]
+        for r in range(0, N, rows):
+            q = corner[i, r:r + rows]  # [rows, K] codes
+            scale = e8m0[e[r:r + rows, :groups].int()].repeat_interleave(32, -1)
+            dst[i, r:r + rows] = e2m1[q.int()].mul_(scale)
 
 
 def unpack_matrix(buf: torch.Tensor, m: MatLayout, quant: str, dst: torch.Tensor, work: torch.Tensor,
@@ -238,7 +272,7 @@ def unpack_experts(buf: torch.Tensor, layout: ExpertLayout, gate_up: torch.Tenso
     ``work`` unused)."""
     from ktinject.operators.kernels import dequant  # Triton only at the first CUDA call
 
-    if dequant.usable(buf, gate_up, down):
+    if layout.quant in dequant.QUANT_CODE and dequant.usable(buf, gate_up, down):  # (mxfp4: no kernel, torch ops)
         dequant.unpack_experts(buf, layout, gate_up, down)
         return
     I = layout.mats[0].N

@@ -127,7 +127,7 @@ def gpu_default_costs(hidden: int, intermediate: int, quant: str) -> dict[str, f
     """gpu_expert_s and gpu_row_s from a datacenter GPU's rates until measured: dequantizing writes 3HI bf16 weights and
     reads the packed ones (~1.5 TB/s with torch kernels), a routed row is 6HI flops (~250 TFLOPS grouped bf16)."""
     weights = 3 * hidden * intermediate
-    packed = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}.get(quant, 2.0)
+    packed = {"bf16": 2.0, "int8": 1.0, "int4": 0.5, "mxfp4": 0.53}.get(quant, 2.0)
     return {"gpu_expert_s": weights * (2.0 + packed) / 1.5e12, "gpu_row_s": 2.0 * weights / 250e12}
 
 

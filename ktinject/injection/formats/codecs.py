@@ -15,10 +15,12 @@ of it). ``quantized(buf, shape, quant, group)`` gives the stored integers and sc
 exactly a native expert format (``quant``, ``group``): the loader then stores them without rounding again; None
 when they are not, and the loader requantizes ``decode``'s values (and reports the error). ``fp8_parts(buf,
 shape)`` gives what the native fp8 experts can hold exactly (e4m3 values and the scales of their groups of inputs),
-or None. ``native`` names the native expert format that keeps the stored values (the default ``quant`` of a
-checkpoint in this format): FP8 -> fp8 as released (the bytes and scales as they are); MXFP4 -> fp8 with groups of
-32 (e2m1 x 2^e is an e4m3 value once each block of 16 rows x 32 inputs takes the largest of its power-of-two
-scales; 8 bits a weight); int4 with groups of 32, 64 or 128 -> int4 as released.
+or None; ``mxfp4_parts(buf, shape)`` the bytes native mxfp4 experts store as they are (e2m1 pairs and e8m0
+exponents), or None. ``native`` names the native expert format that keeps the stored values (the default ``quant``
+of a checkpoint in this format): FP8 -> fp8 as released (the bytes and scales as they are); MXFP4 -> mxfp4 as
+released (the bytes as they are, 4.25 bits a weight; fp8 with groups of 32 holds the values exactly too, at 8 bits a
+weight, once each block of 16 rows x 32 inputs takes the largest of its power-of-two scales); int4 with groups of
+32, 64 or 128 -> int4 as released.
 """
 from __future__ import annotations
 
@@ -46,6 +48,11 @@ class Codec:
     def decode(self, buf: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         raise NotImplementedError
 
+    def exact_group(self, quant: str) -> int | None:
+        """The group size a load asked for ``quant`` (and no group) takes because native ``quant`` experts hold the
+        stored values exactly in it (MXFP4: fp8 with groups of 32), or None: the quant's default group."""
+        return None
+
     def decode_as(self, buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """``decode``'s values cast to ``dtype`` (the same values: the cast is elementwise). A codec that decodes in
         chunks overrides it to write each chunk cast, so a large tensor (an embedding) never exists whole in float32
@@ -56,6 +63,13 @@ class Codec:
                   group: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q int8 [..., N, K], scale float32 [..., N, groups]) when the stored values are exactly ``quant`` with
         ``group`` inputs per scale; else None."""
+        return None
+
+    def mxfp4_parts(self, buf: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(e2m1 pairs, e8m0 exponents) for native mxfp4 experts (``Experts.set_mxfp4``), or None: uint8 views of
+        the stored bytes, the logical ``shape`` with its input dimension (the last; the one before for a transposed
+        tensor) counted in bytes (2 inputs a byte) and in groups of 32. Sliced like the values
+        (``hf_keys.expert_matrices``: along the output dimension only)."""
         return None
 
     def fp8_parts(self, buf: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, int] | None:
@@ -170,7 +184,7 @@ class MXFP4(Codec):
     """e2m1 codes two to a byte [..., N, K/32, 16] and e8m0 exponents [..., N, K/32]: value = e2m1 * 2^(e - 127).
     ``transpose``: the model holds the tensor as [..., K, N] (gpt-oss's experts), so the logical shape is that."""
 
-    native = ("fp8", 32)
+    native = ("mxfp4", 32)
 
     def __init__(self, transpose: bool = False):
         self.transpose = transpose
@@ -202,6 +216,15 @@ class MXFP4(Codec):
         q, exp = self._values(buf, shape)
         out = torch.ldexp(q.unflatten(-1, (-1, 32)), exp.unsqueeze(-1).float()).flatten(-2)
         return out.transpose(-1, -2) if self.transpose else out
+
+    def exact_group(self, quant):
+        return 32 if quant in ("mxfp4", "fp8") else None
+
+    def mxfp4_parts(self, buf, shape):
+        lead, N, K = self.stored(shape)
+        blocks, scales = _split(buf, self.nbytes(shape))
+        blocks, scales = blocks.view(*lead, N, K // 2), scales.view(*lead, N, K // 32)
+        return (blocks.transpose(-1, -2), scales.transpose(-1, -2)) if self.transpose else (blocks, scales)
 
     def fp8_parts(self, buf, shape):
         q, exp = self._values(buf, shape)

@@ -11,7 +11,9 @@
     Q6_K     super-blocks of 256 (16 x 16, int8 scales): requantized, into int8 by default
     MXFP4    blocks of 32: one e8m0 exponent e + 16 bytes of e2m1 codes, the low nibbles elements 0..15, the high
              nibbles 16..31; value = e2m1 * 2^(e - 127) (gpt-oss's experts; llama.cpp repacks the release's
-             ``*_blocks`` / ``*_scales`` into these blocks bit for bit, so the values are the release's)
+             ``*_blocks`` / ``*_scales`` into these blocks bit for bit, so the values are the release's). Into
+             native mxfp4 by default, exactly: the nibbles are put back in the release's order (element 2i in the
+             low nibble of byte i, 2i + 1 in the high one), codes and exponents unchanged
 
 Tensors one Hugging Face tensor is made of, read back to back (``TensorRef.spans``): ``MLAKVB`` (DeepSeek MLA's
 ``kv_b_proj`` from ``attn_k_b`` + ``attn_v_b``), ``Interleaved`` (gpt-oss ``gate_up_proj`` from the gate and up
@@ -46,7 +48,7 @@ PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 NATIVE: dict[str, tuple[str, int | None]] = {
     "F32": ("bf16", None), "F16": ("bf16", None), "BF16": ("bf16", None),
     "Q8_0": ("int8", None), "Q4_0": ("int4", 32), "Q4_K": ("int4", 32), "Q5_K": ("int8", None),
-    "Q6_K": ("int8", None), "MXFP4": ("int8", None),
+    "Q6_K": ("int8", None), "MXFP4": ("mxfp4", 32),
 }
 
 
@@ -104,6 +106,15 @@ class GGMLCodec(Codec):
         exp = b[:, :1].to(torch.int32) - 127
         return torch.ldexp(torch.tensor(E2M1, dtype=torch.float32)[codes], exp.float())
 
+    def mxfp4_parts(self, buf, shape):
+        """MXFP4: (e2m1 pairs uint8 [..., N, K / 2] in the release's nibble order, e8m0 exponents [..., N, K / 32])."""
+        if self.qtype != "MXFP4" or len(shape) < 2:
+            return None
+        b = self._blocks(buf, shape)
+        codes = torch.cat([b[:, 1:] & 0x0F, b[:, 1:] >> 4], dim=1)  # elements 0..31 of each block, in order
+        pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        return pairs.reshape(*shape[:-1], shape[-1] // 2), b[:, 0].contiguous().view(*shape[:-1], shape[-1] // 32)
+
     def _q4_0(self, buf, shape) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [..., K] in [-8, 7], d float32 [..., K / 32])."""
         b = self._blocks(buf, shape)
@@ -159,6 +170,15 @@ class _Parts(Codec):
         ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
         return [codec.decode(buf[end - n:end], s) for n, end, (codec, s) in zip(sizes, ends, shapes)]
 
+    def _mxfp4_parts(self, buf, shape) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Each part's ``GGMLCodec.mxfp4_parts`` (its stored [..., N, K] orientation), or None unless all are MXFP4."""
+        shapes = self._shapes(shape)
+        sizes = [codec.nbytes(s)[0] for codec, s in shapes]
+        if buf.numel() != sum(sizes) or any(getattr(codec, "qtype", None) != "MXFP4" for codec, _ in shapes):
+            return None
+        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+        return [codec.mxfp4_parts(buf[end - n:end], s) for n, end, (codec, s) in zip(sizes, ends, shapes)]
+
 
 class MLAKVB(_Parts):
     """DeepSeek MLA ``kv_b_proj`` [heads * (nope + v), rank] from the converter's split: ``attn_k_b`` [heads, rank,
@@ -181,6 +201,15 @@ class Interleaved(_Parts):
         gate, up = (v.transpose(-1, -2) if self.transpose else v for v in self._values(buf, shape))
         return torch.stack([gate, up], dim=-1).reshape(shape)
 
+    def mxfp4_parts(self, buf, shape):
+        """[..., K / 2, 2I] and [..., K / 32, 2I]: gate rows at the even outputs, up rows at the odd ones (as the
+        values), the stored bytes of each row as they are."""
+        parts = self._mxfp4_parts(buf, shape) if self.transpose else None
+        if parts is None or parts[0] is None or parts[1] is None:
+            return None
+        (gb, gs), (ub, us) = parts
+        return tuple(torch.stack([g, u], dim=-2).flatten(-3, -2).transpose(-1, -2) for g, u in ((gb, ub), (gs, us)))
+
 
 class Transposed(_Parts):
     """gpt-oss ``down_proj`` [E, I, H] from ``ffn_down_exps`` [E, H, I]."""
@@ -191,3 +220,9 @@ class Transposed(_Parts):
     def decode(self, buf, shape):
         (w,) = self._values(buf, shape)
         return w.transpose(-1, -2).contiguous()
+
+    def mxfp4_parts(self, buf, shape):
+        parts = self._mxfp4_parts(buf, shape)
+        if parts is None or parts[0] is None:
+            return None
+        return tuple(t.transpose(-1, -2) for t in parts[0])
