@@ -16,4 +16,5 @@ BENCHES: dict[str, str] = {
     "prefix": "ktinject.bench.prefix",     # prefix cache: a follow-up's first token from GPU / RAM / disk vs cold
     "agents": "ktinject.bench.agents",     # agent-like serving load: shared context each turn, cache on vs off
     "serve": "ktinject.bench.serve",       # serving engine: aggregate tok/s and TTFT at 1/4/8/16 streams vs roofline
+    "finetune": "ktinject.bench.finetune", # LoRA training tokens/s vs HF + PEFT offloaded by accelerate, and on GPU
 }
