@@ -413,6 +413,33 @@ class Experts:
         return gx, gw
 
 
+    def project(self, which: str, x: torch.Tensor, experts: torch.Tensor, transpose: bool = False,
+                out: torch.Tensor | None = None, pool: Pool | None = None) -> torch.Tensor:
+        """One matrix W [out, in] of each row's expert applied to the rows of x, with the stored weights:
+        ``y[r] = W_{experts[r]} x[r]`` (x [R, in] -> y [R, out]), or with ``transpose`` ``y[r] = W^T x[r]`` (x [R, out]
+        -> y [R, in]); no bias, no activation. x f32/bf16/f16, experts [R] int64 (any order), both contiguous; out
+        f32/bf16 (default f32), written. Float arithmetic with the stored weights dequantized (the values ``get``
+        gives) and x as given (ktk_experts_project in the header): the base products of training's expert LoRA."""
+        _, lib = ffi_lib()
+        w = _which(which)
+        n_out, n_in = self.shape(which)
+        if transpose:
+            n_out, n_in = n_in, n_out
+        x = checked_tensor("x", x, _WEIGHT_DTYPES, (None, n_in))
+        R = x.shape[0]
+        experts = checked_tensor("experts", experts, (torch.int64,), (R,))
+        if out is None:
+            out = torch.empty(R, n_out, dtype=torch.float32)
+        else:
+            out = checked_tensor("out", out, _OUT_DTYPES, (R, n_out))
+        if R == 0:
+            return out
+        pool = default_pool() if pool is None else pool
+        check_rc(lib.ktk_experts_project(pool.ptr, self._p, w, R, pointer(experts, "int64_t *"), pointer(x),
+                                         DTYPES[x.dtype], pointer(out), DTYPES[out.dtype], int(bool(transpose))))
+        return out
+
+
 Experts.__module__ = "ktinject.native"  # where users import it from
 
 

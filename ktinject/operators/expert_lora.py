@@ -14,19 +14,21 @@ with 4.x's per-expert names (``...experts.3.gate_proj``) loads too. The block ne
 lora=DIR)``): it cannot be merged into int4 / int8 / fp8 weights without requantizing them, so it is applied on the
 CPU at every forward, as in training.
 
-The path (``expert_lora_path``): with expert adapters present, the block's routed experts run in torch on the CPU,
-one expert at a time, each expert's three matrices dequantized from the native storage (``Experts.get``, a thread
-ahead of the products) and dropped after use: the native kernels compute a whole expert and take no additive term
-inside it, and the gate / up deltas must enter before the activation. Design (b) of the two: (a), per-row additive
-terms in the native forward and backward, would keep the base products native. The backward is a
-``torch.autograd.Function`` that keeps x, ids and weights only (O(T x H), as ``moe_backward``) and recomputes each
-expert's products; the adapters, the input and the routing weights get gradients. Adapters train in float32 or
-bf16 (the products run in float32). Hot (GPU) experts, deferral and graph capture do not apply to such a block:
-every expert runs on the CPU, eagerly.
+The path (``expert_lora_path``): with expert adapters present, the block's routed experts run on the CPU with the
+base products in the native kernels and the adapters' terms in torch: ``Experts.project`` computes each routed
+row's product with its expert's stored gate / up / down weights (and, in the backward, the transposed products) in
+float32 on the stored values, and torch adds B_e,p A_e,p x per expert segment of the rows sorted by expert, the
+biases, the activation and dropout: the gate / up deltas must enter before the activation, and the native forward
+takes no additive term inside an expert (its int8 / bf16 activations would also round what the adapters train
+against). Design (a) of the two, base products native; (b), each expert in torch on its weights dequantized at
+every forward, was the earlier path. The backward is a ``torch.autograd.Function`` that keeps x, ids, weights and
+the gate and up base products (O(R x I)) and recomputes the rest, never a dequantized weight; the adapters, the
+input and the routing weights get gradients. Adapters train in float32 or bf16 (the products run in float32). Hot
+(GPU) experts, deferral and graph capture do not apply to such a block: every expert runs on the CPU, eagerly.
 
 What cannot take it: blocks whose routing weights scale the experts' input (Llama 4): ``unsupported_reason``.
 
-Legend: T tokens, E experts, H hidden, I expert intermediate, k experts per token, r rank.
+Legend: T tokens, E experts, H hidden, I expert intermediate, k experts per token, r rank, R routed rows.
 """
 from __future__ import annotations
 

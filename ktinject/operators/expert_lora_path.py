@@ -1,25 +1,31 @@
-"""The routed experts with LoRA adapters, in torch on the CPU (``expert_lora`` says why and what for).
+"""The routed experts with LoRA adapters on the CPU: the base products in the native kernels, the adapters' terms in
+torch (``expert_lora`` says why and what for).
 
-    forward:  for each expert e with rows (tokens routed to it): W_g, W_u, W_d = dequantized (Experts.get, a
-              thread ahead), x_e [n, H] ->
-                  g = x_e W_g^T + (drop(x_e) A_g^T) B_g^T      (B scaled)     [n, I]
-                  u = x_e W_u^T + (drop(x_e) A_u^T) B_u^T                     [n, I]
-                  h = act(g, u)                                               [n, I]
-                  y = h W_d^T + (drop(h) A_d^T) B_d^T                         [n, H]
-              routed[t] += weight[t, j] * y                                   [T, H]
-    backward: the same per expert under autograd (recomputed: only x, ids, weights and the dropout seed are kept),
-              giving dx [T, H], d weights [T, k] and dA, dB [E, r, *] of every adapted projection.
+Rows: the (token, slot) pairs sorted by expert (stable), R of them; e_r the row's expert, x_r its token's input.
+    forward:  the stored weights' products by ``Experts.project`` (native, float, every format), the rest in torch:
+                  g = W_g x_r + B_g A_g drop(x_r) + bg        (B scaled; A, B of expert e_r)   [R, I]
+                  u = W_u x_r + B_u A_u drop(x_r) + bu                                        [R, I]
+                  h = act(g, u)                                                                [R, I]
+                  y = W_d h + B_d A_d drop(h) + bd                                             [R, H]
+              routed[t] += weight_r * y_r over the token's rows                                [T, H]
+              The small A / B products run per expert segment of the sorted rows.
+    backward: with dY_r = weight_r * dy_t:
+                  v = W_d^T dy_t (native, transposed)      dweight_r = <v, h> + <dy_t, B_d A_d drop(h) + bd>
+                  dh = weight_r v + drop'(A_d^T B_d^T dY)  dg, du = act'(g, u) dh
+                  dx_r = W_g^T dg + W_u^T du (native, transposed) + the adapters' terms; dx[t] = sum of its rows
+              and dA, dB of every adapted projection per expert segment.
+Saved for the backward: x, ids, weights, the dropout seed and the base products W_g x, W_u x [R, I] (O(R x I): the
+transposed products need no saved input, the adapters' inputs x_r and h are recomputed from x and those); never a
+dequantized weight.
 
 Gate and up add their biases (gpt-oss: ``HybridMoE.expert_biases``) before the activation, down after; the
-activation is the native experts' (silu, gptoss, swiglu_limit). The dropout masks come from a generator seeded
-in the forward, drawn in the same order in the backward.
+activation is the native experts' (silu, gptoss, swiglu_limit). The dropout masks come from a generator seeded in
+the forward, drawn per expert in ascending order (gate, up, down for each) and drawn again in that order in the
+backward.
 
-Legend: T tokens, E experts, H hidden, I expert intermediate, k experts per token, n rows of one expert.
+Legend: T tokens, E experts, H hidden, I expert intermediate, k experts per token, R routed rows, r rank.
 """
 from __future__ import annotations
-
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -28,28 +34,7 @@ from ktinject.operators import handshake as stream_experts
 from ktinject.operators.base import OperatorError
 from ktinject.operators.expert_lora import NATIVE, PROJECTIONS, Factors
 
-_pool: ThreadPoolExecutor | None = None  # dequantizes the next experts while torch computes one (made on first use)
-_AHEAD = max(2, min(8, (os.cpu_count() or 2) // 4))  # experts dequantized ahead, one thread each (native calls
-# release the GIL)
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=_AHEAD, thread_name_prefix="ktinject-expert-lora")
-    return _pool
-
-
-def _weights(experts, order: list[int]):
-    """Yield (e, {gate, up, down: float32 [out, in]}) for the experts of ``order``, dequantized ahead."""
-    get = lambda e: {w: experts.get(e, w) for w in ("gate", "up", "down")}  # noqa: E731
-    pool = _executor()
-    futures = [pool.submit(get, e) for e in order[:_AHEAD]]
-    for i, e in enumerate(order):
-        if i + _AHEAD < len(order):
-            futures.append(pool.submit(get, order[i + _AHEAD]))
-        yield e, futures[i].result()
-        futures[i] = None
+_GATE, _UP, _DOWN = PROJECTIONS
 
 
 def _act(experts, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -62,46 +47,68 @@ def _act(experts, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return g * torch.sigmoid(experts.alpha * g) * (u.clamp(-lim, lim) + 1.0)
 
 
-def _expert(experts, W: dict, x: torch.Tensor, ab: dict, masks: dict, bias) -> torch.Tensor:
-    """y [n, H] of one expert for x [n, H] (float32); ``ab``: projection -> (A [r, in], B [out, r]); ``masks``:
-    projection -> dropout mask of its input (or absent); ``bias``: (gate [I], up [I], down [H]) or None."""
-    def proj(p: str, inp: torch.Tensor) -> torch.Tensor:
-        out = inp @ W[NATIVE[p]].T
-        if p in ab:
-            a, b = ab[p]
-            m = masks.get(p)
-            out = out + ((inp if m is None else inp * m) @ a.T) @ b.T
-        return out
-    g, u = proj("expert_gate_proj", x), proj("expert_up_proj", x)
-    if bias is not None:
-        g, u = g + bias[0], u + bias[1]
-    y = proj("expert_down_proj", _act(experts, g, u))
-    return y if bias is None else y + bias[2]
+class _Rows:
+    """The routed rows of ids [T, k] sorted by expert: ``order`` (flat (token, slot) index of each row), ``tok``,
+    ``eid`` [R] (int64) and ``segs`` [(expert, first row, end row)] of the experts with rows, ascending."""
+
+    def __init__(self, ids: torch.Tensor, E: int):
+        flat = ids.reshape(-1)
+        self.order = torch.argsort(flat, stable=True)
+        self.tok = self.order // ids.shape[1]
+        self.eid = flat[self.order].contiguous()
+        counts = torch.bincount(flat, minlength=E).tolist()
+        self.segs, s = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                self.segs.append((e, s, s + n))
+                s += n
 
 
-def _masks(gen, fac: Factors, n: int, H: int, I: int) -> dict:
-    """Dropout masks (scaled by 1 / (1 - p)) of one expert's n rows, drawn from ``gen`` in a fixed order."""
-    out = {}
-    for p in PROJECTIONS:
-        q = fac.dropout.get(p, 0.0)
-        if p in fac.a and q > 0:
-            width = I if p == "expert_down_proj" else H
-            out[p] = (torch.rand(n, width, generator=gen) >= q).float() / (1.0 - q)
-    return out
+def _masks(seed: int, fac: Factors, rows: _Rows, H: int, I: int) -> dict:
+    """Dropout masks (scaled by 1 / (1 - p)) of every row per adapted projection with dropout, [R, its input]: drawn
+    per expert segment from a generator seeded with ``seed``, in a fixed order."""
+    drop = [p for p in PROJECTIONS if p in fac.a and fac.dropout.get(p, 0.0) > 0]
+    if not drop:
+        return {}
+    gen = torch.Generator().manual_seed(seed)
+    parts = {p: [] for p in drop}
+    for _, s0, s1 in rows.segs:
+        for p in drop:
+            q = fac.dropout[p]
+            width = I if p == _DOWN else H
+            parts[p].append((torch.rand(s1 - s0, width, generator=gen) >= q).float() / (1.0 - q))
+    return {p: torch.cat(v) for p, v in parts.items()}
 
 
-def _plan(ids: torch.Tensor, E: int):
-    """(order of the flat (token, slot) pairs by expert, per-expert counts [E]) of ids [T, k]."""
-    flat = ids.reshape(-1)
-    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=E).tolist()
+def _lora(a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, segs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B_e A_e z_r [R, out], A_e z_r [R, r]) per expert segment; a [E, r, in], b [E, out, r], z [R, in]."""
+    t = z.new_empty(z.shape[0], a.shape[1])
+    out = z.new_empty(z.shape[0], b.shape[1])
+    for e, s0, s1 in segs:
+        torch.mm(z[s0:s1], a[e].T, out=t[s0:s1])
+        torch.mm(t[s0:s1], b[e].T, out=out[s0:s1])
+    return out, t
 
 
-def _bias(block, e: int):
+def _lora_grad(a, b, z, t, dout, segs, da, db) -> torch.Tensor:
+    """The backward of ``_lora``: da[e], db[e] written (experts without rows keep their zeros); returns dz [R, in]."""
+    dz = z.new_empty(z.shape)
+    for e, s0, s1 in segs:
+        dt = dout[s0:s1] @ b[e]
+        torch.mm(dout[s0:s1].T, t[s0:s1], out=db[e])
+        torch.mm(dt.T, z[s0:s1], out=da[e])
+        torch.mm(dt, a[e], out=dz[s0:s1])
+    return dz
+
+
+def _biases(block, eid: torch.Tensor):
+    """(gate [R, I], up [R, I], down [R, H]) of each row's expert, or None."""
     if block.expert_biases is None:
         return None
     I = block.intermediate_size
     gate_up, down = block.expert_biases
-    return gate_up[e, :I], gate_up[e, I:], down[e]
+    gu = gate_up.detach().float()[eid]
+    return gu[:, :I], gu[:, I:], down.detach().float()[eid]
 
 
 class ExpertsWithLora(torch.autograd.Function):
@@ -111,65 +118,98 @@ class ExpertsWithLora(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, block, fac, ids, seed, *ab):
-        ctx.block, ctx.fac, ctx.seed, ctx.names = block, fac, seed, [p for p in PROJECTIONS if p in fac.a]
-        ctx.save_for_backward(x, weights, ids, *ab)
-        stacks = dict(zip(ctx.names, zip(ab[0::2], ab[1::2])))
-        T, H = x.shape
-        k = ids.shape[1]
-        out = torch.zeros(T, H)
-        order, counts = _plan(ids, block.num_experts)
-        starts = torch.tensor([0] + counts).cumsum(0).tolist()
-        gen = torch.Generator().manual_seed(seed)
-        ex = block.native_experts
-        for e, W in _weights(ex, [e for e in range(block.num_experts) if counts[e]]):
-            rows = order[starts[e]:starts[e + 1]]
-            tok = rows // k
-            masks = _masks(gen, fac, len(rows), H, block.intermediate_size)
-            y = _expert(ex, W, x[tok], {p: (a[e], b[e]) for p, (a, b) in stacks.items()}, masks, _bias(block, e))
-            out.index_add_(0, tok, y * weights.reshape(-1)[rows, None])
+        names = [p for p in PROJECTIONS if p in fac.a]
+        stacks = dict(zip(names, zip(ab[0::2], ab[1::2])))
+        ex, T, H, I = block.native_experts, x.shape[0], x.shape[1], block.intermediate_size
+        rows = _Rows(ids, block.num_experts)
+        masks = _masks(seed, fac, rows, H, I)
+        bias = _biases(block, rows.eid)
+        xr = x[rows.tok]
+        base = {p: ex.project(NATIVE[p], xr, rows.eid) for p in (_GATE, _UP)}
+        gu = []
+        for i, p in enumerate((_GATE, _UP)):
+            v = base[p]
+            if p in stacks:
+                v = v + _lora(*stacks[p], xr * masks[p] if p in masks else xr, rows.segs)[0]
+            gu.append(v if bias is None else v + bias[i])
+        h = _act(ex, *gu)
+        y = ex.project("down", h, rows.eid)
+        if _DOWN in stacks:
+            y += _lora(*stacks[_DOWN], h * masks[_DOWN] if _DOWN in masks else h, rows.segs)[0]
+        if bias is not None:
+            y += bias[2]
+        y *= weights.reshape(-1)[rows.order, None]
+        out = torch.zeros(T, H).index_add_(0, rows.tok, y)
+        ctx.block, ctx.fac, ctx.seed, ctx.names = block, fac, seed, names
+        if any(ctx.needs_input_grad):
+            ctx.save_for_backward(x, weights, ids, base[_GATE], base[_UP], *ab)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        x, weights, ids, *ab = ctx.saved_tensors
+        x, weights, ids, g0, u0, *ab = ctx.saved_tensors
         block, fac = ctx.block, ctx.fac
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dy = d_out.to(device="cpu", dtype=torch.float32)
-        T, H = x.shape
+        ex, T, H, I = block.native_experts, x.shape[0], x.shape[1], block.intermediate_size
         k = ids.shape[1]
-        dx = torch.zeros_like(x) if need_x else None
-        dw = torch.zeros(T * k) if need_w else None
-        dab = [torch.zeros_like(t) for t in ab]
         stacks = dict(zip(ctx.names, zip(ab[0::2], ab[1::2])))
-        order, counts = _plan(ids, block.num_experts)
-        starts = torch.tensor([0] + counts).cumsum(0).tolist()
-        gen = torch.Generator().manual_seed(ctx.seed)
-        ex = block.native_experts
-        for e, W in _weights(ex, [e for e in range(block.num_experts) if counts[e]]):
-            rows = order[starts[e]:starts[e + 1]]
-            tok = rows // k
-            masks = _masks(gen, fac, len(rows), H, block.intermediate_size)
-            with torch.enable_grad():
-                xe = x[tok].requires_grad_(need_x)
-                leaves = {p: (a[e].detach().requires_grad_(), b[e].detach().requires_grad_())
-                          for p, (a, b) in stacks.items()}
-                y = _expert(ex, W, xe, leaves, masks, _bias(block, e))
-                inputs = [t for pair in leaves.values() for t in pair] + ([xe] if need_x else [])
-                grads = torch.autograd.grad(y, inputs, dy[tok] * weights.reshape(-1)[rows, None])
-            for i, g in enumerate(grads[:len(dab)]):
-                dab[i][e] = g
-            if need_x:
-                dx.index_add_(0, tok, grads[-1])
-            if need_w:
-                dw[rows] = (y.detach() * dy[tok]).sum(-1)
-        return (dx, None if dw is None else dw.view(T, k), None, None, None, None, *dab)
+        dab = [torch.zeros_like(t) for t in ab]
+        grads = dict(zip(ctx.names, zip(dab[0::2], dab[1::2])))
+        rows = _Rows(ids, block.num_experts)
+        masks = _masks(ctx.seed, fac, rows, H, I)
+        bias = _biases(block, rows.eid)
+        dy = d_out.to(device="cpu", dtype=torch.float32)[rows.tok].contiguous()   # [R, H]
+        wr = weights.reshape(-1)[rows.order, None]
+        xr = x[rows.tok]
+        # recomputed: the adapters' inputs and terms of gate / up, g, u, h
+        z, t, gu = {}, {}, []
+        for i, (p, v0) in enumerate(((_GATE, g0), (_UP, u0))):
+            v = v0
+            if p in stacks:
+                z[p] = xr * masks[p] if p in masks else xr
+                delta, t[p] = _lora(*stacks[p], z[p], rows.segs)
+                v = v0 + delta
+            gu.append((v if bias is None else v + bias[i]).detach().requires_grad_())
+        with torch.enable_grad():
+            h = _act(ex, *gu)
+        hd = h.detach()
+        v = ex.project("down", dy, rows.eid, transpose=True)   # W_d^T dy [R, I]
+        dw = (v * hd).sum(-1)
+        d_big = dy * wr                                        # d loss / d y_r
+        dh = v * wr
+        if _DOWN in stacks:
+            z[_DOWN] = hd * masks[_DOWN] if _DOWN in masks else hd
+            yl, t[_DOWN] = _lora(*stacks[_DOWN], z[_DOWN], rows.segs)
+            dw += (dy * yl).sum(-1)
+            dz = _lora_grad(*stacks[_DOWN], z[_DOWN], t[_DOWN], d_big, rows.segs, *grads[_DOWN])
+            dh += dz * masks[_DOWN] if _DOWN in masks else dz
+        if bias is not None:
+            dw += (dy * bias[2]).sum(-1)
+        dg, du = torch.autograd.grad(h, gu, dh)
+        dx = None
+        if need_x:
+            dxr = ex.project("gate", dg.contiguous(), rows.eid, transpose=True)
+            dxr += ex.project("up", du.contiguous(), rows.eid, transpose=True)
+        for p, d in ((_GATE, dg), (_UP, du)):
+            if p in stacks:
+                dz = _lora_grad(*stacks[p], z[p], t[p], d, rows.segs, *grads[p])
+                if need_x:
+                    dxr += dz * masks[p] if p in masks else dz
+        if need_x:
+            dx = torch.zeros_like(x).index_add_(0, rows.tok, dxr)
+        dweights = None
+        if need_w:
+            dweights = torch.zeros(T * k)
+            dweights[rows.order] = dw
+            dweights = dweights.view(T, k)
+        return (dx, dweights, None, None, None, None, *dab)
 
 
 def routed(block, fac: Factors, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The block's routed output [T, H] (x's device and dtype) with the expert adapters ``fac``, recorded for
     autograd where a gradient is wanted."""
     if stream_experts.active():  # (a graph capture: the decode step then runs eagerly)
-        raise OperatorError("expert LoRA runs the routed experts in torch on the host: not inside a captured graph")
+        raise OperatorError("expert LoRA runs the routed experts on the host: not inside a captured graph")
     hx = x.to(device="cpu", dtype=torch.float32)
     hw = weights.to(device="cpu", dtype=torch.float32)
     hi = ids.detach().to(device="cpu", dtype=torch.int64)

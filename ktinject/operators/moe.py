@@ -35,7 +35,8 @@ and GPU-resident experts (``hot``, a ``ktinject.gpu_experts.hot.bank.HotExperts`
 between the host submit and wait, while the native experts skip them through ``skip``. Where a gradient is wanted
 (training), the routed experts go through ``moe_backward`` instead: all of them on the CPU, under autograd. A block
 whose ``experts`` stand-ins carry LoRA adapters (PEFT's, or an inference adapter: ``expert_lora``) computes its
-routed experts in torch on the CPU with the adapters instead (``expert_lora_path``), in training and inference.
+routed experts on the CPU with the adapters instead (``expert_lora_path``: native base products, the adapters'
+terms in torch), in training and inference.
 
 Legend: B batch, S sequence, T tokens (B*S), E experts, H hidden, I expert intermediate, k experts per token.
 """
@@ -273,7 +274,7 @@ class HybridMoE(nn.Module):
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lazy: bool = False, lora=None):
         """(routed [T, H] on x's device, shared [T, H] or None), the two computed concurrently. ``lazy``: in graph
         decode, where routed would be the runner's output alone, return it uncollected (take_lazy_collect);
-        ``lora``: the block's expert adapters (``expert_lora.factors``): every expert in torch on the CPU."""
+        ``lora``: the block's expert adapters (``expert_lora.factors``): every expert on the CPU (expert_lora_path)."""
         T, H = x.shape
         k = ids.shape[1]
         on_cuda = x.device.type == "cuda"

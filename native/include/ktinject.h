@@ -297,6 +297,19 @@ int ktk_backward(ktk_pool *pool, ktk_experts *ex, int T, int k,
                  const void *weights, int weights_dtype, const uint8_t *skip,
                  const void *dy, int dy_dtype, void *dx, int dx_dtype, float *dweights);
 
+/* One projection of routed rows with the stored (frozen) weights of each row's expert (training's base products,
+ * e.g. LoRA on the experts): which = KTK_MAT_GATE / UP / DOWN (W [N, K]: out N, in K), row r's expert
+ * expert_of_row[r] (R int64; any order: grouped by expert inside, stable),
+ *   transpose 0: y[r] = W_{e_r} x[r]      x [R, K] (x_dtype F32/BF16/F16), y [R, N] (y_dtype F32/BF16)
+ *   transpose 1: y[r] = W_{e_r}^T x[r]    x [R, N], y [R, K]
+ * written, not accumulated; no bias, no activation. Float arithmetic with the stored weights dequantized (the values
+ * ktk_experts_get gives) and x as given (not rounded as the forward's activations are), for every quant. Runs on the
+ * pool as a forward does (inline when it is idle); a row's result depends on neither the other rows nor the
+ * threads. R = 0 does nothing (expert_of_row, x and y are not read). KTK_ERR_RANGE for an id outside [0, E) or a bad which,
+ * KTK_ERR_STATE for an expert with rows whose matrix was never set. */
+int ktk_experts_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const int64_t *expert_of_row,
+                        const void *x, int x_dtype, void *y, int y_dtype, int transpose);
+
 /* A 32-bit word (pinned host memory, 4-byte aligned) that every submitted run stores 1 to (release) at its end,
  * once out is complete, also when the run fails (its error is then ktk_wait's), before the task is idle: a CUDA
  * stream can wait for the run (a kernel polling the word) while the host goes on, and call ktk_wait later (streamed

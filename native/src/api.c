@@ -424,6 +424,29 @@ int ktk_backward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidd
                                         dy_dtype, dx, dx_dtype, dweights) : rc;
 }
 
+#define MAX_ROWS (1 << 28)         /* rows of one projection (T x k) */
+
+int ktk_experts_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const int64_t *expert_of_row,
+                        const void *x, int x_dtype, void *y, int y_dtype, int transpose) {
+    const char *fn = "ktk_experts_project";
+    CHECK_NULL(pool, fn);
+    CHECK_NULL(ex, fn);
+    int rc = check_expert(fn, ex, 0, which);
+    if (rc != KTK_OK) return rc;
+    if (transpose != 0 && transpose != 1)
+        return ktki_error(KTK_ERR_SHAPE, "%s: transpose = %d (expected 0: y = W x, or 1: y = W^T x)", fn, transpose);
+    if (R < 0 || R > MAX_ROWS)
+        return ktki_error(KTK_ERR_SHAPE, "%s: R = %d rows (expected 0..%d)", fn, R, MAX_ROWS);
+    rc = check_dtype(fn, "x_dtype", x_dtype, 1);
+    if (rc == KTK_OK) rc = check_dtype(fn, "y_dtype", y_dtype, 0);
+    if (rc == KTK_OK) rc = ktki_dispatch_isa_check();
+    if (rc != KTK_OK || R == 0) return rc;
+    CHECK_NULL(expert_of_row, fn);
+    CHECK_NULL(x, fn);
+    CHECK_NULL(y, fn);
+    return ktki_project(pool, ex, which, R, expert_of_row, x, x_dtype, y, y_dtype, transpose);
+}
+
 int ktk_task_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done) {
     return ktk_task_watch_then(task, go, done, NULL);
 }

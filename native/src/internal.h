@@ -235,6 +235,10 @@ int ktki_backward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hid
                   const int64_t *ids, const void *weights, int weights_dtype, const uint8_t *skip, const void *dy,
                   int dy_dtype, void *dx, int dx_dtype, float *dweights);
 
+/* moe/project.c: one projection of routed rows with the stored weights, forward or transposed (synchronous) */
+int ktki_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const int64_t *expert_of_row, const void *x,
+                 int x_dtype, void *y, int y_dtype, int transpose);
+
 /* ---- GGUF K-quant blocks (gguf_dequant.c) ---- */
 int64_t ktki_gguf_dequant_block_bytes(int qtype);   /* bytes of one block of KTK_GGUF_* qtype; 0 for another */
 void ktki_gguf_dequant(int qtype, const uint8_t *blocks, int64_t nblocks, float *out);   /* [nblocks * 256] */

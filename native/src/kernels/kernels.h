@@ -228,7 +228,7 @@ typedef struct {
     const char *name;
     /* Block b of w (rows 16b + j, j < 16; zero past N, as the packing pads) dequantized as the generic code does
      * (bf16 value, q * scale, e4m3 * scale; bit for bit): wt[c * 16 + j] (c < Kt; wt may be NULL) and
-     * wr[j * ldr + c] (c < Kt, ldr >= Kt) = W[16b + j][c]. */
+     * wr[j * ldr + c] (c < Kt, ldr >= Kt) = W[16b + j][c] (wr may be NULL; not both). */
     void (*unpack)(const ktk_mat *w, int b, float *wt, float *wr, int64_t ldr);
     /* g[i * 16 + j] = sum_{c < Kt} x[i * ldx + c] wtg[c * 16 + j], u the same with wtu, for i < n */
     void (*gate_up)(const float *wtg, const float *wtu, int Kt, const float *x, int64_t ldx, int n, float *g,

@@ -127,6 +127,7 @@ KTK_AI void store_tile(__m512 z[16], int t, float *wt, float *wr, int64_t ldr) {
     if (wt)
 #pragma GCC unroll 16
         for (int c = 0; c < 16; c++) _mm512_storeu_ps(wt + ((int64_t)t * 16 + c) * 16, z[c]);
+    if (!wr) return;   /* (columns only: a forward product) */
     transpose16(z);
 #pragma GCC unroll 16
     for (int j = 0; j < 16; j++) _mm512_storeu_ps(wr + (int64_t)j * ldr + (int64_t)t * 16, z[j]);
