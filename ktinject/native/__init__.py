@@ -5,7 +5,9 @@ bindings, each importing only those before it:
 
     library.py   lazy load, NativeError, argument checks, ISA and thread-count functions
     pool.py      Pool, the default pool, closing every pool at exit
-    experts.py   Experts (one MoE layer's packed experts and their forward), zero-copy views of the packing
+    expert_args.py  the checks of Experts' configuration and matrix arguments, the int4 group size's default
+    experts.py   Experts (one MoE layer's packed experts: packing, forward, backward, projections)
+    packed_views.py  zero-copy views of the packing (experts_raw, experts_region, experts_region_view)
     task.py      Task (a forward run asynchronously, driven by a CUDA stream), valid_defer, host_fn_addresses
     cuda_driver.py  the CUDA driver entry points (imported on its own: ``from ktinject.native import cuda_driver``)
 
@@ -19,8 +21,10 @@ Legend: T tokens, k experts per token, E experts, H hidden, I expert intermediat
 """
 from __future__ import annotations
 
-from ktinject.native.experts import (  # noqa: F401  (re-exported)
-    Experts, RawMatrix, default_group_size, experts_raw, experts_region, experts_region_view)
+from ktinject.native.expert_args import default_group_size  # noqa: F401  (re-exported)
+from ktinject.native.experts import Experts  # noqa: F401  (re-exported)
+from ktinject.native.packed_views import (  # noqa: F401  (re-exported)
+    RawMatrix, experts_raw, experts_region, experts_region_view)
 from ktinject.native.library import (  # noqa: F401  (re-exported)
     ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_ISA, ERR_NOMEM, ERR_NULL, ERR_RANGE, ERR_SHAPE, ERR_STATE, ERR_THREAD,
     ERROR_NAMES, GROUP_SIZES, ISA_NAMES, MATRICES, MXFP4_GROUP, OK, QUANTS, NativeError, available_isas, best_isa,

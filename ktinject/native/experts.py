@@ -1,7 +1,6 @@
 """``Experts``: the routed experts of one MoE layer, packed once for the native kernels, and their forward.
 
-Beside the class: the int4 group size's default (``default_group_size``) and zero-copy views of the packed storage
-(``experts_raw``, ``experts_region``, ``experts_region_view``) that GPU re-placement copies from. A forward runs on
+Its arguments are checked in expert_args.py; zero-copy views of its packed storage are in packed_views.py. A forward runs on
 a pool (pool.py); ``Task`` (task.py) binds one to run asynchronously. Users import these names from ktinject.native.
 
 Legend: T tokens, k experts per token, E experts, H hidden, I expert intermediate.
@@ -12,14 +11,14 @@ Legend: T tokens, k experts per token, E experts, H hidden, I expert intermediat
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from ktinject import envs
-from ktinject.native.library import (ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_RANGE, ERR_SHAPE, FP8_DEFAULT_BLOCK,
-                                     FP8_MAX_GROUP, GROUP_SIZES, MATRICES, MXFP4_GROUP, QUANTS, NativeError, check_rc,
-                                     checked_int, checked_tensor, ffi_lib, physical_cores, pointer)
+from ktinject.native.library import (ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_RANGE, ERR_SHAPE, MXFP4_GROUP, QUANTS,
+                                     NativeError, check_rc, checked_int, checked_tensor, ffi_lib, physical_cores,
+                                     pointer)
+from ktinject.native.expert_args import checked_block_rows, checked_group_size, matrix_index
 from ktinject.native.pool import Pool, default_pool
 
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -27,78 +26,8 @@ _FP8_DTYPES = (torch.uint8, torch.float8_e4m3fn)  # set_fp8: e4m3 bits, or the t
 _MXFP4_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)  # set_mxfp4's blocks: e2m1 pairs
 _E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)  # set_mxfp4's scales: e8m0 exponents
 _GROUPED = ("int4", "fp8", "mxfp4")  # quants whose config carries a group size
-_FP8_MAX_BLOCK_ROWS = 1 << 20
 _OUT_DTYPES = (torch.float32, torch.bfloat16)
 _PARALLEL_SET_ELEMENTS = 1 << 24  # from_hf/from_gpt_oss pack in threads above this many weight elements
-
-
-def default_group_size(hidden: int, intermediate: int) -> int:
-    """The int4 group size when none is asked for: 128 inputs per scale where both input sizes (hidden for gate/up,
-    intermediate for down) are multiples of 128, as in the released MoE models (GPTQ's and AWQ's usual group;
-    ~4.25 bits a weight, 5.6% fewer bytes to read per token than 64 at the same measured perplexity on the demo
-    model), else 64 (a group of 128 would pad such a matrix by up to 127 zero inputs). KTINJECT_INT4_GROUP=32|64|128
-    sets it instead (read at each call: comparisons in one process)."""
-    try:
-        forced = envs.get("KTINJECT_INT4_GROUP")  # None, or one of GROUP_SIZES as text
-    except ValueError as e:  # (names the variable and the sizes)
-        raise NativeError(ERR_SHAPE, str(e)) from None
-    if forced:
-        return int(forced)
-    return 128 if hidden % 128 == 0 and intermediate % 128 == 0 else 64
-
-
-def _multiple_of_16(name: str, value: Any, hi: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value > hi or value % 16:
-        raise NativeError(ERR_SHAPE, f"{name} = {value!r} (expected a multiple of 16 from 16 to {hi}: {what})")
-    return value
-
-
-def _mxfp4_args(group_size: Any, hidden: int, intermediate: int) -> int:
-    """mxfp4's group (32 or None) and sizes (multiples of 32: a scale per 32 inputs of every row)."""
-    if group_size is not None and (isinstance(group_size, bool) or group_size != MXFP4_GROUP):
-        raise NativeError(ERR_SHAPE, f"group_size = {group_size!r} for mxfp4 (its e8m0 scales are per 32 inputs: "
-                                     f"pass 32 or None)")
-    if hidden % MXFP4_GROUP or intermediate % MXFP4_GROUP:
-        raise NativeError(ERR_SHAPE, f"hidden = {hidden}, intermediate = {intermediate}: mxfp4 experts need both to "
-                                     f"be multiples of 32 (a scale per 32 inputs); use quant fp8, int8, int4 or bf16 "
-                                     f"for these sizes")
-    return MXFP4_GROUP
-
-
-def _quant_args(quant: Any, group_size: Any, hidden: int, intermediate: int) -> int:
-    """Check quant and group_size (int4: 32, 64 or 128, validated for every quant but fp8 and mxfp4; None:
-    default_group_size; fp8: a multiple of 16 up to 512, None: 128; mxfp4: 32, None: 32, with hidden and
-    intermediate multiples of 32); returns the group size."""
-    if quant not in QUANTS:
-        raise NativeError(ERR_DTYPE, f"quant = {quant!r} (expected one of {', '.join(QUANTS)})")
-    if quant == "mxfp4":
-        return _mxfp4_args(group_size, hidden, intermediate)
-    if quant == "fp8":
-        return FP8_DEFAULT_BLOCK if group_size is None else _multiple_of_16(
-            "group_size", group_size, FP8_MAX_GROUP, "fp8 inputs per scale")
-    if group_size is None:  # (the group means nothing to bf16 / int8: no environment read for them)
-        return default_group_size(hidden, intermediate) if quant == "int4" else 64
-    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
-        raise NativeError(ERR_SHAPE, f"group_size = {group_size!r} (expected one of "
-                                     f"{', '.join(map(str, GROUP_SIZES))}: int4 inputs per scale)")
-    return int(group_size)
-
-
-def _block_rows_arg(quant: str, block_rows: Any) -> int:
-    """fp8's output rows per scale (None: 128); 0 for the other quants, which take none."""
-    if quant != "fp8":
-        if block_rows is not None:
-            raise NativeError(ERR_SHAPE, f"block_rows = {block_rows!r}: only fp8 experts have block scales")
-        return 0
-    if block_rows is None:
-        return FP8_DEFAULT_BLOCK
-    return _multiple_of_16("block_rows", block_rows, _FP8_MAX_BLOCK_ROWS, "fp8 output rows per scale")
-
-
-def _which(which: Any) -> int:
-    if which in MATRICES:
-        return MATRICES[which]
-    raise NativeError(ERR_SHAPE, f"which = {which!r} is not a matrix (expected 'gate', 'up' or 'down')")
 
 
 class Experts:
@@ -125,8 +54,8 @@ class Experts:
         self.num_experts = checked_int("num_experts", num_experts)
         self.hidden = checked_int("hidden", hidden)
         self.intermediate = checked_int("intermediate", intermediate)
-        self.group_size = _quant_args(quant, group_size, self.hidden, self.intermediate)
-        self.block_rows = _block_rows_arg(quant, block_rows)
+        self.group_size = checked_group_size(quant, group_size, self.hidden, self.intermediate)
+        self.block_rows = checked_block_rows(quant, block_rows)
         self.quant, self.activation, self.bias = quant, activation, bool(bias)
         self.alpha, self.limit = float(alpha), float(limit)
         cfg = ffi.new("ktk_experts_config *", {
@@ -141,7 +70,7 @@ class Experts:
     @staticmethod
     def checked_group_size(quant: str, group_size: int | None, hidden: int, intermediate: int) -> int:
         """The group size these arguments give (None: ``default_group_size``), or NativeError naming the bad one."""
-        return _quant_args(quant, group_size, hidden, intermediate)
+        return checked_group_size(quant, group_size, hidden, intermediate)
 
     def __repr__(self) -> str:
         group = f", group_size={self.group_size}" if self.quant in _GROUPED else ""
@@ -151,7 +80,7 @@ class Experts:
 
     def shape(self, which: str) -> tuple[int, int]:
         """[out, in] of one matrix: gate/up [I, H], down [H, I]."""
-        w = _which(which)
+        w = matrix_index(which)
         return (self.intermediate, self.hidden) if w < 2 else (self.hidden, self.intermediate)
 
     def _expert(self, expert: Any) -> int:
@@ -161,7 +90,7 @@ class Experts:
     def set(self, expert: int, which: str, weight: torch.Tensor) -> None:
         """Pack one matrix [out, in] (any strides; float32/bfloat16/float16); the tensor may be freed afterwards."""
         _, lib = ffi_lib()
-        e, w = self._expert(expert), _which(which)
+        e, w = self._expert(expert), matrix_index(which)
         weight = checked_tensor(f"{which} weight of expert {e}", weight, _WEIGHT_DTYPES, self.shape(which),
                                 contiguous=False)
         check_rc(lib.ktk_experts_set(self._p, e, w, pointer(weight), DTYPES[weight.dtype], weight.stride(0),
@@ -172,7 +101,7 @@ class Experts:
         (int8: -127..127, int4: -8..7), ``scale`` float [out, groups] (int8: groups 1; int4: ceil(in / group_size)),
         value = q * scale (e.g. a GGUF Q4_0 or compressed-tensors int4 release)."""
         _, lib = ffi_lib()
-        e, w = self._expert(expert), _which(which)
+        e, w = self._expert(expert), matrix_index(which)
         out, inp = self.shape(which)
         groups = 1 if self.quant == "int8" else -(-inp // self.group_size)
         q = checked_tensor(f"{which} values of expert {e}", q, (torch.int8,), (out, inp), contiguous=False)
@@ -186,7 +115,7 @@ class Experts:
         uint8), ``scale`` float32 [ceil(out / block_rows), ceil(in / group_size)] (weight_scale_inv: value = q *
         scale of its block). NativeError(KTK_ERR_RANGE) names a NaN code or a non-finite scale (nothing is stored)."""
         _, lib = ffi_lib()
-        e, w = self._expert(expert), _which(which)
+        e, w = self._expert(expert), matrix_index(which)
         out, inp = self.shape(which)
         if self.quant != "fp8":
             raise NativeError(ERR_DTYPE, f"set_fp8: experts of quant {self.quant!r} (float8 e4m3 values are stored "
@@ -205,7 +134,7 @@ class Experts:
         float8_e8m0fnu). Rows may be strided (e.g. every other row of a fused gate_up), each row's bytes
         consecutive. NativeError(KTK_ERR_RANGE) names a scale byte 255 (e8m0's NaN; nothing is stored)."""
         _, lib = ffi_lib()
-        e, w = self._expert(expert), _which(which)
+        e, w = self._expert(expert), matrix_index(which)
         out, inp = self.shape(which)
         if self.quant != "mxfp4":
             raise NativeError(ERR_DTYPE, f"set_mxfp4: experts of quant {self.quant!r} (e2m1 blocks are stored only "
@@ -225,7 +154,7 @@ class Experts:
     def set_bias(self, expert: int, which: str, bias: torch.Tensor) -> None:
         """Bias [out] of one matrix (experts created with bias=True)."""
         _, lib = ffi_lib()
-        e, w = self._expert(expert), _which(which)
+        e, w = self._expert(expert), matrix_index(which)
         bias = checked_tensor(f"{which} bias of expert {e}", bias, _WEIGHT_DTYPES, self.shape(which)[:1],
                               contiguous=False)
         bias = bias.contiguous()
@@ -236,7 +165,7 @@ class Experts:
         float32 [out, in]; written into ``out`` (contiguous float32 of that shape, e.g. a pinned buffer) when given,
         with no torch kernel."""
         _, lib = ffi_lib()
-        e, w = self._expert(expert), _which(which)
+        e, w = self._expert(expert), matrix_index(which)
         if out is None:
             dst = torch.empty(self.shape(which), dtype=torch.float32)
         else:
@@ -259,7 +188,7 @@ class Experts:
         bytes (block_rows does not change the size); mxfp4 is half a byte per weight plus an e8m0 byte per (padded)
         output row and 32 inputs, rounded up to 64 bytes; biases are float per (padded) output row; each expert's
         region is a multiple of 64 bytes."""
-        G = _quant_args(quant, group_size, hidden, intermediate)
+        G = checked_group_size(quant, group_size, hidden, intermediate)
         E, H, I = num_experts, hidden, intermediate
         up = lambda x, m: -(-x // m) * m  # noqa: E731
         total = 0
@@ -421,7 +350,7 @@ class Experts:
         f32/bf16 (default f32), written. Float arithmetic with the stored weights dequantized (the values ``get``
         gives) and x as given (ktk_experts_project in the header): the base products of training's expert LoRA."""
         _, lib = ffi_lib()
-        w = _which(which)
+        w = matrix_index(which)
         n_out, n_in = self.shape(which)
         if transpose:
             n_out, n_in = n_in, n_out
@@ -441,59 +370,3 @@ class Experts:
 
 
 Experts.__module__ = "ktinject.native"  # where users import it from
-
-
-# ---- zero-copy views of packed experts (ktk_experts_raw / ktk_experts_region) ----
-class RawMatrix(NamedTuple):
-    """One packed matrix of one expert, as ktk_experts_raw describes it: addresses (ints) inside the experts' packed
-    storage, valid while the native.Experts lives. Layouts (native/src/kernels/kernels.h): bf16 data = bf16 bits
-    [Np/16][Kp/2][16][2]; int8 data = int8 [Np/16][Kp/4][16][4] with value q * scale[n]; int4 data = nibbles
-    [Np/16][Kp/8][16][4] (low nibble inputs 8r..8r+3, high 8r+4..8r+7) with scale [Np/16][Kp/G][16]; fp8 data = e4m3
-    bytes [Np/16][Kp][16] with scale [Np/16][ceil(Kp/G)] (value e4m3 * scale of the 16-row block); mxfp4 data = e2m1
-    nibbles [Np/16][Kp/8][16][4] (byte j of a 4-byte word: inputs 8r+2j (low) and 8r+2j+1 (high)) with ``scale`` the
-    address of e8m0 bytes (uint8, not float) [Np/16][Kp/32][16] (value e2m1 * 2^(e - 127)). ``scale``/``bias``
-    are 0 when absent (bf16 / no bias); ``expert``, ``expert_bytes``: the expert's whole region (all its matrices)."""
-
-    quant: str
-    N: int
-    K: int
-    Np: int
-    Kp: int
-    data: int
-    data_bytes: int
-    scale: int
-    bias: int
-    expert: int
-    expert_bytes: int
-
-
-def experts_raw(experts: Any, expert: int, which: str) -> RawMatrix:
-    """ktk_experts_raw for a ktinject.native.Experts (every quant): NativeError(KTK_ERR_RANGE) for a bad expert or
-    matrix."""
-    ffi, lib = ffi_lib()
-    if which not in MATRICES:
-        raise NativeError(ERR_RANGE, f"which = {which!r} is not a matrix (expected 'gate', 'up' or 'down')")
-    e = checked_int("expert", expert, 0, int(experts.num_experts) - 1, code=ERR_RANGE)
-    out = ffi.new("ktk_raw *")
-    check_rc(lib.ktk_experts_raw(experts._p, e, MATRICES[which], out))
-    addr = lambda p: int(ffi.cast("uintptr_t", p))  # noqa: E731  (NULL -> 0)
-    quant = {v: k for k, v in QUANTS.items()}.get(out.quant, str(out.quant))
-    return RawMatrix(quant, out.N, out.K, out.Np, out.Kp, addr(out.data), int(out.data_bytes), addr(out.scale),
-                     addr(out.bias), addr(out.expert), int(out.expert_bytes))
-
-
-def experts_region(experts: Any) -> tuple[int, int]:
-    """(address, bytes) of a ktinject.native.Experts' packed storage (ktk_experts_region): one page-aligned mapping
-    that lives as long as the Experts object."""
-    ffi, lib = ffi_lib()
-    base, nbytes = ffi.new("const void **"), ffi.new("int64_t *")
-    check_rc(lib.ktk_experts_region(experts._p, base, nbytes))
-    return int(ffi.cast("uintptr_t", base[0])), int(nbytes[0])
-
-
-def experts_region_view(experts: Any) -> tuple[int, torch.Tensor]:
-    """(address, uint8 CPU tensor [nbytes]) over a ktinject.native.Experts' packed storage (zero copy): valid while
-    the Experts object lives, so keep a reference to it beside the tensor."""
-    ffi, _ = ffi_lib()
-    addr, nbytes = experts_region(experts)
-    return addr, torch.frombuffer(ffi.buffer(ffi.cast("char *", addr), nbytes), dtype=torch.uint8)

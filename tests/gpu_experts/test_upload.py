@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ktinject import native as kn
-from ktinject.native.experts import experts_raw, experts_region
+from ktinject.native.packed_views import experts_raw, experts_region
 from ktinject.gpu_experts.hot.bank import HotExperts
 from ktinject.gpu_experts.hot.upload import (
     PackedRegion, StagingPool, Uploader, expert_layout, unpack_experts, unpack_matrix,

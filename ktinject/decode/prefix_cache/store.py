@@ -68,7 +68,7 @@ def _weights_fingerprint(model) -> list:
 def _experts_fingerprint(model) -> list:
     """(module name, sampled bytes) of every routed-experts module's packed storage (``native_experts``, in the
     native core's memory: not a parameter), so two models that differ only in their experts' values differ."""
-    from ktinject.native.experts import experts_region_view
+    from ktinject.native.packed_views import experts_region_view
 
     out = []
     for name, m in model.named_modules():
