@@ -712,7 +712,7 @@ def test_activation_and_quantize_rows(tmp_path, c_test_builder):
 
 
 @SANITIZER_BUILDS
-@pytest.mark.parametrize("sanitizer, n", [("thread", 20000), ("address,undefined", 100000)])
+@pytest.mark.parametrize("sanitizer, n", [("thread", 8000), ("address,undefined", 40000)])
 def test_pool_wakeups(tmp_path, c_test_builder, sanitizer, n):
     """native/tests/test_wakeup.c: n tight submit / wait rounds on 1- and 2-thread pools, then submits racing the
     pool's destroy, under a watchdog (a task queued between the pool thread's look at the queue and its sleep was
