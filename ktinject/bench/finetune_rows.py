@@ -9,7 +9,8 @@
     hf-gpu      the whole HF model on the GPU (the reference), PEFT on the attention and the fused experts
 
 The loop is ``ktinject finetune``'s (AdamW, no autocast: bf16 weights on a GPU, float32 adapters): per step zero the
-gradients, forward with the labels, backward, step, the loss read (a sync). The first ``warmup`` steps are not timed;
+gradients, forward with the labels (``ktinject.train.loss``: the LM head and loss over chunks of positions), backward,
+step, the loss read (a sync). The first ``warmup`` steps are not timed;
 the first of them also counts the bytes each decoder layer saves for the backward on the model's device (its
 activations) and, for the ktinject row, a no-grad forward of the same batch before PEFT gives the inference peak.
 Memory: ``torch.cuda.max_memory_allocated`` from the row's start, less what other rows left allocated.
@@ -143,6 +144,8 @@ def train(model, ids: torch.Tensor, steps: int, warmup: int, lr: float, device,
           acts: LayerActivations | None = None) -> tuple[list[float], list[float]]:
     """(timed step seconds, every step's loss) of ``warmup`` + ``steps`` steps on ``ids`` [B, S]; ``acts`` counts
     the first step's saved activations."""
+    from ktinject.train.loss import causal_lm_loss
+
     opt = torch.optim.AdamW(trainable(model), lr=lr, weight_decay=0.0)
     model.train()
     times, losses = [], []
@@ -152,9 +155,9 @@ def train(model, ids: torch.Tensor, steps: int, warmup: int, lr: float, device,
         opt.zero_grad(set_to_none=True)
         if acts is not None and step == 0:
             with acts:
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss = causal_lm_loss(model, ids, ids)
         else:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = causal_lm_loss(model, ids, ids)
         loss.backward()
         opt.step()
         losses.append(loss.item())

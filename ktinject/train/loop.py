@@ -36,6 +36,7 @@ from ktinject.injection import lora as lora_merge
 from ktinject.operators import expert_lora
 from ktinject.operators.base import OperatorError
 from ktinject.train import data
+from ktinject.train.loss import causal_lm_loss
 
 log = logging.getLogger(__name__)
 
@@ -258,8 +259,8 @@ def finetune(config: FinetuneConfig, progress: bool = True, report=None) -> Fine
         loss_sum = 0.0
         for _ in range(config.grad_accum):
             part = train.take(next(batches))
-            loss = model(input_ids=part.input_ids.to(device), attention_mask=part.attention_mask.to(device),
-                         labels=part.labels.to(device)).loss / config.grad_accum
+            loss = causal_lm_loss(model, part.input_ids.to(device), part.labels.to(device),
+                                  part.attention_mask.to(device)) / config.grad_accum
             loss.backward()
             loss_sum += loss.item()
             tokens += int(part.attention_mask.sum())
