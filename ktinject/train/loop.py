@@ -187,12 +187,11 @@ def perplexity(model: nn.Module, blocks: data.Blocks, batch: int, device) -> flo
     with torch.no_grad():
         for i in range(0, len(blocks), batch):
             part = blocks.take(slice(i, i + batch))
-            logits = model(input_ids=part.input_ids.to(device),
-                           attention_mask=part.attention_mask.to(device)).logits  # [B, S, V]
-            labels = part.labels.to(device)[:, 1:]
-            total += torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(),
-                                                       ignore_index=data.IGNORE, reduction="sum").item()
-            count += int((labels != data.IGNORE).sum())
+            labels = part.labels.to(device)
+            n = int((labels[:, 1:] != data.IGNORE).sum())
+            mean = causal_lm_loss(model, part.input_ids.to(device), labels, part.attention_mask.to(device))
+            total += float(mean) * n
+            count += n
     model.train(was_training)
     return math.exp(total / max(count, 1))
 
