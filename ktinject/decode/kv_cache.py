@@ -31,7 +31,7 @@ import torch
 from ktinject import compat
 from ktinject.decode import linear_attention_state as linear_state
 
-MASK_TYPES = ("full_attention", "sliding_attention")
+MASK_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 def _static_layer_class():
@@ -290,7 +290,8 @@ def mask_layout(config) -> tuple[bool, int | None, int | None]:
     """(the model takes a dict of masks per layer type, its full layers' window, its sliding layers' window).
 
     Models with ``layer_types`` naming sliding layers (gpt-oss, Qwen2-MoE) take {"full_attention": ...,
-    "sliding_attention": ...}, hybrid ones (Qwen3-Next, Qwen3.5) {"full_attention": ..., "linear_attention": ...};
+    "sliding_attention": ...}, hybrid ones (Qwen3-Next, Qwen3.5) {"full_attention": ..., "linear_attention": ...},
+    Llama 4 {"full_attention": ..., "chunked_attention": ...};
     the others one mask, windowed when the config has a sliding window (Mixtral, Qwen3 with use_sliding_window: HF
     then builds its mask with create_sliding_window_causal_mask)."""
     config = linear_state.text_config(config)
@@ -298,7 +299,7 @@ def mask_layout(config) -> tuple[bool, int | None, int | None]:
     types = getattr(config, "layer_types", None) or ()
     if "sliding_attention" in types:
         return True, None, window
-    return linear_state.LINEAR in types, window, window
+    return linear_state.LINEAR in types or "chunked_attention" in types, window, window
 
 
 def linear_attention_mask(lengths: torch.Tensor, S: int, pad2d: torch.Tensor | None) -> torch.Tensor | None:
@@ -319,7 +320,8 @@ def attention_masks(config, lengths: torch.Tensor, S: int, L: int, pad2d: torch.
                     float_dtype: torch.dtype | None = None):
     """The masks of a forward of S tokens per row on rows whose lengths before it are ``lengths`` [B]: [B, 1, S, L],
     True (or 0.0) where query s of row b may see key j: j <= lengths[b] + s, within the window for sliding layers,
-    and ``pad2d`` [B, n <= L] (1 = real token; positions past n count as real) allows j. Bool masks, or additive
+    in the query's chunk of ``attention_chunk_size`` positions for chunked layers (Llama 4: chunks counted from the
+    row's first real token, as Hugging Face's create_chunked_causal_mask counts them), and ``pad2d`` [B, n <= L] (1 = real token; positions past n count as real) allows j. Bool masks, or additive
     float masks of ``float_dtype`` (eager attention). A dict per layer type where the model takes one (its
     "linear_attention" entry: ``linear_attention_mask``)."""
     takes_dict, full_window, sliding_window = mask_layout(config)
@@ -333,8 +335,9 @@ def attention_masks(config, lengths: torch.Tensor, S: int, L: int, pad2d: torch.
             pad = torch.nn.functional.pad(pad, (0, L - pad.shape[1]), value=True)
         causal = causal & pad[:, None, :]
 
-    def finish(window):
+    def finish(window, within=None):
         m = causal if window is None else causal & (j > q[:, :, None] - window)
+        m = m if within is None else m & within
         m = m[:, None]  # [B, 1, S, L]
         if float_dtype is None:
             return m
@@ -346,7 +349,23 @@ def attention_masks(config, lengths: torch.Tensor, S: int, L: int, pad2d: torch.
     types = getattr(linear_state.text_config(config), "layer_types", None) or ()
     if linear_state.LINEAR in types:
         return {"full_attention": finish(full_window), linear_state.LINEAR: linear_attention_mask(lengths, S, pad2d)}
+    if "chunked_attention" in types:
+        return {"full_attention": finish(full_window), "chunked_attention": finish(None, _chunks(
+            linear_state.text_config(config), lengths, j, q, pad2d))}
     return {"full_attention": finish(full_window), "sliding_attention": finish(sliding_window)}
+
+
+def _chunks(config, lengths: torch.Tensor, j: torch.Tensor, q: torch.Tensor,
+            pad2d: torch.Tensor | None) -> torch.Tensor:
+    """[B, S, L]: key j in query q's chunk of the config's ``attention_chunk_size``, chunks counted from each row's
+    first real token (its left padding: the leading zeros of ``pad2d``)."""
+    size = int(config.attention_chunk_size)
+    lead = torch.zeros_like(lengths)
+    if pad2d is not None:
+        real = pad2d.to(device=lengths.device, dtype=torch.bool)
+        lead = (~real).to(torch.int64).cumprod(1).sum(1)  # [B]
+    lead = lead[:, None, None]
+    return (j - lead).div(size, rounding_mode="floor") == (q[:, :, None] - lead).div(size, rounding_mode="floor")
 
 
 def mask_float_dtype(model) -> torch.dtype | None:

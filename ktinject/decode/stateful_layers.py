@@ -5,7 +5,8 @@ replay, and the gated-DeltaNet layers' conv windows and recurrent matrices of Qw
 (``linear_attention_state.py``): those families decode through ktinject's path like the others (graphs on CUDA).
 Some families keep other state between steps, written through Hugging Face cache methods the KVCache does not have:
 the lightning indexer of DeepSeek-V3.2 and GLM-5 (its own key cache, ``update_indexer``). Layer types whose masks
-the KVCache's ``attention_masks`` does not build (Llama 4's chunked attention) are another such case. A model with
+the KVCache's ``attention_masks`` does not build are another such case (it builds full, sliding-window and Llama 4's
+chunked-attention masks). A model with
 such a part decodes through Hugging Face's ``generate`` and its own cache, one eager forward per step: no graph, no
 fast decode attention. ``eager_decode_reason`` names the part, so the plan, the inject line and the fast-path
 report (``graph_decode``) say why, never a silent slow path.
