@@ -256,3 +256,51 @@ def greedy_margins(ref, seq: torch.Tensor, mask: torch.Tensor, prompt_len: int) 
     pred = logits[:, prompt_len - 1:-1]  # [B, N, V] predicting seq[:, prompt_len:]
     chosen = pred.gather(-1, seq[:, prompt_len:, None]).squeeze(-1)
     return pred.max(-1).values - chosen
+
+
+def graph_generate(inj, ids: torch.Tensor, mask: torch.Tensor, n: int, graphs: bool):
+    """(ktinject.generate's n greedy tokens with CUDA graphs on or off, the runner that decoded them)."""
+    from ktinject.decode.generate import get_runner
+
+    runner = get_runner(inj, use_graphs=graphs)
+    out = ktinject.generate(inj, ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                            pad_token_id=0, eos_token_id=None)
+    return out, runner
+
+
+# ---- the serving engine's rows: each request alone, then all at once ------------------------------------------------
+
+def engine_alone_and_together(model, prompts: list[list[int]], max_tokens: int, **config) -> tuple[list, list]:
+    """Greedy token ids of each prompt through a serving engine on ``model`` (EngineConfig ``config``), first one
+    request at a time, then all from threads at once (rows at different positions in one step)."""
+    import threading
+
+    from ktinject.serve.engine import Engine, EngineConfig
+    from ktinject.serve.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    together = [None] * len(prompts)
+    with Engine(model, None, EngineConfig(**config)) as engine:
+        alone = [engine.generate(p, greedy, timeout=300).token_ids for p in prompts]
+
+        def one(i):
+            together[i] = engine.generate(prompts[i], greedy, timeout=300).token_ids
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return alone, together
+
+
+def assert_starts_as_hf_generate(model, prompts: list[list[int]], got: list[list[int]], max_tokens: int) -> None:
+    """Each of ``got`` (an engine's tokens, ignore_eos) begins with HF's greedy generate of its prompt, which stops at
+    an end-of-sequence token where the engine goes on."""
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or ())
+    for p, tokens in zip(prompts, got):
+        ref = type(model).generate(model, torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                                   pad_token_id=0)
+        tail = ref[0, len(p):].tolist()
+        assert tokens[:len(tail)] == tail and (len(tail) == max_tokens or tail[-1] in eos)

@@ -68,7 +68,13 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
             self.cumulative_length = lengths[0]  # HF reads this 0-d tensor as "the" length (row 0's)
             self.source = source
             self._arange = torch.arange(max_len, device=lengths.device)
-            if source is not None and source[0].is_initialized:
+            self.index_keys = None  # [N, L, D]: DSA's lightning-indexer keys (update_indexer), where the model has one
+            self.follow_source()
+
+        def follow_source(self) -> None:
+            """A view made before its parent held storage takes the parent's rows once the parent has them (a
+            forward through another view of the same rows initializes the parent, not this view)."""
+            if not self.is_initialized and self.source is not None and self.source[0].is_initialized:
                 self._take_view()
 
         def _take_view(self) -> None:
@@ -101,6 +107,29 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
                                      value_states.to(self.values.dtype))
             self.row_lengths[:B].add_(S)
             return self.keys[:B], self.values[:B]
+
+        def indexer_buffer(self) -> torch.Tensor | None:
+            """The indexer keys [rows, L, D] of this layer (a view's: its rows of the parent's), None before the
+            first ``update_indexer``."""
+            if self.index_keys is None and self.source is not None:
+                parent, a, b = self.source
+                if parent.index_keys is not None:
+                    self.index_keys = parent.index_keys[a:b]
+            return self.index_keys
+
+        def update_indexer(self, index_states: torch.Tensor) -> torch.Tensor:
+            """Write the lightning indexer's keys [B, S, D] of rows 0..B-1 at the positions this layer's ``update``
+            has just written (the attention calls it first, so the rows' lengths already count these S tokens);
+            the keys [B, L, D] of those rows (positions past a row's length are masked, as K/V's)."""
+            if self.indexer_buffer() is None:
+                owner = self.source[0] if self.source is not None else self
+                owner.index_keys = torch.zeros((owner.row_lengths.shape[0], self.max_cache_len, index_states.shape[-1]),
+                                               dtype=index_states.dtype, device=index_states.device)
+                self.indexer_buffer()
+            B, S, D = index_states.shape
+            idx = (self.row_lengths[:B, None] - S + self._arange[:S]).view(B, S, 1)  # [B, S, 1]
+            self.index_keys[:B].scatter_(1, idx.expand(B, S, D), index_states.to(self.index_keys.dtype))
+            return self.index_keys[:B]
 
         def get_seq_length(self, *args, **kwargs):
             return self.cumulative_length if self.is_initialized else 0
@@ -159,9 +188,16 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
                     j += 1
             return KVCache(layers, b - a, self.max_len, base.lengths[:, a0:b0], base, a0, base.linear)
 
+        def update_indexer(self, index_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+            """DeepSeek Sparse Attention's indexer keys of layer ``layer_idx`` (``KVLayer.update_indexer``)."""
+            return self.layers[layer_idx].update_indexer(index_states)
+
         def kv_layers(self) -> list:
             """The layers that hold K/V (every layer but the linear-attention ones)."""
-            return [layer for layer in self.layers if not linear_state.is_linear_layer(layer)]
+            layers = [layer for layer in self.layers if not linear_state.is_linear_layer(layer)]
+            for layer in layers:
+                layer.follow_source()
+            return layers
 
         @property
         def row_lengths(self) -> torch.Tensor:
@@ -170,6 +206,7 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
 
         @property
         def initialized(self) -> bool:
+            self.kv_layers()  # views follow a parent initialized through another view
             return all(layer.is_initialized for layer in self.layers)
 
         def reset_rows(self, rows) -> None:
@@ -196,6 +233,9 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
                 if layer.is_initialized:
                     layer.keys[dst, :, :n].copy_(layer.keys[src, :, :n])
                     layer.values[dst, :, :n].copy_(layer.values[src, :, :n])
+                index = layer.indexer_buffer()
+                if index is not None:
+                    index[dst, :n].copy_(index[src, :n])
             self.lengths[:, dst].copy_(self.lengths[:, src])
             if self.linear is not None:
                 linear_state.copy_rows(self.linear, self.first + src, self.first + dst)

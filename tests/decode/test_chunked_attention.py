@@ -14,6 +14,8 @@ from ktinject.decode import kv_cache
 from ktinject.decode.generate import disable, get_runner
 from ktinject.tiny_models import build_tiny_model, missing_reason, tiny_prompts
 
+from tests.references import assert_starts_as_hf_generate, engine_alone_and_together
+
 
 def _model():
     why = missing_reason("llama4")
@@ -65,31 +67,9 @@ def test_generate_through_the_kv_cache_equals_hf_generate(quant):
 def test_the_serving_engine_s_mixed_rows_get_what_each_gets_alone():
     """Rows at different positions in one step (chunked prefills of 8, rows reused): each request's greedy tokens
     are those it gets alone and HF's generate's."""
-    import threading
-
-    from ktinject.serve.engine import Engine, EngineConfig
-    from ktinject.serve.sampling import SamplingParams
-
     model = _model()
     ktinject.inject(model, gpu="cpu")
-    greedy = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
     prompts = [tiny_prompts(1, n, seed=n)[0].tolist() for n in (1, 6, 13, 19)]
-    together = [None] * len(prompts)
-    with Engine(model, None, EngineConfig(max_batch=3, max_context=48, prefill_chunk=8)) as engine:
-        alone = [engine.generate(p, greedy, timeout=300).token_ids for p in prompts]
-
-        def one(i):
-            together[i] = engine.generate(prompts[i], greedy, timeout=300).token_ids
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    alone, together = engine_alone_and_together(model, prompts, 7, max_batch=3, max_context=48, prefill_chunk=8)
     assert together == alone
-    eos = model.generation_config.eos_token_id
-    eos = {eos} if isinstance(eos, int) else set(eos or ())
-    for p, got in zip(prompts, alone):
-        ref = type(model).generate(model, torch.tensor([p]), max_new_tokens=7, do_sample=False, pad_token_id=0)
-        tail = ref[0, len(p):].tolist()  # HF's stops at an end-of-sequence token, the engine's (ignore_eos) goes on
-        assert got[:len(tail)] == tail and (len(tail) == 7 or tail[-1] in eos)
+    assert_starts_as_hf_generate(model, prompts, alone, 7)

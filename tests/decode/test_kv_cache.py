@@ -117,6 +117,22 @@ def test_row_operations():
         cache.import_row(0, saved[:1])
 
 
+def test_a_view_made_before_its_cache_held_storage_reads_it_later():
+    """A view of rows taken from an empty cache, then a forward through another view of those rows: the first view
+    sees the written K/V (the prefix cache exports a row through such a view)."""
+    model = _model("qwen3_moe")
+    prompt = _prompts()[1]
+    cache = kv_cache.new(model.config, 2, 32, "cpu")
+    early = cache.rows(0, 2)
+    with torch.no_grad():
+        kv_cache.forward(model, early.rows(0, 1), prompt)
+    assert early.initialized
+    (k, v), ref = early.export_row(0)[0], _fresh(model, prompt).export_row(0)[0]
+    assert torch.equal(k, ref[0]) and torch.equal(v, ref[1])
+    early.copy_row(0, 1)
+    assert torch.equal(cache.layers[0].keys[1, :, :7], cache.layers[0].keys[0, :, :7])
+
+
 def _fresh(model, prompt):
     cache = kv_cache.new(model.config, 1, 32, "cpu")
     kv_cache.forward(model, cache, prompt)

@@ -17,7 +17,7 @@ from ktinject.decode import kv_cache
 from ktinject.decode.generate import get_runner
 from ktinject.tiny_models import missing_reason, tiny_prompts
 
-from tests.references import greedy_margins, pair
+from tests.references import graph_generate, greedy_margins, pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -45,33 +45,26 @@ def _prompts(batch: int, length: int, seed: int):
     return ids, mask
 
 
-def _generate(inj, ids, mask, graphs: bool):
-    runner = get_runner(inj, use_graphs=graphs)
-    out = ktinject.generate(inj, ids, attention_mask=mask, max_new_tokens=N, min_new_tokens=N, do_sample=False,
-                            pad_token_id=0, eos_token_id=None)
-    return out, runner
-
-
 @pytest.mark.parametrize("batch", [1, 2])
 def test_graph_decode_equals_eager_and_hf(models, batch):
     ref, inj = models
     ids, mask = _prompts(batch, 9, seed=batch)
-    eager, _ = _generate(inj, ids, mask, graphs=False)
-    graph, runner = _generate(inj, ids, mask, graphs=True)
+    eager, _ = graph_generate(inj, ids, mask, N, graphs=False)
+    graph, runner = graph_generate(inj, ids, mask, N, graphs=True)
     assert not runner.stats.capture_failures, runner.stats.capture_failures
     assert runner.stats.captures == 1 and runner.stats.replays == N - 1 and runner.stats.eager_decode == 0
     assert runner.kv.linear is not None and runner.kv.linear.nbytes() > 0
     assert torch.equal(graph, eager)
     assert float(greedy_margins(ref, graph, mask, ids.shape[1]).max()) <= MARGIN
-    again, runner = _generate(inj, ids, mask, graphs=True)  # the same graph, the rows' states reset in place
+    again, runner = graph_generate(inj, ids, mask, N, graphs=True)  # the same graph, the rows' states reset in place
     assert runner.stats.captures == 1 and torch.equal(again, graph)
 
 
 def test_one_token_prompt_graph(models):
     ref, inj = models
     ids, mask = _prompts(1, 1, seed=5)
-    eager, _ = _generate(inj, ids, mask, graphs=False)
-    graph, runner = _generate(inj, ids, mask, graphs=True)
+    eager, _ = graph_generate(inj, ids, mask, N, graphs=False)
+    graph, runner = graph_generate(inj, ids, mask, N, graphs=True)
     assert not runner.stats.capture_failures and torch.equal(graph, eager)
 
 

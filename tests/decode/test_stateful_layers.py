@@ -16,7 +16,7 @@ from ktinject.decode.graph_capture import decoder_layers
 from ktinject.decode.stateful_layers import eager_decode_reason
 from ktinject.tiny_models import build_tiny_model, missing_reason, tiny_prompts
 
-STATEFUL = {"deepseek_v32": "DeepseekV32Indexer", "glm_moe_dsa": "GlmMoeDsaIndexer", "deepseek_v4": "DeepseekV4Attention"}
+STATEFUL = {"deepseek_v4": "DeepseekV4Attention"}
 
 
 def _tiny(family: str, **kw):
@@ -56,7 +56,7 @@ def test_generate_runs_hf_generate_and_cache(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "kimi_k25", "minimax_m2", "qwen3_next",
-                                    "qwen3_5_moe", "llama4"])
+                                    "qwen3_5_moe", "llama4", "deepseek_v32", "glm_moe_dsa"])
 def test_other_families_keep_the_graph_path(family):
     model = _tiny(family)
     assert eager_decode_reason(model) is None

@@ -1,0 +1,76 @@
+"""DeepSeek Sparse Attention's lightning-indexer keys in ktinject's KVCache (DeepSeek-V3.2, GLM-5): each layer keeps
+them per row beside K/V (``update_indexer``: written at the positions ``update`` has just written, at a fixed
+address a CUDA graph replays), so these models decode through ktinject's path. Greedy tokens of
+``ktinject.generate`` equal HF's generate for prompts longer than the indexer's top-k (so it selects), with
+left-padded rows; the serving engine's mixed rows equal each request alone; ``copy_row`` copies the indexer keys;
+the prefix cache stays off for them and says why (its blocks do not carry the indexer keys yet)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ktinject
+from ktinject.decode import kv_cache
+from ktinject.decode.generate import disable, get_runner
+from ktinject.decode.prefix_cache import uncacheable_reason
+from ktinject.tiny_models import build_tiny_model, missing_reason, tiny_prompts
+
+from tests.references import assert_starts_as_hf_generate, engine_alone_and_together
+
+FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+
+
+def _model(family):
+    """The family's tiny model with 16 indexer heads: a key's score is a sum over heads of ReLU'd products, so with
+    the tiny config's 2 heads a quarter of the keys score exactly 0, and torch.topk breaks those ties by position
+    differently over HF's T keys than over the cache's max_len (both choices are right; the tokens then differ)."""
+    why = missing_reason(family)
+    if why:
+        pytest.skip(why)
+    return build_tiny_model(family, index_n_heads=16)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_through_the_kv_cache_equals_hf_generate(family):
+    model = _model(family)
+    ktinject.inject(model, gpu="cpu")
+    cfg = model.config.get_text_config(decoder=True)
+    ids = tiny_prompts(2, 14, seed=6)
+    assert ids.shape[1] > cfg.index_topk  # the indexer drops keys
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    try:
+        assert get_runner(model).cache_for(2, 32) is not None
+        ref = type(model).generate(model, ids, **kw)
+        assert torch.equal(ktinject.generate(model, ids, **kw), ref)
+    finally:
+        disable(model)
+    assert "lightning indexer" in uncacheable_reason(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_keep_their_own_indexer_keys_and_copy_them(family):
+    model = _model(family)
+    ktinject.inject(model, gpu="cpu")
+    cache = kv_cache.new(model.config, 3, 24, torch.device("cpu"))
+    ids = tiny_prompts(2, 9, seed=2)
+    with torch.no_grad():
+        kv_cache.forward(model, cache.rows(0, 2), ids)
+    layers = [layer for layer in cache.kv_layers() if layer.indexer_buffer() is not None]
+    assert layers and all(layer.indexer_buffer().shape[:2] == (3, 24) for layer in layers)
+    keys = [layer.indexer_buffer()[:2, :9].clone() for layer in layers]
+    assert all(k.abs().sum() > 0 and not torch.equal(k[0], k[1]) for k in keys)
+    cache.copy_row(1, 2)
+    for layer, k in zip(layers, keys):
+        assert torch.equal(layer.indexer_buffer()[2, :9], k[1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_serving_engine_s_mixed_rows_get_what_each_gets_alone(family):
+    model = _model(family)
+    ktinject.inject(model, gpu="cpu")
+    prompts = [tiny_prompts(1, n, seed=n)[0].tolist() for n in (2, 7, 15)]
+    alone, together = engine_alone_and_together(model, prompts, 6, max_batch=2, max_context=40, prefill_chunk=8)
+    assert together == alone
+    assert_starts_as_hf_generate(model, prompts, alone, 6)
