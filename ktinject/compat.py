@@ -22,6 +22,11 @@ call sites never guess with ``try``/``except``. Checked against each release's s
   ``update_recurrent_state(s, i)``, and ``LinearAttentionCacheLayerMixin`` as the layer's base. ktinject's
   ``LinearLayer`` (``decode/linear_attention_state.py``) has those attributes, so both releases' calls reach the
   same buffers: no entry needed.
+- ``create_masks_for_generate`` (masking_utils) passes ``block_sequence_ids`` to every layer type's mask function;
+  5.17's ``create_chunked_causal_mask`` does not take it, so on a static cache Llama 4's masks raise a TypeError
+  there (fixed by 5.24). ``chunked_masks_for_generate_work()``; ktinject builds those masks itself where not.
+- DeepSeek Sparse Attention's layer type: ``deepseek_sparse_attention`` in 5.17, ``indexed_attention`` in 5.24
+  (``DSA_LAYER_TYPES``); both layers take the full causal mask.
 - ``DeferredStopCheck`` (generation/utils): same signature 5.17-5.24; looked up by name with ``getattr``.
 - Rotary ``__init__(config, device=None)``: ``device`` deprecated in 5.18, removed in 5.24; ktinject passes
   ``config`` alone.
@@ -35,6 +40,8 @@ import re
 
 #: every name the KV cache argument has had in the supported releases, newest first
 CACHE_NAMES = ("cache", "past_key_values")
+#: the ``layer_types`` name of DeepSeek Sparse Attention layers (DeepSeek-V3.2, GLM-5), newest first
+DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
 #: the oldest and newest releases CI tests (pyproject's range is >= LOWEST, < the next minor after NEWEST)
 LOWEST, NEWEST = (5, 17), (5, 24)
 
@@ -54,6 +61,17 @@ def transformers_version() -> tuple[int, int]:
 def cache_kwarg() -> str:
     """The name under which this transformers passes the KV cache: ``cache`` from 5.24, else ``past_key_values``."""
     return "cache" if transformers_version() >= (5, 24) else "past_key_values"
+
+
+@functools.cache
+def chunked_masks_for_generate_work() -> bool:
+    """Whether ``masking_utils.create_masks_for_generate`` can build a "chunked_attention" layer's mask: it passes
+    ``block_sequence_ids``, which ``create_chunked_causal_mask`` takes only in some releases (not 5.17)."""
+    import inspect
+
+    from transformers import masking_utils
+
+    return "block_sequence_ids" in inspect.signature(masking_utils.create_chunked_causal_mask).parameters
 
 
 def cache_from(kwargs) -> object | None:

@@ -133,3 +133,14 @@ def test_cuda_generate_replays_graphs_and_reports_them(family, caplog):
     ref = ktinject.generate(model, prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
                             do_sample=False)
     assert eager.stats.replays == 0 and torch.equal(out, ref)
+
+
+def test_the_chunked_mask_move_is_read_from_the_installed_release():
+    """5.17's create_chunked_causal_mask cannot take the block_sequence_ids that create_masks_for_generate passes
+    (ktinject builds Llama 4's masks there); 5.24's can."""
+    works = compat.chunked_masks_for_generate_work()
+    if compat.transformers_version() == (5, 17):
+        assert not works
+    if compat.transformers_version() >= (5, 24):
+        assert works
+    assert "deepseek_sparse_attention" in compat.DSA_LAYER_TYPES and "indexed_attention" in compat.DSA_LAYER_TYPES

@@ -49,6 +49,7 @@ import torch
 from ktinject import compat
 from ktinject.gpu_experts.prefill.streamer import MIN_CHUNK, streamer_of
 from ktinject.operators.base import on_layout_change
+from ktinject.decode import kv_cache
 from ktinject.decode import linear_attention_state as linear_state
 from ktinject.decode import stateful_layers
 from ktinject.decode.graph_runner import GraphRunner
@@ -214,18 +215,26 @@ def _mask_hook(model, runner: GraphRunner):
     # what HF's prepare_inputs_for_generation would call: the model's own (bound) function, else the library's
     hf_masks = getattr(model, "create_masks_for_generate", None) or masking_utils.create_masks_for_generate
     graphable: dict[int, bool] = {}
+    # a release whose create_masks_for_generate cannot build chunked-attention masks: ours for our caches
+    own_masks = (not compat.chunked_masks_for_generate_work()
+                 and "chunked_attention" in (getattr(linear_state.text_config(model.config), "layer_types", None) or ()))
 
     def create_masks_for_generate(*args, **kwargs):
         embeds, mask, cache = kwargs.get("inputs_embeds"), kwargs.get("attention_mask"), compat.cache_from(kwargs)
-        if (not args and embeds is not None and embeds.dim() == 3 and embeds.shape[1] == 1
-                and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2))
-                and kwargs.get("block_sequence_ids") is None and kwargs.get("or_mask_function") is None
-                and kwargs.get("and_mask_function") is None and any(cache is c for c in runner.caches.values())):
+        plain = (not args and embeds is not None and embeds.dim() == 3
+                 and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2))
+                 and kwargs.get("block_sequence_ids") is None and kwargs.get("or_mask_function") is None
+                 and kwargs.get("and_mask_function") is None and any(cache is c for c in runner.caches.values()))
+        if plain and embeds.shape[1] == 1:
             key = id(cache)
             if key not in graphable:
                 graphable[key] = runner.graphable_cache(cache)
             if graphable[key]:
                 return mask
+        if plain and own_masks:
+            B, S = embeds.shape[:2]
+            return kv_cache.attention_masks(model.config, cache.row_lengths[:B], S, cache.max_len, mask,
+                                            kv_cache.mask_float_dtype(model))
         return hf_masks(*args, **kwargs)
 
     return create_masks_for_generate
@@ -403,8 +412,6 @@ def _prefill_to_checkpoint(model, prefix, input_ids, attention_mask, cache) -> N
     whole block before the last token (in chunks, from what was restored) and store those blocks with the state at
     their end, so a later prompt that starts the same resumes there; HF's generate then prefills the rest. Rows of a
     batch, or padded ones, are left to HF's prefill (and get no checkpoint)."""
-    from ktinject.decode import kv_cache
-
     if input_ids.shape[0] != 1 or not _unpadded(attention_mask):
         return
     block = prefix.block_size

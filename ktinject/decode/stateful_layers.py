@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from ktinject import compat
+
 #: class name -> the state it keeps outside ktinject's KVCache
 UNHELD_STATE = {
     # DeepSeek-V4: a shared K=V sliding window, and in compressed layers the compressors' window buffers, compressed
@@ -92,7 +94,7 @@ def needs_state_checkpoints(model: nn.Module) -> bool:
 
 
 #: layer types whose masks are the full causal mask (their other state is the parts above)
-_FULL_MASK_TYPES = ("linear_attention", "indexed_attention")
+_FULL_MASK_TYPES = ("linear_attention",) + compat.DSA_LAYER_TYPES
 
 
 def _unmasked_layer_types(model: nn.Module) -> str | None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ktinject
+from ktinject import compat
 from ktinject.decode import kv_cache
 from ktinject.decode.generate import disable, get_runner
 from ktinject.tiny_models import build_tiny_model, missing_reason, tiny_prompts
@@ -36,7 +37,8 @@ def test_the_chunked_mask_is_hugging_faces():
     pad[1, :5] = 0  # a left-padded row
     pad[2, :1] = 0
     emb = torch.zeros(B, L, cfg.hidden_size)
-    want = create_chunked_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=pad, cache=None,
+    want = create_chunked_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=pad,
+                                      **{compat.cache_kwarg(): None},
                                       position_ids=torch.arange(L)[None].expand(B, L))
     got = kv_cache.attention_masks(cfg, torch.zeros(B, dtype=torch.long), L, L, pad)["chunked_attention"]
     assert want.dtype == torch.bool and got.shape == want.shape
