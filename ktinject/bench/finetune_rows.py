@@ -145,8 +145,9 @@ def train(model, ids: torch.Tensor, steps: int, warmup: int, lr: float, device,
     """(timed step seconds, every step's loss) of ``warmup`` + ``steps`` steps on ``ids`` [B, S]; ``acts`` counts
     the first step's saved activations."""
     from ktinject.train.loss import causal_lm_loss
+    from ktinject.train.optim import adamw
 
-    opt = torch.optim.AdamW(trainable(model), lr=lr, weight_decay=0.0)
+    opt = adamw(trainable(model), lr)
     model.train()
     times, losses = [], []
     for step in range(warmup + steps):

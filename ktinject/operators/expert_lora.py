@@ -172,8 +172,8 @@ def _stack(per: list[list], block, p: str) -> tuple[torch.Tensor, torch.Tensor]:
     H, I = block.hidden_size, block.intermediate_size
     fan_in, fan_out = (I, H) if p == "expert_down_proj" else (H, I)
     cpu = lambda t: t.to(device="cpu", dtype=torch.float32)  # noqa: E731  (differentiable)
-    rows = [(torch.cat([cpu(a) for a, _, _ in pe]), torch.cat([cpu(b) for _, b, _ in pe], dim=1)) if pe else None
-            for pe in per]
+    rows = [None if not pe else (cpu(pe[0][0]), cpu(pe[0][1])) if len(pe) == 1 else
+            (torch.cat([cpu(a) for a, _, _ in pe]), torch.cat([cpu(b) for _, b, _ in pe], dim=1)) for pe in per]
     r = max(a.shape[0] for a, _ in filter(None, rows))
     As, Bs = [], []
     for ab in rows:

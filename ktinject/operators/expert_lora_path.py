@@ -27,6 +27,8 @@ Legend: T tokens, E experts, H hidden, I expert intermediate, k experts per toke
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -80,24 +82,41 @@ def _masks(seed: int, fac: Factors, rows: _Rows, H: int, I: int) -> dict:
     return {p: torch.cat(v) for p, v in parts.items()}
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one intra-op thread inside: the adapters' products per expert segment are small (a segment's rows
+    by the rank), and with many threads each product waits on the thread team longer than it computes."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _lora(a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, segs) -> tuple[torch.Tensor, torch.Tensor]:
     """(B_e A_e z_r [R, out], A_e z_r [R, r]) per expert segment; a [E, r, in], b [E, out, r], z [R, in]."""
     t = z.new_empty(z.shape[0], a.shape[1])
     out = z.new_empty(z.shape[0], b.shape[1])
-    for e, s0, s1 in segs:
-        torch.mm(z[s0:s1], a[e].T, out=t[s0:s1])
-        torch.mm(t[s0:s1], b[e].T, out=out[s0:s1])
+    with _one_thread():
+        for e, s0, s1 in segs:
+            torch.mm(z[s0:s1], a[e].T, out=t[s0:s1])
+            torch.mm(t[s0:s1], b[e].T, out=out[s0:s1])
     return out, t
 
 
 def _lora_grad(a, b, z, t, dout, segs, da, db) -> torch.Tensor:
     """The backward of ``_lora``: da[e], db[e] written (experts without rows keep their zeros); returns dz [R, in]."""
     dz = z.new_empty(z.shape)
-    for e, s0, s1 in segs:
-        dt = dout[s0:s1] @ b[e]
-        torch.mm(dout[s0:s1].T, t[s0:s1], out=db[e])
-        torch.mm(dt.T, z[s0:s1], out=da[e])
-        torch.mm(dt, a[e], out=dz[s0:s1])
+    with _one_thread():
+        for e, s0, s1 in segs:
+            dt = dout[s0:s1] @ b[e]
+            torch.mm(dout[s0:s1].T, t[s0:s1], out=db[e])
+            torch.mm(dt.T, z[s0:s1], out=da[e])
+            torch.mm(dt, a[e], out=dz[s0:s1])
     return dz
 
 

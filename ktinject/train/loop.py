@@ -35,7 +35,7 @@ from torch import nn
 from ktinject.injection import lora as lora_merge
 from ktinject.operators import expert_lora
 from ktinject.operators.base import OperatorError
-from ktinject.train import data
+from ktinject.train import data, optim
 from ktinject.train.loss import causal_lm_loss
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ def finetune(config: FinetuneConfig, progress: bool = True, report=None) -> Fine
         say(f"held-out perplexity before: {before:.3f}")
     per_step = config.batch * config.grad_accum
     steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * len(train) / per_step))
-    opt = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    opt = optim.adamw(trainable, config.lr)
     batches = _batches(len(train), config.batch, config.seed)
     losses, tokens, seconds = [], 0, 0.0
     model.train()
