@@ -14,9 +14,9 @@ Rows: the (token, slot) pairs sorted by expert (stable), R of them; e_r the row'
                   dh = weight_r v + drop'(A_d^T B_d^T dY)  dg, du = act'(g, u) dh
                   dx_r = W_g^T dg + W_u^T du (native, transposed) + the adapters' terms; dx[t] = sum of its rows
               and dA, dB of every adapted projection per expert segment.
-Saved for the backward: x, ids, weights, the dropout seed and the base products W_g x, W_u x [R, I] (O(R x I): the
-transposed products need no saved input, the adapters' inputs x_r and h are recomputed from x and those); never a
-dequantized weight.
+Saved for the backward: x, ids, weights, the dropout seed, g and u [R, I] (O(R x I): the transposed products need
+no saved input; h is recomputed from g and u, the adapters' inputs from x and h) and each adapter's A_e z_r [R, r],
+so the backward recomputes no product; never a dequantized weight.
 
 Gate and up add their biases (gpt-oss: ``HybridMoE.expert_biases``) before the activation, down after; the
 activation is the native experts' (silu, gptoss, swiglu_limit). The dropout masks come from a generator seeded in
@@ -108,16 +108,18 @@ def _lora(a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, segs) -> tuple[torc
     return out, t
 
 
-def _lora_grad(a, b, z, t, dout, segs, da, db) -> torch.Tensor:
-    """The backward of ``_lora``: da[e], db[e] written (experts without rows keep their zeros); returns dz [R, in]."""
+def _lora_grad(a, b, z, t, dout, segs, da, db) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of ``_lora``: da[e], db[e] written (experts without rows keep their zeros); returns (dz [R, in],
+    dt = dout_r B_e [R, r])."""
     dz = z.new_empty(z.shape)
+    dt = z.new_empty(z.shape[0], a.shape[1])
     with _one_thread():
         for e, s0, s1 in segs:
-            dt = dout[s0:s1] @ b[e]
+            torch.mm(dout[s0:s1], b[e], out=dt[s0:s1])
             torch.mm(dout[s0:s1].T, t[s0:s1], out=db[e])
-            torch.mm(dt.T, z[s0:s1], out=da[e])
-            torch.mm(dt, a[e], out=dz[s0:s1])
-    return dz
+            torch.mm(dt[s0:s1].T, z[s0:s1], out=da[e])
+            torch.mm(dt[s0:s1], a[e], out=dz[s0:s1])
+    return dz, dt
 
 
 def _biases(block, eid: torch.Tensor):
@@ -144,63 +146,58 @@ class ExpertsWithLora(torch.autograd.Function):
         masks = _masks(seed, fac, rows, H, I)
         bias = _biases(block, rows.eid)
         xr = x[rows.tok]
-        base = {p: ex.project(NATIVE[p], xr, rows.eid) for p in (_GATE, _UP)}
+        t = {}  # A_e z_r [R, r] of each adapted projection: saved, so the backward recomputes no adapter product
         gu = []
         for i, p in enumerate((_GATE, _UP)):
-            v = base[p]
+            v = ex.project(NATIVE[p], xr, rows.eid)
             if p in stacks:
-                v = v + _lora(*stacks[p], xr * masks[p] if p in masks else xr, rows.segs)[0]
+                delta, t[p] = _lora(*stacks[p], xr * masks[p] if p in masks else xr, rows.segs)
+                v += delta
             gu.append(v if bias is None else v + bias[i])
         h = _act(ex, *gu)
         y = ex.project("down", h, rows.eid)
         if _DOWN in stacks:
-            y += _lora(*stacks[_DOWN], h * masks[_DOWN] if _DOWN in masks else h, rows.segs)[0]
+            delta, t[_DOWN] = _lora(*stacks[_DOWN], h * masks[_DOWN] if _DOWN in masks else h, rows.segs)
+            y += delta
         if bias is not None:
             y += bias[2]
         y *= weights.reshape(-1)[rows.order, None]
         out = torch.zeros(T, H).index_add_(0, rows.tok, y)
         ctx.block, ctx.fac, ctx.seed, ctx.names = block, fac, seed, names
         if any(ctx.needs_input_grad):
-            ctx.save_for_backward(x, weights, ids, base[_GATE], base[_UP], *ab)
+            ctx.save_for_backward(x, weights, ids, gu[0], gu[1], *(t[p] for p in names), *ab)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        x, weights, ids, g0, u0, *ab = ctx.saved_tensors
-        block, fac = ctx.block, ctx.fac
+        x, weights, ids, g, u, *rest = ctx.saved_tensors
+        block, fac, names = ctx.block, ctx.fac, ctx.names
+        t, ab = dict(zip(names, rest[:len(names)])), rest[len(names):]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ex, T, H, I = block.native_experts, x.shape[0], x.shape[1], block.intermediate_size
         k = ids.shape[1]
-        stacks = dict(zip(ctx.names, zip(ab[0::2], ab[1::2])))
-        dab = [torch.zeros_like(t) for t in ab]
-        grads = dict(zip(ctx.names, zip(dab[0::2], dab[1::2])))
+        stacks = dict(zip(names, zip(ab[0::2], ab[1::2])))
+        dab = [torch.zeros_like(a) for a in ab]
+        grads = dict(zip(names, zip(dab[0::2], dab[1::2])))
         rows = _Rows(ids, block.num_experts)
         masks = _masks(ctx.seed, fac, rows, H, I)
         bias = _biases(block, rows.eid)
         dy = d_out.to(device="cpu", dtype=torch.float32)[rows.tok].contiguous()   # [R, H]
         wr = weights.reshape(-1)[rows.order, None]
-        xr = x[rows.tok]
-        # recomputed: the adapters' inputs and terms of gate / up, g, u, h
-        z, t, gu = {}, {}, []
-        for i, (p, v0) in enumerate(((_GATE, g0), (_UP, u0))):
-            v = v0
-            if p in stacks:
-                z[p] = xr * masks[p] if p in masks else xr
-                delta, t[p] = _lora(*stacks[p], z[p], rows.segs)
-                v = v0 + delta
-            gu.append((v if bias is None else v + bias[i]).detach().requires_grad_())
+        gu = [g.detach().requires_grad_(), u.detach().requires_grad_()]
         with torch.enable_grad():
             h = _act(ex, *gu)
         hd = h.detach()
         v = ex.project("down", dy, rows.eid, transpose=True)   # W_d^T dy [R, I]
         dw = (v * hd).sum(-1)
-        d_big = dy * wr                                        # d loss / d y_r
         dh = v * wr
         if _DOWN in stacks:
-            z[_DOWN] = hd * masks[_DOWN] if _DOWN in masks else hd
-            yl, t[_DOWN] = _lora(*stacks[_DOWN], z[_DOWN], rows.segs)
-            dw += (dy * yl).sum(-1)
-            dz = _lora_grad(*stacks[_DOWN], z[_DOWN], t[_DOWN], d_big, rows.segs, *grads[_DOWN])
+            # d loss / d y_r = wr dy_r: the adapter's gradients from dy with wr folded into its saved inputs, so
+            # that dy_r B_e (returned) also gives the routing weight's term <dy_r, B_e t_r> without a division
+            zd = hd * masks[_DOWN] if _DOWN in masks else hd
+            dz, dyb = _lora_grad(*stacks[_DOWN], zd * wr, t[_DOWN] * wr, dy, rows.segs, *grads[_DOWN])
+            dw += (dyb * t[_DOWN]).sum(-1)
+            dz *= wr
             dh += dz * masks[_DOWN] if _DOWN in masks else dz
         if bias is not None:
             dw += (dy * bias[2]).sum(-1)
@@ -209,9 +206,11 @@ class ExpertsWithLora(torch.autograd.Function):
         if need_x:
             dxr = ex.project("gate", dg.contiguous(), rows.eid, transpose=True)
             dxr += ex.project("up", du.contiguous(), rows.eid, transpose=True)
+        if _GATE in stacks or _UP in stacks:
+            xr = x[rows.tok]
         for p, d in ((_GATE, dg), (_UP, du)):
             if p in stacks:
-                dz = _lora_grad(*stacks[p], z[p], t[p], d, rows.segs, *grads[p])
+                dz, _ = _lora_grad(*stacks[p], xr * masks[p] if p in masks else xr, t[p], d, rows.segs, *grads[p])
                 if need_x:
                     dxr += dz * masks[p] if p in masks else dz
         if need_x:
