@@ -117,15 +117,21 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
                     self.index_keys = parent.index_keys[a:b]
             return self.index_keys
 
+        def ensure_indexer_buffer(self, like: torch.Tensor) -> torch.Tensor:
+            """The indexer keys of this layer, allocated on first use (zeros [rows, L, D] of ``like``'s last size,
+            dtype and device, in the parent's storage for a view)."""
+            if self.indexer_buffer() is None:
+                owner = self.source[0] if self.source is not None else self
+                owner.index_keys = torch.zeros((owner.row_lengths.shape[0], self.max_cache_len, like.shape[-1]),
+                                               dtype=like.dtype, device=like.device)
+                self.indexer_buffer()
+            return self.index_keys
+
         def update_indexer(self, index_states: torch.Tensor) -> torch.Tensor:
             """Write the lightning indexer's keys [B, S, D] of rows 0..B-1 at the positions this layer's ``update``
             has just written (the attention calls it first, so the rows' lengths already count these S tokens);
             the keys [B, L, D] of those rows (positions past a row's length are masked, as K/V's)."""
-            if self.indexer_buffer() is None:
-                owner = self.source[0] if self.source is not None else self
-                owner.index_keys = torch.zeros((owner.row_lengths.shape[0], self.max_cache_len, index_states.shape[-1]),
-                                               dtype=index_states.dtype, device=index_states.device)
-                self.indexer_buffer()
+            self.ensure_indexer_buffer(index_states)
             B, S, D = index_states.shape
             idx = (self.row_lengths[:B, None] - S + self._arange[:S]).view(B, S, 1)  # [B, S, 1]
             self.index_keys[:B].scatter_(1, idx.expand(B, S, D), index_states.to(self.index_keys.dtype))
@@ -246,6 +252,24 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
             end = int(self.lengths[0, row]) if end is None else end
             return [(layer.keys[row, :, start:end].clone(), layer.values[row, :, start:end].clone())
                     for layer in self.kv_layers()]
+
+        def export_index_keys(self, row: int, start: int, end: int) -> list:
+            """[indexer keys [n, D] (a copy) or None per K/V layer] of positions [start, end) of ``row``: DeepSeek
+            Sparse Attention's lightning-indexer keys, which a prefix cache stores beside the block's K/V."""
+            out = []
+            for layer in self.kv_layers():
+                index = layer.indexer_buffer()
+                out.append(None if index is None else index[row, start:end].clone())
+            return out
+
+        def import_index_keys(self, row: int, keys: list, start: int = 0) -> None:
+            """Write ``export_index_keys``' blocks (None: the layer has none) at positions ``start``.. of ``row``."""
+            layers = self.kv_layers()
+            if len(keys) != len(layers):
+                raise ValueError(f"import_index_keys: {len(keys)} layers given, the cache has {len(layers)}")
+            for layer, k in zip(layers, keys):
+                if k is not None:
+                    layer.ensure_indexer_buffer(k)[row, start:start + k.shape[0]].copy_(k)
 
         def import_row(self, row: int, kv: list, start: int = 0) -> None:
             """Write ``export_row``'s blocks at positions ``start``.. of ``row``; its length becomes their end."""

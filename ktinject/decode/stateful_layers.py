@@ -4,8 +4,7 @@
 replay, and the gated-DeltaNet layers' conv windows and recurrent matrices of Qwen3-Next and Qwen3.5
 (``linear_attention_state.py``): those families decode through ktinject's path like the others (graphs on CUDA).
 The lightning indexer of DeepSeek-V3.2 and GLM-5 keeps its own key cache (``update_indexer``): the KVCache holds it
-per layer and row beside K/V (graph decode), but the prefix cache's blocks do not carry it yet
-(``UNEXPORTED_STATE``). Some families keep other state between steps, written through Hugging Face cache methods
+per layer and row beside K/V (graph decode), and the prefix cache's blocks carry it beside their K/V. Some families keep other state between steps, written through Hugging Face cache methods
 the KVCache does not have (DeepSeek-V4's). Layer types whose masks
 the KVCache's ``attention_masks`` does not build are another such case (it builds full, sliding-window and Llama 4's
 chunked-attention masks). A model with
@@ -16,7 +15,7 @@ report (``graph_decode``) say why, never a silent slow path.
 State the KVCache holds that a prefix cache cannot rebuild from K/V blocks (the linear-attention states: a recurrent
 matrix is not cut at a token) is stored as a checkpoint at block boundaries (``needs_state_checkpoints``: the prefix
 cache keeps a row's state beside the block it ends, and a hit ends at a block that has one);
-``prefix_uncached_reason`` names what a prefix cache cannot take at all (the eager-decode parts, the indexer keys).
+``prefix_uncached_reason`` names what a prefix cache cannot take at all (the eager-decode parts).
 """
 from __future__ import annotations
 
@@ -36,13 +35,7 @@ UNBLOCKED_STATE = {
     "Qwen3NextGatedDeltaNet": "linear-attention conv and recurrent states",
     "Qwen3_5MoeGatedDeltaNet": "linear-attention conv and recurrent states",
 }
-#: class name -> state the KVCache holds (and copies between rows) but a prefix cache's K/V blocks do not carry
-UNEXPORTED_STATE = {
-    "DeepseekV32Indexer": "the lightning indexer's key cache",
-    "GlmMoeDsaIndexer": "the lightning indexer's key cache",
-}
 _REASON_ATTR = "_ktinject_eager_decode_reason"
-_UNCACHED_ATTR = "_ktinject_prefix_uncached_reason"
 _PREFIX_ATTR = "_ktinject_prefix_state_checkpoints"
 
 
@@ -75,14 +68,8 @@ def remember(model: nn.Module) -> str | None:
 
 def prefix_uncached_reason(model: nn.Module) -> str | None:
     """Why a prefix cache cannot restore ``model``'s rows at all (its ``eager_decode_reason``: state outside the
-    KVCache; or state in the KVCache that its K/V blocks do not carry: ``UNEXPORTED_STATE``), or None."""
-    if _UNCACHED_ATTR not in model.__dict__:
-        reason, found = remember(model), _found(model, UNEXPORTED_STATE)
-        if reason is None and found is not None:
-            name, cls, more = found
-            reason = f"{name} ({cls}){more} keep {UNEXPORTED_STATE[cls]}, which the prefix cache's blocks do not carry"
-        model.__dict__[_UNCACHED_ATTR] = reason
-    return model.__dict__[_UNCACHED_ATTR]
+    KVCache), or None: everything the KVCache holds, its blocks and state checkpoints carry."""
+    return remember(model)
 
 
 def needs_state_checkpoints(model: nn.Module) -> bool:

@@ -3,7 +3,8 @@ them per row beside K/V (``update_indexer``: written at the positions ``update``
 address a CUDA graph replays), so these models decode through ktinject's path. Greedy tokens of
 ``ktinject.generate`` equal HF's generate for prompts longer than the indexer's top-k (so it selects), with
 left-padded rows; the serving engine's mixed rows equal each request alone; ``copy_row`` copies the indexer keys;
-the prefix cache stays off for them and says why (its blocks do not carry the indexer keys yet)."""
+a prefix cache's blocks carry the indexer keys beside K/V: a hit restores them, and the greedy tokens with a hit
+(RAM and disk tiers, a follow-up turn) equal those without."""
 from __future__ import annotations
 
 import pytest
@@ -46,7 +47,7 @@ def test_generate_through_the_kv_cache_equals_hf_generate(family):
         assert torch.equal(ktinject.generate(model, ids, **kw), ref)
     finally:
         disable(model)
-    assert "lightning indexer" in uncacheable_reason(model)
+    assert uncacheable_reason(model) is None  # the prefix cache carries the indexer keys
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -74,3 +75,32 @@ def test_the_serving_engine_s_mixed_rows_get_what_each_gets_alone(family):
     alone, together = engine_alone_and_together(model, prompts, 6, max_batch=2, max_context=40, prefill_chunk=8)
     assert together == alone
     assert_starts_as_hf_generate(model, prompts, alone, 6)
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefix_hit_restores_the_indexer_keys(family, tier, tmp_path):
+    from ktinject.decode.prefix_cache import PrefixCache
+
+    model = _model(family)
+    ktinject.inject(model, gpu="cpu")
+    block = 8
+    store = PrefixCache(device="cpu", tier=tier, block_size=block, disk_path=tmp_path)
+    ids = tiny_prompts(1, 27, seed=1)
+    kw = dict(max_new_tokens=8, do_sample=False)
+    plain = ktinject.generate(model, ids, **kw)
+    first = ktinject.generate(model, ids, prefix_cache=store, **kw)
+    second = ktinject.generate(model, ids, prefix_cache=store, **kw)
+    assert torch.equal(first, plain) and torch.equal(second, plain)
+    assert store.stats.hit_tokens == 3 * block, store.describe()
+    follow = torch.cat([second, tiny_prompts(1, 5, seed=3)], dim=1)
+    assert torch.equal(ktinject.generate(model, follow, prefix_cache=store, **kw), ktinject.generate(model, follow, **kw))
+    assert store.stats.hit_tokens == 2 * 3 * block
+    # the restored row holds the same indexer keys as the computed one
+    hit = store.lookup(model, ids[0].tolist())
+    restored, computed = kv_cache.new(model.config, 1, 40, "cpu"), kv_cache.new(model.config, 1, 40, "cpu")
+    assert store.restore(hit, restored, 0) == 3 * block
+    with torch.no_grad():
+        kv_cache.forward(model, computed, ids[:, :3 * block])
+    for a, b in zip(restored.export_index_keys(0, 0, 3 * block), computed.export_index_keys(0, 0, 3 * block)):
+        assert a is not None and torch.equal(a, b)

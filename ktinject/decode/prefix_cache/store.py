@@ -7,12 +7,13 @@
     cache.insert(model, token_ids, kv, row)               # store the row's whole blocks not stored yet
 
 A block holds, per layer, the K and V (MLA: the latents as the KVCache holds them) of ``block_size`` positions of
-one row (``KVCache.export_row``). State that cannot be cut at a token (the linear-attention layers' conv windows
+one row (``KVCache.export_row``), and DeepSeek Sparse Attention's indexer keys beside them (``x.<layer>``:
+``KVCache.export_index_keys``). State that cannot be cut at a token (the linear-attention layers' conv windows
 and recurrent matrices) is stored as a checkpoint beside the block at whose end it was taken (``state_key``): a hit
 of such a model ends at a block with one, and its restore puts that state back; a checkpoint is taken when an
 insert finds the row's length at a block boundary (``ktinject.generate`` prefills up to the prompt's last whole
-block first, so it does). Layouts the KVCache does not hold (indexer caches: ``stateful_layers``) are not cached:
-``uncacheable_reason`` says why, and lookups of such a model miss.
+block first, so it does). Layouts the KVCache does not hold (DeepSeek-V4's compressed caches: ``stateful_layers``)
+are not cached: ``uncacheable_reason`` says why, and lookups of such a model miss.
 """
 from __future__ import annotations
 
@@ -202,6 +203,10 @@ class PrefixCache:
             n_layers = len(cache.kv_layers())
             kv = [(block[f"k.{i}"], block[f"v.{i}"]) for i in range(n_layers)]
             cache.import_row(row, [(k.to(_device(cache, k)), v.to(_device(cache, v))) for k, v in kv], start=done)
+            index = [block.get(f"x.{i}") for i in range(n_layers)]  # DSA's indexer keys, where the model has them
+            if any(x is not None for x in index):
+                cache.import_index_keys(row, [None if x is None else x.to(_device(cache, x)) for x in index],
+                                        start=done)
             done += self.block_size
             self.stats.hits[tier] += 1
             self.tiers.all[[t.name for t in self.tiers.all].index(tier)].stats.hits += 1
@@ -230,6 +235,8 @@ class PrefixCache:
             start = i * self.block_size
             kv = cache.export_row(row, start, start + self.block_size)
             block = {f"{kind}.{j}": t for j, pair in enumerate(kv) for kind, t in zip("kv", pair)}
+            block.update({f"x.{j}": t for j, t in enumerate(cache.export_index_keys(row, start, start + self.block_size))
+                          if t is not None})
             self.tiers.put(key, block)
             added += 1
         if cache.linear is not None and keys and held == len(keys) * self.block_size and \
