@@ -368,5 +368,49 @@ class Experts:
                                          DTYPES[x.dtype], pointer(out), DTYPES[out.dtype], int(bool(transpose))))
         return out
 
+    def _lora_args(self, which: str, z, experts, a, b) -> tuple[int, int, int, int]:
+        """(matrix index, its outputs, rows, rank) of ``lora``'s arguments, each checked."""
+        w = matrix_index(which)
+        n_out, n_in = self.shape(which)
+        z = checked_tensor("z", z, (torch.float32,), (None, n_in))
+        a = checked_tensor("a", a, (torch.float32,), (self.num_experts, None, n_in))
+        checked_tensor("b", b, (torch.float32,), (self.num_experts, n_out, a.shape[1]))
+        checked_tensor("experts", experts, (torch.int64,), (z.shape[0],))
+        return w, n_out, z.shape[0], a.shape[1]
+
+    def lora(self, which: str, z: torch.Tensor, experts: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             y: torch.Tensor, pool: Pool | None = None) -> torch.Tensor:
+        """LoRA adapters a [E, rank, in], b [E, out, rank] (float32, b scaled) of matrix ``which`` applied to the
+        rows: ``t[r] = a[e_r] z[r]`` [R, rank], returned, and ``y[r] += b[e_r] t[r]`` (y [R, out], in place);
+        z [R, in] float32, experts [R] int64 (any order), all contiguous (ktk_experts_lora)."""
+        _, lib = ffi_lib()
+        w, n_out, R, rank = self._lora_args(which, z, experts, a, b)
+        y = checked_tensor("y", y, (torch.float32,), (R, n_out))
+        t = torch.empty(R, rank)
+        bt = b.transpose(1, 2).contiguous()  # the library reads B as [E, rank, out]
+        pool = default_pool() if pool is None else pool
+        check_rc(lib.ktk_experts_lora(pool.ptr, self._p, w, R, rank, pointer(experts, "int64_t *"),
+                                      pointer(z, "float *"), pointer(a, "float *"), pointer(bt, "float *"),
+                                      pointer(t, "float *"), pointer(y, "float *")))
+        return t
+
+    def lora_backward(self, which: str, z: torch.Tensor, t: torch.Tensor, dy: torch.Tensor, experts: torch.Tensor,
+                      a: torch.Tensor, b: torch.Tensor, pool: Pool | None = None):
+        """The backward of ``lora``: (dz [R, in], dt [R, rank], da [E, rank, in], db [E, out, rank]) for the rows'
+        output gradient dy [R, out], with z and t the forward's (ktk_experts_lora_backward)."""
+        _, lib = ffi_lib()
+        w, n_out, R, rank = self._lora_args(which, z, experts, a, b)
+        t = checked_tensor("t", t, (torch.float32,), (R, rank))
+        dy = checked_tensor("dy", dy, (torch.float32,), (R, n_out))
+        dz, dt, da = torch.empty(R, z.shape[1]), torch.empty(R, rank), torch.empty_like(a)
+        bt = b.transpose(1, 2).contiguous()  # B and its gradient as [E, rank, out] in the library
+        dbt = torch.empty_like(bt)
+        pool = default_pool() if pool is None else pool
+        check_rc(lib.ktk_experts_lora_backward(
+            pool.ptr, self._p, w, R, rank, pointer(experts, "int64_t *"), pointer(z, "float *"),
+            pointer(t, "float *"), pointer(dy, "float *"), pointer(a, "float *"), pointer(bt, "float *"),
+            pointer(dt, "float *"), pointer(dz, "float *"), pointer(da, "float *"), pointer(dbt, "float *")))
+        return dz, dt, da, dbt.transpose(1, 2).contiguous()
+
 
 Experts.__module__ = "ktinject.native"  # where users import it from

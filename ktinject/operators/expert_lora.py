@@ -15,16 +15,16 @@ lora=DIR)``): it cannot be merged into int4 / int8 / fp8 weights without requant
 CPU at every forward, as in training.
 
 The path (``expert_lora_path``): with expert adapters present, the block's routed experts run on the CPU with the
-base products in the native kernels and the adapters' terms in torch: ``Experts.project`` computes each routed
-row's product with its expert's stored gate / up / down weights (and, in the backward, the transposed products) in
-float32 on the stored values, and torch adds B_e,p A_e,p x per expert segment of the rows sorted by expert, the
-biases, the activation and dropout: the gate / up deltas must enter before the activation, and the native forward
-takes no additive term inside an expert (its int8 / bf16 activations would also round what the adapters train
-against). Design (a) of the two, base products native; (b), each expert in torch on its weights dequantized at
-every forward, was the earlier path. The backward is a ``torch.autograd.Function`` that keeps x, ids, weights and
-the gate and up base products (O(R x I)) and recomputes the rest, never a dequantized weight; the adapters, the
-input and the routing weights get gradients. Adapters train in float32 or bf16 (the products run in float32). Hot
-(GPU) experts, deferral and graph capture do not apply to such a block: every expert runs on the CPU, eagerly.
+base products and the adapters' terms in the native library: ``Experts.project`` computes each routed row's product
+with its expert's stored gate / up / down weights (and, in the backward, the transposed products) in float32 on the
+stored values, ``Experts.lora`` adds B_e,p A_e,p x to it (one pool job over all rows; its backward gives the
+adapters' gradients), and torch does the biases, the activation and dropout: the gate / up deltas must enter before
+the activation, and the native forward takes no additive term inside an expert (its int8 / bf16 activations would
+also round what the adapters train against). The earlier path ran each expert in torch on its weights dequantized
+at every forward. The backward is a ``torch.autograd.Function`` that keeps x, ids, weights, g and u (O(R x I)) and
+each adapter's A z (O(R x r)), never a dequantized weight; the adapters, the input and the routing weights get
+gradients. Adapters train in float32 or bf16 (the products run in float32). Hot (GPU) experts, deferral and graph
+capture do not apply to such a block: every expert runs on the CPU, eagerly.
 
 What cannot take it: blocks whose routing weights scale the experts' input (Llama 4): ``unsupported_reason``.
 

@@ -1,19 +1,21 @@
-"""The routed experts with LoRA adapters on the CPU: the base products in the native kernels, the adapters' terms in
-torch (``expert_lora`` says why and what for).
+"""The routed experts with LoRA adapters on the CPU: the base products and the adapters' low-rank terms in the
+native library, biases, activation and dropout in torch (``expert_lora`` says why and what for).
 
 Rows: the (token, slot) pairs sorted by expert (stable), R of them; e_r the row's expert, x_r its token's input.
-    forward:  the stored weights' products by ``Experts.project`` (native, float, every format), the rest in torch:
+    forward:  the stored weights' products by ``Experts.project`` (native, float, every format), the adapters' by
+              ``Experts.lora`` (native, float32: t = A_e z, added in place), the rest in torch:
                   g = W_g x_r + B_g A_g drop(x_r) + bg        (B scaled; A, B of expert e_r)   [R, I]
                   u = W_u x_r + B_u A_u drop(x_r) + bu                                        [R, I]
                   h = act(g, u)                                                                [R, I]
                   y = W_d h + B_d A_d drop(h) + bd                                             [R, H]
               routed[t] += weight_r * y_r over the token's rows                                [T, H]
-              The small A / B products run per expert segment of the sorted rows.
+              Each adapter's terms are one pool job over all rows (``ktk_experts_lora``), not small products per
+              expert.
     backward: with dY_r = weight_r * dy_t:
                   v = W_d^T dy_t (native, transposed)      dweight_r = <v, h> + <dy_t, B_d A_d drop(h) + bd>
                   dh = weight_r v + drop'(A_d^T B_d^T dY)  dg, du = act'(g, u) dh
                   dx_r = W_g^T dg + W_u^T du (native, transposed) + the adapters' terms; dx[t] = sum of its rows
-              and dA, dB of every adapted projection per expert segment.
+              and dA, dB of every adapted projection (``Experts.lora_backward``: sums over each expert's rows).
 Saved for the backward: x, ids, weights, the dropout seed, g and u [R, I] (O(R x I): the transposed products need
 no saved input; h is recomputed from g and u, the adapters' inputs from x and h) and each adapter's A_e z_r [R, r],
 so the backward recomputes no product; never a dequantized weight.
@@ -26,8 +28,6 @@ backward.
 Legend: T tokens, E experts, H hidden, I expert intermediate, k experts per token, R routed rows, r rank.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -82,46 +82,6 @@ def _masks(seed: int, fac: Factors, rows: _Rows, H: int, I: int) -> dict:
     return {p: torch.cat(v) for p, v in parts.items()}
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """torch on one intra-op thread inside: the adapters' products per expert segment are small (a segment's rows
-    by the rank), and with many threads each product waits on the thread team longer than it computes."""
-    n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def _lora(a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, segs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B_e A_e z_r [R, out], A_e z_r [R, r]) per expert segment; a [E, r, in], b [E, out, r], z [R, in]."""
-    t = z.new_empty(z.shape[0], a.shape[1])
-    out = z.new_empty(z.shape[0], b.shape[1])
-    with _one_thread():
-        for e, s0, s1 in segs:
-            torch.mm(z[s0:s1], a[e].T, out=t[s0:s1])
-            torch.mm(t[s0:s1], b[e].T, out=out[s0:s1])
-    return out, t
-
-
-def _lora_grad(a, b, z, t, dout, segs, da, db) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward of ``_lora``: da[e], db[e] written (experts without rows keep their zeros); returns (dz [R, in],
-    dt = dout_r B_e [R, r])."""
-    dz = z.new_empty(z.shape)
-    dt = z.new_empty(z.shape[0], a.shape[1])
-    with _one_thread():
-        for e, s0, s1 in segs:
-            torch.mm(dout[s0:s1], b[e], out=dt[s0:s1])
-            torch.mm(dout[s0:s1].T, t[s0:s1], out=db[e])
-            torch.mm(dt[s0:s1].T, z[s0:s1], out=da[e])
-            torch.mm(dt[s0:s1], a[e], out=dz[s0:s1])
-    return dz, dt
-
-
 def _biases(block, eid: torch.Tensor):
     """(gate [R, I], up [R, I], down [R, H]) of each row's expert, or None."""
     if block.expert_biases is None:
@@ -150,15 +110,13 @@ class ExpertsWithLora(torch.autograd.Function):
         gu = []
         for i, p in enumerate((_GATE, _UP)):
             v = ex.project(NATIVE[p], xr, rows.eid)
-            if p in stacks:
-                delta, t[p] = _lora(*stacks[p], xr * masks[p] if p in masks else xr, rows.segs)
-                v += delta
+            if p in stacks:  # v += B_e A_e z_r
+                t[p] = ex.lora(NATIVE[p], xr * masks[p] if p in masks else xr, rows.eid, *stacks[p], v)
             gu.append(v if bias is None else v + bias[i])
         h = _act(ex, *gu)
         y = ex.project("down", h, rows.eid)
         if _DOWN in stacks:
-            delta, t[_DOWN] = _lora(*stacks[_DOWN], h * masks[_DOWN] if _DOWN in masks else h, rows.segs)
-            y += delta
+            t[_DOWN] = ex.lora("down", h * masks[_DOWN] if _DOWN in masks else h, rows.eid, *stacks[_DOWN], y)
         if bias is not None:
             y += bias[2]
         y *= weights.reshape(-1)[rows.order, None]
@@ -177,8 +135,7 @@ class ExpertsWithLora(torch.autograd.Function):
         ex, T, H, I = block.native_experts, x.shape[0], x.shape[1], block.intermediate_size
         k = ids.shape[1]
         stacks = dict(zip(names, zip(ab[0::2], ab[1::2])))
-        dab = [torch.zeros_like(a) for a in ab]
-        grads = dict(zip(names, zip(dab[0::2], dab[1::2])))
+        grads = {}  # p -> (dA, dB)
         rows = _Rows(ids, block.num_experts)
         masks = _masks(ctx.seed, fac, rows, H, I)
         bias = _biases(block, rows.eid)
@@ -195,7 +152,7 @@ class ExpertsWithLora(torch.autograd.Function):
             # d loss / d y_r = wr dy_r: the adapter's gradients from dy with wr folded into its saved inputs, so
             # that dy_r B_e (returned) also gives the routing weight's term <dy_r, B_e t_r> without a division
             zd = hd * masks[_DOWN] if _DOWN in masks else hd
-            dz, dyb = _lora_grad(*stacks[_DOWN], zd * wr, t[_DOWN] * wr, dy, rows.segs, *grads[_DOWN])
+            dz, dyb, *grads[_DOWN] = ex.lora_backward("down", zd * wr, t[_DOWN] * wr, dy, rows.eid, *stacks[_DOWN])
             dw += (dyb * t[_DOWN]).sum(-1)
             dz *= wr
             dh += dz * masks[_DOWN] if _DOWN in masks else dz
@@ -210,7 +167,8 @@ class ExpertsWithLora(torch.autograd.Function):
             xr = x[rows.tok]
         for p, d in ((_GATE, dg), (_UP, du)):
             if p in stacks:
-                dz, _ = _lora_grad(*stacks[p], xr * masks[p] if p in masks else xr, t[p], d, rows.segs, *grads[p])
+                z = xr * masks[p] if p in masks else xr
+                dz, _, *grads[p] = ex.lora_backward(NATIVE[p], z, t[p], d.contiguous(), rows.eid, *stacks[p])
                 if need_x:
                     dxr += dz * masks[p] if p in masks else dz
         if need_x:
@@ -220,6 +178,7 @@ class ExpertsWithLora(torch.autograd.Function):
             dweights = torch.zeros(T * k)
             dweights[rows.order] = dw
             dweights = dweights.view(T, k)
+        dab = [g for p in names for g in grads[p]]
         return (dx, dweights, None, None, None, None, *dab)
 
 

@@ -310,6 +310,23 @@ int ktk_backward(ktk_pool *pool, ktk_experts *ex, int T, int k,
 int ktk_experts_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const int64_t *expert_of_row,
                         const void *x, int x_dtype, void *y, int y_dtype, int transpose);
 
+/* LoRA adapters of routed rows on one matrix of the experts (training's expert LoRA, beside ktk_experts_project's
+ * base products): which = KTK_MAT_GATE / UP / DOWN (W [N, K]), row r's expert expert_of_row[r] (R int64, any order),
+ * adapters a [E, rank, K] and B [E, N, rank] given transposed, bt [E, rank, N] (float32, contiguous; B already
+ * scaled), float32 rows:
+ *   ktk_experts_lora:           t[r] = A_e z[r] (t [R, rank], written); y[r] += B_e t[r] (y [R, N], accumulated)
+ *   ktk_experts_lora_backward:  dt[r] = B_e^T dy[r] (dt [R, rank]); dz[r] = A_e^T dt[r] (dz [R, K]); da[e] = the sum
+ *                               over e's rows of dt[r] z[r]^T (da [E, rank, K]), dbt[e] = of t[r] dy[r]^T (B's
+ *                               gradient transposed, dbt [E, rank, N]): all written, zero for experts without rows.
+ * z [R, K], t [R, rank] (the forward's), dy [R, N]. Runs on the pool (inline when it is idle); no result depends on
+ * the threads. R = 0: the forward does nothing, the backward zeroes da and dbt. KTK_ERR_RANGE for an id outside
+ * [0, E) or a bad which, KTK_ERR_SHAPE for rank outside 1..1024 or R outside 0..2^28. */
+int ktk_experts_lora(ktk_pool *pool, ktk_experts *ex, int which, int R, int rank, const int64_t *expert_of_row,
+                     const float *z, const float *a, const float *bt, float *t, float *y);
+int ktk_experts_lora_backward(ktk_pool *pool, ktk_experts *ex, int which, int R, int rank,
+                              const int64_t *expert_of_row, const float *z, const float *t, const float *dy,
+                              const float *a, const float *bt, float *dt, float *dz, float *da, float *dbt);
+
 /* A 32-bit word (pinned host memory, 4-byte aligned) that every submitted run stores 1 to (release) at its end,
  * once out is complete, also when the run fails (its error is then ktk_wait's), before the task is idle: a CUDA
  * stream can wait for the run (a kernel polling the word) while the host goes on, and call ktk_wait later (streamed

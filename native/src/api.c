@@ -447,6 +447,59 @@ int ktk_experts_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const
     return ktki_project(pool, ex, which, R, expert_of_row, x, x_dtype, y, y_dtype, transpose);
 }
 
+#define MAX_RANK 1024
+
+static int check_lora(const char *fn, ktk_pool *pool, ktk_experts *ex, int which, int R, int rank) {
+    CHECK_NULL(pool, fn);
+    CHECK_NULL(ex, fn);
+    int rc = check_expert(fn, ex, 0, which);
+    if (rc != KTK_OK) return rc;
+    if (R < 0 || R > MAX_ROWS)
+        return ktki_error(KTK_ERR_SHAPE, "%s: R = %d rows (expected 0..%d)", fn, R, MAX_ROWS);
+    if (rank < 1 || rank > MAX_RANK)
+        return ktki_error(KTK_ERR_SHAPE, "%s: rank = %d (expected 1..%d)", fn, rank, MAX_RANK);
+    return KTK_OK;
+}
+
+int ktk_experts_lora(ktk_pool *pool, ktk_experts *ex, int which, int R, int rank, const int64_t *expert_of_row,
+                     const float *z, const float *a, const float *bt, float *t, float *y) {
+    const char *fn = "ktk_experts_lora";
+    int rc = check_lora(fn, pool, ex, which, R, rank);
+    if (rc != KTK_OK || R == 0) return rc;
+    CHECK_NULL(expert_of_row, fn);
+    CHECK_NULL(z, fn);
+    CHECK_NULL(a, fn);
+    CHECK_NULL(bt, fn);
+    CHECK_NULL(t, fn);
+    CHECK_NULL(y, fn);
+    return ktki_lora(pool, ex, which, R, rank, expert_of_row, z, a, bt, t, y);
+}
+
+int ktk_experts_lora_backward(ktk_pool *pool, ktk_experts *ex, int which, int R, int rank,
+                              const int64_t *expert_of_row, const float *z, const float *t, const float *dy,
+                              const float *a, const float *bt, float *dt, float *dz, float *da, float *dbt) {
+    const char *fn = "ktk_experts_lora_backward";
+    int rc = check_lora(fn, pool, ex, which, R, rank);
+    if (rc != KTK_OK) return rc;
+    CHECK_NULL(da, fn);
+    CHECK_NULL(dbt, fn);
+    if (R == 0) {
+        const size_t E = (size_t)ex->cfg.num_experts, r = (size_t)rank;
+        memset(da, 0, E * r * (size_t)ex->in_k[which] * sizeof *da);
+        memset(dbt, 0, E * r * (size_t)ex->out_n[which] * sizeof *dbt);
+        return KTK_OK;
+    }
+    CHECK_NULL(expert_of_row, fn);
+    CHECK_NULL(z, fn);
+    CHECK_NULL(t, fn);
+    CHECK_NULL(dy, fn);
+    CHECK_NULL(a, fn);
+    CHECK_NULL(bt, fn);
+    CHECK_NULL(dt, fn);
+    CHECK_NULL(dz, fn);
+    return ktki_lora_backward(pool, ex, which, R, rank, expert_of_row, z, t, dy, a, bt, dt, dz, da, dbt);
+}
+
 int ktk_task_watch(ktk_task *task, volatile uint32_t *go, volatile uint32_t *done) {
     return ktk_task_watch_then(task, go, done, NULL);
 }

@@ -238,6 +238,12 @@ int ktki_backward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hid
 /* moe/project.c: one projection of routed rows with the stored weights, forward or transposed (synchronous) */
 int ktki_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const int64_t *expert_of_row, const void *x,
                  int x_dtype, void *y, int y_dtype, int transpose);
+/* moe/lora.c: the adapters' terms of routed rows (checked by api.c) */
+int ktki_lora(ktk_pool *pool, ktk_experts *ex, int which, int R, int rank, const int64_t *expert_of_row,
+              const float *z, const float *a, const float *bt, float *t, float *y);
+int ktki_lora_backward(ktk_pool *pool, ktk_experts *ex, int which, int R, int rank, const int64_t *expert_of_row,
+                       const float *z, const float *t, const float *dy, const float *a, const float *bt, float *dt,
+                       float *dz, float *da, float *dbt);
 
 /* ---- GGUF K-quant blocks (gguf_dequant.c) ---- */
 int64_t ktki_gguf_dequant_block_bytes(int qtype);   /* bytes of one block of KTK_GGUF_* qtype; 0 for another */

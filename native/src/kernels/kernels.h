@@ -246,6 +246,14 @@ typedef struct {
     void (*tacc)(const ktk_mat *w, int b, const float *d, int64_t ldd, int n, float *A);
     /* out[i * ldo + c] = sum_j A[(i * Kt + c) * 16 + j] for i < n, c < K (Kt = round_up(K, 16)) */
     void (*hsum)(const float *A, int K, int n, float *out, int64_t ldo);
+    /* the expert LoRA terms' loops over rk rows of a matrix M (rows ldm apart, rk <= 1024; moe/lora.c, whose
+     * generic ones are the reference): */
+    /* t[j] = sum_{i < n} M[j * ldm + i] x[i], for j < rk (float, a fixed order) */
+    void (*mdot)(const float *M, int64_t ldm, int rk, const float *x, int n, float *t);
+    /* y[i] += sum_{j < rk} s[j] M[j * ldm + i], for i < n */
+    void (*maxpy)(float *y, const float *M, int64_t ldm, int rk, const float *s, int n);
+    /* M[j * ldm + i] += s[j] v[i], for j < rk, i < n */
+    void (*ger)(float *M, int64_t ldm, int rk, const float *s, const float *v, int n);
 } ktk_bwd_kernels;
 const ktk_bwd_kernels *ktk_bwd_kernels_avx512(void);   /* kernels/avx512/backward.c */
 /* kernels/dispatch.c: those of the ISA in use, or NULL where the generic step runs (generic, avx2) */

@@ -331,11 +331,48 @@ static void hsum(const float *A, int K, int n, float *out, int64_t ldo) {
         }
 }
 
+/* The expert LoRA loops (kernels.h): 16 columns of x / v at a time against up to 8 rows of M at once. */
+static void mdot(const float *M, int64_t ldm, int rk, const float *x, int n, float *t) {
+    for (int j0 = 0; j0 < rk; j0 += 8) {
+        const int nj = rk - j0 < 8 ? rk - j0 : 8;
+        __m512 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
+        for (int i = 0; i < n; i += 16) {
+            const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+            const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
+            for (int j = 0; j < nj; j++)
+                acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, M + (int64_t)(j0 + j) * ldm + i), xv, acc[j]);
+        }
+        for (int j = 0; j < nj; j++) t[j0 + j] = _mm512_reduce_add_ps(acc[j]);
+    }
+}
+
+static void maxpy(float *y, const float *M, int64_t ldm, int rk, const float *s, int n) {
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 acc = _mm512_maskz_loadu_ps(m, y + i);
+        for (int j = 0; j < rk; j++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), _mm512_maskz_loadu_ps(m, M + (int64_t)j * ldm + i), acc);
+        _mm512_mask_storeu_ps(y + i, m, acc);
+    }
+}
+
+static void ger(float *M, int64_t ldm, int rk, const float *s, const float *v, int n) {
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 vv = _mm512_maskz_loadu_ps(m, v + i);
+        for (int j = 0; j < rk; j++) {
+            float *row = M + (int64_t)j * ldm + i;
+            _mm512_mask_storeu_ps(row, m, _mm512_fmadd_ps(_mm512_set1_ps(s[j]), vv, _mm512_maskz_loadu_ps(m, row)));
+        }
+    }
+}
+
 #pragma GCC pop_options
 
 const ktk_bwd_kernels *ktk_bwd_kernels_avx512(void) {
     static const ktk_bwd_kernels table = {.name = "avx512", .unpack = unpack, .gate_up = gate_up, .tprod = tprod,
                                           .few_rows = 2, .gate_up_packed = gate_up_packed, .tacc = tacc,
-                                          .hsum = hsum};
+                                          .hsum = hsum, .mdot = mdot, .maxpy = maxpy, .ger = ger};
     return &table;
 }
