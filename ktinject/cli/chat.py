@@ -387,14 +387,15 @@ def _main(args: argparse.Namespace) -> int:
     model_dir, model, tokenizer, gpu, seconds = cli.load(
         args, "Using the ktinject demo model at {path}: a tiny MoE trained on fortune cookies, so expect fortunes.",
         _setup, out=status)
-    lora_option.merge(model, adapter, args)
+    merged = lora_option.merge(model, adapter, args)
     placed = model.__dict__.get("_ktinject_placement")
     if placed is not None:
         print(placed, file=status)
     defer = cli.defer_format(model)
     prefix = make_prefix_cache(args, gpu, keep_generated=True)  # a follow-up turn resends the reply
     print(f"Loaded {model_dir.name} in {seconds:.2f} s (gpu={gpu}, quant={cli.experts_format(model)}"
-          f"{', ' + defer if defer else ''}, {_prefix_cache_text(model, prefix)}).", file=status, flush=True)
+          f"{', ' + defer if defer else ''}{lora_option.load_text(args, merged)}, {_prefix_cache_text(model, prefix)}).",
+          file=status, flush=True)
     if prefix is not None:
         from ktinject.decode.generate import attach_prefix_cache
 

@@ -30,6 +30,13 @@ def read_adapter(args: argparse.Namespace):
         raise CliError(f"--lora {args.lora}: {e}") from None
 
 
+def load_text(args: argparse.Namespace, merged: list[str]) -> str:
+    """The load line's part about --lora (empty without one)."""
+    if getattr(args, "lora", None) is None:
+        return ""
+    return f", LoRA {args.lora} ({len(merged)} modules)"
+
+
 def merge(model, adapter, args: argparse.Namespace) -> list[str]:
     """Merge ``adapter`` (from ``read_adapter``) into the loaded ``model``; the merged modules' names."""
     if adapter is None:

@@ -148,7 +148,7 @@ def serve(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     model_dir, model, tokenizer, gpu, seconds = cli.load(
         args, "Serving the ktinject demo model at {path} (a tiny model, for trying the server out).", _setup)
-    lora_option.merge(model, adapter, args)
+    merged = lora_option.merge(model, adapter, args)
     name = args.served_model_name or ("ktinject-demo" if args.model is None else Path(model_dir).name)
     aliases = (name,) + tuple(a for a in (args.model, str(model_dir)) if a and a != name)
     config = EngineConfig(max_batch=args.max_batch, max_context=_max_context(args, model), max_queue=args.max_queue,
@@ -156,7 +156,8 @@ def serve(args: argparse.Namespace) -> int:
                           prefill_pad=args.prefill_pad, prefix_cache=cli.make_prefix_cache(args, gpu))
     engine = Engine(model, tokenizer, config, name=name).start()
     graphs = "on" if engine.runner.graphs_enabled() else "off"
-    print(f"Loaded {Path(model_dir).name} in {seconds:.1f} s (gpu={gpu}, quant={cli.experts_format(model)}); "
+    print(f"Loaded {Path(model_dir).name} in {seconds:.1f} s (gpu={gpu}, quant={cli.experts_format(model)}"
+          f"{lora_option.load_text(args, merged)}); "
           f"KV cache {config.max_batch} x {config.max_context} tokens = {_kv_bytes(engine) / 2**30:.2f} GiB, "
           f"CUDA graphs {graphs} for batches {', '.join(map(str, config.buckets))}; {_prefix_text(engine)}.",
           flush=True)

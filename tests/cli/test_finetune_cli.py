@@ -82,13 +82,18 @@ def test_the_adapter_loads_merged_and_is_peft_s_merged_model(trained):
 
 def test_chat_with_lora(trained, demo_env, capsys):
     out, _ = trained
-    common = ("--prompt", "Tell me about the lighthouse.", "--max-new-tokens", "12", "--temperature", "0", "--gpu",
-              "cpu", "--threads", "1", "--prefix-cache", "off")
-    tuned = run(demo_env, "ktinject.chat", *common, "--lora", str(out / "adapter"))
-    base = run(demo_env, "ktinject.chat", *common)
-    assert tuned.returncode == 0 and base.returncode == 0, tuned.stderr + base.stderr
-    assert tuned.stdout.strip() and tuned.stdout != base.stdout
-    assert chat.main([*common, "--lora", str(out)]) == 2  # the parent: no adapter_config.json; before the load
+    common = ("--max-new-tokens", "12", "--temperature", "0", "--gpu", "cpu", "--threads", "1", "--prefix-cache",
+              "off")
+    replies = []
+    for prompt in ("Tell me about the lighthouse.", "Tell me a fortune.", "What does the future hold?"):
+        tuned = run(demo_env, "ktinject.chat", "--prompt", prompt, *common, "--lora", str(out / "adapter"))
+        base = run(demo_env, "ktinject.chat", "--prompt", prompt, *common)
+        assert tuned.returncode == 0 and base.returncode == 0, tuned.stderr + base.stderr
+        assert f"LoRA {out / 'adapter'} (16 modules)" in tuned.stderr and "LoRA" not in base.stderr
+        replies.append((tuned.stdout, base.stdout))
+    # a few steps move the logits (the weights differ: tests/training/test_lora_merge.py), not every greedy reply
+    assert all(t.strip() for t, _ in replies) and any(t != b for t, b in replies), replies
+    assert chat.main(["--prompt", "hi", *common, "--lora", str(out)]) == 2  # the parent: no adapter_config.json; before the load
     assert f"--lora {out}: {out} is not a LoRA adapter directory" in capsys.readouterr().err
     assert serve.main(["--lora", str(out), "--port", "0"]) == 2  # the server's: before the port, before the load
     assert f"--lora {out}: {out} is not a LoRA adapter directory" in capsys.readouterr().err
