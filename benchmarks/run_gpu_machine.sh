@@ -32,9 +32,12 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/ktinject-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# the checkout first: scripts run as files (benchmarks/soak_serve.py) import ktinject from it, whether or not the
+# editable install's path file is read by this interpreter
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH#"$PWD:"}
 fi
 summary=()
 stage() {  # stage NAME CMD...: run, log, remember the result
@@ -52,7 +55,7 @@ for s in "$@"; do
       if [ ! -d .whl-newest ]; then echo "gpu-newest: no ./.whl-newest folder of wheels"; summary+=("gpu-newest skipped"); continue; fi
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-newest \
         .whl-newest/*.whl
-      stage gpu-newest env PYTHONPATH="/tmp/site-newest:${PYTHONPATH:-}" python3 -m pytest -q -rs -m "gpu or amx" tests ;;
+      stage gpu-newest env PYTHONPATH="$PWD:/tmp/site-newest:${PYTHONPATH:-}" python3 -m pytest -q -rs -m "gpu or amx" tests ;;
     cpu-amx)
       stage cpu-amx python3 -m pytest -q -n "${JOBS:-8}" -m "not gpu" tests
       stage cpu-avx512 env KTINJECT_ISA=avx512 python3 -m pytest -q -n "${JOBS:-8}" -m "not gpu" tests ;;
