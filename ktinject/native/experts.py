@@ -386,7 +386,7 @@ class Experts:
         _, lib = ffi_lib()
         w, n_out, R, rank = self._lora_args(which, z, experts, a, b)
         y = checked_tensor("y", y, (torch.float32,), (R, n_out))
-        t = torch.empty(R, rank)
+        t = torch.empty(R, rank, dtype=torch.float32)
         bt = b.transpose(1, 2).contiguous()  # the library reads B as [E, rank, out]
         pool = default_pool() if pool is None else pool
         check_rc(lib.ktk_experts_lora(pool.ptr, self._p, w, R, rank, pointer(experts, "int64_t *"),
@@ -402,7 +402,8 @@ class Experts:
         w, n_out, R, rank = self._lora_args(which, z, experts, a, b)
         t = checked_tensor("t", t, (torch.float32,), (R, rank))
         dy = checked_tensor("dy", dy, (torch.float32,), (R, n_out))
-        dz, dt, da = torch.empty(R, z.shape[1]), torch.empty(R, rank), torch.empty_like(a)
+        dz = torch.empty(R, z.shape[1], dtype=torch.float32)
+        dt, da = torch.empty(R, rank, dtype=torch.float32), torch.empty_like(a)
         bt = b.transpose(1, 2).contiguous()  # B and its gradient as [E, rank, out] in the library
         dbt = torch.empty_like(bt)
         pool = default_pool() if pool is None else pool

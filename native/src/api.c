@@ -458,7 +458,7 @@ static int check_lora(const char *fn, ktk_pool *pool, ktk_experts *ex, int which
         return ktki_error(KTK_ERR_SHAPE, "%s: R = %d rows (expected 0..%d)", fn, R, MAX_ROWS);
     if (rank < 1 || rank > MAX_RANK)
         return ktki_error(KTK_ERR_SHAPE, "%s: rank = %d (expected 1..%d)", fn, rank, MAX_RANK);
-    return KTK_OK;
+    return ktki_dispatch_isa_check();
 }
 
 int ktk_experts_lora(ktk_pool *pool, ktk_experts *ex, int which, int R, int rank, const int64_t *expert_of_row,

@@ -19,7 +19,9 @@ from tests.native.test_project import make, on_isa, rows  # noqa: F401  (on_isa:
 ISAS = kn.available_isas()
 
 TOL = 1e-5
+# (E, H, I); the last two past one 256-column block of the sums, with ranks past one 8-row block of the ISA loops
 SHAPES = [(6, 100, 72), (3, 40, 17), (9, 130, 50)]
+WIDE = [((5, 300, 530), 17), ((4, 513, 257), 9)]
 
 
 def rel(a, b):
@@ -67,6 +69,39 @@ def test_lora_matches_float64_autograd(on_isa, shape, which, rank, kind, isa):
     idle = torch.ones(ex.num_experts, dtype=torch.bool)
     idle[ids] = False
     assert torch.count_nonzero(da[idle]) == 0 and torch.count_nonzero(db[idle]) == 0  # experts without rows
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("which", ["up", "down"])
+@pytest.mark.parametrize("shape,rank", WIDE)
+def test_wide_matrices_and_ranks(on_isa, shape, rank, which, isa):
+    on_isa(isa)
+    ex, _ = make(*shape, "bf16")
+    a, b = adapters(ex, which, rank)
+    ids = rows("random", ex.num_experts)
+    n_out, n_in = ex.shape(which)
+    g = torch.Generator().manual_seed(4)
+    z, y0, dy = (torch.randn(len(ids), n, generator=g) for n in (n_in, n_out, n_out))
+    y = y0.clone()
+    t = ex.lora(which, z, ids, a, b, y)
+    want = reference(a, b, ids, z, y0, dy)
+    for got, ref in zip((t, y, *ex.lora_backward(which, z, t, dy, ids, a, b)), (want[0], want[1], *want[2:])):
+        assert rel(got, ref) < TOL
+
+
+def test_outputs_are_float32_whatever_the_default_dtype():
+    ex, _ = make(3, 40, 17, "bf16")
+    a, b = adapters(ex, "gate", 2)
+    ids, z, y = torch.tensor([0, 2, 2]), torch.randn(3, 40), torch.zeros(3, 17)
+    want = torch.einsum("rjk,rk->rj", a[ids], z)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        t = ex.lora("gate", z, ids, a, b, y)
+        dz, dt, _, _ = ex.lora_backward("gate", z, t, y, ids, a, b)
+    finally:
+        torch.set_default_dtype(before)
+    assert t.dtype == dz.dtype == dt.dtype == torch.float32 and rel(t, want.double()) < TOL
 
 
 def test_threads_give_the_same_bits_and_no_rows_zero_the_gradients():
