@@ -3,7 +3,9 @@
 Builds a random-weight model with Qwen3-30B-A3B dimensions (48 layers, hidden 2048, 32 heads / 4 KV heads of 128,
 128 experts top-8 of intermediate 768, vocab 151936; bf16, ~61 GB) directly in memory: built on the meta device,
 then materialized with the routed experts on the CPU (filled from a small random pool, fast) and everything else
-on the GPU. Nothing is written to disk. Then, in one run, with the limit and the baseline measured alongside:
+on the GPU. Nothing is written to disk. ``--shapes qwen3_5_moe`` builds Qwen3.5-35B-A3B's dimensions instead
+(``ktinject.bench.model.SHAPES``; the targets are judged for Qwen3-30B-A3B only). Then, in one run, with the limit
+and the baseline measured alongside:
 
   hf        the same model with Hugging Face's own modules, routed experts computed by torch on the CPU
   roofline  bytes of routed expert weights per token / CPU read bandwidth (measured now)
@@ -53,8 +55,8 @@ from ktinject.bench.decode_rows import (add_row, compare_rows, coordination_rows
 from ktinject.operators.kernels import dense as fused_dense
 from ktinject.bench.memory import measure_read_bandwidth
 from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and the probe build the same model)
-    add_budget_option, set_generation_defaults, build_model, build_tiny, checkpoint_model, experts_quant, print_budget,
-    quants_of,
+    add_budget_option, add_shapes_option, set_generation_defaults, build_model, build_tiny, checkpoint_model,
+    experts_quant, print_budget, quants_of, resolve_layers, shapes_name,
 )
 from ktinject.bench.targets import ROOF_RUNS as ROOF_ROUNDS, noise_targets, our_rate, target_rows
 from ktinject.bench.timing import (  # the measurements (bench serve imports two of them from here too)
@@ -71,7 +73,7 @@ ROOF_VARIANTS = 3  # the start-of-run probe's fastest read variants, each timed 
 # ---- the run -------------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ktinject.bench decode", description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=48, help="decoder layers (48 = the real model)")
+    add_shapes_option(p)
     p.add_argument("--tokens", type=int, default=64, help="decode tokens timed (ktinject)")
     p.add_argument("--hf-tokens", type=int, default=8, help="decode tokens timed (hf baseline; 0 skips it)")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
@@ -203,9 +205,9 @@ def run(args, quant: str | None = "bf16", first: bool = True) -> tuple[str, list
         quant = experts_quant(model)
         args.layers = model.config.num_hidden_layers  # (the targets, the table and the peer's scale read it)
     else:
-        model = build_tiny(device) if args.tiny else build_model(args.layers, device)
+        model = build_tiny(device) if args.tiny else build_model(args.layers, device, shapes=args.shapes)
         set_generation_defaults(model)
-        what = "tiny qwen3_moe" if args.tiny else "Qwen3-30B-A3B shapes"
+        what = shapes_name(args)
     cfg = model.config
     print(f"# {what}: {cfg.num_hidden_layers} layers, H={cfg.hidden_size}, E={cfg.num_experts} top-"
           f"{cfg.num_experts_per_tok}, I={cfg.moe_intermediate_size}, {next(model.parameters()).dtype}; "
@@ -353,6 +355,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quants = quants_of(args)
+    resolve_layers(args)
     peer.check_arguments(args)
     if args.tokens < 1:
         raise SystemExit(f"--tokens {args.tokens}: at least 1 decode token to time")

@@ -8,6 +8,7 @@ note), printed as it is made (``add_row``) and once more in the closing table (`
 from __future__ import annotations
 
 from ktinject.bench import llamacpp as peer
+from ktinject.bench.model import real_layers
 from ktinject.bench.timing import graph_replay, ktinject_decode
 
 
@@ -117,7 +118,7 @@ def print_table(rows, args) -> None:
 def peer_rows(args, ours: dict) -> list[tuple[str, str, str, str]]:
     """llama-bench's decode of --tokens tokens for each --peer-model, after ktinject's rows (the same call), and each
     quant's tok/s against its GGUF type's (``peer.PAIRS``), or against the GGUF ktinject loaded itself
-    (``peer.same_file``, unscaled): a ratio only for the whole model (or x L/48) at batch 1."""
+    (``peer.same_file``, unscaled): a ratio only for the whole model (or x L / its layers) at batch 1."""
     print(f"# peer: {args.peer} on {args.peer_model}, decode {args.tokens} tokens (this takes a while)", flush=True)
     results, errors = peer.run_all(args, gen=args.tokens)
     rows: list = []
@@ -128,7 +129,8 @@ def peer_rows(args, ours: dict) -> list[tuple[str, str, str, str]]:
             add_row(rows, (f"{r.label} decode {r.n_gen}", f"{r.tok_s:,.1f}", fmt_ms(1 / r.tok_s),
                            peer.note(r, args) + ", batch 1"))
     same = peer.same_file(args)  # --checkpoint is the peer's GGUF: the same model, whatever its type
-    scale = 1 if same else args.layers / 48
+    real = real_layers(args)
+    scale = 1 if same else args.layers / real
     for quant, (row, rate) in ours.items():
         gap = None if same else peer.missing(quant, results)
         if gap:
@@ -143,7 +145,7 @@ def peer_rows(args, ours: dict) -> list[tuple[str, str, str, str]]:
             continue
         ratio = rate * scale / theirs[0].tok_s
         add_row(rows, (what, f"{ratio:.2f}x", "",
-                       f"ktinject {quant} ({row!r}{'' if scale == 1 else f' x {args.layers}/48 layers'}) "
+                       f"ktinject {quant} ({row!r}{'' if scale == 1 else f' x {args.layers}/{real} layers'}) "
                        f"{rate * scale:,.1f} tok/s vs {theirs[0].tok_s:,.1f} ({theirs[0].model}"
                        f"{', the file ktinject loaded' if same else ''})"))
     return rows

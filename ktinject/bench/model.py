@@ -1,4 +1,5 @@
-"""The benchmark model: Qwen3-30B-A3B dimensions with random weights, built in memory (bench decode, prefill, hot).
+"""The benchmark model: a real model's dimensions with random weights, built in memory (bench decode, prefill, hot):
+Qwen3-30B-A3B's by default, or another's of ``SHAPES`` (``--shapes``).
 
 Built on the meta device, then materialized with the routed experts on the CPU (filled from a small random pool at
 random offsets: fast) and everything else on ``device``; nothing is written to disk.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,6 +20,29 @@ QWEN3_30B = dict(
     max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
     decoder_sparse_step=1, mlp_only_layers=[],
 )
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """A real model's dimensions: ``config`` (a transformers config class) with ``options``; ``layers``: its decoder
+    layers (a bench with fewer scales its figures to these); ``layer_multiple``: the --layers it takes are multiples
+    of this (a hybrid model's pattern of layer kinds)."""
+
+    name: str
+    config: str
+    layers: int
+    options: dict = field(default_factory=dict)
+    layer_multiple: int = 1
+
+
+#: --shapes: the models the benches build (the targets and llama.cpp's random GGUF are Qwen3-30B-A3B's)
+SHAPES = {
+    "qwen3_moe": Shapes("Qwen3-30B-A3B", "Qwen3MoeConfig", 48, QWEN3_30B),
+    # transformers' defaults are Qwen3.5-35B-A3B's: 256 experts top-8 of 512, a shared expert, 3 gated-DeltaNet
+    # layers to one gated full-attention layer
+    "qwen3_5_moe": Shapes("Qwen3.5-35B-A3B", "Qwen3_5MoeTextConfig", 40, layer_multiple=4),
+}
+DEFAULT_SHAPES = "qwen3_moe"
 _POOL = 32 << 20  # random values per pool (experts are tiled from it at random offsets)
 
 
@@ -43,11 +68,43 @@ def _fill_tiled(t: torch.Tensor, pool: torch.Tensor, gen: torch.Generator) -> No
 
 
 @torch.no_grad()
-def build_model(layers: int, device: torch.device, seed: int = 0) -> nn.Module:
-    """Qwen3-30B-A3B shapes with ``layers`` layers: routed experts on the CPU, the rest on ``device``, bf16."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+def add_shapes_option(p) -> None:
+    """--shapes and --layers of the benches that build the model."""
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, choices=sorted(SHAPES),
+                   help="whose dimensions the random model has: " + ", ".join(
+                       f"{k} ({v.name}, {v.layers} layers)" for k, v in SHAPES.items()) + f" (default {DEFAULT_SHAPES})")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: the real model's; fewer: the figures are scaled to it)")
 
-    cfg = Qwen3MoeConfig(num_hidden_layers=layers, **QWEN3_30B)
+
+def resolve_layers(args) -> int:
+    """--layers as given, or the real model's; an error naming the fix where the shapes cannot take it."""
+    shapes = SHAPES[getattr(args, "shapes", DEFAULT_SHAPES)]
+    if args.layers is None:
+        args.layers = shapes.layers
+    if args.layers < 1 or args.layers % shapes.layer_multiple:
+        raise SystemExit(f"--layers {args.layers}: {shapes.name} shapes take a positive multiple of "
+                         f"{shapes.layer_multiple} (its pattern of layer kinds)")
+    return shapes.layers
+
+
+def real_layers(args) -> int:
+    """The decoder layers of the real model whose shapes ``args`` builds (what fewer layers' figures scale to)."""
+    return SHAPES[getattr(args, "shapes", DEFAULT_SHAPES)].layers
+
+
+def shapes_name(args) -> str:
+    return "tiny qwen3_moe" if args.tiny else f"{SHAPES[getattr(args, 'shapes', DEFAULT_SHAPES)].name} shapes"
+
+
+def build_model(layers: int, device: torch.device, seed: int = 0, shapes: str = DEFAULT_SHAPES) -> nn.Module:
+    """``shapes``' dimensions (``SHAPES``) with ``layers`` layers: routed experts on the CPU, the rest on
+    ``device``, bf16."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    spec = SHAPES[shapes]
+    cfg = getattr(transformers, spec.config)(num_hidden_layers=layers, **spec.options)
     cfg.dtype = torch.bfloat16
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -166,15 +223,16 @@ def quants_of(args) -> list:
     return quants
 
 
-def bench_model(tiny: bool, layers: int, threads: int | None = None) -> tuple[nn.Module, torch.device]:
+def bench_model(tiny: bool, layers: int, threads: int | None = None,
+                shapes: str = DEFAULT_SHAPES) -> tuple[nn.Module, torch.device]:
     """(model, device) of a bench run: the native pool's and torch's threads set (when given), the tiny test model or
-    the bench model with ``layers`` layers, on the GPU where there is one, greedy generation defaults."""
+    the bench model of ``shapes`` with ``layers`` layers, on the GPU where there is one, greedy generation defaults."""
     from ktinject import native
 
     if threads:
         native.set_default_threads(threads)
         torch.set_num_threads(threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_tiny(device) if tiny else build_model(layers, device)
+    model = build_tiny(device) if tiny else build_model(layers, device, shapes=shapes)
     set_generation_defaults(model)
     return model, device

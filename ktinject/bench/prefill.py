@@ -14,8 +14,9 @@ and cpu mode, ``gpu_experts.prefill.feedback.Trials``), printed apart: a user's 
 them. Beside each figure:
 
   limit   the streaming limit: tokens / (packed bytes of all routed experts / H2D bandwidth), the bandwidth measured
-          in this run (one 256 MiB copy from the page-locked experts to the GPU). With --layers below 48 both the
-          figure and the limit scale with the layers: compare percentages; the 48-layer equivalent is printed too
+          in this run (one 256 MiB copy from the page-locked experts to the GPU). With fewer --layers than the real
+          model's (--shapes: 48 for Qwen3-30B-A3B) both the figure and the limit scale with the layers: compare
+          percentages; the whole model's equivalent is printed too
   chose   what auto decided for the last forward: its mode and, for split, experts per layer on the GPU (median)
 
 Then per quant the prefill targets as lines: at the longest prompt gpu and auto >= 60% of the limit; at the
@@ -42,13 +43,14 @@ import time
 import torch
 
 from ktinject.bench import llamacpp as peer
-from ktinject.bench.model import add_budget_option, bench_model, checkpoint_model, experts_quant, print_budget, quants_of
+from ktinject.bench.model import (add_budget_option, add_shapes_option, bench_model, checkpoint_model, experts_quant,
+                                  print_budget, quants_of, real_layers, resolve_layers, shapes_name)
 from ktinject.gpu_experts.prefill.feedback import TRIALS
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ktinject.bench prefill", description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=48, help="decoder layers (48 = the real model)")
+    add_shapes_option(p)
     p.add_argument("--quant", default=None, help="comma-separated expert quants, one model build each (default "
                    "bf16,int8,int4; with --checkpoint: overriding the release's format, default the release's)")
     p.add_argument("--checkpoint", default=None, metavar="PATH", help="load the model with "
@@ -116,7 +118,7 @@ def _chose(streamer) -> str:
 
 def run(args, quant: str | None, ours: dict | None = None) -> list[tuple[str, str, str]]:
     """Rows (what, tok/s, note) of one model build with experts in ``quant`` (or of ``--checkpoint``, ``quant``
-    overriding its format); ``ours`` gets (quant, tokens) -> (mode, tok/s of the 48-layer model, or of the
+    overriding its format); ``ours`` gets (quant, tokens) -> (mode, tok/s of the whole model (its real layers), or of the
     checkpoint's when the peer runs that file) for the peer's rows: auto where it ran, else the fastest mode."""
     import ktinject
     from ktinject import native
@@ -134,12 +136,12 @@ def run(args, quant: str | None, ours: dict | None = None) -> list[tuple[str, st
         quant = experts_quant(model)
         args.layers = model.config.num_hidden_layers
     else:
-        model, device = bench_model(args.tiny, args.layers, args.threads)
+        model, device = bench_model(args.tiny, args.layers, args.threads, shapes=args.shapes)
         ktinject.inject(model, gpu=str(device), quant=quant, prefill="cpu", gpu_experts_budget=args.gpu_experts_budget)
-        what = "tiny qwen3_moe" if args.tiny else "Qwen3-30B-A3B shapes"
+        what = shapes_name(args)
     print_budget(model)
     cfg = model.config
-    L = cfg.num_hidden_layers
+    L, real = cfg.num_hidden_layers, real_layers(args)
     blocks = stream.blocks_of(model)
     expert_bytes = sum(b.native_experts.nbytes for b in blocks)
     probe = stream.attach(model, "gpu")
@@ -149,7 +151,7 @@ def run(args, quant: str | None, ours: dict | None = None) -> list[tuple[str, st
           f"top-{cfg.num_experts_per_tok}, {expert_bytes / 1e9:.2f} GB of packed experts; built and injected in "
           f"{time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, {native.default_pool().threads} threads; "
           f"H2D {h2d / 1e9:.1f} GB/s (pinned, measured now)"
-          + ("" if args.layers == 48 or args.tiny else f"; {L} of 48 layers: tok/s x {L}/48 = the full model's"),
+          + ("" if args.layers == real or args.tiny else f"; {L} of {real} layers: tok/s x {L}/{real} = the full model's"),
           flush=True)
     rows: list[tuple[str, str, str]] = []
     rates: dict[tuple[str, int], float] = {}
@@ -183,7 +185,7 @@ def run(args, quant: str | None, ours: dict | None = None) -> list[tuple[str, st
             s = statistics.median(runs[mode])
             rate = rates[mode, n] = n / s
             limit = n * h2d / expert_bytes
-            full = "" if args.layers == 48 or args.tiny else f" (48 layers: {rate * L / 48:,.0f})"
+            full = "" if args.layers == real or args.tiny else f" ({real} layers: {rate * L / real:,.0f})"
             chunk = prefill_chunk(model, n) or "none (one forward)"
             each = ", ".join(f"{n / t:,.0f}" for t in runs[mode])
             note = (f"median {s:.3f} s{full}; runs {each} tok/s; limit {limit:,.0f} tok/s, {100 * rate / limit:.0f}% "
@@ -192,7 +194,7 @@ def run(args, quant: str | None, ours: dict | None = None) -> list[tuple[str, st
             print(f"# {rows[-1][0]} | {rows[-1][1]} tok/s | {note}", flush=True)
         if ours is not None:
             pick = "auto" if "auto" in modes else max(modes, key=lambda m: rates[m, n])
-            ours[quant, n] = (pick, rates[pick, n] * (1 if args.tiny or peer.same_file(args) else L / 48))
+            ours[quant, n] = (pick, rates[pick, n] * (1 if args.tiny or peer.same_file(args) else L / real))
     if "gpu" in modes and probe.cuda:
         use("gpu")
         rows.append(_breakdown(model, probe, quant, max(lengths), device))
@@ -284,9 +286,10 @@ def _memory_reference(args, quant: str, rates: dict, lengths: list[int], expert_
 def peer_rows(args, ours: dict) -> list[tuple[str, str, str]]:
     """llama-bench's prefill of each --prefill length for each --peer-model, after ktinject's rows (the same call),
     and the peer comparison: int4 and int8 at 2,048 tokens and more at least 2x llama.cpp Q4_0 / Q8_0. ktinject's
-    figure is the whole model's estimate from the layers built (x L/48); with fewer than 48 layers the first layer's
-    copy, fetched ahead by the untimed prefill before each timed one, is 1/L of the copies instead of 1/48 (up to ~6%
-    in favour of gpu / auto at L = 12 where the copies bound them), which the note says."""
+    figure is the whole model's estimate from the layers built (x L / the real model's layers, 48 for Qwen3-30B-A3B);
+    with fewer layers the first layer's copy, fetched ahead by the untimed prefill before each timed one, is 1/L of
+    the copies instead of 1/48 (up to ~6% in favour of gpu / auto at L = 12 where the copies bound them), which the
+    note says."""
     lengths = _csv(args.prefill, int)
     print(f"# peer: {args.peer} on {args.peer_model}, prefill {args.prefill} (this takes a while)", flush=True)
     results, errors = peer.run_all(args, prompts=lengths)
@@ -299,7 +302,7 @@ def peer_rows(args, ours: dict) -> list[tuple[str, str, str]]:
         gap = None if same else peer.missing(quant, results)
         if gap:
             rows.append((f"{quant} target: 2x llama.cpp", "n/a", gap))
-    L = args.layers
+    L, real = args.layers, real_layers(args)
     for (quant, n), (mode, rate) in sorted(ours.items()):
         theirs = [r for r in (results if same else peer.paired(quant, results)) if r.n_prompt == n]
         if not theirs or quant == "bf16" or n < 2048:
@@ -309,8 +312,9 @@ def peer_rows(args, ours: dict) -> list[tuple[str, str, str]]:
             rows.append((what, "n/a", "--tiny: not the peer's model"))
             continue
         ratio = rate / theirs[0].tok_s
-        scaled = "" if L == 48 else f" (from {L} layers x {L}/48; the first layer's copy counts 1/{L}, not 1/48)"
-        layers = f"{L} layers, the file ktinject loaded" if same else f"48 layers{scaled}"
+        scaled = ("" if L == real else
+                  f" (from {L} layers x {L}/{real}; the first layer's copy counts 1/{L}, not 1/{real})")
+        layers = f"{L} layers, the file ktinject loaded" if same else f"{real} layers{scaled}"
         rows.append((what, f"{ratio:.2f}x", f"{'met' if ratio >= 2 else 'NOT met'} (ktinject {mode} {rate:,.0f} "
                      f"tok/s for {layers} vs {theirs[0].tok_s:,.0f}, {theirs[0].model})"))
     for r in rows:
@@ -327,6 +331,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--mode {args.mode!r}: expected a comma-separated list of cpu, gpu, auto")
     if not _csv(args.prefill, int):
         raise SystemExit("--prefill: give at least one prompt length")
+    resolve_layers(args)
     peer.check_arguments(args)
     rows, ours = [], {}
     for q in quants:

@@ -69,7 +69,8 @@ def our_rate(rows) -> tuple[str, float] | None:
 
 
 def _whole_model(args) -> bool:
-    return not args.tiny and args.layers == 48 and args.batch == 1
+    return (not args.tiny and getattr(args, "shapes", "qwen3_moe") == "qwen3_moe" and args.layers == 48
+            and args.batch == 1)
 
 
 def target_rows(quant: str, rows, args) -> list[tuple[str, str, str, str]]:

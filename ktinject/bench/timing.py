@@ -97,15 +97,24 @@ def gen_time(model, ids, new_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def ktinject_decode(model, prompt, new_tokens: int, graphs: bool, **runner_kwargs) -> dict:
-    """Seconds per decode token through ktinject.generate (prefill subtracted), graphs on or off."""
+def ktinject_decode(model, prompt, new_tokens: int, graphs: bool, rounds: int = 3, **runner_kwargs) -> dict:
+    """Seconds per decode token through ktinject.generate (prefill subtracted), graphs on or off: the median over
+    ``rounds`` of a generate of new_tokens + 1 tokens minus one of 1 token, timed in turns (one pair alone could come
+    out negative where the prefill's time moves more than the decode's: a busy host, few tokens). No streamer: one
+    would copy every step's token to the host, which the graph path's deferred stop checks avoid."""
     from ktinject.decode.generate import get_runner
 
     runner = get_runner(model, use_graphs=graphs, prefill_chunk=2048, **runner_kwargs)
     gen_time(model, prompt, 3)  # warm-up: caches, pinned buffers, graph capture
-    t1 = min(gen_time(model, prompt, 1) for _ in range(2))
-    tn = gen_time(model, prompt, new_tokens + 1)
-    return {"s_per_token": (tn - t1) / new_tokens, "runner": runner}
+    diffs = []
+    for _ in range(rounds):
+        t1 = gen_time(model, prompt, 1)
+        diffs.append(gen_time(model, prompt, new_tokens + 1) - t1)
+    s = statistics.median(diffs)
+    if s <= 0:
+        raise RuntimeError(f"ktinject_decode: {new_tokens} decode tokens took no measurable time over the prefill's "
+                           f"noise (differences {', '.join(f'{d * 1e3:.1f}' for d in diffs)} ms): time more tokens")
+    return {"s_per_token": s / new_tokens, "runner": runner}
 
 
 def _decode_graph(runner, batch: int):

@@ -405,3 +405,31 @@ def test_read_loop_without_its_source_falls_back_to_torch(monkeypatch, caplog, t
         assert memory._compile() is None
     assert "readloop.c is missing from the installation" in caplog.text
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_shapes_have_the_real_models_dimensions_and_check_layers():
+    import argparse
+
+    import transformers
+
+    from ktinject.bench import model as bench_model
+
+    q35 = bench_model.SHAPES["qwen3_5_moe"]
+    cfg = getattr(transformers, q35.config)(num_hidden_layers=8, **q35.options)
+    assert (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size) == (2048, 256, 8, 512, 512)
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"]
+    q3 = bench_model.SHAPES["qwen3_moe"]
+    cfg = getattr(transformers, q3.config)(num_hidden_layers=2, **q3.options)
+    assert (cfg.num_experts, cfg.moe_intermediate_size, q3.layers) == (128, 768, 48)
+
+    def args(shapes, layers):
+        return argparse.Namespace(shapes=shapes, layers=layers, tiny=False)
+
+    a = args("qwen3_5_moe", None)
+    assert bench_model.resolve_layers(a) == 40 and a.layers == 40
+    assert bench_model.resolve_layers(args("qwen3_5_moe", 8)) == 40 and bench_model.real_layers(a) == 40
+    with pytest.raises(SystemExit, match="multiple of 4"):
+        bench_model.resolve_layers(args("qwen3_5_moe", 6))
+    assert bench_model.shapes_name(args("qwen3_moe", 48)) == "Qwen3-30B-A3B shapes"
