@@ -61,7 +61,7 @@ from ktinject.bench.model import (  # noqa: F401  (re-exported: bench hot and th
 from ktinject.bench.targets import ROOF_RUNS as ROOF_ROUNDS, noise_targets, our_rate, target_rows
 from ktinject.bench.timing import (  # the measurements (bench serve imports two of them from here too)
     cpu_expert_time, expert_bytes_per_token, gen_time, graph_replay, hf_decode, ktinject_decode,
-    loaded_expert_bytes_per_token, muted_replay,
+    loaded_expert_bytes_per_token, muted_replay, routed_experts,
     paired_overhead, profile_line, profile_replay, wrap_cpu_experts,
 )
 from ktinject.cli.options import experts_format
@@ -209,7 +209,7 @@ def run(args, quant: str | None = "bf16", first: bool = True) -> tuple[str, list
         set_generation_defaults(model)
         what = shapes_name(args)
     cfg = model.config
-    print(f"# {what}: {cfg.num_hidden_layers} layers, H={cfg.hidden_size}, E={cfg.num_experts} top-"
+    print(f"# {what}: {cfg.num_hidden_layers} layers, H={cfg.hidden_size}, E={routed_experts(cfg)} top-"
           f"{cfg.num_experts_per_tok}, I={cfg.moe_intermediate_size}, {next(model.parameters()).dtype}; "
           f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; built in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
@@ -219,7 +219,7 @@ def run(args, quant: str | None = "bf16", first: bool = True) -> tuple[str, list
     quick = bool(args.noise and args.noise_only) or bool(args.defer)  # the interference or deferral rows alone
     mem = per_tok = None
     # no roofline for the tiny model or a checkpoint of tiny shapes: it means nothing there, and the probe reads GBs
-    small = args.tiny or (args.checkpoint and loaded_expert_bytes_per_token(model, B) * cfg.num_experts < 1e9)
+    small = args.tiny or (args.checkpoint and loaded_expert_bytes_per_token(model, B) * routed_experts(cfg) < 1e9)
     if not quick and not small:
         mem = measure_read_bandwidth(4.0, args.threads)  # >= 4 GB (a Qwen3-30B token: 3.6 GB), >= 32x the LLC
         print(f"# {mem.summary()}", flush=True)

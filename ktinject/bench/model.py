@@ -41,6 +41,10 @@ SHAPES = {
     # transformers' defaults are Qwen3.5-35B-A3B's: 256 experts top-8 of 512, a shared expert, 3 gated-DeltaNet
     # layers to one gated full-attention layer
     "qwen3_5_moe": Shapes("Qwen3.5-35B-A3B", "Qwen3_5MoeTextConfig", 40, layer_multiple=4),
+    # transformers' defaults are DeepSeek-V3.2's (61 layers, hidden 7168, 256 experts top-8 of 2048, MLA, the
+    # lightning indexer's top 2,048); every built layer is an MoE one (the real model's first 3 are dense), so the
+    # figures scaled to 61 layers are a little low
+    "deepseek_v32": Shapes("DeepSeek-V3.2", "DeepseekV32Config", 61, {"first_k_dense_replace": 0}),
 }
 DEFAULT_SHAPES = "qwen3_moe"
 _POOL = 32 << 20  # random values per pool (experts are tiled from it at random offsets)
@@ -136,6 +140,10 @@ def build_model(layers: int, device: torch.device, seed: int = 0, shapes: str = 
             parent_name, _, leaf = mod_name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, leaf, type(mod)(mod.config).to(device))
+    for mod in model.modules():  # other buffers (DeepSeek's routers' e_score_correction_bias): zeros, the neutral
+        for key, b in list(mod._buffers.items()):
+            if b is not None and b.device.type == "meta" and b.is_floating_point():
+                mod._buffers[key] = torch.zeros(b.shape, dtype=b.dtype, device=device)
     leftover = [n for n, b in model.named_buffers() if b.device.type == "meta"]
     if leftover:
         raise RuntimeError(f"buffers left on the meta device: {leftover[:5]}")

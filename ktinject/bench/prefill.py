@@ -45,6 +45,7 @@ import torch
 from ktinject.bench import llamacpp as peer
 from ktinject.bench.model import (add_budget_option, add_shapes_option, bench_model, checkpoint_model, experts_quant,
                                   print_budget, quants_of, real_layers, resolve_layers, shapes_name)
+from ktinject.bench.timing import routed_experts
 from ktinject.gpu_experts.prefill.feedback import TRIALS
 
 
@@ -147,7 +148,7 @@ def run(args, quant: str | None, ours: dict | None = None) -> list[tuple[str, st
     probe = stream.attach(model, "gpu")
     probe.setup()
     h2d = probe.experts.h2d
-    print(f"# {quant}: {what}, {L} layers, E={cfg.num_experts} "
+    print(f"# {quant}: {what}, {L} layers, E={routed_experts(cfg)} "
           f"top-{cfg.num_experts_per_tok}, {expert_bytes / 1e9:.2f} GB of packed experts; built and injected in "
           f"{time.perf_counter() - t0:.1f} s; native ISA {native.isa()}, {native.default_pool().threads} threads; "
           f"H2D {h2d / 1e9:.1f} GB/s (pinned, measured now)"

@@ -122,6 +122,7 @@ def synthetic_ll_tokenizer(vocab: int, eos: int):
 def _build(args, quant: str, device: torch.device):
     import ktinject
     from ktinject.bench.model import build_model, build_tiny, set_generation_defaults
+    from ktinject.bench.timing import routed_experts
 
     t0 = time.perf_counter()
     model = build_tiny(device) if args.tiny else build_model(args.layers, device)
@@ -133,7 +134,7 @@ def _build(args, quant: str, device: torch.device):
         + ("" if cfg.num_hidden_layers == WHOLE else
            f" (every tok/s and roofline below is for these {cfg.num_hidden_layers} layers; a whole model's: about "
            f"x{cfg.num_hidden_layers / WHOLE:.2f})"))
-    print(f"# {what}, {quant} experts: E={cfg.num_experts} top-{cfg.num_experts_per_tok}; built and injected in "
+    print(f"# {what}, {quant} experts: E={routed_experts(cfg)} top-{cfg.num_experts_per_tok}; built and injected in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     return model
 
@@ -228,7 +229,7 @@ def roofline(cfg, quant: str, bandwidth: float, step_rows: list[int]) -> float:
 def run(args, quant: str) -> list[dict]:
     from ktinject.bench.decode import expert_bytes_per_token
     from ktinject.bench.memory import measure_read_bandwidth
-    from ktinject.bench.timing import cpu_expert_time, distinct_experts, profile_line
+    from ktinject.bench.timing import cpu_expert_time, distinct_experts, profile_line, routed_experts
     from ktinject.native import default_pool
     from ktinject.serve.engine import Engine, EngineConfig
 
@@ -278,7 +279,7 @@ def run(args, quant: str) -> list[dict]:
             steps = row.pop("step_rows")
             row.update(quant=quant, overlap=overlap, grammar=held, roofline=roofline(cfg, quant, bw, steps),
                        batch1=one, step_gb=per_tok * n / 1e9,
-                       uniform=statistics.fmean(distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, b)
+                       uniform=statistics.fmean(distinct_experts(routed_experts(cfg), cfg.num_experts_per_tok, b)
                                                for b in steps) if steps else float("nan"))
             rows.append(row)
             print("# " + _line(row), flush=True)

@@ -25,12 +25,20 @@ def distinct_experts(num_experts: int, k: int, batch: int) -> float:
     return num_experts * (1 - (1 - k / num_experts) ** batch)
 
 
+def routed_experts(cfg) -> int:
+    """The config's routed experts a layer (``num_experts``; DeepSeek's configs: ``n_routed_experts``)."""
+    n = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None)
+    if not n:
+        raise ValueError(f"{type(cfg).__name__} names no routed experts (num_experts / n_routed_experts)")
+    return int(n)
+
+
 def expert_bytes_per_token(cfg, batch: int = 1, quant: str = "bf16") -> float:
     """Bytes of routed expert weights one decode step reads, in the stored format of ``quant`` (distinct experts:
     batch=1 -> k per layer)."""
     from ktinject.native import Experts
 
-    L, E, k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
+    L, E, k = cfg.num_hidden_layers, routed_experts(cfg), cfg.num_experts_per_tok
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     return L * distinct_experts(E, k, batch) * Experts.packed_nbytes(1, H, I, quant) / batch
 
@@ -41,7 +49,7 @@ def loaded_expert_bytes_per_token(model, batch: int = 1) -> float:
     cfg = model.config
     per_expert = [m.native_experts.nbytes / m.native_experts.num_experts for m in model.modules()
                   if getattr(m, "native_experts", None) is not None]
-    return sum(per_expert) * distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, batch) / batch
+    return sum(per_expert) * distinct_experts(routed_experts(cfg), cfg.num_experts_per_tok, batch) / batch
 
 
 def hf_decode(model, prompt: torch.Tensor, steps: int) -> tuple[float, float]:

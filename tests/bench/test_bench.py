@@ -433,3 +433,31 @@ def test_bench_shapes_have_the_real_models_dimensions_and_check_layers():
     with pytest.raises(SystemExit, match="multiple of 4"):
         bench_model.resolve_layers(args("qwen3_5_moe", 6))
     assert bench_model.shapes_name(args("qwen3_moe", 48)) == "Qwen3-30B-A3B shapes"
+
+
+def test_deepseek_v32_shapes_build_inject_and_generate(monkeypatch):
+    """The builder on DeepSeek-V3.2's config class with its dimensions shrunk (the real ones are 22 GB a layer):
+    MLA, the indexer and the routed experts materialize, inject and decode; the real dimensions are the config's."""
+    import dataclasses
+
+    import transformers
+
+    import ktinject
+    from ktinject.bench import model as bench_model
+    from ktinject.bench.timing import routed_experts
+
+    real = bench_model.SHAPES["deepseek_v32"]
+    cfg = getattr(transformers, real.config)(num_hidden_layers=2, **real.options)
+    assert (cfg.hidden_size, routed_experts(cfg), cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.index_topk, real.layers) == (7168, 256, 8, 2048, 2048, 61)
+    small = dict(real.options, hidden_size=96, moe_intermediate_size=40, n_routed_experts=6, num_experts_per_tok=2,
+                 n_group=1, topk_group=1, intermediate_size=80, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16,
+                 qk_nope_head_dim=16, v_head_dim=16, num_attention_heads=4, num_key_value_heads=4, index_n_heads=4,
+                 index_head_dim=32, index_topk=8, vocab_size=300)
+    monkeypatch.setitem(bench_model.SHAPES, "deepseek_v32", dataclasses.replace(real, options=small))
+    model = bench_model.build_model(2, torch.device("cpu"), shapes="deepseek_v32")
+    assert routed_experts(model.config) == 6 and len(model.model.layers) == 2
+    bench_model.set_generation_defaults(model)
+    ktinject.inject(model, gpu="cpu", quant="int8")
+    out = ktinject.generate(model, torch.randint(3, 300, (1, 12)), max_new_tokens=4, min_new_tokens=4)
+    assert out.shape == (1, 16)
