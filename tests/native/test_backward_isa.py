@@ -1,5 +1,5 @@
 """The routed experts' backward on each ISA (ktk_backward: the AVX-512 kernels of kernels/avx512/backward.c for the
-avx512 and amx ISAs; avx2 runs the generic step) against the generic step, its reference, and against float64 torch
+avx512 and amx ISAs, those of kernels/avx2/backward.c for avx2) against the generic step, its reference, and against float64 torch
 autograd, for every format on awkward shapes: sizes off every multiple of 16, one token, experts with no tokens, all
 tokens on one expert (several 32-row chunks), gpt-oss's clamps with biases, skipped experts, bf16 dy.
 

@@ -28,6 +28,7 @@ extern const ktk_kernels *ktk_kernels_avx2(void) __attribute__((weak));
 extern const ktk_kernels *ktk_kernels_avx512(void) __attribute__((weak));
 extern const ktk_kernels *ktk_kernels_amx(void) __attribute__((weak));
 extern const ktk_bwd_kernels *ktk_bwd_kernels_avx512(void) __attribute__((weak));
+extern const ktk_bwd_kernels *ktk_bwd_kernels_avx2(void) __attribute__((weak));
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static uint32_t g_features;
@@ -231,10 +232,11 @@ const ktk_kernels *ktki_dispatch_kernels(void) {
     }
 }
 
-/* The backward kernels of the ISA in use (amx: the AVX-512 ones), or NULL: the generic step (generic, avx2). */
+/* The backward kernels of the ISA in use (amx: the AVX-512 ones), or NULL: the generic step (generic). */
 const ktk_bwd_kernels *ktki_dispatch_backward(void) {
     init();
     const int isa = atomic_load(&g_isa);
     if ((isa == KTK_ISA_AMX || isa == KTK_ISA_AVX512) && ktk_bwd_kernels_avx512) return ktk_bwd_kernels_avx512();
+    if (isa == KTK_ISA_AVX2 && ktk_bwd_kernels_avx2) return ktk_bwd_kernels_avx2();
     return NULL;
 }

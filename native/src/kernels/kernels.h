@@ -237,7 +237,8 @@ typedef struct {
      * i < n, c < K (nothing at c >= K is written) */
     void (*tprod)(const float *w1, const float *d1, const float *w2, const float *d2, int64_t ldd, int64_t ldw,
                   int K, int n, float *out, int64_t ldo);
-    /* Chunks of at most few_rows rows (0: none; at most 4) take these instead, on the stored blocks (no unpack): */
+    /* Chunks of at most few_rows rows (0: none, and the three below may be NULL; at most 4) take these instead, on
+     * the stored blocks (no unpack): */
     int few_rows;
     /* gate_up's g, u of block b of g and u, x rows ldx apart (Kt of them read) */
     void (*gate_up_packed)(const ktk_mat *g, const ktk_mat *u, int b, const float *x, int64_t ldx, int n, float *G,
@@ -256,7 +257,8 @@ typedef struct {
     void (*ger)(float *M, int64_t ldm, int rk, const float *s, const float *v, int n);
 } ktk_bwd_kernels;
 const ktk_bwd_kernels *ktk_bwd_kernels_avx512(void);   /* kernels/avx512/backward.c */
-/* kernels/dispatch.c: those of the ISA in use, or NULL where the generic step runs (generic, avx2) */
+const ktk_bwd_kernels *ktk_bwd_kernels_avx2(void);     /* kernels/avx2/backward.c (no few-rows path) */
+/* kernels/dispatch.c: those of the ISA in use, or NULL where the generic step runs (generic) */
 const ktk_bwd_kernels *ktki_dispatch_backward(void);
 
 /* One per ISA file; each returns a static table. Only call the one for an ISA the CPU has. */

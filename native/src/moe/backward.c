@@ -24,9 +24,9 @@
  *        a slot not computed here).
  * Every sum runs in a fixed order: results do not depend on the threads. The rows step here is generic C (the
  * compiler's baseline vectorization only): the reference of the ISA one (rows_item_isa, on the kernels of
- * ktki_dispatch_backward: avx512 / amx), which dequantizes each block once per chunk to float in both orders (columns
- * for g, u; rows for the transposed products) and sums with FMAs in its own fixed order (kernels/avx512/backward.c):
- * equal to this step to float rounding, not bit for bit.
+ * ktki_dispatch_backward: avx2, avx512 / amx), which dequantizes each block once per chunk to float in both orders
+ * (columns for g, u; rows for the transposed products) and sums with FMAs in its own fixed order
+ * (kernels/avx2/backward.c, kernels/avx512/backward.c): equal to this step to float rounding, not bit for bit.
  * Legend: T tokens, k slots per token, E experts, H hidden, I expert intermediate, A active experts, R rows.
  */
 #include <math.h>

@@ -11,10 +11,10 @@
  *   rows (items): transpose 0: (expert, chunk of at most BR rows, group of at most cw 16-row blocks of W's outputs),
  *        each block dequantized once per chunk; transpose 1: (expert, chunk), every block of W feeding every output
  *        column (W's inputs), summed in ascending row order of W.
- * On the kernels of ktki_dispatch_backward (avx512, amx) for bf16 / int8 / int4 / fp8: transpose 0 through gate_up
+ * On the kernels of ktki_dispatch_backward (avx2, avx512, amx) for bf16 / int8 / int4 / fp8: transpose 0 through gate_up
  * on two blocks at once (its two matrices: blocks b and b + 1 of the one matrix), or gate_up_packed on the stored
- * blocks for chunks of at most few_rows rows; transpose 1 through unpack + tprod, or tacc + hsum for few rows.
- * Elsewhere (generic, avx2; mxfp4 weights) the generic step below, their reference: blocks dequantized row by row
+ * blocks for chunks of at most few_rows rows (avx512); transpose 1 through unpack + tprod, or tacc + hsum for few
+ * rows. Elsewhere (generic; mxfp4 weights) the generic step below, their reference: blocks dequantized row by row
  * (ktki_pack_unpack), every sum in ascending order; the ISA step equals it to float rounding, not bit for bit.
  * A row's result depends on neither the other rows nor the threads.
  * Legend: R rows, E experts, A active experts (with rows), N, K: W's outputs and inputs (rows and columns).
