@@ -104,3 +104,26 @@ def test_a_prefix_hit_restores_the_indexer_keys(family, tier, tmp_path):
         kv_cache.forward(model, computed, ids[:, :3 * block])
     for a, b in zip(restored.export_index_keys(0, 0, 3 * block), computed.export_index_keys(0, 0, 3 * block)):
         assert a is not None and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_serving_engine_s_prefix_cache_restores_the_indexer_keys(family):
+    """A request that starts with an earlier one's whole blocks restores them, indexer keys included
+    (cached_tokens), and gets the greedy tokens of the cache off."""
+    from ktinject.decode.prefix_cache import PrefixCache
+    from ktinject.serve.engine import Engine, EngineConfig
+    from ktinject.serve.sampling import SamplingParams
+
+    model = _model(family)
+    ktinject.inject(model, gpu="cpu")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    a = tiny_prompts(1, 16, seed=7)[0].tolist()
+    b = a + tiny_prompts(1, 5, seed=8)[0].tolist()
+    config = dict(max_batch=2, max_context=48, prefill_chunk=8)
+    with Engine(model, None, EngineConfig(**config)) as engine:
+        plain = [engine.generate(p, greedy, timeout=300).token_ids for p in (a, b)]
+    store = PrefixCache(device="cpu", tier="ram", block_size=8)
+    with Engine(model, None, EngineConfig(**config, prefix_cache=store)) as engine:
+        cached = [engine.generate(p, greedy, timeout=300) for p in (a, b)]
+    assert [r.token_ids for r in cached] == plain
+    assert [r.cached_tokens for r in cached] == [0, 16], store.describe()
