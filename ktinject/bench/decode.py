@@ -268,9 +268,12 @@ def run(args, quant: str | None = "bf16", first: bool = True) -> tuple[str, list
         return quant, rows
 
     if not quick:
-        eager = ktinject_decode(model, prompt, args.tokens, graphs=False)
-        add_row(rows, ("ktinject eager", fmt_rate(B / eager["s_per_token"]), fmt_ms(eager["s_per_token"]),
-                       "ktinject.generate, no graph"))
+        try:  # (the eager row is a reference: a measurement lost in the host's noise does not stop the run)
+            eager = ktinject_decode(model, prompt, args.tokens, graphs=False)
+            add_row(rows, ("ktinject eager", fmt_rate(B / eager["s_per_token"]), fmt_ms(eager["s_per_token"]),
+                           "ktinject.generate, no graph"))
+        except RuntimeError as e:
+            add_row(rows, ("ktinject eager", "failed", "", str(e)))
         step = mute = graph = None
         cpu_times = cpu_expert_time(model, B)  # before and after the graph rows: the host's load drifts
         if device.type == "cuda":
