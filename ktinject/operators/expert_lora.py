@@ -113,8 +113,8 @@ class Factors:
     dropout: dict[str, float]
 
 
-def _peft_pairs(module: nn.Module, where: str) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-    """(A [r, in], B [out, r] scaled, dropout p) of each active adapter of a PEFT-wrapped projection."""
+def _peft_pairs(module: nn.Module, where: str) -> list[tuple[torch.Tensor, torch.Tensor, float, float]]:
+    """(A [r, in], B [out, r], dropout p, scaling) of each active adapter of a PEFT-wrapped projection."""
     if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
         return []
     out = []
@@ -126,7 +126,7 @@ def _peft_pairs(module: nn.Module, where: str) -> list[tuple[torch.Tensor, torch
                                 f"without use_dora / lora_bias")
         drop = module.lora_dropout[name]
         p = float(drop.p) if isinstance(drop, nn.Dropout) and drop.training else 0.0
-        out.append((module.lora_A[name].weight, module.lora_B[name].weight * module.scaling[name], p))
+        out.append((module.lora_A[name].weight, module.lora_B[name].weight, p, float(module.scaling[name])))
     return out
 
 
@@ -148,7 +148,7 @@ def factors(block, name: str = "") -> Factors | None:
                     pairs[p][e] += _peft_pairs(m, f"{where}.experts.{e}.{p}")
     for p, (a, b) in (attached or {}).items():
         for e in range(block.num_experts):
-            pairs[p][e].append((a[e], b[e], 0.0))
+            pairs[p][e].append((a[e], b[e], 0.0, 1.0))
     if not any(any(per) for per in pairs.values()):
         return None
     why = unsupported_reason(block)
@@ -158,7 +158,7 @@ def factors(block, name: str = "") -> Factors | None:
     for p, per in pairs.items():
         if not any(per):
             continue
-        ps = {q for pe in per for (_, _, q) in pe}
+        ps = {q for pe in per for (_, _, q, _) in pe}
         if len(ps) > 1:
             raise OperatorError(f"expert LoRA on {where}: the {p} adapters have different dropouts {sorted(ps)}")
         out.a[p], out.b[p] = _stack(per, block, p)
@@ -167,13 +167,23 @@ def factors(block, name: str = "") -> Factors | None:
 
 
 def _stack(per: list[list], block, p: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [E, r, in], B [E, out, r] float32 CPU from each expert's adapters (ranks concatenated; experts without
-    one, or with a smaller rank, padded with zeros: an exact zero delta)."""
+    """A [E, r, in], B [E, out, r] (scaled) float32 CPU from each expert's (A, B, dropout, scaling) adapters (ranks
+    concatenated; experts without one, or with a smaller rank, padded with zeros: an exact zero delta). One scaling
+    for every expert (PEFT's usual case) multiplies the stacked B once, not each expert's."""
     H, I = block.hidden_size, block.intermediate_size
     fan_in, fan_out = (I, H) if p == "expert_down_proj" else (H, I)
     cpu = lambda t: t.to(device="cpu", dtype=torch.float32)  # noqa: E731  (differentiable)
-    rows = [None if not pe else (cpu(pe[0][0]), cpu(pe[0][1])) if len(pe) == 1 else
-            (torch.cat([cpu(a) for a, _, _ in pe]), torch.cat([cpu(b) for _, b, _ in pe], dim=1)) for pe in per]
+    scales = {s for pe in per for (_, _, _, s) in pe}
+    common = scales.pop() if len(scales) == 1 and all(len(pe) <= 1 for pe in per) else None
+    rows = []
+    for pe in per:
+        if not pe:
+            rows.append(None)
+        elif common is not None:
+            rows.append((cpu(pe[0][0]), cpu(pe[0][1])))
+        else:
+            rows.append((torch.cat([cpu(a) for a, _, _, _ in pe]),
+                         torch.cat([cpu(b) * s for _, b, _, s in pe], dim=1)))
     r = max(a.shape[0] for a, _ in filter(None, rows))
     As, Bs = [], []
     for ab in rows:
@@ -184,7 +194,8 @@ def _stack(per: list[list], block, p: str) -> tuple[torch.Tensor, torch.Tensor]:
         pad = r - a.shape[0]
         As.append(torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a)
         Bs.append(torch.nn.functional.pad(b, (0, pad)) if pad else b)
-    return torch.stack(As), torch.stack(Bs)
+    B = torch.stack(Bs)
+    return torch.stack(As), B if common is None or common == 1.0 else B * common
 
 
 def split_name(name: str) -> tuple[str, int, str] | None:
@@ -208,12 +219,12 @@ def attach(block, name: str, pairs: dict[tuple[int, str], tuple[torch.Tensor, to
                 if not 0 <= e < block.num_experts:
                     raise OperatorError(f"expert LoRA: {name}.experts.{e}.{p}: the block has {block.num_experts} "
                                         f"experts (an adapter for another model)")
-                per[e].append((a.detach(), b.detach() * s, 0.0))
+                per[e].append((a.detach(), b.detach() * s, 0.0, 1.0))
         if not any(per):
             continue
         if p in current:
             old_a, old_b = current[p]
             for e in range(block.num_experts):
-                per[e].insert(0, (old_a[e], old_b[e], 0.0))
+                per[e].insert(0, (old_a[e], old_b[e], 0.0, 1.0))
         current[p] = _stack(per, block, p)
     block.expert_lora = current
