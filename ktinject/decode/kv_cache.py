@@ -26,6 +26,8 @@ Legend: N slots, B rows of a forward, H heads, L max length, D head dim, S new t
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ktinject import compat
@@ -69,13 +71,12 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
             self.source = source
             self._arange = torch.arange(max_len, device=lengths.device)
             self.index_keys = None  # [N, L, D]: DSA's lightning-indexer keys (update_indexer), where the model has one
-            self.follow_source()
-
-        def follow_source(self) -> None:
-            """A view made before its parent held storage takes the parent's rows once the parent has them (a
-            forward through another view of the same rows initializes the parent, not this view)."""
-            if not self.is_initialized and self.source is not None and self.source[0].is_initialized:
-                self._take_view()
+            self._waiting = []  # views made before this layer held storage: they take their rows when it does
+            if source is not None:
+                if source[0].is_initialized:
+                    self._take_view()
+                else:
+                    source[0]._waiting.append(weakref.ref(self))
 
         def _take_view(self) -> None:
             parent, a, b = self.source
@@ -95,6 +96,11 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
             self.values = torch.zeros((N, H, L, value_states.shape[-1]), dtype=value_states.dtype,
                                       device=self.device)
             self.is_initialized = True
+            for ref in self._waiting:  # (a forward through one view initializes this layer, not the other views)
+                view = ref()
+                if view is not None and not view.is_initialized:
+                    view._take_view()
+            self._waiting.clear()
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             """Write k/v [B, H, S, D] of rows 0..B-1 at their own positions; (K, V) [B, H, L, D] of those rows."""
@@ -200,10 +206,7 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
 
         def kv_layers(self) -> list:
             """The layers that hold K/V (every layer but the linear-attention ones)."""
-            layers = [layer for layer in self.layers if not linear_state.is_linear_layer(layer)]
-            for layer in layers:
-                layer.follow_source()
-            return layers
+            return [layer for layer in self.layers if not linear_state.is_linear_layer(layer)]
 
         @property
         def row_lengths(self) -> torch.Tensor:
@@ -212,7 +215,6 @@ def _define(StaticLayer, Cache):  # noqa: C901 - two small classes defined again
 
         @property
         def initialized(self) -> bool:
-            self.kv_layers()  # views follow a parent initialized through another view
             return all(layer.is_initialized for layer in self.layers)
 
         def reset_rows(self, rows) -> None:
