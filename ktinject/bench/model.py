@@ -81,9 +81,14 @@ def add_shapes_option(p) -> None:
                    help="decoder layers (default: the real model's; fewer: the figures are scaled to it)")
 
 
+def shapes_of(args) -> Shapes:
+    """The ``Shapes`` a bench's ``args`` build (benches without --shapes: the default)."""
+    return SHAPES[getattr(args, "shapes", DEFAULT_SHAPES)]
+
+
 def resolve_layers(args) -> int:
     """--layers as given, or the real model's; an error naming the fix where the shapes cannot take it."""
-    shapes = SHAPES[getattr(args, "shapes", DEFAULT_SHAPES)]
+    shapes = shapes_of(args)
     if args.layers is None:
         args.layers = shapes.layers
     if args.layers < 1 or args.layers % shapes.layer_multiple:
@@ -94,11 +99,11 @@ def resolve_layers(args) -> int:
 
 def real_layers(args) -> int:
     """The decoder layers of the real model whose shapes ``args`` builds (what fewer layers' figures scale to)."""
-    return SHAPES[getattr(args, "shapes", DEFAULT_SHAPES)].layers
+    return shapes_of(args).layers
 
 
 def shapes_name(args) -> str:
-    return "tiny qwen3_moe" if args.tiny else f"{SHAPES[getattr(args, 'shapes', DEFAULT_SHAPES)].name} shapes"
+    return "tiny qwen3_moe" if args.tiny else f"{shapes_of(args).name} shapes"
 
 
 def build_model(layers: int, device: torch.device, seed: int = 0, shapes: str = DEFAULT_SHAPES) -> nn.Module:

@@ -27,6 +27,8 @@ import statistics
 
 import torch
 
+from ktinject.bench.model import DEFAULT_SHAPES, SHAPES, real_layers, shapes_of
+
 TARGET_TOK_S = {"int4": 90.0, "int8": 55.0}
 ROOFLINE_SHARE = 0.8
 ROOF_RUNS = 3  # graph decode runs in turns with read-loop passes (bench.decode's roofline alongside)
@@ -69,7 +71,7 @@ def our_rate(rows) -> tuple[str, float] | None:
 
 
 def _whole_model(args) -> bool:
-    return (not args.tiny and getattr(args, "shapes", "qwen3_moe") == "qwen3_moe" and args.layers == 48
+    return (not args.tiny and shapes_of(args) is SHAPES[DEFAULT_SHAPES] and args.layers == real_layers(args)
             and args.batch == 1)
 
 

@@ -4,10 +4,10 @@
 replay, and the gated-DeltaNet layers' conv windows and recurrent matrices of Qwen3-Next and Qwen3.5
 (``linear_attention_state.py``): those families decode through ktinject's path like the others (graphs on CUDA).
 The lightning indexer of DeepSeek-V3.2 and GLM-5 keeps its own key cache (``update_indexer``): the KVCache holds it
-per layer and row beside K/V (graph decode), and the prefix cache's blocks carry it beside their K/V. Some families keep other state between steps, written through Hugging Face cache methods
-the KVCache does not have (DeepSeek-V4's). Layer types whose masks
-the KVCache's ``attention_masks`` does not build are another such case (it builds full, sliding-window and Llama 4's
-chunked-attention masks). A model with
+per layer and row beside K/V (graph decode), and the prefix cache's blocks carry it beside their K/V. Some families
+keep other state between steps, written through Hugging Face cache methods the KVCache does not have
+(DeepSeek-V4's). Layer types whose masks the KVCache's ``attention_masks`` does not build are another such case (it
+builds full, sliding-window and Llama 4's chunked-attention masks). A model with
 such a part decodes through Hugging Face's ``generate`` and its own cache, one eager forward per step: no graph, no
 fast decode attention. ``eager_decode_reason`` names the part, so the plan, the inject line and the fast-path
 report (``graph_decode``) say why, never a silent slow path.
