@@ -16,9 +16,9 @@ Rows: the (token, slot) pairs sorted by expert (stable), R of them; e_r the row'
                   dh = weight_r v + drop'(A_d^T B_d^T dY)  dg, du = act'(g, u) dh
                   dx_r = W_g^T dg + W_u^T du (native, transposed) + the adapters' terms; dx[t] = sum of its rows
               and dA, dB of every adapted projection (``Experts.lora_backward``: sums over each expert's rows).
-Saved for the backward: x, ids, weights, the dropout seed, g and u [R, I] (O(R x I): the transposed products need
-no saved input; h is recomputed from g and u, the adapters' inputs from x and h) and each adapter's A_e z_r [R, r],
-so the backward recomputes no product; never a dequantized weight.
+Saved for the backward: x, ids, weights, their sort by expert, the dropout seed, g and u [R, I] (O(R x I): the
+transposed products need no saved input; h is recomputed from g and u, the adapters' inputs from x and h) and each
+adapter's A_e z_r [R, r], so the backward recomputes no product nor the sort; never a dequantized weight.
 
 Gate and up add their biases (gpt-oss: ``HybridMoE.expert_biases``) before the activation, down after; the
 activation is the native experts' (silu, gptoss, swiglu_limit). The dropout masks come from a generator seeded in
@@ -121,7 +121,7 @@ class ExpertsWithLora(torch.autograd.Function):
             y += bias[2]
         y *= weights.reshape(-1)[rows.order, None]
         out = torch.zeros(T, H).index_add_(0, rows.tok, y)
-        ctx.block, ctx.fac, ctx.seed, ctx.names = block, fac, seed, names
+        ctx.block, ctx.fac, ctx.seed, ctx.names, ctx.rows = block, fac, seed, names, rows  # (rows: the sort, once)
         if any(ctx.needs_input_grad):
             ctx.save_for_backward(x, weights, ids, gu[0], gu[1], *(t[p] for p in names), *ab)
         return out
@@ -136,7 +136,7 @@ class ExpertsWithLora(torch.autograd.Function):
         k = ids.shape[1]
         stacks = dict(zip(names, zip(ab[0::2], ab[1::2])))
         grads = {}  # p -> (dA, dB)
-        rows = _Rows(ids, block.num_experts)
+        rows = ctx.rows
         masks = _masks(ctx.seed, fac, rows, H, I)
         bias = _biases(block, rows.eid)
         dy = d_out.to(device="cpu", dtype=torch.float32)[rows.tok].contiguous()   # [R, H]
