@@ -5,15 +5,18 @@
                   experts) float8_e4m3fn + ``weight_scale_inv`` (float32, one per 128 x 128 block), embeddings,
                   lm_head, norms and routers bf16; ``quantization_config`` quant_method fp8, weight_block_size
     gguf-q8_0, gguf-q4_0, gguf-q4_k_m, gguf-q6_k
-                  one GGUF file, llama.cpp's qwen3moe layout and types (``bench.gguf_file``)
+                  one GGUF file, llama.cpp's qwen3moe layout and types (``bench.gguf_file``), or with ``shapes``
+                  qwen3_5_moe its qwen35moe layout (``bench.gguf_qwen35``; GGUF only, for llama-bench)
 
 Shapes: Qwen3-30B-A3B's (``model.QWEN3_30B``) with ``layers`` layers, or ``TINY`` (``--tiny``: every format's blocks
-whole, 128 x 128 FP8 blocks and 256-value K-quant blocks). Values are random (tiled from a pool of random values or
-blocks at random offsets, no per-value quantizer), so a 12-layer file is written at about the disk's speed.
+whole, 128 x 128 FP8 blocks and 256-value K-quant blocks); with ``shapes`` qwen3_5_moe, Qwen3.5-35B-A3B's
+(transformers' ``Qwen3_5MoeTextConfig`` defaults) or ``TINY_QWEN3_5``. Values are random (tiled from a pool of
+random values or blocks at random offsets, no per-value quantizer), so a 12-layer file is written at about the
+disk's speed.
 
-``ensure(base, fmt, layers, tiny)`` writes the checkpoint under ``base`` (bf16: ``base/checkpoint``, fp8:
-``base/checkpoint-fp8``, GGUF: ``base/checkpoint-<type>.gguf``) unless one of the same shapes is there already (a
-record in ``base/bench-checkpoints.json``), and returns where it is with its bytes and one layer's bytes.
+``ensure(base, fmt, layers, tiny, shapes=...)`` writes the checkpoint under ``base`` (bf16: ``base/checkpoint``,
+fp8: ``base/checkpoint-fp8``, GGUF: ``base/checkpoint-<type>.gguf``) unless one of the same shapes is there already
+(a record in ``base/bench-checkpoints.json``), and returns where it is with its bytes and one layer's bytes.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ktinject.bench.model import QWEN3_30B
+from ktinject.bench.model import DEFAULT_SHAPES, QWEN3_30B, SHAPES
 
 SAFETENSORS = ("bf16", "fp8")
 GGUF = ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m", "gguf-q6_k")
@@ -35,6 +38,13 @@ FORMATS = SAFETENSORS + GGUF
 TINY = dict(QWEN3_30B, vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
             max_position_embeddings=4096)
+#: Qwen3.5-MoE's tiny shapes: rows whole 256-value blocks, 16 experts, the default rotary sections (64 rotary dims)
+TINY_QWEN3_5 = dict(vocab_size=2048, hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                    linear_value_head_dim=128, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                    num_experts=16, num_experts_per_tok=2, max_position_embeddings=4096)
+#: --shapes -> the formats it writes (the qwen35moe GGUF is for llama-bench: ktinject's GGUF reader has no qwen35moe)
+SHAPES_FORMATS = {"qwen3_moe": FORMATS, "qwen3_5_moe": GGUF}
 FP8_BLOCK = (128, 128)
 _POOL_ELEMS = 64 << 20  # random values reused for every tensor (content does not matter for loading)
 _RECORD = "bench-checkpoints.json"
@@ -57,12 +67,41 @@ def parse_formats(text: str) -> list[str]:
     return list(dict.fromkeys(fmts))
 
 
-def bench_config(layers: int, tiny: bool = False):
-    from transformers import Qwen3MoeConfig
+def check_shapes(shapes: str, fmts, layers: int) -> None:
+    """SystemExit naming the option where ``shapes`` cannot be written in ``fmts`` with ``layers`` layers."""
+    if shapes not in SHAPES_FORMATS:
+        raise SystemExit(f"--shapes {shapes}: checkpoints are written for {', '.join(SHAPES_FORMATS)}")
+    bad = [f for f in fmts if f not in SHAPES_FORMATS[shapes]]
+    if bad:
+        raise SystemExit(f"--shapes {shapes}: --format {','.join(bad)} is not written for these shapes (only "
+                         f"{', '.join(SHAPES_FORMATS[shapes])})")
+    multiple = SHAPES[shapes].layer_multiple
+    if layers < 1 or layers % multiple:
+        raise SystemExit(f"--layers {layers}: {SHAPES[shapes].name} shapes take a positive multiple of {multiple} "
+                         f"(its pattern of layer kinds)")
 
-    config = Qwen3MoeConfig(num_hidden_layers=layers, **(TINY if tiny else QWEN3_30B))
+
+def bench_config(layers: int, tiny: bool = False, shapes: str = DEFAULT_SHAPES):
+    import transformers
+
+    if shapes == DEFAULT_SHAPES:
+        options = TINY if tiny else QWEN3_30B
+    else:
+        options = TINY_QWEN3_5 if tiny else SHAPES[shapes].options
+    config = getattr(transformers, SHAPES[shapes].config)(num_hidden_layers=layers, **options)
     config.dtype = torch.bfloat16
     return config
+
+
+def _gguf_writer(shapes: str):
+    """The module whose ``plan`` / ``write`` lay out ``shapes``' GGUF."""
+    if shapes == "qwen3_5_moe":
+        from ktinject.bench import gguf_qwen35
+
+        return gguf_qwen35
+    from ktinject.bench import gguf_file
+
+    return gguf_file
 
 
 def path_of(base: Path, fmt: str) -> Path:
@@ -71,8 +110,10 @@ def path_of(base: Path, fmt: str) -> Path:
     return base / ("checkpoint-fp8" if fmt == "fp8" else f"checkpoint-{fmt[len('gguf-'):]}.gguf")
 
 
-def estimate_bytes(fmt: str, layers: int, tiny: bool = False) -> float:
-    """About how many bytes ``fmt`` takes (for the free-space check before writing)."""
+def estimate_bytes(fmt: str, layers: int, tiny: bool = False, shapes: str = DEFAULT_SHAPES) -> float:
+    """About how many bytes ``fmt`` takes (for the free-space check before writing; a qwen3_5_moe GGUF's exactly)."""
+    if shapes != DEFAULT_SHAPES:
+        return float(sum(t.nbytes for t in _gguf_writer(shapes).plan(bench_config(layers, tiny, shapes), fmt)))
     config = bench_config(1, tiny)
     H, V = config.hidden_size, config.vocab_size
     per_layer = sum(math.prod(s) for k, s in _tensors(config) if k.startswith("model.layers.0."))
@@ -80,29 +121,30 @@ def estimate_bytes(fmt: str, layers: int, tiny: bool = False) -> float:
     return per_layer * layers * bits / 8 + 2 * H * V * (2 if fmt in SAFETENSORS else bits / 8)
 
 
-def ensure(base: Path, fmt: str, layers: int, tiny: bool = False, log=print) -> Checkpoint:
+def ensure(base: Path, fmt: str, layers: int, tiny: bool = False, log=print,
+           shapes: str = DEFAULT_SHAPES) -> Checkpoint:
     """The checkpoint of ``fmt`` under ``base``, written unless the record says one of these shapes is there."""
+    check_shapes(shapes, [fmt], layers)
     base.mkdir(parents=True, exist_ok=True)
     record_file = base / _RECORD
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
-    path, want = path_of(base, fmt), {"layers": layers, "tiny": tiny}
+    path, want = path_of(base, fmt), {"layers": layers, "tiny": tiny, "shapes": shapes}
     got = record.get(fmt)
-    if got and {k: got.get(k) for k in want} == want and path.exists():
+    if got and {k: got.get(k, DEFAULT_SHAPES if k == "shapes" else None) for k in want} == want and path.exists():
         log(f"{fmt}: reusing {path} ({got['bytes'] / 1e9:.2f} GB)")
         return Checkpoint(fmt, path, got["bytes"], got["layer_bytes"])
     t0 = time.perf_counter()
-    config = bench_config(layers, tiny)
+    config = bench_config(layers, tiny, shapes)
     if fmt in SAFETENSORS:
         sizes = write_safetensors(path, config, fp8=fmt == "fp8")
     else:
-        from ktinject.bench import gguf_file
-
         path.unlink(missing_ok=True)
-        sizes = gguf_file.write(path, config, fmt)
+        sizes = _gguf_writer(shapes).write(path, config, fmt)
     record[fmt] = dict(want, **sizes)
     record_file.write_text(json.dumps(record, indent=1))
-    log(f"{fmt}: wrote {sizes['bytes'] / 1e9:.2f} GB ({layers} layers, {'tiny' if tiny else 'Qwen3-30B-A3B'} shapes) "
-        f"to {path} in {time.perf_counter() - t0:.1f} s")
+    what = SHAPES[shapes].name if not tiny else "tiny" if shapes == DEFAULT_SHAPES else f"tiny {shapes}"
+    log(f"{fmt}: wrote {sizes['bytes'] / 1e9:.2f} GB ({layers} layers, {what} shapes) to {path} in "
+        f"{time.perf_counter() - t0:.1f} s")
     return Checkpoint(fmt, path, sizes["bytes"], sizes["layer_bytes"])
 
 

@@ -1,4 +1,5 @@
-"""Random-weight GGUF files of the bench model (architecture ``qwen3moe``), fast, for ``bench load`` and the peer.
+"""Random-weight GGUF files of the bench model (architecture ``qwen3moe``), fast, for ``bench load`` and the peer;
+the writer, blocks and vocabulary here are also ``bench.gguf_qwen35``'s (architecture ``qwen35moe``).
 
 The file is what llama.cpp's converter + ``llama-quantize`` would write for a Qwen3-MoE model: the ``qwen3moe.*``
 hyperparameters, a byte-level BPE vocabulary of exactly ``vocab_size`` tokens (``tokenizer.ggml.*``, pre-tokenizer
@@ -10,6 +11,10 @@ qwen2, a ChatML template: llama.cpp's tools load it), the experts stacked ``blk.
     gguf-q6_k     Q6_K everywhere
     gguf-q4_k_m   Q4_K, and Q6_K for output.weight and for attn_v / ffn_down(_exps) of the layers llama.cpp's
                   ``use_more_bits`` picks (the first and last eighth, and every third layer between): its Q4_K_M mix
+
+Where a tensor's rows are not whole blocks of its type, it gets what ``llama-quantize`` falls back to (``fitted``:
+Q4_K -> Q5_0, Q6_K -> Q8_0, then F16 where 32-value blocks do not fit either; output.weight Q8_0 where the main
+type does not fit).
 
 No value is quantized: every block is random codes with sane scales (fp16 d / dmin small and finite, the K-quants'
 sub-block scales in a narrow band), chosen so the values have about the standard deviation of the in-memory bench
@@ -28,7 +33,10 @@ from pathlib import Path
 import numpy as np
 
 #: ggml type -> (values a block, bytes a block)
-BLOCKS = {"F32": (1, 4), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+BLOCKS = {"F32": (1, 4), "F16": (1, 2), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q4_0": (32, 18), "Q4_K": (256, 144),
+          "Q6_K": (256, 210)}
+#: llama-quantize's type for rows that are not whole blocks of the one asked (tensor_type_fallback); then F16
+FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 #: bench format -> (main type, output.weight type, llama_ftype name)
 TYPES = {"gguf-q8_0": ("Q8_0", "Q8_0", "MOSTLY_Q8_0"), "gguf-q4_0": ("Q4_0", "Q6_K", "MOSTLY_Q4_0"),
          "gguf-q6_k": ("Q6_K", "Q6_K", "MOSTLY_Q6_K"), "gguf-q4_k_m": ("Q4_K", "Q6_K", "MOSTLY_Q4_K_M")}
@@ -42,7 +50,8 @@ class Tensor:
     name: str
     ne: tuple[int, ...]  # ggml order: ne[0] the row
     qtype: str
-    std: float  # 0: ones (norms)
+    std: float  # 0: every value ``fill`` (norms: ones)
+    fill: float = 1.0
 
     @property
     def nbytes(self) -> int:
@@ -57,17 +66,44 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def plan(config, fmt: str) -> list[Tensor]:
-    """The tensors of ``config`` (a Qwen3-MoE config) as ``fmt`` writes them, in the converter's order."""
+def fitted(qtype: str, row: int) -> str:
+    """``qtype``, or what llama-quantize writes where rows of ``row`` values are not whole blocks of it."""
+    if row % BLOCKS[qtype][0] == 0:
+        return qtype
+    qtype = FALLBACK.get(qtype, qtype)
+    return qtype if row % BLOCKS[qtype][0] == 0 else "F16"
+
+
+def output_type(fmt: str, row: int) -> str:
+    """output.weight's type: ``TYPES``' where the main type's blocks fit its rows, else Q8_0 (then ``fitted``)."""
+    main, out, _ = TYPES[fmt]
+    return fitted(out if row % BLOCKS[main][0] == 0 else "Q8_0", row)
+
+
+def mixes(fmt: str, layers: int):
+    """(main type, type of layer i's attn_v-like and ffn_down tensors) of ``fmt``."""
+    main = TYPES[fmt][0]
+    if fmt == "gguf-q4_k_m":
+        return main, lambda i: "Q6_K" if use_more_bits(i, layers) else main
+    return main, lambda i: main
+
+
+def weight(name: str, ne: tuple[int, ...], qtype: str, hidden: int, hf: str = "") -> Tensor:
+    """A tensor of ``qtype`` (``fitted`` to its rows) whose values have the deviation the in-memory model draws its
+    HF tensor ``hf`` with (``model.weight_std``; by default 1 / sqrt(row))."""
     from ktinject.bench.model import weight_std
 
-    main, out, _ = TYPES[fmt]
+    return Tensor(name, ne, fitted(qtype, ne[0]), weight_std(hf, tuple(reversed(ne)), hidden))
+
+
+def plan(config, fmt: str) -> list[Tensor]:
+    """The tensors of ``config`` (a Qwen3-MoE config) as ``fmt`` writes them, in the converter's order."""
     H, L, E, I = config.hidden_size, config.num_hidden_layers, config.num_experts, config.moe_intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    more = (lambda i: "Q6_K" if use_more_bits(i, L) else main) if fmt == "gguf-q4_k_m" else (lambda i: main)
+    main, more = mixes(fmt, L)
 
-    def w(name, ne, qtype, hf):  # std as the in-memory model draws the HF tensor of that name
-        return Tensor(name, ne, qtype, weight_std(hf, tuple(reversed(ne)), H))
+    def w(name, ne, qtype, hf):
+        return weight(name, ne, qtype, H, hf)
 
     ts = [w("token_embd.weight", (H, config.vocab_size), main, "model.embed_tokens.weight")]
     for i in range(L):
@@ -83,7 +119,7 @@ def plan(config, fmt: str) -> list[Tensor]:
                w(p + "ffn_down_exps.weight", (I, H, E), more(i), ""),
                w(p + "ffn_up_exps.weight", (H, I, E), main, "")]
     ts.append(Tensor("output_norm.weight", (H,), "F32", 0.0))
-    ts.append(w("output.weight", (H, config.vocab_size), out, "lm_head.weight"))
+    ts.append(w("output.weight", (H, config.vocab_size), output_type(fmt, H), "lm_head.weight"))
     return ts
 
 
@@ -95,12 +131,17 @@ def _fp16(x: float) -> np.ndarray:
 def random_blocks(qtype: str, n: int, std: float, rng: np.random.Generator) -> np.ndarray:
     """``n`` valid ``qtype`` blocks (uint8 [n, bytes]) of random codes whose values have about deviation ``std``."""
     size = BLOCKS[qtype][1]
+    if qtype == "F16":  # plain values (llama-quantize's last fallback)
+        x = rng.standard_normal(n, dtype=np.float32) * np.float32(std)
+        return x.astype(np.float16).view(np.uint8).reshape(n, size)
     b = np.frombuffer(rng.bytes(n * size), dtype=np.uint8).reshape(n, size).copy()
     if qtype == "Q8_0":  # d, then 32 int8 codes in -127..127 (std ~73.6)
         b[:, 2:][b[:, 2:] == 0x80] = 0x81
         b[:, :2] = _fp16(std / 73.6)
     elif qtype == "Q4_0":  # d, then 16 bytes of nibbles; value d * (nibble - 8) (std ~4.61)
         b[:, :2] = _fp16(std / 4.61)
+    elif qtype == "Q5_0":  # d, 4 bytes of fifth bits, 16 bytes of nibbles; value d * (code - 16) (std ~9.23)
+        b[:, :2] = _fp16(std / 9.23)
     elif qtype == "Q4_K":  # d, dmin, 12 bytes of 6-bit scales / mins of 8 sub-blocks, 128 bytes of nibbles
         sc = rng.integers(8, 16, (n, 8), dtype=np.uint8)  # value = d * sc * q - dmin * m, with m = sc and
         d = std / (4.61 * math.sqrt(float(np.mean(sc.astype(np.float32) ** 2))))  # dmin = 7.5 d: mean zero
@@ -147,7 +188,7 @@ class _Pools:
 
 def _f32(t: Tensor, rng: np.random.Generator) -> memoryview:
     n = math.prod(t.ne)
-    x = np.ones(n, np.float32) if t.std == 0 else rng.standard_normal(n, dtype=np.float32) * np.float32(t.std)
+    x = np.full(n, t.fill, np.float32) if t.std == 0 else rng.standard_normal(n, dtype=np.float32) * np.float32(t.std)
     return memoryview(x.view(np.uint8))
 
 
@@ -181,29 +222,21 @@ def vocabulary(n: int) -> tuple[list[str], list[int], list[str]]:
     return tokens + specials, types, [f"{a} {c}" for a, c in pairs]
 
 
-def _metadata(w, config, fmt: str) -> None:
+def add_header(w, arch: str, fmt: str) -> None:
+    """The general.* keys: name, description, file type and quantization version."""
     import gguf
 
-    w.add_name("random qwen3moe (ktinject bench)")
+    w.add_name(f"random {arch} (ktinject bench)")
     w.add_description("random weights for benchmarks (ktinject.bench.gguf_file); not a trained model")
     w.add_file_type(int(getattr(gguf.LlamaFileType, TYPES[fmt][2])))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_block_count(config.num_hidden_layers)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    w.add_key_length(config.head_dim)
-    w.add_value_length(config.head_dim)
-    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_expert_count(config.num_experts)
-    w.add_expert_used_count(config.num_experts_per_tok)
-    w.add_expert_feed_forward_length(config.moe_intermediate_size)
-    tokens, types, merges = vocabulary(config.vocab_size)
+
+
+def add_tokenizer(w, vocab_size: int, pre: str) -> None:
+    """``vocabulary(vocab_size)`` as tokenizer.ggml.* (pre-tokenizer ``pre``), its special ids, the ChatML template."""
+    tokens, types, merges = vocabulary(vocab_size)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
@@ -214,18 +247,51 @@ def _metadata(w, config, fmt: str) -> None:
     w.add_chat_template(CHATML)
 
 
+def add_moe_hparams(w, config, feed_forward: int | None = None) -> None:
+    """The hyperparameters qwen3moe and qwen35moe share (feed_forward_length where the model has a dense one)."""
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    if feed_forward is not None:
+        w.add_feed_forward_length(feed_forward)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_expert_count(config.num_experts)
+    w.add_expert_used_count(config.num_experts_per_tok)
+    w.add_expert_feed_forward_length(config.moe_intermediate_size)
+
+
+def _metadata(w, config, fmt: str) -> None:
+    add_header(w, "qwen3moe", fmt)
+    add_moe_hparams(w, config, config.intermediate_size)
+    add_tokenizer(w, config.vocab_size, "qwen2")
+
+
 # ---- the file ------------------------------------------------------------------------------------------------
+def check_format(fmt: str) -> None:
+    if fmt not in TYPES:
+        raise ValueError(f"{fmt!r}: expected one of {', '.join(TYPES)}")
+
+
 def write(path: Path, config, fmt: str, seed: int = 0) -> dict:
     """Write the GGUF of ``config`` in ``fmt`` at ``path``; returns {"bytes": tensor bytes, "layer_bytes": the
     largest layer's tensor bytes}."""
+    check_format(fmt)
+    return write_file(path, "qwen3moe", plan(config, fmt), lambda w: _metadata(w, config, fmt), seed)
+
+
+def write_file(path: Path, arch: str, tensors: list[Tensor], metadata, seed: int = 0) -> dict:
+    """The GGUF of architecture ``arch`` at ``path``: the keys ``metadata(writer)`` adds, then ``tensors`` (random
+    blocks from the pools, F32 drawn here); returns ``write``'s sizes."""
     import gguf
 
-    if fmt not in TYPES:
-        raise ValueError(f"{fmt!r}: expected one of {', '.join(TYPES)}")
-    tensors = plan(config, fmt)
     qt = gguf.GGMLQuantizationType
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    _metadata(w, config, fmt)
+    w = gguf.GGUFWriter(str(path), arch)
+    metadata(w)
     for t in tensors:  # numpy order (outermost first); the writer stores it reversed, as ggml's ne
         w.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes, raw_dtype=qt[t.qtype])
     w.write_header_to_file()

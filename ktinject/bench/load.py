@@ -20,6 +20,12 @@ Default phases: all four for ``--format bf16`` alone, else ``stream``. ``--quant
 (posix_fadvise DONTNEED), so reads come from the disk unless ``--warm``. Devices: gpu=cuda when CUDA is available,
 else cpu; the model bf16 whatever the format (a GGUF's default would be float32). ``--tiny``: tiny shapes
 (``checkpoints.TINY``), the code path on any machine, not the speed.
+
+``--write-only --dir DIR`` writes the checkpoints into DIR and keeps them, loading nothing: the GGUF for llama-bench
+(``--peer-model``). ``--shapes qwen3_5_moe`` (with ``--write-only``, GGUF formats: ktinject's GGUF reader has no
+qwen35moe) writes Qwen3.5-35B-A3B's shapes in llama.cpp's qwen35moe layout (``bench.gguf_qwen35``; ``--layers`` a
+multiple of 4, default 4; 40 is the whole model, as the peer compares it), e.g.
+``python -m ktinject.bench load --write-only --shapes qwen3_5_moe --layers 40 --format gguf-q4_0 --dir /tmp/peer``.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from pathlib import Path
 import torch
 
 from ktinject.bench import checkpoints as ck
+from ktinject.bench.model import DEFAULT_SHAPES
 
 PHASES = ("stream", "cold+cache", "cached", "hf+inject")
 RATIO_TARGET = 1.5  # GGUF load seconds per GB read / safetensors', at most
@@ -168,7 +175,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--format", default="bf16", help=f"comma-separated checkpoint formats: {', '.join(ck.FORMATS)} "
                     "(default bf16)")
     ap.add_argument("--dir", type=Path, help="where to write the checkpoints (default: a temporary directory)")
-    ap.add_argument("--layers", type=int, default=3, help="decoder layers (bf16 1.25 GB each, plus 1.24 GB embed/head)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 3; qwen3_5_moe: 4; Qwen3-30B-A3B "
+                    "bf16 1.25 GB each, plus 1.24 GB embed/head)")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, choices=sorted(ck.SHAPES_FORMATS),
+                    help=f"whose dimensions (default {DEFAULT_SHAPES}); qwen3_5_moe: Qwen3.5-35B-A3B's as a qwen35moe "
+                    "GGUF, with --write-only")
+    ap.add_argument("--write-only", action="store_true", help="write the checkpoints into --dir and keep them, load "
+                    "nothing (a GGUF for llama-bench)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (the code path on any machine, not the speed)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints (and caches) afterwards")
     ap.add_argument("--warm", action="store_true", help="do not drop the files from the page cache between runs")
@@ -181,12 +194,35 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def write_only(args, fmts) -> int:
+    """--write-only: each format's checkpoint written (or found) in --dir and kept; nothing is loaded."""
+    if args.dir is None:
+        raise SystemExit("--write-only needs --dir DIR: where the checkpoints are written and kept")
+    need = sum(ck.estimate_bytes(f, args.layers, args.tiny, args.shapes) for f in fmts
+               if not ck.path_of(args.dir, f).exists())
+    args.dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(args.dir).free
+    if free < 1.1 * need:
+        raise SystemExit(f"{args.dir}: {free / 1e9:.1f} GB free, the checkpoints need about {1.1 * need / 1e9:.1f} GB")
+    for fmt in fmts:
+        ck.ensure(args.dir, fmt, args.layers, args.tiny, log=lambda s: print(s, flush=True), shapes=args.shapes)
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.dir, args.cache, args.quant)))
         return 0
     fmts = ck.parse_formats(args.format)
+    if args.layers is None:
+        args.layers = 3 if args.shapes == DEFAULT_SHAPES else ck.SHAPES[args.shapes].layer_multiple
+    ck.check_shapes(args.shapes, fmts, args.layers)
+    if args.write_only:
+        return write_only(args, fmts)
+    if args.shapes != DEFAULT_SHAPES:
+        raise SystemExit(f"--shapes {args.shapes}: ktinject does not load these GGUF files (its reader has no "
+                         "qwen35moe); add --write-only --dir DIR to write them for llama-bench")
     phases = [p.strip() for p in (args.phases or (",".join(PHASES) if fmts == ["bf16"] else "stream")).split(",")]
     if not phases or any(p not in PHASES for p in phases):
         raise SystemExit(f"--phases {args.phases!r}: expected a comma-separated subset of {','.join(PHASES)}")

@@ -176,7 +176,7 @@ def test_gguf_has_llama_cpp_metadata_and_types(written, fmt):
     assert [i for i in range(12) if gguf_file.use_more_bits(i, 12)] == [0, 3, 6, 9, 10, 11]
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0", "Q4_K", "Q6_K", "F16"])
 def test_random_blocks_have_the_deviation_asked(qtype):
     b = gguf_file.random_blocks(qtype, 512, 0.02, np.random.default_rng(0))
     v = gguf.quants.dequantize(b.reshape(-1), gguf.GGMLQuantizationType[qtype])
@@ -236,3 +236,70 @@ def test_peer_on_the_same_file_is_compared_unscaled(tmp_path, written):
     assert ratio[1] == "8.00x" and "the file ktinject loaded" in ratio[3] and "/48" not in ratio[3]
     rows = {r[0]: r for r in decode.peer_rows(_args(peer=args.peer, peer_model=path, layers=L), ours)}
     assert "no Q4_0 GGUF among --peer-model" in rows["int4 / llama.cpp"][3]
+
+
+# ---- qwen35moe (bench.gguf_qwen35): the Qwen3.5-MoE GGUF llama-bench times -----------------------------------
+def test_qwen35moe_gguf_has_llama_cpp_keys_tensors_and_types(tmp_path):
+    from ktinject.bench import gguf_qwen35
+
+    c = ck.ensure(tmp_path, "gguf-q4_k_m", 8, tiny=True, log=lambda s: None, shapes="qwen3_5_moe")
+    reader = gguf.GGUFReader(str(c.path))
+    field = lambda k: reader.fields[k].contents()  # noqa: E731
+    t = ck.TINY_QWEN3_5
+    assert field("general.architecture") == "qwen35moe" and field("qwen35moe.block_count") == 8
+    assert field("qwen35moe.full_attention_interval") == 4 and field("qwen35moe.expert_count") == t["num_experts"]
+    assert field("qwen35moe.expert_shared_feed_forward_length") == t["shared_expert_intermediate_size"]
+    assert field("qwen35moe.ssm.state_size") == t["linear_key_head_dim"]
+    assert field("qwen35moe.ssm.group_count") == t["linear_num_key_heads"]
+    assert field("qwen35moe.ssm.time_step_rank") == t["linear_num_value_heads"]
+    assert field("qwen35moe.ssm.inner_size") == t["linear_num_value_heads"] * t["linear_value_head_dim"]
+    assert field("qwen35moe.rope.dimension_count") == t["head_dim"] // 4
+    assert field("qwen35moe.rope.dimension_sections") == [11, 11, 10, 0]
+    assert field("tokenizer.ggml.pre") == "qwen35" and len(field("tokenizer.ggml.tokens")) == t["vocab_size"]
+    got = {x.name: (x.tensor_type.name, tuple(int(d) for d in x.shape)) for x in reader.tensors}  # shape: ggml ne
+    H, E, key = t["hidden_size"], t["num_experts"], t["linear_num_key_heads"] * t["linear_key_head_dim"]
+    value, nv = t["linear_num_value_heads"] * t["linear_value_head_dim"], t["linear_num_value_heads"]
+    q, kv = t["num_attention_heads"] * t["head_dim"], t["num_key_value_heads"] * t["head_dim"]
+    assert got["blk.0.attn_qkv.weight"] == ("Q6_K", (H, 2 * key + value))  # layer 0: use_more_bits
+    assert got["blk.1.attn_qkv.weight"] == ("Q4_K", (H, 2 * key + value))
+    assert got["blk.1.attn_gate.weight"] == ("Q4_K", (H, value))
+    assert got["blk.1.ssm_conv1d.weight"] == ("F32", (4, 2 * key + value))
+    assert got["blk.1.ssm_a"] == got["blk.1.ssm_dt.bias"] == ("F32", (nv,))
+    assert got["blk.1.ssm_alpha.weight"] == got["blk.1.ssm_beta.weight"] == ("Q4_K", (H, nv))
+    assert got["blk.1.ssm_out.weight"] == ("Q4_K", (value, H)) and got["blk.1.ssm_norm.weight"][0] == "F32"
+    assert "blk.1.attn_q.weight" not in got and "blk.3.attn_qkv.weight" not in got
+    assert got["blk.3.attn_q.weight"] == ("Q4_K", (H, 2 * q)) and got["blk.3.attn_v.weight"] == ("Q6_K", (H, kv))
+    assert got["blk.3.attn_output.weight"] == ("Q4_K", (q, H)) and got["blk.3.attn_q_norm.weight"][0] == "F32"
+    assert got["blk.4.ffn_down_exps.weight"] == ("Q4_K", (t["moe_intermediate_size"], H, E))
+    assert got["blk.7.ffn_down_exps.weight"][0] == got["blk.7.ffn_down_shexp.weight"][0] == "Q6_K"
+    assert got["blk.4.ffn_gate_inp.weight"] == ("F32", (H, E))
+    assert got["blk.4.ffn_gate_inp_shexp.weight"] == ("F32", (H,))
+    assert got["blk.4.post_attention_norm.weight"][0] == "F32" and got["output.weight"][0] == "Q6_K"
+    a = reader.get_tensor(next(i for i, x in enumerate(reader.tensors) if x.name == "blk.1.ssm_a"))
+    assert (np.asarray(a.data) == -1).all()  # -exp(A_log): a decay in (0, 1)
+    assert sum(x.n_bytes for x in reader.tensors) == c.nbytes
+    assert c.nbytes == ck.estimate_bytes("gguf-q4_k_m", 8, True, "qwen3_5_moe")
+    names = [x.name for x in reader.tensors]
+    assert names == [x.name for x in gguf_qwen35.plan(ck.bench_config(8, True, "qwen3_5_moe"), "gguf-q4_k_m")]
+    with pytest.raises(SystemExit, match="multiple of 4"):
+        ck.ensure(tmp_path, "gguf-q4_0", 6, tiny=True, shapes="qwen3_5_moe")
+    with pytest.raises(SystemExit, match="--format bf16 is not written"):
+        ck.ensure(tmp_path, "bf16", 4, tiny=True, shapes="qwen3_5_moe")
+
+
+def test_types_fall_back_as_llama_quantize_does():
+    assert [gguf_file.fitted(t, 384) for t in ("Q4_K", "Q6_K", "Q4_0", "Q8_0")] == ["Q5_0", "Q8_0", "Q4_0", "Q8_0"]
+    assert [gguf_file.fitted(t, 272) for t in ("Q4_K", "Q6_K", "Q4_0", "F32")] == ["F16", "F16", "F16", "F32"]
+    assert gguf_file.output_type("gguf-q4_k_m", 384) == "Q8_0" and gguf_file.output_type("gguf-q4_0", 272) == "F16"
+    assert gguf_file.output_type("gguf-q4_0", 2048) == "Q6_K" and gguf_file.output_type("gguf-q8_0", 256) == "Q8_0"
+
+
+def test_load_bench_writes_a_qwen35moe_gguf_for_the_peer_only(tmp_path, capsys):
+    argv = ["--write-only", "--shapes", "qwen3_5_moe", "--tiny", "--format", "gguf-q4_0", "--dir", str(tmp_path)]
+    assert load.main(argv) == 0
+    assert "gguf-q4_0: wrote" in capsys.readouterr().out and ck.path_of(tmp_path, "gguf-q4_0").is_file()
+    assert gguf.GGUFReader(str(ck.path_of(tmp_path, "gguf-q4_0"))).fields["qwen35moe.block_count"].contents() == 4
+    with pytest.raises(SystemExit, match="add --write-only"):
+        load.main(argv[1:])
+    with pytest.raises(SystemExit, match="needs --dir"):
+        load.main(argv[:-2])
