@@ -125,6 +125,11 @@ _VARS = (
         "core, at most 16)", minimum=0),
     Var("KTINJECT_API_KEY", "str", None, "the key `ktinject serve` requires (`Authorization: Bearer KEY`) when "
         "`--api-key` is not given", shown_default="no key"),
+    Var("KTINJECT_EXPERT_PRODUCTS", "choice", "float", "the arithmetic of the expert LoRA path's products with the "
+        "frozen expert weights (forward and backward): `float` (the stored values, float sums), `bf16` (rows and "
+        "weights rounded to bf16, float sums: AMX tiles on the amx ISA; experts with fewer than 16 rows in a call "
+        "stay float) or `auto` (bf16 where the ISA in use is amx, else float) (read at each forward)",
+        choices=("float", "bf16", "auto")),
     Var("KTINJECT_CFLAGS", "str", "", "extra compiler flags for the native build, split on spaces (e.g. "
         "`-fsanitize=address`, or `-D` overrides of the kernels' constants for A/B builds)", read_by=("build",),
         shown_default="none"),

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 
 from ktinject.native.library import (ACTIVATIONS, DTYPES, ERR_DTYPE, ERR_RANGE, ERR_SHAPE, MXFP4_GROUP, QUANTS,
-                                     NativeError, check_rc, checked_int, checked_tensor, ffi_lib, physical_cores,
-                                     pointer)
+                                     NativeError, check_rc, checked_int, checked_tensor, ffi_lib, isa,
+                                     physical_cores, pointer)
 from ktinject.native.expert_args import checked_block_rows, checked_group_size, matrix_index
 from ktinject.native.pool import Pool, default_pool
 
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PRECISIONS = {"float": 0, "bf16": 1}  # project's products: KTK_PRECISION_FLOAT / _BF16 ("auto": bf16 on amx)
 _FP8_DTYPES = (torch.uint8, torch.float8_e4m3fn)  # set_fp8: e4m3 bits, or the tensor of the release itself
 _MXFP4_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)  # set_mxfp4's blocks: e2m1 pairs
 _E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)  # set_mxfp4's scales: e8m0 exponents
@@ -343,13 +344,20 @@ class Experts:
 
 
     def project(self, which: str, x: torch.Tensor, experts: torch.Tensor, transpose: bool = False,
-                out: torch.Tensor | None = None, pool: Pool | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, pool: Pool | None = None, precision: str = "float") -> torch.Tensor:
         """One matrix W [out, in] of each row's expert applied to the rows of x, with the stored weights:
         ``y[r] = W_{experts[r]} x[r]`` (x [R, in] -> y [R, out]), or with ``transpose`` ``y[r] = W^T x[r]`` (x [R, out]
         -> y [R, in]); no bias, no activation. x f32/bf16/f16, experts [R] int64 (any order), both contiguous; out
-        f32/bf16 (default f32), written. Float arithmetic with the stored weights dequantized (the values ``get``
-        gives) and x as given (ktk_experts_project in the header): the base products of training's expert LoRA."""
+        f32/bf16 (default f32), written. ``precision`` "float": float arithmetic with the stored weights dequantized
+        (the values ``get`` gives) and x as given; "bf16": for the experts with at least 16 rows, x and those values
+        rounded to bf16 and the products summed in float (AMX tiles on the amx ISA; about 2^-8 of sum |x w| per
+        output); "auto": bf16 where the ISA in use is amx, else float (ktk_experts_project in the header). The base
+        products of training's expert LoRA."""
         _, lib = ffi_lib()
+        if precision == "auto":
+            precision = "bf16" if isa() == "amx" else "float"
+        if precision not in PRECISIONS:
+            raise NativeError(ERR_DTYPE, f"precision = {precision!r} (expected 'float', 'bf16' or 'auto')")
         w = matrix_index(which)
         n_out, n_in = self.shape(which)
         if transpose:
@@ -365,7 +373,8 @@ class Experts:
             return out
         pool = default_pool() if pool is None else pool
         check_rc(lib.ktk_experts_project(pool.ptr, self._p, w, R, pointer(experts, "int64_t *"), pointer(x),
-                                         DTYPES[x.dtype], pointer(out), DTYPES[out.dtype], int(bool(transpose))))
+                                         DTYPES[x.dtype], pointer(out), DTYPES[out.dtype], int(bool(transpose)),
+                                         PRECISIONS[precision]))
         return out
 
     def _lora_args(self, which: str, z, experts, a, b) -> tuple[int, int, int, int]:

@@ -2,7 +2,8 @@
 native library, biases, activation and dropout in torch (``expert_lora`` says why and what for).
 
 Rows: the (token, slot) pairs sorted by expert (stable), R of them; e_r the row's expert, x_r its token's input.
-    forward:  the stored weights' products by ``Experts.project`` (native, float, every format), the adapters' by
+    forward:  the stored weights' products by ``Experts.project`` (native, every format; float, or bf16 products by
+              KTINJECT_EXPERT_PRODUCTS, the backward's as its forward's), the adapters' by
               ``Experts.lora`` (native, float32: t = A_e z, added in place), the rest in torch:
                   g = W_g x_r + B_g A_g drop(x_r) + bg        (B scaled; A, B of expert e_r)   [R, I]
                   u = W_u x_r + B_u A_u drop(x_r) + bu                                        [R, I]
@@ -32,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ktinject import envs
 from ktinject.operators import handshake as stream_experts
 from ktinject.operators.base import OperatorError
 from ktinject.operators.expert_lora import NATIVE, PROJECTIONS, Factors
@@ -102,6 +104,7 @@ class ExpertsWithLora(torch.autograd.Function):
         names = [p for p in PROJECTIONS if p in fac.a]
         stacks = dict(zip(names, zip(ab[0::2], ab[1::2])))
         ex, T, H, I = block.native_experts, x.shape[0], x.shape[1], block.intermediate_size
+        prec = envs.get("KTINJECT_EXPERT_PRODUCTS")  # the base products' arithmetic (the backward's too)
         rows = _Rows(ids, block.num_experts)
         masks = _masks(seed, fac, rows, H, I)
         bias = _biases(block, rows.eid)
@@ -109,12 +112,12 @@ class ExpertsWithLora(torch.autograd.Function):
         t = {}  # A_e z_r [R, r] of each adapted projection: saved, so the backward recomputes no adapter product
         gu = []
         for i, p in enumerate((_GATE, _UP)):
-            v = ex.project(NATIVE[p], xr, rows.eid)
+            v = ex.project(NATIVE[p], xr, rows.eid, precision=prec)
             if p in stacks:  # v += B_e A_e z_r
                 t[p] = ex.lora(NATIVE[p], xr * masks[p] if p in masks else xr, rows.eid, *stacks[p], v)
             gu.append(v if bias is None else v + bias[i])
         h = _act(ex, *gu)
-        y = ex.project("down", h, rows.eid)
+        y = ex.project("down", h, rows.eid, precision=prec)
         if _DOWN in stacks:
             t[_DOWN] = ex.lora("down", h * masks[_DOWN] if _DOWN in masks else h, rows.eid, *stacks[_DOWN], y)
         if bias is not None:
@@ -122,6 +125,7 @@ class ExpertsWithLora(torch.autograd.Function):
         y *= weights.reshape(-1)[rows.order, None]
         out = torch.zeros(T, H).index_add_(0, rows.tok, y)
         ctx.block, ctx.fac, ctx.seed, ctx.names, ctx.rows = block, fac, seed, names, rows  # (rows: the sort, once)
+        ctx.prec = prec
         if any(ctx.needs_input_grad):
             ctx.save_for_backward(x, weights, ids, gu[0], gu[1], *(t[p] for p in names), *ab)
         return out
@@ -145,7 +149,7 @@ class ExpertsWithLora(torch.autograd.Function):
         with torch.enable_grad():
             h = _act(ex, *gu)
         hd = h.detach()
-        v = ex.project("down", dy, rows.eid, transpose=True)   # W_d^T dy [R, I]
+        v = ex.project("down", dy, rows.eid, transpose=True, precision=ctx.prec)   # W_d^T dy [R, I]
         dw = (v * hd).sum(-1)
         dh = v * wr
         if _DOWN in stacks:
@@ -161,8 +165,8 @@ class ExpertsWithLora(torch.autograd.Function):
         dg, du = torch.autograd.grad(h, gu, dh)
         dx = None
         if need_x:
-            dxr = ex.project("gate", dg.contiguous(), rows.eid, transpose=True)
-            dxr += ex.project("up", du.contiguous(), rows.eid, transpose=True)
+            dxr = ex.project("gate", dg.contiguous(), rows.eid, transpose=True, precision=ctx.prec)
+            dxr += ex.project("up", du.contiguous(), rows.eid, transpose=True, precision=ctx.prec)
         if _GATE in stacks or _UP in stacks:
             xr = x[rows.tok]
         for p, d in ((_GATE, dg), (_UP, du)):

@@ -302,13 +302,20 @@ int ktk_backward(ktk_pool *pool, ktk_experts *ex, int T, int k,
  * expert_of_row[r] (R int64; any order: grouped by expert inside, stable),
  *   transpose 0: y[r] = W_{e_r} x[r]      x [R, K] (x_dtype F32/BF16/F16), y [R, N] (y_dtype F32/BF16)
  *   transpose 1: y[r] = W_{e_r}^T x[r]    x [R, N], y [R, K]
- * written, not accumulated; no bias, no activation. Float arithmetic with the stored weights dequantized (the values
- * ktk_experts_get gives) and x as given (not rounded as the forward's activations are), for every quant. Runs on the
- * pool as a forward does (inline when it is idle); a row's result depends on neither the other rows nor the
- * threads. R = 0 does nothing (expert_of_row, x and y are not read). KTK_ERR_RANGE for an id outside [0, E) or a bad which,
- * KTK_ERR_STATE for an expert with rows whose matrix was never set. */
+ * written, not accumulated; no bias, no activation. precision KTK_PRECISION_FLOAT: float arithmetic with the stored
+ * weights dequantized (the values ktk_experts_get gives) and x as given (not rounded as the forward's activations
+ * are), for every quant; KTK_PRECISION_BF16: for the rows of experts with at least KTK_PRECISION_BF16_MIN_ROWS rows in
+ * the call, x and those values rounded to bf16 (nearest even) and their products summed in float (AMX tiles on the
+ * amx ISA), error per output about 2^-8 of sum |x_c w_c|; the other experts' rows as with KTK_PRECISION_FLOAT. Runs
+ * on the pool as a forward does (inline when it is idle); a row's result depends on neither the other rows (but,
+ * with KTK_PRECISION_BF16, on its expert's row count reaching the threshold) nor the threads. R = 0 does nothing
+ * (expert_of_row, x and y are not read). KTK_ERR_RANGE for an id outside [0, E) or a bad which, KTK_ERR_DTYPE for
+ * a bad precision, KTK_ERR_STATE for an expert with rows whose matrix was never set. */
+#define KTK_PRECISION_FLOAT 0
+#define KTK_PRECISION_BF16 1
+#define KTK_PRECISION_BF16_MIN_ROWS 16
 int ktk_experts_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const int64_t *expert_of_row,
-                        const void *x, int x_dtype, void *y, int y_dtype, int transpose);
+                        const void *x, int x_dtype, void *y, int y_dtype, int transpose, int precision);
 
 /* LoRA adapters of routed rows on one matrix of the experts (training's expert LoRA, beside ktk_experts_project's
  * base products): which = KTK_MAT_GATE / UP / DOWN (W [N, K]), row r's expert expert_of_row[r] (R int64, any order),

@@ -427,7 +427,7 @@ int ktk_backward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hidd
 #define MAX_ROWS (1 << 28)         /* rows of one projection (T x k) */
 
 int ktk_experts_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const int64_t *expert_of_row,
-                        const void *x, int x_dtype, void *y, int y_dtype, int transpose) {
+                        const void *x, int x_dtype, void *y, int y_dtype, int transpose, int precision) {
     const char *fn = "ktk_experts_project";
     CHECK_NULL(pool, fn);
     CHECK_NULL(ex, fn);
@@ -435,6 +435,9 @@ int ktk_experts_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const
     if (rc != KTK_OK) return rc;
     if (transpose != 0 && transpose != 1)
         return ktki_error(KTK_ERR_SHAPE, "%s: transpose = %d (expected 0: y = W x, or 1: y = W^T x)", fn, transpose);
+    if (precision != KTK_PRECISION_FLOAT && precision != KTK_PRECISION_BF16)
+        return ktki_error(KTK_ERR_DTYPE, "%s: precision = %d (expected KTK_PRECISION_FLOAT = 0: float products, or "
+                          "KTK_PRECISION_BF16 = 1: bf16 products)", fn, precision);
     if (R < 0 || R > MAX_ROWS)
         return ktki_error(KTK_ERR_SHAPE, "%s: R = %d rows (expected 0..%d)", fn, R, MAX_ROWS);
     rc = check_dtype(fn, "x_dtype", x_dtype, 1);
@@ -444,7 +447,7 @@ int ktk_experts_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const
     CHECK_NULL(expert_of_row, fn);
     CHECK_NULL(x, fn);
     CHECK_NULL(y, fn);
-    return ktki_project(pool, ex, which, R, expert_of_row, x, x_dtype, y, y_dtype, transpose);
+    return ktki_project(pool, ex, which, R, expert_of_row, x, x_dtype, y, y_dtype, transpose, precision);
 }
 
 #define MAX_RANK 1024

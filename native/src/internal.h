@@ -237,7 +237,7 @@ int ktki_backward(ktk_pool *pool, ktk_experts *ex, int T, int k, const void *hid
 
 /* moe/project.c: one projection of routed rows with the stored weights, forward or transposed (synchronous) */
 int ktki_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const int64_t *expert_of_row, const void *x,
-                 int x_dtype, void *y, int y_dtype, int transpose);
+                 int x_dtype, void *y, int y_dtype, int transpose, int precision);
 /* moe/lora.c: the adapters' terms of routed rows (checked by api.c) */
 int ktki_lora(ktk_pool *pool, ktk_experts *ex, int which, int R, int rank, const int64_t *expert_of_row,
               const float *z, const float *a, const float *bt, float *t, float *y);

@@ -209,10 +209,11 @@ def test_no_adapter_no_change():
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"])
-def test_the_torch_path_is_the_hf_model_where_the_adapters_add_nothing(family):
+def test_the_torch_path_is_the_hf_model_where_the_adapters_add_nothing(monkeypatch, family):
     """Adapters with B = 0 (PEFT's initialization): the experts' torch path (its biases, activation, shared
-    experts, routing) gives HF's float32 logits with the same stored expert values, to float32 rounding; the
-    native path (bf16 activations) is further off."""
+    experts, routing) gives HF's float32 logits with the same stored expert values, to float32 rounding (its base
+    products in float, whatever the default); the native path (bf16 activations) is further off."""
+    monkeypatch.setenv("KTINJECT_EXPERT_PRODUCTS", "float")
     ref, inj = models(family, "bf16")
     targets = ["expert_gate_proj", "expert_up_proj", "expert_down_proj"]
     inj = peft.get_peft_model(inj.requires_grad_(False), peft.LoraConfig(r=2, target_modules=targets))

@@ -7,7 +7,8 @@ native step's 32-row chunks).
 References: float64 autograd of the same function written row by row with the stored expert values (``Experts.get``)
 and the same dropout masks; and of the un-injected HF block with those values (test_expert_lora's ``_reference``).
 The path computes in float32 on the exact stored values, so both agree to float32 rounding whatever the format
-(a missing term or a wrong derivative is off by order 1).
+(a missing term or a wrong derivative is off by order 1): these tests pin its base products to float
+(KTINJECT_EXPERT_PRODUCTS, whatever the default), but the last, which checks the bf16 products against them.
 Legend: T tokens, E experts, H hidden, I expert intermediate, k experts per token, r rank.
 """
 from __future__ import annotations
@@ -22,6 +23,11 @@ from tests.training.test_injected_training import models
 
 QUANTS = ("bf16", "int8", "int4", "fp8")
 TOL = dict(rtol=1e-3, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _float_products(monkeypatch):
+    monkeypatch.setenv("KTINJECT_EXPERT_PRODUCTS", "float")
 
 
 def _block(family, quant):
@@ -161,3 +167,35 @@ def test_inference_saves_nothing_and_matches_training_forward():
         a = path.ExpertsWithLora.apply(x, w, block, fac, ids, 0, *ab)
     b = path.ExpertsWithLora.apply(x, w, block, fac, ids, 0, *ab)
     assert a.grad_fn is None and b.grad_fn is not None and torch.equal(a, b)
+
+
+def _run(block, fac, x, ids, w, dy):
+    """(out, dx, dweights, every A and B gradient) of the path, the factors' gradients reset first."""
+    ab = [t for p in PROJECTIONS for t in (fac.a[p], fac.b[p])]
+    for t in ab:
+        t.grad = None
+    xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = path.ExpertsWithLora.apply(xi, wi, block, fac, ids, 0, *ab)
+    (out * dy).sum().backward()
+    return [out.detach(), xi.grad, wi.grad] + [t.grad.clone() for t in ab]
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int4"])
+@pytest.mark.parametrize("kind", ["one_expert", "skewed"])
+def test_bf16_products_close_to_float(monkeypatch, quant, kind):
+    """KTINJECT_EXPERT_PRODUCTS=bf16 (experts with at least 16 rows: every one of one_expert's, expert 0 of skewed's):
+    output and gradients within a few 2^-8 of the float path's (inputs and weights rounded to bf16 in the base
+    products, forward and backward), and not its bits (the bf16 step ran)."""
+    block = _block("qwen3_moe", quant)
+    fac = _factors(block)
+    ids, w = _routing(kind, 40, block.num_experts, block.top_k)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40, block.hidden_size, generator=g)
+    dy = torch.randn(40, block.hidden_size, generator=g)
+    want = _run(block, fac, x, ids, w, dy)
+    monkeypatch.setenv("KTINJECT_EXPERT_PRODUCTS", "bf16")
+    got = _run(block, fac, x, ids, w, dy)
+    assert not torch.equal(got[0], want[0])
+    for i, (a, b) in enumerate(zip(got, want)):
+        if b.any():
+            assert (a - b).norm() <= 1e-2 * b.norm(), i

@@ -255,7 +255,25 @@ typedef struct {
     void (*maxpy)(float *y, const float *M, int64_t ldm, int rk, const float *s, int n);
     /* M[j * ldm + i] += s[j] v[i], for j < rk, i < n */
     void (*ger)(float *M, int64_t ldm, int rk, const float *s, const float *v, int n);
+    /* bf16 products of moe/project_bf16.c: conversions to bf16 by round to nearest even (ktk_f32_to_bf16, NaN kept
+     * NaN), the same bits as the generic ones below (their reference), which run where these are NULL: */
+    /* dst[i] = bf16(src[i]) for i < n */
+    void (*bf16_rows)(const float *src, int n, uint16_t *dst);
+    /* dst[i * ldd + 2j + k] = bf16(r_k[i * ldr + j]) for i < n, j < 16, k = 0, 1: per 16 values of two float rows one
+     * 64-byte row of the bf16 packed layout (16 outputs x a pair of inputs) */
+    void (*bf16_pairs)(const float *r0, const float *r1, int64_t ldr, int n, uint16_t *dst, int64_t ldd);
+    /* by KTK_QUANT_*: the ISA's dequantization to the bf16 layout (ktk_dequant_fn), or NULL: unpack's float columns
+     * through bf16_pairs (mxfp4, which unpack does not take: the generic dequantization) */
+    ktk_dequant_fn dequant_bf16[5];
 } ktk_bwd_kernels;
+/* kernels/generic/convert.c: the reference conversions (bf16_rows, bf16_pairs) and int8's dequantization to the bf16
+ * layout (bf16(q * scale[n]): the values ktki_pack_unpack gives, rounded) */
+void ktk_generic_bf16_rows(const float *src, int n, uint16_t *dst);
+void ktk_generic_bf16_pairs(const float *r0, const float *r1, int64_t ldr, int n, uint16_t *dst, int64_t ldd);
+void ktk_generic_dequant_int8(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
+/* kernels/avx2/convert.c: the same on AVX2 (the avx2 and avx512 backward tables: every AVX-512 CPU has AVX2) */
+void ktk_avx2_bf16_rows(const float *src, int n, uint16_t *dst);
+void ktk_avx2_bf16_pairs(const float *r0, const float *r1, int64_t ldr, int n, uint16_t *dst, int64_t ldd);
 const ktk_bwd_kernels *ktk_bwd_kernels_avx512(void);   /* kernels/avx512/backward.c */
 const ktk_bwd_kernels *ktk_bwd_kernels_avx2(void);     /* kernels/avx2/backward.c (no few-rows path) */
 /* kernels/dispatch.c: those of the ISA in use, or NULL where the generic step runs (generic) */

@@ -3,47 +3,36 @@
  *   transpose 1: y[r] = W_{e_r}^T x[r]    x [R, out], y [R, in]
  * W = one matrix (gate, up or down) of row r's expert e_r; no bias, no activation. Training's base products (the
  * expert LoRA path: ktinject/operators/expert_lora_path.py) with the adapters' terms added outside.
- * Arithmetic: float, on the stored weights dequantized as ktk_experts_get gives them (bf16 values, q * scale,
- * e4m3 * scale, e2m1 * 2^e), x read as float and never rounded to bf16 / int8 as the forward's activations are
- * (as moe/backward.c): the exact products to float rounding, whatever the format.
+ * Two arithmetics, by the call's precision:
+ *   float (KTK_PRECISION_FLOAT, and every expert with fewer than KTK_PRECISION_BF16_MIN_ROWS rows): on the stored
+ *        weights dequantized as ktk_experts_get gives them (bf16 values, q * scale, e4m3 * scale, e2m1 * 2^e), x read
+ *        as float and never rounded to bf16 / int8 as the forward's activations are (as moe/backward.c): the exact
+ *        products to float rounding, whatever the format. This file's steps.
+ *   bf16 (KTK_PRECISION_BF16, experts with at least that many rows): x and those weight values rounded to bf16
+ *        (nearest even), products summed in float by the forward's gemm_bf16 (AMX tiles on the amx ISA, where the
+ *        float FMA steps below are the bottleneck of a LoRA step): error per output about 2^-8 of sum |x_c w_c|, as
+ *        the forward's bf16 path. project_bf16.c.
  * Steps (a job of the pool, as the forward's):
  *   route (serial): validate the experts, rows grouped by expert (stable: rows may come in any order);
- *   rows (items): transpose 0: (expert, chunk of at most BR rows, group of at most cw 16-row blocks of W's outputs),
- *        each block dequantized once per chunk; transpose 1: (expert, chunk), every block of W feeding every output
- *        column (W's inputs), summed in ascending row order of W.
- * On the kernels of ktki_dispatch_backward (avx2, avx512, amx) for bf16 / int8 / int4 / fp8: transpose 0 through gate_up
- * on two blocks at once (its two matrices: blocks b and b + 1 of the one matrix), or gate_up_packed on the stored
- * blocks for chunks of at most few_rows rows (avx512); transpose 1 through unpack + tprod, or tacc + hsum for few
- * rows. Elsewhere (generic; mxfp4 weights) the generic step below, their reference: blocks dequantized row by row
- * (ktki_pack_unpack), every sum in ascending order; the ISA step equals it to float rounding, not bit for bit.
- * A row's result depends on neither the other rows nor the threads.
+ *   rows (items): float: transpose 0: (expert, chunk of at most BR rows, group of at most cw 16-row blocks of W's
+ *        outputs), each block dequantized once per chunk; transpose 1: (expert, chunk), every block of W feeding every
+ *        output column (W's inputs), summed in ascending row order of W. bf16: project_bf16.c's items, in the same
+ *        phase.
+ * The float step on the kernels of ktki_dispatch_backward (avx2, avx512, amx) for bf16 / int8 / int4 / fp8: transpose
+ * 0 through gate_up on two blocks at once (its two matrices: blocks b and b + 1 of the one matrix), or gate_up_packed
+ * on the stored blocks for chunks of at most few_rows rows (avx512); transpose 1 through unpack + tprod, or tacc + hsum
+ * for few rows. Elsewhere (generic; mxfp4 weights) the generic step below, their reference: blocks dequantized row by
+ * row (ktki_pack_unpack), every sum in ascending order; the ISA step equals it to float rounding, not bit for bit.
+ * A row's result depends on neither the other rows (but for the step its expert's row count picks) nor the threads.
  * Legend: R rows, E experts, A active experts (with rows), N, K: W's outputs and inputs (rows and columns).
  */
 #include <string.h>
 
-#include "../internal.h"
+#include "project.h"
 
 #define BR 32                /* rows per item */
 #define CW 8                 /* 16-row blocks of W per transpose-0 item at most */
 #define ITEMS_PER_THREAD 4
-
-typedef struct {
-    ktk_task t;              /* first: the pool runs it; hidden = x, ids = the rows' experts, out = y */
-    int which, transpose;
-} proj_task;
-
-typedef struct { int32_t a, r0, r1, b0, b1; } proj_item;   /* active expert, grouped rows, blocks of W */
-
-typedef struct {
-    const proj_task *p;
-    const ktk_experts *ex;
-    ktk_pool *pool;
-    int R, E, N, K, Nt, Kt, nin, nout, transpose, cw, A, step;
-    int32_t *cnt, *act_e, *off, *row;   /* [E], [A], [A + 1], [R]: the caller's row of each grouped row */
-    proj_item *items;
-    int64_t nitems;
-    const ktk_bwd_kernels *bk;          /* NULL: the generic step */
-} pctx;
 
 static size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
 static int r16(int n) { return (n + 15) & ~15; }
@@ -69,13 +58,14 @@ static int route(pctx *c) {
                               : c->p->which == KTK_MAT_UP ? "up" : "down");
         c->act_e[c->A] = e;
         c->off[c->A++] = pos;
-        chunks += (c->cnt[e] + BR - 1) / BR;
         const int n = c->cnt[e];
         c->cnt[e] = pos;   /* from here on: the expert's next free grouped row */
         pos += n;
     }
     c->off[c->A] = c->R;
     for (int r = 0; r < c->R; r++) c->row[c->cnt[ids[r]]++] = r;
+    for (int a = 0; a < c->A; a++)   /* the float step's row chunks */
+        if (!ktki_project_bf16_takes(c, a)) chunks += (c->off[a + 1] - c->off[a] + BR - 1) / BR;
     /* blocks per item: halved (down to 2, a pair for gate_up) until every thread has a few items */
     const int64_t target = (int64_t)ITEMS_PER_THREAD * (ktki_pool_threads(c->pool) + 1);
     int cw = CW;
@@ -122,8 +112,7 @@ static void load_rows(const pctx *c, int r0, int n, float *X, int ld) {
     }
 }
 
-/* y[row][j0, j0 + jn) = v[i * ldv + (0, jn)] for the grouped rows [r0, r0 + n) */
-static void store_rows(const pctx *c, int r0, int n, int j0, int jn, const float *v, int64_t ldv) {
+void ktki_project_store_rows(const pctx *c, int r0, int n, int j0, int jn, const float *v, int64_t ldv) {
     const ktk_task *t = &c->p->t;
     for (int i = 0; i < n; i++) {
         const int64_t o = (int64_t)c->row[r0 + i] * c->nout + j0;
@@ -159,7 +148,7 @@ static void forward_generic(const pctx *c, const ktk_mat *m, const proj_item *it
                 for (int q = 0; q < K; q++) acc += xr[q] * wr[q];
                 s.G[i * 16 + j] = acc;
             }
-        store_rows(c, it->r0, n, b * 16, jn, s.G, 16);
+        ktki_project_store_rows(c, it->r0, n, b * 16, jn, s.G, 16);
     }
 }
 
@@ -172,7 +161,7 @@ static void forward_isa(const pctx *c, const ktk_mat *m, const proj_item *it, sc
     if (n <= bk->few_rows) {
         for (int b = it->b0; b < it->b1; b++) {
             bk->gate_up_packed(m, m, b, s.X, Kt, n, s.G, s.U);
-            store_rows(c, it->r0, n, b * 16, block_rows(c, b), s.G, 16);
+            ktki_project_store_rows(c, it->r0, n, b * 16, block_rows(c, b), s.G, 16);
         }
         return;
     }
@@ -181,8 +170,8 @@ static void forward_isa(const pctx *c, const ktk_mat *m, const proj_item *it, sc
         bk->unpack(m, b, s.WT0, NULL, Kt);
         if (two) bk->unpack(m, b + 1, s.WT1, NULL, Kt);
         bk->gate_up(s.WT0, two ? s.WT1 : s.WT0, Kt, s.X, Kt, n, s.G, s.U);
-        store_rows(c, it->r0, n, b * 16, block_rows(c, b), s.G, 16);
-        if (two) store_rows(c, it->r0, n, (b + 1) * 16, block_rows(c, b + 1), s.U, 16);
+        ktki_project_store_rows(c, it->r0, n, b * 16, block_rows(c, b), s.G, 16);
+        if (two) ktki_project_store_rows(c, it->r0, n, (b + 1) * 16, block_rows(c, b + 1), s.U, 16);
     }
 }
 
@@ -201,7 +190,7 @@ static void transposed_generic(const pctx *c, const ktk_mat *m, const proj_item 
             }
         }
     }
-    store_rows(c, it->r0, n, 0, K, s.OUT, K);
+    ktki_project_store_rows(c, it->r0, n, 0, K, s.OUT, K);
 }
 
 /* transpose 1 on the ISA's kernels: unpack + tprod per block, or (few rows) tacc on the stored blocks + hsum */
@@ -220,13 +209,17 @@ static void transposed_isa(const pctx *c, const ktk_mat *m, const proj_item *it,
             bk->tprod(s.WR0, s.X + b * 16, NULL, NULL, Nt, Kt, c->K, n, s.OUT, Kt);
         }
     }
-    store_rows(c, it->r0, n, 0, c->K, s.OUT, Kt);
+    ktki_project_store_rows(c, it->r0, n, 0, c->K, s.OUT, Kt);
 }
 
 static void rows_item(void *ctx, int64_t item, int tid) {
     const pctx *c = ctx;
     const proj_item it = c->items[item];
     const ktk_mat m = ktki_experts_mat(c->ex, c->act_e[it.a], c->p->which);
+    if (it.bf16) {
+        ktki_project_bf16_run(c, &m, &it, ktki_pool_thread_scratch(c->pool, tid));
+        return;
+    }
     const scr s = scratch(c, tid);
     if (c->transpose) (c->bk ? transposed_isa : transposed_generic)(c, &m, &it, s);
     else (c->bk ? forward_isa : forward_generic)(c, &m, &it, s);
@@ -250,19 +243,27 @@ static int start(pctx *c, ktk_pool *pool, const proj_task *p) {
     c->row = (int32_t *)(rs + 3 * a64(E * 4 + 4));
     int rc = route(c);
     if (rc != KTK_OK) return rc;
+    const int64_t nfloat = c->nitems, nbf16 = ktki_project_bf16_plan(c);
+    c->nitems += nbf16;
     c->items = ktki_pool_scratch(pool, KTKI_SCR_ITEMS, (size_t)(c->nitems + 1) * sizeof *c->items);
     if (!c->items) return ktki_error(KTK_ERR_NOMEM, "ktk_experts_project: out of memory (%d rows)", c->R);
     const int nb = c->transpose ? 1 : (c->N + 15) / 16;
     int64_t i = 0;
-    for (int a = 0; a < c->A; a++)
+    for (int a = 0; a < c->A; a++) {
+        if (ktki_project_bf16_takes(c, a)) {
+            i += ktki_project_bf16_items(c, a, c->items + i);
+            continue;
+        }
         for (int b0 = 0; b0 < nb; b0 += c->cw)
             for (int r0 = c->off[a]; r0 < c->off[a + 1]; r0 += BR)
                 c->items[i++] = (proj_item){a, r0, r0 + BR < c->off[a + 1] ? r0 + BR : c->off[a + 1], b0,
-                                            b0 + c->cw < nb ? b0 + c->cw : nb};
+                                            b0 + c->cw < nb ? b0 + c->cw : nb, 0};
+    }
     c->bk = ktki_dispatch_backward();
     const int q = ex->cfg.quant;   /* the ISA kernels know these formats; any other runs the generic step */
     if (q != KTK_QUANT_BF16 && q != KTK_QUANT_INT8 && q != KTK_QUANT_INT4 && q != KTK_QUANT_FP8) c->bk = NULL;
-    const size_t per = scratch_bytes(c);
+    const size_t fl = nfloat ? scratch_bytes(c) : 0, bf = nbf16 ? ktki_project_bf16_scratch(c) : 0;
+    const size_t per = fl > bf ? fl : bf;
     if (!ktki_pool_thread_scratch_reserve(pool, per))
         return ktki_error(KTK_ERR_NOMEM, "ktk_experts_project: out of memory (thread scratch of %zu bytes)", per);
     return KTK_OK;
@@ -283,7 +284,7 @@ static int project_step(ktk_pool *pool, ktk_task *task, int first, ktki_phase *p
 }
 
 int ktki_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const int64_t *expert_of_row, const void *x,
-                 int x_dtype, void *y, int y_dtype, int transpose) {
+                 int x_dtype, void *y, int y_dtype, int transpose, int precision) {
     proj_task p;   /* on the stack: the pool's last touch is the IDLE store, then wait returns */
     ktki_task_init(&p.t, pool);
     int rc = ktki_task_bind(&p.t, project_step, ex, R, 1, x, x_dtype, expert_of_row, NULL, KTK_DTYPE_F32, NULL, y,
@@ -291,6 +292,7 @@ int ktki_project(ktk_pool *pool, ktk_experts *ex, int which, int R, const int64_
     if (rc != KTK_OK) return rc;
     p.which = which;
     p.transpose = transpose;
+    p.precision = precision;
     if (ktki_job_run_inline(pool, &p.t)) {
         if (p.t.result != KTK_OK) ktki_error_set_msg(p.t.result, p.t.msg);
         return p.t.result;

@@ -10,6 +10,7 @@
  *   tprod:   out += W^T d from the row-major block: up to 4 rows x 2 vectors of 8 outputs in registers, j ascending
  *            (W1's j then W2's j per step), the last partial vectors masked.
  *   mdot, maxpy, ger: the expert LoRA loops, 8 columns at a time against up to 4 rows of M at once.
+ *   bf16 products' entries: the conversions of convert.c, fp8's dequantization of fp8.c (the others: generic).
  * No few-rows path (few_rows 0). Every row's arithmetic is the same whatever rows it is grouped with: results depend
  * on neither the row count of a call nor the threads. Called concurrently: no mutable globals, no allocation.
  */
@@ -19,6 +20,7 @@
 #include "../kernels.h"
 
 const ktk_bwd_kernels *ktk_bwd_kernels_avx2(void);
+void ktk_avx2_dequant_fp8(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);   /* fp8.c */
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -268,6 +270,8 @@ static void ger(float *M, int64_t ldm, int rk, const float *s, const float *v, i
 const ktk_bwd_kernels *ktk_bwd_kernels_avx2(void) {
     static const ktk_bwd_kernels table = {.name = "avx2", .unpack = unpack, .gate_up = gate_up, .tprod = tprod,
                                           .few_rows = 0, .gate_up_packed = NULL, .tacc = NULL, .hsum = NULL,
-                                          .mdot = mdot, .maxpy = maxpy, .ger = ger};
+                                          .mdot = mdot, .maxpy = maxpy, .ger = ger,
+                                          .bf16_rows = ktk_avx2_bf16_rows, .bf16_pairs = ktk_avx2_bf16_pairs,
+                                          .dequant_bf16 = {[KTK_QUANT_FP8] = ktk_avx2_dequant_fp8}};
     return &table;
 }

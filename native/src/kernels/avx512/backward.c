@@ -15,6 +15,7 @@
  * than the rows' products): gate_up_packed as gate_up from the stored tiles; tacc: the transposed products summed per
  * lane (A[c] lane j += d[j] W[j][c], j ascending over blocks), hsum: A's 16 lanes added (after a transpose, lanes j
  * in ascending order) at the end of the chunk.
+ * The bf16 products' entries: the AVX2 conversions (../avx2/convert.c), the dequantizations of int4.c, fp8.c, mxfp4.c.
  * Every row's arithmetic is the same whatever rows it is grouped with: results depend on neither the row count of
  * a call nor the threads. Called concurrently: no mutable globals, no allocation.
  */
@@ -24,6 +25,10 @@
 #include "../kernels.h"
 
 const ktk_bwd_kernels *ktk_bwd_kernels_avx512(void);
+/* the dequantizations to bf16 of int4.c, fp8.c, mxfp4.c (the bf16 products' weights) */
+void ktk_avx512_dequant_int4(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
+void ktk_avx512_dequant_fp8(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
+void ktk_avx512_dequant_mxfp4(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl")
@@ -373,6 +378,10 @@ static void ger(float *M, int64_t ldm, int rk, const float *s, const float *v, i
 const ktk_bwd_kernels *ktk_bwd_kernels_avx512(void) {
     static const ktk_bwd_kernels table = {.name = "avx512", .unpack = unpack, .gate_up = gate_up, .tprod = tprod,
                                           .few_rows = 2, .gate_up_packed = gate_up_packed, .tacc = tacc,
-                                          .hsum = hsum, .mdot = mdot, .maxpy = maxpy, .ger = ger};
+                                          .hsum = hsum, .mdot = mdot, .maxpy = maxpy, .ger = ger,
+                                          .bf16_rows = ktk_avx2_bf16_rows, .bf16_pairs = ktk_avx2_bf16_pairs,
+                                          .dequant_bf16 = {[KTK_QUANT_INT4] = ktk_avx512_dequant_int4,
+                                                           [KTK_QUANT_FP8] = ktk_avx512_dequant_fp8,
+                                                           [KTK_QUANT_MXFP4] = ktk_avx512_dequant_mxfp4}};
     return &table;
 }
