@@ -114,8 +114,9 @@ typedef struct {
  *       generic one without).
  * No bias, no activation, y is overwritten. Called concurrently from pool threads on disjoint outputs. */
 typedef void (*ktk_gemm_fn)(const ktk_mat *w, int nb0, int nb1, const ktk_act *x, float *y, int64_t ldy);
-/* int4 / fp8 blocks [nb0, nb1) -> bf16 packed layout (block b at dst + (b - nb0) * 16 * Kp), value bf16(q * scale)
- * (fp8: bf16((float)e4m3 * scale)) with round to nearest even: identical bits on every ISA. */
+/* int8 / int4 / fp8 / mxfp4 blocks [nb0, nb1) -> bf16 packed layout (block b at dst + (b - nb0) * 16 * Kp), value
+ * bf16(q * scale) (fp8: bf16((float)e4m3 * scale); mxfp4: e2m1 * 2^(e - 127), exact) with round to nearest even:
+ * identical bits on every ISA (but int4's on AVX512_BF16 CPUs: denormal products flushed to zero, avx512/int4.c). */
 typedef void (*ktk_dequant_fn)(const ktk_mat *w, int nb0, int nb1, uint16_t *dst);
 
 /* Decode: several matrices with one row of x each, their weights streamed at once. For m < M (1 <= M <=

@@ -10,9 +10,10 @@
  *        16-row block of W unpacked to float rows (the backward table's unpack, or ktki_pack_unpack), each pair of
  *        its rows (2p, 2p + 1) x 16 columns made one 64-byte row of W^T's layout (bf16_pairs).
  * An expert's rows split into balanced chunks (at least KTK_PRECISION_BF16_MIN_ROWS each, so that AMX's table
- * always takes its tile path); blocks per item: the most that fit (CW0; W^T: WT_BYTES of scratch), halved until every
- * thread has a few items. gemm_bf16 sums each output in an order of its own that depends on neither the other rows of the call nor the
- * blocks' grouping, so neither do the results (nor on the threads).
+ * always takes its tile path); blocks per item: the most that fit (CW0; W^T: WT_BYTES of scratch), halved (not below
+ * 2, W^T: 4, as every W^T item unpacks all of W) until every thread has a few items. gemm_bf16 sums each output in an
+ * order of its own that depends on neither the other rows of the call nor the blocks' grouping, so neither do the
+ * results (nor on the threads).
  * Legend: project.c's; RC rows per item at most, Kx the bf16 rows' stride.
  */
 #include <string.h>
@@ -46,7 +47,7 @@ int64_t ktki_project_bf16_plan(pctx *c) {
     cw = cw > y_cap ? y_cap : cw;
     cw = cw < 1 ? 1 : cw > nb ? nb : cw;
     const int64_t target = (int64_t)ITEMS_PER_THREAD * (ktki_pool_threads(c->pool) + 1);
-    while (cw > low && chunks * ((nb + cw - 1) / cw) < target) cw = (cw + 1) / 2;
+    while (cw > low && chunks * ((nb + cw - 1) / cw) < target) cw = (cw + 1) / 2 > low ? (cw + 1) / 2 : low;
     c->bcw = cw;
     static const ktk_dequant_fn generic[5] = {NULL, ktk_generic_dequant_int8, ktk_generic_dequant_int4,
                                               ktk_generic_dequant_fp8, ktk_generic_dequant_mxfp4};

@@ -10,7 +10,8 @@
  *   tprod:   out += W^T d from the row-major block: up to 4 rows x 2 vectors of 8 outputs in registers, j ascending
  *            (W1's j then W2's j per step), the last partial vectors masked.
  *   mdot, maxpy, ger: the expert LoRA loops, 8 columns at a time against up to 4 rows of M at once.
- *   bf16 products' entries: the conversions of convert.c, fp8's dequantization of fp8.c (the others: generic).
+ *   bf16 products' entries: the conversions of convert.c, fp8's dequantization of fp8.c (int8, int4: unpack +
+ *            bf16_pairs; mxfp4: the generic dequantization).
  * No few-rows path (few_rows 0). Every row's arithmetic is the same whatever rows it is grouped with: results depend
  * on neither the row count of a call nor the threads. Called concurrently: no mutable globals, no allocation.
  */
