@@ -21,6 +21,8 @@
 
 /* Bytes of one element of an activation / output dtype (F32, else a 16-bit float). */
 static inline int64_t ktki_dtype_size(int dtype) { return dtype == KTK_DTYPE_F32 ? 4 : 2; }
+/* n rounded up to a multiple of 64 (cache-line-aligned carving of the scratch buffers). */
+static inline size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 static inline void ktki_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)

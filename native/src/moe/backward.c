@@ -63,7 +63,6 @@ typedef struct {
     const ktk_bwd_kernels *bk;                    /* NULL: the generic rows step */
 } bctx;
 
-static size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 static float weight_of(const ktk_task *t, int64_t i) {
     if (t->weights_dtype == KTK_DTYPE_F32) return ((const float *)t->weights)[i];

@@ -68,8 +68,6 @@ typedef struct {
     float *yd;                         /* [R][UH * 16] each row's down output (no routing weight, no bias) */
 } fctx;
 
-static inline size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
-
 enum { SPLIT_ONE = 1, SPLIT_CUT, SPLIT_TWO };   /* a split task's parts: one phase, one cut at their boundary, two */
 
 /* forward.c, for pipeline.c */

@@ -42,7 +42,6 @@ typedef struct {
     void (*ger)(float *M, int64_t ldm, int rk, const float *s, const float *v, int n);
 } lctx;
 
-static size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* The generic loops (the reference of the ISA tables' mdot, maxpy and ger: kernels/kernels.h). Dot products in LANES
  * partial sums (a fixed order: the same bits on every thread). */

@@ -34,7 +34,6 @@
 #define CW 8                 /* 16-row blocks of W per transpose-0 item at most */
 #define ITEMS_PER_THREAD 4
 
-static size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
 static int r16(int n) { return (n + 15) & ~15; }
 
 /* ---- route ---- */

@@ -25,7 +25,6 @@
 #define WT_BYTES (4 << 20)   /* transpose 1: W^T's blocks of one item (and its Y), bytes at most */
 #define ITEMS_PER_THREAD 2
 
-static size_t a64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 int ktki_project_bf16_takes(const pctx *c, int a) {
     return c->p->precision == KTK_PRECISION_BF16 && c->off[a + 1] - c->off[a] >= KTK_PRECISION_BF16_MIN_ROWS;
